@@ -1,0 +1,40 @@
+# slackswap: `make demo` runs the main job on a shipped sample, `make test` runs the tests.
+# Both build a local virtualenv in .venv. torch: if the interpreter that makes the venv already
+# has a torch (say a CUDA build), the venv sees it (--system-site-packages) and keeps it;
+# otherwise the CPU build torch==$(TORCH_VERSION) is installed.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.slackswap-installed
+
+.PHONY: install demo test test-fast samples bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/slackswap profile examples/tiny_gpt.py -o out/tiny_gpt.profile.json
+	$(VENV)/bin/slackswap plan sample_profiles/gpt2-xl.json --budget 0.5 -o out/gpt2-xl.plan.json
+	$(VENV)/bin/slackswap show out/gpt2-xl.plan.json
+
+test: install
+	$(PY) -m pytest -q
+
+# Regenerate the shipped sample profiles (fake tensors, roofline on a100-pcie4).
+samples: install
+	$(VENV)/bin/slackswap profile examples/bert_large.py --device fake --hardware a100-pcie4 -o sample_profiles/bert-large.json
+	$(VENV)/bin/slackswap profile examples/gpt2_xl.py --device fake --hardware a100-pcie4 -o sample_profiles/gpt2-xl.json
+	$(VENV)/bin/slackswap profile examples/llama_7b.py --device fake --hardware a100-pcie4 -o sample_profiles/llama-7b.json
+
+bench: install
+	$(PY) benchmarks/profile_speed.py
+	$(PY) benchmarks/paper_table.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

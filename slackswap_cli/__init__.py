@@ -1,0 +1,21 @@
+"""slackswap: fit training into GPU memory by keeping, swapping or recomputing saved activations."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__version__ = "0.1.0"
+
+
+@dataclass
+class Workload:
+    """What a workload file's `workload()` may return instead of a tuple.
+
+    `inputs` is a tuple of positional arguments or a dict of keyword arguments for `model`;
+    `loss_fn(output, inputs)` turns the output into a scalar loss (omit it when the output is
+    the loss or has a `.loss` attribute).
+    """
+
+    model: Any
+    inputs: Any
+    loss_fn: Callable | None = None

@@ -1,0 +1,49 @@
+"""Errors the library raises; only cli.py turns them into `Error:` / `Hint:` lines and exit codes.
+
+Every error carries a message (what went wrong, naming the file, tensor or option) and a hint
+(what the user can do about it). Exit codes: 2 bad input, 3 the model could not be traced or
+run, 4 no plan fits the budget, 5 `verify` found a mismatch.
+"""
+from __future__ import annotations
+
+
+class SlackswapError(Exception):
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.message if not self.hint else f"{self.message} (hint: {self.hint})"
+
+
+class InputError(SlackswapError):
+    """A file, option or argument the user gave is wrong."""
+
+
+class FormatError(InputError):
+    """A profile/plan/hardware file is not what it claims to be (format, version, ids)."""
+
+
+class FingerprintMismatch(InputError):
+    """A plan was made for another profile, or a model traces differently from its profile."""
+
+
+class TraceError(SlackswapError):
+    """The workload could not be loaded, run or traced."""
+
+    exit_code = 3
+
+
+class InfeasibleError(SlackswapError):
+    """No plan keeps activation memory under the budget."""
+
+    exit_code = 4
+
+
+class VerifyError(SlackswapError):
+    """The patched step differs from the original beyond tolerance, or overshoots its budget."""
+
+    exit_code = 5

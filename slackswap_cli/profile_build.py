@@ -1,0 +1,152 @@
+"""Assemble a valid profile from ops and tensors, whatever frontend found them.
+
+The torch tracer, the ONNX importer and the synthetic profiles of the tests all describe a step
+the same way: tensors (with kind, shape, dtype, size, alias root, recomputable) and ops in
+execution order (with inputs, outputs, cost). `ProfileBuilder` derives the rest so that every
+frontend derives it identically:
+
+- `consumers` of each tensor, from the ops' inputs,
+- `saved`: a forward-produced activation read by a backward op; a root is saved when it or any
+  alias of it is,
+- the summary: forward/backward time, saved bytes (roots only), the keep-everything peak of
+  activation memory (see `schema` for the liveness rule),
+- the fingerprint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .schema import Op, Profile, Tensor, op_fingerprint, validate_profile
+
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "complex64": 8, "complex128": 16,
+}
+
+
+@dataclass
+class _T:
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    size_bytes: int
+    recomputable: bool
+    alias_of: int | None
+    producer: int | None = None
+
+
+@dataclass
+class _Op:
+    name: str
+    target: str
+    phase: str
+    module: str
+    flops: int
+    bytes: int
+    time_us: float
+    time_source: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+
+@dataclass
+class ProfileBuilder:
+    tensors: list[_T] = field(default_factory=list)
+    ops: list[_Op] = field(default_factory=list)
+
+    def add_tensor(self, name: str, kind: str, shape, dtype: str, size_bytes: int | None = None,
+                   recomputable: bool | None = None, alias_of: int | None = None) -> int:
+        """Add a tensor and return its id. `alias_of` may name an alias: it is resolved to its root."""
+        shape = tuple(int(s) for s in shape)
+        if alias_of is not None and self.tensors[alias_of].alias_of is not None:
+            alias_of = self.tensors[alias_of].alias_of
+        if size_bytes is None:
+            n = 1
+            for s in shape:
+                n *= s
+            size_bytes = n * DTYPE_BYTES.get(dtype, 4)
+        if recomputable is None:
+            recomputable = kind == "activation"
+        self.tensors.append(_T(name, kind, shape, dtype, int(size_bytes), bool(recomputable),
+                               alias_of))
+        return len(self.tensors) - 1
+
+    def add_op(self, name: str, target: str, phase: str, inputs, outputs, *, module: str = "",
+               flops: int = 0, bytes: int = 0, time_us: float = 0.0,
+               time_source: str = "roofline") -> int:
+        op_id = len(self.ops)
+        outputs = tuple(outputs)
+        for tid in outputs:
+            if self.tensors[tid].producer is not None:
+                raise ValueError(f"tensor {tid} already has producer {self.tensors[tid].producer}")
+            self.tensors[tid].producer = op_id
+        self.ops.append(_Op(name, target, phase, module, int(flops), int(bytes), float(time_us),
+                            time_source, tuple(inputs), outputs))
+        return op_id
+
+    def build(self, workload: dict | None = None, env: dict | None = None,
+              summary_extra: dict | None = None) -> Profile:
+        consumers: list[list[int]] = [[] for _ in self.tensors]
+        for i, op in enumerate(self.ops):
+            for tid in dict.fromkeys(op.inputs):  # an op reading a tensor twice consumes it once
+                consumers[tid].append(i)
+        is_bwd = [op.phase == "backward" for op in self.ops]
+        direct_saved = [
+            t.kind == "activation" and t.producer is not None and not is_bwd[t.producer]
+            and any(is_bwd[c] for c in consumers[j])
+            for j, t in enumerate(self.tensors)]
+        root_saved = list(direct_saved)
+        for j, t in enumerate(self.tensors):
+            if t.alias_of is not None and direct_saved[j]:
+                root_saved[t.alias_of] = True
+        tensors = tuple(
+            Tensor(id=j, name=t.name, kind=t.kind, producer=t.producer,
+                   consumers=tuple(consumers[j]), shape=t.shape, dtype=t.dtype,
+                   size_bytes=t.size_bytes,
+                   saved=root_saved[j] if t.alias_of is None else direct_saved[j],
+                   recomputable=t.recomputable and t.kind == "activation",
+                   alias_of=t.alias_of)
+            for j, t in enumerate(self.tensors))
+        ops = tuple(Op(id=i, name=o.name, target=o.target, phase=o.phase, module=o.module,
+                       flops=o.flops, bytes=o.bytes, time_us=o.time_us,
+                       time_source=o.time_source, inputs=o.inputs, outputs=o.outputs)
+                    for i, o in enumerate(self.ops))
+        fp = op_fingerprint(ops, tensors)
+        prof = Profile(fingerprint=fp, workload=dict(workload or {}), env=dict(env or {}),
+                       summary={}, ops=ops, tensors=tensors)
+        validate_profile(prof, source="built profile")
+        summary = {
+            "forward_us": sum(o.time_us for o in ops if o.phase == "forward"),
+            "backward_us": sum(o.time_us for o in ops if o.phase == "backward"),
+            "saved_bytes": sum(t.size_bytes for t in prof.saved_activations),
+            "peak_activation_bytes": keep_all_peak_bytes(prof),
+            "n_ops": len(ops),
+            "n_saved": len(prof.saved_activations),
+            **(summary_extra or {}),
+        }
+        return Profile(fingerprint=fp, workload=prof.workload, env=prof.env, summary=summary,
+                       ops=ops, tensors=tensors)
+
+
+def live_bytes_per_op(prof: Profile) -> list[int]:
+    """Activation bytes live while each op runs, when every tensor is kept.
+
+    A root counts from its producer op (inclusive: the op writes it) to `Profile.last_use`
+    (inclusive: the op reads it).
+    """
+    delta = [0] * (len(prof.ops) + 1)
+    for root, last in prof.last_use.items():
+        t = prof.tensors[root]
+        delta[t.producer] += t.size_bytes
+        delta[last + 1] -= t.size_bytes
+    live, out = 0, []
+    for i in range(len(prof.ops)):
+        live += delta[i]
+        out.append(live)
+    return out
+
+
+def keep_all_peak_bytes(prof: Profile) -> int:
+    return max(live_bytes_per_op(prof), default=0)

@@ -1,0 +1,409 @@
+"""The two files everything else reads: the profile and the plan.
+
+A **profile** (`slackswap.profile`, version 1) is one traced training step (forward, loss,
+backward) at fixed shapes: the ops in execution order and the tensors between them.
+
+- `ops[i].id == i`; forward ops come first, then backward. `inputs`/`outputs` are tensor ids.
+- `tensors[j].id == j`. `kind` is `activation` (a value some op produced during the step),
+  `input`, `parameter`, `buffer`, or `gradient` (a parameter's or input's gradient that the
+  step returns: it lives in `.grad`, not in activation memory).
+- `alias_of` points at the storage root (never at another alias): a view shares its root's
+  bytes, so memory counts the root once and keeps it alive as long as any alias is in use.
+- `saved` is true for a forward value read by a backward op; on a root it is true when the root
+  or any of its aliases is read by backward. Saved activation roots are the planner's choices.
+- `recomputable` is false for inputs, parameters, buffers and outputs of random ops (dropout).
+  The recompute recipe of a tensor is its producer op: re-run it on the producer's inputs.
+
+**Activation memory**, the quantity budgets and peaks refer to, is the bytes of live activation
+roots (kind `activation`, `alias_of` null). A root is live from its producer's end until the end
+of the last op that reads it or any of its aliases; a value nobody reads dies at its producer's
+end. Parameters, inputs, buffers and gradients are outside it.
+
+A **plan** (`slackswap.plan`, version 1) says for each saved activation root: keep, swap or
+recompute; plus the schedule the simulator used and the numbers it predicted.
+
+Both are frozen dataclasses, serialised with orjson. Loading checks format, version and that
+every id refers to something that exists; writing is atomic (temp file, then rename).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable
+
+import orjson
+
+from .errors import FormatError, InputError
+
+PROFILE_FORMAT = "slackswap.profile"
+PLAN_FORMAT = "slackswap.plan"
+PROFILE_VERSION = 1
+PLAN_VERSION = 1
+
+PHASES = ("forward", "backward")
+KINDS = ("activation", "input", "parameter", "buffer", "gradient")
+ACTIONS = ("keep", "swap", "recompute")
+TIME_SOURCES = ("measured", "roofline")
+
+
+# --------------------------------------------------------------------------------------------
+# Profile
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Op:
+    id: int
+    name: str                  # fx node name
+    target: str                # e.g. "aten.mm.default"
+    phase: str                 # "forward" | "backward"
+    module: str                # module path, e.g. "transformer.h.3.mlp.c_fc" ("" if unknown)
+    flops: int
+    bytes: int                 # bytes read + written
+    time_us: float
+    time_source: str           # "measured" | "roofline"
+    inputs: tuple[int, ...]    # tensor ids read
+    outputs: tuple[int, ...]   # tensor ids written
+
+
+@dataclass(frozen=True)
+class Tensor:
+    id: int
+    name: str                  # fx node name (or "node.i" for the i-th output of a tuple)
+    kind: str                  # see KINDS
+    producer: int | None       # op id, None for inputs/parameters/buffers
+    consumers: tuple[int, ...] # op ids, in execution order
+    shape: tuple[int, ...]
+    dtype: str                 # e.g. "bfloat16"
+    size_bytes: int
+    saved: bool
+    recomputable: bool
+    alias_of: int | None = None
+
+
+@dataclass(frozen=True)
+class Profile:
+    fingerprint: str
+    workload: dict             # name, path, entry, args, input_shapes, input_dtypes
+    env: dict                  # torch_version, device, device_name, hardware (preset or None)
+    summary: dict              # forward_us, backward_us, saved_bytes, peak_activation_bytes, ...
+    ops: tuple[Op, ...]
+    tensors: tuple[Tensor, ...]
+    format: str = PROFILE_FORMAT
+    version: int = PROFILE_VERSION
+
+    # -- derived views (cached: profiles are immutable) ------------------------------------
+    @cached_property
+    def n_forward(self) -> int:
+        """Number of forward ops; ops[n_forward:] are backward."""
+        return sum(1 for op in self.ops if op.phase == "forward")
+
+    @cached_property
+    def aliases(self) -> dict[int, tuple[int, ...]]:
+        """root id -> ids of tensors that alias it (not including the root)."""
+        out: dict[int, list[int]] = {}
+        for t in self.tensors:
+            if t.alias_of is not None:
+                out.setdefault(t.alias_of, []).append(t.id)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def root(self, tensor_id: int) -> int:
+        alias = self.tensors[tensor_id].alias_of
+        return tensor_id if alias is None else alias
+
+    @cached_property
+    def last_use(self) -> dict[int, int]:
+        """activation root id -> op id at whose end it dies (producer if nobody reads it)."""
+        out: dict[int, int] = {}
+        for t in self.tensors:
+            if t.kind != "activation" or t.alias_of is not None or t.producer is None:
+                continue
+            last = t.producer
+            for tid in (t.id, *self.aliases.get(t.id, ())):
+                if self.tensors[tid].consumers:
+                    last = max(last, self.tensors[tid].consumers[-1])
+            out[t.id] = last
+        return out
+
+    @cached_property
+    def saved_activations(self) -> tuple[Tensor, ...]:
+        """The planner's candidates: saved activation roots, in production order."""
+        cands = [t for t in self.tensors
+                 if t.kind == "activation" and t.alias_of is None and t.saved
+                 and t.producer is not None]
+        return tuple(sorted(cands, key=lambda t: (t.producer, t.id)))
+
+    def first_backward_use(self, tensor_id: int) -> int | None:
+        """First backward op reading the root `tensor_id` or any alias of it."""
+        uses = [c for tid in (tensor_id, *self.aliases.get(tensor_id, ()))
+                for c in self.tensors[tid].consumers if c >= self.n_forward]
+        return min(uses) if uses else None
+
+    def last_forward_use(self, tensor_id: int) -> int:
+        """Last forward op reading the root or an alias (the producer if none)."""
+        t = self.tensors[tensor_id]
+        uses = [c for tid in (tensor_id, *self.aliases.get(tensor_id, ()))
+                for c in self.tensors[tid].consumers if c < self.n_forward]
+        return max(uses, default=t.producer if t.producer is not None else -1)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": self.format, "version": self.version, "fingerprint": self.fingerprint,
+            "workload": self.workload, "env": self.env, "summary": self.summary,
+            "ops": [dataclasses.asdict(o) for o in self.ops],
+            "tensors": [dataclasses.asdict(t) for t in self.tensors],
+        }
+
+
+def op_fingerprint(ops: Iterable[Op], tensors: Iterable[Tensor]) -> str:
+    """Hash of the op sequence (targets, phases, wiring) and tensor shapes/dtypes.
+
+    Times, FLOPs and names are left out: re-profiling the same model on other hardware gives
+    the same fingerprint, a changed model or input shape gives another.
+    """
+    h = hashlib.sha256()
+    for op in ops:
+        h.update(f"{op.target}|{op.phase}|{op.inputs}|{op.outputs};".encode())
+    for t in tensors:
+        h.update(f"{t.kind}|{t.shape}|{t.dtype}|{t.alias_of};".encode())
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Plan
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Decision:
+    tensor: int                      # saved activation root id
+    action: str                      # "keep" | "swap" | "recompute"
+    prefetch_at: int | None = None   # swap only: backward op id at whose start the prefetch may be
+                                     # issued at the earliest (None: as early as memory allows)
+
+
+@dataclass(frozen=True)
+class ScheduleEvent:
+    """One thing the simulator did for a tensor: an offload, a prefetch or a recompute."""
+    kind: str            # "offload" | "prefetch" | "recompute"
+    tensor: int
+    issue_op: int        # op at whose start (prefetch, recompute) or end (offload) it was issued
+    start_us: float
+    end_us: float
+
+
+@dataclass(frozen=True)
+class Predicted:
+    step_us: float
+    ideal_us: float
+    retention: float
+    peak_bytes: int
+    stall_us: float
+    recompute_us: float
+    swapped_bytes: int               # bytes copied device -> host
+    prefetched_bytes: int            # bytes copied host -> device
+    recomputed_bytes: int
+    stall_by_cause: dict = field(default_factory=dict)  # cause -> us
+
+
+@dataclass(frozen=True)
+class Plan:
+    profile_fingerprint: str
+    planner: str
+    hardware: dict                   # HardwareSpec.to_dict()
+    budget_bytes: int
+    budget_fraction: float | None
+    feasible: bool
+    decisions: tuple[Decision, ...]
+    schedule: tuple[ScheduleEvent, ...]
+    predicted: Predicted
+    solve_ms: float = 0.0
+    notes: tuple[str, ...] = ()      # planner remarks (MILP bound and gap, why infeasible, ...)
+    profile_path: str | None = None
+    model_path: str | None = None
+    format: str = PLAN_FORMAT
+    version: int = PLAN_VERSION
+
+    def actions(self) -> dict[int, str]:
+        return {d.tensor: d.action for d in self.decisions}
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {"format": d.pop("format"), "version": d.pop("version"), **d}
+
+    def check_profile(self, profile: Profile) -> None:
+        if profile.fingerprint != self.profile_fingerprint:
+            raise InputError(
+                f"plan was made for profile {self.profile_fingerprint}, "
+                f"this profile is {profile.fingerprint}",
+                hint="re-run `slackswap plan` on this profile")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and saving
+# --------------------------------------------------------------------------------------------
+def _require(cond: bool, source: str, message: str, hint: str | None = None) -> None:
+    if not cond:
+        raise FormatError(f"{source}: {message}", hint=hint)
+
+
+def _read_json(path: str | os.PathLike) -> Any:
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"file {p} does not exist", hint="check the path")
+    if p.is_dir():
+        raise InputError(f"{p} is a directory, not a file")
+    try:
+        return orjson.loads(p.read_bytes())
+    except orjson.JSONDecodeError as exc:
+        raise FormatError(f"{p} is not valid JSON ({exc})",
+                          hint="pass a file written by `slackswap profile` or `slackswap plan`") from None
+
+
+def _check_header(data: Any, fmt: str, version: int, source: str) -> None:
+    _require(isinstance(data, dict), source, "expected one JSON object")
+    got = data.get("format")
+    _require(got == fmt, source, f"format is {got!r}, expected {fmt!r}",
+             hint="profiles come from `slackswap profile`, plans from `slackswap plan`")
+    v = data.get("version")
+    _require(isinstance(v, int), source, f"version {v!r} is not an integer")
+    _require(v <= version, source, f"{fmt} version {v} is newer than this slackswap reads ({version})",
+             hint="upgrade slackswap")
+    _require(v >= 1, source, f"unknown {fmt} version {v}")
+
+
+def _build(cls, raw: Any, source: str, what: str, tuples: tuple[str, ...] = ()):
+    _require(isinstance(raw, dict), source, f"{what} is not an object")
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    missing = required - set(raw)
+    _require(not missing, source, f"{what} lacks {', '.join(sorted(missing))}")
+    kwargs = {k: v for k, v in raw.items() if k in names}
+    for k in tuples:
+        if k in kwargs:
+            _require(isinstance(kwargs[k], list), source, f"{what}.{k} is not a list")
+            kwargs[k] = tuple(kwargs[k])
+    return cls(**kwargs)
+
+
+def profile_from_dict(data: Any, source: str = "profile") -> Profile:
+    _check_header(data, PROFILE_FORMAT, PROFILE_VERSION, source)
+    for key in ("fingerprint", "workload", "env", "summary", "ops", "tensors"):
+        _require(key in data, source, f"missing key '{key}'")
+    _require(isinstance(data["ops"], list) and isinstance(data["tensors"], list), source,
+             "'ops' and 'tensors' must be lists")
+    ops = tuple(_build(Op, o, source, f"ops[{i}]", ("inputs", "outputs"))
+                for i, o in enumerate(data["ops"]))
+    tensors = tuple(_build(Tensor, t, source, f"tensors[{i}]", ("consumers", "shape"))
+                    for i, t in enumerate(data["tensors"]))
+    prof = Profile(fingerprint=data["fingerprint"], workload=data["workload"], env=data["env"],
+                   summary=data["summary"], ops=ops, tensors=tensors,
+                   format=data["format"], version=data["version"])
+    validate_profile(prof, source)
+    return prof
+
+
+def validate_profile(prof: Profile, source: str = "profile") -> None:
+    """Ids are positions, every reference resolves, phases are ordered, aliases point at roots."""
+    n_ops, n_t = len(prof.ops), len(prof.tensors)
+    seen_backward = False
+    for i, op in enumerate(prof.ops):
+        _require(op.id == i, source, f"ops[{i}] has id {op.id}; ids must equal positions")
+        _require(op.phase in PHASES, source, f"op {i} has phase {op.phase!r}")
+        _require(op.time_source in TIME_SOURCES, source, f"op {i} has time_source {op.time_source!r}")
+        if op.phase == "backward":
+            seen_backward = True
+        _require(not (seen_backward and op.phase == "forward"), source,
+                 f"op {i} is a forward op after backward started")
+        _require(op.time_us >= 0 and op.flops >= 0 and op.bytes >= 0, source,
+                 f"op {i} has a negative time, FLOP or byte count")
+        for tid in (*op.inputs, *op.outputs):
+            _require(isinstance(tid, int) and 0 <= tid < n_t, source,
+                     f"op {i} refers to tensor {tid}, which does not exist")
+    for j, t in enumerate(prof.tensors):
+        _require(t.id == j, source, f"tensors[{j}] has id {t.id}; ids must equal positions")
+        _require(t.kind in KINDS, source, f"tensor {j} has kind {t.kind!r}")
+        _require(t.size_bytes >= 0, source, f"tensor {j} has a negative size")
+        if t.producer is not None:
+            _require(0 <= t.producer < n_ops, source,
+                     f"tensor {j} has producer {t.producer}, which does not exist")
+            _require(j in prof.ops[t.producer].outputs, source,
+                     f"tensor {j} names op {t.producer} as producer, but that op does not output it")
+        for c in t.consumers:
+            _require(0 <= c < n_ops, source, f"tensor {j} has consumer {c}, which does not exist")
+            _require(t.producer is None or c > t.producer, source,
+                     f"tensor {j} is read by op {c} before its producer {t.producer}")
+        if t.alias_of is not None:
+            _require(0 <= t.alias_of < n_t, source,
+                     f"tensor {j} aliases tensor {t.alias_of}, which does not exist")
+            _require(prof.tensors[t.alias_of].alias_of is None, source,
+                     f"tensor {j} aliases {t.alias_of}, which is itself an alias; point at the root")
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    return profile_from_dict(_read_json(path), source=str(path))
+
+
+def plan_from_dict(data: Any, source: str = "plan") -> Plan:
+    _check_header(data, PLAN_FORMAT, PLAN_VERSION, source)
+    for key in ("profile_fingerprint", "planner", "hardware", "budget_bytes", "feasible",
+                "decisions", "predicted"):
+        _require(key in data, source, f"missing key '{key}'")
+    decisions = tuple(_build(Decision, d, source, f"decisions[{i}]")
+                      for i, d in enumerate(data["decisions"]))
+    for d in decisions:
+        _require(d.action in ACTIONS, source, f"tensor {d.tensor} has action {d.action!r}",
+                 hint=f"actions are {', '.join(ACTIONS)}")
+    schedule = tuple(_build(ScheduleEvent, e, source, f"schedule[{i}]")
+                     for i, e in enumerate(data.get("schedule", [])))
+    predicted = _build(Predicted, data["predicted"], source, "predicted")
+    kwargs = {k: data[k] for k in ("profile_fingerprint", "planner", "hardware", "budget_bytes",
+                                   "feasible")}
+    return Plan(**kwargs, budget_fraction=data.get("budget_fraction"), decisions=decisions,
+                schedule=schedule, predicted=predicted, solve_ms=data.get("solve_ms", 0.0),
+                notes=tuple(data.get("notes", ())), profile_path=data.get("profile_path"),
+                model_path=data.get("model_path"), format=data["format"],
+                version=data["version"])
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    return plan_from_dict(_read_json(path), source=str(path))
+
+
+def sniff_format(path: str | os.PathLike) -> str:
+    """'slackswap.profile' or 'slackswap.plan' (for `show`, which takes either)."""
+    data = _read_json(path)
+    fmt = data.get("format") if isinstance(data, dict) else None
+    if fmt not in (PROFILE_FORMAT, PLAN_FORMAT):
+        raise FormatError(f"{path}: format is {fmt!r}, not a slackswap profile or plan",
+                          hint="profiles come from `slackswap profile`, plans from `slackswap plan`")
+    return fmt
+
+
+def dumps(obj: Any) -> bytes:
+    if dataclasses.is_dataclass(obj) and hasattr(obj, "to_dict"):
+        obj = obj.to_dict()
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temp file beside `path`, then rename: no half-written file is ever left."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def save(obj: Profile | Plan, path: str | os.PathLike) -> None:
+    write_atomic(path, dumps(obj))
