@@ -1,0 +1,250 @@
+"""Capture one whole training step (forward, loss, backward) as one aten-level FX graph.
+
+How: `make_fx` traces a function that calls the model through `torch.func.functional_call`
+with its parameters, buffers and inputs as arguments, turns the output into a scalar loss and
+then calls `torch.autograd.grad(loss, params, grad_outputs=tangent)`. Autograd's backward ops
+run under the tracer too, so the graph holds forward and backward in execution order, and the
+forward values that backward reads are exactly the edges from forward nodes to backward nodes:
+the saved activations.
+
+Placeholders, in order: every parameter (`param_names`), every buffer (`buffer_names`), the
+tensor leaves of the inputs (`input_spec`), and `tangent` (d loss / d loss, a scalar; the
+patched module's backward feeds the incoming gradient there). Output: `(loss, grads)` where
+`grads[i]` is the gradient of `param_names[grad_param_index[i]]`.
+
+Phases: a node is `backward` when it was created after `autograd.grad` was entered.
+
+Module paths: forward nodes get the innermost `nn.Module` that was running when the tracer
+created them (global module hooks record the node count at every module entry and exit).
+Backward nodes have no module on the stack; each takes the module of the latest forward node it
+reads, else that of its first backward input (autograd runs a module's backward right after
+the gradient of its output is ready, so this follows the chain of gradients).
+
+In-place ops stay in the graph as they are (dropout's `bernoulli_`, `relu_`, BatchNorm's
+running-statistics updates): their outputs alias the tensor they mutate. The profile marks a
+mutated tensor as not recomputable, which is always safe.
+
+The model and inputs may be real tensors (`mode="real"`: the graph can be run and timed) or
+FakeTensors created under a FakeTensorMode (nothing is allocated; costs come from a roofline).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+from ..errors import TraceError
+
+
+@dataclass
+class JointGraph:
+    gm: fx.GraphModule
+    param_names: list[str]
+    buffer_names: list[str]
+    input_spec: Any                      # pytree spec of (args, kwargs)
+    input_leaf_is_tensor: list[bool]     # for each pytree leaf of the inputs
+    input_constants: list[Any]           # the non-tensor leaves, baked into the graph
+    grad_param_index: list[int]          # indices into param_names of the returned gradients
+    phase: dict[str, str] = field(default_factory=dict)    # node name -> forward/backward
+    module: dict[str, str] = field(default_factory=dict)   # node name -> module path
+    loss_node: str = ""
+    fake: bool = False
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def placeholder_kinds(self) -> list[str]:
+        """'parameter' / 'buffer' / 'input' / 'tangent' for each placeholder, in order."""
+        n_in = sum(self.input_leaf_is_tensor)
+        return (["parameter"] * len(self.param_names) + ["buffer"] * len(self.buffer_names)
+                + ["input"] * n_in + ["tangent"])
+
+
+def split_inputs(inputs: Any) -> tuple[tuple, dict]:
+    """A workload's inputs (tuple of positional args, dict of kwargs, or one tensor) -> (args, kwargs)."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def loss_from_output(output: Any, inputs: Any, loss_fn: Callable | None) -> torch.Tensor:
+    """The scalar loss of one step: loss_fn(output, inputs), output.loss, or output itself."""
+    if loss_fn is not None:
+        loss = loss_fn(output, inputs)
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    elif getattr(output, "loss", None) is not None:
+        loss = output.loss
+    elif isinstance(output, dict) and output.get("loss") is not None:
+        loss = output["loss"]
+    else:
+        raise TraceError(
+            f"the model returned {type(output).__name__}, not a loss",
+            hint="return a scalar loss from the model, give it labels so its output has `.loss`, "
+                 "or return (model, inputs, loss_fn) from workload()")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TraceError(f"the loss must be a scalar tensor, got {shape}",
+                         hint="reduce it (e.g. .mean()) in the model or in loss_fn")
+    if not loss.requires_grad:
+        raise TraceError("the loss does not require grad: nothing to train",
+                         hint="check that the model has trainable parameters and is not run under no_grad")
+    return loss
+
+
+class _ModuleTracker:
+    """Records, at every module entry/exit, how many graph nodes exist and which module is innermost."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.stack: list[str] = []
+        self.events: list[tuple[int, str]] = []  # (node count, innermost module after the event)
+        self.handles = []
+
+    def _count(self) -> int | None:
+        mode = get_proxy_mode()
+        return None if mode is None else len(mode.tracer.graph.nodes)
+
+    def _pre(self, mod, args):
+        n = self._count()
+        if n is not None:
+            self.stack.append(self.names.get(id(mod), self.stack[-1] if self.stack else ""))
+            self.events.append((n, self.stack[-1]))
+
+    def _post(self, mod, args, out):
+        n = self._count()
+        if n is not None and self.stack:
+            self.stack.pop()
+            self.events.append((n, self.stack[-1] if self.stack else ""))
+
+    def __enter__(self):
+        from torch.nn.modules.module import (register_module_forward_hook,
+                                             register_module_forward_pre_hook)
+        self.handles = [register_module_forward_pre_hook(self._pre),
+                        register_module_forward_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def module_of_index(self, index: int) -> str:
+        """Module active when the node at position `index` was created."""
+        current = ""
+        for count, name in self.events:
+            if count > index:
+                break
+            current = name
+        return current
+
+
+def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None = None) -> JointGraph:
+    """Trace forward + loss + backward of `model` on `inputs` into one FX graph.
+
+    Real tensors give a runnable graph; FakeTensors (model and inputs built under one
+    FakeTensorMode) give a graph with shapes only.
+    """
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    param_names, buffer_names = list(params), list(buffers)
+    grad_index = [i for i, n in enumerate(param_names) if params[n].requires_grad]
+    if not grad_index:
+        raise TraceError("the model has no trainable parameters",
+                         hint="slackswap plans training steps: at least one parameter must require grad")
+    args, kwargs = split_inputs(inputs)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    tensor_leaves = [x for x, t in zip(leaves, is_tensor) if t]
+    constants = [None if t else x for x, t in zip(leaves, is_tensor)]
+    boundary: dict[str, int] = {}
+
+    def step(param_list, buffer_list, input_list, tangent):
+        it = iter(input_list)
+        flat = [next(it) if t else c for t, c in zip(is_tensor, constants)]
+        a, kw = pytree.tree_unflatten(flat, spec)
+        state = {**dict(zip(param_names, param_list)), **dict(zip(buffer_names, buffer_list))}
+        out = torch.func.functional_call(model, state, a, kw, strict=True)
+        loss = loss_from_output(out, pytree.tree_unflatten(flat, spec), loss_fn)
+        boundary["n"] = len(get_proxy_mode().tracer.graph.nodes)
+        grad_params = [param_list[i] for i in grad_index]
+        grads = torch.autograd.grad(loss, grad_params, grad_outputs=tangent.to(loss.dtype),
+                                    allow_unused=True)
+        return loss, list(grads)
+
+    fake_mode = torch._guards.detect_fake_mode([*params.values(), *buffers.values(), *tensor_leaves])
+    ref = next(iter(params.values()))
+    was_training = model.training
+    model.train()
+    try:
+        with _ModuleTracker(model) as tracker:
+            if fake_mode is not None:
+                with fake_mode:
+                    tangent = torch.ones((), dtype=ref.dtype, device=ref.device)
+                    gm = make_fx(step)(list(params.values()), list(buffers.values()),
+                                       tensor_leaves, tangent)
+            else:
+                tangent = torch.ones((), dtype=ref.dtype, device=ref.device)
+                gm = make_fx(step)(list(params.values()), list(buffers.values()),
+                                   tensor_leaves, tangent)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one clear error
+        raise _explain(exc) from exc
+    finally:
+        model.train(was_training)
+
+    joint = JointGraph(gm=gm, param_names=param_names, buffer_names=buffer_names, input_spec=spec,
+                       input_leaf_is_tensor=is_tensor, input_constants=constants,
+                       grad_param_index=grad_index, fake=fake_mode is not None)
+    _annotate(joint, tracker, boundary.get("n", 0))
+    return joint
+
+
+def _annotate(joint: JointGraph, tracker: _ModuleTracker, boundary: int) -> None:
+    nodes = list(joint.gm.graph.nodes)
+    events = tracker.events
+    ev, current = 0, ""
+    for i, node in enumerate(nodes):
+        while ev < len(events) and events[ev][0] <= i:
+            current = events[ev][1]
+            ev += 1
+        if node.op in ("placeholder", "output"):
+            continue
+        joint.phase[node.name] = "forward" if i < boundary else "backward"
+        joint.module[node.name] = current if i < boundary else ""
+    out = next(n for n in reversed(nodes) if n.op == "output")
+    loss = out.args[0][0]
+    joint.loss_node = loss.name
+    # backward nodes: module of the latest forward node read, else of the latest backward input
+    position = {node.name: i for i, node in enumerate(nodes)}
+    for node in nodes:
+        if joint.phase.get(node.name) != "backward":
+            continue
+        ins = sorted(node.all_input_nodes, key=lambda a: position[a.name], reverse=True)
+        fwd = [a for a in ins if joint.phase.get(a.name) == "forward" and joint.module.get(a.name)]
+        bwd = [a for a in ins if joint.phase.get(a.name) == "backward" and joint.module.get(a.name)]
+        for a in fwd[:1] or bwd[:1]:
+            joint.module[node.name] = joint.module[a.name]
+
+
+def _explain(exc: Exception) -> TraceError:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    first = text.splitlines()[0][:400]
+    name = type(exc).__name__
+    if "DataDependent" in name or "data-dependent" in text or "GuardOnDataDependent" in text:
+        return TraceError(f"the model has data-dependent control flow or output shapes ({first})",
+                          hint="slackswap traces one step at fixed shapes: avoid .item()/nonzero()-"
+                               "driven branches in the step, or profile with --device cpu on real data")
+    if "Dynamic" in name or "dynamic" in text.lower() and "shape" in text.lower():
+        return TraceError(f"the model needs dynamic shapes ({first})",
+                          hint="profile at one fixed input shape")
+    return TraceError(f"tracing the training step failed: {first}",
+                      hint="run the workload eagerly to check it trains (loss.backward()); "
+                           "ops that call into Python or C++ extensions opaque to torch cannot be traced")
+
