@@ -1,10 +1,382 @@
-"""Command-line interface (placeholder: the commands are wired in as their modules land)."""
+"""The `slackswap` command: parse options, call the library, render, map errors to exit codes.
+
+This is the only module that prints or exits. Library code raises `SlackswapError(message,
+hint)`; here it becomes `Error: ...` / `Hint: ...` on stderr and the error's exit code (2 bad
+input, 3 tracing failed, 4 no plan fits, 5 verify found a mismatch). Imports of heavy modules
+(torch, the tracer, the planners) happen inside the commands, so `plan`, `show`, `simulate`
+and `compare` start without importing torch.
+"""
 from __future__ import annotations
 
-import typer
+import sys
+from pathlib import Path
+from typing import List, Optional
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+import typer
+from rich.console import Console
+
+from .errors import InputError, SlackswapError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  pretty_exceptions_enable=False,
                   help="Fit training into GPU memory: keep, swap or recompute each saved activation.")
+out = Console(highlight=False, soft_wrap=False)
+err = Console(stderr=True, highlight=False)
+
+
+def _fail(exc: SlackswapError) -> None:
+    err.print(f"[bold red]Error:[/] {exc.message}", markup=True, highlight=False)
+    if exc.hint:
+        err.print(f"[bold]Hint:[/] {exc.hint}", markup=True, highlight=False)
+    raise typer.Exit(exc.exit_code)
+
+
+def _print_json(data) -> None:
+    from .schema import dumps
+    sys.stdout.write(dumps(data).decode() + "\n")
+
+
+def _render(items) -> None:
+    for item in items:
+        out.print(item)
+
+
+def _status(message: str) -> None:
+    err.print(f"[dim]{message}[/]", markup=True)
+
+
+def _check_output_path(path: Path) -> None:
+    if path.exists() and path.is_dir():
+        raise InputError(f"output path {path} is a directory", hint="pass a file name with -o")
+
+
+# --------------------------------------------------------------------------------------------
+@app.command()
+def profile(
+    model: Path = typer.Argument(..., help="workload file (model.py with a workload() function) or an ONNX file"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile path [default: <model>.profile.json]"),
+    entry: str = typer.Option("workload", "--entry", help="function in the workload file that returns (model, inputs[, loss_fn])"),
+    arg: List[str] = typer.Option([], "--arg", help="key=value passed to the entry function (Python literal); repeatable"),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu | fake (FakeTensorMode: nothing allocated, roofline costs)"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file for roofline costs [default: a100-pcie4]"),
+    input_shape: List[str] = typer.Option([], "--input-shape", help="ONNX only: name=1x3x224x224 for a dynamic input; repeatable"),
+    as_json: bool = typer.Option(False, "--json", help="print the profile summary as JSON instead of tables"),
+) -> None:
+    """Trace one training step and write its profile (every saved activation, its cost and lifetime)."""
+    try:
+        from .hardware import load_hardware
+        from .schema import save
+        hw = load_hardware(hardware)
+        if not model.exists():
+            raise InputError(f"model file {model} does not exist", hint="pass a workload .py file or an .onnx file")
+        if device not in ("auto", "cuda", "cpu", "fake"):
+            raise InputError(f"unknown device '{device}'", hint="use auto, cuda, cpu or fake")
+        target = output or model.with_suffix(".profile.json")
+        _check_output_path(target)
+        warnings: list[str] = []
+        if model.suffix.lower() == ".onnx":
+            from .onnx_import import profile_onnx
+            shapes = _parse_input_shapes(input_shape)
+            prof, warnings = profile_onnx(str(model), hw, input_shapes=shapes or None)
+        else:
+            if input_shape:
+                raise InputError("--input-shape applies to ONNX files only",
+                                 hint="for a workload file, set shapes with --arg")
+            from .trace import profile_workload
+            from .trace.workload import parse_workload_args
+            args = parse_workload_args(arg)
+            with err.status("tracing the training step...") if err.is_terminal else _nullcontext():
+                prof = profile_workload(str(model), entry=entry, args=args, device=device,
+                                        hardware=hw, progress=_status)
+        save(prof, target)
+    except SlackswapError as exc:
+        _fail(exc)
+    for w in warnings:
+        err.print(f"[yellow]Warning:[/] {w}", markup=True)
+    if as_json:
+        _print_json({"profile": str(target), "fingerprint": prof.fingerprint,
+                     "workload": prof.workload, "env": prof.env, "summary": prof.summary})
+        return
+    from .render import profile_views
+    _render(profile_views(prof))
+    out.print(f"wrote {target}")
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _parse_input_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for item in items:
+        name, sep, dims = item.partition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            shapes[name] = tuple(int(d) for d in dims.lower().split("x"))
+        except ValueError:
+            raise InputError(f"bad --input-shape '{item}'",
+                             hint="write it as name=1x3x224x224") from None
+    return shapes
+
+
+# --------------------------------------------------------------------------------------------
+def _plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
+    from .budget import parse_budget
+    from .hardware import load_hardware
+    from .schema import load_profile
+    prof = load_profile(profile_path)
+    hw = load_hardware(hardware or prof.env.get("hardware") or None)
+    budget_bytes, fraction = parse_budget(budget, prof)
+    return prof, hw, budget_bytes, fraction
+
+
+@app.command()
+def plan(
+    profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON from `slackswap profile`"),
+    budget: str = typer.Option(..., "--budget", "-b", help="fraction of the keep-all activation peak (0.5) or bytes (20GiB, 512MiB, 2e9)"),
+    planner: str = typer.Option("slackswap", "--planner", "-p", help="slackswap | optimal | recompute-only | swap-all | checkpoint-layers"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file [default: the profile's, else a100-pcie4]"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan path [default: <profile>.plan.json]"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON instead of tables"),
+) -> None:
+    """Decide keep / swap / recompute for every saved activation, simulate, write the plan."""
+    try:
+        from .budget import check_budget
+        from .planners import make_plan
+        from .schema import save
+        from .simulate import simulate
+        prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
+        check_budget(budget_bytes, prof)
+        target = output or _sibling(profile_path, ".plan.json")
+        _check_output_path(target)
+        result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction)
+        result = _with_paths(result, profile_path, prof)
+        save(result, target)
+        sim = simulate(prof, result.decisions, hw, budget_bytes)
+    except SlackswapError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json(result)
+    else:
+        from .render import plan_views
+        _render(plan_views(result, prof, sim))
+        out.print(f"wrote {target}")
+    if not result.feasible:
+        err.print("[bold red]Error:[/] no plan keeps activation memory under the budget; "
+                  f"wrote the best one found to {target} with feasible: false", markup=True)
+        err.print("[bold]Hint:[/] raise --budget, or try --planner optimal", markup=True)
+        raise typer.Exit(4)
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    name = path.name
+    for ext in (".profile.json", ".plan.json", ".json"):
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+            break
+    return path.with_name(name + suffix)
+
+
+def _with_paths(plan_obj, profile_path: Path, prof):
+    import dataclasses
+    return dataclasses.replace(plan_obj, profile_path=str(profile_path.resolve()),
+                               model_path=prof.workload.get("path"))
+
+
+# --------------------------------------------------------------------------------------------
+@app.command()
+def compare(
+    profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON"),
+    budget: str = typer.Option(..., "--budget", "-b", help="fraction (0.5) or bytes (20GiB)"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file"),
+    planners: Optional[str] = typer.Option(None, "--planners", help="comma-separated subset [default: all]"),
+    as_json: bool = typer.Option(False, "--json", help="print {results: [...]} as JSON"),
+) -> None:
+    """Every planner side by side on one profile: retention, peak, stall, recompute, solve time."""
+    try:
+        from .budget import check_budget
+        from .planners import make_plan, planner_names
+        prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
+        check_budget(budget_bytes, prof)
+        names = planner_names() if not planners else [p.strip() for p in planners.split(",") if p.strip()]
+        rows = []
+        for name in names:
+            if not as_json:
+                _status(f"planning with {name}...")
+            p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction)
+            rows.append({"planner": name, "feasible": p.feasible, "predicted": p.predicted,
+                         "solve_ms": p.solve_ms, "notes": list(p.notes)})
+    except SlackswapError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json({"profile": str(profile_path), "hardware": hw.name, "budget_bytes": budget_bytes,
+                     "budget_fraction": fraction, "results": rows})
+        return
+    from .render import compare_table
+    out.print(compare_table(rows))
+
+
+# --------------------------------------------------------------------------------------------
+@app.command()
+def simulate(
+    plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan JSON from `slackswap plan`"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="re-simulate on this preset or JSON file [default: the plan's]"),
+    profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile JSON [default: the one the plan records]"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace JSON here"),
+    as_json: bool = typer.Option(False, "--json", help="print the prediction as JSON"),
+) -> None:
+    """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline."""
+    try:
+        from .hardware import HardwareSpec, load_hardware
+        from .schema import dumps, load_plan, write_atomic
+        from .simulate import simulate as run_sim
+        p = load_plan(plan_path)
+        prof = _plan_profile(p, profile_path)
+        hw = load_hardware(hardware) if hardware else HardwareSpec.from_dict(p.hardware, "plan hardware")
+        if trace is not None:
+            _check_output_path(trace)
+        result = run_sim(prof, p.decisions, hw, p.budget_bytes, record=trace is not None or not as_json)
+        if trace is not None:
+            from .chrome_trace import to_chrome_trace
+            write_atomic(trace, dumps(to_chrome_trace(result, prof)))
+    except SlackswapError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json({"plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
+                     "reason": result.reason, "predicted": result.predicted})
+    else:
+        import dataclasses
+        from .render import plan_views
+        shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted,
+                                    feasible=result.feasible)
+        _render(plan_views(shown, prof, result))
+        if trace is not None:
+            out.print(f"wrote {trace} (open it in https://ui.perfetto.dev)")
+    if not result.feasible:
+        raise typer.Exit(4)
+
+
+def _plan_profile(p, profile_path: Optional[Path]):
+    from .schema import load_profile
+    path = profile_path or (Path(p.profile_path) if p.profile_path else None)
+    if path is None:
+        raise InputError("the plan does not record its profile", hint="pass --profile PROFILE.json")
+    if not path.exists():
+        raise InputError(f"the plan's profile {path} does not exist",
+                         hint="pass --profile PROFILE.json")
+    prof = load_profile(path)
+    p.check_profile(prof)
+    return prof
+
+
+# --------------------------------------------------------------------------------------------
+@app.command()
+def show(
+    path: Path = typer.Argument(..., help="a profile or a plan JSON"),
+    profile_path: Optional[Path] = typer.Option(None, "--profile", help="for a plan: its profile [default: the one it records]"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Inspect a profile or a plan in the terminal."""
+    try:
+        from .schema import PROFILE_FORMAT, load_plan, load_profile, sniff_format
+        fmt = sniff_format(path)
+        if fmt == PROFILE_FORMAT:
+            prof = load_profile(path)
+            if as_json:
+                _print_json({"fingerprint": prof.fingerprint, "workload": prof.workload,
+                             "env": prof.env, "summary": prof.summary})
+                return
+            from .render import profile_views
+            _render(profile_views(prof))
+            return
+        p = load_plan(path)
+        if as_json:
+            _print_json(p)
+            return
+        from .hardware import HardwareSpec
+        from .simulate import simulate as run_sim
+        prof = _plan_profile(p, profile_path)
+        result = run_sim(prof, p.decisions, HardwareSpec.from_dict(p.hardware, "plan hardware"),
+                         p.budget_bytes)
+    except SlackswapError as exc:
+        _fail(exc)
+    from .render import plan_views
+    _render(plan_views(p, prof, result))
+
+
+# --------------------------------------------------------------------------------------------
+@app.command()
+def apply(
+    plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan JSON"),
+    output: Path = typer.Option(..., "-o", "--output", help="path of the patched module (.py)"),
+    profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile JSON [default: the one the plan records]"),
+    model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the profile records]"),
+) -> None:
+    """Emit a patched training module that carries the plan out on the real model."""
+    try:
+        from .apply import apply_plan
+        from .schema import load_plan, write_atomic
+        p = load_plan(plan_path)
+        prof = _plan_profile(p, profile_path)
+        _check_output_path(output)
+        source = apply_plan(p, prof, model_path=str(model) if model else None)
+        write_atomic(output, source.encode())
+    except SlackswapError as exc:
+        _fail(exc)
+    out.print(f"wrote {output}")
+    out.print("use it in your training loop:\n"
+              f"    from {output.stem} import patch\n"
+              "    step = patch(model)        # shares model's parameters\n"
+              "    loss = step(*inputs)       # or step(**inputs)\n"
+              "    loss.backward(); optimizer.step()")
+
+
+@app.command()
+def verify(
+    patched: Path = typer.Argument(..., help="patched module from `slackswap apply`"),
+    model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the patched module records]"),
+    steps: int = typer.Option(1, "--steps", min=1, help="training steps to compare"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+) -> None:
+    """Run original and patched for N steps: losses and gradients equal, memory and time measured."""
+    try:
+        from .verify import verify as run_verify
+        report = run_verify(str(patched), model_path=str(model) if model else None, steps=steps)
+    except SlackswapError as exc:
+        _fail(exc)
+    if as_json:
+        import dataclasses
+        _print_json(dataclasses.asdict(report) if dataclasses.is_dataclass(report) else report)
+    else:
+        from .render import verify_view
+        out.print(verify_view(report))
+    if not report.passed:
+        err.print("[bold red]Error:[/] verify failed: " + "; ".join(report.reasons), markup=True)
+        raise typer.Exit(5)
+
+
+# --------------------------------------------------------------------------------------------
+@app.command("hardware")
+def hardware_cmd(
+    name: Optional[str] = typer.Argument(None, help="a preset to print in full"),
+    as_json: bool = typer.Option(False, "--json", help="print as JSON (a starting point for a custom --hardware file)"),
+) -> None:
+    """List hardware presets, or print one (its fields are the format of a --hardware JSON file)."""
+    from .hardware import PRESETS, load_hardware
+    try:
+        specs = [load_hardware(name)] if name else list(PRESETS.values())
+    except SlackswapError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json(specs[0].to_dict() if name else {s.name: s.to_dict() for s in specs})
+        return
+    from .render import hardware_table
+    out.print(hardware_table(specs))
 
 
 @app.command()
