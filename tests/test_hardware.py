@@ -1,0 +1,65 @@
+import dataclasses
+
+import orjson
+import pytest
+
+from slackswap_cli.errors import FormatError, InputError
+from slackswap_cli.hardware import PRESETS, HardwareSpec, load_hardware
+
+A100 = PRESETS["a100-pcie4"]
+
+
+def test_presets_have_the_required_ones_with_sane_numbers():
+    for name in ("a100-pcie4", "h100-pcie5", "h200-pcie5", "gh200-c2c", "rtx4090-pcie4"):
+        spec = PRESETS[name]
+        assert spec.name == name
+        assert 0 < spec.matmul_efficiency <= 1 and 0 < spec.hbm_efficiency <= 1
+        # a host link is always far slower than HBM
+        assert spec.h2d_bytes_per_s < spec.hbm_bytes_per_s / 5
+    assert PRESETS["gh200-c2c"].h2d_bytes_per_s > 10 * PRESETS["a100-pcie4"].h2d_bytes_per_s
+
+
+def test_roofline_by_hand():
+    # a 4096x4096x4096 bf16 matmul: 2*4096^3 FLOPs, reads 2 and writes 1 matrix of 32 MiB
+    flops = 2 * 4096**3
+    nbytes = 3 * 4096 * 4096 * 2
+    compute_us = flops / (312e12 * 0.72) * 1e6          # 611.8 us: compute bound
+    assert A100.roofline_us(flops, nbytes) == pytest.approx(compute_us + 2.0)
+    # an elementwise op on 64 MiB in and out: memory bound
+    nbytes = 2 * 64 * 2**20
+    assert A100.roofline_us(1e6, nbytes) == pytest.approx(nbytes / (2039e9 * 0.85) * 1e6 + 2.0)
+    # a view touches nothing and costs nothing
+    assert A100.roofline_us(0, 0) == 0.0
+
+
+def test_copy_time_by_hand():
+    size = 257 * 10**6  # 257 MB at 25.7 GB/s = 10 ms
+    assert A100.copy_us(size, "d2h") == pytest.approx(8.0 + 10_000.0)
+    assert A100.copy_us(size, "h2d", contended=True) == pytest.approx(8.0 + 10_000.0 / 0.85)
+
+
+def test_load_preset_and_json(tmp_path):
+    assert load_hardware("h100-pcie5") is PRESETS["h100-pcie5"]
+    assert load_hardware(None).name == "a100-pcie4"
+    custom = dataclasses.asdict(A100) | {"name": "my-gpu", "h2d_bytes_per_s": 12e9}
+    path = tmp_path / "gpu.json"
+    path.write_bytes(orjson.dumps(custom))
+    spec = load_hardware(str(path))
+    assert isinstance(spec, HardwareSpec) and spec.h2d_bytes_per_s == 12e9
+
+
+def test_bad_hardware_inputs(tmp_path):
+    with pytest.raises(InputError, match="unknown hardware preset"):
+        load_hardware("tpu-v9")
+    with pytest.raises(InputError, match="does not exist"):
+        load_hardware(str(tmp_path / "nope.json"))
+    path = tmp_path / "bad.json"
+    path.write_bytes(orjson.dumps({"name": "x", "peak_flops_per_s": 1e12}))
+    with pytest.raises(FormatError, match="missing hardware field"):
+        load_hardware(str(path))
+    path.write_bytes(orjson.dumps(dataclasses.asdict(A100) | {"bogus": 1}))
+    with pytest.raises(FormatError, match="unknown hardware field"):
+        load_hardware(str(path))
+    path.write_bytes(orjson.dumps(dataclasses.asdict(A100) | {"hbm_efficiency": 1.5}))
+    with pytest.raises(FormatError, match="hbm_efficiency"):
+        load_hardware(str(path))
