@@ -1,0 +1,87 @@
+"""What one aten op costs: FLOPs from torch's own formulas, and bytes read plus written.
+
+FLOPs come from `torch.utils.flop_counter.flop_registry` (matmuls, convolutions, attention),
+evaluated on the shapes the tracer recorded in each node's `meta["val"]`. Ops without a
+formula (elementwise, norms, softmax, reductions) count 0 FLOPs: their time is set by memory
+traffic, which is what the roofline's byte term charges them for. Two additions:
+
+- the CPU flash-attention kernels (`_scaled_dot_product_flash_attention_for_cpu` and its
+  backward), which the CPU build of torch picks for `scaled_dot_product_attention` and which
+  the registry lacks, get the same formula as the CUDA flash kernels;
+- causal attention counts half the FLOPs of full attention, because flash kernels skip the
+  blocks above the diagonal.
+
+Bytes (see `graph_profile`, which knows the aliasing) are each distinct input tensor read once
+plus each output written; views move nothing.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils import flop_counter
+
+_CPU_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
+_CPU_FLASH_BWD = "_scaled_dot_product_flash_attention_for_cpu_backward"
+
+
+def bound_args(op: Any, args: tuple, kwargs: dict) -> dict:
+    """Arguments of an OpOverload call by schema name (defaults filled in where known)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return dict(kwargs)
+    out: dict[str, Any] = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            out[arg.name] = args[i]
+        elif arg.name in kwargs:
+            out[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+def _val(x):
+    return x.meta.get("val") if isinstance(x, fx.Node) else x
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one call_function node (0 for ops without a formula or without recorded shapes)."""
+    op = node.target
+    packet = getattr(op, "overloadpacket", None)
+    if packet is None:
+        return 0
+    try:
+        args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
+        out = node.meta.get("val")
+        name = packet.__name__
+        if name == _CPU_FLASH:
+            q, k, v = args[:3]
+            flops = flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
+        elif name == _CPU_FLASH_BWD:
+            grad_out, q, k, v = args[:4]
+            flops = flop_counter.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+        elif packet in flop_counter.flop_registry:
+            flops = flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
+        else:
+            return 0
+        if "attention" in name and bound_args(op, args, kwargs).get("is_causal") is True:
+            flops //= 2
+        return int(flops)
+    except Exception:  # noqa: BLE001 - a formula that cannot read these shapes counts nothing
+        return 0
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes a tensor's elements span (numel x itemsize)."""
+    return int(t.numel()) * t.element_size()
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage under `t` (what allocating it costs); numel x itemsize if unknown."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001 - sparse/functional tensors have no plain storage
+        return tensor_nbytes(t)

@@ -1,0 +1,290 @@
+"""Turn a traced joint graph (`joint.capture_joint`) into a profile.
+
+Naming (the patched module of `apply` finds its tensors by these names):
+
+- every `call_function` node is an op named after the node, except `operator.getitem`, which
+  only picks one output of a multi-output op;
+- a tensor is named after the node that holds it: placeholders by their own name, a
+  single-output op's result by the op's name, the i-th result of a multi-output op by the
+  getitem node that reads it (``"<op>.<i>"`` if nothing reads it);
+- ids follow graph order.
+
+Kinds: placeholders are parameters, buffers or inputs (the tangent d loss/d loss is an input);
+`get_attr` constants are buffers; op results are activations, except the parameter gradients
+the step returns (`gradient`: they end up in `.grad`, outside activation memory).
+
+Aliasing: a view or an in-place op's result shares its input's storage. Its `alias_of` is the
+storage root (the first tensor that owned the storage), so memory counts the root once and
+keeps it alive while any alias is read. Two sources, in this order:
+
+1. storage identity, when known: FakeTensors carry storages that views share exactly as real
+   ones do, and real runs give `untyped_storage().data_ptr()` (see `storage_keys_*`);
+2. the op schema: a return with `alias_info` aliases the argument with the same alias set
+   (`view`, `t`, `split`, `detach`, `bernoulli_`, ...), plus `_unsafe_view` and friends, which
+   are views that the schema does not declare.
+
+A view of a parameter or input stays kind `activation` but aliases a non-activation root, so it
+adds no activation bytes and is never a planner candidate.
+
+Recomputable: not for a root that an op mutates in place after creating it (re-running its
+producer would not reproduce it), nor for the results of random ops (`nondeterministic_seeded`
+in the op's tags: dropout, bernoulli, rand*, ...; attention kernels only when `dropout_p > 0`).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ..errors import InputError
+from ..profile_build import ProfileBuilder
+from ..schema import Profile
+from .costs import bound_args, node_flops, storage_nbytes, tensor_nbytes
+from .joint import JointGraph
+
+# Views the schema does not declare as aliasing (autograd-invisible views), by overload packet.
+UNDECLARED_VIEWS = {"_unsafe_view", "_reshape_alias", "_reshape_copy_alias"}
+# Ops that allocate without writing a byte (their roofline cost is zero).
+ALLOCATING_ONLY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                   "empty_permuted"}
+
+
+def target_name(target) -> str:
+    """`aten.mm.default` for OpOverloads; a readable name for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", None) or str(target)
+
+
+def _packet_name(target) -> str:
+    packet = getattr(target, "overloadpacket", None)
+    return packet.__name__ if packet is not None else ""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def is_random_op(node: fx.Node) -> bool:
+    """Does this node draw random numbers (so re-running it gives another result)?"""
+    target = node.target
+    tags = getattr(target, "tags", ())
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    schema = getattr(target, "_schema", None)
+    if schema is not None and any(a.name == "dropout_p" for a in schema.arguments):
+        p = bound_args(target, node.args, node.kwargs).get("dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
+
+
+def _schema_aliases(node: fx.Node) -> tuple[dict[int, fx.Node], list[fx.Node]]:
+    """(output index -> input node it aliases, input nodes the op writes in place)."""
+    schema = getattr(node.target, "_schema", None)
+    aliased: dict[int, fx.Node] = {}
+    written: list[fx.Node] = []
+    if schema is None:
+        return aliased, written
+    bound = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+    alias_args = [(a, bound.get(a.name)) for a in schema.arguments if a.alias_info is not None]
+    for a, value in alias_args:
+        if a.alias_info.is_write and isinstance(value, fx.Node):
+            written.append(value)
+    for i, ret in enumerate(schema.returns):
+        info = ret.alias_info
+        if info is None:
+            continue
+        match = [v for a, v in alias_args if a.alias_info.before_set & info.before_set]
+        if not match and len(alias_args) == 1:  # `Tensor(a)[]` returns parse with an empty set
+            match = [alias_args[0][1]]
+        if match and isinstance(match[0], fx.Node):
+            aliased[i] = match[0]
+    if not aliased and _packet_name(node.target) in UNDECLARED_VIEWS and node.args \
+            and isinstance(node.args[0], fx.Node):
+        aliased[0] = node.args[0]
+    return aliased, written
+
+
+def storage_keys_from_fake(joint: JointGraph) -> dict[str, int]:
+    """Node name (or "<op>.<i>") -> storage identity, from the FakeTensors of a fake trace.
+
+    Empty for a real trace: there make_fx records each value as an independent fake copy, so
+    storage sharing must come from a real run (`measure.storage_keys_from_run`).
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    if not joint.fake:
+        return {}
+    keys: dict[str, int] = {}
+    for node in joint.gm.graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        for i, v in enumerate(vals):
+            if isinstance(v, FakeTensor) and storage_nbytes(v) > 0:
+                name = node.name if not isinstance(val, (tuple, list)) else f"{node.name}.{i}"
+                keys[name] = v.untyped_storage()._cdata
+    return keys
+
+
+def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
+                     op_times_us: dict[str, float] | None = None, time_source: str = "roofline",
+                     hardware=None, storage_keys: dict[str, int] | None = None,
+                     summary_extra: dict | None = None,
+                     progress: Callable[[str], None] | None = None) -> Profile:
+    """Build the profile of `joint`.
+
+    Times: `op_times_us[op name]` when given (measured), else `hardware.roofline_us(flops,
+    bytes)`. `storage_keys` (tensor name -> storage identity) overrides the storages read from
+    a fake trace; see the module docstring for how aliases are found.
+    """
+    if op_times_us is None and hardware is None:
+        raise InputError("a profile needs op times: pass measured times or a hardware preset",
+                         hint="use --hardware PRESET for roofline costs")
+    if storage_keys is None:
+        storage_keys = storage_keys_from_fake(joint)
+    nodes = list(joint.gm.graph.nodes)
+
+    # getitem nodes name the outputs of multi-output ops
+    picked: dict[tuple[str, int], list[fx.Node]] = {}
+    for node in nodes:
+        if node.op == "call_function" and node.target is operator.getitem \
+                and isinstance(node.args[0], fx.Node):
+            picked.setdefault((node.args[0].name, int(node.args[1])), []).append(node)
+
+    b = ProfileBuilder()
+    tid_of: dict[str, int] = {}          # node name (getitems included) -> tensor id
+    root_of_key: dict[int, int] = {}     # storage key -> root tensor id
+    mutated_roots: set[int] = set()
+    random_roots: set[int] = set()
+    tensor_vals: list[torch.Tensor] = []  # meta val of each tensor id (for byte counts)
+
+    def add_tensor(name: str, kind: str, val: torch.Tensor, alias_of: int | None,
+                   key_name: str) -> int:
+        # storage identity, when known, decides; the schema's alias_of is the fallback
+        key = storage_keys.get(key_name)
+        if key is not None:
+            alias_of = root_of_key.get(key)
+        elif alias_of is not None and b.tensors[alias_of].alias_of is not None:
+            alias_of = b.tensors[alias_of].alias_of
+        size = tensor_nbytes(val) if alias_of is not None else max(storage_nbytes(val),
+                                                                    tensor_nbytes(val))
+        tid = b.add_tensor(name, kind, tuple(val.shape), dtype_name(val.dtype), size_bytes=size,
+                           alias_of=alias_of)
+        if key is not None and key not in root_of_key:
+            root_of_key[key] = tid
+        tensor_vals.append(val)
+        return tid
+
+    kinds = iter(joint.placeholder_kinds())
+    for node in nodes:
+        if node.op == "placeholder":
+            kind = next(kinds)
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                tid_of[node.name] = add_tensor(node.name, "input" if kind == "tangent" else kind,
+                                               val, None, node.name)
+        elif node.op == "get_attr":
+            val = node.meta.get("val")
+            if val is None:
+                val = getattr(joint.gm, str(node.target), None)
+            if isinstance(val, torch.Tensor):
+                tid_of[node.name] = add_tensor(node.name, "buffer", val, None, node.name)
+
+    # which op results the step returns as gradients
+    out_node = next(n for n in reversed(nodes) if n.op == "output")
+    returned = [n for n in pytree.tree_leaves(list(out_node.args[0])[1:]) if isinstance(n, fx.Node)]
+
+    n_calls = sum(1 for n in nodes if n.op == "call_function")
+    done = 0
+    for node in nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        done += 1
+        if progress is not None and done % 5000 == 0:
+            progress(f"building profile: {done}/{n_calls} nodes")
+        val = node.meta.get("val")
+        multi = isinstance(val, (tuple, list))
+        vals = list(val) if multi else [val]
+        aliased, written = _schema_aliases(node)
+        inputs = list(dict.fromkeys(tid_of[a.name] for a in node.all_input_nodes
+                                    if a.name in tid_of))
+        random = is_random_op(node)
+        outputs: list[int] = []
+        writes: list[int] = []
+        for i, v in enumerate(vals):
+            if not isinstance(v, torch.Tensor):
+                continue
+            if multi:
+                readers = picked.get((node.name, i), [])
+                name = readers[0].name if readers else f"{node.name}.{i}"
+                key_name = f"{node.name}.{i}"
+            else:
+                readers, name, key_name = [], node.name, node.name
+            src = aliased.get(i)
+            alias_of = tid_of.get(src.name) if src is not None else None
+            tid = add_tensor(name, "activation", v, alias_of, key_name)
+            tid_of[name] = tid
+            for r in readers:
+                tid_of[r.name] = tid
+            outputs.append(tid)
+            root = b.tensors[tid].alias_of
+            if root is None or (src is not None and any(w is src for w in written)):
+                writes.append(tid)  # a fresh tensor, or an in-place write into its input
+            if random:
+                random_roots.add(tid if root is None else root)
+        for w in written:
+            if w.name in tid_of:
+                t = tid_of[w.name]
+                mutated_roots.add(t if b.tensors[t].alias_of is None else b.tensors[t].alias_of)
+        # bytes: each distinct input read once (a view reads no more than its root holds), each
+        # non-view output written once; views move nothing, allocation alone writes nothing
+        pname = _packet_name(node.target)
+        if (outputs and not writes) or pname in ALLOCATING_ONLY:
+            nbytes, flops = 0, 0
+        else:
+            nbytes = 0
+            for t in inputs:
+                root = b.tensors[t].alias_of
+                own = tensor_nbytes(tensor_vals[t])
+                nbytes += own if root is None else min(own, b.tensors[root].size_bytes)
+            for t in writes:
+                nbytes += tensor_nbytes(tensor_vals[t])
+            flops = node_flops(node)
+        if op_times_us is not None:
+            time_us = float(op_times_us.get(node.name, 0.0))
+        else:
+            time_us = hardware.roofline_us(flops, nbytes)
+        b.add_op(node.name, target_name(node.target), joint.phase.get(node.name, "forward"),
+                 inputs, outputs, module=joint.module.get(node.name, ""), flops=flops,
+                 bytes=nbytes, time_us=time_us,
+                 time_source="measured" if op_times_us is not None else time_source)
+
+    # returned gradients (and their roots, when backward produced them) leave activation memory
+    for n in returned:
+        t = tid_of.get(n.name)
+        if t is None:
+            continue
+        root = b.tensors[t].alias_of
+        for x in (t, root):
+            if x is not None and b.tensors[x].kind == "activation" \
+                    and b.tensors[x].producer is not None \
+                    and b.ops[b.tensors[x].producer].phase == "backward":
+                b.tensors[x].kind = "gradient"
+    for t in mutated_roots | random_roots:
+        b.tensors[t].recomputable = False
+    # an alias is recomputable exactly when its root is (it is re-derived from the root)
+    for t in b.tensors:
+        if t.alias_of is not None:
+            t.recomputable = t.recomputable and b.tensors[t.alias_of].recomputable
+    extra = {"n_tensors": len(b.tensors),
+             "flops": sum(o.flops for o in b.ops),
+             "time_source": "measured" if op_times_us is not None else time_source,
+             **(summary_extra or {})}
+    return b.build(workload=workload, env=env, summary_extra=extra)

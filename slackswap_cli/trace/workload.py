@@ -1,0 +1,235 @@
+"""Find and run a workload file: `model.py` defines `workload(**args)` returning what to train.
+
+A workload file is plain Python. Its entry function (``workload`` unless ``--entry`` names
+another) returns
+
+- ``(model, inputs)``: ``model(*inputs)`` (tuple/list), ``model(**inputs)`` (dict) or
+  ``model(inputs)`` (one tensor) gives the loss, or an object whose ``.loss`` is the loss
+  (Hugging Face models given labels);
+- ``(model, inputs, loss_fn)``: ``loss_fn(output, inputs)`` gives the loss;
+- or a ``slackswap_cli.Workload`` with the same fields.
+
+``--arg key=value`` options become keyword arguments of the entry function. Values are Python
+literals (``4``, ``0.1``, ``True``, ``None``, ``'bert'``, ``(1, 2)``); a bare word that is not a
+literal (``dtype=bfloat16``) is taken as a string, so shell quoting is rarely needed.
+
+A file may set a module-level ``NAME = "..."`` to name the workload in profiles; otherwise the
+file's stem is its name.
+
+With a FakeTensorMode, the entry function runs inside it, so the model's parameters and the
+inputs are FakeTensors: a 7B-parameter model is "built" without allocating a byte.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .. import Workload
+from ..errors import InputError, SlackswapError, TraceError
+
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_BARE_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]*$")
+
+
+def parse_workload_args(items: list[str] | None) -> dict:
+    """``["n_layer=2", "name='x'", "dtype=bfloat16"]`` -> ``{"n_layer": 2, "name": "x", "dtype": "bfloat16"}``.
+
+    Each item is ``key=value``; the value is read with ``ast.literal_eval``, and a bare word
+    that is not a literal is kept as a string. A key given twice is an error (which one was
+    meant?).
+    """
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not _KEY.match(key):
+            raise InputError(f"bad --arg {item!r}: expected key=value with a Python identifier as key",
+                             hint="e.g. --arg n_layer=2 --arg dtype=bfloat16")
+        if key in out:
+            raise InputError(f"--arg {key} is given twice", hint="give each argument once")
+        text = text.strip()
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            if not _BARE_WORD.match(text):
+                raise InputError(
+                    f"bad --arg {item!r}: {text!r} is not a Python literal",
+                    hint="values are Python literals: 4, 0.5, True, None, 'text', (1, 2); "
+                         "quote strings with spaces or symbols, e.g. --arg \"name='a b'\"") from None
+            value = text
+        out[key] = value
+    return out
+
+
+def _import_file(path: Path):
+    """Import `path` as a fresh module (a new name each call, so two files named model.py never clash)."""
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    name = f"slackswap_workload_{path.stem.replace('-', '_')}_{digest}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise InputError(f"{path} cannot be imported as Python", hint="pass a .py workload file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    # the file may import its siblings, like a script run from its own folder
+    folder = str(path.parent)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        sys.modules.pop(name, None)
+        raise InputError(f"{path} has a syntax error at line {exc.lineno}: {exc.msg}",
+                         hint="fix the workload file; `python FILE` shows the same error") from None
+    except SlackswapError as exc:  # a workload that raises our own error keeps it
+        sys.modules.pop(name, None)
+        raise exc
+    except KeyboardInterrupt:
+        sys.modules.pop(name, None)
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any import failure (SystemExit too) is one clear error
+        sys.modules.pop(name, None)
+        raise TraceError(f"importing {path} failed: {_one_line(exc)}",
+                         hint="run `python FILE` to see the full error; missing packages must be "
+                              "installed in the environment slackswap runs in") from None
+    finally:
+        if added:
+            try:
+                sys.path.remove(folder)
+            except ValueError:
+                pass
+    return module
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return (text.splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=None,
+          device=None) -> tuple[Workload, Any]:
+    """load_workload, also returning the imported module (for its NAME)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise InputError(f"workload file {p} does not exist", hint="check the path")
+    if p.is_dir():
+        raise InputError(f"{p} is a directory, not a workload file", hint="pass a .py file")
+    p = p.resolve()
+    module = _import_file(p)
+    fn = getattr(module, entry, None)
+    if fn is None or not callable(fn):
+        found = sorted(n for n, v in vars(module).items()
+                       if inspect.isfunction(v) and v.__module__ == module.__name__
+                       and not n.startswith("_"))
+        what = "no function" if fn is None else "a non-callable"
+        raise InputError(f"{p.name} has {what} named '{entry}'",
+                         hint=(f"functions in the file: {', '.join(found)}; choose one with --entry NAME"
+                               if found else "define `def workload(): return model, inputs`"))
+    args = dict(args or {})
+    try:
+        inspect.signature(fn).bind(**args)
+    except TypeError as exc:
+        raise InputError(f"{entry}() does not take these arguments: {exc}",
+                         hint=f"{entry}{inspect.signature(fn)}") from None
+    except ValueError:  # no signature (a builtin): let the call decide
+        pass
+    try:
+        if fake_mode is not None:
+            with fake_mode:
+                result = fn(**args)
+        else:
+            result = fn(**args)
+    except SlackswapError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise TraceError(f"{entry}() in {p.name} raised {_one_line(exc)}",
+                         hint="run the workload eagerly to see the full traceback") from None
+    work = _as_workload(result, entry)
+    if fake_mode is not None:
+        work = _to_fake(work, fake_mode)
+    if device is not None:
+        work = _to_device(work, torch.device(device))
+    return work, module
+
+
+def load_workload(path, entry: str = "workload", args: dict | None = None, *, fake_mode=None,
+                  device=None) -> Workload:
+    """Import the workload file at `path`, call `entry(**args)`, return a checked `Workload`.
+
+    `fake_mode`: a FakeTensorMode to build model and inputs in (nothing allocated). `device`:
+    move model and inputs there. Errors: a missing file or entry, or bad arguments ->
+    InputError; a file or workload that raises, or returns the wrong thing -> TraceError.
+    """
+    return _load(path, entry, args, fake_mode=fake_mode, device=device)[0]
+
+
+def workload_name(module, path) -> str:
+    name = getattr(module, "NAME", None)
+    return name if isinstance(name, str) and name else Path(path).stem
+
+
+def _as_workload(result: Any, entry: str) -> Workload:
+    expected = "return (model, inputs), (model, inputs, loss_fn) or slackswap_cli.Workload(...)"
+    if isinstance(result, Workload):
+        work = result
+    elif isinstance(result, (tuple, list)) and len(result) in (2, 3):
+        work = Workload(*result)
+    else:
+        got = (f"a {type(result).__name__} of length {len(result)}"
+               if isinstance(result, (tuple, list)) else f"a {type(result).__name__}")
+        raise TraceError(f"{entry}() returned {got}", hint=expected)
+    if not isinstance(work.model, torch.nn.Module):
+        raise TraceError(f"{entry}() returned a {type(work.model).__name__} as the model, "
+                         "not a torch.nn.Module", hint=expected)
+    if work.loss_fn is not None and not callable(work.loss_fn):
+        raise TraceError(f"{entry}()'s loss_fn is a {type(work.loss_fn).__name__}, not callable",
+                         hint="loss_fn(output, inputs) must return the scalar loss")
+    if not isinstance(work.inputs, (tuple, list, dict, torch.Tensor)):
+        raise TraceError(f"{entry}() returned inputs of type {type(work.inputs).__name__}",
+                         hint="inputs: a tuple of positional arguments, a dict of keyword "
+                              "arguments, or one tensor")
+    if not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(work.inputs)):
+        raise TraceError(f"{entry}() returned inputs without any tensor",
+                         hint="pass the batch (e.g. token ids) as inputs")
+    return work
+
+
+def _to_fake(work: Workload, fake_mode) -> Workload:
+    """Real tensors the workload made outside the mode (say at import time) become fake too."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def conv(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
+            return fake_mode.from_tensor(t)
+        return t
+
+    real = [n for n, t in [*work.model.named_parameters(), *work.model.named_buffers()]
+            if not isinstance(t, FakeTensor)]
+    if real:
+        raise TraceError(
+            f"with --device fake the model must be built inside workload(), but {real[0]} "
+            f"(and {len(real) - 1} more) was created outside it" if len(real) > 1 else
+            f"with --device fake the model must be built inside workload(), but {real[0]} was "
+            "created outside it",
+            hint="construct the model in the entry function, or profile with --device cpu")
+    return Workload(work.model, pytree.tree_map(conv, work.inputs), work.loss_fn)
+
+
+def _to_device(work: Workload, device: torch.device) -> Workload:
+    def move(t):
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+    try:
+        model = work.model.to(device)
+    except Exception as exc:  # noqa: BLE001
+        raise TraceError(f"moving the model to {device} failed: {_one_line(exc)}",
+                         hint="check that the device exists and the model fits in its memory") from None
+    return Workload(model, pytree.tree_map(move, work.inputs), work.loss_fn)
