@@ -1,0 +1,533 @@
+"""ONNX frontend: an exported forward graph -> the same `slackswap.profile` a traced model gives.
+
+An ONNX file holds one forward pass at (ideally) fixed shapes. A training step is forward, a
+loss, then backward; this module derives the missing two from the graph:
+
+1. **Load and infer shapes.** The file is read without its external weight files (only shapes
+   matter), `--input-shape` overrides replace the declared input dims, and ONNX's shape inference
+   gives every value a shape. A value whose shape is symbolic or unknown stops the import with a
+   hint: export with static shapes or pass `--input-shape name=1x3x224x224`.
+2. **Fold what is not work.** Initializers, `Constant` nodes, `Shape` of a statically shaped
+   value and every node computed only from those are constants an inference runtime folds: they
+   are not timed. Float initializers (and constants derived from them, like a transposed weight)
+   are `parameter`s; the rest (shape tensors, masks, BatchNorm running stats) `buffer`s.
+3. **Forward ops**, one per remaining node, in topological order. Reshape, Squeeze, Unsqueeze,
+   Flatten and Identity are views: their output aliases the input's storage, costs nothing, and
+   counts no bytes. Everything else (Transpose included: ONNX runtimes materialise it, and torch
+   copies a transposed operand before a batched matmul) writes a new tensor.
+4. **Loss**: if the first graph output is not a scalar, a forward `loss` op reduces it (mean).
+   The gradient seed (d loss / d loss) is an `input` tensor.
+5. **Backward ops**, one per forward node that leads to the loss and has an input that needs a
+   gradient, in reverse order. Each reads the gradients of its outputs and the forward values its
+   `GradRule` (see `onnx_grad_rules`) says it saves, and writes the gradients of its inputs:
+   `activation` (transient) for activations, `gradient` for parameters. A value with several
+   consumers gets one gradient buffer: the first backward op creates it, later ones accumulate
+   into it (they read it). Model inputs and integer values never need gradients, so e.g. the
+   first convolution computes only its weight gradient, as in torch.
+
+FLOPs and bytes come from the static shapes; times are the hardware roofline. Op types without a
+rule are treated conservatively (all inputs saved, backward twice the forward) and returned as
+warnings. Module paths come from the exporter: the dynamo exporter's `pkg.torch.onnx.name_scopes`
+node metadata, or the TorchScript exporter's node names (`/h.0/attn/MatMul` -> `h.0.attn`).
+
+This module does not import torch.
+"""
+from __future__ import annotations
+
+import ast
+import os
+from collections import deque
+from math import prod
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from .errors import FormatError, InputError
+from .hardware import HardwareSpec
+from .onnx_grad_rules import GradRule, NodeView, rule_for, unknown_rule
+from .profile_build import ProfileBuilder
+from .schema import Profile
+
+SHAPE_HINT = "export with static input shapes, or pass --input-shape name=1x3x224x224"
+
+# onnx.TensorProto.DataType -> (our dtype name, bytes per element)
+_ONNX_DTYPES = {
+    1: ("float32", 4), 2: ("uint8", 1), 3: ("int8", 1), 4: ("uint16", 2), 5: ("int16", 2),
+    6: ("int32", 4), 7: ("int64", 8), 9: ("bool", 1), 10: ("float16", 2), 11: ("float64", 8),
+    12: ("uint32", 4), 13: ("uint64", 8), 14: ("complex64", 8), 15: ("complex128", 16),
+    16: ("bfloat16", 2), 17: ("float8_e4m3fn", 1), 18: ("float8_e4m3fnuz", 1),
+    19: ("float8_e5m2", 1), 20: ("float8_e5m2fnuz", 1),
+}
+_FLOAT_DTYPES = {"float32", "float16", "float64", "bfloat16", "float8_e4m3fn",
+                 "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"}
+_ITEM_BYTES = {name: size for name, size in _ONNX_DTYPES.values()}
+# Static nodes whose output is (a reshaped / retyped copy of) their single input: when that input
+# is a parameter, the output is the same parameter, so gradients accumulate into one tensor.
+_PASS_THROUGH = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose", "Cast"}
+
+
+def parse_input_shapes(specs: Iterable[str] | None) -> dict[str, tuple[int, ...]]:
+    """`["input_ids=2x128", "mask=2x128"]` -> `{"input_ids": (2, 128), "mask": (2, 128)}`."""
+    out: dict[str, tuple[int, ...]] = {}
+    for spec in specs or ():
+        name, sep, dims = spec.rpartition("=")
+        try:
+            shape = tuple(int(d) for d in dims.lower().split("x")) if sep and name else ()
+        except ValueError:
+            shape = ()
+        if not shape or any(d <= 0 for d in shape):
+            raise InputError(f"cannot read --input-shape {spec!r}",
+                             hint="write name=DIMxDIMx..., e.g. --input-shape input=1x3x224x224")
+        out[name] = shape
+    return out
+
+
+def profile_onnx(path: str | os.PathLike, hw: HardwareSpec,
+                 input_shapes: Mapping[str, tuple[int, ...]] | None = None
+                 ) -> tuple[Profile, list[str]]:
+    """Profile one training step of the forward graph in an ONNX file. Returns (profile, warnings)."""
+    p = Path(path)
+    warnings: list[str] = []
+    model = _load(p, warnings)
+    init_names = {i.name for i in model.graph.initializer}
+    real_inputs = [i for i in model.graph.input if i.name not in init_names]
+    if input_shapes:
+        _override_input_shapes(model, real_inputs, input_shapes)
+    model = _infer_shapes(model, p, warnings)
+    return _Importer(model, p, hw, warnings).run()
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and shape inference
+# --------------------------------------------------------------------------------------------
+def _onnx():
+    try:
+        import onnx
+    except ImportError:  # pragma: no cover - onnx is a dev dependency here
+        raise InputError("profiling an ONNX file needs the `onnx` package",
+                         hint="pip install 'slackswap[onnx]'") from None
+    return onnx
+
+
+def _load(p: Path, warnings: list[str]):
+    onnx = _onnx()
+    if not p.exists():
+        raise InputError(f"ONNX file {p} does not exist", hint="check the path")
+    if p.is_dir():
+        raise InputError(f"{p} is a directory, not an ONNX file")
+    hint = "pass a .onnx file written by torch.onnx.export (or another ONNX exporter)"
+    try:
+        # Weights in external files are not needed (shapes live in the initializers' dims), and
+        # loading them would cost memory and fail when they were not copied along.
+        model = onnx.load(str(p), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning, ValueError, ...
+        raise FormatError(f"{p} is not a valid ONNX model ({type(exc).__name__}: {exc})",
+                          hint=hint) from None
+    # Protobuf parses some garbage without complaint: require the parts every model has.
+    if not model.HasField("graph") or not model.graph.node or not model.opset_import:
+        raise FormatError(f"{p} is not an ONNX model (no graph, nodes or opset)", hint=hint)
+    external = any(init.data_location == 1 for init in model.graph.initializer)  # EXTERNAL
+    try:
+        # With weights in external files the checker must resolve them relative to the model's
+        # folder, so it gets the path; a model without them is checked in memory.
+        onnx.checker.check_model(str(p) if external else model)
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not (external and ("external" in msg.lower() or "stored in" in msg)):
+            raise FormatError(f"{p} is a malformed ONNX model: {msg}", hint=hint) from None
+        warnings.append(f"external weight data could not be checked ({msg}); only shapes are "
+                        "needed, so the profile is unaffected")
+    return model
+
+
+def _override_input_shapes(model, real_inputs, input_shapes) -> None:
+    names = [i.name for i in real_inputs]
+    unknown = sorted(set(input_shapes) - set(names))
+    if unknown:
+        raise InputError(f"--input-shape names {', '.join(unknown)}, which the model does not "
+                         f"take as input", hint=f"the model's inputs are: {', '.join(names)}")
+    for inp in real_inputs:
+        if inp.name not in input_shapes:
+            continue
+        shape = tuple(int(d) for d in input_shapes[inp.name])
+        if any(d <= 0 for d in shape):
+            raise InputError(f"--input-shape {inp.name} has a non-positive dimension: {shape}")
+        tshape = inp.type.tensor_type.shape
+        if len(tshape.dim) and len(tshape.dim) != len(shape):
+            raise InputError(f"--input-shape gives {inp.name} {len(shape)} dims, the model "
+                             f"declares {len(tshape.dim)}",
+                             hint=f"declared: {_fmt_dims(tshape.dim)}")
+        del tshape.dim[:]
+        for d in shape:
+            tshape.dim.add().dim_value = d
+    # Shapes inferred for the old input dims would contradict the new ones.
+    del model.graph.value_info[:]
+
+
+def _infer_shapes(model, p: Path, warnings: list[str]):
+    onnx = _onnx()
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True,
+                                                 data_prop=True)
+    except Exception as exc:
+        strict_error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    # Strict inference stops at the first op it cannot infer (e.g. a custom-domain op); the
+    # lenient pass may still give every value we need a shape. Missing ones are reported later.
+    try:
+        model = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
+                                                  data_prop=True)
+    except Exception as exc:
+        raise FormatError(f"{p}: ONNX shape inference failed: {exc}", hint=SHAPE_HINT) from None
+    warnings.append(f"strict shape inference failed ({strict_error}); used lenient inference")
+    return model
+
+
+def _fmt_dims(dims) -> str:
+    return "x".join(str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
+                    for d in dims) or "(scalar)"
+
+
+def _shape_of(vi):
+    """(shape tuple or None when not fully static, dtype name, printable dims)."""
+    tt = vi.type.tensor_type
+    dtype = _ONNX_DTYPES.get(tt.elem_type, (f"onnx_type_{tt.elem_type}", 4))[0]
+    if not vi.type.HasField("tensor_type") or not tt.HasField("shape"):
+        return None, dtype, "unknown rank"
+    dims = tt.shape.dim
+    if all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+        return tuple(int(d.dim_value) for d in dims), dtype, _fmt_dims(dims)
+    return None, dtype, _fmt_dims(dims)
+
+
+def _module_of(node) -> str:
+    """Module path the exporter recorded for a node ("" when it recorded none)."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                break
+            # [..., "h.0", "h.0.attn", "matmul"]: the last entry is the op, the one before its module
+            if isinstance(scopes, list) and len(scopes) >= 2:
+                return str(scopes[-2])
+            return ""
+    if node.name.startswith("/"):                  # TorchScript exporter: /h.0/attn/MatMul
+        return ".".join(part for part in node.name.split("/")[1:-1] if part)
+    return ""
+
+
+def _topo_order(graph, known: set[str]) -> list:
+    """Nodes in an order where every input is produced before use (the given one if it is)."""
+    nodes = list(graph.node)
+    avail = set(known)
+    ok = True
+    for n in nodes:
+        if any(i and i not in avail for i in n.input):
+            ok = False
+            break
+        avail.update(o for o in n.output if o)
+    if ok:
+        return nodes
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    deps = [{producer[i] for i in n.input if i and i in producer} for n in nodes]
+    users: list[list[int]] = [[] for _ in nodes]
+    for k, ds in enumerate(deps):
+        for d in ds:
+            users[d].append(k)
+    indeg = [len(ds) for ds in deps]
+    ready = deque(k for k, d in enumerate(indeg) if d == 0)
+    order = []
+    while ready:
+        k = ready.popleft()
+        order.append(nodes[k])
+        for u in users[k]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                ready.append(u)
+    if len(order) != len(nodes):
+        raise FormatError("the ONNX graph has a cycle or reads values nothing produces",
+                          hint="re-export the model")
+    return order
+
+
+# --------------------------------------------------------------------------------------------
+# The import proper
+# --------------------------------------------------------------------------------------------
+class _Importer:
+    def __init__(self, model, p: Path, hw: HardwareSpec, warnings: list[str]):
+        self.model, self.p, self.hw, self.warnings = model, p, hw, warnings
+        self.g = model.graph
+        self.b = ProfileBuilder()
+        self.tid: dict[str, int] = {}           # value name -> tensor id
+        self.canonical: dict[str, str] = {}     # static pass-through value -> its parameter
+        self.requires_grad: set[str] = set()
+        self.vinfo: dict[str, tuple] = {}
+        for vi in (*self.g.input, *self.g.output, *self.g.value_info):
+            self.vinfo[vi.name] = _shape_of(vi)
+        self.inits = {}
+        for init in self.g.initializer:
+            dtype = _ONNX_DTYPES.get(init.data_type, (f"onnx_type_{init.data_type}", 4))[0]
+            self.inits[init.name] = dtype
+            self.vinfo[init.name] = (tuple(int(d) for d in init.dims), dtype,
+                                     "x".join(map(str, init.dims)))
+        self.graph_inputs = [i.name for i in self.g.input if i.name not in self.inits]
+
+    # -- values --------------------------------------------------------------------------------
+    def shape(self, name: str, node=None) -> tuple[int, ...]:
+        shape, _, dims = self.vinfo.get(name, (None, None, "unknown"))
+        if shape is None:
+            where = f" (output of {node.op_type} node '{node.name}')" if node is not None else ""
+            raise InputError(f"{self.p}: the shape of '{name}'{where} is not static: {dims}",
+                             hint=SHAPE_HINT)
+        return shape
+
+    def dtype(self, name: str) -> str:
+        return self.vinfo.get(name, (None, "float32", ""))[1]
+
+    def size_bytes(self, shape, dtype) -> int:
+        return prod(shape) * _ITEM_BYTES.get(dtype, 4)
+
+    def tensor(self, name: str) -> int:
+        """Tensor id of a value that exists before the current node (input, parameter, constant)."""
+        name = self.canonical.get(name, name)
+        if name in self.tid:
+            return self.tid[name]
+        if name in self.static:
+            kind = "parameter" if name in self.trainable else "buffer"
+        elif name in self.graph_inputs:
+            kind = "input"
+        else:  # pragma: no cover - topological order guarantees producers come first
+            raise FormatError(f"{self.p}: value '{name}' is read before it is produced")
+        self.tid[name] = self.b.add_tensor(name, kind, self.shape(name), self.dtype(name))
+        return self.tid[name]
+
+    # -- passes ----------------------------------------------------------------------------
+    def check_inputs(self) -> None:
+        bad = []
+        for name in self.graph_inputs:
+            shape, _, dims = self.vinfo[name]
+            if shape is None:
+                bad.append(f"{name} ({dims})")
+        if bad:
+            example = " ".join(f"--input-shape {n.split(' ')[0]}=..." for n in bad)
+            raise InputError(f"{self.p}: input shapes are not static: {', '.join(bad)}",
+                             hint=f"export with static input shapes, or pass {example} "
+                                  "(e.g. --input-shape name=1x3x224x224)")
+
+    def fold_constants(self, nodes) -> list:
+        """Mark static values; return the nodes that do real work, in order."""
+        self.static = set(self.inits)
+        # Float initializers are the weights; a scalar one is a constant the exporter hoisted
+        # (torch's dynamo exporter stores `x * 0.125` as an initializer), not a parameter.
+        self.trainable = {n for n, dt in self.inits.items()
+                          if dt in _FLOAT_DTYPES and prod(self.vinfo[n][0]) > 1}
+        work = []
+        for node in nodes:
+            has_subgraph = any(a.type in (5, 10) for a in node.attribute)  # GRAPH, GRAPHS
+            rule = rule_for(node.op_type, node.domain)
+            ins = [i for i in node.input if i]
+            static = node.op_type == "Constant" or (
+                not has_subgraph and not (rule is not None and rule.random) and (
+                    (node.op_type in ("Shape", "Size") and ins
+                     and self.vinfo.get(ins[0], (None,))[0] is not None)
+                    or (ins and all(i in self.static for i in ins))))
+            if not static:
+                work.append(node)
+                continue
+            outs = [o for o in node.output if o]
+            self.static.update(outs)
+            src = [self.canonical.get(i, i) for i in ins if i in self.trainable]
+            for o in outs:
+                if src and self.dtype(o) in _FLOAT_DTYPES:
+                    self.trainable.add(o)
+                    if node.op_type in _PASS_THROUGH and len(src) == 1 and ins[0] in self.trainable:
+                        self.canonical[o] = src[0]
+        return work
+
+    def run(self) -> tuple[Profile, list[str]]:
+        onnx = _onnx()
+        self.check_inputs()
+        nodes = _topo_order(self.g, set(self.inits) | set(self.graph_inputs))
+        work = self.fold_constants(nodes)
+        if not work:
+            raise InputError(f"{self.p}: the graph computes nothing from its inputs "
+                             "(every node folds to a constant)")
+        b = self.b
+        unknown: dict[str, int] = {}
+        fwd = []   # (node, rule, view, in tids, out tids, extra tids, module, name)
+        for k, node in enumerate(work):
+            rule = rule_for(node.op_type, node.domain)
+            if rule is None:
+                key = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
+                unknown[key] = unknown.get(key, 0) + 1
+                rule = unknown_rule(node.op_type)
+            view = NodeView(
+                op_type=node.op_type,
+                attrs={a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
+                       if a.type not in (5, 10)},
+                in_shapes=tuple(self.shape(i, None) if i else None for i in node.input),
+                in_dtypes=tuple(self.dtype(i) if i else None for i in node.input),
+                out_shapes=tuple(self.shape(o, node) if o else None for o in node.output),
+                out_dtypes=tuple(self.dtype(o) if o else None for o in node.output))
+            in_tids = [self.tensor(i) if i else None for i in node.input]
+            grad_in = range(len(node.input)) if rule.grad_inputs is None else rule.grad_inputs
+            in_needs = rule.differentiable and any(
+                i < len(node.input) and node.input[i]
+                and self.needs_grad(node.input[i]) for i in grad_in)
+            out_tids: list[int | None] = []
+            for j, o in enumerate(node.output):
+                if not o:
+                    out_tids.append(None)
+                    continue
+                alias_of, kind = None, "activation"
+                if rule.alias and j == 0 and in_tids and in_tids[0] is not None:
+                    root = b.tensors[in_tids[0]]
+                    alias_of = in_tids[0] if root.alias_of is None else root.alias_of
+                    root_kind = b.tensors[alias_of].kind
+                    kind = "activation" if root_kind == "activation" else root_kind
+                t = b.add_tensor(o, kind, self.shape(o, node), self.dtype(o),
+                                 size_bytes=0 if alias_of is not None else None,
+                                 recomputable=not rule.random, alias_of=alias_of)
+                self.tid[o] = t
+                out_tids.append(t)
+                grad_out = rule.grad_outputs is None or j in rule.grad_outputs
+                if in_needs and grad_out and self.dtype(o) in _FLOAT_DTYPES:
+                    self.requires_grad.add(o)
+            extra_tids = []
+            for e in rule.extras(view):
+                if e.output is not None and e.output < len(node.output) and node.output[e.output]:
+                    extra_tids.append(out_tids[e.output])
+                else:
+                    base = next((o for o in node.output if o), node.name or node.op_type)
+                    extra_tids.append(b.add_tensor(f"{base}.{e.suffix}", "activation", e.shape,
+                                                   e.dtype, recomputable=not rule.random))
+            name = node.name or f"{node.op_type}_{k}"
+            module = _module_of(node)
+            outs_all = [t for t in out_tids if t is not None]
+            outs_all += [t for t in extra_tids if t not in outs_all]
+            ins_all = [t for t in in_tids if t is not None]
+            flops = rule.fwd_flops(view)
+            if rule.alias:
+                nbytes = 0
+            elif rule.gather_like:   # reads as many data bytes as it writes, plus the indices
+                nbytes = 2 * sum(b.tensors[t].size_bytes for t in outs_all) + sum(
+                    b.tensors[t].size_bytes for t in dict.fromkeys(ins_all[1:]))
+            else:
+                nbytes = self.touched(ins_all + outs_all)
+            b.add_op(name, _target(node), "forward", ins_all, outs_all, module=module,
+                     flops=flops, bytes=nbytes, time_us=self.hw.roofline_us(flops, nbytes))
+            fwd.append((node, rule, view, in_tids, out_tids, extra_tids, module, name))
+        if unknown:
+            listed = ", ".join(f"{t} (x{c})" for t, c in sorted(unknown.items()))
+            self.warnings.append(
+                f"no backward rule for op type(s) {listed}: treated conservatively (every input "
+                "saved, backward = 2x forward); saved bytes and times are estimates there")
+        for node in work:
+            if any(a.type in (5, 10) for a in node.attribute):
+                self.warnings.append(f"{node.op_type} node '{node.name}' has a subgraph; its body "
+                                     "is treated as one opaque op")
+        self.backward(fwd)
+        opset = next((o.version for o in self.model.opset_import if o.domain in ("", "ai.onnx")),
+                     None)
+        producer = " ".join(x for x in (self.model.producer_name, self.model.producer_version) if x)
+        shapes = {n: list(self.shape(n)) for n in self.graph_inputs}
+        workload = {"name": self.p.stem, "path": str(self.p.resolve()), "source": "onnx",
+                    "input_shapes": shapes,
+                    "input_dtypes": {n: self.dtype(n) for n in self.graph_inputs},
+                    "loss": self.loss_desc}
+        env = {"torch_version": None, "device": "onnx", "device_name": None,
+               "hardware": self.hw.name, "onnx_opset": opset, "producer": producer or None}
+        extra = {"forward_flops": sum(o.flops for o in b.ops if o.phase == "forward"),
+                 "backward_flops": sum(o.flops for o in b.ops if o.phase == "backward"),
+                 "warnings": list(self.warnings)}
+        return b.build(workload=workload, env=env, summary_extra=extra), self.warnings
+
+    def needs_grad(self, name: str) -> bool:
+        name = self.canonical.get(name, name)
+        return name in self.requires_grad or name in self.trainable
+
+    def touched(self, tids) -> int:
+        """Bytes an op reads and writes: each distinct tensor once, views at their root's size."""
+        total = 0
+        for t in dict.fromkeys(tids):
+            bt = self.b.tensors[t]
+            total += (self.b.tensors[bt.alias_of].size_bytes if bt.alias_of is not None
+                      else bt.size_bytes)
+        return total
+
+    # -- loss and backward -------------------------------------------------------------------
+    def backward(self, fwd) -> None:
+        b = self.b
+        out_name = self.g.output[0].name
+        out_name = self.canonical.get(out_name, out_name)
+        if out_name not in self.requires_grad:
+            raise InputError(f"{self.p}: the first graph output '{out_name}' does not depend on "
+                             "any trainable parameter, so there is no training step to profile",
+                             hint="export the model whose first output is the logits or the loss")
+        out_t = self.tid[out_name]
+        out_shape, out_dtype = self.shape(out_name), self.dtype(out_name)
+        seed = b.add_tensor("grad_loss", "input", (), "float32")
+        grad: dict[int, int] = {}
+        if prod(out_shape) == 1:
+            self.loss_desc = f"the graph output '{out_name}' (a scalar)"
+            grad[out_t] = seed
+        else:
+            self.loss_desc = f"mean of the graph output '{out_name}'"
+            loss = b.add_tensor("loss", "activation", (), "float32")
+            n, size = prod(out_shape), b.tensors[out_t].size_bytes
+            b.add_op("loss", "onnx.loss.mean", "forward", (out_t,), (loss,), flops=n,
+                     bytes=size + 4, time_us=self.hw.roofline_us(n, size + 4))
+            g = b.add_tensor(f"grad.{out_name}", "activation", out_shape, out_dtype)
+            b.add_op("loss.backward", "onnx.loss.mean.backward", "backward", (seed,), (g,),
+                     flops=n, bytes=size + 4, time_us=self.hw.roofline_us(n, size + 4))
+            grad[out_t] = g
+
+        for node, rule, view, in_tids, out_tids, extra_tids, module, name in reversed(fwd):
+            if not rule.differentiable:
+                continue
+            gys = [grad[t] for j, t in enumerate(out_tids)
+                   if t is not None and t in grad
+                   and (rule.grad_outputs is None or j in rule.grad_outputs)]
+            if not gys:
+                continue   # no path from this node to the loss
+            grad_in = range(len(node.input)) if rule.grad_inputs is None else rule.grad_inputs
+            need = frozenset(i for i in grad_in if i < len(node.input) and node.input[i]
+                             and self.needs_grad(node.input[i]))
+            if not need:
+                continue
+            saved = []
+            for kind, i in rule.saves(view, need):
+                src = in_tids if kind == "in" else out_tids if kind == "out" else extra_tids
+                if i < len(src) and src[i] is not None:
+                    saved.append(src[i])
+            outputs, accum = [], []
+            for i in sorted(need):
+                t = in_tids[i]
+                if t in outputs or t in accum:
+                    continue
+                if t in grad:            # another consumer already started this gradient
+                    accum.append(grad[t])
+                    continue
+                ft = b.tensors[t]
+                if ft.kind in ("parameter", "buffer", "input"):
+                    g = b.add_tensor(f"grad.{ft.name}", "gradient", ft.shape, ft.dtype,
+                                     recomputable=False)
+                elif rule.alias and len(gys) == 1:   # a view's gradient is a view of the gradient
+                    g = b.add_tensor(f"grad.{ft.name}", "activation", ft.shape, ft.dtype,
+                                     size_bytes=0, alias_of=gys[0])
+                else:
+                    g = b.add_tensor(f"grad.{ft.name}", "activation", ft.shape, ft.dtype)
+                grad[t] = g
+                outputs.append(g)
+            accum_tids = accum
+            ins = list(dict.fromkeys(gys + saved + accum_tids))
+            flops = rule.bwd_flops(view, need) + sum(prod(b.tensors[a].shape) for a in accum_tids)
+            pure_view = rule.alias and not accum_tids
+            nbytes = 0 if pure_view else self.touched(ins + outputs)
+            b.add_op(f"{name}.backward", f"{_target(node)}.backward", "backward", ins, outputs,
+                     module=module, flops=flops, bytes=nbytes,
+                     time_us=self.hw.roofline_us(flops, nbytes))
+
+
+def _target(node) -> str:
+    dom = node.domain if node.domain not in ("", "ai.onnx") else ""
+    return f"onnx.{dom + '.' if dom else ''}{node.op_type}"
