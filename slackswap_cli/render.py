@@ -1,0 +1,450 @@
+"""Terminal views of profiles, plans and simulated steps, as Rich renderables.
+
+Every function here takes data and returns renderables (tables, text); none prints or exits,
+so `cli.py` decides where output goes and tests render into a recording console. This is the
+only module besides `cli.py` that imports Rich.
+
+**Layers.** A model of 48 identical blocks should read as one row, not 48. Module paths name
+the blocks with an index (`transformer.h.3.mlp`, `model.layers.3.self_attn`,
+`bert.encoder.layer.11.output`): `layer_container` finds the numbered container with the most
+distinct indices (`transformer.h`), `layer_of` maps a module path to its block
+(`transformer.h.3`) or, outside the blocks, to a short prefix (`transformer.wte`, `lm_head`).
+Consecutive blocks whose numbers agree (within 10% for times) collapse into one row,
+`transformer.h.0-47 (x48)`, showing per-block values.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Sequence
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from .hardware import HardwareSpec
+from .schema import Plan, Predicted, Profile
+
+UNATTRIBUTED = "(unattributed)"
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+# --------------------------------------------------------------------------------------------
+# formatting
+# --------------------------------------------------------------------------------------------
+def fmt_bytes(n: float | int | None) -> str:
+    """Binary units with two decimals: 1.50 GiB, 12.00 MiB, 512 B."""
+    if n is None:
+        return "-"
+    x = float(n)
+    if abs(x) < 1024:
+        return f"{int(x)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        x /= 1024.0
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def fmt_us(us: float | None) -> str:
+    """A duration given in microseconds: 12.3 us, 1.23 ms, 4.56 s."""
+    if us is None:
+        return "-"
+    a = abs(us)
+    if a < 1000:
+        return f"{us:.1f} us"
+    if a < 1e6:
+        return f"{us / 1e3:.2f} ms"
+    return f"{us / 1e6:.2f} s"
+
+
+def fmt_pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _short_target(target: str) -> str:
+    t = target[5:] if target.startswith("aten.") else target
+    return t[:-8] if t.endswith(".default") else t
+
+
+# --------------------------------------------------------------------------------------------
+# layers
+# --------------------------------------------------------------------------------------------
+def layer_container(modules: Iterable[str]) -> str | None:
+    """The numbered container of the repeated blocks: the module-path prefix followed by an
+    index that takes the most distinct values ("transformer.h" for "transformer.h.3.mlp")."""
+    indices: dict[str, set[str]] = {}
+    for m in set(modules):
+        parts = m.split(".") if m else []
+        for k, part in enumerate(parts):
+            if part.isdigit():
+                indices.setdefault(".".join(parts[:k]), set()).add(part)
+                break   # the outermost numbered container only
+    if not indices:
+        return None
+    best = max(indices, key=lambda c: (len(indices[c]), -len(c)))
+    return best if len(indices[best]) >= 2 else None
+
+
+def layer_of(module: str, container: str | None) -> str:
+    """The block a module path belongs to (see the module docstring)."""
+    if not module:
+        return UNATTRIBUTED
+    parts = module.split(".")
+    if container is not None:
+        cparts = container.split(".") if container else []
+        n = len(cparts)
+        if parts[:n] == cparts and len(parts) > n and parts[n].isdigit():
+            return ".".join(parts[:n + 1])
+        return ".".join(parts[:max(1, n)])
+    return parts[0]
+
+
+def _layer_index(name: str, container: str | None) -> int | None:
+    if container is None:
+        return None
+    prefix = f"{container}." if container else ""
+    if name.startswith(prefix) and name[len(prefix):].isdigit():
+        return int(name[len(prefix):])
+    return None
+
+
+def _close(a: float, b: float, tol: float = 0.10) -> bool:
+    return abs(a - b) <= tol * max(abs(a), abs(b), 1e-9)
+
+
+def _collapse(rows: list[tuple[str, tuple]], container: str | None,
+              same) -> list[tuple[str, int, tuple]]:
+    """Merge runs of consecutive numbered blocks whose values `same(a, b)` agree.
+    Returns (label, count, values of the run's first block averaged) per row."""
+    out: list[tuple[str, int, list]] = []
+    run: list[tuple[int, tuple]] = []
+
+    def flush():
+        if not run:
+            return
+        first, last = run[0][0], run[-1][0]
+        n = len(run)
+        pre = f"{container}." if container else ""
+        label = f"{pre}{first}" if n == 1 else f"{pre}{first}-{last} (x{n})"
+        vals = tuple(sum(v[k] for _, v in run) / n if isinstance(run[0][1][k], float)
+                     else run[0][1][k] for k in range(len(run[0][1])))
+        out.append((label, n, vals))
+        run.clear()
+
+    for name, vals in rows:
+        idx = _layer_index(name, container)
+        if idx is not None and run and idx == run[-1][0] + 1 and same(run[0][1], vals):
+            run.append((idx, vals))
+            continue
+        flush()
+        if idx is not None:
+            run.append((idx, vals))
+        else:
+            out.append((name, 1, vals))
+    flush()
+    return out
+
+
+def _op_layers(profile: Profile) -> tuple[list[str], str | None]:
+    container = layer_container(op.module for op in profile.ops)
+    cache: dict[str, str] = {}
+    out = []
+    for op in profile.ops:
+        lay = cache.get(op.module)
+        if lay is None:
+            lay = cache[op.module] = layer_of(op.module, container)
+        out.append(lay)
+    return out, container
+
+
+def _ordered_layers(profile: Profile, layers: list[str]) -> list[str]:
+    seen: dict[str, None] = {}
+    for i in range(len(profile.ops)):
+        seen.setdefault(layers[i], None)
+    return list(seen)
+
+
+# --------------------------------------------------------------------------------------------
+# profile
+# --------------------------------------------------------------------------------------------
+def _kv_table(title: str, rows: Sequence[tuple[str, str | Text]]) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def profile_views(profile: Profile, top: int = 10) -> list:
+    """Totals, a per-layer table, and the largest saved activations."""
+    ops = profile.ops
+    nf = profile.n_forward
+    fwd_us = sum(o.time_us for o in ops[:nf])
+    bwd_us = sum(o.time_us for o in ops[nf:])
+    saved = profile.saved_activations
+    saved_bytes = sum(t.size_bytes for t in saved)
+    peak = profile.summary.get("peak_activation_bytes")
+    if peak is None:
+        from .profile_build import keep_all_peak_bytes
+        peak = keep_all_peak_bytes(profile)
+    sources: dict[str, int] = {}
+    for o in ops:
+        sources[o.time_source] = sources.get(o.time_source, 0) + 1
+    hw = profile.env.get("hardware")
+    device = profile.env.get("device_name") or profile.env.get("device")
+    wl = profile.workload.get("name") or profile.workload.get("path") or "?"
+    totals = _kv_table("Profile", [
+        ("workload", str(wl)),
+        ("ops", f"{len(ops)} ({nf} forward, {len(ops) - nf} backward)"),
+        ("forward time", fmt_us(fwd_us)),
+        ("backward time", fmt_us(bwd_us)),
+        ("saved activations", f"{fmt_bytes(saved_bytes)} in {len(saved)} tensors"),
+        ("keep-all peak", fmt_bytes(peak)),
+        ("time source", ", ".join(f"{k} ({v} ops)" for k, v in sorted(sources.items())) or "-"),
+        ("hardware", f"{hw or '-'}" + (f" (traced on {device})" if device else "")),
+        ("fingerprint", profile.fingerprint),
+    ])
+
+    layers, container = _op_layers(profile)
+    stats: dict[str, list] = {name: [0.0, 0.0, 0, 0, 0] for name in _ordered_layers(profile,
+                                                                                       layers)}
+    for o in ops:
+        s = stats[layers[o.id]]
+        s[0 if o.id < nf else 1] += o.time_us
+        s[4] += 1
+    for t in saved:
+        s = stats[layers[t.producer]]
+        s[2] += t.size_bytes
+        s[3] += 1
+    rows = [(name, (float(v[0]), float(v[1]), v[2], v[3], v[4])) for name, v in stats.items()]
+    merged = _collapse(rows, container,
+                       lambda a, b: a[2:] == b[2:] and _close(a[0], b[0]) and _close(a[1], b[1]))
+    per_layer = Table(title="Per layer" + (" (collapsed rows show one block)"
+                                           if any(n > 1 for _, n, _ in merged) else ""),
+                      title_justify="left")
+    per_layer.add_column("layer")
+    per_layer.add_column("ops", justify="right")
+    per_layer.add_column("forward", justify="right")
+    per_layer.add_column("backward", justify="right")
+    per_layer.add_column("saved", justify="right")
+    per_layer.add_column("tensors", justify="right")
+    for label, _, v in merged:
+        per_layer.add_row(label, str(v[4]), fmt_us(v[0]), fmt_us(v[1]), fmt_bytes(v[2]),
+                          str(v[3]))
+
+    biggest = Table(title=f"Largest saved activations (top {min(top, len(saved))} of "
+                          f"{len(saved)})", title_justify="left")
+    for col, just in (("tensor", "left"), ("shape", "left"), ("dtype", "left"),
+                      ("size", "right"), ("producer", "left"), ("module", "left"),
+                      ("recompute", "right"), ("per MiB", "right")):
+        biggest.add_column(col, justify=just)
+    for t in sorted(saved, key=lambda t: (-t.size_bytes, t.id))[:top]:
+        op = ops[t.producer]
+        rc = op.time_us
+        per_mib = rc / (t.size_bytes / 2**20) if t.size_bytes else None
+        biggest.add_row(t.name, "x".join(map(str, t.shape)) or "()", t.dtype,
+                        fmt_bytes(t.size_bytes), _short_target(op.target), op.module or "-",
+                        fmt_us(rc) if t.recomputable else "random: no",
+                        fmt_us(per_mib) if per_mib is not None and t.recomputable else "-")
+    return [totals, per_layer, biggest]
+
+
+# --------------------------------------------------------------------------------------------
+# plan
+# --------------------------------------------------------------------------------------------
+def memory_chart(memory: Sequence[tuple[float, int]], budget_bytes: int | None,
+                 step_us: float | None = None, width: int = 60, height: int = 8) -> Text:
+    """Activation memory over the step as a bar chart of `width` columns (the highest value in
+    each time slice), with the budget drawn as a line."""
+    if not memory:
+        return Text("(no memory timeline: simulate with record=True)", style="dim")
+    end = step_us if step_us else max(t for t, _ in memory)
+    end = end or 1.0
+    cols = [0] * width
+    cur = 0
+    k = 0
+    pts = sorted(memory, key=lambda x: x[0])
+    for c in range(width):
+        lo, hi = c * end / width, (c + 1) * end / width
+        # the value carried in from the left holds at `lo` unless a point sits exactly there
+        m = cur if not (k < len(pts) and pts[k][0] <= lo) else 0
+        while k < len(pts) and (pts[k][0] < hi or (c == width - 1 and pts[k][0] <= hi)):
+            cur = pts[k][1]
+            m = max(m, cur)
+            k += 1
+        cols[c] = m
+    peak = max(max(cols), max(m for _, m in pts))
+    scale = max(peak, budget_bytes or 0) or 1
+    budget_row = None
+    if budget_bytes:
+        budget_row = min(height - 1, int(budget_bytes / scale * height - 1e-9))
+    labels = {height - 1: fmt_bytes(scale), 0: "0"}
+    if budget_row is not None:
+        labels[budget_row] = f"budget {fmt_bytes(budget_bytes)}"
+    lw = max(len(v) for v in labels.values())
+    text = Text()
+    for row in range(height - 1, -1, -1):
+        text.append(f"{labels.get(row, ''):>{lw}} ", style="dim")
+        text.append("│", style="dim")
+        for v in cols:
+            level = v / scale * height - row       # how much of this cell the bar fills
+            over = budget_bytes is not None and v > budget_bytes
+            if level >= 1:
+                text.append("█", style="red" if over else "cyan")
+            elif level > 0:
+                text.append(_BLOCKS[max(1, int(level * 8))], style="red" if over else "cyan")
+            elif row == budget_row:
+                text.append("─", style="yellow")
+            else:
+                text.append(" ")
+        text.append("\n")
+    text.append(" " * lw + " └" + "─" * width + "\n", style="dim")
+    right = fmt_us(end)
+    text.append(" " * (lw + 2) + "0" + right.rjust(width - 1), style="dim")
+    return text
+
+
+def _why(action: str, t, rc_us: float, copy_us: float, late_us: float | None) -> str:
+    mib = t.size_bytes / 2**20
+    per_mib = f"{fmt_us(rc_us / mib)} per MiB" if mib else "empty"
+    if action == "swap":
+        hidden = ("copy hidden" if late_us is not None and late_us <= 0 else
+                  f"prefetch late by {fmt_us(late_us)}" if late_us is not None else
+                  f"{fmt_us(copy_us)} copy each way")
+        if not t.recomputable:
+            return f"swap: random op output, cannot recompute; {hidden}"
+        return f"swap: {fmt_us(rc_us)} to recompute, {hidden}"
+    if action == "recompute":
+        return f"recompute: {fmt_us(rc_us)} ({per_mib}) vs {fmt_us(copy_us)} copy"
+    if not t.recomputable:
+        return f"keep: random op output (cannot recompute), {fmt_us(copy_us)} copy"
+    return f"keep: would cost {fmt_us(rc_us)} to recompute or a {fmt_us(copy_us)} copy"
+
+
+def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list:
+    """Summary, bytes per action, actions per layer, biggest tensors with their action and why,
+    and memory over time (from `result`, a SimResult, when given)."""
+    pr: Predicted = result.predicted if result is not None else plan.predicted
+    feasible = result.feasible if result is not None else plan.feasible
+    reason = getattr(result, "reason", None)
+    hwd = plan.hardware or {}
+    budget = plan.budget_bytes
+    keep_all = profile.summary.get("peak_activation_bytes")
+    budget_txt = fmt_bytes(budget)
+    if plan.budget_fraction is not None:
+        budget_txt += f" ({plan.budget_fraction:g} of the keep-all peak"
+        budget_txt += f" {fmt_bytes(keep_all)})" if keep_all else ")"
+    feas = Text("yes", style="green") if feasible else Text("NO", style="bold red")
+    if not feasible and reason:
+        feas.append(f": {reason}", style="red")
+    stall_txt = fmt_us(pr.stall_us)
+    if pr.stall_by_cause:
+        stall_txt += " (" + ", ".join(f"{k.replace('_', ' ')} {fmt_us(v)}"
+                                      for k, v in sorted(pr.stall_by_cause.items())) + ")"
+    slowdown = pr.step_us / pr.ideal_us - 1 if pr.ideal_us else 0.0
+    rows = [
+        ("planner", plan.planner),
+        ("hardware", str(hwd.get("name", "?"))),
+        ("feasible", feas),
+        ("budget", budget_txt),
+        ("peak", f"{fmt_bytes(pr.peak_bytes)} ({fmt_pct(pr.peak_bytes / budget)} of budget)"
+         if budget else fmt_bytes(pr.peak_bytes)),
+        ("retention", Text(fmt_pct(pr.retention), style="bold")),
+        ("step", f"{fmt_us(pr.step_us)} vs ideal {fmt_us(pr.ideal_us)} (+{fmt_pct(slowdown)})"),
+        ("stall", stall_txt),
+        ("recompute", f"{fmt_us(pr.recompute_us)} ({fmt_bytes(pr.recomputed_bytes)} "
+                      "re-produced)"),
+        ("copied", f"{fmt_bytes(pr.swapped_bytes)} to host, "
+                   f"{fmt_bytes(pr.prefetched_bytes)} back"),
+        ("solve time", f"{plan.solve_ms:.1f} ms"),
+    ]
+    for note in plan.notes:
+        rows.append(("note", note))
+    summary = _kv_table("Plan", rows)
+
+    actions = plan.actions()
+    saved = profile.saved_activations
+    act_of = {t.id: actions.get(t.id, "keep") for t in saved}
+    total = sum(t.size_bytes for t in saved) or 1
+    per_action = Table(title="Bytes per action", title_justify="left")
+    for col in ("action", "tensors", "bytes", "share"):
+        per_action.add_column(col, justify="left" if col == "action" else "right")
+    for a in ("keep", "swap", "recompute"):
+        ts = [t for t in saved if act_of[t.id] == a]
+        b = sum(t.size_bytes for t in ts)
+        per_action.add_row(a, str(len(ts)), fmt_bytes(b), fmt_pct(b / total))
+
+    layers, container = _op_layers(profile)
+    order = _ordered_layers(profile, layers)
+    per = {name: [0, 0, 0, 0, 0, 0] for name in order}
+    for t in saved:
+        k = ("keep", "swap", "recompute").index(act_of[t.id])
+        s = per[layers[t.producer]]
+        s[2 * k] += 1
+        s[2 * k + 1] += t.size_bytes
+    rows_l = [(name, tuple(v)) for name, v in per.items() if any(v)]
+    merged = _collapse(rows_l, container, lambda a, b: a == b)
+    per_layer = Table(title="Actions per layer", title_justify="left")
+    per_layer.add_column("layer")
+    for a in ("keep", "swap", "recompute"):
+        per_layer.add_column(a, justify="right")
+    for label, _, v in merged:
+        per_layer.add_row(label, *(f"{int(v[2 * k])}  {fmt_bytes(v[2 * k + 1])}" if v[2 * k]
+                                   else "-" for k in range(3)))
+
+    hw = None
+    try:
+        hw = HardwareSpec.from_dict(dict(hwd)) if hwd else None
+    except Exception:   # a plan from elsewhere with odd hardware: explain without copy times
+        hw = None
+    late: dict[int, float] = {}
+    if result is not None and result.events:
+        op_start = {e.op: e.start_us for e in result.events if e.kind == "op"}
+        for e in result.schedule:
+            if e.kind == "prefetch":
+                fb = profile.first_backward_use(e.tensor)
+                if fb is not None and fb in op_start:
+                    late[e.tensor] = e.end_us - op_start[fb]
+    biggest = Table(title=f"Largest saved activations and their action (top "
+                          f"{min(top, len(saved))})", title_justify="left")
+    for col, just in (("tensor", "left"), ("layer", "left"), ("size", "right"),
+                      ("action", "left"), ("why", "left")):
+        biggest.add_column(col, justify=just)
+    styles = {"keep": "green", "swap": "cyan", "recompute": "yellow"}
+    for t in sorted(saved, key=lambda t: (-t.size_bytes, t.id))[:top]:
+        a = act_of[t.id]
+        rc = profile.ops[t.producer].time_us
+        cp = hw.copy_us(t.size_bytes, "d2h") if hw else 0.0
+        biggest.add_row(t.name, layers[t.producer], fmt_bytes(t.size_bytes),
+                        Text(a, style=styles[a]), _why(a, t, rc, cp, late.get(t.id)))
+
+    chart_title = Text("Activation memory over the step", style="italic")
+    chart = memory_chart(result.memory if result is not None else (), budget, pr.step_us)
+    return [summary, per_action, per_layer, biggest, Group(chart_title, chart)]
+
+
+# --------------------------------------------------------------------------------------------
+# compare
+# --------------------------------------------------------------------------------------------
+def compare_table(rows: Sequence[dict], budget_bytes: int | None = None) -> Table:
+    """One row per planner: rows are dicts {planner, feasible, predicted, solve_ms}."""
+    title = "Planners compared" + (f" at a {fmt_bytes(budget_bytes)} budget"
+                                   if budget_bytes else "")
+    table = Table(title=title, title_justify="left")
+    for col, just in (("planner", "left"), ("feasible", "left"), ("retention", "right"),
+                      ("step", "right"), ("peak", "right"), ("stall", "right"),
+                      ("recompute", "right"), ("to host", "right"), ("solve", "right")):
+        table.add_column(col, justify=just)
+    best = max((r["predicted"].retention for r in rows if r["feasible"]), default=None)
+    for r in rows:
+        p: Predicted = r["predicted"]
+        is_best = r["feasible"] and best is not None and p.retention == best
+        table.add_row(
+            Text(r["planner"], style="bold" if is_best else ""),
+            Text("yes", style="green") if r["feasible"] else Text("no", style="red"),
+            Text(fmt_pct(p.retention), style="bold green" if is_best else ""),
+            fmt_us(p.step_us), fmt_bytes(p.peak_bytes), fmt_us(p.stall_us),
+            fmt_us(p.recompute_us), fmt_bytes(p.swapped_bytes),
+            f"{r.get('solve_ms', 0.0):.1f} ms")
+    return table
