@@ -1,0 +1,234 @@
+"""`slackswap apply`: turn a plan into a patched training module (one readable Python file).
+
+How: re-trace the workload's training step into the same joint forward+backward graph the
+profile came from (with fake tensors: nothing is allocated), check that it *is* the same graph
+(its profile fingerprint equals the plan's), split it by the plan into a forward and a backward
+step (`partition`), and write both as plain Python calling aten ops, with the plan's
+`keep` / `offload` / `prefetch` / `wait` calls and recompute chains in place. Tensor names in
+the file are the profile's tensor names (fx node names), so every line can be traced back to a
+tensor id of the profile and a decision of the plan.
+
+The emitted file imports only torch and `slackswap_cli.runtime`. `patch(model)` returns a
+module sharing the model's parameters and buffers whose forward takes the workload's inputs and
+returns the loss; the two steps run inside one `torch.autograd.Function`
+(`runtime.PatchedStep`), so `loss.backward()` fills `.grad` of the original parameters.
+"""
+from __future__ import annotations
+
+import hashlib
+import pprint
+from pathlib import Path
+from typing import Any
+
+from .errors import FingerprintMismatch, InputError, TraceError
+from .schema import Plan, Profile
+
+GENERATOR_VERSION = 1
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """Hash of what the patched module does: the decisions and prefetch points of a plan."""
+    h = hashlib.sha256()
+    h.update(plan.profile_fingerprint.encode())
+    for d in sorted(plan.decisions, key=lambda d: d.tensor):
+        h.update(f"{d.tensor}|{d.action}|{d.prefetch_at};".encode())
+    for ev in plan.schedule:
+        if ev.kind == "prefetch":
+            h.update(f"p{ev.tensor}@{ev.issue_op};".encode())
+    return h.hexdigest()[:16]
+
+
+def trace_fake(path: str, entry: str, args: dict | None, device: str | None, real: bool = False):
+    """(joint graph, workload) of the workload at `path`, traced with fake tensors when possible.
+
+    Fake tensors allocate nothing, so a model too large for this machine can still be applied.
+    A workload that builds part of its model outside `workload()` cannot be faked; it is then
+    loaded and traced for real.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .trace.joint import capture_joint
+    from .trace.workload import load_workload
+    dev = None if device in (None, "fake", "cpu") else device
+    work = None
+    if not real:
+        try:
+            work = load_workload(path, entry, args, fake_mode=FakeTensorMode(), device=dev)
+        except TraceError:
+            work = None
+    if work is None:
+        work = load_workload(path, entry, args, device=dev)
+    joint = capture_joint(work.model, work.inputs, work.loss_fn)
+    return joint, work
+
+
+def joint_fingerprint(joint) -> str:
+    """The profile fingerprint of a joint graph (times do not enter it, so any preset will do)."""
+    from .hardware import PRESETS
+    from .trace.graph_profile import joint_to_profile
+    prof = joint_to_profile(joint, workload={}, env={}, hardware=PRESETS["a100-pcie4"])
+    return prof.fingerprint
+
+
+def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
+               entry: str | None = None, args: dict | None = None) -> str:
+    """The source of the patched module that carries `plan` out on the workload of `profile`.
+
+    The workload file is `model_path`, else the plan's `model_path`, else the profile's
+    `workload.path`; `entry`/`args` default to the profile's. Raises InputError for an ONNX
+    profile (nothing to patch), a plan made for another profile, or a plan that cannot be
+    carried out; FingerprintMismatch when the workload now traces differently from its profile.
+    """
+    if profile.workload.get("source") == "onnx" or str(profile.workload.get("path", "")).endswith(".onnx"):
+        raise InputError("an ONNX profile cannot be applied: there is no PyTorch training step to patch",
+                         hint="profile the PyTorch workload (model.py) to get a plan `apply` can carry out")
+    plan.check_profile(profile)
+    path = model_path or plan.model_path or profile.workload.get("path")
+    if not path:
+        raise InputError("the profile does not record its workload file",
+                         hint="pass the workload file with --model model.py")
+    if not Path(path).exists():
+        raise InputError(f"workload file {path} does not exist",
+                         hint="pass the workload file with --model model.py")
+    entry = entry or profile.workload.get("entry") or "workload"
+    args = dict(profile.workload.get("args") or {}) if args is None else dict(args)
+    joint, work = trace_fake(str(path), entry, args, profile.env.get("device"))
+    fp = joint_fingerprint(joint)
+    if fp != profile.fingerprint:
+        raise FingerprintMismatch(
+            f"{path} now traces to graph {fp}, but the profile was made from graph "
+            f"{profile.fingerprint}",
+            hint="the model, its inputs or torch changed: re-run `slackswap profile` and `slackswap plan`")
+    workload_ref = {"path": str(Path(path).resolve()), "entry": entry, "args": args,
+                    "name": profile.workload.get("name", Path(path).stem)}
+    from .partition import UnknownConstant
+    try:
+        return emit_module(joint, work, profile, plan, workload_ref=workload_ref)
+    except UnknownConstant:
+        # the step reads a tensor made inside the workload but outside the inputs (say labels a
+        # loss_fn closes over): only a real trace knows its values, which the file then embeds
+        joint, work = trace_fake(str(path), entry, args, profile.env.get("device"), real=True)
+        return emit_module(joint, work, profile, plan, workload_ref=workload_ref)
+
+
+def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict) -> str:
+    """Write the patched module for an already traced joint graph (see `apply_plan`)."""
+    import torch.utils._pytree as pytree
+
+    from .partition import partition, render
+
+    params = dict(work.model.named_parameters())
+    buffers = dict(work.model.named_buffers())
+    ref = next(iter(params.values()))
+    device_type = ref.device.type
+    step = partition(joint.gm, joint.phase, profile, plan,
+                     [n.name for n in joint.placeholders()], device_type)
+    tensors = [n.meta.get("val") for n in joint.placeholders()]
+    n_p, n_b = len(joint.param_names), len(joint.buffer_names)
+    input_vals = tensors[n_p + n_b:-1]
+    meta: dict[str, Any] = {
+        "generator_version": GENERATOR_VERSION,
+        "profile_fingerprint": profile.fingerprint,
+        "plan_fingerprint": plan_fingerprint(plan),
+        "workload": workload_ref,
+        "device_type": device_type,
+        "params": [[n, list(p.shape), str(p.dtype)] for n, p in params.items()],
+        "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in buffers.items()],
+        "grad_param_index": list(joint.grad_param_index),
+        "input_spec": pytree.treespec_dumps(joint.input_spec),
+        "input_is_tensor": list(joint.input_leaf_is_tensor),
+        "input_tensors": [[list(v.shape), str(v.dtype)] for v in input_vals],
+        "input_constants": [repr(c) for c in joint.input_constants],
+        "budget_bytes": plan.budget_bytes,
+        "budget_fraction": plan.budget_fraction,
+        "planner": plan.planner,
+        "predicted": {"peak_bytes": plan.predicted.peak_bytes, "step_us": plan.predicted.step_us,
+                      "ideal_us": plan.predicted.ideal_us, "retention": plan.predicted.retention},
+        "kept": step.kept, "swapped": step.swapped, "recomputed": step.recomputed,
+    }
+    fwd_args = ", ".join(["_s", "_device", *step.forward_args])
+    bwd_args = ", ".join(["_s", "_device", *step.forward_args, step.tangent])
+    names = {"params": joint.param_names, "buffers": joint.buffer_names}
+    ph = step.forward_args
+    mapping = [f"#   {ph[i]:<16} parameter {names['params'][i]}" for i in range(n_p)]
+    mapping += [f"#   {ph[n_p + i]:<16} buffer {names['buffers'][i]}" for i in range(n_b)]
+    mapping += [f"#   {ph[n_p + n_b + i]:<16} input {i}" for i in range(len(ph) - n_p - n_b)]
+    frac = f" ({plan.budget_fraction:g} of the keep-all peak)" if plan.budget_fraction else ""
+    n_saved = len(profile.saved_activations)
+    actions = plan.actions()
+    counts = {a: sum(1 for t in profile.saved_activations if actions.get(t.id, "keep") == a)
+              for a in ("keep", "swap", "recompute")}
+    header = f'''\
+"""Patched training step of workload '{workload_ref["name"]}', written by `slackswap apply`.
+
+Plan: planner {plan.planner}, activation budget {plan.budget_bytes} bytes{frac}; of {n_saved} saved
+activations it keeps {counts["keep"]}, swaps {counts["swap"]} to host memory and recomputes {counts["recompute"]}.
+Predicted: peak {plan.predicted.peak_bytes} bytes, step {plan.predicted.step_us:.1f} us (ideal {plan.predicted.ideal_us:.1f} us).
+
+Use it in a training loop (one line changes):
+
+    from {{this module}} import patch
+    step = patch(model)            # shares model's parameters and buffers
+    loss = step(*inputs)           # or step(**inputs): the workload's inputs, same form
+    loss.backward(); optimizer.step()
+
+The file runs only the workload it was made for: other input shapes, another model or another
+device raise an error that says to re-profile. Names below are the profile's tensor names.
+"""
+import torch
+from slackswap_cli import runtime as rt
+
+aten = torch.ops.aten
+
+META = {pprint.pformat(meta, width=100, sort_dicts=False)}
+
+# Placeholders:
+{chr(10).join(mapping)}
+'''
+    body = f'''
+
+def forward_step({fwd_args}):
+    """Forward and loss; keeps, offloads or drops each saved activation as the plan says."""
+{render(step.forward)}
+
+
+def backward_step({bwd_args}):
+    """Backward; takes kept tensors, waits for swapped ones, recomputes the rest before use."""
+{render(step.backward)}
+
+
+def patch(model, check_trace=True):
+    """A module that runs `model`'s training step under the plan (see the module docstring).
+
+    check_trace: re-trace the model once with fake tensors and refuse it if its graph differs
+    from the profile's (a changed model or torch version).
+    """
+    return rt.PatchedStep(model, META, forward_step, backward_step, check_trace=check_trace)
+'''
+    return header + body
+
+
+def load_patched(path: str):
+    """Import a patched module file (a fresh module object each call)."""
+    import importlib.util
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"patched module {p} does not exist", hint="write one with `slackswap apply`")
+    digest = hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:10]
+    spec = importlib.util.spec_from_file_location(f"slackswap_patched_{digest}", p)
+    if spec is None or spec.loader is None:
+        raise InputError(f"{p} cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001
+        raise InputError(f"importing {p} failed: {type(exc).__name__}: {exc}",
+                         hint="regenerate it with `slackswap apply`") from None
+    if not hasattr(module, "patch") or not hasattr(module, "META"):
+        raise InputError(f"{p} is not a module written by `slackswap apply`",
+                         hint="pass the file `slackswap apply -o` wrote")
+    return module
+
+
+__all__ = ["apply_plan", "emit_module", "plan_fingerprint", "trace_fake", "joint_fingerprint",
+           "load_patched"]

@@ -1,0 +1,435 @@
+"""The swap engine a patched module (`slackswap apply`) runs on.
+
+A patched training step keeps some saved activations, recomputes others and *swaps* the rest:
+copies them to host memory right after forward produces them, frees the device copy, and
+copies them back ahead of their use in backward. This module does the copying, safely:
+
+- **Host buffers** come from a pool keyed by (shape, stride, dtype): pinned (page-locked) on
+  CUDA so copies are true DMA and can overlap compute, reused across steps (pinning is slow, so
+  we pin once). A buffer goes back to the pool once the copy that reads it has finished.
+- **Streams**: D2H copies run on one side stream, H2D copies on another, so both overlap the
+  compute stream and each other (PCIe is full duplex).
+- **Safety on CUDA**: a side stream first waits for the compute stream (the tensor must be
+  written before it is read; a prefetch target must not be written while the compute stream
+  may still use that memory). `Tensor.record_stream` tells the caching allocator that the D2H
+  stream still reads the device tensor, so freeing it on the compute stream does not let the
+  memory be reused before the copy is done. The compute stream waits on the H2D copy's event
+  before it uses the prefetched tensor.
+- **On CPU** the same code path runs: the "host buffer" is another CPU tensor and copies are
+  synchronous, so tests exercise every call.
+
+`StepStore` is the per-step object a patched step's forward fills and its backward empties:
+`keep(name, t)` / `take(name)` for kept tensors, `offload(name, t)` / `prefetch(name)` /
+`wait(name)` for swapped ones. It also accounts honestly for what it holds on the device
+(`held_device_bytes`): kept storages (each counted once, parameters, buffers and inputs
+excluded, since they exist anyway) plus swapped tensors whose D2H copy has not finished.
+
+Global state: only the reusable pools (host buffers, side streams), never anything per step.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["HostPool", "Handle", "StepStore", "offload", "prefetch", "wait", "host_pool",
+           "side_streams", "storage_key", "storage_bytes"]
+
+
+# --------------------------------------------------------------------------------------------
+# Pools (the only global state)
+# --------------------------------------------------------------------------------------------
+class HostPool:
+    """Host buffers keyed by (shape, stride, dtype, pinned), reused across steps.
+
+    `get` hands out a free buffer (or allocates one); `put` returns it together with the event
+    of the last copy that touches it, and `get` never hands out a buffer whose copy may still
+    run (on CUDA it checks the event; a finished event costs nothing).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[tuple[torch.Tensor, Any]]] = {}
+        self.allocated_bytes = 0   # host bytes ever allocated by this pool (a reuse check)
+
+    @staticmethod
+    def _key(shape, stride, dtype, pinned: bool) -> tuple:
+        return (tuple(shape), tuple(stride), dtype, pinned)
+
+    def get(self, shape, stride, dtype, pinned: bool) -> torch.Tensor:
+        key = self._key(shape, stride, dtype, pinned)
+        free = self._free.get(key)
+        if free:
+            for i, (buf, event) in enumerate(free):
+                if event is None or event.query():
+                    free.pop(i)
+                    return buf
+        buf = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device="cpu",
+                                  pin_memory=pinned)
+        self.allocated_bytes += buf.untyped_storage().nbytes()
+        return buf
+
+    def put(self, buf: torch.Tensor, event=None) -> None:
+        key = self._key(buf.shape, buf.stride(), buf.dtype, buf.is_pinned())
+        self._free.setdefault(key, []).append((buf, event))
+
+    def free_bytes(self) -> int:
+        return sum(b.untyped_storage().nbytes() for v in self._free.values() for b, _ in v)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+_HOST_POOL = HostPool()
+_STREAMS: dict[Any, tuple[Any, Any]] = {}
+
+
+def host_pool() -> HostPool:
+    """The process-wide pool of host buffers."""
+    return _HOST_POOL
+
+
+def side_streams(device: torch.device) -> tuple[Any, Any]:
+    """(d2h stream, h2d stream) of a CUDA device, created once."""
+    key = (device.type, device.index if device.index is not None else torch.cuda.current_device())
+    if key not in _STREAMS:
+        with torch.cuda.device(key[1]):
+            _STREAMS[key] = (torch.cuda.Stream(), torch.cuda.Stream())
+    return _STREAMS[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Storage accounting
+# --------------------------------------------------------------------------------------------
+def storage_key(t: torch.Tensor) -> tuple:
+    """Identity of the memory behind `t` (views share it)."""
+    s = t.untyped_storage()
+    return (t.device.type, t.device.index, s.data_ptr())
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+# --------------------------------------------------------------------------------------------
+# One swapped tensor
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Handle:
+    """A tensor living in host memory between forward and backward.
+
+    `host` holds the data once `d2h_done` (CUDA event, None on CPU) has fired; `device_copy`
+    is the tensor brought back by `prefetch`, ready once `h2d_done` has fired. `source` is a
+    weak reference to the original device tensor: after forward drops it, it is dead (tests
+    use it to prove the device storage was released while the host copy exists).
+    """
+    host: torch.Tensor
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int
+    d2h_done: Any = None
+    source: Any = None
+    device_copy: torch.Tensor | None = None
+    h2d_done: Any = None
+    _storage: Any = field(default=None, repr=False)   # weakref to the device storage
+
+    def device_storage_alive(self) -> bool:
+        """Does the forward's device tensor still exist? (False once it has been freed.)"""
+        return self.source is not None and self.source() is not None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Does `t` cover its memory exactly once (contiguous up to a permutation of dims)?"""
+    if t.is_contiguous():
+        return True
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
+    return t.permute(order).is_contiguous()
+
+
+def offload(t: torch.Tensor) -> Handle:
+    """Start copying `t` to a host buffer; the caller may drop `t` right after.
+
+    On CUDA the copy runs on the D2H side stream after everything the compute stream has
+    queued so far (so `t` is fully written); `record_stream` keeps the caching allocator from
+    reusing `t`'s memory before the copy is done, even if the caller frees `t` at once.
+    """
+    dense = _dense(t)
+    stride = t.stride() if dense else torch.empty(t.shape, device="meta").stride()
+    handle = Handle(host=None, shape=tuple(t.shape), stride=tuple(stride), dtype=t.dtype,  # type: ignore[arg-type]
+                    device=t.device, nbytes=t.numel() * t.element_size(),
+                    source=weakref.ref(t))
+    if t.device.type == "cuda":
+        host = _HOST_POOL.get(t.shape, stride, t.dtype, pinned=True)
+        d2h, _ = side_streams(t.device)
+        d2h.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(d2h):
+            host.copy_(t, non_blocking=True)
+            t.record_stream(d2h)
+            done = torch.cuda.Event()
+            done.record(d2h)
+        handle.host, handle.d2h_done = host, done
+    else:
+        host = _HOST_POOL.get(t.shape, stride, t.dtype, pinned=False)
+        host.copy_(t)
+        handle.host = host
+    return handle
+
+
+def prefetch(handle: Handle) -> None:
+    """Start copying a swapped tensor back to its device (no-op if already started).
+
+    The device memory is allocated on the compute stream (so the allocator orders it after
+    the compute stream's earlier uses of that memory), and the H2D stream waits for the
+    compute stream before writing into it.
+    """
+    if handle.device_copy is not None:
+        return
+    if handle.device.type == "cuda":
+        dev = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype,
+                                  device=handle.device)
+        _, h2d = side_streams(handle.device)
+        h2d.wait_stream(torch.cuda.current_stream(handle.device))
+        with torch.cuda.stream(h2d):
+            if handle.d2h_done is not None:
+                h2d.wait_event(handle.d2h_done)
+            dev.copy_(handle.host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(h2d)
+        handle.device_copy, handle.h2d_done = dev, done
+    else:
+        dev = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype,
+                                  device=handle.device)
+        dev.copy_(handle.host)
+        handle.device_copy = dev
+
+
+def wait(handle: Handle) -> torch.Tensor:
+    """The prefetched device tensor, once its copy is done (prefetches now if nobody did).
+
+    Returns the host buffer to the pool: it is reusable once the H2D copy has finished.
+    """
+    prefetch(handle)
+    dev = handle.device_copy
+    if handle.h2d_done is not None:
+        torch.cuda.current_stream(handle.device).wait_event(handle.h2d_done)
+    if handle.host is not None:
+        _HOST_POOL.put(handle.host, handle.h2d_done)
+        handle.host = None
+    handle.device_copy = None
+    return dev
+
+
+# --------------------------------------------------------------------------------------------
+# One step's saved state
+# --------------------------------------------------------------------------------------------
+class StepStore:
+    """What a patched step's forward leaves for its backward, by tensor name.
+
+    `exclude` are tensors that exist anyway (parameters, buffers, inputs): keeping a view of
+    one costs no activation memory, so their storages are left out of `held_device_bytes`.
+    """
+
+    def __init__(self, exclude: list[torch.Tensor] = ()) -> None:
+        self.kept: dict[str, torch.Tensor] = {}
+        self.swapped: dict[str, Handle] = {}
+        self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
+        self.offloaded_bytes = 0
+        self.prefetched_bytes = 0
+
+    # -- forward ---------------------------------------------------------------------------
+    def keep(self, name: str, t: torch.Tensor) -> None:
+        self.kept[name] = t
+
+    def offload(self, name: str, t: torch.Tensor) -> None:
+        self.swapped[name] = offload(t)
+        self.offloaded_bytes += self.swapped[name].nbytes
+
+    # -- backward --------------------------------------------------------------------------
+    def take(self, name: str) -> torch.Tensor:
+        """Hand a kept tensor to backward and forget it (backward frees it after its last use)."""
+        return self.kept.pop(name)
+
+    def prefetch(self, name: str) -> None:
+        h = self.swapped.get(name)
+        if h is not None and h.device_copy is None:
+            prefetch(h)
+            self.prefetched_bytes += h.nbytes
+
+    def wait(self, name: str) -> torch.Tensor:
+        self.prefetch(name)
+        return wait(self.swapped.pop(name))
+
+    # -- accounting ------------------------------------------------------------------------
+    def held_device_bytes(self) -> int:
+        """Device bytes this store keeps alive for backward right now.
+
+        Kept tensors count by storage (a view and its base once); swapped tensors count only
+        while their D2H copy may still be running (on CPU the copy is already done) or once
+        prefetched back.
+        """
+        seen: set = set()
+        total = 0
+        for t in self.kept.values():
+            key = storage_key(t)
+            if key in seen or key in self._exclude:
+                continue
+            seen.add(key)
+            total += storage_bytes(t)
+        for h in self.swapped.values():
+            if h.device_copy is not None:
+                total += h.nbytes
+            elif h.d2h_done is not None and not h.d2h_done.query():
+                total += h.nbytes  # record_stream holds the device memory until the copy ends
+        return total
+
+    def host_bytes(self) -> int:
+        return sum(h.nbytes for h in self.swapped.values() if h.host is not None)
+
+
+# --------------------------------------------------------------------------------------------
+# The patched module
+# --------------------------------------------------------------------------------------------
+class _StepFunction(torch.autograd.Function):
+    """Forward runs the plan's forward step, backward its backward step (one autograd node)."""
+
+    @staticmethod
+    def forward(ctx, step: "PatchedStep", *flat: torch.Tensor) -> torch.Tensor:
+        store = StepStore(exclude=list(flat))
+        device = flat[0].device
+        loss = step.forward_fn(store, device, *flat)
+        ctx.store, ctx.step, ctx.flat = store, step, flat
+        step.last_store = weakref.ref(store)
+        step.held_bytes_after_forward = store.held_device_bytes()
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        step, flat, store = ctx.step, ctx.flat, ctx.store
+        grads = step.backward_fn(store, flat[0].device, *flat, grad_loss)
+        ctx.store = ctx.flat = None
+        out: list[Any] = [None] * len(flat)
+        for i, g in zip(step.meta["grad_param_index"], grads):
+            out[i] = g
+        return (None, *out)
+
+
+def _mismatch(message: str, hint: str = "re-run `slackswap profile`, `slackswap plan` and "
+                                         "`slackswap apply` for this model and these inputs"):
+    from .errors import FingerprintMismatch
+    return FingerprintMismatch(message, hint=hint)
+
+
+class PatchedStep(torch.nn.Module):
+    """`model`'s training step under a plan: forward(inputs) -> loss, backward as usual.
+
+    Holds `model` as a submodule, so `parameters()`/`buffers()` are the model's own tensors.
+    Checks at construction that the model has the parameters and buffers the plan was made for
+    (names, shapes, dtypes, device type) and, with `check_trace`, that it traces to the
+    profile's graph; checks at every call that the inputs have the profiled shapes.
+    After each forward, `held_bytes_after_forward` is what the step keeps on the device for
+    backward and `last_store` a weak reference to its store.
+    """
+
+    def __init__(self, model: torch.nn.Module, meta: dict, forward_fn, backward_fn,
+                 check_trace: bool = True):
+        super().__init__()
+        self.model = model
+        self.meta = meta
+        self.forward_fn = forward_fn
+        self.backward_fn = backward_fn
+        self.last_store = None
+        self.held_bytes_after_forward = 0
+        import torch.utils._pytree as pytree
+        self._spec = pytree.treespec_loads(meta["input_spec"])
+        self._check_model()
+        if check_trace:
+            self._check_trace()
+
+    # -- checks ----------------------------------------------------------------------------
+    def _check_model(self) -> None:
+        got_p = [[n, list(p.shape), str(p.dtype)] for n, p in self.model.named_parameters()]
+        got_b = [[n, list(b.shape), str(b.dtype)] for n, b in self.model.named_buffers()]
+        for what, got, want in (("parameters", got_p, self.meta["params"]),
+                                ("buffers", got_b, self.meta["buffers"])):
+            if got != want:
+                diff = next(((g, w) for g, w in zip(got, want) if g != w), None)
+                detail = (f"{diff[0][0]} {diff[0][1]} {diff[0][2]} where the plan has "
+                          f"{diff[1][0]} {diff[1][1]} {diff[1][2]}" if diff else
+                          f"{len(got)} {what} where the plan has {len(want)}")
+                raise _mismatch(f"this model's {what} differ from those the plan was made for: {detail}")
+        params = list(self.model.parameters())
+        if params and params[0].device.type != self.meta["device_type"]:
+            raise _mismatch(f"the model is on {params[0].device.type}, the patched module was made "
+                            f"for {self.meta['device_type']}",
+                            hint=f"profile and apply on {params[0].device.type} "
+                                 f"(`slackswap profile --device {params[0].device.type}`)")
+
+    def _check_trace(self) -> None:
+        """Re-trace this model with fake tensors and compare its profile fingerprint."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from .apply import joint_fingerprint
+        from .trace.joint import capture_joint
+        from .trace.workload import load_workload
+        w = self.meta["workload"]
+        try:
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+            work = load_workload(w["path"], w["entry"], w["args"], fake_mode=fake_mode)
+        except Exception:  # noqa: BLE001 - the workload file is gone or not fakeable: skip
+            return
+        memo = {}
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            fake = fake_mode.from_tensor(t)
+            memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) \
+                if isinstance(t, torch.nn.Parameter) else fake
+        import copy
+        shadow = copy.deepcopy(self.model, memo)
+        inputs = work.inputs
+        if self.meta["device_type"] != "cpu":
+            import torch.utils._pytree as pytree
+            inputs = pytree.tree_map(lambda x: x.to(self.meta["device_type"])
+                                     if isinstance(x, torch.Tensor) else x, inputs)
+        joint = capture_joint(shadow, inputs, work.loss_fn)
+        fp = joint_fingerprint(joint)
+        if fp != self.meta["profile_fingerprint"]:
+            raise _mismatch(f"this model traces to graph {fp}, the plan was made for graph "
+                            f"{self.meta['profile_fingerprint']}")
+
+    def _flat_inputs(self, args, kwargs) -> list[torch.Tensor]:
+        import torch.utils._pytree as pytree
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self._spec:
+            raise _mismatch("the patched step was called with inputs of another structure than "
+                            "the profiled workload's",
+                            hint="call it with the workload's inputs in the same form "
+                                 "(step(*inputs) for a tuple, step(**inputs) for a dict)")
+        tensors = []
+        want = iter(self.meta["input_tensors"])
+        for i, (x, is_t) in enumerate(zip(leaves, self.meta["input_is_tensor"])):
+            if is_t:
+                shape, dtype = next(want)
+                if not isinstance(x, torch.Tensor) or list(x.shape) != shape or str(x.dtype) != dtype:
+                    got = (f"{list(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor)
+                           else type(x).__name__)
+                    raise _mismatch(f"input {i} is {got}, the plan was made for {shape} {dtype}",
+                                    hint="slackswap plans one fixed input shape: re-profile at this "
+                                         "shape, or pad batches to the profiled one")
+                tensors.append(x)
+            elif repr(x) != self.meta["input_constants"][i]:
+                raise _mismatch(f"input {i} is {x!r}, the plan was made with "
+                                f"{self.meta['input_constants'][i]}")
+        return tensors
+
+    # -- the step --------------------------------------------------------------------------
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        if not self.model.training:
+            from .errors import InputError
+            raise InputError("the patched module runs training steps, but the model is in eval mode",
+                             hint="call model.train() first, or call the model itself for evaluation")
+        inputs = self._flat_inputs(args, kwargs)
+        flat = [*self.model.parameters(), *self.model.buffers(), *inputs]
+        return _StepFunction.apply(self, *flat)
