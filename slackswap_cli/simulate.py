@@ -73,6 +73,8 @@ from __future__ import annotations
 import operator
 from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
+from operator import sub
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -161,6 +163,20 @@ class _Tables:
         self.saved = [is_root[j] and tensors[j].saved and self.producer[j] < nf and fbu[j] >= 0
                       for j in range(n_t)]
         self.default_action = [KEEP if s else NOT_SAVED for s in self.saved]
+        self.saved_roots = [j for j in self.roots if self.saved[j]]
+        saved = self.saved
+        self.bwd_saved_in = [()] * nf + [tuple(r for r in in_roots[i] if saved[r])
+                                         for i in range(nf, n_ops)]
+        self.bwd_readers = [i for i in range(nf, n_ops) if self.bwd_saved_in[i]]
+        # bytes every plan allocates at each op's start / frees at its end: values that are
+        # not saved activations (forward transients, backward values)
+        base_alloc = [0] * n_ops
+        base_free = [0] * n_ops
+        for j in self.roots:
+            if not saved[j]:
+                base_alloc[self.producer[j]] += self.size[j]
+                base_free[last[j]] += self.size[j]
+        self.base_alloc, self.base_free = base_alloc, base_free
         ideal = 0.0
         for x in self.time:   # same summation order as the event loop, so keep-all is exact
             ideal += x
@@ -246,12 +262,13 @@ class _Program:
     `alloc[t]` / `free[t]`: bytes allocated at the start / freed at the end of task t, except
     swapped tensors' forward release (`release[t]`, waits for the offload) and their backward
     residency, which starts when the prefetch is issued (`need[t]`: roots task t needs fetched).
-    `req[t]`: memory during task t if every prefetch arrived just in time and every offload had
-    finished: the least memory task t can run with.
+    `req()[t]`: memory during task t if every prefetch arrived just in time and every offload
+    had finished: the least memory task t can run with.
     """
 
     __slots__ = ("task_op", "task_owner", "n_rec", "alloc", "free", "release", "offload",
-                 "need", "need_task", "queue", "req", "rec_bytes", "rec_root")
+                 "need", "need_task", "queue", "rec_bytes", "rec_root", "special",
+                 "_swap_in", "_fwd_release", "_req")
 
     def __init__(self, prof: schema.Profile, tab: _Tables, action: list[int]):
         nf, n_ops = tab.n_fwd, tab.n_ops
@@ -277,8 +294,16 @@ class _Program:
                 return producer[x] >= nf   # produced in backward: alive while read
             return x in mat and last_use[x] >= i
 
-        for i in range(nf, n_ops):
-            ins = in_roots[i]
+        bwd_saved_in = tab.bwd_saved_in
+        nxt = nf                           # next backward op not yet laid out
+        T = nf                             # == len(task_op)
+        for i in tab.bwd_readers:          # backward ops that read saved activations
+            if i > nxt:                    # ops in between read none: they run as they are
+                task_op.extend(range(nxt, i))
+                task_owner.extend(range(nxt, i))
+                op_task[nxt:i] = range(T, T + i - nxt)
+                T += i - nxt
+            ins = bwd_saved_in[i]
             targets = [r for r in ins if action[r] == RECOMPUTE and r not in mat]
             if targets:
                 # phase A: which ops the chain re-runs (closure over non-resident inputs)
@@ -309,9 +334,9 @@ class _Program:
                 # phase B: lay the chain out in forward order
                 fetched: list[int] = []
                 last_reader: dict[int, int] = {}
-                made: list[tuple[int, int]] = []
+                made: list[int] = []
+                first_temp = len(temps)
                 for p in sorted(run):
-                    T = len(task_op)
                     task_op.append(p)
                     task_owner.append(i)
                     for x in in_roots[p]:
@@ -326,28 +351,26 @@ class _Program:
                     nbytes = 0
                     main = -1
                     for o in out_roots[p]:
-                        if resident(o, i) and o not in produced:
-                            continue
+                        if o not in produced and resident(o, i):
+                            continue                       # already there: not made again
                         nbytes += size[o]
                         if action[o] == RECOMPUTE and o not in mat:
                             mat_start.append((o, T))
-                            made.append((o, T))
+                            made.append(o)
                             if main < 0 or o in targets:
                                 main = o
                         else:
-                            temps.append((o, T, -1))   # end filled in below
+                            temps.append((o, T, T))        # end fixed below
                             if main < 0:
                                 main = o
                     alloc_rec[T] = nbytes
                     rec_root[T] = main
-                for k in range(len(temps) - 1, -1, -1):
-                    o, T, e = temps[k]
-                    if e >= 0:
-                        break
-                    temps[k] = (o, T, max(T, last_reader.get(o, T)))
+                    T += 1
+                for k in range(first_temp, len(temps)):
+                    o, start, _ = temps[k]
+                    temps[k] = (o, start, max(start, last_reader.get(o, start)))
                 mat.update(fetched)
-                mat.update(o for o, _ in made)
-            T = len(task_op)
+                mat.update(made)
             for r in ins:
                 if action[r] == SWAP and r not in mat:
                     mat.add(r)
@@ -355,58 +378,94 @@ class _Program:
             op_task[i] = T
             task_op.append(i)
             task_owner.append(i)
+            T += 1
+            nxt = i + 1
+        if nxt < n_ops:
+            task_op.extend(range(nxt, n_ops))
+            task_owner.extend(range(nxt, n_ops))
+            op_task[nxt:] = range(T, T + n_ops - nxt)
+            T += n_ops - nxt
 
-        N = len(task_op)
-        alloc = [0] * N
-        free = [0] * N
-        fwd_release = [0] * N       # swapped roots' forward release (static view, for req)
+        N = T
+        # decision-independent part (values that are not saved activations), laid on tasks
+        if alloc_rec:
+            alloc = tab.base_alloc[:nf] + [0] * (N - nf)
+            free = tab.base_free[:nf] + [0] * (N - nf)
+            base_alloc, base_free = tab.base_alloc, tab.base_free
+            for i in range(nf, n_ops):
+                t = op_task[i]
+                alloc[t] = base_alloc[i]
+                free[t] = base_free[i]
+        else:
+            alloc = list(tab.base_alloc)
+            free = list(tab.base_free)
         release: dict[int, list[int]] = {}
         offload: dict[int, list[int]] = {}
         need: dict[int, list[int]] = {}
-        swap_in = [0] * N
+        swap_in: dict[int, int] = {}
+        fwd_release: dict[int, int] = {}
         lfu = tab.last_fwd_use
-        for r in tab.roots:
+        for r in tab.saved_roots:
             p, s, a = producer[r], size[r], action[r]
-            if p >= nf:
-                alloc[op_task[p]] += s
-                free[op_task[last_use[r]]] += s
-            elif a == NOT_SAVED:
-                alloc[p] += s
-                free[max(last_use[r], ext.get(r, -1))] += s
-            elif a == KEEP:
-                alloc[p] += s
-                free[max(op_task[last_use[r]], ext.get(r, -1))] += s
+            alloc[p] += s
+            if a == KEEP:
+                e = op_task[last_use[r]]
+                if r in ext and ext[r] > e:
+                    e = ext[r]
+                free[e] += s
             elif a == RECOMPUTE:
-                alloc[p] += s
                 free[lfu[r]] += s
             else:
-                alloc[p] += s
-                fwd_release[lfu[r]] += s
-                release.setdefault(lfu[r], []).append(r)
-                offload.setdefault(p, []).append(r)
+                f = lfu[r]
+                fwd_release[f] = fwd_release.get(f, 0) + s
+                if f in release:
+                    release[f].append(r)
+                else:
+                    release[f] = [r]
+                if p in offload:
+                    offload[p].append(r)
+                else:
+                    offload[p] = [r]
                 nt = need_task.get(r)
                 if nt is not None:
-                    swap_in[nt] += s
-                    need.setdefault(nt, []).append(r)
-                    free[max(op_task[last_use[r]], ext.get(r, -1))] += s
-        for r, T in mat_start:
+                    swap_in[nt] = swap_in.get(nt, 0) + s
+                    if nt in need:
+                        need[nt].append(r)
+                    else:
+                        need[nt] = [r]
+                    e = op_task[last_use[r]]
+                    if r in ext and ext[r] > e:
+                        e = ext[r]
+                    free[e] += s
+        for r, t in mat_start:
             free[op_task[last_use[r]]] += size[r]
-        for r, T, e in temps:
+        for r, t, e in temps:
             free[e] += size[r]
-        for T, b in alloc_rec.items():
-            alloc[T] += b
-        req = [0] * N
-        cur = 0
-        for t in range(N):
-            cur += alloc[t] + swap_in[t]
-            req[t] = cur
-            cur -= free[t] + fwd_release[t]
+        for t, b in alloc_rec.items():
+            alloc[t] += b
+        special = bytearray(N)   # tasks with swap work: a quick test in the event loop
+        for d in (release, offload, need):
+            for t in d:
+                special[t] = 1
         self.task_op, self.task_owner, self.n_rec = task_op, task_owner, len(alloc_rec)
         self.alloc, self.free, self.release, self.offload = alloc, free, release, offload
-        self.need, self.need_task, self.req = need, need_task, req
+        self.need, self.need_task, self.special = need, need_task, special
         self.queue = sorted(need_task, key=lambda r: (need_task[r], r))
         self.rec_bytes = sum(alloc_rec.values())
         self.rec_root = rec_root
+        self._swap_in, self._fwd_release, self._req = swap_in, fwd_release, None
+
+    def req(self) -> list[int]:
+        if self._req is None:
+            inc = list(self.alloc)
+            for t, s in self._swap_in.items():
+                inc[t] += s
+            dec = list(self.free)
+            for t, s in self._fwd_release.items():
+                dec[t] += s
+            # memory during task t: everything allocated up to t, minus what ended before t
+            self._req = list(accumulate(map(sub, inc, [0] + dec[:-1])))
+        return self._req
 
 
 def _earliest_issue(prog: _Program, size: list[int], budget: float, bwd_start: int) -> list[int]:
@@ -419,7 +478,7 @@ def _earliest_issue(prog: _Program, size: list[int], budget: float, bwd_start: i
     j on when g[k] = budget - req[k] + P(k) >= C_X for every k in [j, need(X)). The last k that
     fails is found on a stack of suffix minima of g (increasing values, increasing positions).
     """
-    queue, need_task, req = prog.queue, prog.need_task, prog.req
+    queue, need_task, req = prog.queue, prog.need_task, prog.req()
     out = []
     stack_k: list[int] = []
     stack_g: list[float] = []
@@ -459,7 +518,7 @@ def budget_floor_bytes(profile: schema.Profile) -> int:
     tab = _tables(profile)
     action = [SWAP if s else NOT_SAVED for s in tab.saved]
     prog = _Program(profile, tab, action)
-    return max(prog.req, default=0)
+    return max(prog.req(), default=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -538,17 +597,20 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
     wait_from = 0.0
     ops = profile.ops
     tensors = profile.tensors
+    special = prog.special
+    has_rec = prog.n_rec > 0
 
     while True:
         # -- compute: start the next task if its prefetches are in and its memory fits -------
         if not comp_busy and t < N:
             missing = -1
-            nd = need.get(t)
-            if nd is not None:
-                for x in nd:
-                    if x not in arrived:
-                        missing = x
-                        break
+            if special[t]:
+                nd = need.get(t)
+                if nd is not None:
+                    for x in nd:
+                        if x not in arrived:
+                            missing = x
+                            break
             a = alloc[t]
             if missing < 0 and mem + a <= budget:
                 if wait_cause is not None:
@@ -685,7 +747,7 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
                 h_end = now + max(0.0, 1.0 - h_p) * h_D
         if comp_end == now:
             op = task_op[t]
-            is_rec = t >= nf and task_owner[t] != op
+            is_rec = has_rec and t >= nf and task_owner[t] != op
             if is_rec:
                 recompute_us += dur[t]
                 sched.append(("recompute", prog.rec_root[t], task_owner[t], comp_start, now))
@@ -700,20 +762,21 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
                     events.append(TimelineEvent("compute", ops[op].name, "op", comp_start, now,
                                                 op, None, None))
             f = free[t]
-            rl = release.get(t)
-            if rl is not None:
-                for x in rl:
-                    if x in off_done:
-                        f += size[x]
-                    else:
-                        fwd_over.add(x)
+            if special[t]:
+                rl = release.get(t)
+                if rl is not None:
+                    for x in rl:
+                        if x in off_done:
+                            f += size[x]
+                        else:
+                            fwd_over.add(x)
+                ol = offload.get(t)
+                if ol is not None:
+                    dq.extend(ol)
             if f:
                 mem -= f
                 if record:
                     memory.append((now, mem))
-            ol = offload.get(t)
-            if ol is not None:
-                dq.extend(ol)
             t += 1
             comp_busy = False
             comp_end = _INF
