@@ -114,14 +114,13 @@ def _schema_aliases(node: fx.Node) -> tuple[dict[int, fx.Node], list[fx.Node]]:
 
 
 def storage_keys_from_fake(joint: JointGraph) -> dict[str, int]:
-    """Node name (or "<op>.<i>") -> storage identity, from the FakeTensors of a fake trace.
+    """Node name (or "<op>.<i>") -> storage identity, from the FakeTensors the tracer recorded.
 
-    Empty for a real trace: there make_fx records each value as an independent fake copy, so
-    storage sharing must come from a real run (`measure.storage_keys_from_run`).
+    `capture_joint` traces through fake tensors (also for real models), whose views share
+    storage exactly like real ones. A graph whose values carry no FakeTensors gives {} (the
+    schema then decides; a real run can supply keys: `measure.storage_keys_from_run`).
     """
     from torch._subclasses.fake_tensor import FakeTensor
-    if not joint.fake:
-        return {}
     keys: dict[str, int] = {}
     for node in joint.gm.graph.nodes:
         val = node.meta.get("val")

@@ -189,9 +189,14 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
                     gm = make_fx(step)(list(params.values()), list(buffers.values()),
                                        tensor_leaves, tangent)
             else:
+                # Real tensors are traced through fake copies too (tracing_mode="fake"): the
+                # graph is the same as a --device fake trace of the same model (libraries such
+                # as transformers branch on "am I being traced?"), data-dependent checks fail
+                # the same way, and each value's meta["val"] shares storage with the values it
+                # aliases. The graph module still runs on the real tensors.
                 tangent = torch.ones((), dtype=ref.dtype, device=ref.device)
-                gm = make_fx(step)(list(params.values()), list(buffers.values()),
-                                   tensor_leaves, tangent)
+                gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
+                    list(params.values()), list(buffers.values()), tensor_leaves, tangent)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one clear error
