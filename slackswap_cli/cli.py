@@ -21,7 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   pretty_exceptions_enable=False,
                   help="Fit training into GPU memory: keep, swap or recompute each saved activation.")
 out = Console(highlight=False, soft_wrap=False)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _fail(exc: SlackswapError) -> None:

@@ -448,3 +448,37 @@ def compare_table(rows: Sequence[dict], budget_bytes: int | None = None) -> Tabl
             fmt_us(p.recompute_us), fmt_bytes(p.swapped_bytes),
             f"{r.get('solve_ms', 0.0):.1f} ms")
     return table
+
+
+def hardware_table(specs) -> Table:
+    """Presets side by side: compute, HBM, host link, memory."""
+    table = Table(title="hardware presets", title_justify="left")
+    for col in ("name", "bf16 TFLOP/s (achievable)", "HBM GB/s (achievable)", "memory",
+                "H2D GB/s", "D2H GB/s", "copy latency", "duplex", "description"):
+        table.add_column(col, justify="left" if col in ("name", "description") else "right")
+    for s in specs:
+        table.add_row(
+            s.name, f"{s.peak_flops_per_s / 1e12:.0f} ({s.achievable_flops_per_s / 1e12:.0f})",
+            f"{s.hbm_bytes_per_s / 1e9:.0f} ({s.achievable_hbm_bytes_per_s / 1e9:.0f})",
+            fmt_bytes(s.memory_bytes), f"{s.h2d_bytes_per_s / 1e9:.1f}",
+            f"{s.d2h_bytes_per_s / 1e9:.1f}", fmt_us(s.copy_latency_us),
+            f"yes x{s.duplex_derate:.2f}" if s.duplex else "no", s.description)
+    return table
+
+
+def verify_view(report) -> Table:
+    """`slackswap verify`: original vs patched, and the plan's prediction beside them."""
+    get = report.__getitem__ if isinstance(report, dict) else lambda k: getattr(report, k, None)
+    table = Table(title="verify: original vs patched", title_justify="left")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for key in sorted(vars(report) if not isinstance(report, dict) else report):
+        value = get(key)
+        if isinstance(value, float):
+            text = f"{value:.3g}"
+        elif isinstance(value, int) and "bytes" in key:
+            text = fmt_bytes(value)
+        else:
+            text = str(value)
+        table.add_row(key, text)
+    return table

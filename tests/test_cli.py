@@ -1,0 +1,121 @@
+"""End-to-end tests of the `slackswap` commands on synthetic profiles (fast, no torch needed)."""
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from slackswap_cli import schema
+from slackswap_cli.cli import app
+from slackswap_cli.synthetic import chain_profile
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    prof = chain_profile(6, act_bytes=64 << 20, fwd_us=1000.0)
+    path = tmp_path / "chain.profile.json"
+    schema.save(prof, path)
+    return path
+
+
+def assert_clean_error(result, code, needle):
+    assert result.exit_code == code, result.output
+    assert "Error:" in result.stderr and needle in result.stderr
+    assert "Hint:" in result.stderr
+    assert "Traceback" not in result.output + result.stderr
+
+
+def test_plan_writes_plan_and_prints_summary(profile_path, tmp_path):
+    out = tmp_path / "p.json"
+    r = run("plan", profile_path, "--budget", "0.5", "-o", out)
+    assert r.exit_code == 0, r.output + r.stderr
+    plan = schema.load_plan(out)
+    assert plan.feasible and plan.planner == "slackswap"
+    assert plan.budget_fraction == 0.5
+    assert plan.predicted.peak_bytes <= plan.budget_bytes
+    assert len(plan.decisions) == 6
+    assert "retention" in r.stdout.lower()
+
+
+def test_plan_json_output_is_one_document(profile_path, tmp_path):
+    r = run("plan", profile_path, "--budget", "200MiB", "-o", tmp_path / "p.json", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = orjson.loads(r.stdout)
+    assert doc["format"] == "slackswap.plan" and doc["budget_bytes"] == 200 << 20
+    assert doc["budget_fraction"] is None
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["--budget", "banana"], 2, "budget"),
+    (["--budget", "0.5", "--planner", "magic"], 2, "magic"),
+    (["--budget", "0.5", "--hardware", "tpu-v9"], 2, "tpu-v9"),
+])
+def test_plan_bad_options(profile_path, tmp_path, args, code, needle):
+    out = tmp_path / "p.json"
+    r = run("plan", profile_path, *args, "-o", out)
+    assert_clean_error(r, code, needle)
+    assert not out.exists()
+
+
+def test_plan_budget_below_floor_is_refused(profile_path, tmp_path):
+    out = tmp_path / "p.json"
+    r = run("plan", profile_path, "--budget", "1KiB", "-o", out)
+    assert r.exit_code in (2, 4)
+    assert "Error:" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_plan_rejects_non_profile(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"format": "something-else", "version": 1}')
+    assert_clean_error(run("plan", bad, "--budget", "0.5"), 2, "format")
+    assert_clean_error(run("plan", tmp_path / "missing.json", "--budget", "0.5"), 2, "does not exist")
+
+
+def test_show_simulate_compare(profile_path, tmp_path):
+    plan_path = tmp_path / "p.json"
+    assert run("plan", profile_path, "--budget", "0.5", "-o", plan_path).exit_code == 0
+    r = run("show", profile_path)
+    assert r.exit_code == 0 and "a0" in r.stdout
+    r = run("show", plan_path)
+    assert r.exit_code == 0 and "retention" in r.stdout.lower()
+    trace = tmp_path / "trace.json"
+    r = run("simulate", plan_path, "--hardware", "h100-pcie5", "--trace", trace)
+    assert r.exit_code == 0, r.stderr
+    events = orjson.loads(trace.read_bytes())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert any(e.get("ph") == "C" for e in events)
+    r = run("compare", profile_path, "--budget", "0.5", "--json")
+    assert r.exit_code == 0, r.stderr
+    results = orjson.loads(r.stdout)["results"]
+    names = {row["planner"] for row in results}
+    assert {"slackswap", "optimal", "recompute-only", "swap-all", "checkpoint-layers"} <= names
+    best = max(row["predicted"]["retention"] for row in results if row["feasible"])
+    ours = next(row for row in results if row["planner"] == "slackswap")
+    assert ours["feasible"] and ours["predicted"]["retention"] >= best - 0.005
+
+
+def test_simulate_refuses_plan_for_another_profile(profile_path, tmp_path):
+    plan_path = tmp_path / "p.json"
+    assert run("plan", profile_path, "--budget", "0.5", "-o", plan_path).exit_code == 0
+    other = tmp_path / "other.json"
+    schema.save(chain_profile(3), other)
+    assert_clean_error(run("simulate", plan_path, "--profile", other), 2, "profile")
+
+
+def test_hardware_listing():
+    r = run("hardware")
+    assert r.exit_code == 0 and "a100-pcie4" in r.stdout and "gh200-c2c" in r.stdout
+    r = run("hardware", "h200-pcie5", "--json")
+    assert orjson.loads(r.stdout)["name"] == "h200-pcie5"
+    assert_clean_error(run("hardware", "nope"), 2, "nope")
+
+
+def test_profile_missing_file(tmp_path):
+    out = tmp_path / "p.json"
+    assert_clean_error(run("profile", tmp_path / "nope.py", "-o", out), 2, "does not exist")
+    assert not out.exists()
