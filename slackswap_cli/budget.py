@@ -1,0 +1,96 @@
+"""Memory budgets: what `--budget` means and whether a profile can meet it.
+
+A budget caps *activation memory* (see `schema`): the bytes of live activation roots at every
+moment of the step. It is given either
+
+- as a **fraction** of the profile's keep-everything peak (`profile.summary
+  ["peak_activation_bytes"]`): `0.5` means "half the activation memory the step needs when
+  nothing is evicted". A fraction is a plain number in (0, 1]; `1` keeps everything. Numbers
+  above 1 are refused: a budget above the keep-all peak buys nothing, and "1.5" is more likely
+  a typo for "1.5GB" than a wish.
+- or as **bytes**: `20GiB`, `512MiB`, `64KiB` (binary units), `20GB`, `1.5e9`, `123456789`
+  (decimal units or plain bytes). A plain number above 1 is read as bytes, so `2` is two bytes,
+  not twice the peak.
+
+`check_budget` refuses a budget below the *floor*: the memory no plan can avoid (tensors while
+forward or backward still reads them, transients, non-evictable values), computed by the
+simulator's `budget_floor_bytes`. It raises `InfeasibleError` (exit code 4, "no plan fits the
+budget"), since the input is well formed but cannot be met.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import InfeasibleError, InputError
+from .schema import Profile
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,   # bare letters: binary, like nvidia-smi
+}
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_HINT = ("pass a fraction of the keep-all activation peak in (0, 1] (e.g. 0.5) "
+         "or a size (e.g. 20GiB, 512MiB, 20GB, 1.5e9)")
+
+
+def keep_all_peak_bytes(profile: Profile) -> int:
+    """The unconstrained activation peak that fractions refer to."""
+    peak = profile.summary.get("peak_activation_bytes")
+    if peak is None:  # a hand-built profile without a summary: derive it
+        from .profile_build import keep_all_peak_bytes as derive
+        peak = derive(profile)
+    return int(peak)
+
+
+def parse_budget(text: str | float | int, profile: Profile) -> tuple[int, float | None]:
+    """`"0.5"` -> (half the keep-all peak, 0.5); `"20GiB"` -> (21474836480, None).
+
+    Raises `InputError` (with a hint) on text that is neither a fraction nor a size.
+    """
+    raw = str(text)
+    m = _BUDGET_RE.match(raw)
+    if not m:
+        raise InputError(f"cannot read budget {raw!r}", hint=_HINT)
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if unit not in _UNITS:
+        raise InputError(f"unknown unit {m.group(2)!r} in budget {raw!r}", hint=_HINT)
+    if not math.isfinite(number) or number <= 0:
+        raise InputError(f"budget {raw!r} must be positive", hint=_HINT)
+    if unit == "" and number <= 1.0:
+        peak = keep_all_peak_bytes(profile)
+        return int(math.floor(number * peak)), number
+    if unit == "" and "." in m.group(1) and "e" not in m.group(1).lower() and number < 1024:
+        # "1.5" or "2.0": a fraction above 1, almost certainly not a byte count
+        raise InputError(f"budget fraction {raw} is above 1",
+                         hint="a fraction must be in (0, 1]; for a size add a unit, e.g. 1.5GB")
+    size = number * _UNITS[unit]
+    if size < 1:
+        raise InputError(f"budget {raw!r} is less than one byte", hint=_HINT)
+    return int(size), None
+
+
+def check_budget(budget_bytes: int, profile: Profile) -> None:
+    """Raise `InfeasibleError` when no plan can keep activation memory under `budget_bytes`."""
+    from .simulate import budget_floor_bytes  # late: keeps budget importable on its own
+
+    floor = budget_floor_bytes(profile)
+    if budget_bytes < floor:
+        peak = keep_all_peak_bytes(profile)
+        frac = f" ({floor / peak:.3f} of the keep-all peak)" if peak else ""
+        raise InfeasibleError(
+            f"budget {format_bytes(budget_bytes)} is below the floor {format_bytes(floor)}{frac}: "
+            "memory that no plan can free",
+            hint=f"raise the budget to at least {floor} bytes")
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB' (binary units: how allocators and nvidia-smi count)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover

@@ -1,0 +1,87 @@
+"""The planners and their registry: (profile, hardware, budget) -> a Plan the simulator judged.
+
+Every planner is a function `fn(profile, hw, budget_bytes)` returning either a list of
+`schema.Decision` (one per saved activation root) or a `PlannerOutput` (decisions plus notes).
+`make_plan` runs one by name, times it, simulates its decisions and fills in a `schema.Plan`:
+whether it fits (the simulator's verdict, not the planner's), the schedule and the predicted
+numbers. Planners never print; they explain themselves in `notes`.
+
+- `slackswap` (default): swap what the copy slack hides, recompute the rest (slackswap.py).
+- `optimal`: a MILP over the same choices, solved by HiGHS with a time limit (optimal.py).
+- `recompute-only`, `swap-all`, `checkpoint-layers`: baselines (baselines.py).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from ..errors import InputError
+from ..hardware import HardwareSpec
+from ..schema import Decision, Plan, Profile
+
+
+@dataclass
+class PlannerOutput:
+    decisions: list[Decision]
+    notes: tuple[str, ...] = ()
+
+
+PlannerFn = Callable[[Profile, HardwareSpec, int], Union[list[Decision], PlannerOutput]]
+
+DEFAULT_PLANNER = "slackswap"
+
+
+from . import baselines, optimal, slackswap  # noqa: E402  (they import PlannerOutput)
+
+PLANNERS: dict[str, PlannerFn] = {
+    "slackswap": slackswap.plan,
+    "optimal": optimal.plan,
+    "recompute-only": baselines.recompute_only,
+    "swap-all": baselines.swap_all,
+    "checkpoint-layers": baselines.checkpoint_layers,
+}
+
+
+def planner_names() -> list[str]:
+    return list(PLANNERS.keys())
+
+
+def get_planner(name: str) -> PlannerFn:
+    if name not in PLANNERS:
+        raise InputError(f"unknown planner '{name}'",
+                         hint=f"planners: {', '.join(planner_names())}")
+    return PLANNERS[name]
+
+
+def run_planner(name: str, profile: Profile, hw: HardwareSpec,
+                budget_bytes: int) -> tuple[list[Decision], tuple[str, ...], float]:
+    """(decisions, notes, solve_ms) of planner `name`, without simulating."""
+    fn = get_planner(name)
+    t0 = time.perf_counter()
+    out = fn(profile, hw, int(budget_bytes))
+    solve_ms = (time.perf_counter() - t0) * 1e3
+    if isinstance(out, PlannerOutput):
+        return list(out.decisions), tuple(out.notes), solve_ms
+    return list(out), (), solve_ms
+
+
+def make_plan(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
+              budget_fraction: float | None = None) -> Plan:
+    """Run planner `name`, simulate its decisions, and return the Plan.
+
+    `feasible` is the simulator's verdict. An infeasible plan is still returned (the CLI writes
+    it with `feasible: false` and exits 4); its notes say why.
+    """
+    from ..simulate import simulate
+
+    decisions, notes, solve_ms = run_planner(name, profile, hw, budget_bytes)
+    res = simulate(profile, decisions, hw, budget_bytes, record=False)
+    notes = tuple(notes)
+    if not res.feasible and res.reason:
+        notes = notes + (f"simulator: {res.reason}",)
+    return Plan(profile_fingerprint=profile.fingerprint, planner=name, hardware=hw.to_dict(),
+                budget_bytes=int(budget_bytes), budget_fraction=budget_fraction,
+                feasible=bool(res.feasible), decisions=tuple(decisions),
+                schedule=tuple(res.schedule), predicted=res.predicted, solve_ms=solve_ms,
+                notes=notes)

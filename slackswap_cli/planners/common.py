@@ -1,0 +1,464 @@
+"""What every planner needs to reason about a profile fast: a static model of time and memory.
+
+The simulator (`simulate.py`) is the judge of a plan, but a planner has to weigh thousands of
+choices, so it works on a cheaper, *static* picture of the step, built once per profile:
+
+- **ideal times**: op i runs from `t_start[i]` to `t_end[i]` when nothing stalls.
+- **candidates**: the saved activation roots, each with its size, producer `p`, last forward
+  use `lf`, first backward use `fb` and last use `lu` (op ids).
+- **floor memory** `base[i]`: activation bytes live at op i when every candidate is evicted as
+  hard as possible, i.e. resident only while forward still reads it (`p..lf`) and from its first
+  backward use on (`fb..lu`). Whatever a plan does, it pays `base`.
+- the **gap** of a candidate, `lf+1 .. fb-1`, is where an eviction can save its bytes. Keeping
+  it adds its size over the whole gap; recomputing adds nothing there (but costs the producer
+  chain's time at `fb`, and the chain's other outputs for a moment); swapping adds it over an
+  *offload tail* (until the D2H copy is done) and a *prefetch head* (from the H2D copy's start).
+
+Copies follow the simulator's rules: one D2H FIFO fed in production order as producers end,
+one H2D FIFO in order of first backward use. The static model schedules prefetches *just in
+time* (as late as the FIFO allows while still finishing at `fb`), which is the least memory a
+prefetch can cost; planners pass that issue point to the simulator as `prefetch_at`.
+
+**Slack.** A swap is free when its copies hide under compute. In this model that holds when
+every D2H copy finishes before forward ends (a suffix condition on the FIFO: the copies of
+everything produced from op j on fit in the forward time left after j) and every H2D copy can
+start after backward starts (a prefix condition: the copies needed by op j fit in the backward
+time before j). `SlackLedger` keeps both conditions as arrays and answers "does one more swap
+still fit?" in one vectorised check.
+
+**Recompute chains.** Recomputing `y` re-runs its producer at `fb(y)`; each input of that op
+that is not resident then (a transient that died in forward, or a candidate that is itself
+evicted and not yet back) is recomputed first, recursively. An input that is not resident and
+not recomputable (a dropout output nobody saved) makes the chain impossible.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..hardware import HardwareSpec
+from ..profile_build import live_bytes_per_op
+from ..schema import Decision, Profile
+
+KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
+INF = float("inf")
+
+
+@dataclass
+class Model:
+    """Static arrays of one profile on one hardware (see the module docstring)."""
+    prof: Profile
+    hw: HardwareSpec
+    n: int
+    nf: int
+    op_us: np.ndarray
+    t_start: np.ndarray
+    t_end: np.ndarray
+    cands: list[int]                 # candidate tensor ids (saved activation roots)
+    index: dict[int, int]            # tensor id -> candidate index
+    size: np.ndarray
+    p: np.ndarray
+    lf: np.ndarray
+    fb: np.ndarray
+    lu: np.ndarray
+    recomputable: np.ndarray         # the tensor itself may be recomputed (not a random op's output)
+    d2h_us: np.ndarray
+    h2d_us: np.ndarray
+    live_keep: np.ndarray            # keep-all live bytes per op
+    base: np.ndarray                 # floor memory per op (every candidate evicted)
+    layer: list[int | None] = field(default_factory=list)   # repeated-block index of each candidate
+
+    @property
+    def forward_end_us(self) -> float:
+        return float(self.t_end[self.nf - 1]) if self.nf else 0.0
+
+    @property
+    def ideal_us(self) -> float:
+        return float(self.t_end[-1]) if self.n else 0.0
+
+    def op_at_time(self, time_us: float) -> int:
+        """The op running at `time_us` (ideal schedule), clipped to the step."""
+        i = int(np.searchsorted(self.t_end, time_us, side="right"))
+        return min(max(i, 0), self.n - 1)
+
+    def gap_slice(self, c: int) -> slice:
+        return slice(int(self.lf[c]) + 1, int(self.fb[c]))
+
+
+def build_model(prof: Profile, hw: HardwareSpec) -> Model:
+    n, nf = len(prof.ops), prof.n_forward
+    op_us = np.array([op.time_us for op in prof.ops], dtype=np.float64)
+    t_end = np.cumsum(op_us)
+    t_start = t_end - op_us
+    cands = [t.id for t in prof.saved_activations]
+    index = {tid: c for c, tid in enumerate(cands)}
+    last_use = prof.last_use
+    size = np.array([prof.tensors[t].size_bytes for t in cands], dtype=np.int64)
+    p = np.array([prof.tensors[t].producer for t in cands], dtype=np.int64)
+    lf = np.array([prof.last_forward_use(t) for t in cands], dtype=np.int64)
+    fb = np.array([prof.first_backward_use(t) for t in cands], dtype=np.int64)
+    lu = np.array([last_use[t] for t in cands], dtype=np.int64)
+    rec = np.array([prof.tensors[t].recomputable for t in cands], dtype=bool)
+    d2h = np.array([hw.copy_us(int(s), "d2h") for s in size], dtype=np.float64)
+    h2d = np.array([hw.copy_us(int(s), "h2d") for s in size], dtype=np.float64)
+    live = np.array(live_bytes_per_op(prof), dtype=np.int64)
+    # floor: subtract every candidate's gap (a difference array keeps this O(n + candidates))
+    delta = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(delta, lf + 1, -size)
+    np.add.at(delta, fb, size)
+    base = live + np.cumsum(delta)[:n]
+    layers = layer_of_ops(prof)
+    layer = [layers[prof.tensors[t].producer] for t in cands]
+    return Model(prof, hw, n, nf, op_us, t_start, t_end, cands, index, size, p, lf, fb, lu, rec,
+                 d2h, h2d, live, base, layer)
+
+
+# --------------------------------------------------------------------------------------------
+# Repeated layers
+# --------------------------------------------------------------------------------------------
+_LAYER_RE = re.compile(r"(?:^|\.)(?:h|layer|layers|blocks|block|encoder\.layer|decoder\.layers)\.(\d+)(?:\.|$)")
+
+
+def layer_of_ops(prof: Profile) -> list[int | None]:
+    """Index of the repeated block each op belongs to ("transformer.h.3.mlp" -> 3), or None.
+
+    The first `<container>.<number>` in the module path wins, where the container is one of the
+    usual names of a block list (h, layer, layers, blocks, block).
+    """
+    out: list[int | None] = []
+    for op in prof.ops:
+        m = _LAYER_RE.search(op.module or "")
+        out.append(int(m.group(1)) if m else None)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Recompute chains (static, as the simulator runs them)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Chains:
+    """What recomputing each candidate costs, independent of the other candidates' actions.
+
+    The simulator re-runs a recomputed tensor's producer before its first backward use; an input
+    of that op that is a candidate is obtained whatever its action (kept: resident; swapped:
+    fetched; recomputed: produced first and then kept until its own last use), so candidates
+    never add time to another's chain. Non-saved forward values (dead in backward) are re-run
+    as temporaries, recursively; one that cannot be re-run (a random op's output backward does
+    not save) makes the chain impossible. So each candidate's chain time is static:
+
+    - `cost[c]`: time of its producer plus the temporaries' producers (INF: impossible),
+    - `inputs[c]`: the candidates those ops read (they must be resident when it runs),
+    - `extra_bytes[c]`: bytes the chain allocates besides c (other outputs, temporaries),
+    - `siblings[c]`: other candidates from the same producer op (one re-run makes them all).
+    """
+    cost: np.ndarray
+    inputs: list[list[int]]
+    extra_bytes: np.ndarray
+    siblings: list[list[int]]
+    readers: list[list[int]]            # candidates whose chain reads c
+
+
+def build_chains(m: Model) -> Chains:
+    prof = m.prof
+    n = len(m.cands)
+    cost = np.full(n, INF)
+    extra = np.zeros(n, dtype=np.int64)
+    inputs: list[list[int]] = [[] for _ in range(n)]
+    by_op: dict[int, list[int]] = {}
+    for c in range(n):
+        by_op.setdefault(int(m.p[c]), []).append(c)
+    siblings = [[x for x in by_op[int(m.p[c])] if x != c] for c in range(n)]
+    for c in range(n):
+        if not m.recomputable[c]:
+            continue
+        ops: set[int] = set()
+        ins: set[int] = set()
+        ok = True
+        stack = [int(m.p[c])]
+        while stack and ok:
+            o = stack.pop()
+            if o in ops:
+                continue
+            ops.add(o)
+            for tid in prof.ops[o].inputs:
+                r = prof.root(tid)
+                t = prof.tensors[r]
+                if t.kind != "activation" or t.producer is None:
+                    continue
+                x = m.index.get(r)
+                if x is not None:
+                    if x != c and x not in siblings[c]:
+                        ins.add(x)
+                    continue
+                if t.producer >= m.nf:
+                    continue              # produced in backward: alive while read
+                if not t.recomputable:
+                    ok = False
+                    break
+                stack.append(t.producer)
+        if not ok:
+            continue
+        cost[c] = float(sum(m.op_us[o] for o in ops))
+        e = 0
+        for o in ops:
+            for out in prof.ops[o].outputs:
+                r = prof.root(out)
+                if r == out and prof.tensors[r].kind == "activation" and r != m.cands[c]:
+                    e += prof.tensors[r].size_bytes
+        extra[c] = e
+        # inputs already back when c is needed (their first backward use came first) add nothing
+        inputs[c] = sorted(x for x in ins if not (m.fb[x] <= m.fb[c] <= m.lu[x]))
+    readers: list[list[int]] = [[] for _ in range(n)]
+    for c in range(n):
+        for x in inputs[c]:
+            readers[x].append(c)
+    return Chains(cost, inputs, extra, siblings, readers)
+
+
+# --------------------------------------------------------------------------------------------
+# Plans in progress
+# --------------------------------------------------------------------------------------------
+class State:
+    """Actions of all candidates, and when each evicted one is needed back in backward.
+
+    `need[c]` is the first backward op at which c must be resident: its first backward use, or
+    earlier when a recomputed candidate's chain reads it (the simulator then produces or
+    fetches it for that chain and keeps it). For a kept candidate it is where it would be
+    needed if it were evicted.
+    """
+
+    def __init__(self, m: Model, actions: list[str] | None = None, chains: Chains | None = None):
+        self.m = m
+        self.ch = chains if chains is not None else build_chains(m)
+        self.actions = list(actions) if actions else [KEEP] * len(m.cands)
+        self.cost = self.ch.cost
+        self.extra_bytes = self.ch.extra_bytes
+        self.refresh_need()
+
+    def refresh_need(self) -> None:
+        m, ch = self.m, self.ch
+        need = m.fb.copy()
+        # readers are produced after what they read: settle them first (decreasing producer)
+        order = np.argsort(-m.p, kind="stable")
+        for y in order:
+            if self.actions[y] != RECOMPUTE:
+                continue
+            ny = need[y]
+            for s in ch.siblings[y]:
+                if self.actions[s] == RECOMPUTE and need[s] < ny:
+                    ny = need[s]
+            need[y] = ny
+            for x in ch.inputs[y]:
+                if ny < need[x]:
+                    need[x] = ny
+        self.need = need
+
+    def _lower_need(self, c: int, at: int) -> None:
+        """c's chain now runs at `at`: its inputs are needed by then (recursively)."""
+        stack = [(c, at)]
+        while stack:
+            y, t = stack.pop()
+            for x in self.ch.inputs[y]:
+                if t < self.need[x]:
+                    self.need[x] = t
+                    if self.actions[x] == RECOMPUTE:
+                        stack.append((x, t))
+
+    def set(self, c: int, action: str) -> None:
+        old = self.actions[c]
+        if old == action:
+            return
+        self.actions[c] = action
+        if action == RECOMPUTE and old != RECOMPUTE:
+            at = int(self.need[c])
+            for s in self.ch.siblings[c]:
+                if self.actions[s] == RECOMPUTE:
+                    at = min(at, int(self.need[s]))
+            self.need[c] = at
+            self._lower_need(c, at)
+        elif old == RECOMPUTE:
+            self.refresh_need()
+
+    def marginal_cost(self, c: int) -> float:
+        """Recompute time evicting c adds (nothing more if a sibling already re-runs its op)."""
+        own = float(self.cost[c])
+        if not np.isfinite(own):
+            return INF
+        if any(self.actions[s] == RECOMPUTE for s in self.ch.siblings[c]):
+            return 0.0
+        return own
+
+    def decisions(self, prefetch_at: dict[int, int] | None = None) -> list[Decision]:
+        pf = prefetch_at or {}
+        return [Decision(tensor=tid, action=a, prefetch_at=pf.get(c) if a == SWAP else None)
+                for c, (tid, a) in enumerate(zip(self.m.cands, self.actions))]
+
+    def recompute_us(self) -> float:
+        ops_done: set[int] = set()
+        total = 0.0
+        for c, a in enumerate(self.actions):
+            if a == RECOMPUTE and int(self.m.p[c]) not in ops_done:
+                ops_done.add(int(self.m.p[c]))
+                total += float(self.cost[c])
+        return total
+
+
+# --------------------------------------------------------------------------------------------
+# Copies: the FIFO schedules and the slack ledger
+# --------------------------------------------------------------------------------------------
+@dataclass
+class CopySchedule:
+    offload_done_op: dict[int, int]      # candidate -> op at whose end its D2H copy is done
+    prefetch_op: dict[int, int]          # candidate -> op at whose start its H2D copy starts
+    exposed_us: float                    # copy time the FIFOs could not hide (estimate)
+
+
+def copy_schedule(m: Model, swaps: list[int], need: np.ndarray | None = None,
+                  margin: float = 0.0) -> CopySchedule:
+    """FIFO D2H in production order, just-in-time H2D in order of need, on the ideal timeline.
+
+    `margin` (a fraction) issues each prefetch that much of its copy time earlier, to absorb
+    what the static picture leaves out (stalls elsewhere, the duplex derate).
+    """
+    need = m.fb if need is None else need
+    done_op: dict[int, int] = {}
+    pf_op: dict[int, int] = {}
+    busy = 0.0
+    for c in sorted(swaps, key=lambda c: (m.p[c], c)):
+        start = max(float(m.t_end[m.p[c]]), busy)
+        busy = start + float(m.d2h_us[c])
+        done_op[c] = max(m.op_at_time(busy - 1e-9), int(m.lf[c]))
+    late_d2h = max(0.0, busy - m.forward_end_us)
+    t_b0 = m.forward_end_us
+    nxt = INF
+    earliest = INF
+    for c in sorted(swaps, key=lambda c: (-need[c], -c)):
+        done = min(float(m.t_start[need[c]]), nxt)
+        start = done - float(m.h2d_us[c]) * (1.0 + margin)
+        nxt = start
+        earliest = min(earliest, start)
+        pf_op[c] = max(m.op_at_time(max(start, t_b0)), m.nf)
+    late_h2d = max(0.0, t_b0 - earliest) if swaps else 0.0
+    return CopySchedule(done_op, pf_op, late_d2h + late_h2d)
+
+
+class SlackLedger:
+    """The two slack conditions of the module docstring, kept incrementally."""
+
+    def __init__(self, m: Model, safety: float = 0.97):
+        self.m = m
+        nf, n = m.nf, m.n
+        self.safety = safety
+        # D2H: copies of everything produced at or after op j must fit in forward time after j
+        self.cap_f = safety * (m.forward_end_us - m.t_end[:nf])
+        self.dem_f = np.zeros(nf)
+        # H2D: copies needed by op j (backward) must fit in backward time before j
+        self.cap_b = safety * (m.t_start[nf:] - m.forward_end_us)
+        self.dem_b = np.zeros(n - nf)
+
+    def fits(self, c: int, need: int) -> bool:
+        m = self.m
+        p, j = int(m.p[c]), int(need) - m.nf
+        if p >= m.nf or j < 0:
+            return False
+        if np.min(self.cap_f[:p + 1] - self.dem_f[:p + 1]) < m.d2h_us[c]:
+            return False
+        return bool(np.min(self.cap_b[j:] - self.dem_b[j:]) >= m.h2d_us[c])
+
+    def add(self, c: int, need: int, sign: float = 1.0) -> None:
+        m = self.m
+        self.dem_f[:int(m.p[c]) + 1] += sign * m.d2h_us[c]
+        self.dem_b[int(need) - m.nf:] += sign * m.h2d_us[c]
+
+
+# --------------------------------------------------------------------------------------------
+# Memory of a plan in the static picture
+# --------------------------------------------------------------------------------------------
+def memory(m: Model, state: State, sched: CopySchedule | None = None) -> np.ndarray:
+    """Activation bytes per op for the actions in `state` (see the module docstring)."""
+    delta = np.zeros(m.n + 1, dtype=np.int64)
+    swaps = [c for c, a in enumerate(state.actions) if a == SWAP]
+    if sched is None and swaps:
+        sched = copy_schedule(m, swaps, state.need)
+    need = state.need
+    for c, a in enumerate(state.actions):
+        s = int(m.size[c])
+        lo, fb = int(m.lf[c]) + 1, int(m.fb[c])
+        if a == KEEP:
+            if lo < fb:
+                delta[lo] += s
+                delta[fb] -= s
+            continue
+        hi = int(need[c])
+        if hi < fb:                     # back early for a chain: resident from then on
+            delta[hi] += s
+            delta[fb] -= s
+        if lo >= hi:
+            continue
+        if a == SWAP:
+            tail_end = min(sched.offload_done_op[c] + 1, hi)
+            if tail_end > lo:
+                delta[lo] += s
+                delta[tail_end] -= s
+            head = max(sched.prefetch_op[c], tail_end, lo)
+            if head < hi:
+                delta[head] += s
+                delta[hi] -= s
+        else:  # recompute: the chain's other outputs and temporaries exist for a moment
+            e = int(state.extra_bytes[c])
+            if e:
+                delta[hi] += e
+                delta[hi + 1] -= e
+    return m.base + np.cumsum(delta)[:m.n]
+
+
+# --------------------------------------------------------------------------------------------
+# The recompute greedy shared by slackswap and recompute-only
+# --------------------------------------------------------------------------------------------
+def recompute_until_fits(m: Model, state: State, budget_bytes: int,
+                         mem: np.ndarray, allow: np.ndarray | None = None,
+                         max_steps: int | None = None) -> tuple[np.ndarray, bool]:
+    """Recompute kept candidates, cheapest per byte first, where memory exceeds the budget.
+
+    Repeatedly takes the op where memory most exceeds the budget and, among kept candidates live
+    across it (and `allow`), recomputes the one with the least added recompute time per byte.
+    Only tensors live at an over-budget moment are evicted. Memory is updated incrementally
+    (the freed gap, the chain's temporaries, inputs the chain pulls back early) and recomputed
+    exactly every so often. Returns (memory, fits).
+    """
+    mem = mem.copy()
+    allow = np.ones(len(m.cands), dtype=bool) if allow is None else allow
+    finite = np.isfinite(state.cost)
+    steps = 0
+    limit = max_steps if max_steps is not None else 4 * len(m.cands) + 10
+    while steps < limit:
+        steps += 1
+        i = int(np.argmax(mem))
+        if mem[i] <= budget_bytes:
+            mem = memory(m, state)             # exact, then confirm
+            i = int(np.argmax(mem))
+            if mem[i] <= budget_bytes:
+                return mem, True
+        kept = np.fromiter((a == KEEP for a in state.actions), dtype=bool, count=len(m.cands))
+        cover = kept & allow & finite & (m.lf < i) & (state.need > i)
+        if not cover.any():
+            return mem, False
+        idx = np.nonzero(cover)[0]
+        per_byte = (np.array([state.marginal_cost(int(c)) for c in idx])
+                    / np.maximum(m.size[idx], 1))
+        c = int(idx[np.argmin(per_byte)])
+        before = state.need.copy()
+        state.set(c, RECOMPUTE)
+        hi = int(state.need[c])
+        mem[int(m.lf[c]) + 1:hi] -= m.size[c]
+        e = int(state.extra_bytes[c])
+        if e and hi < m.n:
+            mem[hi] += e
+        moved = np.nonzero(state.need < before)[0]
+        for x in moved:                      # evicted inputs now needed earlier
+            if state.actions[x] != KEEP and x != c:
+                mem[int(state.need[x]):int(before[x])] += m.size[x]
+    mem = memory(m, state)
+    return mem, bool(mem.max(initial=0) <= budget_bytes)

@@ -1,0 +1,279 @@
+"""`optimal`: the same choices as a mixed-integer program, solved by HiGHS (scipy.optimize.milp).
+
+It exists to measure how far `slackswap` is from the best plan. What it models, exactly:
+
+- **Choices.** For each saved activation root c: swap `w_c`, recompute `r_c` (binaries,
+  `w_c + r_c <= 1`; keep otherwise). Outputs of random ops and tensors whose recompute chain
+  hits a value nobody kept have `r_c = 0`.
+- **Memory at every op that can exceed the budget**, in the static picture of `common`:
+  keep-all bytes minus, for a swap, its size over its gap except the offload tail and the
+  just-in-time prefetch head (each as long as its own copy, no queueing), and for a recompute,
+  its size over its gap plus the chain's other outputs at its first backward use. Ops where
+  the keep-all memory is under the budget are skipped; of ops with identical coefficients only
+  the one with the most memory is kept (that row dominates the others).
+- **Objective** = recompute time + exposed copy time. Recompute time is the producer chain
+  assuming the other candidates kept, plus, for every input candidate x that is evicted, x's
+  own chain (`z_cx >= r_c - k_x`: one level deep; deeper chains are not charged). Exposed copy
+  time is what the FIFOs cannot hide: one variable per direction bounds the excess of the
+  D2H copies of everything produced from op j on over the forward time left after j, and of
+  the H2D copies needed by backward op j over the backward time before it (the FIFO's delay).
+- **Not modelled**: stalls that shift later ops, queueing delays in the memory windows, the
+  duplex derate, deeper recompute chains. The simulator judges the plan it returns; notes give
+  the MILP's objective, its proven lower bound (on the model, not on the simulator) and gap.
+
+**Repeated layers.** Transformer blocks repeat: when the profile has more than
+`untie_limit` candidates, candidates at the same position of identical blocks share one
+variable within a group of consecutive blocks (the last two blocks each form their own group,
+the rest split into up to `groups` chunks). The bound is then the bound of this tied model.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from ..hardware import HardwareSpec
+from ..schema import Profile
+from .common import KEEP, RECOMPUTE, SWAP, Model, State, build_chains, build_model, memory, \
+    recompute_until_fits
+
+DEFAULT_TIME_LIMIT_S = 60.0
+PREFETCH_MARGIN = 0.10
+
+
+def _windows(m: Model):
+    """Offload-tail end and prefetch-head start (op ids) of each candidate, no queueing."""
+    c_all = np.arange(len(m.cands))
+    done_t = m.t_end[m.p] + m.d2h_us
+    tail_end = np.searchsorted(m.t_end, done_t - 1e-9, side="left") + 1   # exclusive
+    tail_end = np.maximum(tail_end, m.lf + 1)
+    start_t = m.t_start[m.fb] - m.h2d_us * (1 + PREFETCH_MARGIN)
+    head = np.searchsorted(m.t_end, start_t, side="right")
+    head = np.maximum(head, m.nf)
+    tail_end = np.minimum(tail_end, m.fb)
+    head = np.clip(np.maximum(head, tail_end), None, m.fb)
+    return tail_end, head, c_all
+
+
+def _groups(m: Model, untie_limit: int, groups: int) -> tuple[np.ndarray, int, str]:
+    """Variable index of each candidate (tied across identical blocks when large)."""
+    n = len(m.cands)
+    if n <= untie_limit:
+        return np.arange(n), n, "untied"
+    by_layer: dict[int, list[int]] = defaultdict(list)
+    for c, layer in enumerate(m.layer):
+        if layer is not None:
+            by_layer[layer].append(c)
+    prof = m.prof
+
+    def sig(cs):
+        return tuple((int(m.size[c]), prof.ops[int(m.p[c])].target, bool(m.recomputable[c]))
+                     for c in cs)
+    layers = sorted(by_layer)
+    sigs = {layer: sig(by_layer[layer]) for layer in layers}
+    common_sig = max(set(sigs.values()), key=lambda s: sum(v == s for v in sigs.values()),
+                     default=None)
+    tied_layers = [layer for layer in layers if sigs[layer] == common_sig]
+    if len(tied_layers) < 4:
+        return np.arange(n), n, "untied (no repeated blocks)"
+    # groups of consecutive tied blocks; the last two alone (they feed backward at once)
+    head, tail = tied_layers[:-2], tied_layers[-2:]
+    k = max(1, min(groups, len(head)))
+    chunks = [list(a) for a in np.array_split(head, k) if len(a)] + [[t] for t in tail]
+    var = np.full(n, -1)
+    nv = 0
+    for chunk in chunks:
+        width = len(common_sig)
+        for pos in range(width):
+            for layer in chunk:
+                var[by_layer[layer][pos]] = nv + pos
+        nv += width
+    for c in range(n):
+        if var[c] < 0:
+            var[c] = nv
+            nv += 1
+    return var, nv, f"tied: {len(tied_layers)} identical blocks in {len(chunks)} groups"
+
+
+def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+          untie_limit: int = 900, groups: int = 6):
+    """Build and solve the MILP. Returns (actions, notes)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    n = len(m.cands)
+    notes: list[str] = []
+    if n == 0 or int(m.live_keep.max(initial=0)) <= budget_bytes:
+        return [KEEP] * n, ["everything fits: nothing to solve"]
+    var, nv, how = _groups(m, untie_limit, groups)
+    notes.append(f"MILP {how}")
+    tail_end, head, _ = _windows(m)
+    ch = build_chains(m)
+    rec_ok = np.isfinite(ch.cost)
+    chain_us = np.where(rec_ok, ch.cost, 0.0)
+    extra = ch.extra_bytes
+    # one re-run of a multi-output producer makes all its outputs: its time is paid once,
+    # through a variable y >= r of every sibling (keyed by the variable of the first sibling)
+    lead = [min([c, *ch.siblings[c]]) for c in range(n)]
+    ykeys = sorted({int(var[lead[c]]) for c in range(n) if rec_ok[c]})
+    ypos = {k: j for j, k in enumerate(ykeys)}
+    ny = len(ykeys)
+    # variable layout: [w (nv), r (nv), y (ny), eF, eB]
+    N = 2 * nv + ny + 2
+    iw, ir, iy, ieF, ieB = 0, nv, 2 * nv, 2 * nv + ny, 2 * nv + ny + 1
+    cost = np.zeros(N)
+    for c in range(n):
+        if rec_ok[c] and lead[c] == c:
+            cost[iy + ypos[int(var[c])]] += chain_us[c]
+    cost[ieF] = cost[ieB] = 1.0
+    ub = np.ones(N)
+    ub[ieF] = ub[ieB] = np.inf
+    r_all_ok = np.ones(nv, dtype=bool)
+    np.logical_and.at(r_all_ok, var, rec_ok)
+    ub[ir:ir + nv] = r_all_ok.astype(float)   # a tied group recomputes only if all members can
+    rows, cols, vals, lo_b, hi_b = [], [], [], [], []
+    nrow = 0
+
+    def add_rows(r_idx, c_idx, v, lo, hi):
+        nonlocal nrow
+        rows.append(np.asarray(r_idx) + nrow)
+        cols.append(np.asarray(c_idx))
+        vals.append(np.asarray(v, dtype=float))
+        lo_b.append(np.asarray(lo, dtype=float))
+        hi_b.append(np.asarray(hi, dtype=float))
+        nrow += len(lo)
+
+    # y_lead >= r_c for every recomputable candidate c
+    pairs = sorted({(ypos[int(var[lead[c]])], int(var[c])) for c in range(n) if rec_ok[c]})
+    if pairs:
+        py = np.array([a for a, _ in pairs])
+        pr = np.array([b for _, b in pairs])
+        idx = np.arange(len(pairs))
+        add_rows(np.r_[idx, idx], np.r_[iy + py, ir + pr],
+                 np.r_[np.ones(len(pairs)), -np.ones(len(pairs))],
+                 np.zeros(len(pairs)), np.full(len(pairs), np.inf))
+    # w + r <= 1
+    add_rows(np.r_[np.arange(nv), np.arange(nv)], np.r_[iw + np.arange(nv), ir + np.arange(nv)],
+             np.ones(2 * nv), np.zeros(nv), np.ones(nv))
+    # memory rows: live_keep[i] - sum(savings) <= B at representative over-budget ops
+    over = m.live_keep > budget_bytes
+    events = np.unique(np.r_[0, m.lf + 1, m.fb, m.fb + 1, tail_end, head, m.nf])
+    events = events[(events >= 0) & (events < m.n)]
+    run_max = np.maximum.reduceat(np.where(over, m.live_keep, -1), events)
+    keep_runs = run_max > budget_bytes
+    sel = []
+    for start, stop_ok in zip(events[keep_runs], np.nonzero(keep_runs)[0]):
+        end = events[stop_ok + 1] if stop_ok + 1 < len(events) else m.n
+        seg = np.where(over[start:end], m.live_keep[start:end], -1)
+        sel.append(start + int(np.argmax(seg)))
+    sel = np.array(sorted(set(sel)), dtype=np.int64)
+    if len(sel):
+        r_i, c_i, v_i = [], [], []
+        lo_gap, hi_gap = m.lf + 1, m.fb
+        for c in range(n):
+            s = float(m.size[c])
+            a = np.searchsorted(sel, lo_gap[c])
+            b = np.searchsorted(sel, hi_gap[c])
+            if b > a:
+                rr = np.arange(a, b)
+                r_i.append(rr); c_i.append(np.full(b - a, ir + var[c])); v_i.append(np.full(b - a, -s))
+                # swap saves its size outside the tail and the head
+                ta = np.searchsorted(sel, tail_end[c])
+                hb = np.searchsorted(sel, head[c])
+                lo_s, hi_s = max(a, ta), min(b, hb)
+                if hi_s > lo_s:
+                    rr = np.arange(lo_s, hi_s)
+                    r_i.append(rr); c_i.append(np.full(hi_s - lo_s, iw + var[c]))
+                    v_i.append(np.full(hi_s - lo_s, -s))
+            if extra[c]:
+                j = np.searchsorted(sel, m.fb[c])
+                if j < len(sel) and sel[j] == m.fb[c]:
+                    r_i.append(np.array([j])); c_i.append(np.array([ir + var[c]]))
+                    v_i.append(np.array([float(extra[c])]))
+        if r_i:
+            add_rows(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
+                     np.full(len(sel), -np.inf), budget_bytes - m.live_keep[sel].astype(float))
+    # slack rows (sub-sampled to at most 300 positions each)
+    pos_f = np.unique(m.p[m.p < m.nf])
+    if len(pos_f) > 300:
+        pos_f = pos_f[np.linspace(0, len(pos_f) - 1, 300).astype(int)]
+    if len(pos_f):
+        r_i, c_i, v_i = [], [], []
+        for c in range(n):
+            k = np.searchsorted(pos_f, m.p[c], side="right")  # rows j with pos_f[j] <= p_c
+            r_i.append(np.arange(k)); c_i.append(np.full(k, iw + var[c])); v_i.append(np.full(k, m.d2h_us[c]))
+        L = len(pos_f)
+        r_i.append(np.arange(L)); c_i.append(np.full(L, ieF)); v_i.append(-np.ones(L))
+        add_rows(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
+                 np.full(L, -np.inf), m.forward_end_us - m.t_end[pos_f])
+    pos_b = np.unique(m.fb)
+    if len(pos_b) > 300:
+        pos_b = pos_b[np.linspace(0, len(pos_b) - 1, 300).astype(int)]
+    if len(pos_b):
+        r_i, c_i, v_i = [], [], []
+        for c in range(n):
+            k = np.searchsorted(pos_b, m.fb[c], side="left")   # rows j with pos_b[j] >= fb_c
+            L = len(pos_b)
+            r_i.append(np.arange(k, L)); c_i.append(np.full(L - k, iw + var[c]))
+            v_i.append(np.full(L - k, m.h2d_us[c]))
+        L = len(pos_b)
+        r_i.append(np.arange(L)); c_i.append(np.full(L, ieB)); v_i.append(-np.ones(L))
+        add_rows(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
+                 np.full(L, -np.inf), m.t_start[pos_b] - m.forward_end_us)
+    A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                   shape=(nrow, N)).tocsr()
+    integrality = np.ones(N)
+    integrality[ieF] = integrality[ieB] = 0
+    integrality[iy:iy + ny] = 0     # y is integral at any optimum (it only pays)
+    t0 = time.perf_counter()
+    res = milp(cost, constraints=[LinearConstraint(A, np.concatenate(lo_b), np.concatenate(hi_b))],
+               integrality=integrality, bounds=Bounds(np.zeros(N), ub),
+               options={"time_limit": float(time_limit_s), "mip_rel_gap": 1e-4,
+                        "disp": False})
+    solve_s = time.perf_counter() - t0
+    notes.append(f"MILP: {nv} choices x 2 binaries, {ny} producer runs, {len(sel)} memory rows, "
+                 f"{A.nnz} nonzeros; HiGHS {solve_s:.1f} s, status: {res.message}")
+    if res.x is None:
+        notes.append("MILP found no solution: falling back to recompute-then-swap repair")
+        return None, notes
+    x = np.round(res.x).astype(int)
+    bound = getattr(res, "mip_dual_bound", None)
+    obj = float(res.fun)
+    if bound is not None and np.isfinite(bound):
+        gap = (obj - bound) / obj if obj > 0 else 0.0
+        ideal = m.ideal_us
+        notes.append(f"MILP objective {obj:.1f} us of overhead, proven lower bound {bound:.1f} us "
+                     f"(gap {100 * gap:.2f}%): retention at most "
+                     f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model")
+    actions = []
+    for c in range(n):
+        if x[iw + var[c]]:
+            actions.append(SWAP)
+        elif x[ir + var[c]] and rec_ok[c]:
+            actions.append(RECOMPUTE)
+        else:
+            actions.append(KEEP)
+    return actions, notes
+
+
+def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
+         time_limit_s: float = DEFAULT_TIME_LIMIT_S):
+    """The `optimal` planner: solve the MILP, then repair what the static model still finds over."""
+    from . import PlannerOutput
+    from .slackswap import plan_static, prefetch_points
+    m = build_model(profile, hw)
+    actions, notes = solve(m, budget_bytes, time_limit_s)
+    if actions is None:
+        state, _, _ = plan_static(m, budget_bytes)
+    else:
+        state = State(m, actions)
+        for c, a in enumerate(actions):     # a chain the MILP could not see through
+            if a == RECOMPUTE and not np.isfinite(state.cost[c]):
+                state.set(c, KEEP)
+        mem = memory(m, state)
+        if mem.max(initial=0) > budget_bytes:
+            _, fits = recompute_until_fits(m, state, budget_bytes, mem)
+            notes.append("repaired the MILP plan with extra recompute where the static model "
+                         "(with copy queueing) still exceeded the budget")
+    return PlannerOutput(state.decisions(prefetch_points(m, state)), tuple(notes))

@@ -1,0 +1,54 @@
+"""--budget parsing and the floor check, with answers worked out by hand."""
+import pytest
+
+from slackswap_cli.budget import check_budget, format_bytes, parse_budget
+from slackswap_cli.errors import InfeasibleError, InputError
+from slackswap_cli.simulate import budget_floor_bytes
+from slackswap_cli.synthetic import chain_profile
+
+
+@pytest.fixture(scope="module")
+def prof():
+    return chain_profile(4, act_bytes=1 << 20)   # keep-all peak: four 1 MiB tensors + 4 B loss
+
+
+def test_fraction_of_keep_all_peak(prof):
+    peak = prof.summary["peak_activation_bytes"]
+    assert peak == (4 << 20) + 4
+    assert parse_budget("0.5", prof) == ((2 << 20) + 2, 0.5)
+    assert parse_budget("1", prof) == (peak, 1.0)
+    assert parse_budget("1.0", prof) == (peak, 1.0)
+    assert parse_budget(0.25, prof) == ((1 << 20) + 1, 0.25)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("20GiB", 20 * 2**30), ("512MiB", 512 * 2**20), ("20GB", 20 * 10**9),
+    ("1.5e9", 1_500_000_000), ("123456789", 123456789), ("64 KiB", 64 * 1024),
+    ("2g", 2 * 2**30), ("1000B", 1000), ("2", 2),
+])
+def test_absolute_sizes(prof, text, expected):
+    assert parse_budget(text, prof) == (expected, None)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "cannot read"), ("half", "cannot read"), ("-0.5", "cannot read"), ("0", "positive"),
+    ("12 parsecs", "unknown unit"), ("1.5", "above 1"), ("0.5GiBx", "unknown unit"),
+])
+def test_bad_budgets_raise_input_error_with_hint(prof, text, needle):
+    with pytest.raises(InputError, match=needle) as exc:
+        parse_budget(text, prof)
+    assert exc.value.hint
+
+
+def test_check_budget_names_the_floor(prof):
+    floor = budget_floor_bytes(prof)
+    check_budget(floor, prof)                  # exactly the floor is allowed
+    with pytest.raises(InfeasibleError, match="below the floor") as exc:
+        check_budget(floor - 1, prof)
+    assert str(floor) in exc.value.hint
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
