@@ -451,17 +451,18 @@ def compare_table(rows: Sequence[dict], budget_bytes: int | None = None) -> Tabl
 
 
 def hardware_table(specs) -> Table:
-    """Presets side by side: compute, HBM, memory, host link (achievable figures in brackets)."""
-    table = Table(title="hardware presets (achievable in brackets)", title_justify="left")
+    """Presets side by side: compute, HBM, memory, host link."""
+    table = Table(title="hardware presets (eff = achievable fraction of peak)", title_justify="left")
     table.add_column("preset", no_wrap=True)
-    for col in ("bf16 TFLOP/s", "HBM GB/s", "memory", "H2D GB/s", "D2H GB/s", "latency", "duplex"):
+    for col in ("TFLOP/s", "eff", "HBM GB/s", "eff", "GiB", "H2D GB/s", "D2H GB/s", "lat us",
+                "duplex"):
         table.add_column(col, justify="right", no_wrap=True)
     for s in specs:
         table.add_row(
-            s.name, f"{s.peak_flops_per_s / 1e12:.0f} ({s.achievable_flops_per_s / 1e12:.0f})",
-            f"{s.hbm_bytes_per_s / 1e9:.0f} ({s.achievable_hbm_bytes_per_s / 1e9:.0f})",
-            fmt_bytes(s.memory_bytes), f"{s.h2d_bytes_per_s / 1e9:.1f}",
-            f"{s.d2h_bytes_per_s / 1e9:.1f}", fmt_us(s.copy_latency_us),
+            s.name, f"{s.peak_flops_per_s / 1e12:.0f}", f"{s.matmul_efficiency:.2f}",
+            f"{s.hbm_bytes_per_s / 1e9:.0f}", f"{s.hbm_efficiency:.2f}",
+            f"{s.memory_bytes / 2**30:.0f}", f"{s.h2d_bytes_per_s / 1e9:.1f}",
+            f"{s.d2h_bytes_per_s / 1e9:.1f}", f"{s.copy_latency_us:.0f}",
             f"x{s.duplex_derate:.2f}" if s.duplex else "no")
     return table
 
