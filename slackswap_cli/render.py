@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Sequence
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -452,10 +453,11 @@ def compare_table(rows: Sequence[dict], budget_bytes: int | None = None) -> Tabl
 
 def hardware_table(specs) -> Table:
     """Presets side by side: compute, HBM, memory, host link."""
-    table = Table(title="hardware presets (eff = achievable fraction of peak)", title_justify="left")
+    table = Table(title="hardware presets (eff = achievable fraction of peak)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("preset", no_wrap=True)
     for col in ("TFLOP/s", "eff", "HBM GB/s", "eff", "GiB", "H2D GB/s", "D2H GB/s", "lat us",
-                "duplex"):
+                "both"):
         table.add_column(col, justify="right", no_wrap=True)
     for s in specs:
         table.add_row(
