@@ -386,3 +386,181 @@ def test_random_plans_respect_the_budget(p, data):
     check_invariants(p, r, budget)
     if budget is None:
         assert r.feasible
+
+
+# ---------------------------------------------------------------------------------------------
+# edge cases
+# ---------------------------------------------------------------------------------------------
+def test_empty_and_forward_only_profiles():
+    empty = ProfileBuilder().build()
+    r = simulate(empty, {}, HW, budget_bytes=0)
+    assert r.feasible and r.predicted.step_us == 0.0 and r.predicted.retention == 1.0
+    assert budget_floor_bytes(empty) == 0
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (1,), "float32", size_bytes=4)
+    a = b.add_tensor("a", "activation", (MB,), "uint8", size_bytes=MB)
+    b.add_op("f", "aten.relu.default", "forward", (x,), (a,), time_us=10.0)
+    fwd_only = b.build()
+    r = simulate(fwd_only, {}, HW)
+    assert r.predicted.step_us == 10.0 and r.predicted.peak_bytes == MB
+    assert budget_floor_bytes(fwd_only) == MB   # the op writes it: no plan avoids that
+
+
+def test_multi_output_recompute_allocates_the_other_outputs_briefly():
+    # f0 (100 us) writes A (1 MB) and B (2 MB); b0 reads A, then b1 reads B.
+    # A recomputed, B swapped. Forward: f0 0-100 (3 MB), A freed at 100 (no forward reader),
+    # B's offload 100-300 holds it until 300.
+    # Backward from 100: f0 re-runs 100-200 and writes A and a throwaway B (3 MB) next to the
+    # held B (2 MB): peak 5 MB; the throwaway goes at 200. b0 200-300.
+    # B's prefetch 300-500 (after its offload); b1 waits 300-500, runs 500-600.
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (1,), "float32", size_bytes=4)
+    A = b.add_tensor("A", "activation", (MB,), "uint8", size_bytes=MB)
+    B = b.add_tensor("B", "activation", (2 * MB,), "uint8", size_bytes=2 * MB)
+    b.add_op("f0", "aten.split.default", "forward", (x,), (A, B), time_us=100.0)
+    g0 = b.add_tensor("g0", "gradient", (1,), "float32", size_bytes=4)
+    g1 = b.add_tensor("g1", "gradient", (1,), "float32", size_bytes=4)
+    b.add_op("b0", "aten.mm.default", "backward", (A,), (g0,), time_us=100.0)
+    b.add_op("b1", "aten.mm.default", "backward", (B,), (g1,), time_us=100.0)
+    p = b.build()
+    r = simulate(p, {A: "recompute", B: "swap"}, HW)
+    assert r.predicted.peak_bytes == 5 * MB
+    assert r.predicted.recompute_us == 100.0 and r.predicted.recomputed_bytes == 3 * MB
+    assert r.predicted.step_us == 600.0
+    assert r.predicted.stall_by_cause == {"late_prefetch": 200.0}
+    assert r.memory[-1] == (600.0, 0)
+    # with B kept, the re-run does not write B again: the peak stays the forward one
+    r = simulate(p, {A: "recompute"}, HW)
+    assert r.predicted.peak_bytes == 3 * MB and r.predicted.recomputed_bytes == MB
+
+
+def test_op_reading_a_tensor_and_its_view_counts_it_once():
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (1,), "float32", size_bytes=4)
+    A = b.add_tensor("A", "activation", (MB,), "uint8", size_bytes=MB)
+    V = b.add_tensor("V", "activation", (MB,), "uint8", size_bytes=MB, alias_of=A)
+    b.add_op("f0", "aten.relu.default", "forward", (x,), (A,), time_us=10.0)
+    b.add_op("view", "aten.t.default", "forward", (A,), (V,), time_us=0.0)
+    g = b.add_tensor("g", "gradient", (1,), "float32", size_bytes=4)
+    b.add_op("b", "aten.mm.default", "backward", (A, V, A), (g,), time_us=10.0)
+    p = b.build()
+    r = simulate(p, {A: "swap"}, HW)
+    assert r.predicted.peak_bytes == MB
+    assert r.predicted.prefetched_bytes == MB     # fetched once for both readers
+
+
+def test_dead_kept_input_of_a_chain_is_held_or_recomputed():
+    # f0 -> A (kept, random: not recomputable), f1 reads A -> B (recomputed).
+    # Backward reads A first (bA), then B (bB): when B is recomputed A is already dead, so
+    # its life is extended to the recompute of f1.
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (1,), "float32", size_bytes=4)
+    A = b.add_tensor("A", "activation", (MB,), "uint8", size_bytes=MB, recomputable=False)
+    B = b.add_tensor("B", "activation", (MB,), "uint8", size_bytes=MB)
+    b.add_op("drop", "aten.native_dropout.default", "forward", (x,), (A,), time_us=10.0)
+    b.add_op("f1", "aten.relu.default", "forward", (A,), (B,), time_us=20.0)
+    ga = b.add_tensor("ga", "gradient", (1,), "float32", size_bytes=4)
+    gb = b.add_tensor("gb", "gradient", (1,), "float32", size_bytes=4)
+    b.add_op("bA", "aten.mm.default", "backward", (A,), (ga,), time_us=10.0)
+    b.add_op("bB", "aten.mm.default", "backward", (B,), (gb,), time_us=10.0)
+    p = b.build()
+    r = simulate(p, {B: "recompute"}, HW)
+    # forward 0-30 (A+B = 2 MB), B freed at 30; bA 30-40, A would die at 40 but is held;
+    # recompute f1 40-60 (A+B), then A freed; bB 60-70 frees B
+    assert r.predicted.step_us == 70.0 and r.predicted.recompute_us == 20.0
+    assert r.memory == ((0.0, 0), (0.0, MB), (10.0, 2 * MB), (30.0, MB), (40.0, 2 * MB),
+                        (60.0, MB), (70.0, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# a larger, transformer-like synthetic profile
+# ---------------------------------------------------------------------------------------------
+def layered_profile(n_layers=4, ops_per_layer=40, seed=0, saved_frac=0.3):
+    """Blocks of forward ops (a chain with skip reads, views and dropout), backward mirroring
+    them; used for invariants here and for timing the simulator on ~20k ops:
+    `layered_profile(64, 312)` has about 20k ops and 3k saved activations."""
+    import random
+    rng = random.Random(seed)
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (1,), "float32", size_bytes=4)
+    w = b.add_tensor("w", "parameter", (1,), "float32", size_bytes=4)
+    resid = b.add_tensor("emb", "activation", (1,), "bfloat16", size_bytes=32 << 20)
+    b.add_op("embed", "aten.embedding.default", "forward", (x, w), (resid,), module="wte",
+             time_us=20.0)
+    per_layer = []
+    for L in range(n_layers):
+        prev, saved = resid, [resid]
+        for k in range(ops_per_layer // 2 - 1):
+            r = rng.random()
+            mod = f"model.layers.{L}." + rng.choice(["attn", "mlp", "ln"])
+            if r < 0.1:
+                t = b.add_tensor(f"v{L}_{k}", "activation", (1,), "bfloat16",
+                                 size_bytes=b.tensors[prev].size_bytes, alias_of=prev)
+                b.add_op(f"view{L}_{k}", "aten.view.default", "forward", (prev,), (t,),
+                         module=mod, time_us=0.0)
+            elif r < 0.15:
+                t = b.add_tensor(f"d{L}_{k}", "activation", (1,), "bfloat16",
+                                 size_bytes=rng.choice([16, 32, 64]) << 20, recomputable=False)
+                b.add_op(f"drop{L}_{k}", "aten.native_dropout.default", "forward", (prev,),
+                         (t,), module=mod, time_us=rng.uniform(20, 80))
+            else:
+                ins = (prev, saved[rng.randrange(len(saved))], w) if rng.random() < 0.3 \
+                    else (prev, w)
+                t = b.add_tensor(f"a{L}_{k}", "activation", (1,), "bfloat16",
+                                 size_bytes=rng.choice([8, 16, 32, 64, 128]) << 20)
+                b.add_op(f"f{L}_{k}", "aten.mm.default", "forward", ins, (t,), module=mod,
+                         time_us=rng.uniform(5, 400))
+            if rng.random() < saved_frac or not b.tensors[t].recomputable:
+                saved.append(t)   # a random op's output is always saved (its consumer needs it)
+            prev = t
+        resid = prev
+        per_layer.append(saved)
+    loss = b.add_tensor("loss", "activation", (), "float32", size_bytes=4)
+    b.add_op("loss", "aten.sum.default", "forward", (resid,), (loss,), time_us=10.0)
+    g = b.add_tensor("tangent", "input", (), "float32", size_bytes=4)
+    for L in reversed(range(n_layers)):
+        saved = per_layer[L]
+        n_b = ops_per_layer // 2
+        per_op = max(1, len(saved) // n_b)
+        i = len(saved)
+        for k in range(n_b):
+            reads = saved[max(0, i - per_op):i] if i > 0 else []
+            i -= per_op
+            out = b.add_tensor(f"g{L}_{k}", "activation", (1,), "bfloat16", size_bytes=32 << 20)
+            b.add_op(f"b{L}_{k}", "aten.mm.default", "backward", (g, *reads, w), (out,),
+                     module=f"model.layers.{L}.mlp", time_us=rng.uniform(10, 600))
+            g = out
+        if i > 0:
+            out = b.add_tensor(f"gx{L}", "activation", (1,), "bfloat16", size_bytes=32 << 20)
+            b.add_op(f"bx{L}", "aten.mm.default", "backward", (g, *saved[:i], w), (out,),
+                     module=f"model.layers.{L}.mlp", time_us=50.0)
+            g = out
+    return b.build(workload={"name": "layered"})
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_layered_profiles_invariants(seed):
+    import random
+    rng = random.Random(seed)
+    p = layered_profile(3, 40, seed=seed)
+    peak = keep_all_peak_bytes(p)
+    floor = budget_floor_bytes(p)
+    r = simulate(p, {}, HW)
+    assert r.predicted.peak_bytes == peak and r.predicted.retention == 1.0
+    cands = p.saved_activations
+    swap_all = simulate(p, {t.id: "swap" for t in cands}, HW, floor)
+    assert swap_all.feasible, swap_all.reason
+    check_invariants(p, swap_all, floor)
+    for _ in range(4):
+        acts = {t.id: rng.choice(["keep", "swap", "recompute"] if t.recomputable
+                                 else ["keep", "swap"]) for t in cands}
+        budget = rng.randint(floor, peak)
+        try:
+            r = simulate(p, acts, HW, budget)
+        except InputError as exc:
+            assert "random op" in exc.message
+            continue
+        check_invariants(p, r, budget)
+        unlimited = simulate(p, acts, HW, None, record=False)
+        assert unlimited.feasible
+        assert unlimited.predicted.peak_bytes >= min(r.predicted.peak_bytes, budget)
