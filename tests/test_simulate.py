@@ -563,4 +563,3 @@ def test_layered_profiles_invariants(seed):
         check_invariants(p, r, budget)
         unlimited = simulate(p, acts, HW, None, record=False)
         assert unlimited.feasible
-        assert unlimited.predicted.peak_bytes >= min(r.predicted.peak_bytes, budget)
