@@ -453,11 +453,11 @@ def compare_table(rows: Sequence[dict], budget_bytes: int | None = None) -> Tabl
 
 def hardware_table(specs) -> Table:
     """Presets side by side: compute, HBM, memory, host link."""
-    table = Table(title="hardware presets (eff = achievable fraction of peak)", title_justify="left",
+    table = Table(title="hardware presets: bf16 TFLOP/s, HBM/H2D/D2H in GB/s, copy latency in us, "
+                  "eff = achievable fraction", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("preset", no_wrap=True)
-    for col in ("TFLOP/s", "eff", "HBM GB/s", "eff", "GiB", "H2D GB/s", "D2H GB/s", "lat us",
-                "both"):
+    for col in ("TFLOPs", "eff", "HBM", "eff", "GiB", "H2D", "D2H", "lat", "duplex"):
         table.add_column(col, justify="right", no_wrap=True)
     for s in specs:
         table.add_row(
