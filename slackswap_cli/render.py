@@ -9,7 +9,8 @@ the blocks with an index (`transformer.h.3.mlp`, `model.layers.3.self_attn`,
 `bert.encoder.layer.11.output`): `layer_container` finds the numbered container with the most
 distinct indices (`transformer.h`), `layer_of` maps a module path to its block
 (`transformer.h.3`) or, outside the blocks, to a short prefix (`transformer.wte`, `lm_head`).
-Consecutive blocks whose numbers agree (within 10% for times) collapse into one row,
+Consecutive blocks with the same structure (op count, saved bytes) and times within 25%
+(measured times jitter) collapse into one row,
 `transformer.h.0-47 (x48)`, showing per-block values.
 """
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _layer_index(name: str, container: str | None) -> int | None:
     return None
 
 
-def _close(a: float, b: float, tol: float = 0.10) -> bool:
+def _close(a: float, b: float, tol: float = 0.25) -> bool:
     return abs(a - b) <= tol * max(abs(a), abs(b), 1e-9)
 
 
@@ -246,7 +247,7 @@ def profile_views(profile: Profile, top: int = 10) -> list:
         per_mib = rc / (t.size_bytes / 2**20) if t.size_bytes else None
         biggest.add_row(t.name, "x".join(map(str, t.shape)) or "()", t.dtype,
                         fmt_bytes(t.size_bytes), _short_target(op.target), op.module or "-",
-                        fmt_us(rc) if t.recomputable else "random: no",
+                        fmt_us(rc) if t.recomputable else "no (random)",
                         fmt_us(per_mib) if per_mib is not None and t.recomputable else "-")
     return [totals, per_layer, biggest]
 
