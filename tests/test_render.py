@@ -67,6 +67,14 @@ def test_profile_views_numbers_and_collapsed_layers():
     assert "Largest saved activations (top 10 of 48)" in out
 
 
+def test_profile_views_collapse_jittery_times_but_not_other_structure():
+    # measured times jitter: blocks within 25% of each other collapse, with their mean time
+    p = chain_profile(4, act_bytes=MiB, fwd_us=[100.0, 110.0, 90.0, 100.0])
+    out = text_of(render.profile_views(p))
+    row = next(line for line in out.splitlines() if "layers.0-3 (x4)" in line)
+    assert "100.0 us" in row and "200.0 us" in row
+
+
 def test_profile_views_does_not_collapse_different_layers():
     p = chain_profile(3, act_bytes=[MiB, 2 * MiB, MiB], fwd_us=100.0)
     out = text_of(render.profile_views(p))

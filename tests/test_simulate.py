@@ -159,6 +159,37 @@ def test_duplex_contention_rerates_copies_mid_flight():
     assert r.predicted.step_us == 1000.0
 
 
+def test_prefetch_waiting_for_memory_is_a_memory_full_stall():
+    # f0 -> A (1 MB), f1 -> B (3 MB); backward b0 reads A, b1 reads B; both swapped;
+    # budget 3.5 MB; all ops 100 us.
+    # f0 0-100, A's offload 100-200. f1 needs 3 MB next to A: waits for A's offload,
+    # 100-200 memory_full, runs 200-300; B's offload 300-600 holds B until 600.
+    # Backward from 300: A's prefetch needs 1 MB next to the held B: waits (memory_full)
+    # until 600, runs 600-700 (late_prefetch 600-700); b0 700-800 frees A.
+    # B (3 MB) only fits once A is gone: prefetch 800-1100 (late_prefetch), b1 1100-1200.
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (1,), "float32", size_bytes=4)
+    A = b.add_tensor("A", "activation", (MB,), "uint8", size_bytes=MB)
+    B = b.add_tensor("B", "activation", (3 * MB,), "uint8", size_bytes=3 * MB)
+    b.add_op("f0", "aten.relu.default", "forward", (x,), (A,), time_us=100.0)
+    b.add_op("f1", "aten.relu.default", "forward", (x,), (B,), time_us=100.0)
+    g0 = b.add_tensor("g0", "gradient", (1,), "float32", size_bytes=4)
+    g1 = b.add_tensor("g1", "gradient", (1,), "float32", size_bytes=4)
+    b.add_op("b0", "aten.mm.default", "backward", (A,), (g0,), time_us=100.0)
+    b.add_op("b1", "aten.mm.default", "backward", (B,), (g1,), time_us=100.0)
+    p = b.build()
+    r = simulate(p, {A: "swap", B: "swap"}, HW, budget_bytes=3_500_000)
+    assert r.feasible
+    assert r.predicted.stall_by_cause == {"memory_full": 400.0, "late_prefetch": 400.0}
+    assert r.predicted.step_us == 1200.0
+    got = {(e.kind, e.tensor): (e.start_us, e.end_us) for e in r.schedule}
+    assert got[("prefetch", A)] == (600.0, 700.0) and got[("prefetch", B)] == (800.0, 1100.0)
+    stalls = [(e.start_us, e.end_us, e.cause) for e in r.events if e.kind == "stall"]
+    assert stalls == [(100.0, 200.0, "memory_full"), (300.0, 600.0, "memory_full"),
+                      (600.0, 700.0, "late_prefetch"), (800.0, 1100.0, "late_prefetch")]
+    assert r.predicted.peak_bytes == 3 * MB          # B alone; A and B never together
+
+
 def test_recompute_adds_exactly_the_producer_time():
     p = chain_profile(3, act_bytes=MB, fwd_us=[100.0, 70.0, 100.0])
     a1, = ids(p, "a1")
