@@ -32,8 +32,12 @@ peak equals `profile_build.keep_all_peak_bytes` and the step takes exactly `idea
   not yet fetched is fetched (its prefetch is then needed by that chain op); a kept or fetched
   tensor that already died and is not recomputable has its life extended until the chain ran;
   a non-saved, non-recomputable one (a random op's output backward does not save) makes the
-  plan impossible (`InputError`). A recomputed tensor stays resident until its last reader;
-  chain temporaries are freed after the last chain op that reads them. A re-run op's other
+  plan impossible (`InputError`). A recomputed tensor stays resident until its last reader,
+  and so does every recompute-decision tensor a chain passes through: recomputing a run of
+  consecutive evicted tensors brings the whole run back at the first use and holds each until
+  its own last reader, as the backward graph of torch's partitioner does (each op re-run once).
+  Chain temporaries (values backward does not save) are freed after the last chain op that
+  reads them. A re-run op's other
   outputs are allocated for the op's duration and then freed, except those already resident
   (not allocated again) and those that are themselves to be recomputed later (kept, which
   saves a second recompute). A "recompute" decision on a non-recomputable tensor (a random
@@ -181,6 +185,7 @@ class _Tables:
         for x in self.time:   # same summation order as the event loop, so keep-all is exact
             ideal += x
         self.ideal_us = ideal
+        self.floor_bytes: int | None = None     # budget_floor_bytes, computed on demand
 
 
 def _tables(prof: schema.Profile) -> _Tables:
@@ -516,9 +521,10 @@ def budget_floor_bytes(profile: schema.Profile) -> int:
     when compute may wait for every copy, and no plan goes below it.
     """
     tab = _tables(profile)
-    action = [SWAP if s else NOT_SAVED for s in tab.saved]
-    prog = _Program(profile, tab, action)
-    return max(prog.req(), default=0)
+    if tab.floor_bytes is None:
+        action = [SWAP if s else NOT_SAVED for s in tab.saved]
+        tab.floor_bytes = max(_Program(profile, tab, action).req(), default=0)
+    return tab.floor_bytes
 
 
 # --------------------------------------------------------------------------------------------
