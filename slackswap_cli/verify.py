@@ -197,8 +197,8 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
         else:
             peaks_p.append(held_p)
         # ---- compare -----------------------------------------------------------------------
-        losses_o.append(float(loss_o))
-        losses_p.append(float(loss_p))
+        losses_o.append(float(loss_o.detach()))
+        losses_p.append(float(loss_p.detach()))
         max_loss = max(max_loss, _rel(loss_o, loss_p))
         for name, p in params_o.items():
             d = _rel(p.grad, params_p[name].grad)

@@ -1,0 +1,321 @@
+"""apply: plans carried out on real models (tiny GPT, HF GPT-2/BERT/Llama, a CNN with BatchNorm).
+
+Every model is profiled (fake tensors, roofline costs), planned at budgets 1.0, 0.5 and the
+smallest budget the planner can meet, applied and verified against eager PyTorch: equal losses
+and gradients, and fewer bytes held for backward as the budget falls. Two small hand-made plans
+prove that recompute really re-runs forward ops in backward (counted FLOPs) and that swap really
+moves the tensor (device tensor gone, data in the host buffer).
+"""
+import ast
+import dataclasses
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slackswap_cli.apply import apply_plan, load_patched
+from slackswap_cli.errors import FingerprintMismatch, InputError
+from slackswap_cli.hardware import PRESETS
+from slackswap_cli.planners import make_plan
+from slackswap_cli.schema import Decision, Plan, Predicted
+from slackswap_cli.simulate import budget_floor_bytes
+from slackswap_cli.trace import profile_workload
+from slackswap_cli.trace.workload import load_workload
+from slackswap_cli.verify import verify
+
+HW = PRESETS["a100-pcie4"]
+ROOT = Path(__file__).resolve().parents[1]
+
+HF_GPT2 = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+def workload(batch=2, seq=16):
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=seq,
+                     bos_token_id=0, eos_token_id=0, use_cache=False)
+    ids = torch.randint(0, 128, (batch, seq))
+    return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+'''
+HF_BERT = '''
+import torch
+from transformers import BertConfig, BertForMaskedLM
+def workload(batch=2, seq=16):
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                     intermediate_size=64, vocab_size=128, max_position_embeddings=seq,
+                     hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    ids = torch.randint(0, 128, (batch, seq))
+    return BertForMaskedLM(cfg), {"input_ids": ids, "labels": ids}
+'''
+HF_LLAMA = '''
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+def workload(batch=2, seq=16):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=64, vocab_size=128,
+                      max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0, use_cache=False)
+    ids = torch.randint(0, 128, (batch, seq))
+    return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+'''
+CNN = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(8, 10))
+    def forward(self, x, y):
+        return F.cross_entropy(self.body(x), y)
+def workload(batch=4):
+    torch.manual_seed(0)
+    return Net(), (torch.randn(batch, 3, 16, 16), torch.randint(0, 10, (batch,)))
+'''
+MLP = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+    def forward(self, x):
+        return self.fc2(F.ACT(self.fc1(x))).pow(2).mean()
+def workload():
+    torch.manual_seed(0)
+    return MLP(), (torch.randn(4, 16),)
+'''
+SOURCES = {"gpt2": HF_GPT2, "bert": HF_BERT, "llama": HF_LLAMA, "cnn": CNN,
+           "mlp": MLP.replace("ACT", "gelu")}
+_PROFILES: dict = {}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("workloads")
+    out = {"tiny_gpt": ROOT / "examples" / "tiny_gpt.py"}
+    for name, src in SOURCES.items():
+        (d / f"{name}.py").write_text(src)
+        out[name] = d / f"{name}.py"
+    return out
+
+
+def profiled(files, name):
+    if name not in _PROFILES:
+        _PROFILES[name] = profile_workload(str(files[name]), device="fake", hardware=HW)
+    return _PROFILES[name]
+
+
+def plan_at(prof, budget_bytes):
+    peak = prof.summary["peak_activation_bytes"]
+    return make_plan("slackswap", prof, HW, int(budget_bytes), budget_bytes / peak)
+
+
+def smallest_feasible(prof, hi):
+    """Bisect the budget between the simulator's floor and a feasible budget `hi`."""
+    lo = budget_floor_bytes(prof)
+    best = plan_at(prof, hi)
+    assert best.feasible
+    for _ in range(6):
+        mid = (lo + hi) // 2
+        p = plan_at(prof, mid)
+        if p.feasible:
+            best, hi = p, mid
+        else:
+            lo = mid
+    return best
+
+
+def hand_plan(prof, actions: dict[str, str]) -> Plan:
+    """A plan deciding by tensor name (everything else kept), no schedule, zero predictions."""
+    ids = {t.name: t.id for t in prof.tensors}
+    decisions = tuple(Decision(t.id, actions.get(t.name, "keep")) for t in prof.saved_activations)
+    assert set(actions) <= {prof.tensors[d.tensor].name for d in decisions}, ids
+    return Plan(profile_fingerprint=prof.fingerprint, planner="hand", hardware=HW.to_dict(),
+                budget_bytes=0, budget_fraction=None, feasible=True, decisions=decisions,
+                schedule=(), predicted=Predicted(0, 0, 0, 0, 0, 0, 0, 0, 0))
+
+
+def write_patched(tmp_path, plan, prof, name="patched.py", **kw):
+    path = tmp_path / name
+    path.write_text(apply_plan(plan, prof, **kw))
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "bert", "llama", "cnn"])
+def test_budgets_apply_and_verify(name, files, tmp_path):
+    prof = profiled(files, name)
+    peak = prof.summary["peak_activation_bytes"]
+    half = plan_at(prof, peak // 2)
+    if not half.feasible:
+        # the CNN's floor is exactly half its peak (the input of the first conv and the pooled
+        # features must be resident): the planner cannot reach it, take three quarters
+        assert budget_floor_bytes(prof) >= peak // 2 - peak // 100
+        half = plan_at(prof, peak * 3 // 4)
+    plans = [plan_at(prof, peak), half, smallest_feasible(prof, half.budget_bytes)]
+    held = []
+    for i, plan in enumerate(plans):
+        assert plan.feasible
+        path = write_patched(tmp_path, plan, prof, name=f"p{i}.py")
+        r = verify(str(path), steps=1, check_trace=False)
+        assert r.passed, r.reasons
+        assert r.max_loss_rel_diff <= 1e-5 and r.max_grad_rel_diff <= 1e-4
+        assert r.max_buffer_rel_diff <= 1e-4
+        assert r.patched_peak_bytes <= plan.budget_bytes * 1.05
+        held.append(r.patched_peak_bytes)
+        if i == 0:
+            # keep-all holds exactly the saved bytes the profile counts, and about what eager
+            # autograd saves (the decomposed graph may save other views: within 5%)
+            assert r.patched_peak_bytes == prof.summary["saved_bytes"]
+            assert abs(r.original_peak_bytes - r.patched_peak_bytes) <= 0.05 * r.original_peak_bytes
+    assert held[0] > held[1] >= held[2]
+
+
+def test_tiny_gpt_keep_all_holds_exactly_what_eager_saves(files, tmp_path):
+    prof = profiled(files, "tiny_gpt")
+    path = write_patched(tmp_path, plan_at(prof, prof.summary["peak_activation_bytes"]), prof)
+    r = verify(str(path), steps=2, check_trace=False)
+    assert r.passed and r.original_peak_bytes == r.patched_peak_bytes
+    assert r.losses_original == r.losses_patched      # bitwise: same ops, same order, same masks
+
+
+def test_recompute_reruns_forward_flops_in_backward(files, tmp_path):
+    from torch.utils.flop_counter import FlopCounterMode
+    prof = profiled(files, "mlp")
+    flops = {}
+    for label, actions in (("keep", {}), ("recompute", {"addmm": "recompute"})):
+        mod = load_patched(write_patched(tmp_path, hand_plan(prof, actions), prof, f"{label}.py"))
+        work = load_workload(str(files["mlp"]))
+        step = mod.patch(work.model, check_trace=False)
+        with FlopCounterMode(display=False) as fwd:
+            loss = step(*work.inputs)
+        with FlopCounterMode(display=False) as bwd:
+            loss.backward()
+        flops[label] = (fwd.get_total_flops(), bwd.get_total_flops())
+    assert flops["recompute"][0] == flops["keep"][0]
+    # re-running fc1 (4x16 @ 16x32) in backward adds exactly its 2*4*16*32 FLOPs
+    assert flops["recompute"][1] - flops["keep"][1] == 2 * 4 * 16 * 32
+
+
+def test_swap_moves_the_tensor_to_host(files, tmp_path):
+    prof = profiled(files, "mlp")
+    mod = load_patched(write_patched(tmp_path, hand_plan(prof, {"gelu": "swap"}), prof))
+    keep = load_patched(write_patched(tmp_path, hand_plan(prof, {}), prof, "keep.py"))
+    work = load_workload(str(files["mlp"]))
+    step = mod.patch(work.model, check_trace=False)
+    loss = step(*work.inputs)
+    gc.collect()
+    store = step.last_store()
+    handle = store.swapped["gelu"]
+    assert "gelu" not in store.kept
+    assert not handle.device_storage_alive()           # forward's device tensor released
+    x, = work.inputs
+    expected = F.gelu(F.linear(x, work.model.fc1.weight, work.model.fc1.bias))
+    assert torch.equal(handle.host, expected)          # its data lives in the host buffer
+    held_swap = step.held_bytes_after_forward
+    keep_step = keep.patch(work.model, check_trace=False)
+    keep_step(*work.inputs).backward()
+    assert keep_step.held_bytes_after_forward - held_swap == 4 * 32 * 4
+    grads_keep = [p.grad.clone() for p in work.model.parameters()]
+    work.model.zero_grad()
+    loss.backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads_keep, work.model.parameters()))
+    assert "gelu" not in store.swapped                 # waited for and handed to backward
+
+
+def test_patched_module_shares_parameters_and_trains(files, tmp_path):
+    prof = profiled(files, "tiny_gpt")
+    plan = plan_at(prof, prof.summary["peak_activation_bytes"] // 2)
+    mod = load_patched(write_patched(tmp_path, plan, prof))
+    work = load_workload(str(files["tiny_gpt"]))
+    step = mod.patch(work.model, check_trace=False)
+    assert [id(p) for p in step.parameters()] == [id(p) for p in work.model.parameters()]
+    opt = torch.optim.SGD(work.model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = step(*work.inputs)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[2] < losses[0]
+
+
+def test_emitted_file_imports_only_torch_and_runtime(files, tmp_path):
+    prof = profiled(files, "mlp")
+    src = apply_plan(hand_plan(prof, {"gelu": "swap", "addmm": "recompute"}), prof)
+    imported = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {f"{node.module}.{a.name}" for a in node.names}
+    assert imported == {"torch", "slackswap_cli.runtime"}
+    assert prof.fingerprint in src
+    assert "_s.offload('gelu', gelu)" in src and "_s.wait('gelu')" in src
+    assert "recompute" in src
+
+
+def test_random_results_are_never_recomputed(files):
+    prof = profiled(files, "tiny_gpt")
+    mask = next(t for t in prof.saved_activations if not t.recomputable)
+    with pytest.raises(InputError, match="not recomputable"):
+        apply_plan(hand_plan(prof, {mask.name: "recompute"}), prof)
+
+
+def test_onnx_profile_cannot_be_applied(files):
+    prof = profiled(files, "mlp")
+    onnx = dataclasses.replace(prof, workload={**prof.workload, "source": "onnx"})
+    with pytest.raises(InputError, match="ONNX"):
+        apply_plan(hand_plan(onnx, {}), onnx)
+
+
+def test_plan_of_another_profile_is_refused(files):
+    prof = profiled(files, "mlp")
+    other = dataclasses.replace(hand_plan(prof, {}), profile_fingerprint="0" * 16)
+    with pytest.raises(InputError, match="re-run `slackswap plan`"):
+        apply_plan(other, prof)
+
+
+def test_model_that_traces_differently_is_refused_at_apply(files):
+    prof = profiled(files, "tiny_gpt")
+    with pytest.raises(FingerprintMismatch) as exc:
+        apply_plan(hand_plan(prof, {}), prof, args={"n_layer": 1})
+    assert "slackswap profile" in exc.value.hint
+
+
+def test_wrong_inputs_model_or_mode_raise_clear_errors(files, tmp_path):
+    prof = profiled(files, "tiny_gpt")
+    mod = load_patched(write_patched(tmp_path, hand_plan(prof, {}), prof))
+    work = load_workload(str(files["tiny_gpt"]))
+    step = mod.patch(work.model, check_trace=False)
+    idx, targets = work.inputs
+    with pytest.raises(FingerprintMismatch, match="input 0 is") as exc:
+        step(idx[:, :16], targets[:, :16])
+    assert "re-profile" in exc.value.hint
+    with pytest.raises(FingerprintMismatch, match="structure"):
+        step(idx=idx, targets=targets)
+    other = load_workload(str(files["tiny_gpt"]), args={"d_model": 32})
+    with pytest.raises(FingerprintMismatch, match="parameters differ"):
+        mod.patch(other.model, check_trace=False)
+    work.model.eval()
+    with pytest.raises(InputError, match="eval mode"):
+        step(idx, targets)
+
+
+def test_check_trace_refuses_a_changed_model(files, tmp_path):
+    path = tmp_path / "mlp_changing.py"
+    path.write_text(SOURCES["mlp"])
+    prof = profile_workload(str(path), device="fake", hardware=HW)
+    mod = load_patched(write_patched(tmp_path, hand_plan(prof, {}), prof))
+    work = load_workload(str(path))
+    mod.patch(work.model)                              # same model: accepted
+    path.write_text(MLP.replace("ACT", "relu"))        # same parameters, another graph
+    work = load_workload(str(path))
+    with pytest.raises(FingerprintMismatch, match="traces to graph"):
+        mod.patch(work.model)
+    mod.patch(work.model, check_trace=False)           # the cheap checks alone pass
