@@ -14,7 +14,8 @@ for one op type, from the node's static shapes and attributes (a `NodeView`):
   operand of each input that needs a gradient; Relu/Sigmoid/Tanh/Exp/Sqrt/Softmax keep their
   output; Gelu/Erf/Log keep their input; LayerNormalization and BatchNormalization keep their
   input and per-row / per-channel statistics; Dropout keeps its mask; MaxPool keeps its input and
-  int64 argmax indices; Add/Sub/Concat/Transpose/Reshape keep nothing.
+  int64 argmax indices; Add/Sub/Concat/Reshape keep nothing. Reshape, Squeeze, Unsqueeze,
+  Flatten, Identity and Transpose are views (`alias`): they share their input's storage.
   A saved value is a reference: `("in", i)`, `("out", i)` or `("extra", k)`;
 - `extras(view)`: values the forward op must write for backward that the node may not expose
   (LayerNormalization's mean/inv-std, BatchNormalization's batch statistics, Dropout's mask,
@@ -233,8 +234,10 @@ def _add(names, rule):
         RULES[n] = rule
 
 
-# Views: same bytes as their input, metadata only.
-_add("Reshape Squeeze Unsqueeze Flatten Identity",
+# Views: same bytes as their input, metadata only. Transpose too: torch's transpose/permute is
+# a view, and where a consumer needs another layout the copy is that consumer's business (a
+# batched matmul copies its operand and saves the copy: the same bytes as the view's root).
+_add("Reshape Squeeze Unsqueeze Flatten Identity Transpose",
      GradRule(fwd_flops=lambda v: 0, grad_inputs=(0,), alias=True))
 
 # Linear algebra.
@@ -299,7 +302,7 @@ _add("Dropout", GradRule(fwd_flops=_elem(2), saves=lambda v, need: [("extra", 0)
                          bwd_flops=_per_need(1), grad_inputs=(0,), random=True,
                          extras=_dropout_extras))
 # Data movement: no FLOPs; backward moves the gradient back (a scatter, a slice, a sum).
-_add("Transpose Concat Split Pad Tile Trilu Resize DepthToSpace SpaceToDepth ReverseSequence",
+_add("Concat Split Pad Tile Trilu Resize DepthToSpace SpaceToDepth ReverseSequence",
      GradRule(fwd_flops=lambda v: 0, grad_inputs=(0,), grad_outputs=None))
 RULES["Concat"] = GradRule(fwd_flops=lambda v: 0, grad_inputs=None)
 _add("Expand", GradRule(fwd_flops=lambda v: 0, bwd_flops=_per_need(1), grad_inputs=(0,)))
@@ -363,3 +366,35 @@ def rule_for(op_type: str, domain: str = "") -> GradRule | None:
     if domain not in ("", "ai.onnx"):
         return None
     return RULES.get(op_type)
+
+
+# -- aten ops the dynamo exporter decomposes into several ONNX nodes ---------------------------
+# torch's dynamo exporter records the aten call each ONNX node came from. Where one aten op
+# became several nodes and torch runs it as one fused kernel, the importer merges the nodes into
+# one op with the aten op's rule: its intermediates (the T x T attention matrix, the sigmoid in
+# SiLU) are never materialised, and backward saves what the fused kernel saves. A fused view's
+# attrs carry `inner_flops` (the nodes' FLOPs summed) and `inner_mm_flops` (their matmuls').
+def _sdpa_extras(v):
+    out = v.out_shapes[0]
+    return [Extra("logsumexp", tuple(out[:-1]), "float32", None)]
+
+
+def _fused_saves_inputs_out_extra(v, need):
+    return ([("in", i) for i in range(len(v.in_shapes)) if v.has_in(i)]
+            + [("out", 0), ("extra", 0)])
+
+
+FUSED_ATEN: dict[str, GradRule] = {}
+# Flash / memory-efficient attention keeps q, k, v, the output and the row log-sum-exp; its
+# backward recomputes Q K^T (half the forward matmuls) and runs four more: 2.5x forward.
+_sdpa = GradRule(fwd_flops=lambda v: v.attrs["inner_flops"], saves=_fused_saves_inputs_out_extra,
+                 bwd_flops=lambda v, need: int(2.5 * v.attrs["inner_mm_flops"])
+                 + 2 * (v.attrs["inner_flops"] - v.attrs["inner_mm_flops"]),
+                 extras=_sdpa_extras)
+for _name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+              "_scaled_dot_product_flash_attention_for_cpu"):
+    FUSED_ATEN[_name] = _sdpa
+FUSED_ATEN["silu"] = GradRule(fwd_flops=lambda v: v.attrs["inner_flops"], saves=_keep_in0,
+                              bwd_flops=_per_need(5), grad_inputs=(0,))
+FUSED_ATEN["mish"] = FUSED_ATEN["silu"]

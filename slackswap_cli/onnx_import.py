@@ -12,9 +12,8 @@ loss, then backward; this module derives the missing two from the graph:
    are not timed. Float initializers (and constants derived from them, like a transposed weight)
    are `parameter`s; the rest (shape tensors, masks, BatchNorm running stats) `buffer`s.
 3. **Forward ops**, one per remaining node, in topological order. Reshape, Squeeze, Unsqueeze,
-   Flatten and Identity are views: their output aliases the input's storage, costs nothing, and
-   counts no bytes. Everything else (Transpose included: ONNX runtimes materialise it, and torch
-   copies a transposed operand before a batched matmul) writes a new tensor.
+   Flatten, Identity and Transpose are views, as in torch: their output aliases the input's
+   storage, costs nothing, and counts no bytes. Everything else writes a new tensor.
 4. **Loss**: if the first graph output is not a scalar, a forward `loss` op reduces it (mean).
    The gradient seed (d loss / d loss) is an `input` tensor.
 5. **Backward ops**, one per forward node that leads to the loss and has an input that needs a
@@ -36,14 +35,16 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from collections import deque
+from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 from typing import Iterable, Mapping
 
 from .errors import FormatError, InputError
 from .hardware import HardwareSpec
-from .onnx_grad_rules import GradRule, NodeView, rule_for, unknown_rule
+from .onnx_grad_rules import FUSED_ATEN, GradRule, NodeView, rule_for, unknown_rule
 from .profile_build import ProfileBuilder
 from .schema import Profile
 
@@ -63,6 +64,11 @@ _ITEM_BYTES = {name: size for name, size in _ONNX_DTYPES.values()}
 # Static nodes whose output is (a reshaped / retyped copy of) their single input: when that input
 # is a parameter, the output is the same parameter, so gradients accumulate into one tensor.
 _PASS_THROUGH = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose", "Cast"}
+# Where a float initializer is a weight (see `_Importer.fold_constants`).
+_WEIGHT_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"}
+_NORM_OPS = {"LayerNormalization", "BatchNormalization", "InstanceNormalization",
+             "GroupNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Sum", "Max", "Min", "Where"}
 
 
 def parse_input_shapes(specs: Iterable[str] | None) -> dict[str, tuple[int, ...]]:
@@ -188,6 +194,10 @@ def _fmt_dims(dims) -> str:
 
 def _shape_of(vi):
     """(shape tuple or None when not fully static, dtype name, printable dims)."""
+    if vi.type.HasField("sequence_type") or vi.type.HasField("optional_type"):
+        return None, "float32", ("a sequence, not a tensor (sequence ops are not supported; "
+                                 "torch's dynamo exporter emits them with optimize=False, "
+                                 "its default optimize=True removes them)")
     tt = vi.type.tensor_type
     dtype = _ONNX_DTYPES.get(tt.elem_type, (f"onnx_type_{tt.elem_type}", 4))[0]
     if not vi.type.HasField("tensor_type") or not tt.HasField("shape"):
@@ -213,6 +223,33 @@ def _module_of(node) -> str:
     if node.name.startswith("/"):                  # TorchScript exporter: /h.0/attn/MatMul
         return ".".join(part for part in node.name.split("/")[1:-1] if part)
     return ""
+
+
+_FX_NODE = re.compile(r"^%(\S+) : .*?target=torch\.ops\.aten\.(\w+)\.")
+
+
+def _fx_call(node) -> tuple[str, str] | None:
+    """(fx node name, aten op) the dynamo exporter recorded for a node, if any."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.fx_node":
+            m = _FX_NODE.match(prop.value)
+            return (m.group(1), m.group(2)) if m else None
+    return None
+
+
+@dataclass
+class _Unit:
+    """What becomes one forward op: an ONNX node, or the nodes of one fused aten call."""
+    op_type: str
+    domain: str
+    name: str
+    inputs: list            # value names, "" for an absent optional input
+    outputs: list
+    attrs: dict
+    module: str
+    target: str
+    has_subgraph: bool = False
+    nodes: list = field(default_factory=list)
 
 
 def _topo_order(graph, known: set[str]) -> list:
@@ -314,12 +351,19 @@ class _Importer:
                                   "(e.g. --input-shape name=1x3x224x224)")
 
     def fold_constants(self, nodes) -> list:
-        """Mark static values; return the nodes that do real work, in order."""
+        """Mark static values and which of them are trainable; return the nodes that do work.
+
+        ONNX does not say which initializers are weights: exporters also store folded constants
+        (rotary cos/sin tables, scaled masks, `x * 0.125`'s scalar) as initializers. Treating
+        those as trainable would make e.g. `q * cos` save q for a gradient nobody wants. So a
+        float initializer (or a constant folded from one, like a pre-transposed weight) counts
+        as a parameter only where a weight sits: any operand of a matmul/conv, the table of a
+        Gather, the scale and bias of a norm, or a per-channel vector (at most one dimension
+        above 1) in an elementwise op (biases, RMSNorm and LayerScale weights). Scalars never.
+        """
         self.static = set(self.inits)
-        # Float initializers are the weights; a scalar one is a constant the exporter hoisted
-        # (torch's dynamo exporter stores `x * 0.125` as an initializer), not a parameter.
-        self.trainable = {n for n, dt in self.inits.items()
-                          if dt in _FLOAT_DTYPES and prod(self.vinfo[n][0]) > 1}
+        origin: dict[str, frozenset] = {n: frozenset([n]) for n, dt in self.inits.items()
+                                        if dt in _FLOAT_DTYPES}
         work = []
         for node in nodes:
             has_subgraph = any(a.type in (5, 10) for a in node.attribute)  # GRAPH, GRAPHS
@@ -335,16 +379,104 @@ class _Importer:
                 continue
             outs = [o for o in node.output if o]
             self.static.update(outs)
-            src = [self.canonical.get(i, i) for i in ins if i in self.trainable]
+            roots = frozenset().union(*(origin.get(i, frozenset()) for i in ins))
             for o in outs:
-                if src and self.dtype(o) in _FLOAT_DTYPES:
-                    self.trainable.add(o)
-                    if node.op_type in _PASS_THROUGH and len(src) == 1 and ins[0] in self.trainable:
-                        self.canonical[o] = src[0]
+                if roots and self.dtype(o) in _FLOAT_DTYPES:
+                    origin[o] = roots
+                    # a reshaped / transposed / cast weight is the same parameter
+                    if node.op_type in _PASS_THROUGH and ins and ins[0] in origin and len(roots) == 1:
+                        self.canonical[o] = self.canonical.get(ins[0], ins[0])
+        trainable_roots: set[str] = set()
+        for node in work:
+            for i, name in enumerate(node.input):
+                if name in origin and self._weight_slot(node, i, name):
+                    trainable_roots |= origin[name]
+        self.trainable = {n for n, roots in origin.items()
+                          if roots & trainable_roots and prod(self.vinfo.get(n, ((),))[0] or (1,)) > 1}
         return work
 
-    def run(self) -> tuple[Profile, list[str]]:
+    def _weight_slot(self, node, i: int, name: str) -> bool:
+        op = node.op_type
+        if rule_for(op, node.domain) is None:
+            return True       # unknown op: conservatively a weight
+        if op in _WEIGHT_OPS:
+            return True
+        if op in ("Gather", "GatherElements", "GatherND"):
+            return i == 0
+        if op in _NORM_OPS or op == "PRelu":
+            return i in (1, 2)
+        if op in _ELEMENTWISE:
+            shape = self.vinfo.get(name, (None,))[0] or ()
+            return sum(1 for d in shape if d > 1) <= 1
+        return False
+
+    def node_unit(self, node, k: int) -> _Unit:
         onnx = _onnx()
+        return _Unit(op_type=node.op_type, domain=node.domain,
+                     name=node.name or f"{node.op_type}_{k}", inputs=list(node.input),
+                     outputs=list(node.output),
+                     attrs={a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
+                            if a.type not in (5, 10)},
+                     module=_module_of(node), target=_target(node),
+                     has_subgraph=any(a.type in (5, 10) for a in node.attribute), nodes=[node])
+
+    def view(self, u: _Unit) -> NodeView:
+        node = u.nodes[-1] if len(u.nodes) == 1 else None
+        return NodeView(
+            op_type=u.op_type, attrs=u.attrs,
+            in_shapes=tuple(self.shape(i) if i else None for i in u.inputs),
+            in_dtypes=tuple(self.dtype(i) if i else None for i in u.inputs),
+            out_shapes=tuple(self.shape(o, node) if o else None for o in u.outputs),
+            out_dtypes=tuple(self.dtype(o) if o else None for o in u.outputs))
+
+    def units(self, work) -> list[_Unit]:
+        """One unit per node, except the nodes of one fused aten call (see FUSED_ATEN)."""
+        units = [self.node_unit(n, k) for k, n in enumerate(work)]
+        groups: dict[str, list[int]] = {}
+        for k, n in enumerate(work):
+            call = _fx_call(n)
+            if call and call[1] in FUSED_ATEN:
+                groups.setdefault(call[0], []).append(k)
+        if not groups:
+            return units
+        consumers: dict[str, list[int]] = {}
+        for k, n in enumerate(work):
+            for i in n.input:
+                if i:
+                    consumers.setdefault(i, []).append(k)
+        graph_outputs = {o.name for o in self.g.output}
+        replace: dict[int, _Unit | None] = {}
+        for fx_name, members in groups.items():
+            if len(members) < 2:
+                continue
+            inside = set(members)
+            produced = {o for k in members for o in work[k].output if o}
+            ext_in = list(dict.fromkeys(i for k in members for i in work[k].input
+                                        if i and i not in produced))
+            ext_out = [o for k in members for o in work[k].output if o and (
+                o in graph_outputs or any(c not in inside for c in consumers.get(o, ())))]
+            last = members[-1]
+            # the fused op runs where its last node was: nobody outside may read its values earlier
+            if not ext_out or any(c < last for o in ext_out for c in consumers.get(o, ())
+                                  if c not in inside):
+                continue
+            inner = [self.view(units[k]) for k in members]
+            rules = [rule_for(u.op_type, u.domain) or unknown_rule(u.op_type)
+                     for u in (units[k] for k in members)]
+            inner_flops = sum(r.fwd_flops(v) for r, v in zip(rules, inner))
+            inner_mm = sum(r.fwd_flops(v) for r, v in zip(rules, inner)
+                           if v.op_type in ("MatMul", "Gemm", "Einsum"))
+            aten = _fx_call(work[last])[1]
+            replace[last] = _Unit(op_type=aten, domain="aten", name=fx_name, inputs=ext_in,
+                                  outputs=ext_out, attrs={"inner_flops": inner_flops,
+                                                          "inner_mm_flops": inner_mm},
+                                  module=_module_of(work[last]), target=f"onnx.aten.{aten}",
+                                  nodes=[work[k] for k in members])
+            for k in members[:-1]:
+                replace[k] = None
+        return [replace.get(k, u) for k, u in enumerate(units) if replace.get(k, u) is not None]
+
+    def run(self) -> tuple[Profile, list[str]]:
         self.check_inputs()
         nodes = _topo_order(self.g, set(self.inits) | set(self.graph_inputs))
         work = self.fold_constants(nodes)
@@ -353,28 +485,24 @@ class _Importer:
                              "(every node folds to a constant)")
         b = self.b
         unknown: dict[str, int] = {}
-        fwd = []   # (node, rule, view, in tids, out tids, extra tids, module, name)
-        for k, node in enumerate(work):
-            rule = rule_for(node.op_type, node.domain)
+        fwd = []   # (unit, rule, view, in tids, out tids, extra tids)
+        for u in self.units(work):
+            if u.domain == "aten":
+                rule = FUSED_ATEN[u.op_type]
+            else:
+                rule = rule_for(u.op_type, u.domain)
             if rule is None:
-                key = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
+                key = f"{u.domain}::{u.op_type}" if u.domain else u.op_type
                 unknown[key] = unknown.get(key, 0) + 1
-                rule = unknown_rule(node.op_type)
-            view = NodeView(
-                op_type=node.op_type,
-                attrs={a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
-                       if a.type not in (5, 10)},
-                in_shapes=tuple(self.shape(i, None) if i else None for i in node.input),
-                in_dtypes=tuple(self.dtype(i) if i else None for i in node.input),
-                out_shapes=tuple(self.shape(o, node) if o else None for o in node.output),
-                out_dtypes=tuple(self.dtype(o) if o else None for o in node.output))
-            in_tids = [self.tensor(i) if i else None for i in node.input]
-            grad_in = range(len(node.input)) if rule.grad_inputs is None else rule.grad_inputs
+                rule = unknown_rule(u.op_type)
+            view = self.view(u)
+            in_tids = [self.tensor(i) if i else None for i in u.inputs]
+            grad_in = range(len(u.inputs)) if rule.grad_inputs is None else rule.grad_inputs
             in_needs = rule.differentiable and any(
-                i < len(node.input) and node.input[i]
-                and self.needs_grad(node.input[i]) for i in grad_in)
+                i < len(u.inputs) and u.inputs[i]
+                and self.needs_grad(u.inputs[i]) for i in grad_in)
             out_tids: list[int | None] = []
-            for j, o in enumerate(node.output):
+            for j, o in enumerate(u.outputs):
                 if not o:
                     out_tids.append(None)
                     continue
@@ -384,7 +512,7 @@ class _Importer:
                     alias_of = in_tids[0] if root.alias_of is None else root.alias_of
                     root_kind = b.tensors[alias_of].kind
                     kind = "activation" if root_kind == "activation" else root_kind
-                t = b.add_tensor(o, kind, self.shape(o, node), self.dtype(o),
+                t = b.add_tensor(o, kind, self.shape(o), self.dtype(o),
                                  size_bytes=0 if alias_of is not None else None,
                                  recomputable=not rule.random, alias_of=alias_of)
                 self.tid[o] = t
@@ -394,14 +522,12 @@ class _Importer:
                     self.requires_grad.add(o)
             extra_tids = []
             for e in rule.extras(view):
-                if e.output is not None and e.output < len(node.output) and node.output[e.output]:
+                if e.output is not None and e.output < len(u.outputs) and u.outputs[e.output]:
                     extra_tids.append(out_tids[e.output])
                 else:
-                    base = next((o for o in node.output if o), node.name or node.op_type)
+                    base = next((o for o in u.outputs if o), u.name)
                     extra_tids.append(b.add_tensor(f"{base}.{e.suffix}", "activation", e.shape,
                                                    e.dtype, recomputable=not rule.random))
-            name = node.name or f"{node.op_type}_{k}"
-            module = _module_of(node)
             outs_all = [t for t in out_tids if t is not None]
             outs_all += [t for t in extra_tids if t not in outs_all]
             ins_all = [t for t in in_tids if t is not None]
@@ -413,17 +539,17 @@ class _Importer:
                     b.tensors[t].size_bytes for t in dict.fromkeys(ins_all[1:]))
             else:
                 nbytes = self.touched(ins_all + outs_all)
-            b.add_op(name, _target(node), "forward", ins_all, outs_all, module=module,
+            b.add_op(u.name, u.target, "forward", ins_all, outs_all, module=u.module,
                      flops=flops, bytes=nbytes, time_us=self.hw.roofline_us(flops, nbytes))
-            fwd.append((node, rule, view, in_tids, out_tids, extra_tids, module, name))
+            fwd.append((u, rule, view, in_tids, out_tids, extra_tids))
         if unknown:
             listed = ", ".join(f"{t} (x{c})" for t, c in sorted(unknown.items()))
             self.warnings.append(
                 f"no backward rule for op type(s) {listed}: treated conservatively (every input "
                 "saved, backward = 2x forward); saved bytes and times are estimates there")
-        for node in work:
-            if any(a.type in (5, 10) for a in node.attribute):
-                self.warnings.append(f"{node.op_type} node '{node.name}' has a subgraph; its body "
+        for u, *_ in fwd:
+            if u.has_subgraph:
+                self.warnings.append(f"{u.op_type} node '{u.name}' has a subgraph; its body "
                                      "is treated as one opaque op")
         self.backward(fwd)
         opset = next((o.version for o in self.model.opset_import if o.domain in ("", "ai.onnx")),
@@ -481,7 +607,7 @@ class _Importer:
                      flops=n, bytes=size + 4, time_us=self.hw.roofline_us(n, size + 4))
             grad[out_t] = g
 
-        for node, rule, view, in_tids, out_tids, extra_tids, module, name in reversed(fwd):
+        for u, rule, view, in_tids, out_tids, extra_tids in reversed(fwd):
             if not rule.differentiable:
                 continue
             gys = [grad[t] for j, t in enumerate(out_tids)
@@ -489,9 +615,9 @@ class _Importer:
                    and (rule.grad_outputs is None or j in rule.grad_outputs)]
             if not gys:
                 continue   # no path from this node to the loss
-            grad_in = range(len(node.input)) if rule.grad_inputs is None else rule.grad_inputs
-            need = frozenset(i for i in grad_in if i < len(node.input) and node.input[i]
-                             and self.needs_grad(node.input[i]))
+            grad_in = range(len(u.inputs)) if rule.grad_inputs is None else rule.grad_inputs
+            need = frozenset(i for i in grad_in if i < len(u.inputs) and u.inputs[i]
+                             and self.needs_grad(u.inputs[i]))
             if not need:
                 continue
             saved = []
@@ -523,8 +649,8 @@ class _Importer:
             flops = rule.bwd_flops(view, need) + sum(prod(b.tensors[a].shape) for a in accum_tids)
             pure_view = rule.alias and not accum_tids
             nbytes = 0 if pure_view else self.touched(ins + outputs)
-            b.add_op(f"{name}.backward", f"{_target(node)}.backward", "backward", ins, outputs,
-                     module=module, flops=flops, bytes=nbytes,
+            b.add_op(f"{u.name}.backward", f"{u.target}.backward", "backward", ins, outputs,
+                     module=u.module, flops=flops, bytes=nbytes,
                      time_us=self.hw.roofline_us(flops, nbytes))
 
 
