@@ -527,6 +527,19 @@ def budget_floor_bytes(profile: schema.Profile) -> int:
     return tab.floor_bytes
 
 
+def min_peak_bytes(profile: schema.Profile, decisions) -> int:
+    """The least activation peak `decisions` can run with: the highest memory any compute task
+    needs when every offload is done and every prefetch arrives just in time.
+
+    A plan is feasible under a budget exactly when this fits it: compute waits for copies
+    rather than exceed the budget, and prefetches only take memory that no later task needs.
+    It costs one static pass (no timing), so a planner can test feasibility cheaply.
+    """
+    tab = _tables(profile)
+    action, _ = _parse_decisions(profile, tab, decisions)
+    return max(_Program(profile, tab, action).req(), default=0)
+
+
 # --------------------------------------------------------------------------------------------
 # The event loop
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from slackswap_cli import schema
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.profile_build import ProfileBuilder, keep_all_peak_bytes
-from slackswap_cli.simulate import (SimResult, budget_floor_bytes, ideal_us, simulate)
+from slackswap_cli.simulate import (SimResult, budget_floor_bytes, ideal_us, min_peak_bytes,
+                                    simulate)
 from slackswap_cli.synthetic import chain_profile
 
 MB = 1_000_000   # 100 us to copy on HW
@@ -417,6 +418,9 @@ def test_random_plans_respect_the_budget(p, data):
     check_invariants(p, r, budget)
     if budget is None:
         assert r.feasible
+    else:   # feasibility is a static property of the plan
+        assert r.feasible == (min_peak_bytes(p, acts) <= budget), r.reason
+    assert r.predicted.peak_bytes >= min_peak_bytes(p, acts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,5 +596,6 @@ def test_layered_profiles_invariants(seed):
             assert "random op" in exc.message
             continue
         check_invariants(p, r, budget)
+        assert r.feasible == (min_peak_bytes(p, acts) <= budget), r.reason
         unlimited = simulate(p, acts, HW, None, record=False)
         assert unlimited.feasible
