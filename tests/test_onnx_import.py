@@ -7,9 +7,11 @@ import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 
 onnx = pytest.importorskip("onnx")
+import onnx.numpy_helper  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 from slackswap_cli.errors import FormatError, InputError  # noqa: E402
@@ -29,14 +31,7 @@ def _save(tmp_path, nodes, inputs, outputs, inits=(), name="g.onnx", opset=17):
 
 
 def _weight(name, *shape):
-    return helper.make_tensor(name, F32, shape, [0.01] * _numel(shape))
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return onnx.numpy_helper.from_array(np.full(shape, 0.01, dtype=np.float32), name)
 
 
 def _by_name(prof, name):
@@ -222,6 +217,19 @@ def test_bad_files(tmp_path):
         profile_onnx(broken, HW)
     with pytest.raises(InputError, match="directory"):
         profile_onnx(tmp_path, HW)
+
+
+def test_external_weights_are_not_needed(tmp_path):
+    model = onnx.load(str(_mlp(tmp_path)))
+    path = tmp_path / "ext.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="ext.weights", size_threshold=0)
+    prof, warns = profile_onnx(path, HW)
+    assert warns == [] and prof.summary["saved_bytes"] == 4 * 16 * 4
+    (tmp_path / "ext.weights").unlink()        # shapes live in the graph, weights are not read
+    prof2, warns = profile_onnx(path, HW)
+    assert prof2.fingerprint == prof.fingerprint
+    assert len(warns) == 1 and "external weight data" in warns[0]
 
 
 def test_parse_input_shapes():
