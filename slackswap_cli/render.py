@@ -324,6 +324,23 @@ def _why(action: str, t, rc_us: float, copy_us: float, late_us: float | None) ->
     return f"keep: would cost {fmt_us(rc_us)} to recompute or a {fmt_us(copy_us)} copy"
 
 
+def _chain_rows(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
+    """One summary row on recompute chains, when the plan has any."""
+    from .errors import SlackswapError
+    from .simulate import recompute_chains
+    try:
+        chains = recompute_chains(profile, plan.decisions)
+    except SlackswapError:
+        return []
+    if not chains:
+        return []
+    owner, ops = max(chains.items(), key=lambda kv: (len(kv[1]), -kv[0]))
+    total = sum(len(v) for v in chains.values())
+    return [("recompute chains",
+             f"{total} ops re-run before {len(chains)} backward ops; longest {len(ops)} ops "
+             f"before op {owner} ({profile.ops[owner].name})")]
+
+
 def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list:
     """Summary, bytes per action, actions per layer, biggest tensors with their action and why,
     and memory over time (from `result`, a SimResult, when given)."""
@@ -359,6 +376,7 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list
                       "re-produced)"),
         ("copied", f"{fmt_bytes(pr.swapped_bytes)} to host, "
                    f"{fmt_bytes(pr.prefetched_bytes)} back"),
+        *_chain_rows(plan, profile),
         ("solve time", f"{plan.solve_ms:.1f} ms"),
     ]
     for note in plan.notes:

@@ -540,6 +540,23 @@ def min_peak_bytes(profile: schema.Profile, decisions) -> int:
     return max(_Program(profile, tab, action).req(), default=0)
 
 
+def recompute_chains(profile: schema.Profile, decisions) -> dict[int, tuple[int, ...]]:
+    """For each backward op preceded by recomputation: the ops re-run before it, in order.
+
+    A long chain means a recomputed tensor's inputs were evicted too (often a block's input
+    marked recompute, so the chain runs back into the block before it).
+    """
+    tab = _tables(profile)
+    action, _ = _parse_decisions(profile, tab, decisions)
+    prog = _Program(profile, tab, action)
+    out: dict[int, list[int]] = {}
+    for t in range(tab.n_fwd, len(prog.task_op)):
+        op, owner = prog.task_op[t], prog.task_owner[t]
+        if op != owner:
+            out.setdefault(owner, []).append(op)
+    return {k: tuple(v) for k, v in out.items()}
+
+
 # --------------------------------------------------------------------------------------------
 # The event loop
 # --------------------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ def test_plan_views_summary_actions_and_chart():
     assert "1.30 ms vs ideal 1.20 ms" in out
     assert "100.0 us (1.00 MiB re-produced)" in out
     assert "1.00 MiB to host, 1.00 MiB back" in out
+    assert "1 ops re-run before 1 backward ops; longest 1 ops before op" in out
     assert "12.5 ms" in out                                              # solve time
     rows = {line.split()[1]: line for line in out.splitlines()
             if line.startswith("│ ") and line.split()[1] in ("keep", "swap", "recompute")}

@@ -16,7 +16,7 @@ from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.profile_build import ProfileBuilder, keep_all_peak_bytes
 from slackswap_cli.simulate import (SimResult, budget_floor_bytes, ideal_us, min_peak_bytes,
-                                    simulate)
+                                    recompute_chains, simulate)
 from slackswap_cli.synthetic import chain_profile
 
 MB = 1_000_000   # 100 us to copy on HW
@@ -241,6 +241,9 @@ def test_chain_of_recompute_decisions_materialises_each_once():
     assert r.predicted.recompute_us == 200.0
     assert [e.name for e in r.events if e.kind == "recompute"] == ["recompute f0",
                                                                     "recompute f1"]
+    b1 = next(o.id for o in p.ops if o.name == "b1")
+    assert recompute_chains(p, {a0: "recompute", a1: "recompute"}) == {b1: (0, 1)}
+    assert recompute_chains(p, {}) == {}
 
 
 def test_infeasible_budget_names_the_op_and_bytes():
