@@ -323,6 +323,11 @@ class _Importer:
     def size_bytes(self, shape, dtype) -> int:
         return prod(shape) * _ITEM_BYTES.get(dtype, 4)
 
+    def add(self, name: str, kind: str, shape, dtype: str, **kw) -> int:
+        """Add a tensor sized by ONNX's element sizes (a view's own size is 0)."""
+        size = 0 if kw.get("alias_of") is not None else self.size_bytes(shape, dtype)
+        return self.b.add_tensor(name, kind, shape, dtype, size_bytes=size, **kw)
+
     def tensor(self, name: str) -> int:
         """Tensor id of a value that exists before the current node (input, parameter, constant)."""
         name = self.canonical.get(name, name)
@@ -334,7 +339,7 @@ class _Importer:
             kind = "input"
         else:  # pragma: no cover - topological order guarantees producers come first
             raise FormatError(f"{self.p}: value '{name}' is read before it is produced")
-        self.tid[name] = self.b.add_tensor(name, kind, self.shape(name), self.dtype(name))
+        self.tid[name] = self.add(name, kind, self.shape(name), self.dtype(name))
         return self.tid[name]
 
     # -- passes ----------------------------------------------------------------------------
@@ -512,9 +517,8 @@ class _Importer:
                     alias_of = in_tids[0] if root.alias_of is None else root.alias_of
                     root_kind = b.tensors[alias_of].kind
                     kind = "activation" if root_kind == "activation" else root_kind
-                t = b.add_tensor(o, kind, self.shape(o), self.dtype(o),
-                                 size_bytes=0 if alias_of is not None else None,
-                                 recomputable=not rule.random, alias_of=alias_of)
+                t = self.add(o, kind, self.shape(o), self.dtype(o),
+                             recomputable=not rule.random, alias_of=alias_of)
                 self.tid[o] = t
                 out_tids.append(t)
                 grad_out = rule.grad_outputs is None or j in rule.grad_outputs
@@ -526,8 +530,8 @@ class _Importer:
                     extra_tids.append(out_tids[e.output])
                 else:
                     base = next((o for o in u.outputs if o), u.name)
-                    extra_tids.append(b.add_tensor(f"{base}.{e.suffix}", "activation", e.shape,
-                                                   e.dtype, recomputable=not rule.random))
+                    extra_tids.append(self.add(f"{base}.{e.suffix}", "activation", e.shape,
+                                               e.dtype, recomputable=not rule.random))
             outs_all = [t for t in out_tids if t is not None]
             outs_all += [t for t in extra_tids if t not in outs_all]
             ins_all = [t for t in in_tids if t is not None]
@@ -625,11 +629,12 @@ class _Importer:
                 src = in_tids if kind == "in" else out_tids if kind == "out" else extra_tids
                 if i < len(src) and src[i] is not None:
                     saved.append(src[i])
-            outputs, accum = [], []
+            outputs, accum, seen = [], [], set()
             for i in sorted(need):
                 t = in_tids[i]
-                if t in outputs or t in accum:
+                if t in seen:            # the same tensor in two slots (x * x): one gradient
                     continue
+                seen.add(t)
                 if t in grad:            # another consumer already started this gradient
                     accum.append(grad[t])
                     continue
@@ -644,10 +649,9 @@ class _Importer:
                     g = b.add_tensor(f"grad.{ft.name}", "activation", ft.shape, ft.dtype)
                 grad[t] = g
                 outputs.append(g)
-            accum_tids = accum
-            ins = list(dict.fromkeys(gys + saved + accum_tids))
-            flops = rule.bwd_flops(view, need) + sum(prod(b.tensors[a].shape) for a in accum_tids)
-            pure_view = rule.alias and not accum_tids
+            ins = list(dict.fromkeys(gys + saved + accum))
+            flops = rule.bwd_flops(view, need) + sum(prod(b.tensors[a].shape) for a in accum)
+            pure_view = rule.alias and not accum
             nbytes = 0 if pure_view else self.touched(ins + outputs)
             b.add_op(f"{u.name}.backward", f"{u.target}.backward", "backward", ins, outputs,
                      module=u.module, flops=flops, bytes=nbytes,

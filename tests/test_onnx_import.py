@@ -167,6 +167,21 @@ def test_shared_parameter_gets_one_gradient(tmp_path):
     assert _op(prof, "MatMul_0.backward").id in grads[0].consumers
 
 
+def test_same_tensor_twice_and_residual_accumulation(tmp_path):
+    # y = (h * h) + h with h = x @ W: h's gradient has three contributions, one buffer.
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("Mul", ["h", "h"], ["sq"]),
+             helper.make_node("Add", ["sq", "h"], ["y"])]
+    path = _save(tmp_path, nodes, [helper.make_tensor_value_info("x", F32, [4, 8])],
+                 [helper.make_tensor_value_info("y", F32, [4, 8])], [_weight("W", 8, 8)])
+    prof, _ = profile_onnx(path, HW)
+    grads = [t for t in prof.tensors if t.name == "grad.h"]
+    assert len(grads) == 1 and grads[0].size_bytes == 4 * 8 * 4
+    mul_bwd = _op(prof, "Mul_1.backward")
+    assert grads[0].id in mul_bwd.inputs and grads[0].id not in mul_bwd.outputs
+    assert [t.name for t in prof.saved_activations] == ["h"]   # d(h*h)/dh needs h
+
+
 def test_unknown_op_is_conservative_and_warned(tmp_path):
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
              helper.make_node("LpNormalization", ["h"], ["m"]),
