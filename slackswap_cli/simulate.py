@@ -568,6 +568,9 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
     may carry `prefetch_at`); saved activations not mentioned are kept. `budget_bytes=None`
     means unlimited memory. With `record=False` the timeline (`events`, `memory`) is skipped.
     """
+    if budget_bytes is not None and not budget_bytes >= 0:
+        raise InputError(f"budget {budget_bytes!r} is not a non-negative number of bytes",
+                         hint="pass a budget in bytes, or None for unlimited memory")
     tab = _tables(profile)
     action, prefetch_at = _parse_decisions(profile, tab, decisions)
     prog = _Program(profile, tab, action)

@@ -291,6 +291,10 @@ def test_random_op_output_cannot_be_recomputed():
         simulate(p, {a1: "recompute"}, HW)
     with pytest.raises(InputError, match="action"):
         simulate(p, {a1: "drop"}, HW)
+    with pytest.raises(InputError, match="does not exist"):
+        simulate(p, {10_000: "keep"}, HW)
+    with pytest.raises(InputError, match="non-negative"):
+        simulate(p, {}, HW, budget_bytes=-1)
 
 
 def test_chain_through_unsaved_random_output_is_refused():
