@@ -97,10 +97,30 @@ def saved_bytes_original(model, inputs, run_step, exclude) -> tuple[object, int]
     return out, sum(seen.values())
 
 
+def _warmup(model, run) -> None:
+    """One untimed step; weights, buffers, gradients and the RNG are put back afterwards."""
+    import torch
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    run().backward()
+    with torch.no_grad():
+        model.load_state_dict(state)
+    for p in model.parameters():
+        p.grad = None
+    torch.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+
+
 def verify(patched_path: str, model_path: str | None = None, entry: str | None = None,
            args: dict | None = None, steps: int = 1, seed: int = 0,
-           check_trace: bool = True) -> VerifyReport:
-    """Run the original and the patched training step `steps` times and compare them."""
+           check_trace: bool = True, warmup: bool = True) -> VerifyReport:
+    """Run the original and the patched training step `steps` times and compare them.
+
+    `warmup` first runs one untimed step of each and restores weights, buffers and RNG state,
+    so step times do not include one-off costs (allocator growth, kernel selection).
+    """
     import torch
     import torch.utils._pytree as pytree
 
@@ -148,6 +168,11 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
     def grad_bytes(model):
         return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                    if p.grad is not None)
+
+    if warmup:
+        _warmup(orig.model, lambda: loss_from_output(orig.model(*o_args, **o_kwargs), orig.inputs,
+                                                     orig.loss_fn))
+        _warmup(work.model, lambda: patched(*p_args, **p_kwargs))
 
     losses_o, losses_p = [], []
     max_loss = max_grad = max_buf = 0.0
