@@ -69,6 +69,10 @@ budget, showing by how much).
 recompute ops (chain temporaries included); one `ScheduleEvent` per offload, prefetch and
 recompute op. `events` and `memory` (the timeline) are filled only with `record=True`.
 
+**Static helpers.** `budget_floor_bytes` (no plan fits below it), `min_peak_bytes` (the least
+peak of one plan; the plan is feasible exactly when it fits the budget) and `recompute_chains`
+(what each backward op re-runs) need no timing and cost one pass over the task sequence.
+
 **Speed.** Planners call `simulate` many times, so per-profile tables are cached on the
 profile object, and the event loop runs on plain lists and ints.
 """
