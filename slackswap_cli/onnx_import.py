@@ -170,6 +170,84 @@ def _override_input_shapes(model, real_inputs, input_shapes) -> None:
 
 
 def _infer_shapes(model, p: Path, warnings: list[str]):
+    """Shape inference, then constant evaluation of the small static subgraphs and inference
+    again while that gives more values a shape: ONNX's own inference propagates values through
+    Shape/Gather/Concat only, so a TorchScript export's `Where(Equal(...))` shape arithmetic
+    (HF BERT's token-type ids, for one) leaves dimensions unknown until it is evaluated."""
+    model = _infer_once(model, p, warnings)
+    for _ in range(4):
+        folded = _fold_small_constants(model)
+        if folded is None:
+            break
+        model = _infer_once(folded, p, warnings)
+    return model
+
+
+_FOLD_MAX_ELEMENTS = 1 << 16   # shape arithmetic and masks, never weights
+
+
+def _unknown_shapes(model) -> int:
+    vis = (*model.graph.value_info, *model.graph.output)
+    return sum(1 for vi in vis if _shape_of(vi)[0] is None)
+
+
+def _fold_small_constants(model):
+    """A copy of `model` with small static values computed (by onnx's reference evaluator) and
+    stored as initializers, or None when that cannot give any unknown shape a value."""
+    import numpy as np
+    onnx = _onnx()
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    if not _unknown_shapes(model):
+        return None
+    g = model.graph
+    shapes = {vi.name: _shape_of(vi)[0] for vi in (*g.input, *g.value_info, *g.output)}
+    known: dict[str, object] = {}
+    for init in g.initializer:
+        if init.data_location != 1 and prod(init.dims) <= _FOLD_MAX_ELEMENTS:
+            known[init.name] = numpy_helper.to_array(init)
+    new_values: dict[str, object] = {}
+    graph_outputs = {o.name for o in g.output}
+    for node in g.node:
+        if any(a.type in (5, 10) for a in node.attribute) or node.domain not in ("", "ai.onnx"):
+            continue
+        ins = [i for i in node.input if i]
+        if node.op_type == "Shape" and ins and shapes.get(ins[0]) is not None:
+            start = next((a.i for a in node.attribute if a.name == "start"), 0)
+            end = next((a.i for a in node.attribute if a.name == "end"), None)
+            value = np.array(shapes[ins[0]][start:end], dtype=np.int64)
+            outs = [value]
+        elif node.op_type == "Constant" or (ins and all(i in known for i in ins)):
+            if rule_for(node.op_type) is not None and rule_for(node.op_type).random:
+                continue
+            try:
+                outs = ReferenceEvaluator(node).run(None, {i: known[i] for i in ins})
+            except Exception:
+                continue
+        else:
+            continue
+        for name, value in zip((o for o in node.output if o), outs):
+            if getattr(value, "size", _FOLD_MAX_ELEMENTS + 1) <= _FOLD_MAX_ELEMENTS:
+                known[name] = value
+                if node.op_type != "Constant" and name not in graph_outputs:
+                    new_values[name] = value
+    if not new_values:
+        return None
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    keep = [n for n in folded.graph.node
+            if not all(o in new_values for o in n.output if o) or not any(n.output)]
+    del folded.graph.node[:]
+    folded.graph.node.extend(keep)
+    for name, value in new_values.items():
+        folded.graph.initializer.append(numpy_helper.from_array(value, name))
+    # drop stale inferred shapes so the next pass infers them from the new constants
+    del folded.graph.value_info[:]
+    return folded
+
+
+def _infer_once(model, p: Path, warnings: list[str]):
     onnx = _onnx()
     try:
         return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True,
@@ -307,14 +385,20 @@ class _Importer:
             self.vinfo[init.name] = (tuple(int(d) for d in init.dims), dtype,
                                      "x".join(map(str, init.dims)))
         self.graph_inputs = [i.name for i in self.g.input if i.name not in self.inits]
+        self.inputs_checked = False
 
     # -- values --------------------------------------------------------------------------------
     def shape(self, name: str, node=None) -> tuple[int, ...]:
         shape, _, dims = self.vinfo.get(name, (None, None, "unknown"))
         if shape is None:
             where = f" (output of {node.op_type} node '{node.name}')" if node is not None else ""
+            hint = SHAPE_HINT
+            if self.inputs_checked:   # the inputs are static: inference itself gave up here
+                hint = ("the inputs are static, but ONNX shape inference cannot follow this "
+                        "value; re-export with torch.onnx.export(..., dynamo=True), or simplify "
+                        "the graph first (e.g. with onnxsim)")
             raise InputError(f"{self.p}: the shape of '{name}'{where} is not static: {dims}",
-                             hint=SHAPE_HINT)
+                             hint=hint)
         return shape
 
     def dtype(self, name: str) -> str:
@@ -354,6 +438,7 @@ class _Importer:
             raise InputError(f"{self.p}: input shapes are not static: {', '.join(bad)}",
                              hint=f"export with static input shapes, or pass {example} "
                                   "(e.g. --input-shape name=1x3x224x224)")
+        self.inputs_checked = True
 
     def fold_constants(self, nodes) -> list:
         """Mark static values and which of them are trainable; return the nodes that do work.

@@ -124,6 +124,30 @@ def test_views_alias_and_shape_arithmetic_folds(tmp_path):
     assert [t.name for t in prof.saved_activations] == ["z"]
 
 
+def test_shape_arithmetic_beyond_onnx_data_propagation_is_evaluated(tmp_path):
+    # target = Where(Shape(x) == -1, 1, Shape(x)); e = Expand(mean_rows(x @ W), target): ONNX's
+    # inference does not propagate values through Equal/Where (the TorchScript exporter writes
+    # this for HF BERT's token-type ids), so e's shape is known only once that is computed.
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Equal", ["s", "m1"], ["eq"]),
+             helper.make_node("Where", ["eq", "ones", "s"], ["tgt"]),
+             helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("ReduceMean", ["h"], ["r"], axes=[0], keepdims=1),
+             helper.make_node("Expand", ["r", "tgt"], ["e"]),
+             helper.make_node("Add", ["h", "e"], ["y"])]
+    inits = [helper.make_tensor("m1", TensorProto.INT64, [2], [-1, -1]),
+             helper.make_tensor("ones", TensorProto.INT64, [2], [1, 1]), _weight("W", 8, 8)]
+    path = _save(tmp_path, nodes, [helper.make_tensor_value_info("x", F32, [2, 8])],
+                 [helper.make_tensor_value_info("y", F32, [2, 8])], inits)
+    plain = onnx.shape_inference.infer_shapes(onnx.load(str(path)), data_prop=True)
+    e_info = next(v for v in plain.graph.value_info if v.name == "e")
+    assert not all(d.HasField("dim_value") for d in e_info.type.tensor_type.shape.dim)
+    prof, _ = profile_onnx(path, HW)
+    assert _by_name(prof, "e").shape == (2, 8)
+    assert [o.target for o in prof.ops if o.phase == "forward"] == [
+        "onnx.MatMul", "onnx.ReduceMean", "onnx.Expand", "onnx.Add", "onnx.loss.mean"]
+
+
 def test_layernorm_keeps_input_and_row_statistics(tmp_path):
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
              helper.make_node("LayerNormalization", ["h", "g", "bb"], ["n"], axis=-1)]
