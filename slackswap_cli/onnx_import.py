@@ -519,6 +519,30 @@ class _Importer:
             out_shapes=tuple(self.shape(o, node) if o else None for o in u.outputs),
             out_dtypes=tuple(self.dtype(o) if o else None for o in u.outputs))
 
+    def const_value(self, name: str):
+        """The value of a small constant (inline initializer or Constant node), else None."""
+        from onnx import numpy_helper
+        if not hasattr(self, "_consts"):
+            self._consts = {i.name: i for i in self.g.initializer
+                            if i.data_location != 1 and prod(i.dims) <= 16}
+            for n in self.g.node:
+                if n.op_type == "Constant" and n.output:
+                    for a in n.attribute:
+                        if a.name == "value" and prod(a.t.dims) <= 16:
+                            self._consts[n.output[0]] = a.t
+        t = self._consts.get(name)
+        return None if t is None else numpy_helper.to_array(t)
+
+    def dropout_active(self, u: _Unit) -> bool:
+        """A Dropout with ratio 0 or training_mode false is the identity, as torch runs it."""
+        ratio = self.const_value(u.inputs[1]) if len(u.inputs) > 1 and u.inputs[1] else None
+        if ratio is not None and float(ratio) == 0.0:
+            return False
+        train = self.const_value(u.inputs[2]) if len(u.inputs) > 2 and u.inputs[2] else None
+        if len(u.inputs) > 2 and u.inputs[2] and train is not None and not bool(train):
+            return False
+        return True
+
     def units(self, work) -> list[_Unit]:
         """One unit per node, except the nodes of one fused aten call (see FUSED_ATEN)."""
         units = [self.node_unit(n, k) for k, n in enumerate(work)]
@@ -581,6 +605,8 @@ class _Importer:
                 rule = FUSED_ATEN[u.op_type]
             else:
                 rule = rule_for(u.op_type, u.domain)
+            if u.op_type == "Dropout" and not self.dropout_active(u):
+                rule = rule_for("Identity")
             if rule is None:
                 key = f"{u.domain}::{u.op_type}" if u.domain else u.op_type
                 unknown[key] = unknown.get(key, 0) + 1

@@ -177,6 +177,13 @@ def test_dropout_mask_is_saved_and_never_recomputed(tmp_path):
     assert saved["d.mask"].dtype == "bool" and saved["d.mask"].size_bytes == 32
     assert not saved["d.mask"].recomputable and not saved["d"].recomputable
     assert _by_name(prof, "ratio").kind == "buffer"   # a scalar initializer is a constant
+    # ratio 0 (or training_mode false) is the identity, as torch runs it: nothing random saved
+    inits[2] = helper.make_tensor("ratio", F32, [], [0.0])
+    path = _save(tmp_path, nodes, [helper.make_tensor_value_info("x", F32, [4, 8])],
+                 [helper.make_tensor_value_info("y", F32, [4, 8])], inits, name="p0.onnx")
+    prof, _ = profile_onnx(path, HW)
+    assert {t.name for t in prof.saved_activations} == {"h"}   # d is a view of h
+    assert _by_name(prof, "d").alias_of == _by_name(prof, "h").id
 
 
 def test_shared_parameter_gets_one_gradient(tmp_path):
