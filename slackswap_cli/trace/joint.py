@@ -29,6 +29,7 @@ FakeTensors created under a FakeTensorMode (nothing is allocated; costs come fro
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -182,7 +183,8 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
     was_training = model.training
     model.train()
     try:
-        with _ModuleTracker(model) as tracker:
+        emulate = fake_mode is not None and ref.device.type == "cpu"
+        with _ModuleTracker(model) as tracker, _cuda_dropout(emulate):
             if fake_mode is not None:
                 with fake_mode:
                     tangent = torch.ones((), dtype=ref.dtype, device=ref.device)
@@ -209,6 +211,33 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
                        grad_param_index=grad_index, fake=fake_mode is not None)
     _annotate(joint, tracker, boundary.get("n", 0))
     return joint
+
+
+@contextlib.contextmanager
+def _cuda_dropout(enabled: bool):
+    """Trace dropout as CUDA runs it: one fused `native_dropout` with a 1-byte bool mask.
+
+    On a CPU, `F.dropout` decomposes into `bernoulli_` on a mask of the input's dtype (2 bytes
+    per element in bf16); on CUDA the fused kernel saves a bool mask. A fake-tensor trace stands
+    for the GPU the model will train on, so it takes the CUDA path. Real traces keep the
+    device's own path, so a patched step draws the same random numbers as eager.
+    """
+    if not enabled:
+        yield
+        return
+    original = torch.nn.functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1 and input.numel() > 0:
+            out = torch.native_dropout(input, p, True)[0]
+            return input.copy_(out) if inplace else out
+        return original(input, p, training, inplace)
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
 
 
 def _annotate(joint: JointGraph, tracker: _ModuleTracker, boundary: int) -> None:
