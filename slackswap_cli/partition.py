@@ -335,10 +335,11 @@ def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan:
             clones = tuple(i for i in written_args(x))
             st = _define(x, g, device_type, clone_args=clones)
             if act == "recompute" and g.root_node(x) is x:
-                st.comment = "recompute (plan)"
                 recomputed_roots.add(x.name)
-            elif not _is_view(x):
-                st.comment = "recompute (chain)"
+            if not _is_view(x) or act == "recompute":
+                target = profile.tensors[top].name if top is not None else ""
+                st.comment = (f"recompute {x.name}" if target in ("", x.name)
+                              else f"recompute, on the way to {target}")
             bstmts.append(st)
             if not _is_view(x):
                 counter["ops"] += 1

@@ -299,7 +299,9 @@ class _StepFunction(torch.autograd.Function):
     def forward(ctx, step: "PatchedStep", *flat: torch.Tensor) -> torch.Tensor:
         store = StepStore(exclude=list(flat))
         device = flat[0].device
-        loss = step.forward_fn(store, device, *flat)
+        # the graph already holds every cast the model makes; autocast must not add more
+        with torch.autocast(device.type, enabled=False):
+            loss = step.forward_fn(store, device, *flat)
         ctx.store, ctx.step, ctx.flat = store, step, flat
         step.last_store = weakref.ref(store)
         step.held_bytes_after_forward = store.held_device_bytes()
@@ -309,7 +311,12 @@ class _StepFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
         step, flat, store = ctx.step, ctx.flat, ctx.store
-        grads = step.backward_fn(store, flat[0].device, *flat, grad_loss)
+        if store is None:
+            raise RuntimeError("slackswap: this patched step already ran its backward, which frees "
+                               "(or hands back to the host pool) everything forward saved; "
+                               "backward(retain_graph=True) twice is not supported")
+        with torch.autocast(flat[0].device.type, enabled=False):
+            grads = step.backward_fn(store, flat[0].device, *flat, grad_loss)
         ctx.store = ctx.flat = None
         out: list[Any] = [None] * len(flat)
         for i, g in zip(step.meta["grad_param_index"], grads):
@@ -430,6 +437,13 @@ class PatchedStep(torch.nn.Module):
             from .errors import InputError
             raise InputError("the patched module runs training steps, but the model is in eval mode",
                              hint="call model.train() first, or call the model itself for evaluation")
+        dev_type = self.meta["device_type"]
+        if torch.is_autocast_enabled(dev_type):
+            from .errors import InputError
+            raise InputError("the patched step was called under torch.autocast, but the profile "
+                             "was traced without it",
+                             hint="put the autocast inside the workload (its forward or loss_fn) "
+                                  "and re-profile, so the casts are part of the traced step")
         inputs = self._flat_inputs(args, kwargs)
         flat = [*self.model.parameters(), *self.model.buffers(), *inputs]
         return _StepFunction.apply(self, *flat)

@@ -319,3 +319,41 @@ def test_check_trace_refuses_a_changed_model(files, tmp_path):
     with pytest.raises(FingerprintMismatch, match="traces to graph"):
         mod.patch(work.model)
     mod.patch(work.model, check_trace=False)           # the cheap checks alone pass
+
+
+def test_prefetches_are_issued_where_the_plan_schedules_them(files):
+    prof = profiled(files, "tiny_gpt")
+    plan = plan_at(prof, prof.summary["peak_activation_bytes"] // 2)
+    events = [e for e in plan.schedule if e.kind == "prefetch"]
+    assert events
+    lines = apply_plan(plan, prof).splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("def backward_step"))
+    body = lines[start:]
+
+    def defined_at(name):
+        return next(i for i, l in enumerate(body) if l.strip().startswith(f"{name} = "))
+
+    for e in events:
+        name = prof.tensors[e.tensor].name
+        at = next(i for i, l in enumerate(body) if l.strip().startswith(f"_s.prefetch({name!r})"))
+        issue = prof.ops[e.issue_op]
+        previous = prof.ops[e.issue_op - 1]
+        # right before the op the simulator issued it at, after the op before that
+        assert at < defined_at(issue.name)
+        if previous.phase == "backward":
+            assert defined_at(previous.name) < at
+        assert at < defined_at(name)                   # and before the wait
+
+
+def test_backward_twice_and_autocast_are_refused(files, tmp_path):
+    prof = profiled(files, "mlp")
+    mod = load_patched(write_patched(tmp_path, hand_plan(prof, {"gelu": "swap"}), prof))
+    work = load_workload(str(files["mlp"]))
+    step = mod.patch(work.model, check_trace=False)
+    loss = step(*work.inputs)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(InputError, match="autocast"):
+            step(*work.inputs)
