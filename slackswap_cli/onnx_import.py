@@ -5,15 +5,18 @@ loss, then backward; this module derives the missing two from the graph:
 
 1. **Load and infer shapes.** The file is read without its external weight files (only shapes
    matter), `--input-shape` overrides replace the declared input dims, and ONNX's shape inference
-   gives every value a shape. A value whose shape is symbolic or unknown stops the import with a
-   hint: export with static shapes or pass `--input-shape name=1x3x224x224`.
+   gives every value a shape; small shape arithmetic it cannot follow (Where/Equal on shapes) is
+   evaluated and inference re-run. A value whose shape is still symbolic or unknown stops the
+   import with a hint: export with static shapes or pass `--input-shape name=1x3x224x224`.
 2. **Fold what is not work.** Initializers, `Constant` nodes, `Shape` of a statically shaped
    value and every node computed only from those are constants an inference runtime folds: they
-   are not timed. Float initializers (and constants derived from them, like a transposed weight)
-   are `parameter`s; the rest (shape tensors, masks, BatchNorm running stats) `buffer`s.
+   are not timed. Float initializers used where weights sit (and constants derived from them,
+   like a pre-transposed weight) are `parameter`s; the rest (shape tensors, masks, rotary
+   tables, BatchNorm running stats) are `buffer`s.
 3. **Forward ops**, one per remaining node, in topological order. Reshape, Squeeze, Unsqueeze,
    Flatten, Identity and Transpose are views, as in torch: their output aliases the input's
-   storage, costs nothing, and counts no bytes. Everything else writes a new tensor.
+   storage, costs nothing, and counts no bytes. Everything else writes a new tensor. The nodes
+   the dynamo exporter made from one fused aten call (SDPA, SiLU; see `FUSED_ATEN`) are one op.
 4. **Loss**: if the first graph output is not a scalar, a forward `loss` op reduces it (mean).
    The gradient seed (d loss / d loss) is an `input` tensor.
 5. **Backward ops**, one per forward node that leads to the loss and has an input that needs a
@@ -44,7 +47,7 @@ from typing import Iterable, Mapping
 
 from .errors import FormatError, InputError
 from .hardware import HardwareSpec
-from .onnx_grad_rules import FUSED_ATEN, GradRule, NodeView, rule_for, unknown_rule
+from .onnx_grad_rules import FUSED_ATEN, NodeView, rule_for, unknown_rule
 from .profile_build import ProfileBuilder
 from .schema import Profile
 
@@ -90,7 +93,10 @@ def parse_input_shapes(specs: Iterable[str] | None) -> dict[str, tuple[int, ...]
 def profile_onnx(path: str | os.PathLike, hw: HardwareSpec,
                  input_shapes: Mapping[str, tuple[int, ...]] | None = None
                  ) -> tuple[Profile, list[str]]:
-    """Profile one training step of the forward graph in an ONNX file. Returns (profile, warnings)."""
+    """Profile one training step of the forward graph in an ONNX file.
+
+    Returns (profile, warnings); `input_shapes` replaces the declared dims of graph inputs.
+    """
     p = Path(path)
     warnings: list[str] = []
     model = _load(p, warnings)
@@ -294,7 +300,8 @@ def _module_of(node) -> str:
                 scopes = ast.literal_eval(prop.value)
             except (ValueError, SyntaxError):
                 break
-            # [..., "h.0", "h.0.attn", "matmul"]: the last entry is the op, the one before its module
+            # [..., "h.0", "h.0.attn", "matmul"]: the last entry is the op, the one before it
+            # the module
             if isinstance(scopes, list) and len(scopes) >= 2:
                 return str(scopes[-2])
             return ""
@@ -474,15 +481,16 @@ class _Importer:
                 if roots and self.dtype(o) in _FLOAT_DTYPES:
                     origin[o] = roots
                     # a reshaped / transposed / cast weight is the same parameter
-                    if node.op_type in _PASS_THROUGH and ins and ins[0] in origin and len(roots) == 1:
+                    if (node.op_type in _PASS_THROUGH and ins and ins[0] in origin
+                            and len(roots) == 1):
                         self.canonical[o] = self.canonical.get(ins[0], ins[0])
         trainable_roots: set[str] = set()
         for node in work:
             for i, name in enumerate(node.input):
                 if name in origin and self._weight_slot(node, i, name):
                     trainable_roots |= origin[name]
-        self.trainable = {n for n, roots in origin.items()
-                          if roots & trainable_roots and prod(self.vinfo.get(n, ((),))[0] or (1,)) > 1}
+        self.trainable = {n for n, roots in origin.items() if roots & trainable_roots
+                          and prod(self.vinfo.get(n, (None,))[0] or (1,)) > 1}
         return work
 
     def _weight_slot(self, node, i: int, name: str) -> bool:
