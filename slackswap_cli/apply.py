@@ -92,8 +92,15 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
                          hint="pass the workload file with --model model.py")
     entry = entry or profile.workload.get("entry") or "workload"
     args = dict(profile.workload.get("args") or {}) if args is None else dict(args)
-    joint, work = trace_fake(str(path), entry, args, profile.env.get("device"))
+    device = profile.env.get("device")
+    joint, work = trace_fake(str(path), entry, args, device)
     fp = joint_fingerprint(joint)
+    # what `patch(model)` compares a fake re-trace of the user's model against
+    trace_fp = fp if joint.fake else None
+    if fp != profile.fingerprint and joint.fake:
+        # a fake trace may pick other kernels than the real one did: trace for real
+        joint, work = trace_fake(str(path), entry, args, device, real=True)
+        fp = joint_fingerprint(joint)
     if fp != profile.fingerprint:
         raise FingerprintMismatch(
             f"{path} now traces to graph {fp}, but the profile was made from graph "
@@ -103,16 +110,23 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
                     "name": profile.workload.get("name", Path(path).stem)}
     from .partition import UnknownConstant
     try:
-        return emit_module(joint, work, profile, plan, workload_ref=workload_ref)
+        return emit_module(joint, work, profile, plan, workload_ref=workload_ref,
+                           trace_fingerprint=trace_fp)
     except UnknownConstant:
         # the step reads a tensor made inside the workload but outside the inputs (say labels a
         # loss_fn closes over): only a real trace knows its values, which the file then embeds
-        joint, work = trace_fake(str(path), entry, args, profile.env.get("device"), real=True)
-        return emit_module(joint, work, profile, plan, workload_ref=workload_ref)
+        joint, work = trace_fake(str(path), entry, args, device, real=True)
+        return emit_module(joint, work, profile, plan, workload_ref=workload_ref,
+                           trace_fingerprint=trace_fp)
 
 
-def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict) -> str:
-    """Write the patched module for an already traced joint graph (see `apply_plan`)."""
+def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict,
+                trace_fingerprint: str | None = None) -> str:
+    """Write the patched module for an already traced joint graph (see `apply_plan`).
+
+    `trace_fingerprint`: the profile fingerprint of a fake trace of the workload, which
+    `patch(model, check_trace=True)` compares a fake trace of the user's model against.
+    """
     import torch.utils._pytree as pytree
 
     from .partition import partition, render
@@ -129,6 +143,7 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     meta: dict[str, Any] = {
         "generator_version": GENERATOR_VERSION,
         "profile_fingerprint": profile.fingerprint,
+        "trace_fingerprint": trace_fingerprint,
         "plan_fingerprint": plan_fingerprint(plan),
         "workload": workload_ref,
         "device_type": device_type,
