@@ -328,8 +328,11 @@ _add("ReduceSumSquare", GradRule(fwd_flops=lambda v: 2 * v.numel_in(0), saves=_k
 _add("MaxPool", GradRule(fwd_flops=_pool_flops,
                          saves=lambda v, need: [("in", 0), ("extra", 0)],
                          bwd_flops=lambda v, need: v.numel_out(0), extras=_maxpool_extras))
-_add("AveragePool", GradRule(fwd_flops=_pool_flops, bwd_flops=lambda v, need: _pool_flops(v)))
-_add("GlobalAveragePool", GradRule(fwd_flops=lambda v: v.numel_in(0),
+# torch's avg_pool2d / adaptive_avg_pool2d backward take the input (for its geometry), so
+# autograd keeps it alive: saved, to agree with the eager model.
+_add("AveragePool", GradRule(fwd_flops=_pool_flops, saves=_keep_in0,
+                             bwd_flops=lambda v, need: _pool_flops(v)))
+_add("GlobalAveragePool", GradRule(fwd_flops=lambda v: v.numel_in(0), saves=_keep_in0,
                                    bwd_flops=lambda v, need: v.numel_in(0)))
 _add("GlobalMaxPool", GradRule(fwd_flops=lambda v: v.numel_in(0),
                                saves=lambda v, need: [("in", 0), ("out", 0)],

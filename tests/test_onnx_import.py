@@ -357,6 +357,31 @@ class TinyCNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
+class ResBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return Fn.relu(x + self.bn2(self.conv2(Fn.relu(self.bn1(self.conv1(x))))))
+
+
+class TinyResNet(nn.Module):
+    """Strided stem, residual blocks, average pooling, global average pooling, a classifier."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, stride=2, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.layer1, self.layer2 = ResBlock(c), ResBlock(c)
+        self.down, self.pool, self.fc = nn.AvgPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Linear(c, 10)
+
+    def forward(self, x):
+        x = self.layer2(self.down(self.layer1(Fn.relu(self.bn(self.stem(x))))))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
 def _export(model, x, path, dynamo=False, optimize=True, **kw):
     """TorchScript exporter in training mode: it keeps BatchNorm (eval mode folds it into the
     convolution) and takes well under a second; the dynamo exporter is checked separately (its
@@ -416,11 +441,13 @@ def exported(tmp_path_factory):
     d = tmp_path_factory.mktemp("onnx")
     gpt, ids = TinyGPT().train(), torch.randint(0, 64, (2, 16))
     cnn, img = TinyCNN().train(), torch.randn(2, 3, 16, 16)
+    res, img32 = TinyResNet().train(), torch.randn(2, 3, 32, 32)
     return {"gpt": (gpt, ids, _export(gpt, ids, d / "gpt.onnx")),
-            "cnn": (cnn, img, _export(cnn, img, d / "cnn.onnx")), "dir": d}
+            "cnn": (cnn, img, _export(cnn, img, d / "cnn.onnx")),
+            "resnet": (res, img32, _export(res, img32, d / "resnet.onnx")), "dir": d}
 
 
-@pytest.mark.parametrize("name", ["gpt", "cnn"])
+@pytest.mark.parametrize("name", ["gpt", "cnn", "resnet"])
 def test_export_matches_eager_saved_bytes_and_flops(exported, name):
     model, x, path = exported[name]
     prof, warns = profile_onnx(path, HW)
@@ -431,7 +458,7 @@ def test_export_matches_eager_saved_bytes_and_flops(exported, name):
     # float activations agree exactly; what differs is what the exporter turns into constants:
     # the GPT's causal masks (bool 16x16 per block, saved by masked_fill) and position ids
     # (arange, saved by the embedding) are activations in eager mode, 640 of ~149k bytes (0.4%).
-    # The CNN has none of those and agrees exactly.
+    # The CNNs have none of those and agree exactly.
     assert onnx_saved == pytest.approx(eager_saved, rel=0.02), (onnx_saved, eager_saved)
     assert onnx_saved <= eager_saved
     # FLOPs: the matmuls and convolutions are the same maths, so forward FLOPs agree within 2%
@@ -441,8 +468,9 @@ def test_export_matches_eager_saved_bytes_and_flops(exported, name):
     assert ofwd == pytest.approx(efwd, rel=0.02), (ofwd, efwd)
     assert oall == pytest.approx(eall, rel=0.02), (oall, eall)
     # every op type the exporter emitted has a rule, and module paths come from node names
-    modules = {o.module for o in prof.ops}
-    assert ({"h.0.ln1", "h.1.qkv", "head"} if name == "gpt" else {"conv1", "bn2", "fc"}) <= modules
+    expected = {"gpt": {"h.0.ln1", "h.1.qkv", "head"}, "cnn": {"conv1", "bn2", "fc"},
+                "resnet": {"stem", "layer1.conv2", "layer2.bn1", "fc"}}[name]
+    assert expected <= {o.module for o in prof.ops}
 
 
 class FusedBlock(nn.Module):
