@@ -10,7 +10,7 @@ from slackswap_cli.errors import InputError, TraceError
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.graph_profile import joint_to_profile
-from slackswap_cli.trace.joint import capture_joint, loss_from_output, split_inputs
+from slackswap_cli.trace.joint import _cuda_dropout, capture_joint, loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -25,11 +25,12 @@ TINY = {
 }
 
 
-def eager_saved_bytes(work) -> tuple[int, int]:
+def eager_saved_bytes(work, cuda_dropout: bool = False) -> tuple[int, int]:
     """Bytes and count of distinct storages autograd saves in an eager forward.
 
     Parameters, buffers and inputs are left out (not activations); views of one storage
-    count once, as in the profile.
+    count once, as in the profile. `cuda_dropout`: run F.dropout as CUDA does (the fused
+    kernel with a 1-byte bool mask), as fake traces do.
     """
     model = work.model.train()
     excluded = {t.untyped_storage().data_ptr()
@@ -44,7 +45,7 @@ def eager_saved_bytes(work) -> tuple[int, int]:
         return t
 
     args, kwargs = split_inputs(work.inputs)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _cuda_dropout(cuda_dropout), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(*args, **kwargs)
         loss_from_output(out, work.inputs, work.loss_fn)  # the loss's saved tensors too
     return sum(seen.values()), len(seen)
@@ -61,21 +62,47 @@ def gpt():
 
 
 # -- saved bytes against eager ----------------------------------------------------------------
+def build(model, inputs):
+    return joint_to_profile(capture_joint(model, inputs), workload={}, env={}, hardware=HW)
+
+
+# Eager autograd (saved_tensors_hooks, one entry per distinct storage) and the traced graph
+# (forward values read by backward, one entry per alias root) describe the same step. They may
+# differ in which view of a storage is saved (eager keeps `t()` of an input where the graph
+# keeps the matrix it was made from) but a storage is a storage: on torch 2.13 the bytes and
+# counts agree exactly. The 1% tolerance leaves room for another torch version saving a small
+# index tensor (targets, positions) as its own copy rather than a view of an input; a missed
+# dropout mask or a double-counted view in a 2-layer model moves the total by 2% or more, so
+# the tests still catch real mistakes.
 @pytest.mark.parametrize("example", list(TINY))
-def test_saved_bytes_match_eager_autograd(example):
-    # Eager autograd (saved_tensors_hooks, one entry per distinct storage) and the traced
-    # graph (forward values read by backward, one entry per alias root) describe the same step.
-    # They may differ in which view of a storage is saved (eager keeps `t()` of an input where
-    # the graph keeps the matrix it was made from) but a storage is a storage: on torch 2.13
-    # the bytes and counts agree exactly. The 1% tolerance leaves room for another torch
-    # version saving a small index tensor (targets, positions) as its own copy rather than a
-    # view of an input; a missed dropout mask or a double-counted view in a 2-layer model
-    # moves the total by 2% or more, so the test still catches real mistakes.
+def test_fake_trace_saved_bytes_match_eager_autograd(example):
     work = load_workload(EXAMPLES / f"{example}.py", args=TINY[example])
-    eager_bytes, eager_count = eager_saved_bytes(work)
+    eager_bytes, eager_count = eager_saved_bytes(work, cuda_dropout=True)
     prof = profile(example)
     assert prof.summary["saved_bytes"] == pytest.approx(eager_bytes, rel=0.01)
     assert abs(prof.summary["n_saved"] - eager_count) <= max(1, eager_count // 50)
+
+
+def test_real_trace_saved_bytes_match_eager_autograd():
+    # a real trace keeps the device's own dropout (on a CPU: a float mask), like eager
+    work = load_workload(EXAMPLES / "gpt2_xl.py", args=TINY["gpt2_xl"])
+    eager_bytes, eager_count = eager_saved_bytes(work)
+    prof = build(work.model, work.inputs)
+    assert prof.summary["saved_bytes"] == pytest.approx(eager_bytes, rel=0.01)
+    assert abs(prof.summary["n_saved"] - eager_count) <= max(1, eager_count // 50)
+
+
+def test_fake_trace_differs_from_eager_only_by_cuda_dropout_masks(gpt):
+    # A fake trace stands for a GPU: where F.dropout takes CUDA's fused path, each mask is a
+    # 1-byte bool instead of a float32 tensor on the CPU. Everything else is the same storage.
+    work = load_workload(EXAMPLES / "tiny_gpt.py", args=TINY["tiny_gpt"])
+    real = build(work.model, work.inputs)
+    fused = [t for t in gpt.saved_activations  # masks (the embedding dropout's output is too)
+             if gpt.ops[t.producer].target == "aten.native_dropout.default" and t.dtype == "bool"]
+    # if fused masks appear, they are the embedding dropout and two per layer
+    assert len(fused) in (0, 1 + 2 * TINY["tiny_gpt"]["n_layer"])
+    numel = sum(torch.Size(t.shape).numel() for t in fused)
+    assert gpt.summary["saved_bytes"] == real.summary["saved_bytes"] - numel * (4 - 1)
 
 
 # -- kinds ------------------------------------------------------------------------------------
@@ -125,15 +152,26 @@ def test_lifetimes(gpt):
 
 # -- random ops -------------------------------------------------------------------------------
 def test_dropout_masks_are_saved_and_not_recomputable(gpt):
-    masks = [t for t in gpt.saved_activations if not t.recomputable]
+    fixed = [t for t in gpt.saved_activations if not t.recomputable]
+    masks = [t for t in fixed if t.dtype == "bool" or
+             gpt.ops[t.producer].target == "aten.empty_like.default"]
     # 2 layers x (attention-probability, attention-output and MLP dropout) + embedding dropout
     assert len(masks) == 2 * 3 + 1
-    for t in masks:   # CPU dropout: empty_like, then bernoulli_ and div_ in place
-        assert gpt.ops[t.producer].target == "aten.empty_like.default"
-        writers = {gpt.ops[gpt.tensors[a].producer].target for a in gpt.aliases[t.id]}
-        assert "aten.bernoulli_.float" in writers
+    for t in masks:
+        producer = gpt.ops[t.producer].target
+        if producer == "aten.native_dropout.default":      # fused (CUDA-style) dropout
+            assert t.dtype == "bool"
+        else:   # CPU dropout: empty_like, then bernoulli_ and div_ in place
+            assert producer == "aten.empty_like.default"
+            writers = {gpt.ops[gpt.tensors[a].producer].target for a in gpt.aliases[t.id]}
+            assert "aten.bernoulli_.float" in writers
+    # the other fixed tensors are outputs of a fused dropout (re-running it would draw another
+    # mask): the embedding dropout's output, which the first layer norm saves
+    others = [t for t in fixed if t not in masks]
+    assert all(gpt.ops[t.producer].target == "aten.native_dropout.default" for t in others)
+    assert len(others) <= 1
     # everything else saved may be recomputed
-    assert all(t.recomputable for t in gpt.saved_activations if t not in masks)
+    assert all(t.recomputable for t in gpt.saved_activations if t not in fixed)
 
 
 class RandomOps(torch.nn.Module):
@@ -146,10 +184,6 @@ class RandomOps(torch.nn.Module):
         out, mask = torch.ops.aten.native_dropout(h, 0.5, True)
         noise = torch.rand_like(h)
         return (out * noise).sum() + (mask.float() * h).sum()
-
-
-def build(model, inputs):
-    return joint_to_profile(capture_joint(model, inputs), workload={}, env={}, hardware=HW)
 
 
 def test_random_op_outputs_are_not_recomputable():
@@ -226,9 +260,11 @@ def test_in_place_results_alias_their_root_and_make_it_not_recomputable():
 
 # -- real and fake traces agree ---------------------------------------------------------------
 def test_real_and_fake_traces_give_the_same_graph():
-    work = load_workload(EXAMPLES / "tiny_gpt.py", args=TINY["tiny_gpt"])
+    # without dropout (whose fake trace takes the GPU's fused path) the graphs are identical
+    args = {**TINY["tiny_gpt"], "dropout": 0.0}
+    work = load_workload(EXAMPLES / "tiny_gpt.py", args=args)
     real = build(work.model, work.inputs)
-    fake = profile("tiny_gpt")
+    fake = profile("tiny_gpt", dropout=0.0)
     assert real.fingerprint == fake.fingerprint
     assert [t.alias_of for t in real.tensors] == [t.alias_of for t in fake.tensors]
 
