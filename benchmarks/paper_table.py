@@ -206,3 +206,204 @@ def synthetic_sample(name: str, hw: HardwareSpec) -> Profile:
     arch, layers, hidden, heads, ffn, batch, seq = SYNTHETIC_SHAPES[name]
     return transformer_profile(arch, layers, hidden, heads, ffn, batch, seq, hw=hw,
                                name=f"synthetic-{name}")
+
+
+# --------------------------------------------------------------------------------------------
+# The benchmark
+# --------------------------------------------------------------------------------------------
+def _profile_key(prof: Profile, path: str | None) -> str:
+    name = str(prof.workload.get("name") or Path(path or "profile").stem)
+    return name.removeprefix("synthetic-")
+
+
+def run_one(prof: Profile, hw: HardwareSpec, planner: str, fraction: float,
+            optimal_time_limit_s: float) -> dict:
+    from slackswap_cli.errors import SlackswapError
+    from slackswap_cli.planners import make_plan, optimal
+    from slackswap_cli.simulate import budget_floor_bytes
+
+    peak = int(prof.summary["peak_activation_bytes"])
+    budget = int(fraction * peak)
+    row = {"planner": planner, "budget_fraction": fraction, "budget_bytes": budget}
+    if budget < budget_floor_bytes(prof):
+        row.update(feasible=False, below_floor=True, retention=None)
+        return row
+    old = optimal.DEFAULT_TIME_LIMIT_S
+    optimal.DEFAULT_TIME_LIMIT_S = optimal_time_limit_s
+    try:
+        t0 = time.perf_counter()
+        plan = make_plan(planner, prof, hw, budget, budget_fraction=fraction)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    except SlackswapError as exc:
+        row.update(feasible=False, error=str(exc), retention=None)
+        return row
+    finally:
+        optimal.DEFAULT_TIME_LIMIT_S = old
+    pr = plan.predicted
+    acts = [d.action for d in plan.decisions]
+    row.update(feasible=plan.feasible, retention=pr.retention, step_us=pr.step_us,
+               ideal_us=pr.ideal_us, peak_bytes=pr.peak_bytes, stall_us=pr.stall_us,
+               recompute_us=pr.recompute_us, swapped_bytes=pr.swapped_bytes,
+               n_keep=acts.count("keep"), n_swap=acts.count("swap"),
+               n_recompute=acts.count("recompute"), solve_ms=plan.solve_ms,
+               plan_and_simulate_ms=wall_ms, notes=list(plan.notes))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profiles", nargs="*", default=None,
+                    help="profile JSON files [default: the three sample profiles]")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
+                    help="output folder [default: benchmarks/results]")
+    ap.add_argument("--hardware", default="a100-pcie4")
+    ap.add_argument("--budget", type=float, default=0.5, help="budget of the main table")
+    ap.add_argument("--sweep", default=",".join(str(x) for x in SWEEP),
+                    help="comma-separated budget fractions of the sweep")
+    ap.add_argument("--planners", default=None, help="comma-separated subset")
+    ap.add_argument("--optimal-time-limit", type=float, default=60.0,
+                    help="seconds for the MILP at the main budget [default 60]")
+    ap.add_argument("--sweep-optimal-time-limit", type=float, default=0.0,
+                    help="seconds for the MILP at each sweep budget; 0 leaves optimal out of "
+                         "the sweep [default 0]")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="use the synthetic transformer stand-ins instead of sample profiles")
+    args = ap.parse_args(argv)
+
+    from slackswap_cli.planners import planner_names
+    from slackswap_cli.schema import load_profile, save, write_atomic, dumps
+
+    hw = load_hardware(args.hardware)
+    names = args.planners.split(",") if args.planners else planner_names()
+    sweep = [float(x) for x in args.sweep.split(",") if x.strip()]
+    profiles: list[tuple[str, Profile, str]] = []
+    paths = args.profiles if args.profiles is not None else [str(ROOT / s) for s in SAMPLES]
+    for path in paths:
+        if not args.synthetic and Path(path).exists():
+            prof = load_profile(path)
+            profiles.append((_profile_key(prof, path), prof, str(path)))
+        else:
+            key = Path(path).stem
+            if key not in SYNTHETIC_SHAPES:
+                raise SystemExit(f"profile {path} does not exist")
+            print(f"[paper_table] {path} missing: using the synthetic stand-in", flush=True)
+            profiles.append((key, synthetic_sample(key, hw), "synthetic"))
+
+    results = {"hardware": hw.name, "budget": args.budget, "sweep": sweep,
+               "optimal_time_limit_s": args.optimal_time_limit, "profiles": []}
+    for key, prof, source in profiles:
+        entry = {"name": key, "source": source, "workload": prof.workload,
+                 "n_ops": len(prof.ops), "n_saved": len(prof.saved_activations),
+                 "peak_activation_bytes": prof.summary["peak_activation_bytes"],
+                 "published_retention": PUBLISHED.get(key), "main": [], "sweep": []}
+        for name in names:
+            row = run_one(prof, hw, name, args.budget, args.optimal_time_limit)
+            entry["main"].append(row)
+            print(f"[paper_table] {key:12s} {args.budget:.2f} {name:17s} "
+                  f"{_fmt_ret(row)} ({row.get('plan_and_simulate_ms', 0):.0f} ms)", flush=True)
+        for frac in sweep:
+            for name in names:
+                if name == "optimal" and args.sweep_optimal_time_limit <= 0:
+                    continue
+                if abs(frac - args.budget) < 1e-9:
+                    row = next(r for r in entry["main"] if r["planner"] == name)
+                else:
+                    row = run_one(prof, hw, name, frac, args.sweep_optimal_time_limit)
+                entry["sweep"].append(row)
+            print(f"[paper_table] {key:12s} {frac:.2f} " + "  ".join(
+                f"{r['planner']}={_fmt_ret(r)}" for r in entry["sweep"]
+                if r["budget_fraction"] == frac), flush=True)
+        results["profiles"].append(entry)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "paper_table.json", dumps(results))
+    write_atomic(out / "paper_table.md", render_markdown(results, names).encode())
+    png = plot(results, names, out / "paper_table.png")
+    print(f"[paper_table] wrote {out / 'paper_table.json'}, {out / 'paper_table.md'}"
+          + (f", {png}" if png else ""))
+    return 0
+
+
+def _fmt_ret(row: dict) -> str:
+    if row.get("below_floor"):
+        return "below floor"
+    if row.get("retention") is None:
+        return "error"
+    mark = "" if row["feasible"] else " (over budget)"
+    return f"{100 * row['retention']:.2f}%{mark}"
+
+
+def render_markdown(results: dict, names: list[str]) -> str:
+    lines = [f"# Paper table: retention at budget {results['budget']} on {results['hardware']}",
+             "",
+             "Retention = ideal step time / simulated step time (the simulator of "
+             "`slackswap_cli/simulate.py`). A plan over budget is marked; 'below floor' means no "
+             "plan can meet that budget.", ""]
+    head = "| workload | source | published | " + " | ".join(names) + " | slackswap plan+sim |"
+    lines += [head, "|" + "---|" * (len(names) + 4)]
+    for e in results["profiles"]:
+        pub = e["published_retention"]
+        cells = []
+        for name in names:
+            row = next((r for r in e["main"] if r["planner"] == name), None)
+            cells.append(_fmt_ret(row) if row else "-")
+        ss = next((r for r in e["main"] if r["planner"] == "slackswap"), {})
+        lines.append(f"| {e['name']} | {Path(e['source']).name} | "
+                     f"{'-' if pub is None else f'{100 * pub:.1f}%'} | " + " | ".join(cells)
+                     + f" | {ss.get('plan_and_simulate_ms', 0):.0f} ms |")
+    lines.append("")
+    for e in results["profiles"]:
+        opt = next((r for r in e["main"] if r["planner"] == "optimal"), None)
+        if opt and opt.get("notes"):
+            lines.append(f"- {e['name']} optimal: " + "; ".join(opt["notes"]))
+    lines += ["", "## Budget sweep", ""]
+    for e in results["profiles"]:
+        swept = sorted({r["planner"] for r in e["sweep"]}, key=names.index)
+        lines += [f"### {e['name']}", "", "| budget | " + " | ".join(swept) + " |",
+                  "|" + "---|" * (len(swept) + 1)]
+        for frac in results["sweep"]:
+            cells = []
+            for name in swept:
+                row = next((r for r in e["sweep"] if r["planner"] == name
+                            and r["budget_fraction"] == frac), None)
+                cells.append(_fmt_ret(row) if row else "-")
+            lines.append(f"| {frac:.1f} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, names: list[str], path: Path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:   # matplotlib is optional
+        return None
+    profs = results["profiles"]
+    fig, axes = plt.subplots(1, len(profs), figsize=(5 * len(profs), 4), squeeze=False)
+    for ax, e in zip(axes[0], profs):
+        for name in names:
+            pts = [(r["budget_fraction"], r["retention"]) for r in e["sweep"]
+                   if r["planner"] == name and r.get("retention") is not None and r["feasible"]]
+            if pts:
+                xs, ys = zip(*sorted(pts))
+                ax.plot(xs, ys, marker="o", label=name)
+        if e.get("published_retention"):
+            ax.plot([results["budget"]], [e["published_retention"]], "k*", ms=12,
+                    label="published")
+        ax.set_title(e["name"])
+        ax.set_xlabel("budget (fraction of keep-all peak)")
+        ax.set_ylabel("retention")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+    plt.close(fig)
+    return str(path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

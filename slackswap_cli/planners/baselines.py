@@ -18,8 +18,8 @@ import numpy as np
 
 from ..hardware import HardwareSpec
 from ..schema import Decision, Profile
-from .common import KEEP, RECOMPUTE, SWAP, State, build_model, layer_of_ops, memory, \
-    recompute_until_fits
+from .common import KEEP, RECOMPUTE, SWAP, State, build_chains, build_model, layer_of_ops, \
+    memory, recompute_until_fits
 
 
 def recompute_only(profile: Profile, hw: HardwareSpec, budget_bytes: int):
@@ -58,16 +58,16 @@ def checkpoint_layers(profile: Profile, hw: HardwareSpec, budget_bytes: int):
         return PlannerOutput([Decision(tensor=t, action=KEEP) for t in m.cands],
                              ("everything fits: no block checkpointed",))
     best = None
+    # checkpoint keeps the block's input: a tensor whose recompute chain leaves its block (it
+    # is, or derives without a saved value in between from, what the block received) stays
+    ch = build_chains(m)
+    inside = [np.isfinite(ch.cost[c]) and all(layers[o] == block_of[c] for o in ch.ops[c])
+              for c in range(len(m.cands))]
     for k in range(len(blocks), 0, -1):
         chosen = set(blocks[::k])
-        actions = [RECOMPUTE if (block_of[c] in chosen and not crosses[c]
-                                 and m.recomputable[c]) else KEEP
-                   for c in range(len(m.cands))]
-        state = State(m, actions)
-        # a tensor whose chain is impossible (it needs a value nobody kept) stays
-        for c, a in enumerate(actions):
-            if a == RECOMPUTE and not np.isfinite(state.cost[c]):
-                state.set(c, KEEP)
+        actions = [RECOMPUTE if (block_of[c] in chosen and not crosses[c] and inside[c])
+                   else KEEP for c in range(len(m.cands))]
+        state = State(m, actions, ch)
         mem = memory(m, state)
         if int(mem.max(initial=0)) <= budget_bytes:
             best = (k, state)

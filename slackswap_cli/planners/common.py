@@ -150,12 +150,16 @@ class Chains:
 
     - `cost[c]`: time of its producer plus the temporaries' producers (INF: impossible),
     - `inputs[c]`: the candidates those ops read (they must be resident when it runs),
-    - `extra_bytes[c]`: bytes the chain allocates besides c (other outputs, temporaries),
+    - `temps[c]`: the non-candidate values the chain allocates for a moment (temporaries and
+      other outputs); chains run at the same op share them, so memory counts their union,
+    - `extra_bytes[c]`: their total size,
     - `siblings[c]`: other candidates from the same producer op (one re-run makes them all).
     """
     cost: np.ndarray
     inputs: list[list[int]]
     extra_bytes: np.ndarray
+    temps: list[tuple[int, ...]]
+    ops: list[tuple[int, ...]]          # the ops its chain re-runs (producer first)
     siblings: list[list[int]]
     readers: list[list[int]]            # candidates whose chain reads c
 
@@ -166,6 +170,8 @@ def build_chains(m: Model) -> Chains:
     cost = np.full(n, INF)
     extra = np.zeros(n, dtype=np.int64)
     inputs: list[list[int]] = [[] for _ in range(n)]
+    temps: list[tuple[int, ...]] = [() for _ in range(n)]
+    chain_ops: list[tuple[int, ...]] = [() for _ in range(n)]
     by_op: dict[int, list[int]] = {}
     for c in range(n):
         by_op.setdefault(int(m.p[c]), []).append(c)
@@ -201,20 +207,19 @@ def build_chains(m: Model) -> Chains:
         if not ok:
             continue
         cost[c] = float(sum(m.op_us[o] for o in ops))
-        e = 0
-        for o in ops:
-            for out in prof.ops[o].outputs:
-                r = prof.root(out)
-                if r == out and prof.tensors[r].kind == "activation" and r != m.cands[c]:
-                    e += prof.tensors[r].size_bytes
-        extra[c] = e
+        tmp = sorted({out for o in ops for out in prof.ops[o].outputs
+                      if prof.tensors[out].alias_of is None and out not in m.index
+                      and prof.tensors[out].kind == "activation"})
+        temps[c] = tuple(tmp)
+        chain_ops[c] = (int(m.p[c]), *sorted(ops - {int(m.p[c])}))
+        extra[c] = sum(prof.tensors[t].size_bytes for t in tmp)
         # inputs already back when c is needed (their first backward use came first) add nothing
         inputs[c] = sorted(x for x in ins if not (m.fb[x] <= m.fb[c] <= m.lu[x]))
     readers: list[list[int]] = [[] for _ in range(n)]
     for c in range(n):
         for x in inputs[c]:
             readers[x].append(c)
-    return Chains(cost, inputs, extra, siblings, readers)
+    return Chains(cost, inputs, extra, temps, chain_ops, siblings, readers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,6 +240,13 @@ class State:
         self.actions = list(actions) if actions else [KEEP] * len(m.cands)
         self.cost = self.ch.cost
         self.extra_bytes = self.ch.extra_bytes
+        codes = {KEEP: 0, SWAP: 1, RECOMPUTE: 2}
+        self.code = np.array([codes[a] for a in self.actions], dtype=np.int8)
+        self.sib_rec = np.zeros(len(m.cands), dtype=np.int64)   # recomputed siblings
+        for c, a in enumerate(self.actions):
+            if a == RECOMPUTE:
+                for x in self.ch.siblings[c]:
+                    self.sib_rec[x] += 1
         self.refresh_need()
 
     def refresh_need(self) -> None:
@@ -266,11 +278,20 @@ class State:
                     if self.actions[x] == RECOMPUTE:
                         stack.append((x, t))
 
-    def set(self, c: int, action: str) -> None:
+    def set(self, c: int, action: str, refresh: bool = True,
+            need_before: np.ndarray | None = None) -> None:
+        """Change c's action. Leaving "recompute" moves inputs' needs later: `refresh=False`
+        defers that (needs stay early, which only overstates memory) and `need_before`
+        restores a saved copy instead (undoing a recompute just tried)."""
         old = self.actions[c]
         if old == action:
             return
         self.actions[c] = action
+        self.code[c] = {KEEP: 0, SWAP: 1, RECOMPUTE: 2}[action]
+        if RECOMPUTE in (old, action):
+            d = 1 if action == RECOMPUTE else -1
+            for x in self.ch.siblings[c]:
+                self.sib_rec[x] += d
         if action == RECOMPUTE and old != RECOMPUTE:
             at = int(self.need[c])
             for s in self.ch.siblings[c]:
@@ -279,7 +300,14 @@ class State:
             self.need[c] = at
             self._lower_need(c, at)
         elif old == RECOMPUTE:
-            self.refresh_need()
+            if need_before is not None:
+                self.need = need_before.copy()
+            elif refresh:
+                self.refresh_need()
+
+    def marginal_costs(self, idx: np.ndarray) -> np.ndarray:
+        """`marginal_cost` of the kept candidates `idx`, vectorised."""
+        return np.where(self.sib_rec[idx] > 0, 0.0, self.cost[idx])
 
     def marginal_cost(self, c: int) -> float:
         """Recompute time evicting c adds (nothing more if a sibling already re-runs its op)."""
@@ -323,24 +351,30 @@ def copy_schedule(m: Model, swaps: list[int], need: np.ndarray | None = None,
     what the static picture leaves out (stalls elsewhere, the duplex derate).
     """
     need = m.fb if need is None else need
-    done_op: dict[int, int] = {}
-    pf_op: dict[int, int] = {}
-    busy = 0.0
-    for c in sorted(swaps, key=lambda c: (m.p[c], c)):
-        start = max(float(m.t_end[m.p[c]]), busy)
-        busy = start + float(m.d2h_us[c])
-        done_op[c] = max(m.op_at_time(busy - 1e-9), int(m.lf[c]))
-    late_d2h = max(0.0, busy - m.forward_end_us)
+    if not swaps:
+        return CopySchedule({}, {}, 0.0)
+    sw = np.array(sorted(swaps, key=lambda c: (m.p[c], c)), dtype=np.int64)
+    # D2H FIFO: done_k = max(ready_k, done_{k-1}) + d_k, i.e. a running max of prefix sums
+    ready = m.t_end[m.p[sw]]
+    d = m.d2h_us[sw]
+    csum = np.cumsum(d)
+    done = np.maximum.accumulate(ready - (csum - d)) + csum
+    done_ops = np.searchsorted(m.t_end, done - 1e-9, side="right")
+    done_ops = np.maximum(np.minimum(done_ops, m.n - 1), m.lf[sw])
+    done_op = dict(zip(sw.tolist(), done_ops.tolist()))
+    late_d2h = max(0.0, float(done[-1]) - m.forward_end_us)
+    # H2D just in time, latest first: start_k = min(deadline_k, start_{k+1}) - h_k
     t_b0 = m.forward_end_us
-    nxt = INF
-    earliest = INF
-    for c in sorted(swaps, key=lambda c: (-need[c], -c)):
-        done = min(float(m.t_start[need[c]]), nxt)
-        start = done - float(m.h2d_us[c]) * (1.0 + margin)
-        nxt = start
-        earliest = min(earliest, start)
-        pf_op[c] = max(m.op_at_time(max(start, t_b0)), m.nf)
-    late_h2d = max(0.0, t_b0 - earliest) if swaps else 0.0
+    sb = np.array(sorted(swaps, key=lambda c: (-need[c], -c)), dtype=np.int64)
+    h = m.h2d_us[sb] * (1.0 + margin)
+    deadline = m.t_start[need[sb]]
+    hs = np.cumsum(h)
+    # start_k = min_{j<=k}(deadline_j + hs_j - h_j) - hs_k
+    starts = np.minimum.accumulate(deadline + hs - h) - hs
+    pf_ops = np.searchsorted(m.t_end, np.maximum(starts, t_b0), side="right")
+    pf_ops = np.maximum(np.minimum(pf_ops, m.n - 1), m.nf)
+    pf_op = dict(zip(sb.tolist(), pf_ops.tolist()))
+    late_h2d = max(0.0, t_b0 - float(starts.min()))
     return CopySchedule(done_op, pf_op, late_d2h + late_h2d)
 
 
@@ -383,6 +417,7 @@ def memory(m: Model, state: State, sched: CopySchedule | None = None) -> np.ndar
     if sched is None and swaps:
         sched = copy_schedule(m, swaps, state.need)
     need = state.need
+    temps_at: dict[int, set[int]] = {}
     for c, a in enumerate(state.actions):
         s = int(m.size[c])
         lo, fb = int(m.lf[c]) + 1, int(m.fb[c])
@@ -406,17 +441,48 @@ def memory(m: Model, state: State, sched: CopySchedule | None = None) -> np.ndar
             if head < hi:
                 delta[head] += s
                 delta[hi] -= s
-        else:  # recompute: the chain's other outputs and temporaries exist for a moment
-            e = int(state.extra_bytes[c])
-            if e:
-                delta[hi] += e
-                delta[hi + 1] -= e
+        elif state.ch.temps[c]:  # recompute: the chain's temporaries exist for a moment
+            temps_at.setdefault(hi, set()).update(state.ch.temps[c])
+    sizes = m.prof.tensors
+    for at, ts in temps_at.items():
+        e = sum(sizes[t].size_bytes for t in ts)
+        delta[at] += e
+        delta[at + 1] -= e
     return m.base + np.cumsum(delta)[:m.n]
 
 
 # --------------------------------------------------------------------------------------------
 # The recompute greedy shared by slackswap and recompute-only
 # --------------------------------------------------------------------------------------------
+MAX_TRIES = 8
+
+
+def _apply_recompute(m: Model, state: State, c: int, mem: np.ndarray,
+                     temps_seen: dict[int, set[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Recompute c; return the updated memory and the ops where evicted inputs came back early."""
+    mem = mem.copy()
+    before = state.need.copy()
+    state.set(c, RECOMPUTE)
+    hi = int(state.need[c])
+    mem[int(m.lf[c]) + 1:hi] -= m.size[c]
+    if state.ch.temps[c] and hi < m.n:
+        seen = temps_seen.get(hi, set())
+        mem[hi] += sum(m.prof.tensors[t].size_bytes for t in state.ch.temps[c] if t not in seen)
+    pulled = []
+    for x in np.nonzero(state.need < before)[0]:     # evicted inputs now needed earlier
+        if state.actions[x] != KEEP and x != c:
+            lo, up = int(state.need[x]), int(before[x])
+            mem[lo:up] += m.size[x]
+            pulled.append(np.arange(lo, up))
+    pulled_ops = np.concatenate(pulled) if pulled else np.zeros(0, dtype=np.int64)
+    return mem, pulled_ops
+
+
+def _note_temps(m: Model, state: State, c: int, temps_seen: dict[int, set[int]]) -> None:
+    if state.ch.temps[c]:
+        temps_seen.setdefault(int(state.need[c]), set()).update(state.ch.temps[c])
+
+
 def recompute_until_fits(m: Model, state: State, budget_bytes: int,
                          mem: np.ndarray, allow: np.ndarray | None = None,
                          max_steps: int | None = None) -> tuple[np.ndarray, bool]:
@@ -433,6 +499,10 @@ def recompute_until_fits(m: Model, state: State, budget_bytes: int,
     finite = np.isfinite(state.cost)
     steps = 0
     limit = max_steps if max_steps is not None else 4 * len(m.cands) + 10
+    temps_seen: dict[int, set[int]] = {}
+    for c, act in enumerate(state.actions):
+        if act == RECOMPUTE:
+            temps_seen.setdefault(int(state.need[c]), set()).update(state.ch.temps[c])
     while steps < limit:
         steps += 1
         i = int(np.argmax(mem))
@@ -441,24 +511,46 @@ def recompute_until_fits(m: Model, state: State, budget_bytes: int,
             i = int(np.argmax(mem))
             if mem[i] <= budget_bytes:
                 return mem, True
-        kept = np.fromiter((a == KEEP for a in state.actions), dtype=bool, count=len(m.cands))
-        cover = kept & allow & finite & (m.lf < i) & (state.need > i)
+        # target the tightest over-budget op: the least coverable bytes beyond its excess
+        # (an op that only a few tensors can relieve goes first, so cheap picks elsewhere do
+        # not use up the options it needs)
+        free_ok = (state.code == 0) & allow & finite
+        lo = m.lf[free_ok] + 1
+        hi = state.need[free_ok]
+        ok = hi > lo
+        cap = np.zeros(m.n + 1, dtype=np.int64)
+        np.add.at(cap, lo[ok], m.size[free_ok][ok])
+        np.add.at(cap, hi[ok], -m.size[free_ok][ok])
+        cap = np.cumsum(cap)[:m.n]
+        over = mem > budget_bytes
+        excess = mem - budget_bytes
+        room = np.where(over, cap - excess, np.iinfo(np.int64).max)
+        tight = np.nonzero(room == room.min())[0]
+        i = int(tight[np.argmax(excess[tight])])
+        cover = free_ok & (m.lf < i) & (state.need > i)
         if not cover.any():
             return mem, False
         idx = np.nonzero(cover)[0]
-        per_byte = (np.array([state.marginal_cost(int(c)) for c in idx])
-                    / np.maximum(m.size[idx], 1))
-        c = int(idx[np.argmin(per_byte)])
-        before = state.need.copy()
-        state.set(c, RECOMPUTE)
-        hi = int(state.need[c])
-        mem[int(m.lf[c]) + 1:hi] -= m.size[c]
-        e = int(state.extra_bytes[c])
-        if e and hi < m.n:
-            mem[hi] += e
-        moved = np.nonzero(state.need < before)[0]
-        for x in moved:                      # evicted inputs now needed earlier
-            if state.actions[x] != KEEP and x != c:
-                mem[int(state.need[x]):int(before[x])] += m.size[x]
+        per_byte = state.marginal_costs(idx) / np.maximum(m.size[idx], 1)
+        order = idx[np.argsort(per_byte, kind="stable")]
+        fallback = None
+        for c in order[:MAX_TRIES]:
+            c = int(c)
+            need_before = state.need.copy()
+            new_mem, pulled = _apply_recompute(m, state, c, mem, temps_seen)
+            # a chain that pulls evicted inputs back early must not open a new overflow there
+            if len(pulled) == 0 or int(new_mem[pulled].max()) <= budget_bytes:
+                mem = new_mem
+                _note_temps(m, state, c, temps_seen)
+                fallback = None
+                break
+            if fallback is None:
+                fallback = c
+            state.set(c, KEEP, need_before=need_before)
+        else:
+            if fallback is None:
+                return memory(m, state), False
+            mem, _ = _apply_recompute(m, state, fallback, mem, temps_seen)
+            _note_temps(m, state, fallback, temps_seen)
     mem = memory(m, state)
     return mem, bool(mem.max(initial=0) <= budget_bytes)

@@ -30,6 +30,8 @@ from .common import (KEEP, RECOMPUTE, SWAP, Model, SlackLedger, State, build_mod
                      copy_schedule, memory, recompute_until_fits)
 
 PREFETCH_MARGIN = 0.10   # issue prefetches 10% of their copy time ahead of the just-in-time point
+EXCHANGE_TRIES = 8       # recomputes the exchange pass tries to undo (bounds planning time)
+EXCHANGE_STEPS = 40      # greedy steps each try may take to free the bytes elsewhere
 
 
 def _over_mask_useful(m: Model, mem: np.ndarray, budget_bytes: int) -> np.ndarray:
@@ -71,8 +73,36 @@ def plan_static(m: Model, budget_bytes: int, use_swap: bool = True,
             changed |= _upgrade_to_swap(m, state, budget_bytes, ledger)
         if not changed:
             break
+    if fits:
+        _exchange(m, state, budget_bytes, EXCHANGE_TRIES)
     mem = memory(m, state)
     return state, mem, bool(mem.max(initial=0) <= budget_bytes)
+
+
+def _exchange(m: Model, state: State, budget_bytes: int, max_tries: int) -> None:
+    """Undo the dearest recomputes one at a time and let the greedy free the bytes elsewhere;
+    keep the change when the total recompute time drops (the greedy's early picks are not
+    always the best ones: one cheap eviction can force a dear one later)."""
+    best = state.recompute_us()
+    rec = sorted((c for c, a in enumerate(state.actions) if a == RECOMPUTE),
+                 key=lambda c: -state.cost[c])
+    allow = np.ones(len(m.cands), dtype=bool)
+    for c in rec[:max_tries]:
+        if state.actions[c] != RECOMPUTE:
+            continue
+        snapshot = list(state.actions)
+        state.set(c, KEEP)
+        allow[c] = False
+        _, fits = recompute_until_fits(m, state, budget_bytes, memory(m, state), allow=allow,
+                                       max_steps=EXCHANGE_STEPS)
+        allow[c] = True
+        if fits:
+            _trim(m, state, budget_bytes)
+        cost = state.recompute_us()
+        if fits and cost < best - 1e-9 and memory(m, state).max(initial=0) <= budget_bytes:
+            best = cost
+        else:
+            state.__init__(m, snapshot, state.ch)
 
 
 def _force_swaps(m: Model, state: State, budget_bytes: int) -> tuple[np.ndarray, bool]:
@@ -109,8 +139,10 @@ def _trim(m: Model, state: State, budget_bytes: int) -> bool:
             e = int(state.extra_bytes[c])
             if e and hi < m.n:
                 mem[hi] -= e
-            state.set(c, KEEP)        # inputs may now be needed later: memory only drops
+            state.set(c, KEEP, refresh=False)   # inputs' needs move later: memory only drops
             changed = True
+    if changed:
+        state.refresh_need()
     swaps = _swaps(state)
     if swaps:
         sched = copy_schedule(m, swaps, state.need)
@@ -161,21 +193,43 @@ def prefetch_points(m: Model, state: State) -> dict[int, int]:
     return copy_schedule(m, swaps, state.need, margin=PREFETCH_MARGIN).prefetch_op
 
 
+# The simulator repairs: if the first plan stalls or overshoots, plan again with prefetches
+# pinned just in time and with less of the slack trusted (the static model leaves out queueing
+# behind stalls and the duplex derate); a plan without swaps is always tried too, so slackswap
+# never loses to recomputing alone. The best plan the simulator saw is kept.
+REPAIRS = ((0.97, False), (0.97, True), (0.85, False), (0.7, False), (None, False))
+
+
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
     """The `slackswap` planner: (profile, hardware, budget) -> decisions and notes."""
+    from ..simulate import simulate
     from . import PlannerOutput
     m = build_model(profile, hw)
-    state, mem, fits = plan_static(m, budget_bytes)
-    notes = [f"static model: {sum(a == SWAP for a in state.actions)} swapped, "
-             f"{sum(a == RECOMPUTE for a in state.actions)} recomputed, "
-             f"recompute {state.recompute_us():.0f} us, "
-             f"static peak {int(mem.max(initial=0))} B"]
+    ideal = m.ideal_us
+    best = None
+    clean = False
+    for safety, pin in REPAIRS:
+        if safety is not None and clean:
+            continue        # a swap plan ran without stalls: only the no-swap check remains
+        if safety is None and int(m.live_keep.max(initial=0)) <= budget_bytes:
+            break
+        state, mem, fits = plan_static(m, budget_bytes, use_swap=safety is not None,
+                                       slack_safety=safety or 0.97)
+        decisions = state.decisions(prefetch_points(m, state) if pin else None)
+        res = simulate(profile, decisions, hw, budget_bytes, record=False)
+        key = (res.feasible, res.predicted.retention)
+        if best is None or key > best[0]:
+            best = (key, state, decisions, fits, safety, pin, res)
+        clean = clean or (res.feasible and res.predicted.stall_us <= 1e-6 * ideal)
+    _, state, decisions, fits, safety, pin, res = best
+    notes = [f"{sum(a == SWAP for a in state.actions)} swapped, "
+             f"{sum(a == RECOMPUTE for a in state.actions)} recomputed "
+             f"({state.recompute_us():.0f} us of recompute in the static model)"]
+    if safety is None:
+        notes.append("recomputing alone beat every plan with swaps in simulation")
+    elif safety != REPAIRS[0][0] or pin:
+        notes.append(f"repaired after simulation: {100 * safety:.0f}% of the slack trusted"
+                     + (", prefetches pinned just in time" if pin else ""))
     if not fits:
         notes.append("the static model found no plan under the budget; best effort")
-    decisions = state.decisions(prefetch_points(m, state))
     return PlannerOutput(decisions, tuple(notes))
-
-
-def decisions_from_actions(m: Model, actions: list[str]) -> list[Decision]:
-    state = State(m, actions)
-    return state.decisions(prefetch_points(m, state))
