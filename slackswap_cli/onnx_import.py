@@ -104,6 +104,7 @@ def profile_onnx(path: str | os.PathLike, hw: HardwareSpec,
     real_inputs = [i for i in model.graph.input if i.name not in init_names]
     if input_shapes:
         _override_input_shapes(model, real_inputs, input_shapes)
+    _drop_weight_data(model)
     model = _infer_shapes(model, p, warnings)
     return _Importer(model, p, hw, warnings).run()
 
@@ -151,6 +152,19 @@ def _load(p: Path, warnings: list[str]):
     return model
 
 
+_FOLD_MAX_ELEMENTS = 1 << 16   # constants worth evaluating: shape arithmetic and masks
+
+
+def _drop_weight_data(model) -> None:
+    """Free the data of large inline initializers (checked already; only their dims are used),
+    so that shape inference does not copy the weights back and forth."""
+    for init in model.graph.initializer:
+        if init.data_location != 1 and prod(init.dims) > _FOLD_MAX_ELEMENTS:
+            for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data",
+                         "uint64_data", "string_data"):
+                init.ClearField(name)
+
+
 def _override_input_shapes(model, real_inputs, input_shapes) -> None:
     names = [i.name for i in real_inputs]
     unknown = sorted(set(input_shapes) - set(names))
@@ -187,9 +201,6 @@ def _infer_shapes(model, p: Path, warnings: list[str]):
             break
         model = _infer_once(folded, p, warnings)
     return model
-
-
-_FOLD_MAX_ELEMENTS = 1 << 16   # shape arithmetic and masks, never weights
 
 
 def _unknown_shapes(model) -> int:
