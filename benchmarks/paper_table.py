@@ -219,7 +219,7 @@ def _profile_key(prof: Profile, path: str | None) -> str:
 def run_one(prof: Profile, hw: HardwareSpec, planner: str, fraction: float,
             optimal_time_limit_s: float) -> dict:
     from slackswap_cli.errors import SlackswapError
-    from slackswap_cli.planners import make_plan, optimal
+    from slackswap_cli.planners import make_plan
     from slackswap_cli.simulate import budget_floor_bytes
 
     peak = int(prof.summary["peak_activation_bytes"])
@@ -228,17 +228,14 @@ def run_one(prof: Profile, hw: HardwareSpec, planner: str, fraction: float,
     if budget < budget_floor_bytes(prof):
         row.update(feasible=False, below_floor=True, retention=None)
         return row
-    old = optimal.DEFAULT_TIME_LIMIT_S
-    optimal.DEFAULT_TIME_LIMIT_S = optimal_time_limit_s
+    options = {"time_limit_s": optimal_time_limit_s} if planner == "optimal" else {}
     try:
         t0 = time.perf_counter()
-        plan = make_plan(planner, prof, hw, budget, budget_fraction=fraction)
+        plan = make_plan(planner, prof, hw, budget, budget_fraction=fraction, **options)
         wall_ms = (time.perf_counter() - t0) * 1e3
     except SlackswapError as exc:
         row.update(feasible=False, error=str(exc), retention=None)
         return row
-    finally:
-        optimal.DEFAULT_TIME_LIMIT_S = old
     pr = plan.predicted
     acts = [d.action for d in plan.decisions]
     row.update(feasible=plan.feasible, retention=pr.retention, step_us=pr.step_us,

@@ -235,3 +235,12 @@ def test_slackswap_never_worse_than_recompute_only_when_both_fit(p, frac):
     if ro.feasible:
         assert ss.feasible
         assert ss.predicted.retention >= ro.predicted.retention - 1e-9
+
+
+def test_planner_options_are_checked():
+    p = chain_profile(3, act_bytes=MB)
+    budget = p.summary["peak_activation_bytes"]
+    plan = make_plan("optimal", p, HW, budget, time_limit_s=5.0)
+    assert plan.feasible
+    with pytest.raises(InputError, match="takes no option time_limit_s"):
+        make_plan("slackswap", p, HW, budget, time_limit_s=5.0)

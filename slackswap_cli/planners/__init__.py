@@ -54,12 +54,23 @@ def get_planner(name: str) -> PlannerFn:
     return PLANNERS[name]
 
 
-def run_planner(name: str, profile: Profile, hw: HardwareSpec,
-                budget_bytes: int) -> tuple[list[Decision], tuple[str, ...], float]:
-    """(decisions, notes, solve_ms) of planner `name`, without simulating."""
+def run_planner(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
+                **options) -> tuple[list[Decision], tuple[str, ...], float]:
+    """(decisions, notes, solve_ms) of planner `name`, without simulating.
+
+    `options` go to the planner as keyword arguments (e.g. `time_limit_s` for `optimal`); an
+    option the planner does not take is an InputError.
+    """
     fn = get_planner(name)
+    if options:
+        import inspect
+        accepted = set(inspect.signature(fn).parameters) - {"profile", "hw", "budget_bytes"}
+        unknown = sorted(set(options) - accepted)
+        if unknown:
+            raise InputError(f"planner '{name}' takes no option {', '.join(unknown)}",
+                             hint=f"its options: {', '.join(sorted(accepted)) or 'none'}")
     t0 = time.perf_counter()
-    out = fn(profile, hw, int(budget_bytes))
+    out = fn(profile, hw, int(budget_bytes), **options)
     solve_ms = (time.perf_counter() - t0) * 1e3
     if isinstance(out, PlannerOutput):
         return list(out.decisions), tuple(out.notes), solve_ms
@@ -67,15 +78,16 @@ def run_planner(name: str, profile: Profile, hw: HardwareSpec,
 
 
 def make_plan(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
-              budget_fraction: float | None = None) -> Plan:
-    """Run planner `name`, simulate its decisions, and return the Plan.
+              budget_fraction: float | None = None, **options) -> Plan:
+    """Run planner `name` (with `options`, see `run_planner`), simulate its decisions, and
+    return the Plan.
 
     `feasible` is the simulator's verdict. An infeasible plan is still returned (the CLI writes
     it with `feasible: false` and exits 4); its notes say why.
     """
     from ..simulate import simulate
 
-    decisions, notes, solve_ms = run_planner(name, profile, hw, budget_bytes)
+    decisions, notes, solve_ms = run_planner(name, profile, hw, budget_bytes, **options)
     res = simulate(profile, decisions, hw, budget_bytes, record=False)
     notes = tuple(notes)
     if not res.feasible and res.reason:

@@ -8,18 +8,22 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
 - **Memory at every op that can exceed the budget**, in the static picture of `common`:
   keep-all bytes minus, for a swap, its size over its gap except the offload tail and the
   just-in-time prefetch head (each as long as its own copy, no queueing), and for a recompute,
-  its size over its gap plus the chain's other outputs at its first backward use. Ops where
+  its size over its gap plus the chain's temporaries at its first backward use. Ops where
   the keep-all memory is under the budget are skipped; of ops with identical coefficients only
   the one with the most memory is kept (that row dominates the others).
-- **Objective** = recompute time + exposed copy time. Recompute time is the producer chain
-  assuming the other candidates kept, plus, for every input candidate x that is evicted, x's
-  own chain (`z_cx >= r_c - k_x`: one level deep; deeper chains are not charged). Exposed copy
-  time is what the FIFOs cannot hide: one variable per direction bounds the excess of the
-  D2H copies of everything produced from op j on over the forward time left after j, and of
-  the H2D copies needed by backward op j over the backward time before it (the FIFO's delay).
+- **Objective** = recompute time + exposed copy time. Recompute time is each candidate's chain
+  (its producer plus the non-saved temporaries it needs, `common.build_chains`), paid once per
+  producer op (a multi-output op re-run once makes all its outputs). Other candidates read by a
+  chain are obtained whatever their action (the simulator fetches or recomputes them first), so
+  they add no time. Exposed copy time is what the FIFOs cannot hide: one variable per
+  direction bounds the excess of the D2H copies of everything produced from op j on over the
+  forward time left after j, and of the H2D copies needed by backward op j over the backward
+  time before it (the FIFO's delay).
 - **Not modelled**: stalls that shift later ops, queueing delays in the memory windows, the
-  duplex derate, deeper recompute chains. The simulator judges the plan it returns; notes give
-  the MILP's objective, its proven lower bound (on the model, not on the simulator) and gap.
+  duplex derate, and chains pulling evicted inputs back early (their memory). The plan is
+  repaired in the static model of `common` (extra recompute where memory still exceeds the
+  budget) and the simulator judges it; notes give the MILP's objective, its proven lower bound
+  (on the model, not on the simulator) and gap.
 
 **Repeated layers.** Transformer blocks repeat: when the profile has more than
 `untie_limit` candidates, candidates at the same position of identical blocks share one

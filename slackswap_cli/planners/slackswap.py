@@ -1,7 +1,7 @@
 """SlackSwap: spend the copy time compute can hide on what is dearest to recompute.
 
-The published idea, in four passes over the static model of `common` (the simulator judges
-the result):
+The published idea, in passes over the static model of `common` (the simulator judges the
+result):
 
 1. **Where is memory short?** With everything kept, the ops whose activation memory exceeds
    the budget. Only a tensor live across such an op (its gap covers it) is worth evicting.
@@ -10,15 +10,19 @@ the result):
    useful candidates from the most to the least expensive to recompute per byte freed (random
    ops' outputs, which cannot be recomputed, first) and swap each one whose copies still fit
    the slack (`SlackLedger`).
-3. **Recompute the rest.** While memory exceeds the budget at some op, recompute, among the
-   kept tensors live across the worst op, the one with the cheapest recompute chain per byte.
+3. **Recompute the rest** (`common.recompute_until_fits`): while memory exceeds the budget,
+   take the tightest over-budget op (the one the fewest kept tensors can still relieve) and
+   recompute, among the kept tensors live across it, the one with the cheapest recompute chain
+   per byte, unless its chain would pull evicted inputs back early into a new overflow.
 4. **Trim waste.** Undo evictions that buy nothing at any over-budget moment (dearest
-   recomputes first, then swaps), then turn recomputes into swaps where slack freed up, and
-   repeat. Prefetches are pinned just in time (`prefetch_at`) so they do not crowd memory.
+   recomputes first, then swaps), turn recomputes into swaps where slack freed up, and try to
+   undo the dearest recomputes one by one, letting the greedy free the bytes elsewhere, kept
+   when the total recompute time drops.
 
-Finally the simulator runs the plan; if it reports stalls or an overshoot, the plan is repaired
-where the simulator points (a stalling swap becomes a recompute, memory-bound moments get more
-recompute) and kept only if the simulator agrees it is better.
+Then the simulator runs the plan. If it stalls or overshoots, the plan is made again with
+prefetches pinned just in time and with less of the slack trusted; a plan without swaps is
+always tried as well (so slackswap never loses to recomputing alone); the best plan the
+simulator saw is returned.
 """
 from __future__ import annotations
 
