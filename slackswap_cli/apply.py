@@ -159,7 +159,12 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
         "planner": plan.planner,
         "predicted": {"peak_bytes": plan.predicted.peak_bytes, "step_us": plan.predicted.step_us,
                       "ideal_us": plan.predicted.ideal_us, "retention": plan.predicted.retention},
-        "kept": step.kept, "swapped": step.swapped, "recomputed": step.recomputed,
+        # the plan's decisions, by tensor name (saved activation roots)
+        **{key: [t.name for t in profile.saved_activations
+                 if plan.actions().get(t.id, "keep") == action]
+           for key, action in (("kept", "keep"), ("swapped", "swap"),
+                               ("recomputed", "recompute"))},
+        "recomputed_ops_in_backward": step.recomputed_ops,
     }
     fwd_args = ", ".join(["_s", "_device", *step.forward_args])
     bwd_args = ", ".join(["_s", "_device", *step.forward_args, step.tangent])

@@ -218,6 +218,18 @@ class _Graph:
 
 def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan: Plan,
               placeholder_names: list[str], device_type: str) -> StepCode:
+    import sys
+    limit = sys.getrecursionlimit()
+    # a recompute chain may reach back through many layers (one frame per value on the way)
+    sys.setrecursionlimit(max(limit, 50_000))
+    try:
+        return _partition(gm, phase, profile, plan, placeholder_names, device_type)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan: Plan,
+               placeholder_names: list[str], device_type: str) -> StepCode:
     g = _Graph(gm, phase, profile, plan)
     for n in g.nodes:
         if n.name in RESERVED:
@@ -295,7 +307,7 @@ def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan:
     def need(x: fx.Node, transient: set[str], top: int | None, depth: int = 0) -> None:
         if x.op == "placeholder" or x.name in persistent or x.name in transient:
             return
-        if depth > 10000:
+        if depth > 20000:
             raise PlanApplyError(f"recompute chain of {x.name} is too deep")
         if x.name in kept:
             bstmts.append(Stmt(f"{x.name} = _s.take({x.name!r})", defs=(x.name,)))
