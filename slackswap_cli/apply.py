@@ -178,12 +178,14 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     actions = plan.actions()
     counts = {a: sum(1 for t in profile.saved_activations if actions.get(t.id, "keep") == a)
               for a in ("keep", "swap", "recompute")}
+    infeasible = ("" if plan.feasible else
+                  "\nNOTE: the simulator found that this plan does not fit its budget.")
     header = f'''\
 """Patched training step of workload '{workload_ref["name"]}', written by `slackswap apply`.
 
 Plan: planner {plan.planner}, activation budget {plan.budget_bytes} bytes{frac}; of {n_saved} saved
 activations it keeps {counts["keep"]}, swaps {counts["swap"]} to host memory and recomputes {counts["recompute"]}.
-Predicted: peak {plan.predicted.peak_bytes} bytes, step {plan.predicted.step_us:.1f} us (ideal {plan.predicted.ideal_us:.1f} us).
+Predicted: peak {plan.predicted.peak_bytes} bytes, step {plan.predicted.step_us:.1f} us (ideal {plan.predicted.ideal_us:.1f} us).{infeasible}
 
 Use it in a training loop (one line changes):
 

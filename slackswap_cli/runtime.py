@@ -448,5 +448,11 @@ class PatchedStep(torch.nn.Module):
                              hint="put the autocast inside the workload (its forward or loss_fn) "
                                   "and re-profile, so the casts are part of the traced step")
         inputs = self._flat_inputs(args, kwargs)
+        if any(x.requires_grad for x in inputs):
+            from .errors import InputError
+            raise InputError("an input of the patched step requires grad, but the traced step "
+                             "computes gradients of the parameters only",
+                             hint="detach the inputs, or make the tensor that needs a gradient a "
+                                  "parameter of the model")
         flat = [*self.model.parameters(), *self.model.buffers(), *inputs]
         return _StepFunction.apply(self, *flat)

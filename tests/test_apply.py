@@ -387,3 +387,13 @@ def test_dropout_masks_equal_eager_when_everything_else_is_recomputed(tmp_path):
     # dropout is live: another seed draws another mask and another loss
     other = verify(str(patched), steps=1, seed=4, check_trace=False)
     assert other.losses_original[0] != r.losses_original[0]
+
+
+def test_inputs_that_require_grad_are_refused(files, tmp_path):
+    prof = profiled(files, "mlp")
+    mod = load_patched(write_patched(tmp_path, hand_plan(prof, {}), prof))
+    work = load_workload(str(files["mlp"]))
+    step = mod.patch(work.model, check_trace=False)
+    x, = work.inputs
+    with pytest.raises(InputError, match="requires grad"):
+        step(x.clone().requires_grad_())
