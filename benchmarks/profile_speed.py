@@ -1,0 +1,78 @@
+"""How long `slackswap profile --device fake` takes on the Llama-7B-style example, and how much
+memory it needs (target: at most 60 s and 2 GiB on a small CPU machine).
+
+Each example is profiled in a fresh subprocess, so the peak RSS (`resource.getrusage`, which
+reports the high-water mark of the process) is that of one profile run, imports included.
+Writes benchmarks/results/profile_speed.json.
+
+    python benchmarks/profile_speed.py                 # the Llama-7B-style example
+    python benchmarks/profile_speed.py --all           # also BERT-Large and GPT-2 XL
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_S, TARGET_RSS_BYTES = 60.0, 2 * 1024**3
+
+CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+from slackswap_cli.hardware import load_hardware
+from slackswap_cli.schema import dumps
+from slackswap_cli.trace import profile_workload
+prof = profile_workload(sys.argv[1], device="fake", hardware=load_hardware("a100-pcie4"))
+wall_s = time.perf_counter() - t0
+size = len(dumps(prof))
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+print(json.dumps({"wall_s": wall_s, "profile_s": prof.summary["profile_s"],
+                  "peak_rss_bytes": rss, "n_ops": len(prof.ops), "n_tensors": len(prof.tensors),
+                  "n_saved": prof.summary["n_saved"], "saved_bytes": prof.summary["saved_bytes"],
+                  "peak_activation_bytes": prof.summary["peak_activation_bytes"],
+                  "profile_json_bytes": size}))
+"""
+
+
+def run_one(example: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", CHILD, str(ROOT / "examples" / f"{example}.py")],
+                         capture_output=True, text=True, env=env, cwd=ROOT)
+    if out.returncode != 0:
+        raise SystemExit(f"profiling {example} failed:\n{out.stderr[-2000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["within_target"] = (result["wall_s"] <= TARGET_S
+                               and result["peak_rss_bytes"] <= TARGET_RSS_BYTES)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="also BERT-Large and GPT-2 XL")
+    parser.add_argument("-o", default=str(ROOT / "benchmarks" / "results" / "profile_speed.json"))
+    opts = parser.parse_args()
+    examples = ["llama_7b"] + (["bert_large", "gpt2_xl"] if opts.all else [])
+    import torch
+    report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                          "python": platform.python_version(), "torch": torch.__version__},
+              "target": {"wall_s": TARGET_S, "peak_rss_bytes": TARGET_RSS_BYTES},
+              "results": {}}
+    for ex in examples:
+        r = run_one(ex)
+        report["results"][ex] = r
+        print(f"{ex}: {r['wall_s']:.1f} s wall (profile {r['profile_s']:.1f} s), "
+              f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, {r['n_ops']} ops, "
+              f"{r['n_tensors']} tensors, within target: {r['within_target']}")
+    path = Path(opts.o)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
