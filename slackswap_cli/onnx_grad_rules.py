@@ -297,6 +297,26 @@ _add("InstanceNormalization GroupNormalization",
               grad_inputs=(0, 1, 2), extras=_group_extras))
 _add("Softmax LogSoftmax", GradRule(fwd_flops=_elem(5), saves=_keep_out, bwd_flops=_per_need(4),
                                     grad_inputs=(0,)))
+# ONNX's own fused attention (opset 23): costed like torch's flash attention (see FUSED_ATEN).
+def _attention_flops(v):
+    tk = v.in_shapes[1][-2]
+    return 2 * tk * (v.numel_in(0) + v.numel_out(0))
+
+
+def _attention_extras(v):
+    y = v.out_shapes[0]
+    if len(y) == 4:
+        return [Extra("logsumexp", tuple(y[:-1]), "float32", None)]
+    heads = v.attrs.get("q_num_heads") or 1
+    return [Extra("logsumexp", (y[0], heads, y[1]), "float32", None)]
+
+
+_add("Attention", GradRule(
+    fwd_flops=_attention_flops,
+    saves=lambda v, need: [("in", i) for i in range(min(4, len(v.in_shapes))) if v.has_in(i)]
+    + [("out", 0), ("extra", 0)],
+    bwd_flops=lambda v, need: int(2.5 * _attention_flops(v)), grad_inputs=(0, 1, 2),
+    extras=_attention_extras))
 # Random: the mask is the only thing backward needs, and it cannot be recomputed.
 _add("Dropout", GradRule(fwd_flops=_elem(2), saves=lambda v, need: [("extra", 0)],
                          bwd_flops=_per_need(1), grad_inputs=(0,), random=True,

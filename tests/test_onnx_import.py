@@ -213,6 +213,22 @@ def test_same_tensor_twice_and_residual_accumulation(tmp_path):
     assert [t.name for t in prof.saved_activations] == ["h"]   # d(h*h)/dh needs h
 
 
+def test_onnx_attention_op_is_costed_like_flash_attention(tmp_path):
+    nodes = [helper.make_node("MatMul", ["x", w], [w + "x"]) for w in ("Wq", "Wk", "Wv")]
+    nodes.append(helper.make_node("Attention", ["Wqx", "Wkx", "Wvx"], ["y"], q_num_heads=2,
+                                  kv_num_heads=2, is_causal=1))
+    path = _save(tmp_path, nodes, [helper.make_tensor_value_info("x", F32, [2, 16, 32])],
+                 [helper.make_tensor_value_info("y", F32, [2, 16, 32])],
+                 [_weight(w, 32, 32) for w in ("Wq", "Wk", "Wv")], opset=23)
+    prof, warns = profile_onnx(path, HW)
+    assert warns == []
+    # B=2, 2 heads, T=16, d=16: Q K^T and P V are 2*2*2*16*16*16 FLOPs each
+    assert _op(prof, "Attention_3").flops == 2 * (2 * 2 * 2 * 16 * 16 * 16)
+    saved = {t.name: t.size_bytes for t in prof.saved_activations}
+    assert saved == {"Wqx": 4096, "Wkx": 4096, "Wvx": 4096, "y": 4096,
+                     "y.logsumexp": 2 * 2 * 16 * 4}   # q, k, v, out, per-row log-sum-exp
+
+
 def test_unknown_op_is_conservative_and_warned(tmp_path):
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
              helper.make_node("LpNormalization", ["h"], ["m"]),
