@@ -15,9 +15,11 @@ Python's cyclic GC is held off during a pass (it would fire on the same op every
 end, so without our per-node bookkeeping) is timed the same way, and the profile reports both
 (`measured_step_us`, `op_sum_us`): their ratio says how far the per-op times can be trusted.
 
-The first pass also records which outputs share storage (`untyped_storage().data_ptr()`, with
-every value kept alive so addresses are unique): that is the storage-identity check of
-`graph_profile` for real (not fake) traces.
+On CPU the first pass also records which outputs share storage (`untyped_storage().data_ptr()`,
+with every value kept alive so addresses are unique): the profile then takes its aliases from
+real storages, which the tests compare with the ones the fake trace recorded. On CUDA that
+pass is skipped (keeping every value of a large step alive could run out of memory); the
+trace's fake storages decide there.
 """
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ def measure_joint(joint: JointGraph, model: torch.nn.Module, inputs: Any, *,
     """Measure op times and the whole step of a real joint graph.
 
     Returns {"op_times_us": {op name: median us}, "measured_step_us", "op_sum_us",
-    "storage_keys": {tensor name: storage address}, "warmup", "repeats"}.
+    "storage_keys": {tensor name: storage address} (None on CUDA), "warmup", "repeats"}.
     """
     runner = _Runner(joint.gm, device)
     args = flat_args(joint, model, inputs)
@@ -147,12 +149,14 @@ def measure_joint(joint: JointGraph, model: torch.nn.Module, inputs: Any, *,
     gc.collect()
     gc.disable()
     try:
-        if progress:
-            progress("measuring: first pass (storage check)")
-        _, env = runner.run(args, keep_all=True)
-        keys = storage_keys_from_run(env, runner.nodes)
-        del env
-        for _ in range(max(0, warmup - 1)):
+        keys: dict[str, int] | None = None
+        if device.type == "cpu":
+            if progress:
+                progress("measuring: first pass (storage check)")
+            _, env = runner.run(args, keep_all=True)
+            keys = storage_keys_from_run(env, runner.nodes)
+            del env
+        for _ in range(warmup if keys is None else max(0, warmup - 1)):
             runner.run(args)
         samples: list[list[float]] = []
         for r in range(repeats):
