@@ -115,6 +115,20 @@ def test_model_built_outside_entry_is_refused_under_fake(tmp_path):
     assert "--device cpu" in exc.value.hint
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without CUDA")
+def test_cuda_tensors_under_fake_mode_without_cuda_are_refused(tmp_path):
+    path = write(tmp_path, """
+        import torch
+        def workload():
+            model = torch.nn.Linear(2, 1, device="cuda")
+            return model, (torch.ones(1, 2, device="cuda"),), lambda o, i: o.sum()
+    """)
+    # a clean error now, rather than a process abort at the first traced op
+    with pytest.raises(InputError, match="CUDA") as exc:
+        load_workload(path, fake_mode=FakeTensorMode())
+    assert "CPU" in exc.value.hint
+
+
 def test_device_moves_model_and_inputs(tmp_path):
     work = load_workload(write(tmp_path, GOOD), device="cpu")
     assert work.model.weight.device.type == "cpu" and work.inputs[0].device.type == "cpu"

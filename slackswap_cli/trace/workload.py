@@ -38,6 +38,8 @@ from ..errors import InputError, SlackswapError, TraceError
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _BARE_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]*$")
+_CPU_HINT = ("build the model and inputs on the CPU (the default device): --device fake needs "
+             "no GPU, and for --device cuda slackswap moves them itself")
 
 
 def parse_workload_args(items: list[str] | None) -> dict:
@@ -151,6 +153,9 @@ def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=
     except SlackswapError:
         raise
     except Exception as exc:  # noqa: BLE001
+        if "not linked with support for cuda" in str(exc) or "Torch not compiled with CUDA" in str(exc):
+            raise InputError(f"{entry}() in {p.name} puts tensors on CUDA, which this torch "
+                             "build lacks", hint=_CPU_HINT) from None
         raise TraceError(f"{entry}() in {p.name} raised {_one_line(exc)}",
                          hint="run the workload eagerly to see the full traceback") from None
     work = _as_workload(result, entry)
@@ -221,7 +226,18 @@ def _to_fake(work: Workload, fake_mode) -> Workload:
             f"with --device fake the model must be built inside workload(), but {real[0]} was "
             "created outside it",
             hint="construct the model in the entry function, or profile with --device cpu")
-    return Workload(work.model, pytree.tree_map(conv, work.inputs), work.loss_fn)
+    inputs = pytree.tree_map(conv, work.inputs)
+    # Fake CUDA tensors on a torch without CUDA abort the whole process (a C++ terminate) at
+    # the first op that needs a device guard: refuse them while we still can.
+    if not torch.cuda.is_available():
+        tensors = [*work.model.parameters(), *work.model.buffers(),
+                   *(x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor))]
+        on = sorted({t.device.type for t in tensors} - {"cpu"})
+        if on:
+            raise InputError(
+                f"the workload puts tensors on {', '.join(on)}, which this torch build lacks",
+                hint=_CPU_HINT)
+    return Workload(work.model, inputs, work.loss_fn)
 
 
 def _to_device(work: Workload, device: torch.device) -> Workload:
