@@ -11,9 +11,12 @@ A few passes warm up (allocator, kernel selection, caches), then `repeats` timed
 op's time is the median over the passes on CUDA, and the minimum on CPU: there, other
 processes and descheduled worker threads only ever add time (a parallel op waits a whole
 scheduler slice for a thread that lost its core), so the fastest pass is the op's own cost.
-Python's cyclic GC is held off during a pass (it would fire on the same op every time). The whole step (the graph module called end to
-end, so without our per-node bookkeeping) is timed the same way, and the profile reports both
-(`measured_step_us`, `op_sum_us`): their ratio says how far the per-op times can be trusted.
+Python's cyclic GC is held off during a pass (it would fire on the same op every time).
+
+The whole step (the graph module called end to end, without our per-node bookkeeping) is
+timed the same way, and the profile reports both (`measured_step_us`, `op_sum_us`): their
+ratio says how far the per-op times can be trusted. On CPU the sum is usually below the step,
+which also pays Python's dispatch between ops.
 
 On CPU the first pass also records which outputs share storage (`untyped_storage().data_ptr()`,
 with every value kept alive so addresses are unique): the profile then takes its aliases from

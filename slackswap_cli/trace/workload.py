@@ -153,7 +153,8 @@ def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=
     except SlackswapError:
         raise
     except Exception as exc:  # noqa: BLE001
-        if "not linked with support for cuda" in str(exc) or "Torch not compiled with CUDA" in str(exc):
+        text = str(exc)
+        if "not linked with support for cuda" in text or "Torch not compiled with CUDA" in text:
             raise InputError(f"{entry}() in {p.name} puts tensors on CUDA, which this torch "
                              "build lacks", hint=_CPU_HINT) from None
         raise TraceError(f"{entry}() in {p.name} raised {_one_line(exc)}",
