@@ -32,6 +32,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def _cpu_name() -> str:
+    """The CPU model (e.g. "AMD EPYC 7B13"), from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
 def _input_info(inputs) -> tuple[dict, dict]:
     import torch
     import torch.utils._pytree as pytree
@@ -94,8 +105,7 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     else:
         from .measure import measure_joint
         dev = torch.device(device)
-        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else \
-            (platform.processor() or platform.machine() or "cpu")
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
         env = {"torch_version": torch.__version__, "device": device, "device_name": name,
                "hardware": None}
         m = measure_joint(joint, work.model, work.inputs, device=dev, progress=say)
