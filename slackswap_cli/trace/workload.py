@@ -38,6 +38,9 @@ from ..errors import InputError, SlackswapError, TraceError
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _BARE_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]*$")
+_DTYPE_HINT = ("build the model in its dtype instead: pass dtype= to the layers, call "
+               "torch.set_default_dtype() before building it, or use "
+               "AutoModel.from_config(config, dtype=...) for transformers models")
 _CPU_HINT = ("build the model and inputs on the CPU (the default device): --device fake needs "
              "no GPU, and for --device cuda slackswap moves them itself")
 
@@ -157,6 +160,10 @@ def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=
         if "not linked with support for cuda" in text or "Torch not compiled with CUDA" in text:
             raise InputError(f"{entry}() in {p.name} puts tensors on CUDA, which this torch "
                              "build lacks", hint=_CPU_HINT) from None
+        if fake_mode is not None and "Couldn't swap" in text:
+            raise TraceError(
+                f"{entry}() in {p.name} converts a module (.to/.half/.bfloat16) built under "
+                "fake tensors, which torch cannot do", hint=_DTYPE_HINT) from None
         raise TraceError(f"{entry}() in {p.name} raised {_one_line(exc)}",
                          hint="run the workload eagerly to see the full traceback") from None
     work = _as_workload(result, entry)
