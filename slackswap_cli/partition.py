@@ -313,11 +313,33 @@ def _partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan
             bstmts.append(Stmt(f"{x.name} = _s.take({x.name!r})", defs=(x.name,)))
             persistent.add(x.name)
             return
+        rtid = g.root_tid(x)
+        # a swapped value that a chain needs before its own first use: recompute it for the
+        # chain when it can be (as the planner costs it), rather than fetch it early
+        early = (g.group_action(x) == "swap" and rtid != top
+                 and group_first_use.get(rtid, -1) > cur["pos"]
+                 and profile.tensors[rtid].recomputable)
+        if early:
+            mark = (len(bstmts), set(persistent), set(transient), counter["ops"])
+            try:
+                replay(x, transient, top, depth, early=True)
+                return
+            except PlanApplyError:  # the chain needs a random or in-place value: fetch instead
+                del bstmts[mark[0]:]
+                persistent.clear()
+                persistent.update(mark[1])
+                transient.clear()
+                transient.update(mark[2])
+                counter["ops"] = mark[3]
         if x.name in swap_roots:
             bstmts.append(Stmt(f"{x.name} = _s.wait({x.name!r})", defs=(x.name,),
                                comment="swap: host copy back on the device"))
             persistent.add(x.name)
             return
+        replay(x, transient, top, depth, early=False)
+
+    def replay(x: fx.Node, transient: set[str], top: int | None, depth: int, early: bool) -> None:
+        """Re-derive x from its inputs: a view, an in-place alias, or a recomputed op."""
         act = g.group_action(x)
         if x.target is operator.getitem:
             need(x.args[0], transient, top, depth + 1)
@@ -358,10 +380,18 @@ def _partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan
         # a recomputed value stays until its last use when its own group is what backward asked
         # for; recomputed on the way to another value, it is dropped after that chain (as the
         # planner assumes)
-        stays = act in ("keep", "swap") or (act == "recompute" and g.root_tid(x) == top)
+        stays = not early and (act in ("keep", "swap")
+                               or (act == "recompute" and g.root_tid(x) == top))
         (persistent if stays else transient).add(x.name)
 
-    for b in backward:
+    group_first_use: dict[int, int] = {}
+    for i, b in enumerate(backward):
+        for a in b.all_input_nodes:
+            if a.name in fwd_set and g.root_tid(a) is not None:
+                group_first_use.setdefault(g.root_tid(a), i)
+    cur = {"pos": 0}
+    for i, b in enumerate(backward):
+        cur["pos"] = i
         for rname in prefetch_at.get(b.name, []):
             bstmts.append(Stmt(f"_s.prefetch({rname!r})", comment="swap: copy back ahead of use"))
         transient: set[str] = set()
