@@ -372,7 +372,7 @@ def _partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan
                 recomputed_roots.add(x.name)
             if not _is_view(x) or act == "recompute":
                 target = profile.tensors[top].name if top is not None else ""
-                st.comment = (f"recompute {x.name}" if target in ("", x.name)
+                st.comment = (f"recompute {target or x.name}" if g.root_tid(x) == top or not target
                               else f"recompute, on the way to {target}")
             bstmts.append(st)
             if not _is_view(x):
