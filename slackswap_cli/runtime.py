@@ -376,7 +376,16 @@ class PatchedStep(torch.nn.Module):
                                  f"(`slackswap profile --device {params[0].device.type}`)")
 
     def _check_trace(self) -> None:
-        """Re-trace this model with fake tensors and compare its profile fingerprint."""
+        """Re-trace this model with fake tensors and compare its profile fingerprint.
+
+        The workload file is run again for its inputs and loss function; it may seed the RNG,
+        so the caller's RNG state is saved and restored around it.
+        """
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            self._check_trace_inner()
+
+    def _check_trace_inner(self) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from .apply import joint_fingerprint

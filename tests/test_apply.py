@@ -400,3 +400,14 @@ def test_inputs_that_require_grad_are_refused(files, tmp_path):
     x, = work.inputs
     with pytest.raises(InputError, match="requires grad"):
         step(x.clone().requires_grad_())
+
+
+def test_patch_leaves_the_callers_rng_alone(files, tmp_path):
+    prof = profiled(files, "tiny_gpt")                 # its workload() seeds the RNG
+    mod = load_patched(write_patched(tmp_path, hand_plan(prof, {}), prof))
+    work = load_workload(str(files["tiny_gpt"]))
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    mod.patch(work.model, check_trace=True)
+    assert torch.equal(torch.rand(3), expected)
