@@ -531,7 +531,9 @@ def recompute_until_fits(m: Model, state: State, budget_bytes: int,
         if not cover.any():
             return mem, False
         idx = np.nonzero(cover)[0]
-        per_byte = state.marginal_costs(idx) / np.maximum(m.size[idx], 1)
+        # cost per byte of the excess it removes: near the end a small tensor that just covers
+        # the excess beats a big one that is cheaper per byte but frees more than needed
+        per_byte = state.marginal_costs(idx) / np.maximum(np.minimum(m.size[idx], excess[i]), 1)
         order = idx[np.argsort(per_byte, kind="stable")]
         fallback = None
         for c in order[:MAX_TRIES]:

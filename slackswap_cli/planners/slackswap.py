@@ -51,8 +51,16 @@ def _swaps(state: State) -> list[int]:
 
 
 def plan_static(m: Model, budget_bytes: int, use_swap: bool = True,
-                slack_safety: float = 0.97) -> tuple[State, np.ndarray, bool]:
-    """Passes 1-4. Returns (state, static memory, fits in the static model)."""
+                slack_safety: float = 0.97,
+                price_per_byte: float | None = None) -> tuple[State, np.ndarray, bool]:
+    """Passes 1-4. Returns (state, static memory, fits in the static model).
+
+    `price_per_byte`: the recompute time per byte of the dearest tensor a plan without swaps
+    recomputes. A swap that avoids a dearer recompute, or frees a tensor that cannot be
+    recomputed, saves about that much per byte either way (the bytes would otherwise be freed
+    at that price), so those tie, and ties go to the earliest produced: its offload ends long
+    before the moments memory is short, where a late one may still be in flight.
+    """
     state = State(m)
     mem = m.live_keep.astype(np.int64)
     if mem.max(initial=0) <= budget_bytes:
@@ -61,6 +69,8 @@ def plan_static(m: Model, budget_bytes: int, use_swap: bool = True,
     ledger = SlackLedger(m, safety=slack_safety)
     if use_swap:
         per_byte = np.where(np.isfinite(state.cost), state.cost / np.maximum(m.size, 1), np.inf)
+        if price_per_byte is not None:
+            per_byte = np.minimum(per_byte, price_per_byte)
         order = sorted(np.nonzero(useful)[0], key=lambda c: (-per_byte[c], m.p[c]))
         for c in order:
             if ledger.fits(c, state.need[c]):
@@ -201,7 +211,7 @@ def prefetch_points(m: Model, state: State) -> dict[int, int]:
 # pinned just in time and with less of the slack trusted (the static model leaves out queueing
 # behind stalls and the duplex derate); a plan without swaps is always tried too, so slackswap
 # never loses to recomputing alone. The best plan the simulator saw is kept.
-REPAIRS = ((0.97, False), (0.97, True), (0.85, False), (0.7, False), (None, False))
+REPAIRS = ((1.0, False), (0.97, False), (0.97, True), (0.85, False), (0.7, False))
 
 
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
@@ -211,20 +221,28 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
     m = build_model(profile, hw)
     ideal = m.ideal_us
     best = None
-    clean = False
-    for safety, pin in REPAIRS:
-        if safety is not None and clean:
-            continue        # a swap plan ran without stalls: only the no-swap check remains
-        if safety is None and int(m.live_keep.max(initial=0)) <= budget_bytes:
-            break
-        state, mem, fits = plan_static(m, budget_bytes, use_swap=safety is not None,
-                                       slack_safety=safety or 0.97)
+
+    def consider(state, fits, safety, pin):
+        nonlocal best
         decisions = state.decisions(prefetch_points(m, state) if pin else None)
         res = simulate(profile, decisions, hw, budget_bytes, record=False)
         key = (res.feasible, res.predicted.retention)
         if best is None or key > best[0]:
             best = (key, state, decisions, fits, safety, pin, res)
-        clean = clean or (res.feasible and res.predicted.stall_us <= 1e-6 * ideal)
+        return res.feasible and res.predicted.stall_us <= 1e-6 * ideal
+
+    price = None
+    if int(m.live_keep.max(initial=0)) > budget_bytes:
+        state, _, fits = plan_static(m, budget_bytes, use_swap=False)
+        consider(state, fits, None, False)
+        rec = [c for c, a in enumerate(state.actions) if a == RECOMPUTE]
+        if rec:
+            price = max(float(state.cost[c]) / max(int(m.size[c]), 1) for c in rec)
+    for safety, pin in REPAIRS:
+        state, _, fits = plan_static(m, budget_bytes, slack_safety=safety,
+                                     price_per_byte=price)
+        if consider(state, fits, safety, pin):
+            break
     _, state, decisions, fits, safety, pin, res = best
     notes = [f"{sum(a == SWAP for a in state.actions)} swapped, "
              f"{sum(a == RECOMPUTE for a in state.actions)} recomputed "
