@@ -180,6 +180,12 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
               for a in ("keep", "swap", "recompute")}
     infeasible = ("" if plan.feasible else
                   "\nNOTE: the simulator found that this plan does not fit its budget.")
+    baked = [str(n.target) for n in joint.gm.graph.nodes if n.op == "get_attr"
+             and getattr(getattr(joint.gm, str(n.target), None), "numel", lambda: 0)() > 0]
+    if baked:
+        infeasible += ("\nNOTE: the step reads tensors the workload made outside its inputs (say "
+                       "labels a loss_fn\ncloses over); their traced values are written into this "
+                       "file. Pass them as inputs\nto train on other data.")
     header = f'''\
 """Patched training step of workload '{workload_ref["name"]}', written by `slackswap apply`.
 

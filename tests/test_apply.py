@@ -411,3 +411,27 @@ def test_patch_leaves_the_callers_rng_alone(files, tmp_path):
     torch.manual_seed(123)
     mod.patch(work.model, check_trace=True)
     assert torch.equal(torch.rand(3), expected)
+
+
+CLOSURE_LABELS = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+def workload():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    return model, (x,), (lambda out, inputs: F.cross_entropy(out, y))
+'''
+
+
+def test_tensors_a_loss_fn_closes_over_are_embedded_with_a_note(tmp_path):
+    path = tmp_path / "closure.py"
+    path.write_text(CLOSURE_LABELS)
+    prof = profile_workload(str(path), device="fake", hardware=HW)
+    patched = write_patched(tmp_path, hand_plan(prof, {}), prof)
+    src = patched.read_text()
+    assert "NOTE: the step reads tensors the workload made outside its inputs" in src
+    torch.manual_seed(0)
+    torch.randn(4, 8)
+    labels = torch.randint(0, 3, (4,)).tolist()
+    assert f"torch.tensor({labels!r}, dtype=torch.int64" in src
+    assert verify(str(patched), check_trace=False).passed
