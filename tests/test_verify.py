@@ -101,3 +101,15 @@ def test_gpu_check_dry_run(tmp_path):
     compiled = [r for (m, _), r in rows.items() if m.startswith("torch.compile")]
     assert len(compiled) == 1 and ("measured_peak_bytes" in compiled[0] or "error" in compiled[0])
     assert data["hardware"]["h2d_bytes_per_s"] > 0
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_profile_apply_verify(tmp_path):
+    prof = profile_workload(str(TINY_GPT), device="cuda")
+    peak = prof.summary["peak_activation_bytes"]
+    plan = make_plan("slackswap", prof, HW, peak // 2, 0.5)
+    path = tmp_path / "patched_cuda.py"
+    path.write_text(apply_plan(plan, prof))
+    r = verify(str(path), steps=2)
+    assert r.device == "cuda" and r.memory_metric.startswith("cuda")
+    assert r.max_loss_rel_diff <= 1e-5 and r.max_grad_rel_diff <= 1e-4, r.reasons
