@@ -129,8 +129,10 @@ def _plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
     from .budget import parse_budget
     from .hardware import load_hardware
     from .schema import load_profile
+    from .profile_build import recost
     prof = load_profile(profile_path)
     hw = load_hardware(hardware or prof.env.get("hardware") or None)
+    prof = recost(prof, hw)  # a roofline profile is re-timed for the hardware planned for
     budget_bytes, fraction = parse_budget(budget, prof)
     return prof, hw, budget_bytes, fraction
 
@@ -233,11 +235,13 @@ def simulate(
     """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline."""
     try:
         from .hardware import HardwareSpec, load_hardware
+        from .profile_build import recost
         from .schema import dumps, load_plan, write_atomic
         from .simulate import simulate as run_sim
         p = load_plan(plan_path)
         prof = _plan_profile(p, profile_path)
         hw = load_hardware(hardware) if hardware else HardwareSpec.from_dict(p.hardware, "plan hardware")
+        prof = recost(prof, hw)  # what-if: a roofline profile's ops are re-timed on `hw` too
         if trace is not None:
             _check_output_path(trace)
         result = run_sim(prof, p.decisions, hw, p.budget_bytes, record=trace is not None or not as_json)
@@ -299,10 +303,11 @@ def show(
             _print_json(p)
             return
         from .hardware import HardwareSpec
+        from .profile_build import recost
         from .simulate import simulate as run_sim
-        prof = _plan_profile(p, profile_path)
-        result = run_sim(prof, p.decisions, HardwareSpec.from_dict(p.hardware, "plan hardware"),
-                         p.budget_bytes)
+        hw = HardwareSpec.from_dict(p.hardware, "plan hardware")
+        prof = recost(_plan_profile(p, profile_path), hw)
+        result = run_sim(prof, p.decisions, hw, p.budget_bytes)
     except SlackswapError as exc:
         _fail(exc)
     from .render import plan_views

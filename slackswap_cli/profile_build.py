@@ -14,6 +14,7 @@ frontend derives it identically:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .schema import Op, Profile, Tensor, op_fingerprint, validate_profile
@@ -150,3 +151,25 @@ def live_bytes_per_op(prof: Profile) -> list[int]:
 
 def keep_all_peak_bytes(prof: Profile) -> int:
     return max(live_bytes_per_op(prof), default=0)
+
+
+def recost(prof: Profile, hw) -> Profile:
+    """The same step costed on other hardware: every roofline op re-timed with `hw`.
+
+    Only a profile whose ops were all costed by the roofline can be re-costed (each op keeps
+    its FLOPs and bytes) and names the preset it was costed on (`env.hardware`); measured or
+    hand-made times belong to where they came from, and such a profile is returned unchanged. The fingerprint does not change (times are not part of it).
+    """
+    costed_on = prof.env.get("hardware")
+    if costed_on is None or costed_on == hw.name:
+        return prof  # no preset to re-cost from (hand-made times), or already costed there
+    if not prof.ops or any(op.time_source != "roofline" for op in prof.ops):
+        return prof
+    ops = tuple(dataclasses.replace(op, time_us=hw.roofline_us(op.flops, op.bytes))
+                for op in prof.ops)
+    summary = dict(prof.summary,
+                   forward_us=sum(o.time_us for o in ops if o.phase == "forward"),
+                   backward_us=sum(o.time_us for o in ops if o.phase == "backward"))
+    return Profile(fingerprint=prof.fingerprint, workload=prof.workload,
+                   env=dict(prof.env, hardware=hw.name), summary=summary, ops=ops,
+                   tensors=prof.tensors)

@@ -1,0 +1,52 @@
+import dataclasses
+
+import pytest
+
+from slackswap_cli.hardware import PRESETS
+from slackswap_cli.profile_build import ProfileBuilder, keep_all_peak_bytes, live_bytes_per_op, recost
+from slackswap_cli.synthetic import chain_profile
+
+
+def test_keep_all_liveness_by_hand():
+    # chain of 3: a_i lives from f_i to b_i. Ops: f0 f1 f2 loss b2 b1 b0.
+    # live while each op runs: f0:a0, f1:a0+a1, f2:+a2, loss: 3 acts + loss scalar,
+    # b2: a0+a1+a2 (loss died at its producer's end: nobody reads it), b1: a0+a1, b0: a0
+    p = chain_profile(3, act_bytes=[100, 200, 400])
+    assert live_bytes_per_op(p) == [100, 300, 700, 704, 700, 300, 100]
+    assert keep_all_peak_bytes(p) == 704 == p.summary["peak_activation_bytes"]
+
+
+def test_alias_counts_once_and_extends_its_root():
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (4,), "float32")
+    a = b.add_tensor("a", "activation", (256,), "float32")          # 1 KiB
+    v = b.add_tensor("v", "activation", (16, 16), "float32", alias_of=a)
+    out = b.add_tensor("out", "activation", (), "float32")
+    g = b.add_tensor("g", "gradient", (4,), "float32")
+    b.add_op("f", "aten.relu.default", "forward", (x,), (a,))
+    b.add_op("view", "aten.view.default", "forward", (a,), (v,))
+    b.add_op("loss", "aten.sum.default", "forward", (v,), (out,))
+    b.add_op("bwd", "aten.threshold_backward.default", "backward", (v,), (g,))
+    p = b.build()
+    assert p.tensors[v].alias_of == a and p.tensors[v].saved
+    assert p.tensors[a].saved  # saved through its view
+    assert [t.id for t in p.saved_activations] == [a]
+    assert p.last_use[a] == 3  # the view's backward reader keeps the root alive
+    assert p.summary["saved_bytes"] == 1024
+    assert live_bytes_per_op(p) == [1024, 1024, 1028, 1024]
+
+
+def test_recost_retimes_roofline_ops_only():
+    p = chain_profile(2)
+    # synthetic ops carry no FLOPs/bytes: give them some and mark the source
+    ops = tuple(dataclasses.replace(o, flops=2 * 10**12, bytes=10**9) for o in p.ops)
+    p = dataclasses.replace(p, ops=ops, env={"hardware": "a100-pcie4"})
+    h100 = PRESETS["h100-pcie5"]
+    q = recost(p, h100)
+    assert q.fingerprint == p.fingerprint and q.env["hardware"] == "h100-pcie5"
+    assert q.ops[0].time_us == pytest.approx(h100.roofline_us(2 * 10**12, 10**9))
+    assert q.summary["forward_us"] == pytest.approx(sum(o.time_us for o in q.ops[:p.n_forward]))
+    assert recost(q, h100) is q                       # already costed there
+    measured = dataclasses.replace(p, ops=tuple(dataclasses.replace(o, time_source="measured")
+                                                for o in p.ops))
+    assert recost(measured, h100) is measured         # measured times are never rewritten
