@@ -19,10 +19,11 @@ result):
    undo the dearest recomputes one by one, letting the greedy free the bytes elsewhere, kept
    when the total recompute time drops.
 
-Then the simulator runs the plan. If it stalls or overshoots, the plan is made again with
-prefetches pinned just in time and with less of the slack trusted; a plan without swaps is
-always tried as well (so slackswap never loses to recomputing alone); the best plan the
-simulator saw is returned.
+Then the simulator runs the plan. If compute stalls, the swaps it waited for (a late prefetch,
+an offload still running when memory ran out) become recomputes and the greedy frees what that
+costs; failing that, the plan is made again with prefetches pinned just in time and with less
+of the slack trusted. A plan without swaps is always tried as well (so slackswap never loses to
+recomputing alone); the best plan the simulator saw is returned.
 """
 from __future__ import annotations
 
@@ -200,6 +201,44 @@ def _upgrade_to_swap(m: Model, state: State, budget_bytes: int, ledger: SlackLed
     return changed
 
 
+def _fix_stalls(m: Model, state: State, profile: Profile, hw: HardwareSpec,
+                budget_bytes: int) -> State | None:
+    """Where the simulator shows compute waiting, stop swapping what it waited for.
+
+    A late prefetch at op i: the swapped tensors needed at i are recomputed (or kept, when they
+    cannot be). Memory full at op i: the swapped tensors whose offload was still running then
+    are. The greedy then frees whatever memory that costs. None when nothing stalled.
+    """
+    from ..simulate import simulate
+    res = simulate(profile, state.decisions(), hw, budget_bytes, record=True)
+    stalls = [e for e in res.events if e.kind == "stall" and e.op is not None]
+    if not stalls:
+        return None
+    fixed = State(m, state.actions, state.ch)
+    swaps = np.array([c for c, a in enumerate(fixed.actions) if a == SWAP], dtype=np.int64)
+    if not len(swaps):
+        return None
+    offload_end = {e.tensor: e.end_us for e in res.events if e.kind == "offload"}
+    hit: set[int] = set()
+    for e in stalls:
+        if e.cause == "late_prefetch":
+            hit.update(int(c) for c in swaps[fixed.need[swaps] == e.op])
+        else:
+            hit.update(int(c) for c in swaps
+                       if offload_end.get(m.cands[c], 0.0) > e.start_us
+                       and m.p[c] <= e.op)
+    if not hit:
+        return None
+    for c in hit:
+        fixed.set(c, RECOMPUTE if np.isfinite(fixed.cost[c]) else KEEP)
+    mem, fits = recompute_until_fits(m, fixed, budget_bytes, memory(m, fixed))
+    if not fits:
+        return None
+    _trim(m, fixed, budget_bytes)
+    fixed.stall_fixed = len(hit)
+    return fixed
+
+
 def prefetch_points(m: Model, state: State) -> dict[int, int]:
     swaps = _swaps(state)
     if not swaps:
@@ -240,17 +279,24 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
         rec = [c for c, a in enumerate(state.actions) if a == RECOMPUTE]
         if rec:
             price = max(float(state.cost[c]) / max(int(m.size[c]), 1) for c in rec)
-    for safety, pin in REPAIRS:
+    for k, (safety, pin) in enumerate(REPAIRS):
         state, _, fits = plan_static(m, budget_bytes, slack_safety=safety,
                                      price_per_byte=price)
         if consider(state, fits, safety, pin):
             break
+        if k == 0:   # fix the stalls where the simulator shows them, then judge again
+            fixed = _fix_stalls(m, state, profile, hw, budget_bytes)
+            if fixed is not None and consider(fixed, True, safety, pin):
+                break
     _, state, decisions, fits, safety, pin, res = best
     notes = [f"{sum(a == SWAP for a in state.actions)} swapped, "
              f"{sum(a == RECOMPUTE for a in state.actions)} recomputed "
              f"({state.recompute_us():.0f} us of recompute in the static model)"]
     if safety is None:
         notes.append("recomputing alone beat every plan with swaps in simulation")
+    elif getattr(state, "stall_fixed", 0):
+        notes.append(f"repaired after simulation: {state.stall_fixed} stalling swaps "
+                     "recomputed or kept")
     elif safety != REPAIRS[0][0] or pin:
         notes.append(f"repaired after simulation: {100 * safety:.0f}% of the slack trusted"
                      + (", prefetches pinned just in time" if pin else ""))
