@@ -37,3 +37,12 @@ def test_everything_fits_needs_no_solve():
     p = chain_profile(3, act_bytes=MB)
     actions, notes = solve(build_model(p, HW), p.summary["peak_activation_bytes"])
     assert actions == ["keep"] * 3 and "nothing to solve" in notes[0]
+
+
+def test_tied_blocks_share_variables_and_still_fit():
+    # eight identical chain layers: tied into groups, the plan is still judged feasible
+    p = chain_profile(8, act_bytes=MB, fwd_us=10.0)
+    budget = 5 * MB + 4
+    plan = make_plan("optimal", p, HW, budget, untie_limit=0, groups=2, time_limit_s=10)
+    assert any("tied: 8 identical blocks in 4 groups" in n for n in plan.notes)
+    assert plan.feasible and plan.predicted.peak_bytes <= budget

@@ -266,12 +266,16 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
 
 
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
-         time_limit_s: float = DEFAULT_TIME_LIMIT_S):
-    """The `optimal` planner: solve the MILP, then repair what the static model still finds over."""
+         time_limit_s: float = DEFAULT_TIME_LIMIT_S, untie_limit: int = 900, groups: int = 6):
+    """The `optimal` planner: solve the MILP, then repair what the static model still finds over.
+
+    Options: `time_limit_s` for HiGHS; profiles with more than `untie_limit` candidates tie
+    identical blocks into `groups` groups (see the module docstring).
+    """
     from . import PlannerOutput
     from .slackswap import plan_static, prefetch_points
     m = build_model(profile, hw)
-    actions, notes = solve(m, budget_bytes, time_limit_s)
+    actions, notes = solve(m, budget_bytes, time_limit_s, untie_limit=untie_limit, groups=groups)
     if actions is None:
         state, _, _ = plan_static(m, budget_bytes)
     else:
