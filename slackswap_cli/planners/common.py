@@ -412,43 +412,42 @@ class SlackLedger:
 # --------------------------------------------------------------------------------------------
 def memory(m: Model, state: State, sched: CopySchedule | None = None) -> np.ndarray:
     """Activation bytes per op for the actions in `state` (see the module docstring)."""
-    delta = np.zeros(m.n + 1, dtype=np.int64)
-    swaps = [c for c, a in enumerate(state.actions) if a == SWAP]
-    if sched is None and swaps:
-        sched = copy_schedule(m, swaps, state.need)
-    need = state.need
+    n = m.n
+    delta = np.zeros(n + 2, dtype=np.int64)
+    code, need, size = state.code, state.need, m.size
+    lo, fb = m.lf + 1, m.fb
+
+    def add(mask, start, stop):
+        mask = mask & (stop > start)
+        np.add.at(delta, start[mask], size[mask])
+        np.add.at(delta, stop[mask], -size[mask])
+
+    add(code == 0, lo, fb)                          # kept: the whole gap
+    ev = code != 0
+    add(ev, need, fb)                               # evicted, back early for a chain
+    sw = np.nonzero(code == 1)[0]
+    if len(sw):
+        if sched is None:
+            sched = copy_schedule(m, sw.tolist(), need)
+        done = np.array([sched.offload_done_op[c] for c in sw], dtype=np.int64)
+        pf = np.array([sched.prefetch_op[c] for c in sw], dtype=np.int64)
+        hi = need[sw]
+        tail_end = np.minimum(done + 1, hi)
+        head = np.maximum(np.maximum(pf, tail_end), lo[sw])
+        for start, stop in ((lo[sw], tail_end), (head, hi)):
+            ok = (stop > start) & (hi > lo[sw])
+            np.add.at(delta, start[ok], size[sw][ok])
+            np.add.at(delta, stop[ok], -size[sw][ok])
     temps_at: dict[int, set[int]] = {}
-    for c, a in enumerate(state.actions):
-        s = int(m.size[c])
-        lo, fb = int(m.lf[c]) + 1, int(m.fb[c])
-        if a == KEEP:
-            if lo < fb:
-                delta[lo] += s
-                delta[fb] -= s
-            continue
-        hi = int(need[c])
-        if hi < fb:                     # back early for a chain: resident from then on
-            delta[hi] += s
-            delta[fb] -= s
-        if lo >= hi:
-            continue
-        if a == SWAP:
-            tail_end = min(sched.offload_done_op[c] + 1, hi)
-            if tail_end > lo:
-                delta[lo] += s
-                delta[tail_end] -= s
-            head = max(sched.prefetch_op[c], tail_end, lo)
-            if head < hi:
-                delta[head] += s
-                delta[hi] -= s
-        elif state.ch.temps[c]:  # recompute: the chain's temporaries exist for a moment
-            temps_at.setdefault(hi, set()).update(state.ch.temps[c])
-    sizes = m.prof.tensors
+    for c in np.nonzero(code == 2)[0]:              # recompute: chain temporaries, a moment
+        if state.ch.temps[c] and lo[c] < need[c]:
+            temps_at.setdefault(int(need[c]), set()).update(state.ch.temps[c])
+    tensors = m.prof.tensors
     for at, ts in temps_at.items():
-        e = sum(sizes[t].size_bytes for t in ts)
+        e = sum(tensors[t].size_bytes for t in ts)
         delta[at] += e
         delta[at + 1] -= e
-    return m.base + np.cumsum(delta)[:m.n]
+    return m.base + np.cumsum(delta)[:n]
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,7 +533,10 @@ def recompute_until_fits(m: Model, state: State, budget_bytes: int,
         # cost per byte of the excess it removes: near the end a small tensor that just covers
         # the excess beats a big one that is cheaper per byte but frees more than needed
         per_byte = state.marginal_costs(idx) / np.maximum(np.minimum(m.size[idx], excess[i]), 1)
-        order = idx[np.argsort(per_byte, kind="stable")]
+        if len(idx) > MAX_TRIES:
+            top = np.argpartition(per_byte, MAX_TRIES - 1)[:MAX_TRIES]
+            idx, per_byte = idx[top], per_byte[top]
+        order = idx[np.lexsort((idx, per_byte))]
         fallback = None
         for c in order[:MAX_TRIES]:
             c = int(c)
