@@ -80,6 +80,9 @@ def plan_static(m: Model, budget_bytes: int, use_swap: bool = True,
     mem = memory(m, state)
     mem, fits = recompute_until_fits(m, state, budget_bytes, mem)
     if not fits and use_swap:
+        # swaps still in flight at the worst moment: recompute them instead
+        mem, fits = _unswap_in_flight(m, state, budget_bytes)
+    if not fits and use_swap:
         # what recompute cannot free (random ops' outputs): swap it even if the copy shows
         mem, fits = _force_swaps(m, state, budget_bytes)
     for _ in range(3):
@@ -118,6 +121,32 @@ def _exchange(m: Model, state: State, budget_bytes: int, max_tries: int) -> None
             best = cost
         else:
             state.__init__(m, snapshot, state.ch)
+
+
+def _unswap_in_flight(m: Model, state: State, budget_bytes: int) -> tuple[np.ndarray, bool]:
+    """Where memory is over only because swapped tensors are still being offloaded or already
+    being fetched back, recompute those (cheapest per byte first), then let the greedy go on."""
+    for _ in range(len(m.cands)):
+        mem = memory(m, state)
+        i = int(np.argmax(mem))
+        if mem[i] <= budget_bytes:
+            return mem, True
+        swaps = [c for c, a in enumerate(state.actions) if a == SWAP]
+        if not swaps:
+            return mem, False
+        sched = copy_schedule(m, swaps, state.need)
+        hit = [c for c in swaps
+               if m.lf[c] < i < state.need[c] and np.isfinite(state.cost[c])
+               and (i <= sched.offload_done_op[c] or i >= sched.prefetch_op[c])]
+        if not hit:
+            return mem, False
+        c = min(hit, key=lambda c: (state.cost[c] / max(int(m.size[c]), 1), c))
+        state.set(c, RECOMPUTE)
+        mem, fits = recompute_until_fits(m, state, budget_bytes, memory(m, state))
+        if fits:
+            return mem, True
+    mem = memory(m, state)
+    return mem, bool(mem.max(initial=0) <= budget_bytes)
 
 
 def _force_swaps(m: Model, state: State, budget_bytes: int) -> tuple[np.ndarray, bool]:
