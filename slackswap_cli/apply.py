@@ -242,10 +242,24 @@ def load_patched(path: str):
     p = Path(path)
     if not p.exists():
         raise InputError(f"patched module {p} does not exist", hint="write one with `slackswap apply`")
+    if p.is_dir():
+        raise InputError(f"{p} is a directory, not a patched module",
+                         hint="pass the .py file `slackswap apply -o` wrote")
+    # look before importing: executing a file that is not ours (a training script passed by
+    # mistake) would run its top-level code
+    try:
+        head = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read {p} as Python source ({type(exc).__name__})",
+                         hint="pass the .py file `slackswap apply -o` wrote") from None
+    if "written by `slackswap apply`" not in head or "\nMETA = " not in head:
+        raise InputError(f"{p} is not a module written by `slackswap apply`",
+                         hint="pass the file `slackswap apply -o` wrote")
     digest = hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:10]
     spec = importlib.util.spec_from_file_location(f"slackswap_patched_{digest}", p)
     if spec is None or spec.loader is None:
-        raise InputError(f"{p} cannot be imported as Python")
+        raise InputError(f"{p} cannot be imported as Python",
+                         hint="pass the .py file `slackswap apply -o` wrote")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

@@ -2,33 +2,88 @@
 
 This is the only module that prints or exits. Library code raises `SlackswapError(message,
 hint)`; here it becomes `Error: ...` / `Hint: ...` on stderr and the error's exit code (2 bad
-input, 3 tracing failed, 4 no plan fits, 5 verify found a mismatch). Imports of heavy modules
+input, 3 tracing failed, 4 no plan fits, 5 verify found a mismatch). Usage errors (a missing
+option, an unknown command) get the same two lines and exit 2. Any other exception is a bug in
+slackswap: users see `Error: internal error ...` and exit 1, never a raw traceback, unless
+SLACKSWAP_DEBUG=1 asks for it. Imports of heavy modules
 (torch, the tracer, the planners) happen inside the commands, so `plan`, `show`, `simulate`
 and `compare` start without importing torch.
 """
 from __future__ import annotations
 
+import errno
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
 from .errors import InputError, SlackswapError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+DEBUG_ENV = "SLACKSWAP_DEBUG"
+
+
+class _Group(TyperGroup):
+    """Runs every command behind one error boundary (see the module docstring)."""
+
+    def invoke(self, ctx):
+        from typer._click.exceptions import ClickException, UsageError
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort):
+            raise
+        except UsageError as exc:
+            sub = exc.ctx.command_path if exc.ctx is not None else "slackswap"
+            _error_lines(exc.format_message(), f"see `{sub} --help`")
+            raise typer.Exit(2) from None
+        except ClickException:
+            raise
+        except SlackswapError as exc:      # raised outside a command's own try block
+            _fail(exc)
+        except KeyboardInterrupt:
+            _error_lines("interrupted", None)
+            raise typer.Exit(130) from None
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:   # `slackswap show ... | head`: not an error
+                raise
+            _internal_error(exc)
+        except Exception as exc:  # noqa: BLE001 - the boundary: a bug must not print a traceback
+            _internal_error(exc)
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   pretty_exceptions_enable=False,
                   help="Fit training into GPU memory: keep, swap or recompute each saved activation.")
 out = Console(highlight=False, soft_wrap=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def _error_lines(message: str, hint: str | None) -> None:
+    err.print(f"[bold red]Error:[/] {escape(message)}", markup=True, highlight=False)
+    if hint:
+        err.print(f"[bold]Hint:[/] {escape(hint)}", markup=True, highlight=False)
+
+
 def _fail(exc: SlackswapError) -> None:
-    err.print(f"[bold red]Error:[/] {exc.message}", markup=True, highlight=False)
-    if exc.hint:
-        err.print(f"[bold]Hint:[/] {exc.hint}", markup=True, highlight=False)
+    _error_lines(exc.message, exc.hint)
     raise typer.Exit(exc.exit_code)
+
+
+def _internal_error(exc: BaseException) -> None:
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        import traceback
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        hint = "this is a bug in slackswap; please report it with the traceback above"
+    else:
+        hint = (f"this is a bug in slackswap, not in your input; please report it with the "
+                f"command you ran (run it again with {DEBUG_ENV}=1 to print the traceback)")
+    text = str(exc).splitlines()[0][:300] if str(exc) else ""
+    _error_lines(f"internal error: {type(exc).__name__}" + (f": {text}" if text else ""), hint)
+    raise typer.Exit(1)
 
 
 def _print_json(data) -> None:
@@ -45,9 +100,34 @@ def _status(message: str) -> None:
     err.print(f"[dim]{message}[/]", markup=True)
 
 
-def _check_output_path(path: Path) -> None:
-    if path.exists() and path.is_dir():
-        raise InputError(f"output path {path} is a directory", hint="pass a file name with -o")
+def _check_output_path(path: Path, option: str = "-o", inputs=()) -> None:
+    """Refuse, before any work is done, an output that cannot be written or that would
+    overwrite one of the command's own inputs (`-o model.py` must not eat the model).
+    A missing parent directory is fine: it is created when the file is written."""
+    if path.is_dir():
+        raise InputError(f"output path {path} is a directory",
+                         hint=f"pass a file name with {option}, e.g. {path / 'out.json'}")
+    if path.exists():
+        for src in inputs:
+            if src is None:
+                continue
+            try:
+                same = Path(src).exists() and os.path.samefile(path, src)
+            except OSError:
+                same = False
+            if same:
+                raise InputError(f"output path {path} is also an input of this command; "
+                                 "writing it would destroy the input",
+                                 hint=f"choose another file name with {option}")
+    parent = path.parent if str(path.parent) else Path(".")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"cannot write {path}: {parent} is not a directory",
+                         hint=f"choose another path with {option}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write {path}: directory {parent} is not writable",
+                         hint=f"choose another path with {option}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,11 +149,21 @@ def profile(
         hw = load_hardware(hardware)
         if not model.exists():
             raise InputError(f"model file {model} does not exist", hint="pass a workload .py file or an .onnx file")
+        if model.is_dir():
+            raise InputError(f"{model} is a directory, not a workload file",
+                             hint="pass a workload .py file or an .onnx file")
+        if model.suffix.lower() == ".json":
+            raise InputError(f"{model} is a JSON file, not a workload",
+                             hint="profile takes a workload .py file or an .onnx file; to plan "
+                                  f"an existing profile run `slackswap plan {model} --budget 0.5`")
         if device not in ("auto", "cuda", "cpu", "fake"):
             raise InputError(f"unknown device '{device}'", hint="use auto, cuda, cpu or fake")
         target = output or model.with_suffix(".profile.json")
-        _check_output_path(target)
+        _check_output_path(target, "-o", [model, hardware])
         warnings: list[str] = []
+        if hardware and device in ("cpu", "cuda") and model.suffix.lower() != ".onnx":
+            warnings.append(f"--hardware {hardware} is not used: --device {device} measures op "
+                            "times (the roofline costs only --device fake and ONNX profiles)")
         if model.suffix.lower() == ".onnx":
             from .onnx_import import profile_onnx
             shapes = _parse_input_shapes(input_shape)
@@ -118,6 +208,8 @@ def _parse_input_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
             if not sep or not name:
                 raise ValueError
             shapes[name] = tuple(int(d) for d in dims.lower().split("x"))
+            if not all(d > 0 for d in shapes[name]):
+                raise ValueError
         except ValueError:
             raise InputError(f"bad --input-shape '{item}'",
                              hint="write it as name=1x3x224x224") from None
@@ -155,7 +247,7 @@ def plan(
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
         check_budget(budget_bytes, prof)
         target = output or _sibling(profile_path, ".plan.json")
-        _check_output_path(target)
+        _check_output_path(target, "-o", [profile_path, hardware])
         result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction)
         result = _with_paths(result, profile_path, prof)
         save(result, target)
@@ -169,9 +261,9 @@ def plan(
         _render(plan_views(result, prof, sim))
         out.print(f"wrote {target}")
     if not result.feasible:
-        err.print("[bold red]Error:[/] no plan keeps activation memory under the budget; "
-                  f"wrote the best one found to {target} with feasible: false", markup=True)
-        err.print("[bold]Hint:[/] raise --budget, or try --planner optimal", markup=True)
+        _error_lines("no plan keeps activation memory under the budget; "
+                     f"wrote the best one found to {target} with feasible: false",
+                     "raise --budget, or try --planner optimal")
         raise typer.Exit(4)
 
 
@@ -205,11 +297,20 @@ def compare(
         from .planners import make_plan, planner_names
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
         check_budget(budget_bytes, prof)
-        names = planner_names() if not planners else [p.strip() for p in planners.split(",") if p.strip()]
+        names = planner_names() if planners is None else [p.strip() for p in planners.split(",") if p.strip()]
+        if not names:
+            raise InputError(f"--planners '{planners}' names no planner",
+                             hint=f"a comma-separated subset of: {', '.join(planner_names())}")
+        unknown = [n for n in names if n not in planner_names()]
+        if unknown:   # before any planner runs: optimal alone can take a minute
+            raise InputError(f"unknown planner '{unknown[0]}' in --planners",
+                             hint=f"planners: {', '.join(planner_names())}")
         rows = []
         for name in names:
             if not as_json:
-                _status(f"planning with {name}...")
+                _status(f"planning with {name}..." if name != "optimal" else
+                        "planning with optimal (a MILP: up to a minute or more on large profiles; "
+                        "leave it out with --planners)...")
             p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction)
             rows.append({"planner": name, "feasible": p.feasible, "predicted": p.predicted,
                          "solve_ms": p.solve_ms, "notes": list(p.notes)})
@@ -220,7 +321,8 @@ def compare(
                      "budget_fraction": fraction, "results": rows})
         return
     from .render import compare_table
-    out.print(compare_table(rows))
+    out.print(compare_table(rows, budget_bytes, hardware=hw.name,
+                            keep_all_bytes=prof.summary.get("peak_activation_bytes")))
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +345,8 @@ def simulate(
         hw = load_hardware(hardware) if hardware else HardwareSpec.from_dict(p.hardware, "plan hardware")
         prof = recost(prof, hw)  # what-if: a roofline profile's ops are re-timed on `hw` too
         if trace is not None:
-            _check_output_path(trace)
+            _check_output_path(trace, "--trace",
+                               [plan_path, profile_path or p.profile_path, hardware])
         result = run_sim(prof, p.decisions, hw, p.budget_bytes, record=trace is not None or not as_json)
         if trace is not None:
             from .chrome_trace import to_chrome_trace
@@ -326,14 +429,23 @@ def apply(
     try:
         from .apply import apply_plan
         from .schema import load_plan, write_atomic
+        if output.suffix != ".py":
+            raise InputError(f"output {output} does not end in .py",
+                             hint="the patched module is imported by your training script: "
+                                  f"name it e.g. {output.with_suffix('.py').name}")
         p = load_plan(plan_path)
         prof = _plan_profile(p, profile_path)
-        _check_output_path(output)
+        _check_output_path(output, "-o", [plan_path, profile_path or p.profile_path, model,
+                                          prof.workload.get("path")])
         source = apply_plan(p, prof, model_path=str(model) if model else None)
         write_atomic(output, source.encode())
     except SlackswapError as exc:
         _fail(exc)
     out.print(f"wrote {output}")
+    if not output.stem.isidentifier():
+        err.print(f"[yellow]Warning:[/] '{output.stem}' is not a Python module name, so "
+                  "`import` cannot load it as is: rename it (letters, digits, underscores) or "
+                  "load it with importlib", markup=True)
     out.print("use it in your training loop:\n"
               f"    from {output.stem} import patch\n"
               "    step = patch(model)        # shares model's parameters\n"
@@ -361,7 +473,10 @@ def verify(
         from .render import verify_view
         out.print(verify_view(report))
     if not report.passed:
-        err.print("[bold red]Error:[/] verify failed: " + "; ".join(report.reasons), markup=True)
+        _error_lines("verify failed: " + "; ".join(report.reasons),
+                     "if the model or its code changed since it was profiled, run `slackswap "
+                     "profile`, `plan` and `apply` again; a mismatch that persists is a bug in "
+                     "slackswap, please report it")
         raise typer.Exit(5)
 
 

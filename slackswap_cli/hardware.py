@@ -97,11 +97,20 @@ class HardwareSpec:
         for name in ("peak_flops_per_s", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
             value = getattr(spec, name)
             if not isinstance(value, (int, float)) or value <= 0:
-                raise FormatError(f"{source}: {name} must be a positive number, got {value!r}")
+                raise FormatError(f"{source}: {name} must be a positive number, got {value!r}",
+                                  hint="rates are in bytes or FLOPs per second, e.g. 25e9")
         for name in ("matmul_efficiency", "hbm_efficiency", "duplex_derate"):
             value = getattr(spec, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise FormatError(f"{source}: {name} must be in (0, 1], got {value!r}")
+                raise FormatError(f"{source}: {name} must be in (0, 1], got {value!r}",
+                                  hint="an efficiency is the achievable fraction of the peak")
+        for name in ("memory_bytes", "copy_latency_us", "kernel_overhead_us"):
+            value = getattr(spec, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise FormatError(f"{source}: {name} must be a non-negative number, got {value!r}",
+                                  hint="units are in the field name (bytes, us)")
+        if not isinstance(spec.duplex, bool):
+            raise FormatError(f"{source}: duplex must be true or false, got {spec.duplex!r}")
         return spec
 
 
@@ -203,15 +212,23 @@ def load_hardware(name_or_path: str | None) -> HardwareSpec:
         return PRESETS[name_or_path]
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists():
+        example = "`slackswap hardware a100-pcie4 --json` prints one to start from"
+        if path.is_dir():
+            raise InputError(f"hardware file {path} is a directory",
+                             hint=f"use a preset ({', '.join(PRESETS)}) or a JSON file")
         if not path.is_file():
             raise InputError(f"hardware file {path} does not exist",
                              hint=f"use a preset ({', '.join(PRESETS)}) or a JSON file")
         try:
             data = orjson.loads(path.read_bytes())
         except orjson.JSONDecodeError as exc:
-            raise FormatError(f"hardware file {path} is not valid JSON: {exc}") from None
+            raise FormatError(f"hardware file {path} is not valid JSON: {exc}",
+                              hint=example) from None
+        except OSError as exc:
+            raise InputError(f"cannot read hardware file {path}: {exc.strerror or exc}",
+                             hint="check the file's permissions") from None
         if not isinstance(data, dict):
-            raise FormatError(f"hardware file {path} must hold one JSON object")
+            raise FormatError(f"hardware file {path} must hold one JSON object", hint=example)
         data.setdefault("name", path.stem)
         return HardwareSpec.from_dict(data, source=str(path))
     raise InputError(f"unknown hardware preset '{name_or_path}'",

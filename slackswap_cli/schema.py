@@ -243,9 +243,20 @@ class Plan:
 # --------------------------------------------------------------------------------------------
 # Loading and saving
 # --------------------------------------------------------------------------------------------
+_CORRUPT_HINT = ("the file is damaged or was edited by hand: write it again with "
+                 "`slackswap profile` or `slackswap plan`")
+
+
 def _require(cond: bool, source: str, message: str, hint: str | None = None) -> None:
     if not cond:
-        raise FormatError(f"{source}: {message}", hint=hint)
+        raise FormatError(f"{source}: {message}", hint=hint or _CORRUPT_HINT)
+
+
+def _malformed(source: str, exc: Exception) -> FormatError:
+    """A field of the wrong type (a string where a number belongs, null ids...) surfaces as a
+    TypeError/ValueError deep in construction or validation: name the file, not the line."""
+    return FormatError(f"{source}: malformed content ({type(exc).__name__}: {exc})",
+                       hint=_CORRUPT_HINT)
 
 
 def _read_json(path: str | os.PathLike) -> Any:
@@ -253,19 +264,31 @@ def _read_json(path: str | os.PathLike) -> Any:
     if not p.exists():
         raise InputError(f"file {p} does not exist", hint="check the path")
     if p.is_dir():
-        raise InputError(f"{p} is a directory, not a file")
+        raise InputError(f"{p} is a directory, not a file",
+                         hint="pass a profile or plan JSON file inside it")
     try:
-        return orjson.loads(p.read_bytes())
+        data = p.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read {p}: {exc.strerror or exc}",
+                         hint="check the file's permissions") from None
+    try:
+        return orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise FormatError(f"{p} is not valid JSON ({exc})",
                           hint="pass a file written by `slackswap profile` or `slackswap plan`") from None
 
 
 def _check_header(data: Any, fmt: str, version: int, source: str) -> None:
-    _require(isinstance(data, dict), source, "expected one JSON object")
+    what = "profile" if fmt == PROFILE_FORMAT else "plan"
+    origin = "profiles come from `slackswap profile`, plans from `slackswap plan`"
+    if not isinstance(data, dict):
+        raise FormatError(f"{source} is not a slackswap {what}: it holds a JSON "
+                          f"{type(data).__name__}, not an object", hint=origin)
     got = data.get("format")
-    _require(got == fmt, source, f"format is {got!r}, expected {fmt!r}",
-             hint="profiles come from `slackswap profile`, plans from `slackswap plan`")
+    if got is None:
+        raise FormatError(f'{source} is not a slackswap {what}: it has no "format" field',
+                          hint=origin)
+    _require(got == fmt, source, f"format is {got!r}, expected {fmt!r}", hint=origin)
     v = data.get("version")
     _require(isinstance(v, int), source, f"version {v!r} is not an integer")
     _require(v <= version, source, f"{fmt} version {v} is newer than this slackswap reads ({version})",
@@ -343,7 +366,11 @@ def validate_profile(prof: Profile, source: str = "profile") -> None:
 
 
 def load_profile(path: str | os.PathLike) -> Profile:
-    return profile_from_dict(_read_json(path), source=str(path))
+    data = _read_json(path)
+    try:
+        return profile_from_dict(data, source=str(path))
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        raise _malformed(str(path), exc) from None
 
 
 def plan_from_dict(data: Any, source: str = "plan") -> Plan:
@@ -369,7 +396,11 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    return plan_from_dict(_read_json(path), source=str(path))
+    data = _read_json(path)
+    try:
+        return plan_from_dict(data, source=str(path))
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        raise _malformed(str(path), exc) from None
 
 
 def sniff_format(path: str | os.PathLike) -> str:
@@ -377,7 +408,10 @@ def sniff_format(path: str | os.PathLike) -> str:
     data = _read_json(path)
     fmt = data.get("format") if isinstance(data, dict) else None
     if fmt not in (PROFILE_FORMAT, PLAN_FORMAT):
-        raise FormatError(f"{path}: format is {fmt!r}, not a slackswap profile or plan",
+        found = (f"its format is {fmt!r}" if fmt is not None else
+                 'it has no "format" field' if isinstance(data, dict) else
+                 f"it holds a JSON {type(data).__name__}")
+        raise FormatError(f"{path} is not a slackswap profile or plan: {found}",
                           hint="profiles come from `slackswap profile`, plans from `slackswap plan`")
     return fmt
 
@@ -391,18 +425,38 @@ def dumps(obj: Any) -> bytes:
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temp file beside `path`, then rename: no half-written file is ever left."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as exc:
+        raise InputError(f"cannot write {p}: {exc.strerror or exc}",
+                         hint="choose an output path in a directory you can write to") from None
+    try:
+        # mkstemp creates the file 0600; give it the mode a plain open() would (or keep the
+        # mode of the file it replaces), so profiles and plans can be shared like other files
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, _target_mode(p))
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot write {p}: {exc.strerror or exc}",
+                             hint="choose an output path in a directory you can write to, "
+                                  "with free space") from None
         raise
+
+
+def _target_mode(p: Path) -> int:
+    try:
+        return p.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def save(obj: Profile | Plan, path: str | os.PathLike) -> None:
