@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 
 from rich import box
 from rich.console import Group
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -61,6 +62,23 @@ def fmt_us(us: float | None) -> str:
 
 def fmt_pct(x: float) -> str:
     return f"{100 * x:.1f}%"
+
+
+class _Fit:
+    """The first of several renderings of the same view that fits the console's width (the last
+    one when none does): a wide table where there is room, a narrower one on 80 columns,
+    rather than one table squeezed until every cell wraps."""
+
+    def __init__(self, *choices):
+        self.choices = choices
+
+    def __rich_console__(self, console, options):
+        unbounded = options.update_width(1 << 16)    # measure the natural width, unclamped
+        for choice in self.choices[:-1]:
+            if Measurement.get(console, unbounded, choice).maximum <= options.max_width:
+                yield choice
+                return
+        yield self.choices[-1]
 
 
 def _short_target(target: str) -> str:
@@ -235,21 +253,50 @@ def profile_views(profile: Profile, top: int = 10) -> list:
         per_layer.add_row(label, str(v[4]), fmt_us(v[0]), fmt_us(v[1]), fmt_bytes(v[2]),
                           str(v[3]))
 
-    biggest = Table(title=f"Largest saved activations (top {min(top, len(saved))} of "
-                          f"{len(saved)})", title_justify="left")
-    for col, just in (("tensor", "left"), ("shape", "left"), ("dtype", "left"),
-                      ("size", "right"), ("producer", "left"), ("module", "left"),
-                      ("recompute", "right"), ("per MiB", "right")):
-        biggest.add_column(col, justify=just)
+    title = f"Largest saved activations (top {min(top, len(saved))} of {len(saved)})"
+    cols = (("tensor", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right"),
+            ("producer", "left"), ("module", "left"), ("recompute", "right"),
+            ("per MiB", "right"))
+    rows_b = []
     for t in sorted(saved, key=lambda t: (-t.size_bytes, t.id))[:top]:
         op = ops[t.producer]
         rc = op.time_us
         per_mib = rc / (t.size_bytes / 2**20) if t.size_bytes else None
-        biggest.add_row(t.name, "x".join(map(str, t.shape)) or "()", t.dtype,
-                        fmt_bytes(t.size_bytes), _short_target(op.target), op.module or "-",
-                        fmt_us(rc) if t.recomputable else "no (random)",
-                        fmt_us(per_mib) if per_mib is not None and t.recomputable else "-")
+        rows_b.append((t.name, "x".join(map(str, t.shape)) or "()", t.dtype,
+                       fmt_bytes(t.size_bytes), _short_target(op.target), op.module or "-",
+                       fmt_us(rc) if t.recomputable else "no (random)",
+                       fmt_us(per_mib) if per_mib is not None and t.recomputable else "-"))
+    # narrow terminals: drop producer and dtype (the tensor's name and shape say most of it)
+    # and shorten module paths inside the blocks (transformer.h.3.mlp -> h.3.mlp)
+    narrow_keep = (0, 1, 3, 5, 6, 7)
+    narrow_rows = [[_short_module(r[i], container) if i == 5 else r[i] for i in narrow_keep]
+                   for r in rows_b]
+    biggest = _Fit(_rows_table(title, cols, rows_b),
+                   _rows_table(title, [cols[i] for i in narrow_keep], narrow_rows, compact=True))
     return [totals, per_layer, biggest]
+
+
+def _short_module(module: str, container: str | None) -> str:
+    if container and module.startswith(container + "."):
+        return container.rsplit(".", 1)[-1] + module[len(container):]
+    return module
+
+
+def _rows_table(title: str, cols, rows, compact: bool = False, fixed: tuple = ()) -> Table:
+    """A table whose cells never wrap (a number and its unit split over two lines read wrong);
+    what does not fit ends in an ellipsis."""
+    t = Table(title=title, title_justify="left",
+              **({"box": box.SIMPLE_HEAD, "show_edge": False, "padding": 0}
+                 if compact else {}))
+    for k, (col, just) in enumerate(cols):
+        # numbers keep their width; names (left-justified) give way first
+        widest = max([len(col)] + [len(str(r[k])) for r in rows])
+        keep = just == "right" or col in fixed
+        t.add_column(col, justify=just, no_wrap=keep, overflow="ellipsis",
+                     min_width=widest if keep else None)
+    for r in rows:
+        t.add_row(*r)
+    return t
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,9 +409,15 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list
         stall_txt += " (" + ", ".join(f"{k.replace('_', ' ')} {fmt_us(v)}"
                                       for k, v in sorted(pr.stall_by_cause.items())) + ")"
     slowdown = pr.step_us / pr.ideal_us - 1 if pr.ideal_us else 0.0
+    hw_txt = str(hwd.get("name", "?"))
+    if any(o.time_source == "measured" for o in profile.ops):
+        # measured op times are the traced device's, whatever --hardware says: say so, or a
+        # what-if on a faster GPU reads as if compute had been re-costed there
+        where = profile.env.get("device_name") or profile.env.get("device") or "the traced device"
+        hw_txt += f" (host link and copies); op times as measured on {where}"
     rows = [
         ("planner", plan.planner),
-        ("hardware", str(hwd.get("name", "?"))),
+        ("hardware", hw_txt),
         ("feasible", feas),
         ("budget", budget_txt),
         ("peak", f"{fmt_bytes(pr.peak_bytes)} ({fmt_pct(pr.peak_bytes / budget)} of budget)"
@@ -405,7 +458,10 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list
         s[2 * k + 1] += t.size_bytes
     rows_l = [(name, tuple(v)) for name, v in per.items() if any(v)]
     merged = _collapse(rows_l, container, lambda a, b: a == b)
-    per_layer = Table(title="Actions per layer", title_justify="left")
+    per_layer = Table(title="Actions per layer: tensors and bytes"
+                            + (" (collapsed rows show one block)"
+                               if any(n > 1 for _, n, _ in merged) else ""),
+                      title_justify="left")
     per_layer.add_column("layer")
     for a in ("keep", "swap", "recompute"):
         per_layer.add_column(a, justify="right")
@@ -447,27 +503,43 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list
 # --------------------------------------------------------------------------------------------
 # compare
 # --------------------------------------------------------------------------------------------
-def compare_table(rows: Sequence[dict], budget_bytes: int | None = None) -> Table:
+def compare_table(rows: Sequence[dict], budget_bytes: int | None = None, *,
+                  hardware: str | None = None, keep_all_bytes: int | None = None):
     """One row per planner: rows are dicts {planner, feasible, predicted, solve_ms}."""
     title = "Planners compared" + (f" at a {fmt_bytes(budget_bytes)} budget"
                                    if budget_bytes else "")
-    table = Table(title=title, title_justify="left")
-    for col, just in (("planner", "left"), ("feasible", "left"), ("retention", "right"),
-                      ("step", "right"), ("peak", "right"), ("stall", "right"),
-                      ("recompute", "right"), ("to host", "right"), ("solve", "right")):
-        table.add_column(col, justify=just)
+    if budget_bytes and keep_all_bytes:
+        title += f" ({budget_bytes / keep_all_bytes:.2g} of the keep-all peak)"
+    if hardware:
+        title += f" on {hardware}"
+    cols = (("planner", "left"), ("feasible", "left"), ("retention", "right"),
+            ("step", "right"), ("peak", "right"), ("stall", "right"), ("recompute", "right"),
+            ("to host", "right"), ("solve", "right"))
     best = max((r["predicted"].retention for r in rows if r["feasible"]), default=None)
+    cells = []
     for r in rows:
         p: Predicted = r["predicted"]
         is_best = r["feasible"] and best is not None and p.retention == best
-        table.add_row(
+        cells.append((
             Text(r["planner"], style="bold" if is_best else ""),
             Text("yes", style="green") if r["feasible"] else Text("no", style="red"),
             Text(fmt_pct(p.retention), style="bold green" if is_best else ""),
             fmt_us(p.step_us), fmt_bytes(p.peak_bytes), fmt_us(p.stall_us),
             fmt_us(p.recompute_us), fmt_bytes(p.swapped_bytes),
-            f"{r.get('solve_ms', 0.0):.1f} ms")
-    return table
+            _fmt_solve(r.get("solve_ms", 0.0))))
+    # 80 columns: drop the step time (retention is ideal / step) and the box
+    narrow = [k for k in range(len(cols)) if cols[k][0] != "step"]
+    narrow_cols = [("fits", "left") if cols[k][0] == "feasible" else cols[k] for k in narrow]
+    return _Fit(_rows_table(title, cols, cells, fixed=("planner",)),
+                _rows_table(title, narrow_cols, [[c[k] for k in narrow] for c in cells],
+                            compact=True, fixed=("planner",)))
+
+
+def _fmt_solve(ms: float) -> str:
+    """Solve times span 50 us to minutes: three significant figures are plenty."""
+    if ms >= 1000:
+        return f"{ms / 1000:.1f} s"
+    return f"{ms:.0f} ms" if ms >= 1 else f"{ms * 1000:.0f} us"
 
 
 def hardware_table(specs) -> Table:
@@ -488,19 +560,49 @@ def hardware_table(specs) -> Table:
     return table
 
 
-def verify_view(report) -> Table:
-    """`slackswap verify`: original vs patched, and the plan's prediction beside them."""
-    get = report.__getitem__ if isinstance(report, dict) else lambda k: getattr(report, k, None)
-    table = Table(title="verify: original vs patched", title_justify="left")
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
-    for key in sorted(vars(report) if not isinstance(report, dict) else report):
-        value = get(key)
-        if isinstance(value, float):
-            text = f"{value:.3g}"
-        elif isinstance(value, int) and "bytes" in key:
-            text = fmt_bytes(value)
-        else:
-            text = str(value)
-        table.add_row(key, text)
-    return table
+def verify_view(report) -> Group:
+    """`slackswap verify`: the verdict, the differences against their tolerances, then memory
+    and time of the original and the patched step beside the plan's prediction (a
+    VerifyReport or its dict)."""
+    get = report.get if isinstance(report, dict) else (lambda k: getattr(report, k, None))
+    passed = bool(get("passed"))
+    steps, device = get("steps") or 1, get("device") or "?"
+    verdict = Text()
+    verdict.append("PASSED" if passed else "FAILED", style="bold green" if passed else "bold red")
+    verdict.append(f": {get('patched')} against {get('workload')} ({steps} training "
+                   f"step{'s' if steps != 1 else ''} on {device})")
+
+    def diff(value, tol) -> Text:
+        ok = value is not None and tol is not None and value <= tol
+        return Text(f"max rel. difference {value:.2g} (tolerance {tol:g})",
+                    style="green" if ok else "red")
+
+    lo, lp = get("losses_original") or [], get("losses_patched") or []
+    loss = diff(get("max_loss_rel_diff"), get("loss_tolerance"))
+    if lo and lp:
+        loss = Text(f"{lo[-1]:.6g} vs {lp[-1]:.6g}, ").append_text(loss)
+    grads = diff(get("max_grad_rel_diff"), get("grad_tolerance"))
+    if get("worst_grad_param") and get("max_grad_rel_diff"):
+        grads.append(f" at {get('worst_grad_param')}")
+    rows = [("loss", loss), ("gradients", grads),
+            ("buffers", diff(get("max_buffer_rel_diff"), get("grad_tolerance"))),
+            ("plan", f"{get('kept')} kept, {get('swapped')} swapped "
+                     f"({fmt_bytes(get('swapped_bytes_per_step'))} copied per step), "
+                     f"{get('recomputed')} recomputed"),
+            ("budget", fmt_bytes(get("budget_bytes")) if get("budget_bytes") else "-")]
+    checks = _kv_table("", rows)
+    t = Table(title_justify="left")
+    t.add_column("")
+    for col in ("original", "patched", "predicted"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_row("activation memory *", fmt_bytes(get("original_peak_bytes")),
+              fmt_bytes(get("patched_peak_bytes")), fmt_bytes(get("predicted_peak_bytes")))
+    t.add_row("step time", fmt_us(1e3 * (get("original_step_ms") or 0.0)),
+              fmt_us(1e3 * (get("patched_step_ms") or 0.0)), fmt_us(get("predicted_step_us")))
+    notes = [f"* {get('memory_metric')}"]
+    if device == "cpu":
+        notes.append("step times: the fastest step measured here; CPU times say little about "
+                      "a GPU's")
+    parts = [verdict, checks, t, *(Text(n, style="dim") for n in notes)]
+    parts += [Text(f"- {reason}", style="red") for reason in get("reasons") or []]
+    return Group(*parts)
