@@ -7,7 +7,7 @@ moment of the step. It is given either
   ["peak_activation_bytes"]`): `0.5` means "half the activation memory the step needs when
   nothing is evicted". A fraction is a plain number in (0, 1]; `1` keeps everything. Numbers
   above 1 are refused: a budget above the keep-all peak buys nothing, and "1.5" is more likely
-  a typo for "1.5GB" than a wish.
+  a typo for "1.5GB" than a wish. A percentage works too: `50%` is `0.5`.
 - or as **bytes**: `20GiB`, `512MiB`, `64KiB` (binary units), `20GB`, `1.5e9`, `123456789`
   (decimal units or plain bytes). A plain number above 1 is read as bytes, so `2` is two bytes,
   not twice the peak.
@@ -31,7 +31,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,   # bare letters: binary, like nvidia-smi
 }
-_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
 _HINT = ("pass a fraction of the keep-all activation peak in (0, 1] (e.g. 0.5) "
          "or a size (e.g. 20GiB, 512MiB, 20GB, 1.5e9)")
 
@@ -55,6 +55,10 @@ def parse_budget(text: str | float | int, profile: Profile) -> tuple[int, float 
     if not m:
         raise InputError(f"cannot read budget {raw!r}", hint=_HINT)
     number, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise InputError(f"budget {raw!r} must be in (0%, 100%]", hint=_HINT)
+        return parse_budget(repr(number / 100), profile)
     if unit not in _UNITS:
         raise InputError(f"unknown unit {m.group(2)!r} in budget {raw!r}", hint=_HINT)
     if not math.isfinite(number) or number <= 0:

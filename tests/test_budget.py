@@ -19,6 +19,7 @@ def test_fraction_of_keep_all_peak(prof):
     assert parse_budget("1", prof) == (peak, 1.0)
     assert parse_budget("1.0", prof) == (peak, 1.0)
     assert parse_budget(0.25, prof) == ((1 << 20) + 1, 0.25)
+    assert parse_budget("50%", prof) == ((2 << 20) + 2, 0.5)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -33,6 +34,7 @@ def test_absolute_sizes(prof, text, expected):
 @pytest.mark.parametrize("text,needle", [
     ("", "cannot read"), ("half", "cannot read"), ("-0.5", "cannot read"), ("0", "positive"),
     ("12 parsecs", "unknown unit"), ("1.5", "above 1"), ("0.5GiBx", "unknown unit"),
+    ("150%", "100%"), ("0%", "100%"),
 ])
 def test_bad_budgets_raise_input_error_with_hint(prof, text, needle):
     with pytest.raises(InputError, match=needle) as exc:
