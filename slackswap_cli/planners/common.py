@@ -15,9 +15,10 @@ choices, so it works on a cheaper, *static* picture of the step, built once per 
   *offload tail* (until the D2H copy is done) and a *prefetch head* (from the H2D copy's start).
 
 Copies follow the simulator's rules: one D2H FIFO fed in production order as producers end,
-one H2D FIFO in order of first backward use. The static model schedules prefetches *just in
-time* (as late as the FIFO allows while still finishing at `fb`), which is the least memory a
-prefetch can cost; planners pass that issue point to the simulator as `prefetch_at`.
+one H2D FIFO in order of need. The static model schedules prefetches *just in time* (as late
+as the FIFO allows while still finishing when needed), the least memory a prefetch can cost;
+the simulator issues them as early as its memory reservation allows, which never costs more,
+and a planner can pin the just-in-time point with `prefetch_at`.
 
 **Slack.** A swap is free when its copies hide under compute. In this model that holds when
 every D2H copy finishes before forward ends (a suffix condition on the FIFO: the copies of
@@ -26,10 +27,12 @@ start after backward starts (a prefix condition: the copies needed by op j fit i
 time before j). `SlackLedger` keeps both conditions as arrays and answers "does one more swap
 still fit?" in one vectorised check.
 
-**Recompute chains.** Recomputing `y` re-runs its producer at `fb(y)`; each input of that op
-that is not resident then (a transient that died in forward, or a candidate that is itself
-evicted and not yet back) is recomputed first, recursively. An input that is not resident and
-not recomputable (a dropout output nobody saved) makes the chain impossible.
+**Recompute chains** (`build_chains`, as the simulator runs them). Recomputing `y` re-runs its
+producer before `y` is needed; non-saved forward values it reads (dead by then) are re-run
+first, recursively, as temporaries; one that cannot be re-run (a dropout output nobody saved)
+makes the chain impossible. Candidates it reads are obtained whatever their action (kept,
+fetched, or recomputed first and then kept), so they cost no extra time, but an evicted one
+is then back *earlier*: `State.need` tracks when each candidate must be resident.
 """
 from __future__ import annotations
 
@@ -78,13 +81,6 @@ class Model:
     def ideal_us(self) -> float:
         return float(self.t_end[-1]) if self.n else 0.0
 
-    def op_at_time(self, time_us: float) -> int:
-        """The op running at `time_us` (ideal schedule), clipped to the step."""
-        i = int(np.searchsorted(self.t_end, time_us, side="right"))
-        return min(max(i, 0), self.n - 1)
-
-    def gap_slice(self, c: int) -> slice:
-        return slice(int(self.lf[c]) + 1, int(self.fb[c]))
 
 
 def build_model(prof: Profile, hw: HardwareSpec) -> Model:
@@ -161,7 +157,6 @@ class Chains:
     temps: list[tuple[int, ...]]
     ops: list[tuple[int, ...]]          # the ops its chain re-runs (producer first)
     siblings: list[list[int]]
-    readers: list[list[int]]            # candidates whose chain reads c
 
 
 def build_chains(m: Model) -> Chains:
@@ -215,11 +210,7 @@ def build_chains(m: Model) -> Chains:
         extra[c] = sum(prof.tensors[t].size_bytes for t in tmp)
         # inputs already back when c is needed (their first backward use came first) add nothing
         inputs[c] = sorted(x for x in ins if not (m.fb[x] <= m.fb[c] <= m.lu[x]))
-    readers: list[list[int]] = [[] for _ in range(n)]
-    for c in range(n):
-        for x in inputs[c]:
-            readers[x].append(c)
-    return Chains(cost, inputs, extra, temps, chain_ops, siblings, readers)
+    return Chains(cost, inputs, extra, temps, chain_ops, siblings)
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,17 +297,9 @@ class State:
                 self.refresh_need()
 
     def marginal_costs(self, idx: np.ndarray) -> np.ndarray:
-        """`marginal_cost` of the kept candidates `idx`, vectorised."""
+        """Recompute time evicting each of `idx` adds: its chain, or nothing when a sibling
+        already re-runs their producer."""
         return np.where(self.sib_rec[idx] > 0, 0.0, self.cost[idx])
-
-    def marginal_cost(self, c: int) -> float:
-        """Recompute time evicting c adds (nothing more if a sibling already re-runs its op)."""
-        own = float(self.cost[c])
-        if not np.isfinite(own):
-            return INF
-        if any(self.actions[s] == RECOMPUTE for s in self.ch.siblings[c]):
-            return 0.0
-        return own
 
     def decisions(self, prefetch_at: dict[int, int] | None = None) -> list[Decision]:
         pf = prefetch_at or {}
