@@ -35,6 +35,7 @@ from .common import (KEEP, RECOMPUTE, SWAP, Model, SlackLedger, State, build_mod
                      copy_schedule, memory, recompute_until_fits)
 
 PREFETCH_MARGIN = 0.10   # issue prefetches 10% of their copy time ahead of the just-in-time point
+UPGRADE_TRIES = 40       # recomputes the upgrade pass tries to turn into swaps
 EXCHANGE_TRIES = 8       # recomputes the exchange pass tries to undo (bounds planning time)
 EXCHANGE_STEPS = 40      # greedy steps each try may take to free the bytes elsewhere
 
@@ -211,22 +212,29 @@ def _trim(m: Model, state: State, budget_bytes: int) -> bool:
 
 def _upgrade_to_swap(m: Model, state: State, budget_bytes: int, ledger: SlackLedger) -> bool:
     """Recomputes that fit the slack left over become swaps, if memory still holds."""
-    ledger.__init__(m, safety=0.97)
+    ledger.__init__(m, safety=ledger.safety)
     for c in _swaps(state):
         ledger.add(c, state.need[c])
     changed = False
     rec = [c for c, a in enumerate(state.actions) if a == RECOMPUTE]
     rec.sort(key=lambda c: -state.cost[c] / max(int(m.size[c]), 1))
+    tries = 0
     for c in rec:
+        if tries >= UPGRADE_TRIES:
+            break
         if not ledger.fits(c, state.need[c]):
             continue
-        state.set(c, SWAP)
+        tries += 1
+        # inputs' needs stay as early as they were (memory overstated, safe); settled below
+        state.set(c, SWAP, need_before=state.need)
         mem = memory(m, state)
         if mem.max(initial=0) <= budget_bytes:
             ledger.add(c, state.need[c])
             changed = True
         else:
             state.set(c, RECOMPUTE)
+    if changed:
+        state.refresh_need()
     return changed
 
 
