@@ -365,6 +365,10 @@ def simulate(
         if trace is not None:
             out.print(f"wrote {trace} (open it in https://ui.perfetto.dev)")
     if not result.feasible:
+        _error_lines(f"on {hw.name} this plan does not keep activation memory under its "
+                     f"budget" + (f": {result.reason}" if result.reason else ""),
+                     f"plan again for this hardware: slackswap plan PROFILE --budget ... "
+                     f"--hardware {hardware or hw.name}")
         raise typer.Exit(4)
 
 

@@ -110,7 +110,8 @@ class HardwareSpec:
                 raise FormatError(f"{source}: {name} must be a non-negative number, got {value!r}",
                                   hint="units are in the field name (bytes, us)")
         if not isinstance(spec.duplex, bool):
-            raise FormatError(f"{source}: duplex must be true or false, got {spec.duplex!r}")
+            raise FormatError(f"{source}: duplex must be true or false, got {spec.duplex!r}",
+                              hint="true when the link copies both ways at once")
         return spec
 
 

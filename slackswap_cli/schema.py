@@ -252,6 +252,46 @@ def _require(cond: bool, source: str, message: str, hint: str | None = None) -> 
         raise FormatError(f"{source}: {message}", hint=hint or _CORRUPT_HINT)
 
 
+def _is_int(v) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or (
+        isinstance(v, float) and v.is_integer())
+
+
+_CHECKS = {
+    "int": _is_int,
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "dict": lambda v: isinstance(v, dict),
+}
+_CHECKS["tuple[int, ...]"] = lambda v: isinstance(v, tuple) and all(map(_is_int, v))
+_CHECKS["tuple[str, ...]"] = lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v)
+for _t in ("int", "float", "str"):
+    _CHECKS[f"{_t} | None"] = (lambda c: lambda v: v is None or c(v))(_CHECKS[_t])
+_TYPE_NAMES = {"tuple[int, ...]": "a list of integers", "tuple[str, ...]": "a list of strings",
+               "dict": "an object", "int": "an integer", "float": "a number",
+               "str": "a string", "bool": "true or false"}
+_FIELD_CHECKS: dict[type, list] = {}
+
+
+def _check_types(obj, source: str, what: str) -> None:
+    """Every field of a schema dataclass holds the JSON type its annotation names: a file
+    edited by hand (a string where a number belongs) is refused here, by name, instead of
+    failing later deep inside the simulator or a renderer."""
+    checks = _FIELD_CHECKS.get(type(obj))
+    if checks is None:
+        checks = _FIELD_CHECKS[type(obj)] = [
+            (f.name, str(f.type), _CHECKS[str(f.type)]) for f in dataclasses.fields(obj)
+            if str(f.type) in _CHECKS]
+    for name, typ, ok in checks:
+        value = getattr(obj, name)
+        if not ok(value):
+            base = typ.replace(" | None", "")
+            expected = _TYPE_NAMES.get(base, base) + (" or null" if "None" in typ else "")
+            raise FormatError(f"{source}: {what}.{name} is {value!r:.60}, expected {expected}",
+                              hint=_CORRUPT_HINT)
+
+
 def _malformed(source: str, exc: Exception) -> FormatError:
     """A field of the wrong type (a string where a number belongs, null ids...) surfaces as a
     TypeError/ValueError deep in construction or validation: name the file, not the line."""
@@ -308,7 +348,9 @@ def _build(cls, raw: Any, source: str, what: str, tuples: tuple[str, ...] = ()):
         if k in kwargs:
             _require(isinstance(kwargs[k], list), source, f"{what}.{k} is not a list")
             kwargs[k] = tuple(kwargs[k])
-    return cls(**kwargs)
+    obj = cls(**kwargs)
+    _check_types(obj, source, what)
+    return obj
 
 
 def profile_from_dict(data: Any, source: str = "profile") -> Profile:
@@ -324,6 +366,7 @@ def profile_from_dict(data: Any, source: str = "profile") -> Profile:
     prof = Profile(fingerprint=data["fingerprint"], workload=data["workload"], env=data["env"],
                    summary=data["summary"], ops=ops, tensors=tensors,
                    format=data["format"], version=data["version"])
+    _check_types(prof, source, "profile")
     validate_profile(prof, source)
     return prof
 
@@ -378,6 +421,8 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     for key in ("profile_fingerprint", "planner", "hardware", "budget_bytes", "feasible",
                 "decisions", "predicted"):
         _require(key in data, source, f"missing key '{key}'")
+    for key in ("decisions", "schedule"):
+        _require(isinstance(data.get(key, []), list), source, f"'{key}' must be a list")
     decisions = tuple(_build(Decision, d, source, f"decisions[{i}]")
                       for i, d in enumerate(data["decisions"]))
     for d in decisions:
@@ -388,11 +433,14 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     predicted = _build(Predicted, data["predicted"], source, "predicted")
     kwargs = {k: data[k] for k in ("profile_fingerprint", "planner", "hardware", "budget_bytes",
                                    "feasible")}
-    return Plan(**kwargs, budget_fraction=data.get("budget_fraction"), decisions=decisions,
+    _require(isinstance(data.get("notes", []), list), source, "notes is not a list")
+    plan = Plan(**kwargs, budget_fraction=data.get("budget_fraction"), decisions=decisions,
                 schedule=schedule, predicted=predicted, solve_ms=data.get("solve_ms", 0.0),
                 notes=tuple(data.get("notes", ())), profile_path=data.get("profile_path"),
                 model_path=data.get("model_path"), format=data["format"],
                 version=data["version"])
+    _check_types(plan, source, "plan")
+    return plan
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -85,7 +85,8 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
                          hint="pass --hardware a100-pcie4 (or another preset)")
     t0 = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if device == "fake" else None
-    say(f"loading {path} ({entry}(**{args or {}}))")
+    call = ", ".join(f"{k}={v!r}" for k, v in (args or {}).items())
+    say(f"loading {path}: {entry}({call})")
     work, module = _load(path, entry, args, fake_mode=fake_mode,
                          device=None if device == "fake" else device)
     say("tracing forward + loss + backward")
