@@ -30,6 +30,7 @@ FakeTensors created under a FakeTensorMode (nothing is allocated; costs come fro
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,7 +39,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
-from ..errors import TraceError
+from ..errors import InputError, SlackswapError, TraceError
 
 
 @dataclass
@@ -77,6 +78,14 @@ def split_inputs(inputs: Any) -> tuple[tuple, dict]:
 def loss_from_output(output: Any, inputs: Any, loss_fn: Callable | None) -> torch.Tensor:
     """The scalar loss of one step: loss_fn(output, inputs), output.loss, or output itself."""
     if loss_fn is not None:
+        try:
+            inspect.signature(loss_fn).bind(output, inputs)
+        except TypeError:
+            raise InputError(f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!s} cannot be "
+                             "called as loss_fn(output, inputs)",
+                             hint="give it two parameters, e.g. `lambda out, inputs: ...`") from None
+        except ValueError:
+            pass   # a builtin without a signature: let the call speak for itself
         loss = loss_fn(output, inputs)
     elif isinstance(output, torch.Tensor):
         loss = output
@@ -199,7 +208,7 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
                 tangent = torch.ones((), dtype=ref.dtype, device=ref.device)
                 gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
                     list(params.values()), list(buffers.values()), tensor_leaves, tangent)
-    except TraceError:
+    except SlackswapError:   # already says what is wrong (a loss that is not a loss, ...)
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one clear error
         raise _explain(exc) from exc
