@@ -235,6 +235,7 @@ def plan(
     budget: str = typer.Option(..., "--budget", "-b", help="fraction of the keep-all activation peak (0.5) or bytes (20GiB, 512MiB, 2e9)"),
     planner: str = typer.Option("slackswap", "--planner", "-p", help="slackswap | optimal | recompute-only | swap-all | checkpoint-layers"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file [default: the profile's, else a100-pcie4]"),
+    time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the optimal planner's MILP may run"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan path [default: <profile>.plan.json]"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON instead of tables"),
 ) -> None:
@@ -248,7 +249,8 @@ def plan(
         check_budget(budget_bytes, prof)
         target = output or _sibling(profile_path, ".plan.json")
         _check_output_path(target, "-o", [profile_path, hardware])
-        result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction)
+        options = {"time_limit_s": time_limit} if planner == "optimal" else {}
+        result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction, **options)
         result = _with_paths(result, profile_path, prof)
         save(result, target)
         sim = simulate(prof, result.decisions, hw, budget_bytes)
@@ -288,6 +290,7 @@ def compare(
     profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON"),
     budget: str = typer.Option(..., "--budget", "-b", help="fraction (0.5) or bytes (20GiB)"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file"),
+    time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the optimal planner's MILP may run"),
     planners: Optional[str] = typer.Option(None, "--planners", help="comma-separated subset [default: all]"),
     as_json: bool = typer.Option(False, "--json", help="print {results: [...]} as JSON"),
 ) -> None:
@@ -309,9 +312,10 @@ def compare(
         for name in names:
             if not as_json:
                 _status(f"planning with {name}..." if name != "optimal" else
-                        "planning with optimal (a MILP: up to a minute or more on large profiles; "
-                        "leave it out with --planners)...")
-            p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction)
+                        f"planning with optimal (a MILP, solver limit {time_limit:g} s: set it with "
+                        "--time-limit, or leave optimal out with --planners)...")
+            options = {"time_limit_s": time_limit} if name == "optimal" else {}
+            p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction, **options)
             rows.append({"planner": name, "feasible": p.feasible, "predicted": p.predicted,
                          "solve_ms": p.solve_ms, "notes": list(p.notes)})
     except SlackswapError as exc:
