@@ -1,0 +1,102 @@
+"""The whole pipeline as a user runs it, on the real tiny GPT example (one small layer, CPU):
+profile -> plan at half the activation peak -> show / simulate --trace / compare -> apply ->
+verify, plus a plan that cannot fit its budget (exit 4, written with feasible: false)."""
+from pathlib import Path
+
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from slackswap_cli import schema
+from slackswap_cli.cli import app
+from slackswap_cli.simulate import budget_floor_bytes
+
+pytest.importorskip("torch")
+
+runner = CliRunner()
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_gpt.py"
+SMALL = ("--arg", "n_layer=1", "--arg", "d_model=32", "--arg", "seq=16", "--arg", "vocab=64")
+
+
+def run(*args):
+    r = runner.invoke(app, [str(a) for a in args])
+    assert "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("e2e")
+    r = run("profile", EXAMPLE, "--device", "cpu", *SMALL, "-o", d / "tiny.profile.json")
+    assert r.exit_code == 0, r.stderr
+    assert "wrote" in r.stdout and "Largest saved activations" in r.stdout
+    return d
+
+
+def test_profile_records_the_workload_and_its_args(work):
+    prof = schema.load_profile(work / "tiny.profile.json")
+    assert prof.workload["name"] == "tiny_gpt"
+    assert prof.workload["args"] == {"n_layer": 1, "d_model": 32, "seq": 16, "vocab": 64}
+    assert prof.env["device"] == "cpu"
+    assert all(op.time_source == "measured" for op in prof.ops)
+    assert prof.saved_activations
+
+
+def test_plan_apply_verify(work):
+    plan_path, patched = work / "tiny.plan.json", work / "tiny_patched.py"
+    r = run("plan", work / "tiny.profile.json", "--budget", "0.5", "-o", plan_path)
+    assert r.exit_code == 0, r.stderr
+    plan = schema.load_plan(plan_path)
+    assert plan.feasible and plan.budget_fraction == 0.5
+    assert plan.predicted.peak_bytes <= plan.budget_bytes
+    assert "retention" in r.stdout and f"wrote {plan_path}" in r.stdout
+
+    r = run("apply", plan_path, "-o", patched)
+    assert r.exit_code == 0, r.stderr
+    assert "from tiny_patched import patch" in r.stdout
+
+    r = run("verify", patched, "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    report = orjson.loads(r.stdout)
+    assert report["passed"] and report["reasons"] == []
+    assert report["max_grad_rel_diff"] <= report["grad_tolerance"]
+    assert report["patched_peak_bytes"] <= report["budget_bytes"] * 1.05
+    r = run("verify", patched)
+    assert r.exit_code == 0 and "PASSED" in r.stdout
+
+
+def test_show_simulate_trace_and_compare(work):
+    plan_path = work / "show.plan.json"
+    assert run("plan", work / "tiny.profile.json", "-b", "0.5", "-o", plan_path).exit_code == 0
+    r = run("show", plan_path)
+    assert r.exit_code == 0 and "Actions per layer" in r.stdout
+    trace = work / "t.json"
+    r = run("simulate", plan_path, "--hardware", "h100-pcie5", "--trace", trace)
+    assert r.exit_code == 0, r.stderr
+    assert "h100-pcie5" in r.stdout and "op times as measured" in r.stdout
+    doc = orjson.loads(trace.read_bytes())
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    threads = {e["args"]["name"].lower() for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    assert any("compute" in t for t in threads)
+    assert any("d2h" in t for t in threads) and any("h2d" in t for t in threads)
+    assert any(e.get("ph") == "C" for e in events)              # the memory counter
+    assert sum(e.get("ph") == "X" for e in events) >= len(schema.load_profile(
+        work / "tiny.profile.json").ops)
+    r = run("compare", work / "tiny.profile.json", "-b", "0.5",
+            "--planners", "slackswap,recompute-only,swap-all")
+    assert r.exit_code == 0, r.stderr
+    assert "Planners compared" in r.stdout and "recompute-only" in r.stdout
+
+
+def test_infeasible_plan_exits_4_and_is_written_as_such(work):
+    # recompute-only cannot free dropout masks (random ops are never recomputed), so a budget
+    # just above the floor that swapping reaches is out of its reach
+    prof = schema.load_profile(work / "tiny.profile.json")
+    budget = budget_floor_bytes(prof) + 1024
+    out = work / "inf.plan.json"
+    r = run("plan", work / "tiny.profile.json", "-b", str(budget), "-p", "recompute-only",
+            "-o", out)
+    assert r.exit_code == 4, r.stdout + r.stderr
+    assert "Error:" in r.stderr and "Hint:" in r.stderr and "feasible: false" in r.stderr
+    assert schema.load_plan(out).feasible is False
