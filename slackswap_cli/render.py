@@ -213,6 +213,14 @@ def profile_views(profile: Profile, top: int = 10) -> list:
         sources[o.time_source] = sources.get(o.time_source, 0) + 1
     hw = profile.env.get("hardware")
     device = profile.env.get("device_name") or profile.env.get("device")
+    if all(o.time_source == "measured" for o in ops) and ops:
+        costs = f"op times measured on {device or '?'}"
+    elif hw:
+        costs = f"{hw} roofline" + (f"; traced with {device}" if device else "")
+    else:
+        costs = f"- (traced on {device})" if device else "-"
+    step_us, sum_us = (profile.summary.get("measured_step_us"),
+                       profile.summary.get("op_sum_us"))
     wl = profile.workload.get("name") or profile.workload.get("path") or "?"
     totals = _kv_table("Profile", [
         ("workload", str(wl)),
@@ -222,7 +230,8 @@ def profile_views(profile: Profile, top: int = 10) -> list:
         ("saved activations", f"{fmt_bytes(saved_bytes)} in {len(saved)} tensors"),
         ("keep-all peak", fmt_bytes(peak)),
         ("time source", ", ".join(f"{k} ({v} ops)" for k, v in sorted(sources.items())) or "-"),
-        ("hardware", f"{hw or '-'}" + (f" (traced on {device})" if device else "")),
+        ("hardware", costs),
+        *([("whole step", _step_check(step_us, sum_us))] if step_us and sum_us else []),
         ("fingerprint", profile.fingerprint),
     ])
 
@@ -280,6 +289,18 @@ def _short_module(module: str, container: str | None) -> str:
     if container and module.startswith(container + "."):
         return container.rsplit(".", 1)[-1] + module[len(container):]
     return module
+
+
+def _step_check(step_us: float, sum_us: float) -> Text:
+    """A measured profile's two clocks: the whole step and the sum of its ops. Python dispatch
+    between ops makes the step somewhat longer; far apart, the machine was busy while it was
+    timed and the per-op times are not to be trusted."""
+    text = Text(f"{fmt_us(step_us)} measured end to end; ops sum to {fmt_us(sum_us)}")
+    ratio = max(step_us, sum_us) / min(step_us, sum_us)
+    if ratio > 2:
+        text.append(f" ({ratio:.0f}x apart: timing was noisy, re-profile on an idle machine)",
+                    style="yellow")
+    return text
 
 
 def _rows_table(title: str, cols, rows, compact: bool = False, fixed: tuple = ()) -> Table:
@@ -482,18 +503,33 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list
                 fb = profile.first_backward_use(e.tensor)
                 if fb is not None and fb in op_start:
                     late[e.tensor] = e.end_us - op_start[fb]
-    biggest = Table(title=f"Largest saved activations and their action (top "
-                          f"{min(top, len(saved))})", title_justify="left")
-    for col, just in (("tensor", "left"), ("layer", "left"), ("size", "right"),
-                      ("action", "left"), ("why", "left")):
-        biggest.add_column(col, justify=just)
+    title = f"Largest saved activations and their action (top {min(top, len(saved))})"
     styles = {"keep": "green", "swap": "cyan", "recompute": "yellow"}
+    rows_b = []
     for t in sorted(saved, key=lambda t: (-t.size_bytes, t.id))[:top]:
         a = act_of[t.id]
         rc = profile.ops[t.producer].time_us
         cp = hw.copy_us(t.size_bytes, "d2h") if hw else 0.0
-        biggest.add_row(t.name, layers[t.producer], fmt_bytes(t.size_bytes),
-                        Text(a, style=styles[a]), _why(a, t, rc, cp, late.get(t.id)))
+        rows_b.append((t.name, layers[t.producer], fmt_bytes(t.size_bytes),
+                       Text(a, style=styles[a]), _why(a, t, rc, cp, late.get(t.id))))
+
+    def table(with_layer: bool, compact: bool) -> Table:
+        tb = Table(title=title, title_justify="left",
+                   **({"box": box.SIMPLE_HEAD, "show_edge": False, "padding": (0, 0, 0, 1)}
+                      if compact else {}))
+        for col, just in (("tensor", "left"), ("layer", "left"), ("size", "right"),
+                          ("action", "left"), ("why", "left")):
+            if col != "layer" or with_layer:
+                tb.add_column(col, justify=just, no_wrap=col != "why")
+        for r in rows_b:
+            if with_layer:
+                tb.add_row(*r)
+            else:   # the action column already names the action: the reason alone
+                tb.add_row(*r[:1], *r[2:4], re.sub(r"^(keep|swap|recompute): ", "", r[4]))
+        return tb
+
+    # 80 columns: the reason matters more than the layer (the tensor's name hints at it)
+    biggest = _Fit(table(True, False), table(False, True))
 
     chart_title = Text("Activation memory over the step", style="italic")
     chart = memory_chart(result.memory if result is not None else (), budget, pr.step_us)
@@ -546,7 +582,9 @@ def hardware_table(specs) -> Table:
     """Presets side by side: compute, HBM, memory, host link."""
     table = Table(title="hardware presets: bf16 TFLOP/s, HBM/H2D/D2H in GB/s, copy latency in us, "
                   "eff = achievable fraction", title_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False)
+                  box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0, 0, 1),
+                  caption=(specs[0].description or None) if len(specs) == 1 else None,
+                  caption_justify="left")
     table.add_column("preset", no_wrap=True)
     for col in ("TFLOPs", "eff", "HBM", "eff", "GiB", "H2D", "D2H", "lat", "duplex"):
         table.add_column(col, justify="right", no_wrap=True)
