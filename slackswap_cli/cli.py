@@ -507,6 +507,19 @@ def hardware_cmd(
     out.print(hardware_table(specs))
 
 
+def _version_flag(value: bool) -> None:
+    if value:
+        from . import __version__
+        typer.echo(__version__)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version_flag,
+                                       help="print the version and exit")) -> None:
+    pass
+
+
 @app.command()
 def version() -> None:
     """Print the version."""

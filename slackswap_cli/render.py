@@ -422,6 +422,10 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list
     if plan.budget_fraction is not None:
         budget_txt += f" ({plan.budget_fraction:g} of the keep-all peak"
         budget_txt += f" {fmt_bytes(keep_all)})" if keep_all else ")"
+    elif keep_all and budget and budget >= keep_all:
+        budget_txt += f" (above the keep-all peak {fmt_bytes(keep_all)}: nothing has to move)"
+    elif keep_all and budget:
+        budget_txt += f" ({budget / keep_all:.2g} of the keep-all peak {fmt_bytes(keep_all)})"
     feas = Text("yes", style="green") if feasible else Text("NO", style="bold red")
     if not feasible and reason:
         feas.append(f": {reason}", style="red")
