@@ -327,6 +327,17 @@ def compare(
     from .render import compare_table
     out.print(compare_table(rows, budget_bytes, hardware=hw.name,
                             keep_all_bytes=prof.summary.get("peak_activation_bytes")))
+    for row in rows:   # say why a planner does not fit, in its own words
+        if not row["feasible"] and row["notes"]:
+            from rich.table import Table
+            from rich.text import Text
+            grid = Table.grid(padding=(0, 1))
+            grid.add_column(no_wrap=True)
+            grid.add_column(style="dim")
+            for note in row["notes"]:
+                grid.add_row("  -", Text(str(note)))
+            out.print(f"{row['planner']} does not fit:", style="bold", highlight=False)
+            out.print(grid)
 
 
 # --------------------------------------------------------------------------------------------
