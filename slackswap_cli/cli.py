@@ -97,7 +97,7 @@ def _render(items) -> None:
 
 
 def _status(message: str) -> None:
-    err.print(f"[dim]{message}[/]", markup=True)
+    err.print(f"[dim]{escape(message)}[/]", markup=True)
 
 
 def _check_output_path(path: Path, option: str = "-o", inputs=()) -> None:
@@ -182,14 +182,14 @@ def profile(
     except SlackswapError as exc:
         _fail(exc)
     for w in warnings:
-        err.print(f"[yellow]Warning:[/] {w}", markup=True)
+        err.print(f"[yellow]Warning:[/] {escape(w)}", markup=True)
     if as_json:
         _print_json({"profile": str(target), "fingerprint": prof.fingerprint,
                      "workload": prof.workload, "env": prof.env, "summary": prof.summary})
         return
     from .render import profile_views
     _render(profile_views(prof))
-    out.print(f"wrote {target}")
+    out.print(f"wrote {target}", markup=False)
 
 
 class _nullcontext:
@@ -261,7 +261,7 @@ def plan(
     else:
         from .render import plan_views
         _render(plan_views(result, prof, sim))
-        out.print(f"wrote {target}")
+        out.print(f"wrote {target}", markup=False)
     if not result.feasible:
         _error_lines("no plan keeps activation memory under the budget; "
                      f"wrote the best one found to {target} with feasible: false",
@@ -336,7 +336,7 @@ def compare(
             grid.add_column(style="dim")
             for note in row["notes"]:
                 grid.add_row("  -", Text(str(note)))
-            out.print(f"{row['planner']} does not fit:", style="bold", highlight=False)
+            out.print(f"{row['planner']} does not fit:", style="bold", highlight=False, markup=False)
             out.print(grid)
 
 
@@ -378,7 +378,7 @@ def simulate(
                                     feasible=result.feasible)
         _render(plan_views(shown, prof, result))
         if trace is not None:
-            out.print(f"wrote {trace} (open it in https://ui.perfetto.dev)")
+            out.print(f"wrote {trace} (open it in https://ui.perfetto.dev)", markup=False)
     if not result.feasible:
         _error_lines(f"on {hw.name} this plan does not keep activation memory under its "
                      f"budget" + (f": {result.reason}" if result.reason else ""),
@@ -460,16 +460,16 @@ def apply(
         write_atomic(output, source.encode())
     except SlackswapError as exc:
         _fail(exc)
-    out.print(f"wrote {output}")
+    out.print(f"wrote {output}", markup=False)
     if not output.stem.isidentifier():
-        err.print(f"[yellow]Warning:[/] '{output.stem}' is not a Python module name, so "
+        err.print(f"[yellow]Warning:[/] '{escape(output.stem)}' is not a Python module name, so "
                   "`import` cannot load it as is: rename it (letters, digits, underscores) or "
                   "load it with importlib", markup=True)
     out.print("use it in your training loop:\n"
               f"    from {output.stem} import patch\n"
               "    step = patch(model)        # shares model's parameters\n"
               "    loss = step(*inputs)       # or step(**inputs)\n"
-              "    loss.backward(); optimizer.step()")
+              "    loss.backward(); optimizer.step()", markup=False)
 
 
 @app.command()
