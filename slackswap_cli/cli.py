@@ -133,7 +133,7 @@ def _check_output_path(path: Path, option: str = "-o", inputs=()) -> None:
 # --------------------------------------------------------------------------------------------
 @app.command()
 def profile(
-    model: Path = typer.Argument(..., help="workload file (model.py with a workload() function) or an ONNX file"),
+    model: Path = typer.Argument(..., metavar="MODEL", help="workload file (model.py with a workload() function) or an ONNX file"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile path [default: <model>.profile.json]"),
     entry: str = typer.Option("workload", "--entry", help="function in the workload file that returns (model, inputs[, loss_fn])"),
     arg: List[str] = typer.Option([], "--arg", help="key=value passed to the entry function (Python literal); repeatable"),
@@ -403,7 +403,7 @@ def _plan_profile(p, profile_path: Optional[Path]):
 # --------------------------------------------------------------------------------------------
 @app.command()
 def show(
-    path: Path = typer.Argument(..., help="a profile or a plan JSON"),
+    path: Path = typer.Argument(..., metavar="FILE", help="a profile or a plan JSON"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="for a plan: its profile [default: the one it records]"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
@@ -474,7 +474,7 @@ def apply(
 
 @app.command()
 def verify(
-    patched: Path = typer.Argument(..., help="patched module from `slackswap apply`"),
+    patched: Path = typer.Argument(..., metavar="PATCHED", help="patched module from `slackswap apply`"),
     model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the patched module records]"),
     steps: int = typer.Option(1, "--steps", min=1, help="training steps to compare"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
@@ -502,7 +502,7 @@ def verify(
 # --------------------------------------------------------------------------------------------
 @app.command("hardware")
 def hardware_cmd(
-    name: Optional[str] = typer.Argument(None, help="a preset to print in full"),
+    name: Optional[str] = typer.Argument(None, metavar="NAME", help="a preset to print in full"),
     as_json: bool = typer.Option(False, "--json", help="print as JSON (a starting point for a custom --hardware file)"),
 ) -> None:
     """List hardware presets, or print one (its fields are the format of a --hardware JSON file)."""
