@@ -512,7 +512,9 @@ def hardware_cmd(
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
-        _print_json(specs[0].to_dict() if name else {s.name: s.to_dict() for s in specs})
+        import orjson   # indented: this is the starting point of a hand-edited --hardware file
+        data = specs[0].to_dict() if name else {s.name: s.to_dict() for s in specs}
+        sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n")
         return
     from .render import hardware_table
     out.print(hardware_table(specs))
