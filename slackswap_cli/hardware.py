@@ -231,6 +231,15 @@ def load_hardware(name_or_path: str | None) -> HardwareSpec:
         if not isinstance(data, dict):
             raise FormatError(f"hardware file {path} must hold one JSON object", hint=example)
         data.setdefault("name", path.stem)
-        return HardwareSpec.from_dict(data, source=str(path))
+        spec = HardwareSpec.from_dict(data, source=str(path))
+        preset = PRESETS.get(spec.name)
+        if preset is not None and dataclasses.replace(spec, description=preset.description) != preset:
+            # profiles, plans and re-costing know hardware by name: an edited copy of a preset
+            # that keeps the preset's name would be taken for the preset
+            raise FormatError(f"hardware file {path} is named '{spec.name}' like the preset, "
+                              "but its numbers differ",
+                              hint='give it a name of its own, e.g. "name": "my-'
+                                   f'{spec.name}"')
+        return spec
     raise InputError(f"unknown hardware preset '{name_or_path}'",
                      hint=f"presets: {', '.join(PRESETS)}; or pass a JSON file with the same fields")
