@@ -57,7 +57,10 @@ class _Group(TyperGroup):
 
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   pretty_exceptions_enable=False,
-                  help="Fit training into GPU memory: keep, swap or recompute each saved activation.")
+                  help="Fit training into GPU memory: keep, swap or recompute each saved activation.",
+                  epilog="Exit codes: 0 ok, 1 internal error (a bug: SLACKSWAP_DEBUG=1 prints its "
+                         "traceback), 2 bad input, 3 the model could not be traced, 4 no plan fits "
+                         "the budget, 5 verify found a difference.")
 out = Console(highlight=False, soft_wrap=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
