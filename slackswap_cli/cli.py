@@ -47,6 +47,11 @@ class _Group(TyperGroup):
         except KeyboardInterrupt:
             _error_lines("interrupted", None)
             raise typer.Exit(130) from None
+        except SystemExit as exc:          # our exits are typer.Exit: this one is user code's
+            _error_lines(f"the workload called sys.exit({exc.code!r}) while slackswap ran it",
+                         "a workload file must not exit: put script code under "
+                         "`if __name__ == \"__main__\":`")
+            raise typer.Exit(3) from None
         except OSError as exc:
             if exc.errno == errno.EPIPE:   # `slackswap show ... | head`: not an error
                 raise

@@ -79,6 +79,7 @@ def ws(tmp_path, monkeypatch):
         "import torch\n"
         "def workload(n):\n"
         "    return torch.nn.Linear(n, 1), (torch.randn(2, n),), lambda out: out.sum()\n")
+    (tmp_path / "exits.py").write_text("import sys\ndef workload():\n    sys.exit(0)\n")
     (tmp_path / "notmod.py").write_text("raise SystemExit('a training script: must not run')\n")
     (tmp_path / "text.onnx").write_text("this is not onnx")
     (tmp_path / "afile").write_text("")
@@ -147,6 +148,7 @@ CASES = [
     (("profile", "nowl.py", "-o", "out.json"), 2, "no function named 'workload'"),
     (("profile", "syntax.py", "-o", "out.json"), 2, "syntax"),
     (("profile", "raises.py", "-o", "out.json"), 3, "boom"),
+    (("profile", "exits.py", "-o", "out.json"), 3, "sys.exit(0)"),
     (("profile", "notloss.py", "--device", "cpu", "-o", "out.json"), 3, "scalar"),
     (("profile", "twoargs.py", "--arg", "n=4", "--device", "cpu", "-o", "out.json"), 2,
      "loss_fn"),
