@@ -5,9 +5,9 @@ hint)`; here it becomes `Error: ...` / `Hint: ...` on stderr and the error's exi
 input, 3 tracing failed, 4 no plan fits, 5 verify found a mismatch). Usage errors (a missing
 option, an unknown command) get the same two lines and exit 2. Any other exception is a bug in
 slackswap: users see `Error: internal error ...` and exit 1, never a raw traceback, unless
-SLACKSWAP_DEBUG=1 asks for it. Imports of heavy modules
-(torch, the tracer, the planners) happen inside the commands, so `plan`, `show`, `simulate`
-and `compare` start without importing torch.
+SLACKSWAP_DEBUG=1 asks for it. Imports of heavy modules (torch, the tracer, the planners)
+happen inside the commands, so `plan`, `show`, `simulate` and `compare` start without
+importing torch.
 """
 from __future__ import annotations
 
@@ -31,7 +31,10 @@ class _Group(TyperGroup):
     """Runs every command behind one error boundary (see the module docstring)."""
 
     def invoke(self, ctx):
-        from typer._click.exceptions import ClickException, UsageError
+        try:   # typer >= 0.2x vendors click; older ones use click itself
+            from typer._click.exceptions import ClickException, UsageError
+        except ImportError:  # pragma: no cover
+            from click.exceptions import ClickException, UsageError
         try:
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort):
