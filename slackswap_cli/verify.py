@@ -97,6 +97,52 @@ def saved_bytes_original(model, inputs, run_step, exclude) -> tuple[object, int]
     return out, sum(seen.values())
 
 
+_DTYPE_BYTES = {"torch.float64": 8, "torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}
+
+
+def _available_bytes(device: str) -> int | None:
+    """Free memory where the step will run: the GPU's free bytes, or the host's MemAvailable."""
+    import torch
+    if device == "cuda":
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(meta: dict, device: str) -> None:
+    """Refuse, before building anything, a verify this machine cannot hold.
+
+    verify builds the model twice (original and patched) with their gradients and runs the
+    original step with every activation kept. A module made from a `--device fake` profile of
+    a large model would otherwise be built for real on the CPU and get the process killed by
+    the kernel, without a word. The estimate is a floor (optimizer state, temporaries and the
+    allocator come on top), so only a verify that cannot possibly fit is refused.
+    """
+    import math
+    param_bytes = sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
+                      for _, shape, dtype in meta.get("params", ()))
+    budget = int(meta.get("budget_bytes") or 0)
+    fraction = meta.get("budget_fraction")
+    peak = int((meta.get("predicted") or {}).get("peak_bytes") or 0)
+    keep_all = budget / fraction if fraction else max(budget, peak)
+    need = int(4 * param_bytes + keep_all)
+    free = _available_bytes(device)
+    if free is not None and need > free:
+        gib = 2 ** 30
+        raise InputError(
+            f"verify needs at least {need / gib:.1f} GiB on {device} (the model twice with its "
+            f"gradients, {4 * param_bytes / gib:.1f} GiB, and one step keeping every "
+            f"activation, {keep_all / gib:.1f} GiB), but only {free / gib:.1f} GiB is free",
+            hint="verify runs the real model: check a smaller configuration here (profile, plan "
+                 "and apply it with smaller --arg values), or run verify on a machine that "
+                 "holds the full one")
+
+
 def _warmup(model, run) -> None:
     """One untimed step; weights, buffers, gradients and the RNG are put back afterwards."""
     import torch
@@ -141,6 +187,7 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
         raise InputError("the patched module was made for CUDA, but no GPU is visible",
                          hint="run verify on the machine the profile was made on")
     dev = None if device == "cpu" else device
+    check_fits(meta, device)
 
     torch.manual_seed(seed)
     orig = load_workload(path, entry, args, device=dev)

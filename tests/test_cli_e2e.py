@@ -100,3 +100,18 @@ def test_infeasible_plan_exits_4_and_is_written_as_such(work):
     assert r.exit_code == 4, r.stdout + r.stderr
     assert "Error:" in r.stderr and "Hint:" in r.stderr and "feasible: false" in r.stderr
     assert schema.load_plan(out).feasible is False
+
+
+def test_verify_refuses_a_model_this_machine_cannot_hold(work):
+    """A module whose model would need terabytes (as one made from a --device fake profile of a
+    large model) is refused before anything is built, instead of the kernel killing it."""
+    plan_path, patched = work / "big.plan.json", work / "big_patched.py"
+    assert run("plan", work / "tiny.profile.json", "-b", "0.5", "-o", plan_path).exit_code == 0
+    assert run("apply", plan_path, "-o", patched).exit_code == 0
+    source = patched.read_text()
+    assert "'params': [['tok.weight', [64, 32], 'torch.float32']" in source
+    patched.write_text(source.replace("'params': [['tok.weight', [64, 32],",
+                                      "'params': [['tok.weight', [1000000, 1000000],", 1))
+    r = run("verify", patched)
+    assert r.exit_code == 2, r.stdout + r.stderr
+    assert "verify needs at least" in r.stderr and "Hint:" in r.stderr
