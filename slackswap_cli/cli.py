@@ -172,7 +172,7 @@ def profile(
         target = output or model.with_suffix(".profile.json")
         _check_output_path(target, "-o", [model, hardware])
         warnings: list[str] = []
-        if hardware and device in ("cpu", "cuda") and model.suffix.lower() != ".onnx":
+        if hardware and device != "fake" and model.suffix.lower() != ".onnx":
             warnings.append(f"--hardware {hardware} is not used: --device {device} measures op "
                             "times (the roofline costs only --device fake and ONNX profiles)")
         if model.suffix.lower() == ".onnx":
