@@ -24,6 +24,7 @@ import re
 
 from .errors import InfeasibleError, InputError
 from .schema import Profile
+from .units import fmt_bytes
 
 _UNITS = {
     "": 1, "b": 1,
@@ -31,7 +32,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,   # bare letters: binary, like nvidia-smi
 }
-_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
+_BUDGET_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
 _HINT = ("pass a fraction of the keep-all activation peak in (0, 1] (e.g. 0.5) "
          "or a size (e.g. 20GiB, 512MiB, 20GB, 1.5e9)")
 
@@ -61,7 +62,9 @@ def parse_budget(text: str | float | int, profile: Profile) -> tuple[int, float 
         return parse_budget(repr(number / 100), profile)
     if unit not in _UNITS:
         raise InputError(f"unknown unit {m.group(2)!r} in budget {raw!r}", hint=_HINT)
-    if not math.isfinite(number) or number <= 0:
+    if not math.isfinite(number):
+        raise InputError(f"budget {raw!r} is not a finite number", hint=_HINT)
+    if number <= 0:
         raise InputError(f"budget {raw!r} must be positive", hint=_HINT)
     if unit == "" and number <= 1.0:
         peak = keep_all_peak_bytes(profile)
@@ -85,16 +88,13 @@ def check_budget(budget_bytes: int, profile: Profile) -> None:
         peak = keep_all_peak_bytes(profile)
         frac = f" ({floor / peak:.3f} of the keep-all peak)" if peak else ""
         raise InfeasibleError(
-            f"budget {format_bytes(budget_bytes)} is below the floor {format_bytes(floor)}{frac}: "
+            f"budget {fmt_bytes(budget_bytes)} is below the floor {fmt_bytes(floor)}{frac}: "
             "memory that no plan can free",
-            hint=f"raise the budget to at least {floor} bytes")
+            hint=f"raise the budget to at least {_ceil3(floor / peak) if peak else 1} "
+                 f"(fraction) or {fmt_bytes(floor)} ({floor} bytes)")
 
 
-def format_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB' (binary units: how allocators and nvidia-smi count)."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
+def _ceil3(x: float) -> float:
+    """x rounded up to 3 decimals, so the suggested fraction is never below the floor."""
+    return math.ceil(x * 1000 - 1e-9) / 1000
+

@@ -26,6 +26,7 @@ from rich.text import Text
 
 from .hardware import HardwareSpec
 from .schema import Plan, Predicted, Profile
+from .units import fmt_bytes, fmt_us  # noqa: F401 - re-exported for the views' callers
 
 UNATTRIBUTED = "(unattributed)"
 _BLOCKS = " ▁▂▃▄▅▆▇█"
@@ -34,32 +35,6 @@ _BLOCKS = " ▁▂▃▄▅▆▇█"
 # --------------------------------------------------------------------------------------------
 # formatting
 # --------------------------------------------------------------------------------------------
-def fmt_bytes(n: float | int | None) -> str:
-    """Binary units with two decimals: 1.50 GiB, 12.00 MiB, 512 B."""
-    if n is None:
-        return "-"
-    x = float(n)
-    if abs(x) < 1024:
-        return f"{int(x)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        x /= 1024.0
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{x:.2f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def fmt_us(us: float | None) -> str:
-    """A duration given in microseconds: 12.3 us, 1.23 ms, 4.56 s."""
-    if us is None:
-        return "-"
-    a = abs(us)
-    if a < 1000:
-        return f"{us:.1f} us"
-    if a < 1e6:
-        return f"{us / 1e3:.2f} ms"
-    return f"{us / 1e6:.2f} s"
-
-
 def fmt_pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 

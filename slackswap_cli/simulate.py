@@ -89,6 +89,7 @@ from typing import Iterable, Mapping
 from . import schema
 from .errors import InputError
 from .hardware import HardwareSpec
+from .units import fmt_bytes
 
 KEEP, SWAP, RECOMPUTE, NOT_SAVED = 0, 1, 2, 3
 _CODES = {"keep": KEEP, "swap": SWAP, "recompute": RECOMPUTE}
@@ -117,13 +118,6 @@ class SimResult:
     schedule: tuple[schema.ScheduleEvent, ...]
     events: tuple[TimelineEvent, ...]
     memory: tuple[tuple[float, int], ...]
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # --------------------------------------------------------------------------------------------
@@ -732,9 +726,9 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
                 want = alloc[t] + sum(size[x] for x in need.get(t, ()) if x not in arrived)
                 what = (f"op {op} ({ops[op].name})" if task_owner[t] == op else
                         f"recomputing op {op} ({ops[op].name}) for op {task_owner[t]}")
-                reason = (f"{what} needs {_fmt_bytes(want)} more activation memory but the "
-                          f"budget leaves {_fmt_bytes(max(0.0, budget - mem))} "
-                          f"({_fmt_bytes(mem)} of {_fmt_bytes(budget)} in use)")
+                reason = (f"{what} needs {fmt_bytes(want)} more activation memory but the "
+                          f"budget leaves {fmt_bytes(max(0.0, budget - mem))} "
+                          f"({fmt_bytes(mem)} of {fmt_bytes(budget)} in use)")
                 feasible = False
                 budget = _INF
                 if wait_cause is None:

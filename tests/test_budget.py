@@ -1,7 +1,8 @@
 """--budget parsing and the floor check, with answers worked out by hand."""
 import pytest
 
-from slackswap_cli.budget import check_budget, format_bytes, parse_budget
+from slackswap_cli.budget import check_budget, parse_budget
+from slackswap_cli.units import fmt_bytes, fmt_us
 from slackswap_cli.errors import InfeasibleError, InputError
 from slackswap_cli.simulate import budget_floor_bytes
 from slackswap_cli.synthetic import chain_profile
@@ -32,7 +33,8 @@ def test_absolute_sizes(prof, text, expected):
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("", "cannot read"), ("half", "cannot read"), ("-0.5", "cannot read"), ("0", "positive"),
+    ("", "cannot read"), ("half", "cannot read"), ("-0.5", "positive"), ("-1GiB", "positive"), ("0", "positive"),
+    ("1e400", "finite"),
     ("12 parsecs", "unknown unit"), ("1.5", "above 1"), ("0.5GiBx", "unknown unit"),
     ("150%", "100%"), ("0%", "100%"),
 ])
@@ -48,9 +50,13 @@ def test_check_budget_names_the_floor(prof):
     with pytest.raises(InfeasibleError, match="below the floor") as exc:
         check_budget(floor - 1, prof)
     assert str(floor) in exc.value.hint
+    # the suggested fraction, rounded up, is itself accepted
+    suggested = float(exc.value.hint.split("at least ")[1].split(" ")[0])
+    check_budget(parse_budget(str(suggested), prof)[0], prof)
 
 
-def test_format_bytes():
-    assert format_bytes(512) == "512 B"
-    assert format_bytes(1536) == "1.50 KiB"
-    assert format_bytes(3 * 2**30) == "3.00 GiB"
+def test_units():
+    assert fmt_bytes(512) == "512 B"
+    assert fmt_bytes(1536) == "1.50 KiB"
+    assert fmt_bytes(3 * 2**30) == "3.00 GiB"
+    assert fmt_us(12.34) == "12.3 us" and fmt_us(1234) == "1.23 ms" and fmt_us(4.56e6) == "4.56 s"

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..hardware import HardwareSpec
 from ..schema import Decision, Profile
+from ..units import fmt_us
 from .common import (KEEP, RECOMPUTE, SWAP, Model, SlackLedger, State, build_model,
                      copy_schedule, memory, recompute_until_fits)
 
@@ -328,7 +329,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
     _, state, decisions, fits, safety, pin, res = best
     notes = [f"{sum(a == SWAP for a in state.actions)} swapped, "
              f"{sum(a == RECOMPUTE for a in state.actions)} recomputed "
-             f"({state.recompute_us():.0f} us of recompute in the static model)"]
+             f"({fmt_us(state.recompute_us())} of recompute in the static model)"]
     if safety is None:
         notes.append("recomputing alone beat every plan with swaps in simulation")
     elif getattr(state, "stall_fixed", 0):

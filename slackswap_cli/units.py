@@ -1,0 +1,32 @@
+"""How sizes and durations are written for people: one place, so every message agrees.
+
+Bytes in binary units (how allocators and nvidia-smi count): `1.50 GiB`, `512 B`.
+Durations given in microseconds: `12.3 us`, `1.23 ms`, `4.56 s`.
+"""
+from __future__ import annotations
+
+
+def fmt_bytes(n: float | int | None) -> str:
+    """Binary units with two decimals: 1.50 GiB, 12.00 MiB, 512 B."""
+    if n is None:
+        return "-"
+    x = float(n)
+    if abs(x) < 1024:
+        return f"{int(x)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        x /= 1024.0
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def fmt_us(us: float | None) -> str:
+    """A duration given in microseconds: 12.3 us, 1.23 ms, 4.56 s."""
+    if us is None:
+        return "-"
+    a = abs(us)
+    if a < 1000:
+        return f"{us:.1f} us"
+    if a < 1e6:
+        return f"{us / 1e3:.2f} ms"
+    return f"{us / 1e6:.2f} s"
