@@ -226,15 +226,27 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
     worst = ""
     peaks_o, peaks_p, times_o, times_p = [], [], [], []
     offloaded = 0
+
+    def start() -> int:
+        """Synchronise and open a measurement: the allocated bytes it starts from (CUDA)."""
+        sync()
+        if not cuda:
+            return 0
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    def peak(base: int, model, held_bytes: int) -> int:
+        """After the step: CUDA peak over it less gradients, or the CPU bytes held for backward."""
+        if not cuda:
+            return held_bytes
+        return torch.cuda.max_memory_allocated() - base - grad_bytes(model)
+
     for k in range(steps):
         # ---- original ----------------------------------------------------------------------
         opt_o.zero_grad(set_to_none=True)
         exclude_o = [*orig.model.parameters(), *orig.model.buffers(),
                      *[x for x in pytree.tree_leaves(orig.inputs) if isinstance(x, torch.Tensor)]]
-        sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+        base = start()
         torch.manual_seed(seed + 1 + k)
         t0 = time.perf_counter()
 
@@ -245,16 +257,10 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
         loss_o.backward()
         sync()
         times_o.append((time.perf_counter() - t0) * 1e3)
-        if cuda:
-            peaks_o.append(torch.cuda.max_memory_allocated() - base - grad_bytes(orig.model))
-        else:
-            peaks_o.append(held_o)
+        peaks_o.append(peak(base, orig.model, held_o))
         # ---- patched -----------------------------------------------------------------------
         opt_p.zero_grad(set_to_none=True)
-        sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+        base = start()
         torch.manual_seed(seed + 1 + k)
         t0 = time.perf_counter()
         loss_p = patched(*p_args, **p_kwargs)
@@ -264,10 +270,7 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
         loss_p.backward()
         sync()
         times_p.append((time.perf_counter() - t0) * 1e3)
-        if cuda:
-            peaks_p.append(torch.cuda.max_memory_allocated() - base - grad_bytes(work.model))
-        else:
-            peaks_p.append(held_p)
+        peaks_p.append(peak(base, work.model, held_p))
         # ---- compare -----------------------------------------------------------------------
         losses_o.append(float(loss_o.detach()))
         losses_p.append(float(loss_p.detach()))
