@@ -44,3 +44,20 @@ def test_real_storages_confirm_the_traced_aliases():
     # every timed op of the graph has a time
     names = {o.name for o in from_trace.ops}
     assert set(m["op_times_us"]) == names
+
+
+def test_a_step_that_does_not_fit_points_to_fake_tensors(monkeypatch):
+    # measuring runs the real step: out of memory there is a clear error, not a crash report
+    import slackswap_cli.trace.measure as measure
+    from slackswap_cli.errors import TraceError
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(measure, "measure_joint", oom)
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    with pytest.raises(TraceError, match="does not fit in cpu memory") as exc:
+        profile_workload(examples / "tiny_gpt.py", args={"n_layer": 1, "d_model": 32, "n_head": 2,
+                                                         "seq": 8, "batch": 1},
+                         device="cpu", hardware=PRESETS["a100-pcie4"])
+    assert "--device fake" in exc.value.hint

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..errors import InputError
+from ..errors import InputError, TraceError
 from ..schema import Profile
 
 
@@ -87,8 +87,11 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if device == "fake" else None
     call = ", ".join(f"{k}={v!r}" for k, v in (args or {}).items())
     say(f"loading {path}: {entry}({call})")
-    work, module = _load(path, entry, args, fake_mode=fake_mode,
-                         device=None if device == "fake" else device)
+    try:
+        work, module = _load(path, entry, args, fake_mode=fake_mode,
+                             device=None if device == "fake" else device)
+    except torch.OutOfMemoryError as exc:
+        raise _does_not_fit(device, exc) from None
     say("tracing forward + loss + backward")
     joint = capture_joint(work.model, work.inputs, work.loss_fn)
     n_nodes = len(joint.gm.graph.nodes)
@@ -109,7 +112,10 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
         env = {"torch_version": torch.__version__, "device": device, "device_name": name,
                "hardware": None}
-        m = measure_joint(joint, work.model, work.inputs, device=dev, progress=say)
+        try:
+            m = measure_joint(joint, work.model, work.inputs, device=dev, progress=say)
+        except torch.OutOfMemoryError as exc:
+            raise _does_not_fit(device, exc) from None
         extra = {"measured_step_us": m["measured_step_us"], "op_sum_us": m["op_sum_us"],
                  "measure_warmup": m["warmup"], "measure_repeats": m["repeats"]}
         prof = joint_to_profile(joint, workload=header, env=env, op_times_us=m["op_times_us"],
@@ -118,3 +124,13 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     prof.summary["profile_s"] = round(time.perf_counter() - t0, 3)
     say(f"profiled {prof.summary['n_ops']} ops in {prof.summary['profile_s']:.1f} s")
     return prof
+
+
+def _does_not_fit(device: str, exc: BaseException) -> TraceError:
+    """Measuring runs the whole step for real: a model that does not fit cannot be measured."""
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return TraceError(
+        f"the model or its training step does not fit in {device} memory, so it cannot be "
+        f"measured there ({first})",
+        hint="profile it with --device fake --hardware PRESET: fake tensors allocate nothing "
+             "and the roofline of PRESET costs every op")
