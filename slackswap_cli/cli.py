@@ -51,6 +51,8 @@ class _Group(TyperGroup):
             _error_lines("interrupted", None)
             raise typer.Exit(130) from None
         except SystemExit as exc:          # our exits are typer.Exit: this one is user code's
+            if isinstance(exc.__context__, BrokenPipeError):
+                raise                      # Rich's exit when stdout closed early (`| head`)
             _error_lines(f"the workload called sys.exit({exc.code!r}) while slackswap ran it",
                          "a workload file must not exit: put script code under "
                          "`if __name__ == \"__main__\":`")

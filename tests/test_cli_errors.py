@@ -245,3 +245,19 @@ def test_usage_errors_through_the_real_entry_point(ws):
     assert "Error: Missing option '--budget'" in r.stderr
     assert "Hint: see `slackswap plan --help`" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_stdout_closed_early_is_not_blamed_on_the_workload(ws):
+    """`slackswap show plan.json | head`: Rich exits on the broken pipe; that is no user error."""
+    exe = Path(sys.executable).parent / "slackswap"
+    if not exe.exists():
+        pytest.skip("the slackswap entry point is not installed beside this Python")
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before anything is written
+    try:
+        p = subprocess.run([str(exe), "show", "chain.profile.json"], stdout=w,
+                           stderr=subprocess.PIPE, text=True, cwd=ws, timeout=60)
+    finally:
+        os.close(w)
+    assert p.returncode != 0
+    assert "sys.exit" not in p.stderr and "Traceback" not in p.stderr
