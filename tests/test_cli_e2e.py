@@ -115,3 +115,24 @@ def test_verify_refuses_a_model_this_machine_cannot_hold(work):
     r = run("verify", patched)
     assert r.exit_code == 2, r.stdout + r.stderr
     assert "verify needs at least" in r.stderr and "Hint:" in r.stderr
+
+
+def test_resnet_with_batchnorm_through_the_whole_pipeline(tmp_path):
+    """A CNN from Hugging Face's ResNetConfig (BatchNorm in training mode, residual adds)."""
+    example = EXAMPLE.parent / "resnet50.py"
+    tiny = ("--arg", "depths=[1,1]", "--arg", "widths=[32,64]", "--arg", "embedding=16",
+            "--arg", "image=32", "--arg", "batch=2", "--arg", "dtype=float32",
+            "--arg", "classes=10")
+    prof, plan, patched = tmp_path / "r.json", tmp_path / "r.plan.json", tmp_path / "r_patched.py"
+    assert run("profile", example, "--device", "fake", *tiny, "-o", prof).exit_code == 0
+    r = run("plan", prof, "--budget", "0.7", "-o", plan)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    actions = {d.action for d in schema.load_plan(plan).decisions}
+    assert "recompute" in actions and "keep" in actions
+    assert run("apply", plan, "-o", patched).exit_code == 0
+    r = run("verify", patched, "--steps", "2", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    report = orjson.loads(r.stdout)
+    assert report["passed"] and report["max_grad_rel_diff"] <= 1e-4
+    assert report["max_buffer_rel_diff"] <= 1e-4      # running statistics updated once, as eager
+    assert report["patched_peak_bytes"] < report["original_peak_bytes"]
