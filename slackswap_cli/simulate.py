@@ -87,12 +87,12 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from . import schema
+from .chains import ACTION_CODES as _CODES, KEEP, NOT_SAVED, RECOMPUTE, SWAP, Tables, lay_out
+from .chains import tables as _tables
 from .errors import InputError
 from .hardware import HardwareSpec
 from .units import fmt_bytes
 
-KEEP, SWAP, RECOMPUTE, NOT_SAVED = 0, 1, 2, 3
-_CODES = {"keep": KEEP, "swap": SWAP, "recompute": RECOMPUTE}
 _INF = float("inf")
 MEMORY_FULL = "memory_full"
 LATE_PREFETCH = "late_prefetch"
@@ -120,80 +120,6 @@ class SimResult:
     memory: tuple[tuple[float, int], ...]
 
 
-# --------------------------------------------------------------------------------------------
-# Per-profile tables (decision independent, cached on the profile)
-# --------------------------------------------------------------------------------------------
-class _Tables:
-    """Plain-list views of a profile: roots, sizes, readers, first/last uses."""
-
-    def __init__(self, prof: schema.Profile):
-        ops, tensors = prof.ops, prof.tensors
-        n_ops, n_t = len(ops), len(tensors)
-        self.n_ops, self.n_t = n_ops, n_t
-        self.n_fwd = nf = prof.n_forward
-        self.time = [float(o.time_us) for o in ops]
-        root = [t.id if t.alias_of is None else t.alias_of for t in tensors]
-        is_root = [t.kind == "activation" and t.alias_of is None and t.producer is not None
-                   for t in tensors]
-        self.is_root = is_root
-        self.size = [t.size_bytes for t in tensors]
-        self.producer = [-1 if t.producer is None else t.producer for t in tensors]
-        self.recomputable = [t.recomputable for t in tensors]
-        self.out_roots = [tuple(j for j in o.outputs if is_root[j]) for o in ops]
-        in_roots = []
-        for o in ops:
-            seen = []
-            for j in o.inputs:
-                r = root[j]
-                if is_root[r] and r not in seen:
-                    seen.append(r)
-            in_roots.append(tuple(seen))
-        self.in_roots = in_roots
-        last = list(self.producer)
-        lfu = list(self.producer)
-        fbu = [-1] * n_t
-        for i, rs in enumerate(in_roots):
-            for r in rs:
-                last[r] = i
-                if i < nf:
-                    lfu[r] = i
-                elif fbu[r] < 0:
-                    fbu[r] = i
-        self.last_use, self.last_fwd_use, self.first_bwd_use = last, lfu, fbu
-        self.roots = [j for j in range(n_t) if is_root[j]]
-        # a saved activation root: produced in forward, read (or an alias read) in backward
-        self.saved = [is_root[j] and tensors[j].saved and self.producer[j] < nf and fbu[j] >= 0
-                      for j in range(n_t)]
-        self.default_action = [KEEP if s else NOT_SAVED for s in self.saved]
-        self.saved_roots = [j for j in self.roots if self.saved[j]]
-        saved = self.saved
-        self.bwd_saved_in = [()] * nf + [tuple(r for r in in_roots[i] if saved[r])
-                                         for i in range(nf, n_ops)]
-        self.bwd_readers = [i for i in range(nf, n_ops) if self.bwd_saved_in[i]]
-        # bytes every plan allocates at each op's start / frees at its end: values that are
-        # not saved activations (forward transients, backward values)
-        base_alloc = [0] * n_ops
-        base_free = [0] * n_ops
-        for j in self.roots:
-            if not saved[j]:
-                base_alloc[self.producer[j]] += self.size[j]
-                base_free[last[j]] += self.size[j]
-        self.base_alloc, self.base_free = base_alloc, base_free
-        ideal = 0.0
-        for x in self.time:   # same summation order as the event loop, so keep-all is exact
-            ideal += x
-        self.ideal_us = ideal
-        self.floor_bytes: int | None = None     # budget_floor_bytes, computed on demand
-
-
-def _tables(prof: schema.Profile) -> _Tables:
-    tab = prof.__dict__.get("_slackswap_sim_tables")
-    if tab is None:
-        tab = _Tables(prof)
-        prof.__dict__["_slackswap_sim_tables"] = tab  # profiles are immutable: cache is safe
-    return tab
-
-
 def ideal_us(profile: schema.Profile) -> float:
     """Forward + backward compute time with unlimited memory (sum of op times)."""
     return _tables(profile).ideal_us
@@ -202,7 +128,7 @@ def ideal_us(profile: schema.Profile) -> float:
 # --------------------------------------------------------------------------------------------
 # Decisions
 # --------------------------------------------------------------------------------------------
-def _parse_decisions(prof: schema.Profile, tab: _Tables,
+def _parse_decisions(prof: schema.Profile, tab: Tables,
                      decisions) -> tuple[list[int], dict[int, int]]:
     action = list(tab.default_action)
     prefetch_at: dict[int, int] = {}
@@ -273,122 +199,15 @@ class _Program:
                  "need", "need_task", "queue", "rec_bytes", "rec_root", "special",
                  "_swap_in", "_fwd_release", "_req")
 
-    def __init__(self, prof: schema.Profile, tab: _Tables, action: list[int]):
+    def __init__(self, prof: schema.Profile, tab: Tables, action: list[int]):
         nf, n_ops = tab.n_fwd, tab.n_ops
-        in_roots, out_roots = tab.in_roots, tab.out_roots
-        producer, size, recomputable = tab.producer, tab.size, tab.recomputable
+        producer, size = tab.producer, tab.size
         last_use = tab.last_use
-        task_op = list(range(nf))
-        task_owner = list(range(nf))
-        op_task = list(range(nf)) + [-1] * (n_ops - nf)
-        alloc_rec: dict[int, int] = {}     # recompute task -> bytes it allocates
-        rec_root: dict[int, int] = {}      # recompute task -> the root it is mainly for
-        mat: set[int] = set()              # swap/recompute roots resident in backward
-        mat_start: list[tuple[int, int]] = []   # (root, task) recompute roots made resident
-        temps: list[tuple[int, int, int]] = []  # (root, start task, end task)
-        need_task: dict[int, int] = {}     # swapped root -> first task that needs it fetched
-        ext: dict[int, int] = {}           # root -> task its life is extended to
-
-        def resident(x: int, i: int) -> bool:
-            a = action[x]
-            if a == KEEP:
-                return last_use[x] >= i
-            if a == NOT_SAVED:
-                return producer[x] >= nf   # produced in backward: alive while read
-            return x in mat and last_use[x] >= i
-
-        bwd_saved_in = tab.bwd_saved_in
-        nxt = nf                           # next backward op not yet laid out
-        T = nf                             # == len(task_op)
-        for i in tab.bwd_readers:          # backward ops that read saved activations
-            if i > nxt:                    # ops in between read none: they run as they are
-                task_op.extend(range(nxt, i))
-                task_owner.extend(range(nxt, i))
-                op_task[nxt:i] = range(T, T + i - nxt)
-                T += i - nxt
-            ins = bwd_saved_in[i]
-            targets = [r for r in ins if action[r] == RECOMPUTE and r not in mat]
-            if targets:
-                # phase A: which ops the chain re-runs (closure over non-resident inputs)
-                produced = set(targets)
-                run: set[int] = set()
-                stack = list(targets)
-                while stack:
-                    p = producer[stack.pop()]
-                    if p in run:
-                        continue
-                    run.add(p)
-                    for x in in_roots[p]:
-                        if x in produced or resident(x, i):
-                            continue
-                        if action[x] == SWAP and x not in mat:
-                            continue                       # fetched back for the chain
-                        if recomputable[x]:
-                            produced.add(x)
-                            stack.append(x)
-                        elif action[x] == NOT_SAVED:
-                            t = prof.tensors[targets[0]]
-                            raise InputError(
-                                f"tensor {t.id} ({t.name}) cannot be recomputed: its chain "
-                                f"needs tensor {x} ({prof.tensors[x].name}), the output of "
-                                f"random op {producer[x]} ({prof.ops[producer[x]].name}), "
-                                "which backward does not save",
-                                hint="keep or swap that tensor instead")
-                # phase B: lay the chain out in forward order
-                fetched: list[int] = []
-                last_reader: dict[int, int] = {}
-                made: list[int] = []
-                first_temp = len(temps)
-                for p in sorted(run):
-                    task_op.append(p)
-                    task_owner.append(i)
-                    for x in in_roots[p]:
-                        if x in produced:
-                            last_reader[x] = T
-                        elif action[x] == SWAP and x not in mat:
-                            if x not in need_task:
-                                need_task[x] = T
-                                fetched.append(x)
-                        elif not resident(x, i):
-                            ext[x] = T                     # dead, not recomputable: held on
-                    nbytes = 0
-                    main = -1
-                    for o in out_roots[p]:
-                        if o not in produced and resident(o, i):
-                            continue                       # already there: not made again
-                        nbytes += size[o]
-                        if action[o] == RECOMPUTE and o not in mat:
-                            mat_start.append((o, T))
-                            made.append(o)
-                            if main < 0 or o in targets:
-                                main = o
-                        else:
-                            temps.append((o, T, T))        # end fixed below
-                            if main < 0:
-                                main = o
-                    alloc_rec[T] = nbytes
-                    rec_root[T] = main
-                    T += 1
-                for k in range(first_temp, len(temps)):
-                    o, start, _ = temps[k]
-                    temps[k] = (o, start, max(start, last_reader.get(o, start)))
-                mat.update(fetched)
-                mat.update(made)
-            for r in ins:
-                if action[r] == SWAP and r not in mat:
-                    mat.add(r)
-                    need_task[r] = T
-            op_task[i] = T
-            task_op.append(i)
-            task_owner.append(i)
-            T += 1
-            nxt = i + 1
-        if nxt < n_ops:
-            task_op.extend(range(nxt, n_ops))
-            task_owner.extend(range(nxt, n_ops))
-            op_task[nxt:] = range(T, T + n_ops - nxt)
-            T += n_ops - nxt
-
+        lay = lay_out(prof, tab, action)
+        task_op, task_owner, op_task = lay.task_op, lay.task_owner, lay.op_task
+        need_task, ext, alloc_rec = lay.need_task, lay.ext, lay.chain_alloc
+        mat_start, temps, rec_root = lay.made, lay.temps, lay.chain_root
+        T = len(task_op)
         N = T
         # decision-independent part (values that are not saved activations), laid on tasks
         if alloc_rec:
@@ -546,13 +365,7 @@ def recompute_chains(profile: schema.Profile, decisions) -> dict[int, tuple[int,
     """
     tab = _tables(profile)
     action, _ = _parse_decisions(profile, tab, decisions)
-    prog = _Program(profile, tab, action)
-    out: dict[int, list[int]] = {}
-    for t in range(tab.n_fwd, len(prog.task_op)):
-        op, owner = prog.task_op[t], prog.task_owner[t]
-        if op != owner:
-            out.setdefault(owner, []).append(op)
-    return {k: tuple(v) for k, v in out.items()}
+    return lay_out(profile, tab, action).chains(tab.n_fwd)
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,12 +27,13 @@ start after backward starts (a prefix condition: the copies needed by op j fit i
 time before j). `SlackLedger` keeps both conditions as arrays and answers "does one more swap
 still fit?" in one vectorised check.
 
-**Recompute chains** (`build_chains`, as the simulator runs them). Recomputing `y` re-runs its
-producer before `y` is needed; non-saved forward values it reads (dead by then) are re-run
-first, recursively, as temporaries; one that cannot be re-run (a dropout output nobody saved)
-makes the chain impossible. Candidates it reads are obtained whatever their action (kept,
-fetched, or recomputed first and then kept), so they cost no extra time, but an evicted one
-is then back *earlier*: `State.need` tracks when each candidate must be resident.
+**Recompute chains** (`build_chains`): the static view of `chains.candidate_chain`, the rules
+the simulator and the patched module follow. Recomputing `y` re-runs its producer before `y`
+is needed; non-saved forward values it reads (dead by then) are re-run first, recursively, as
+temporaries; one that cannot be re-run (a dropout output nobody saved) makes the chain
+impossible. Candidates it reads are obtained whatever their action (kept, fetched, or
+recomputed first and then kept), so they cost no extra time, but an evicted one is then back
+*earlier*: `State.need` tracks when each candidate must be resident.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..chains import candidate_chain
+from ..chains import tables as chain_tables
 from ..hardware import HardwareSpec
 from ..profile_build import live_bytes_per_op
 from ..schema import Decision, Profile
@@ -160,7 +163,9 @@ class Chains:
 
 
 def build_chains(m: Model) -> Chains:
+    """Every candidate's chain under the static view (`chains.candidate_chain`)."""
     prof = m.prof
+    tab = chain_tables(prof)
     n = len(m.cands)
     cost = np.full(n, INF)
     extra = np.zeros(n, dtype=np.int64)
@@ -171,44 +176,16 @@ def build_chains(m: Model) -> Chains:
     for c in range(n):
         by_op.setdefault(int(m.p[c]), []).append(c)
     siblings = [[x for x in by_op[int(m.p[c])] if x != c] for c in range(n)]
-    for c in range(n):
-        if not m.recomputable[c]:
+    for c, tid in enumerate(m.cands):
+        ch = candidate_chain(tab, tid)
+        if ch is None:
             continue
-        ops: set[int] = set()
-        ins: set[int] = set()
-        ok = True
-        stack = [int(m.p[c])]
-        while stack and ok:
-            o = stack.pop()
-            if o in ops:
-                continue
-            ops.add(o)
-            for tid in prof.ops[o].inputs:
-                r = prof.root(tid)
-                t = prof.tensors[r]
-                if t.kind != "activation" or t.producer is None:
-                    continue
-                x = m.index.get(r)
-                if x is not None:
-                    if x != c and x not in siblings[c]:
-                        ins.add(x)
-                    continue
-                if t.producer >= m.nf:
-                    continue              # produced in backward: alive while read
-                if not t.recomputable:
-                    ok = False
-                    break
-                stack.append(t.producer)
-        if not ok:
-            continue
-        cost[c] = float(sum(m.op_us[o] for o in ops))
-        tmp = sorted({out for o in ops for out in prof.ops[o].outputs
-                      if prof.tensors[out].alias_of is None and out not in m.index
-                      and prof.tensors[out].kind == "activation"})
-        temps[c] = tuple(tmp)
-        chain_ops[c] = (int(m.p[c]), *sorted(ops - {int(m.p[c])}))
-        extra[c] = sum(prof.tensors[t].size_bytes for t in tmp)
+        cost[c] = float(sum(m.op_us[o] for o in ch.ops))
+        temps[c] = ch.temps
+        chain_ops[c] = ch.ops
+        extra[c] = sum(prof.tensors[t].size_bytes for t in ch.temps)
         # inputs already back when c is needed (their first backward use came first) add nothing
+        ins = (m.index[x] for x in ch.inputs)
         inputs[c] = sorted(x for x in ins if not (m.fb[x] <= m.fb[c] <= m.lu[x]))
     return Chains(cost, inputs, extra, temps, chain_ops, siblings)
 

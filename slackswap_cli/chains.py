@@ -1,0 +1,318 @@
+"""Recompute chains: what backward re-runs, and when each saved value must be resident.
+
+This module is the one owner of that question. The simulator (`simulate`) lays its compute
+tasks out with `lay_out`, the planners (`planners.common`) cost each candidate with
+`candidate_chain`, and `partition` emits the patched module's backward from the same `Layout`,
+so what runs is what was simulated. Torch-free.
+
+Everything here works on storage *roots* (`Tables`): a view or an in-place result is read
+through its root, and one decision covers a root and all its aliases.
+
+**The rules** (per saved activation root, given the plan's actions):
+
+- A backward op that reads a root whose action is *recompute*, and which is not resident yet,
+  is preceded by a *chain*: the producer of that root is re-run, and before it, recursively,
+  the producer of every input root that is not at hand, in forward order.
+- An input root is *at hand* when it is resident at that point: kept and not past its last
+  reader, produced in backward, or already made resident by an earlier chain or fetch.
+- A swapped root that is not at hand is *fetched* for the chain: it becomes resident from the
+  chain on (its `need_task` is the chain's first task that reads it) and is never recomputed.
+- Any other root that is not at hand is re-run when it can be (its producer joins the chain);
+  a root that cannot be re-run and that backward does not save (a random op's output, such as
+  a dropout mask nobody kept) makes the plan impossible (`InputError`); a saved one that cannot
+  be re-run (kept, already past its last reader) has its life extended to the chain (`ext`).
+- Roots a chain produces that are themselves to be recomputed stay resident until their own
+  last reader (`made`): each op is re-run once per step, as torch's partitioner does. Every
+  other value a chain produces is a *temporary* (`temps`), freed after the last chain task
+  that reads it, and re-run again if a later chain needs it.
+- A re-run op's other outputs exist for the op's duration, except those already resident
+  (not made again).
+
+The planners' static view (`candidate_chain`) applies the same rules to one candidate with
+every other candidate at hand, which is what makes a candidate's chain time independent of the
+other actions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import InputError
+
+KEEP, SWAP, RECOMPUTE, NOT_SAVED = 0, 1, 2, 3
+ACTION_CODES = {"keep": KEEP, "swap": SWAP, "recompute": RECOMPUTE}
+
+
+# --------------------------------------------------------------------------------------------
+# Root-level tables of a profile (decision independent, cached on the profile)
+# --------------------------------------------------------------------------------------------
+class Tables:
+    """Plain-list views of a profile: roots, sizes, readers, first/last uses."""
+
+    def __init__(self, prof):
+        ops, tensors = prof.ops, prof.tensors
+        n_ops, n_t = len(ops), len(tensors)
+        self.n_ops, self.n_t = n_ops, n_t
+        self.n_fwd = nf = prof.n_forward
+        self.time = [float(o.time_us) for o in ops]
+        root = [t.id if t.alias_of is None else t.alias_of for t in tensors]
+        is_root = [t.kind == "activation" and t.alias_of is None and t.producer is not None
+                   for t in tensors]
+        self.root = root
+        self.is_root = is_root
+        self.size = [t.size_bytes for t in tensors]
+        self.producer = [-1 if t.producer is None else t.producer for t in tensors]
+        self.recomputable = [t.recomputable for t in tensors]
+        self.out_roots = [tuple(j for j in o.outputs if is_root[j]) for o in ops]
+        in_roots = []
+        for o in ops:
+            seen = []
+            for j in o.inputs:
+                r = root[j]
+                if is_root[r] and r not in seen:
+                    seen.append(r)
+            in_roots.append(tuple(seen))
+        self.in_roots = in_roots
+        last = list(self.producer)
+        lfu = list(self.producer)
+        fbu = [-1] * n_t
+        for i, rs in enumerate(in_roots):
+            for r in rs:
+                last[r] = i
+                if i < nf:
+                    lfu[r] = i
+                elif fbu[r] < 0:
+                    fbu[r] = i
+        self.last_use, self.last_fwd_use, self.first_bwd_use = last, lfu, fbu
+        self.roots = [j for j in range(n_t) if is_root[j]]
+        # a saved activation root: produced in forward, read (or an alias read) in backward
+        self.saved = [is_root[j] and tensors[j].saved and self.producer[j] < nf and fbu[j] >= 0
+                      for j in range(n_t)]
+        self.default_action = [KEEP if s else NOT_SAVED for s in self.saved]
+        self.saved_roots = [j for j in self.roots if self.saved[j]]
+        saved = self.saved
+        self.bwd_saved_in = [()] * nf + [tuple(r for r in in_roots[i] if saved[r])
+                                         for i in range(nf, n_ops)]
+        self.bwd_readers = [i for i in range(nf, n_ops) if self.bwd_saved_in[i]]
+        # bytes every plan allocates at each op's start / frees at its end: values that are
+        # not saved activations (forward transients, backward values)
+        base_alloc = [0] * n_ops
+        base_free = [0] * n_ops
+        for j in self.roots:
+            if not saved[j]:
+                base_alloc[self.producer[j]] += self.size[j]
+                base_free[last[j]] += self.size[j]
+        self.base_alloc, self.base_free = base_alloc, base_free
+        ideal = 0.0
+        for x in self.time:   # same summation order as the simulator's loop: keep-all is exact
+            ideal += x
+        self.ideal_us = ideal
+        self.floor_bytes: int | None = None     # simulate.budget_floor_bytes, on demand
+
+
+def tables(prof) -> Tables:
+    """The profile's `Tables`, built once (profiles are immutable, so the cache is safe)."""
+    tab = prof.__dict__.get("_slackswap_chain_tables")
+    if tab is None:
+        tab = Tables(prof)
+        prof.__dict__["_slackswap_chain_tables"] = tab
+    return tab
+
+
+# --------------------------------------------------------------------------------------------
+# The closure: which producers a chain re-runs
+# --------------------------------------------------------------------------------------------
+class ChainImpossible(Exception):
+    """A chain needs root `x`, which cannot be re-run and which backward does not save."""
+
+    def __init__(self, x: int):
+        super().__init__(x)
+        self.x = x
+
+
+def closure(tab: Tables, targets: list[int],
+            at_hand: Callable[[int], bool]) -> tuple[set[int], set[int]]:
+    """(ops, roots) of the chain that produces `targets`: the op ids it re-runs (lay them out
+    sorted) and the roots it walked through to do so (`targets` included).
+
+    An input root that is `at_hand` stops the walk; any other is re-run when it can be, is
+    left to the caller when it is saved (fetched or held), and raises `ChainImpossible` when
+    it is neither.
+    """
+    producer, in_roots, recomputable, saved = tab.producer, tab.in_roots, tab.recomputable, tab.saved
+    produced = set(targets)
+    run: set[int] = set()
+    stack = list(targets)
+    while stack:
+        p = producer[stack.pop()]
+        if p in run:
+            continue
+        run.add(p)
+        for x in in_roots[p]:
+            if x in produced or at_hand(x):
+                continue
+            if recomputable[x]:
+                produced.add(x)
+                stack.append(x)
+            elif not saved[x]:
+                raise ChainImpossible(x)
+    return run, produced
+
+
+# --------------------------------------------------------------------------------------------
+# The layout of one plan: compute tasks with chains inserted
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Layout:
+    """The compute task sequence of one plan and what each chain makes resident.
+
+    Tasks 0..n_fwd-1 are the forward ops; backward tasks follow, each backward op preceded by
+    its chain (if any). Task t runs op `task_op[t]` for backward op `task_owner[t]` (equal for
+    an op that is not a re-run).
+    """
+    task_op: list[int]
+    task_owner: list[int]
+    op_task: list[int]                       # backward op -> its own task
+    need_task: dict[int, int] = field(default_factory=dict)   # swapped root -> first task reading it
+    made: list[tuple[int, int]] = field(default_factory=list)  # (recompute root, task made)
+    temps: list[tuple[int, int, int]] = field(default_factory=list)  # (root, task made, last task reading it)
+    ext: dict[int, int] = field(default_factory=dict)   # saved root -> task its life extends to
+    chain_alloc: dict[int, int] = field(default_factory=dict)  # chain task -> bytes it allocates
+    chain_root: dict[int, int] = field(default_factory=dict)   # chain task -> root it is mainly for
+
+    def chains(self, n_fwd: int) -> dict[int, tuple[int, ...]]:
+        """Backward op -> the ops re-run right before it, in order."""
+        out: dict[int, list[int]] = {}
+        for t in range(n_fwd, len(self.task_op)):
+            op, owner = self.task_op[t], self.task_owner[t]
+            if op != owner:
+                out.setdefault(owner, []).append(op)
+        return {k: tuple(v) for k, v in out.items()}
+
+
+def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
+    """Lay out the compute tasks of `action` (one code per tensor, see `ACTION_CODES`)."""
+    nf, n_ops = tab.n_fwd, tab.n_ops
+    in_roots, out_roots = tab.in_roots, tab.out_roots
+    producer, size = tab.producer, tab.size
+    last_use = tab.last_use
+    task_op = list(range(nf))
+    task_owner = list(range(nf))
+    op_task = list(range(nf)) + [-1] * (n_ops - nf)
+    lay = Layout(task_op, task_owner, op_task)
+    need_task, made_at, temps, ext = lay.need_task, lay.made, lay.temps, lay.ext
+    chain_alloc, chain_root = lay.chain_alloc, lay.chain_root
+    mat: set[int] = set()              # swap/recompute roots resident in backward
+
+    def resident(x: int, i: int) -> bool:
+        a = action[x]
+        if a == KEEP:
+            return last_use[x] >= i
+        if a == NOT_SAVED:
+            return producer[x] >= nf   # produced in backward: alive while read
+        return x in mat and last_use[x] >= i
+
+    bwd_saved_in = tab.bwd_saved_in
+    nxt = nf                           # next backward op not yet laid out
+    T = nf                             # == len(task_op)
+    for i in tab.bwd_readers:          # backward ops that read saved activations
+        if i > nxt:                    # ops in between read none: they run as they are
+            task_op.extend(range(nxt, i))
+            task_owner.extend(range(nxt, i))
+            op_task[nxt:i] = range(T, T + i - nxt)
+            T += i - nxt
+        ins = bwd_saved_in[i]
+        targets = [r for r in ins if action[r] == RECOMPUTE and r not in mat]
+        if targets:
+            def at_hand(x: int, i: int = i) -> bool:
+                return resident(x, i) or (action[x] == SWAP and x not in mat)
+            try:
+                run, produced = closure(tab, targets, at_hand)
+            except ChainImpossible as exc:
+                t, x = prof.tensors[targets[0]], exc.x
+                raise InputError(
+                    f"tensor {t.id} ({t.name}) cannot be recomputed: its chain needs tensor "
+                    f"{x} ({prof.tensors[x].name}), the output of random op {producer[x]} "
+                    f"({prof.ops[producer[x]].name}), which backward does not save",
+                    hint="keep or swap that tensor instead") from None
+            fetched: list[int] = []
+            last_reader: dict[int, int] = {}
+            made: list[int] = []
+            first_temp = len(temps)
+            for p in sorted(run):
+                task_op.append(p)
+                task_owner.append(i)
+                for x in in_roots[p]:
+                    if x in produced:
+                        last_reader[x] = T
+                    elif action[x] == SWAP and x not in mat:
+                        if x not in need_task:
+                            need_task[x] = T
+                            fetched.append(x)
+                    elif not resident(x, i):
+                        ext[x] = T                     # dead, not recomputable: held on
+                nbytes = 0
+                main = -1
+                for o in out_roots[p]:
+                    if o not in produced and resident(o, i):
+                        continue                       # already there: not made again
+                    nbytes += size[o]
+                    if action[o] == RECOMPUTE and o not in mat:
+                        made_at.append((o, T))
+                        made.append(o)
+                        if main < 0 or o in targets:
+                            main = o
+                    else:
+                        temps.append((o, T, T))        # end fixed below
+                        if main < 0:
+                            main = o
+                chain_alloc[T] = nbytes
+                chain_root[T] = main
+                T += 1
+            for k in range(first_temp, len(temps)):
+                o, start, _ = temps[k]
+                temps[k] = (o, start, max(start, last_reader.get(o, start)))
+            mat.update(fetched)
+            mat.update(made)
+        for r in ins:
+            if action[r] == SWAP and r not in mat:
+                mat.add(r)
+                need_task[r] = T
+        op_task[i] = T
+        task_op.append(i)
+        task_owner.append(i)
+        T += 1
+        nxt = i + 1
+    if nxt < n_ops:
+        task_op.extend(range(nxt, n_ops))
+        task_owner.extend(range(nxt, n_ops))
+        op_task[nxt:] = range(T, T + n_ops - nxt)
+    return lay
+
+
+# --------------------------------------------------------------------------------------------
+# The planners' static view: one candidate's chain, every other candidate at hand
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CandidateChain:
+    """What recomputing one saved root costs when every other saved root is at hand."""
+    ops: tuple[int, ...]        # ops re-run, the root's producer first
+    inputs: tuple[int, ...]     # other saved roots those ops read (resident when it runs)
+    temps: tuple[int, ...]      # non-saved roots the chain allocates for a moment
+
+
+def candidate_chain(tab: Tables, r: int) -> CandidateChain | None:
+    """The chain of saved root `r` under the static view, or None when it cannot be re-run."""
+    if not tab.recomputable[r]:
+        return None
+    nf, producer, saved = tab.n_fwd, tab.producer, tab.saved
+    try:
+        run, _ = closure(tab, [r], lambda x: saved[x] or producer[x] >= nf)
+    except ChainImpossible:
+        return None
+    p = producer[r]
+    siblings = set(tab.out_roots[p])
+    inputs = sorted({x for o in run for x in tab.in_roots[o]
+                     if saved[x] and x not in siblings})
+    temps = sorted({o for q in run for o in tab.out_roots[q] if not saved[o]})
+    return CandidateChain((p, *sorted(run - {p})), tuple(inputs), tuple(temps))
