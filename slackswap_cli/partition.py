@@ -15,11 +15,14 @@ root (a tensor and its views/in-place aliases share one decision, as in the prof
   copy back at the plan's prefetch point (`s.prefetch`) and waits for it before the first use
   (`s.wait`). Views of the root are re-derived from the restored root (views cost nothing);
   in-place ops are not re-run (their effect is in the copied data).
-- **recompute**: nothing is saved; right before the first backward use, backward re-runs the
-  producer and, recursively, whatever it needs that is not at hand (the *chain*): kept and
-  swapped values are taken, recomputed saved values stay until their last use, and transient
-  values of the chain are dropped after it (and recomputed again if another chain needs them).
-  Random ops are never re-run: a plan that would do so is refused. An op that mutates one of
+- **recompute**: nothing is saved; backward re-runs exactly the chains `chains.lay_out` lays
+  out for the plan, the ones the simulator costed: before a backward op, the ops of its chain
+  in forward order. Their inputs are materialised on demand: kept values are taken, swapped
+  roots are waited for (fetched early when a chain needs them before their own first use,
+  never recomputed), views and in-place aliases are re-derived from their sources. Recomputed
+  saved values stay until their last use; the chain's temporaries are dropped after it (and
+  re-run if another chain needs them). Random ops are never re-run: a plan that would do so is
+  refused. An op that mutates one of
   its arguments as a side effect (BatchNorm's running statistics) is re-run on a clone of that
   argument, so buffers are updated exactly once, as in eager.
 
@@ -35,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .chains import ACTION_CODES, Layout, lay_out
+from .chains import tables as chain_tables
 from .errors import InputError
 from .schema import Plan, Profile
 
@@ -193,6 +198,9 @@ class _Graph:
                                      hint="re-run `slackswap plan` on this profile")
             self.action[d.tensor] = d.action
         self.candidates = cands
+        self.op_id = {op.name: op.id for op in profile.ops}
+        self.op_node = {op.id: self.by_name[op.name] for op in profile.ops
+                        if op.name in self.by_name}
 
     def is_forward(self, n: fx.Node) -> bool:
         return n.op in ("call_function", "get_attr") and self.phase.get(n.name) == "forward"
@@ -217,18 +225,6 @@ class _Graph:
 
 
 def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan: Plan,
-              placeholder_names: list[str], device_type: str) -> StepCode:
-    import sys
-    limit = sys.getrecursionlimit()
-    # a recompute chain may reach back through many layers (one frame per value on the way)
-    sys.setrecursionlimit(max(limit, 50_000))
-    try:
-        return _partition(gm, phase, profile, plan, placeholder_names, device_type)
-    finally:
-        sys.setrecursionlimit(limit)
-
-
-def _partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan: Plan,
                placeholder_names: list[str], device_type: str) -> StepCode:
     g = _Graph(gm, phase, profile, plan)
     for n in g.nodes:
@@ -298,115 +294,29 @@ def _partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan
     fstmts.append(Stmt(f"return {loss_node.name}", uses=(loss_node.name,)))
 
     # -- backward --------------------------------------------------------------------------
-    prefetch_at = _prefetch_points(g, plan, swap_roots, backward, bneed)
-    bstmts: list[Stmt] = []
-    persistent: set[str] = {p.name for p in placeholders}
-    recomputed_roots: set[str] = set()
-    counter = {"ops": 0}
-
-    def need(x: fx.Node, transient: set[str], top: int | None, depth: int = 0) -> None:
-        if x.op == "placeholder" or x.name in persistent or x.name in transient:
-            return
-        if depth > 20000:
-            raise PlanApplyError(f"recompute chain of {x.name} is too deep")
-        if x.name in kept:
-            bstmts.append(Stmt(f"{x.name} = _s.take({x.name!r})", defs=(x.name,)))
-            persistent.add(x.name)
-            return
-        rtid = g.root_tid(x)
-        # a swapped value that a chain needs before its own first use: recompute it for the
-        # chain when it can be (as the planner costs it), rather than fetch it early
-        early = (g.group_action(x) == "swap" and rtid != top
-                 and group_first_use.get(rtid, -1) > cur["pos"]
-                 and profile.tensors[rtid].recomputable)
-        if early:
-            mark = (len(bstmts), set(persistent), set(transient), counter["ops"])
-            try:
-                replay(x, transient, top, depth, early=True)
-                return
-            except PlanApplyError:  # the chain needs a random or in-place value: fetch instead
-                del bstmts[mark[0]:]
-                persistent.clear()
-                persistent.update(mark[1])
-                transient.clear()
-                transient.update(mark[2])
-                counter["ops"] = mark[3]
-        if x.name in swap_roots:
-            bstmts.append(Stmt(f"{x.name} = _s.wait({x.name!r})", defs=(x.name,),
-                               comment="swap: host copy back on the device"))
-            persistent.add(x.name)
-            return
-        replay(x, transient, top, depth, early=False)
-
-    def replay(x: fx.Node, transient: set[str], top: int | None, depth: int, early: bool) -> None:
-        """Re-derive x from its inputs: a view, an in-place alias, or a recomputed op."""
-        act = g.group_action(x)
-        if x.target is operator.getitem:
-            need(x.args[0], transient, top, depth + 1)
-            bstmts.append(Stmt(f"{x.name} = {x.args[0].name}[{int(x.args[1])}]", defs=(x.name,),
-                               uses=(x.args[0].name,)))
-        elif x.op == "get_attr":
-            bstmts.append(_define(x, g, device_type))
-        elif is_inplace(x):
-            if act not in ("swap", "keep"):
-                raise PlanApplyError(
-                    f"backward needs {x.name}, written in place by {x.target}, and it cannot be "
-                    "recomputed", hint="re-run `slackswap plan`: this value must be kept or swapped")
-            src = x.args[0]
-            need(src, transient, top, depth + 1)
-            bstmts.append(Stmt(f"{x.name} = {src.name}", defs=(x.name,), uses=(src.name,),
-                               comment="in-place op: its effect is already in the data"))
-        else:
-            if is_random(x):
-                raise PlanApplyError(
-                    f"recomputing {x.name} would re-run the random op {x.target}",
-                    hint="re-run `slackswap plan`: random results must be kept or swapped")
-            if act == "keep" and not _is_view(x):
-                raise PlanApplyError(f"backward needs {x.name}, which the plan keeps, but it was "
-                                     "not saved", hint="this is a bug in apply; please report it")
-            for a in x.all_input_nodes:
-                need(a, transient, top, depth + 1)
-            clones = tuple(i for i in written_args(x))
-            st = _define(x, g, device_type, clone_args=clones)
-            if act == "recompute" and g.root_node(x) is x:
-                recomputed_roots.add(x.name)
-            if not _is_view(x) or act == "recompute":
-                target = profile.tensors[top].name if top is not None else ""
-                st.comment = (f"recompute {target or x.name}" if g.root_tid(x) == top or not target
-                              else f"recompute, on the way to {target}")
-            bstmts.append(st)
-            if not _is_view(x):
-                counter["ops"] += 1
-        # a recomputed value stays until its last use when its own group is what backward asked
-        # for; recomputed on the way to another value, it is dropped after that chain (as the
-        # planner assumes)
-        stays = not early and (act in ("keep", "swap")
-                               or (act == "recompute" and g.root_tid(x) == top))
-        (persistent if stays else transient).add(x.name)
-
-    group_first_use: dict[int, int] = {}
-    for i, b in enumerate(backward):
-        for a in b.all_input_nodes:
-            if a.name in fwd_set and g.root_tid(a) is not None:
-                group_first_use.setdefault(g.root_tid(a), i)
-    cur = {"pos": 0}
-    for i, b in enumerate(backward):
-        cur["pos"] = i
+    lay = _layout(profile, plan)
+    em = _BackwardEmitter(g, lay, kept, swap_roots, device_type,
+                          persistent={p.name for p in placeholders})
+    prefetch_at = _prefetch_points(g, plan, swap_roots, backward, lay)
+    chains = lay.chains(profile.n_forward)
+    for b in backward:
         for rname in prefetch_at.get(b.name, []):
-            bstmts.append(Stmt(f"_s.prefetch({rname!r})", comment="swap: copy back ahead of use"))
-        transient: set[str] = set()
+            em.stmts.append(Stmt(f"_s.prefetch({rname!r})", comment="swap: copy back ahead of use"))
+        op = g.op_id.get(b.name)
+        if op in chains:
+            em.chain(op, chains[op])
         for a in b.all_input_nodes:
-            if a.name in fwd_set:
-                need(a, transient, g.root_tid(a))
-        bstmts.append(_define(b, g, device_type))
-        persistent.add(b.name)
+            em.materialize(a)
+        em.stmts.append(_define(b, g, device_type))
+        em.defined.add(b.name)
     grads = []
     for gnode in grad_nodes:
         if isinstance(gnode, fx.Node):
-            need(gnode, set(), g.root_tid(gnode))
+            em.materialize(gnode)
             grads.append(gnode.name)
         else:
             grads.append(None)
+    bstmts = em.stmts
     bstmts.append(Stmt("return [" + ", ".join(x or "None" for x in grads) + "]",
                        uses=tuple(x for x in grads if x)))
 
@@ -415,8 +325,8 @@ def _partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan
     _insert_frees(bstmts, keep=set(args) | {tangent})
     return StepCode(forward=fstmts, backward=bstmts, forward_args=args, tangent=tangent,
                     loss=loss_node.name, grads=grads, kept=sorted(kept),
-                    swapped=sorted(swap_roots), recomputed=sorted(recomputed_roots),
-                    recomputed_ops=counter["ops"])
+                    swapped=sorted(swap_roots), recomputed=sorted(em.recomputed_roots),
+                    recomputed_ops=em.rerun_ops)
 
 
 def _is_view(n: fx.Node) -> bool:
@@ -457,13 +367,139 @@ def _constant(gm: fx.GraphModule, target: str, name: str) -> str:
             f".reshape({tuple(val.shape)!r})")
 
 
+def _layout(profile: Profile, plan: Plan) -> Layout:
+    """The plan's compute layout (`chains.lay_out`): the backward the simulator ran."""
+    tab = chain_tables(profile)
+    action = list(tab.default_action)
+    for d in plan.decisions:
+        action[d.tensor] = ACTION_CODES[d.action]
+    return lay_out(profile, tab, action)
+
+
+class _BackwardEmitter:
+    """Writes the backward step as `chains.lay_out` laid it out.
+
+    `defined` holds the names that are valid at the current point of the code. A chain's ops
+    are written in the layout's order; their inputs are materialised on demand: kept values are
+    taken from the store, swapped roots waited for (each exactly once), views and in-place
+    aliases re-derived from their (now resident) sources at no memory cost. After a chain, the
+    names whose roots the layout frees (its temporaries) are forgotten, so a later chain
+    re-runs them as the simulator does; the roots a chain makes resident stay.
+    """
+
+    def __init__(self, g: _Graph, lay: Layout, kept: dict, swap_roots: dict, device_type: str,
+                 persistent: set[str]):
+        self.g, self.lay, self.kept, self.swap_roots = g, lay, kept, swap_roots
+        self.device_type = device_type
+        self.defined: set[str] = set(persistent)
+        self.taken: set[str] = set()
+        self.stmts: list[Stmt] = []
+        self.recomputed_roots: set[str] = set()
+        self.rerun_ops = 0
+        self._chain_defs: list[str] | None = None
+        self._target = ""
+        made = {}
+        for r, t in lay.made:
+            made.setdefault(lay.task_owner[t], set()).add(r)
+        self._made = made
+
+    def chain(self, owner: int, ops: tuple[int, ...]) -> None:
+        g = self.g
+        made = self._made.get(owner, set())
+        targets = [g.profile.tensors[r].name for r in sorted(made)]
+        self._chain_defs = []
+        for p in ops:
+            node = g.op_node[p]
+            out_roots = {r for r in chain_tables(g.profile).out_roots[p]}
+            main = next((g.profile.tensors[r].name for r in sorted(out_roots & made)), None)
+            self._target = main or (targets[0] if targets else node.name)
+            for a in node.all_input_nodes:
+                self.materialize(a)
+            if is_random(node):
+                raise PlanApplyError(
+                    f"recomputing {node.name} would re-run the random op {node.target}",
+                    hint="re-run `slackswap plan`: random results must be kept or swapped")
+            st = _define(node, g, self.device_type, clone_args=tuple(written_args(node)))
+            st.comment = (f"recompute {node.name}" if main == node.name
+                          else f"recompute, on the way to {self._target}")
+            self.stmts.append(st)
+            self._def(node.name)
+            self.rerun_ops += 1
+            for u in node.users:      # the outputs this chain makes resident, picked now
+                if u.target is operator.getitem and g.root_tid(u) in made:
+                    self.stmts.append(_define(u, g, self.device_type))
+                    self._def(u.name)
+            for r in out_roots & made:
+                self.recomputed_roots.add(g.profile.tensors[r].name)
+        # the chain's temporaries die with it (the layout frees them): forget their names
+        stay = made | {g.profile.root(t) for t in (g.tid.get(n) for n in self.kept) if t is not None}
+        for name in self._chain_defs:
+            r = g.root_tid(g.by_name[name])
+            if r is None or r not in stay:
+                self.defined.discard(name)
+        self._chain_defs = None
+
+    def _def(self, name: str) -> None:
+        self.defined.add(name)
+        if self._chain_defs is not None:
+            self._chain_defs.append(name)
+
+    def materialize(self, n: fx.Node) -> None:
+        """Make forward value `n` valid here without re-running anything the layout did not."""
+        if n.name in self.defined:
+            return
+        g, stmts = self.g, self.stmts
+        if n.name in self.kept and n.name not in self.taken:
+            stmts.append(Stmt(f"{n.name} = _s.take({n.name!r})", defs=(n.name,)))
+            self.taken.add(n.name)
+            self.defined.add(n.name)
+            return
+        if n.name in self.swap_roots:
+            stmts.append(Stmt(f"{n.name} = _s.wait({n.name!r})", defs=(n.name,),
+                              comment="swap: host copy back on the device"))
+            self.defined.add(n.name)
+            return
+        if n.op == "get_attr":
+            stmts.append(_define(n, g, self.device_type))
+            self._def(n.name)
+            return
+        if n.target is operator.getitem:
+            self.materialize(n.args[0])
+            stmts.append(_define(n, g, self.device_type))
+            self._def(n.name)
+            return
+        if n.op == "call_function" and is_inplace(n):
+            src = n.args[0]
+            self.materialize(src)
+            stmts.append(Stmt(f"{n.name} = {src.name}", defs=(n.name,), uses=(src.name,),
+                              comment="in-place op: its effect is already in the data"))
+            self._def(n.name)
+            return
+        r = g.root_tid(n)
+        if n.op == "call_function" and (_is_view(n) or (
+                r is not None and g.profile.tensors[r].kind != "activation")):
+            # a view (of an activation, a parameter or an input): costs no memory, re-derived
+            for a in n.all_input_nodes:
+                self.materialize(a)
+            st = _define(n, g, self.device_type)
+            if self._chain_defs is not None:
+                st.comment = f"view, on the way to {self._target}"
+            stmts.append(st)
+            self._def(n.name)
+            return
+        raise PlanApplyError(f"backward needs {n.name}, which the plan's layout does not make "
+                             "resident there", hint="this is a bug in apply; please report it")
+
+
 def _prefetch_points(g: _Graph, plan: Plan, swap_roots: dict[str, fx.Node],
-                     backward: list[fx.Node], bneed: dict[str, fx.Node]) -> dict[str, list[str]]:
-    """Backward node name -> swapped roots whose copy back is issued right before it.
+                     backward: list[fx.Node], lay: Layout) -> dict[str, list[str]]:
+    """Backward node name -> swapped roots whose copy back is issued right before it (and
+    before its recompute chain, if it has one).
 
     The plan's prefetch point (its schedule, else the decision's `prefetch_at`) wins; without
-    one, a root is prefetched when the previous swapped root (in order of first use) is waited
-    for: one copy in flight ahead of use.
+    one, a root is prefetched when the previous swapped root (in order of need) is waited for:
+    one copy in flight ahead of use. A root is needed at the first task of the layout that
+    reads it: its first backward reader, or a chain before that.
     """
     prof = g.profile
     name_of_op = {op.id: op.name for op in prof.ops}
@@ -480,13 +516,12 @@ def _prefetch_points(g: _Graph, plan: Plan, swap_roots: dict[str, fx.Node],
             op = name_of_op.get(ev.issue_op)
             if op in bpos:
                 issue[tid_to_root[ev.tensor]] = bpos[op]
-    # first backward use of each swapped root (through any alias)
+    # where each swapped root is needed (the backward op owning the first task that reads it)
     first_use: dict[str, int] = {}
-    for b in backward:
-        for a in b.all_input_nodes:
-            r = g.root_node(a) if a.name in bneed else None
-            if r is not None and r.name in swap_roots:
-                first_use.setdefault(r.name, bpos[b.name])
+    for tid, rname in tid_to_root.items():
+        t = lay.need_task.get(tid)
+        if t is not None:
+            first_use[rname] = bpos[name_of_op[lay.task_owner[t]]]
     order = sorted(swap_roots, key=lambda r: first_use.get(r, len(backward)))
     prev = 0
     for r in order:

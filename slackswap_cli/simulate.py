@@ -51,8 +51,9 @@ needs (assuming every earlier prefetch arrives just in time) the simulator compu
 prefetch, the earliest task from which holding its bytes (and those of the prefetches ahead of
 it) fits under the budget until its use; it also needs the current memory to have room. This
 reservation is what keeps a greedy "grab memory early" rule from deadlocking. A
-`Decision.prefetch_at` (a backward op id) means "not before compute reaches that op"; one later
-than the tensor's first need is moved to the need. Being FIFO, a held-back prefetch holds back
+`Decision.prefetch_at` (a backward op id) means "not before compute reaches that op", that is
+the first task of its recompute chain if it has one (the patched module issues the copy there
+too); one later than the tensor's first need is moved to the need. Being FIFO, a held-back prefetch holds back
 the ones behind it.
 
 **Stalls.** Before a compute task starts, the prefetches it needs must have arrived (else it
@@ -402,10 +403,9 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
     need_task = prog.need_task
     pa_task = [nf] * nq
     if prefetch_at:
-        op_task = {}
+        op_task = {}        # a pin means "not before compute reaches this op's chain"
         for t in range(nf, N):
-            if task_owner[t] == task_op[t]:
-                op_task[task_op[t]] = t
+            op_task.setdefault(task_owner[t], t)
         for qi, x in enumerate(queue):
             pa = prefetch_at.get(x)
             if pa is not None:
