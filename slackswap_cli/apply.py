@@ -129,6 +129,7 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     """
     import torch.utils._pytree as pytree
 
+    from .chains import runtime_table
     from .partition import partition, render
 
     params = dict(work.model.named_parameters())
@@ -204,11 +205,16 @@ The file runs only the workload it was made for: other input shapes, another mod
 device raise an error that says to re-profile. Names below are the profile's tensor names.
 """
 import torch
+from slackswap_cli import replay
 from slackswap_cli import runtime as rt
 
 aten = torch.ops.aten
 
 META = {pprint.pformat(meta, width=100, sort_dicts=False)}
+
+# The plan as `patch_in_place` carries it out (see slackswap_cli/replay.py): the forward ops it
+# aligns the model's with, each saved root's action, and the recompute chains (the simulator's).
+TABLE = {pprint.pformat(runtime_table(profile, plan.decisions), width=100, compact=True)}
 
 # Placeholders:
 {chr(10).join(mapping)}
@@ -223,6 +229,22 @@ def forward_step({fwd_args}):
 def backward_step({bwd_args}):
     """Backward; takes kept tensors, waits for swapped ones, recomputes the rest before use."""
 {render(step.backward)}
+
+
+def patch_in_place(model):
+    """Patch `model` in place so its training forward runs the plan; returns `model` itself.
+
+    In train mode with grad enabled, `model(...)` returns what it returned before and its
+    backward keeps, swaps and recomputes as planned; in eval mode or under no_grad it is the
+    original forward. Module hooks, DDP and optimizers see the same model. `unpatch(model)`
+    restores it.
+    """
+    return replay.patch(model, META, TABLE)
+
+
+def unpatch(model):
+    """Undo `patch_in_place`."""
+    return replay.unpatch(model)
 
 
 def patch(model, check_trace=True):

@@ -316,3 +316,78 @@ def candidate_chain(tab: Tables, r: int) -> CandidateChain | None:
                      if saved[x] and x not in siblings})
     temps = sorted({o for q in run for o in tab.out_roots[q] if not saved[o]})
     return CandidateChain((p, *sorted(run - {p})), tuple(inputs), tuple(temps))
+
+
+# --------------------------------------------------------------------------------------------
+# What the in-place runtime needs from a layout
+# --------------------------------------------------------------------------------------------
+def runtime_table(prof, decisions) -> dict:
+    """The plan as the in-place runtime (`replay`) carries it out, in plain Python values.
+
+    - `ops`: the forward ops in order, `[name, target, output shapes, output tensor ids,
+      module path]` (the runtime aligns the ops it sees with these);
+    - `root`: activation tensor id -> its storage root (aliases only);
+    - `action`: root -> "swap" | "recompute" (every other root is kept);
+    - `chains`: backward op -> the forward ops re-run before it (`Layout.chains`);
+    - `made_by`: recompute root -> the backward op whose chain makes it;
+    - `chain_inputs`: backward op -> roots its chain reads that it does not make (they must be
+      at hand: the runtime holds kept ones until the chain ran, fetches swapped ones);
+    - `op_inputs`: chain op -> the activation roots it reads (the runtime checks them);
+    - `needs`: recompute root -> the ops of its chain it depends on (all before it);
+    - `bwd_use`: saved root -> its first backward reader (how far backward has got);
+    - `non_activation`: parameters, buffers and inputs (roots outside activation memory);
+    - `first_use`: swapped root -> the backward op that first needs it (a chain or a reader);
+    - `prefetch_at`: swapped root -> the backward op from which its copy back may be issued.
+    """
+    tab = tables(prof)
+    action = list(tab.default_action)
+    pin_at: dict[int, int] = {}
+    for d in decisions:
+        action[d.tensor] = ACTION_CODES[d.action]
+        if d.action == "swap" and d.prefetch_at is not None:
+            pin_at[d.tensor] = d.prefetch_at
+    lay = lay_out(prof, tab, action)
+    nf = tab.n_fwd
+    chains = lay.chains(nf)
+    made_by = {r: lay.task_owner[t] for r, t in lay.made}
+    chain_inputs: dict[int, list[int]] = {}
+    for owner, ops in chains.items():
+        run = set(ops)
+        made_here = {o for p in ops for o in tab.out_roots[p]}
+        ins = sorted({x for p in run for x in tab.in_roots[p] if x not in made_here})
+        chain_inputs[owner] = ins
+    first_use = {r: lay.task_owner[t] for r, t in lay.need_task.items()}
+    ops = []
+    for o in prof.ops[:nf]:
+        ops.append([o.name, o.target, [list(prof.tensors[t].shape) for t in o.outputs],
+                    list(o.outputs), o.module])
+    op_inputs = {p: list(tab.in_roots[p]) for ops_ in chains.values() for p in ops_}
+    needs: dict[int, list[int]] = {}
+    for owner, ops_ in chains.items():
+        in_chain = set(ops_)
+        for r in (r for r, o in made_by.items() if o == owner):
+            todo, seen = [tab.producer[r]], set()
+            while todo:
+                p = todo.pop()
+                if p in seen:
+                    continue
+                seen.add(p)
+                todo += [tab.producer[x] for x in tab.in_roots[p] if tab.producer[x] in in_chain]
+            needs[r] = sorted(seen)
+    return {
+        "n_forward": nf,
+        "ops": ops,
+        "root": {t.id: t.alias_of for t in prof.tensors if t.alias_of is not None},
+        "non_activation": [t.id for t in prof.tensors
+                           if t.kind != "activation" and t.alias_of is None],
+        "action": {r: ("swap" if action[r] == SWAP else "recompute")
+                   for r in tab.saved_roots if action[r] in (SWAP, RECOMPUTE)},
+        "chains": {k: list(v) for k, v in chains.items()},
+        "made_by": made_by,
+        "chain_inputs": chain_inputs,
+        "op_inputs": op_inputs,
+        "needs": needs,
+        "bwd_use": {r: tab.first_bwd_use[r] for r in tab.saved_roots},
+        "first_use": first_use,
+        "prefetch_at": {r: min(pin_at.get(r, nf), first_use.get(r, nf)) for r in first_use},
+    }

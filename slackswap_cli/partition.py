@@ -142,19 +142,23 @@ def is_random(node: fx.Node) -> bool:
 
 def written_args(node: fx.Node) -> list[int]:
     """Positions of the arguments an op writes in place (schema `a!`, plus hidden BN writes)."""
-    target = node.target
+    return written_positions(node.target, node.args, lambda a: isinstance(a, fx.Node))
+
+
+def written_positions(target, args, is_tensor) -> list[int]:
+    """`written_args` for any call: `args` as the op gets them, `is_tensor(arg)` telling which
+    are tensors (graph nodes in a graph, tensors in a recorded eager call)."""
     schema = getattr(target, "_schema", None)
     out = []
     if schema is not None:
         for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write and i < len(node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and i < len(args):
                 out.append(i)
     packet = getattr(getattr(target, "overloadpacket", None), "__name__", "")
     if packet in _HIDDEN_WRITES:
-        training = node.args[5] if len(node.args) > 5 else True
+        training = args[5] if len(args) > 5 else True
         if training:
-            out += [i for i in _HIDDEN_WRITES[packet] if i < len(node.args)
-                    and isinstance(node.args[i], fx.Node)]
+            out += [i for i in _HIDDEN_WRITES[packet] if i < len(args) and is_tensor(args[i])]
     return out
 
 

@@ -70,13 +70,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def is_random_op(node: fx.Node) -> bool:
     """Does this node draw random numbers (so re-running it gives another result)?"""
-    target = node.target
+    return is_random_call(node.target, node.args, node.kwargs)
+
+
+def is_random_call(target, args, kwargs) -> bool:
+    """`is_random_op` for a call (graph node or recorded eager call): seeded-random ops, and
+    attention kernels only when their `dropout_p` is not 0."""
     tags = getattr(target, "tags", ())
     if torch.Tag.nondeterministic_seeded not in tags:
         return False
     schema = getattr(target, "_schema", None)
     if schema is not None and any(a.name == "dropout_p" for a in schema.arguments):
-        p = bound_args(target, node.args, node.kwargs).get("dropout_p", 0.0)
+        p = bound_args(target, args, kwargs).get("dropout_p", 0.0)
         return not (isinstance(p, (int, float)) and p == 0)
     return True
 

@@ -1,0 +1,549 @@
+"""Patch a model in place: the plan runs inside the model's own forward and autograd's backward.
+
+`patch(model, table)` replaces `model.forward` (an instance attribute, so `unpatch` restores
+the class's) with a wrapper. In eval mode or with grad disabled the wrapper calls the original
+forward and does nothing else. In training it runs the original forward under two things:
+
+- **a recorder** (a `TorchDispatchMode`): every aten op the forward runs is recorded (its
+  function, its arguments with produced tensors replaced by references, weak references to its
+  outputs) and aligned with the profile's forward ops (`table["ops"]`, from
+  `chains.runtime_table`): an op matches the next expected op with the same target and output
+  shape, looking a bounded window ahead, so ops the profile does not have (a mask built another
+  way in eager, a wrapper's own ops) are simply left unplanned;
+- **saved-tensor hooks**: when autograd saves a tensor for backward, the plan's action for its
+  storage root decides what autograd holds instead. *keep*: the tensor. *swap*: a handle to a
+  host copy of the root's whole storage (`runtime.offload`, on a side stream on CUDA), brought
+  back once (`runtime.prefetch`/`wait`) and shared by every view saved of it; copies back are
+  issued ahead of need as backward progresses (the plan's prefetch points). *recompute*: a
+  reference; on first use in backward the root's chain (`table["chains"]`, which is
+  `chains.lay_out`'s: the simulator's) is replayed from the recorded ops, and the roots it
+  makes stay until autograd has taken them.
+
+Correctness never depends on the alignment being right: a chain replays the very functions
+and arguments the forward ran, on the same values (kept tensors are held, swapped ones come
+back bit for bit, views are re-derived), under `no_grad` with autocast off (the recorded ops
+already carry every cast). A chain is only used when every op in it was matched and reads the
+roots the profile says it reads; otherwise its tensors are kept as eager autograd keeps them.
+Random ops are never replayed, and neither is an op whose input was written in place since.
+
+Memory follows the plan only as far as the alignment holds; `verify` measures it.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from . import runtime as rt
+from .partition import written_positions
+
+__all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
+
+WINDOW = 256            # how far ahead an op may match an expected op
+_STATE = threading.local()
+
+
+def _is_random(rec: "_Record") -> bool:
+    from .trace.graph_profile import is_random_call
+    return is_random_call(rec.func, rec.args, rec.kwargs)
+
+
+def _aliases_input(func) -> bool:
+    """A view or in-place op: its first output shares an input's storage (as the profile
+    counts aliases: the schema's, plus the views it does not declare)."""
+    from .trace.graph_profile import UNDECLARED_VIEWS
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    return (schema.returns[0].alias_info is not None
+            or func.overloadpacket.__name__ in UNDECLARED_VIEWS)
+
+
+@functools.lru_cache(maxsize=None)
+def _written_returns(func) -> frozenset:
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return frozenset()
+    return frozenset(j for j, r in enumerate(schema.returns)
+                     if r.alias_info is not None and r.alias_info.is_write)
+
+
+def _writes_first(func) -> bool:
+    info = func._schema.returns[0].alias_info
+    return info is not None and info.is_write
+
+
+class _Ref:
+    """A tensor argument produced by recorded op `rec`, output `out`."""
+    __slots__ = ("rec", "out")
+
+    def __init__(self, rec: int, out: int):
+        self.rec, self.out = rec, out
+
+
+class _Record:
+    __slots__ = ("func", "args", "kwargs", "outs", "versions", "op", "in_locs")
+
+    def __init__(self, func, args, kwargs, outs, versions, op, in_locs):
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.outs, self.versions, self.op, self.in_locs = outs, versions, op, in_locs
+
+
+class PlanRun:
+    """One training step's recorded forward and the state its backward needs."""
+
+    def __init__(self, patched: "_Patched"):
+        self.p = patched
+        t = patched.table
+        self.table = t
+        self.records: list[_Record] = []
+        self.where = WeakTensorKeyDictionary()     # produced tensor -> (record, output)
+        self.rec_of_op: dict[int, int] = {}        # profile op id -> record
+        self.tid_of: dict[tuple[int, int], int] = {}
+        self.loc_of_tid: dict[int, tuple[int, int]] = {}
+        self.ptr = 0                               # next expected forward op
+        self.unmatched = 0
+        self.pinned: dict[int, torch.Tensor] = {}   # root -> tensor held for a chain
+        self.pin_uses: dict[int, int] = {}
+        self.handles: dict[int, Any] = {}          # swapped root -> runtime.Handle
+        self.fetched: dict[int, torch.Tensor] = {}  # swapped root -> device bytes, back
+        self.made: dict[int, torch.Tensor] = {}     # recompute root -> tensor a chain made
+        self.made_uses = dict(patched.made_uses)    # recompute root -> later chains reading it
+        self.metas: dict[int, tuple] = {}          # swapped root -> how to view its bytes
+        self.packs: dict[int, int] = {}            # root -> saved references not yet unpacked
+        self.usable: dict[int, bool] = {}         # recompute root -> its chain verified
+        self.deferred: dict[int, set[int]] = {}     # chain -> roots autograd let go of
+        self.done_chains: set[int] = set()
+        self.progress = t["n_forward"]
+        self.prefetch_order = sorted(t["prefetch_at"], key=lambda r: (t["prefetch_at"][r], r))
+        self.next_prefetch = 0
+        self.rerun_ops = 0
+        self.device = None
+        self.recording = True       # off while a hook of ours runs (its copies are not the model's)
+        self.modules: list[str] = []
+        self.kept_refs: list = []                  # what autograd holds as it is (weak)
+        self.external: set = set()                 # storages the forward read but did not make
+
+    # -- forward: recording and alignment ------------------------------------------------
+    def record(self, func, args, kwargs, out) -> None:
+        k = len(self.records)
+        leaves, _ = pytree.tree_flatten(out)
+        outs = [weakref.ref(x) if isinstance(x, torch.Tensor) else None for x in leaves]
+        # an in-place op's output has its version bumped after this mode returns (by the
+        # ADInplaceOrView kernel above it): record the version it will have
+        bump = _written_returns(func)
+        versions = [x._version + (j in bump) if isinstance(x, torch.Tensor) else 0
+                    for j, x in enumerate(leaves)]
+        op = self._align(func, leaves)
+        in_locs = []
+
+        def ref(x):
+            if isinstance(x, torch.Tensor):
+                loc = self.where.get(x)
+                if loc is not None:
+                    in_locs.append(loc)
+                    return _Ref(*loc)
+                if x.device.type != "meta":
+                    self.external.add(rt.storage_key(x))   # a parameter, buffer or input
+            return x
+        rargs = pytree.tree_map(ref, args)
+        rkwargs = pytree.tree_map(ref, kwargs)
+        self.records.append(_Record(func, rargs, rkwargs, outs, versions, op, in_locs))
+        for j, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                if self.device is None and x.device.type != "meta":
+                    self.device = x.device
+                self.where[x] = (k, j)       # an in-place op's output: its newest value
+        if op is not None:
+            self.rec_of_op[op] = k
+            tids = self.table["ops"][op][3]
+            for j, tid in enumerate(tids):
+                if j < len(leaves) and isinstance(leaves[j], torch.Tensor):
+                    self.tid_of[(k, j)] = tid
+                    self.loc_of_tid[tid] = (k, j)
+                    r = self.root(tid)
+                    if r == tid and r in self.p.pin_roots:
+                        self.pinned[r] = leaves[j]
+                        self.pin_uses[r] = self.p.pin_roots[r]
+                    if r == tid and self.table["action"].get(r) == "swap":
+                        x = leaves[j]
+                        self.metas[r] = (x.dtype, tuple(x.shape), tuple(x.stride()),
+                                         x.storage_offset())
+
+    def _align(self, func, leaves) -> int | None:
+        """The next expected op with this op's target, first output shape and module."""
+        ops = self.table["ops"]
+        name = str(func)
+        first = next((list(x.shape) for x in leaves if isinstance(x, torch.Tensor)), None)
+        module = self.modules[-1] if self.modules else ""
+        end = min(len(ops), self.ptr + WINDOW)
+        for i in range(self.ptr, end):
+            o = ops[i]
+            if o[1] == name and o[4] == module and (o[2][0] if o[2] else None) == first:
+                self.ptr = i + 1
+                return i
+        self.unmatched += 1
+        return None
+
+    # module paths, as the profile's trace attributes ops (the innermost module running)
+    def _enter(self, mod, args) -> None:
+        self.modules.append(self.p.names.get(id(mod), self.modules[-1] if self.modules else ""))
+
+    def _exit(self, mod, args, out) -> None:
+        if self.modules:
+            self.modules.pop()
+
+    def root(self, tid: int) -> int:
+        return self.table["root"].get(tid, tid)
+
+    # -- pack ------------------------------------------------------------------------------
+    def pack(self, x: torch.Tensor):
+        self.recording = False
+        try:
+            return self._pack(x)
+        finally:
+            self.recording = True
+
+    def _pack(self, x: torch.Tensor):
+        loc = self.where.get(x)
+        tid = None if loc is None else self.tid_of.get(loc)
+        if tid is None:
+            if loc is not None:
+                self.kept_refs.append(weakref.ref(x))
+            return x
+        r = self.root(tid)
+        act = self.table["action"].get(r)
+        if act == "swap":
+            h = self.handles.get(r)
+            if h is None and r not in self.fetched:
+                self.handles[r] = rt.offload(_bytes_of(x))
+                self.pinned.pop(r, None)      # the host copy serves a chain that reads it
+            self.packs[r] = self.packs.get(r, 0) + 1
+            return ("swap", r, x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+        if act == "recompute" and self._usable(r):
+            self.packs[r] = self.packs.get(r, 0) + 1
+            self.deferred.setdefault(self.table["made_by"][r], set()).add(r)
+            return ("recompute", r, loc)
+        self.kept_refs.append(weakref.ref(x))
+        return x
+
+    def _usable(self, r: int) -> bool:
+        """Every op root `r` depends on in its chain was matched, reads the roots the profile
+        says it reads, and is not random: then replaying them gives what the forward computed.
+        (They all ran before `r` was produced, so this is known when autograd saves `r`.)"""
+        ok = self.usable.get(r)
+        if ok is None:
+            ok = r in self.table["made_by"]
+            for p in self.table["needs"].get(r, ()) if ok else ():
+                ok = self._op_ok(p)
+                if not ok:
+                    break
+            self.usable[r] = ok
+        return ok
+
+    def _op_ok(self, p: int) -> bool:
+        k = self.rec_of_op.get(p)
+        if k is None:
+            return False
+        rec = self.records[k]
+        if _is_random(rec) or not all(self._known(loc) for loc in rec.in_locs):
+            return False               # random, or reads a value the profile does not know
+        got = {self.root(self.tid_of[loc]) for loc in rec.in_locs}
+        return (got - self.p.non_activation) <= set(self.p.op_inputs.get(p, ()))
+
+    def _known(self, loc: tuple[int, int]) -> bool:
+        """Is `loc` a value of the profile, and, if a view or in-place alias, derived from one
+        with the same storage root (so re-deriving it walks only known values)?"""
+        tid = self.tid_of.get(loc)
+        if tid is None:
+            return False
+        rec = self.records[loc[0]]
+        if not _aliases_input(rec.func):
+            return True
+        src = rec.args[0] if rec.args else None
+        if not isinstance(src, _Ref):
+            return self.root(tid) in self.p.non_activation or not rec.in_locs
+        return (self._known((src.rec, src.out))
+                and self.root(self.tid_of[(src.rec, src.out)]) == self.root(tid))
+
+    def held_device_bytes(self) -> int:
+        """Activation bytes this step holds on the device for backward right now: storages of
+        forward-produced tensors autograd holds as they are, plus what the plan holds (tensors
+        kept for a chain, made by one, fetched back, or still being copied to the host).
+        Parameters, buffers and inputs are not counted; each storage counts once."""
+        seen, total = set(), 0
+        tensors = [r() for r in self.kept_refs]
+        tensors += [*self.pinned.values(), *self.made.values(), *self.fetched.values()]
+        for t in tensors:
+            if t is None or t.device.type == "meta":
+                continue
+            key = rt.storage_key(t)
+            if key not in seen and key not in self.external:
+                seen.add(key)
+                total += rt.storage_bytes(t)
+        for h in self.handles.values():
+            if h.d2h_done is not None and not h.d2h_done.query():
+                total += h.nbytes
+        return total
+
+    # -- unpack ----------------------------------------------------------------------------
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        kind, r = packed[0], packed[1]
+        first = self.table["bwd_use"].get(r)
+        if first is not None and first > self.progress:
+            self.progress = first
+        self._issue_prefetches()
+        if kind == "swap":
+            _, _, dtype, shape, stride, offset = packed
+            out = _view_of(self._fetch(r), dtype, shape, stride, offset)
+        else:
+            _, _, loc = packed
+            owner = self.table["made_by"][r]
+            if owner not in self.done_chains:
+                self._run_chain(owner)
+            out = self._resolve(loc, {})
+        self._unpacked(r)
+        return out
+
+    def _unpacked(self, r: int) -> None:
+        self.packs[r] = self.packs.get(r, 0) - 1
+        self._release(r)
+
+    def _release(self, r: int) -> None:
+        """Drop our reference to a made or fetched root once autograd took all its saved
+        references and no later chain reads it (then it lives as long as autograd holds it)."""
+        if self.packs.get(r, 0) <= 0 and self.made_uses.get(r, 0) <= 0:
+            self.made.pop(r, None)
+            self.fetched.pop(r, None)
+
+    def _issue_prefetches(self) -> None:
+        order, pf = self.prefetch_order, self.table["prefetch_at"]
+        while self.next_prefetch < len(order) and pf[order[self.next_prefetch]] <= self.progress:
+            r = order[self.next_prefetch]
+            self.next_prefetch += 1
+            h = self.handles.get(r)
+            if h is not None:
+                rt.prefetch(h)
+
+    def _fetch(self, r: int) -> torch.Tensor:
+        dev = self.fetched.get(r)
+        if dev is None:
+            dev = self.fetched[r] = rt.wait(self.handles.pop(r))
+        return dev
+
+    # -- chains ----------------------------------------------------------------------------
+    def _run_chain(self, owner: int) -> None:
+        local: dict[tuple[int, int], torch.Tensor] = {}
+        needs = self.table["needs"]
+        ops = sorted({p for r in self.deferred.get(owner, ()) for p in needs[r]})
+        with torch.no_grad(), _autocast_off(self.device), _paused():
+            for p in ops:
+                k = self.rec_of_op[p]
+                self._replay(k, local)
+                self.rerun_ops += 1
+        self.done_chains.add(owner)
+        for (k, j), t in local.items():
+            tid = self.tid_of.get((k, j))
+            if tid is not None and self.table["made_by"].get(tid) == owner:
+                self.made[tid] = t
+        for r in self.p.chain_pins.get(owner, ()):
+            n = self.pin_uses.get(r, 1) - 1
+            self.pin_uses[r] = n
+            if n <= 0:
+                self.pinned.pop(r, None)
+        for r in self.table["chain_inputs"].get(owner, ()):
+            if r in self.made_uses:
+                self.made_uses[r] -= 1
+                self._release(r)
+
+    def _replay(self, k: int, local: dict) -> None:
+        rec = self.records[k]
+        res = lambda a: self._resolve((a.rec, a.out), local) if isinstance(a, _Ref) else a  # noqa: E731
+        args = pytree.tree_map(res, rec.args, is_leaf=lambda a: isinstance(a, _Ref))
+        kwargs = pytree.tree_map(res, rec.kwargs, is_leaf=lambda a: isinstance(a, _Ref))
+        if _is_random(rec):
+            raise RuntimeError(f"slackswap: a recompute chain would re-run the random op "
+                               f"{rec.func}; this is a bug in slackswap, please report it")
+        args = list(args)
+        for i in written_positions(rec.func, args, lambda a: isinstance(a, torch.Tensor)):
+            if isinstance(args[i], torch.Tensor):
+                args[i] = args[i].clone()   # a side-effect write goes to a throwaway copy
+        out = rec.func(*args, **kwargs)
+        leaves, _ = pytree.tree_flatten(out)
+        for j, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                local[(k, j)] = x
+
+    def _resolve(self, loc: tuple[int, int], local: dict) -> torch.Tensor:
+        """The value recorded output `loc` had when the forward produced it."""
+        if loc in local:
+            return local[loc]
+        tid = self.tid_of.get(loc)
+        if tid is not None and tid in self.made:
+            return self.made[tid]
+        k, j = loc
+        rec = self.records[k]
+        ref = rec.outs[j]
+        x = ref() if ref is not None else None
+        if x is not None and x._version == rec.versions[j]:
+            return x                      # still alive (held by autograd or pinned), unchanged
+        if tid is not None and tid in self.metas and (tid in self.handles or tid in self.fetched):
+            out = local[loc] = _view_of(self._fetch(tid), *self.metas[tid])
+            return out
+        if _aliases_input(rec.func):
+            if _writes_first(rec.func):
+                src = rec.args[0]      # in place: its effect is already in the data
+                out = self._resolve((src.rec, src.out), local)
+            else:
+                self._replay(k, local)  # a view: re-derived from its (resident) input
+                out = local[loc]
+            local[loc] = out
+            return out
+        raise RuntimeError(
+            f"slackswap: backward needs output {j} of {rec.func} (recorded op {k}, profile "
+            f"tensor {tid}), which the plan neither kept "
+            "nor can recompute here; this is a bug in slackswap, please report it")
+
+
+def _bytes_of(x: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over all of x's storage (a swap moves the whole root)."""
+    s = x.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=x.device).set_(s, 0, (s.nbytes(),), (1,))
+
+
+def _view_of(raw: torch.Tensor, dtype, shape, stride, offset) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=raw.device).set_(raw.untyped_storage(), offset,
+                                                                 shape, stride)
+
+
+class _autocast_off:
+    def __init__(self, device):
+        self.types = ["cpu"] + ([device.type] if device is not None and device.type != "cpu" else [])
+        self.ctx = []
+
+    def __enter__(self):
+        self.ctx = [torch.autocast(t, enabled=False) for t in self.types]
+        for c in self.ctx:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.ctx):
+            c.__exit__(*exc)
+
+
+class _paused:
+    """No recording while a chain replays (it runs in backward, outside any recorder)."""
+
+    def __enter__(self):
+        self.prev = getattr(_STATE, "run", None)
+        _STATE.run = None
+
+    def __exit__(self, *exc):
+        _STATE.run = self.prev
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, run: PlanRun):
+        super().__init__()
+        self.run = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.run.recording:
+            self.run.record(func, args, kwargs, out)
+        return out
+
+
+class _Patched:
+    """What `patch` attaches to a model: the table and the derived lookups."""
+
+    def __init__(self, model, meta: dict, table: dict, original_forward, had_instance_forward):
+        self.model, self.meta, self.table = model, meta, table
+        self.original_forward = original_forward
+        self.had_instance_forward = had_instance_forward
+        self.last_run: PlanRun | None = None
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.op_inputs = table["op_inputs"]
+        self.non_activation = set(table["non_activation"])
+        # kept (or not yet offloaded) roots a chain reads: held from production until the
+        # chains that read them ran; recompute roots a later chain reads: held until then
+        self.pin_roots: dict[int, int] = {}
+        self.chain_pins: dict[int, list[int]] = {}
+        self.made_uses: dict[int, int] = {}
+        for owner, ins in table["chain_inputs"].items():
+            for r in ins:
+                if table["action"].get(r) == "recompute":
+                    self.made_uses[r] = self.made_uses.get(r, 0) + 1
+                else:
+                    self.pin_roots[r] = self.pin_roots.get(r, 0) + 1
+                    self.chain_pins.setdefault(owner, []).append(r)
+
+    def forward(self, *args, **kwargs):
+        if not (self.model.training and torch.is_grad_enabled()) or \
+                getattr(_STATE, "run", None) is not None:
+            return self.original_forward(*args, **kwargs)
+        run = PlanRun(self)
+        prev = getattr(_STATE, "run", None)
+        _STATE.run = run
+        from torch.nn.modules.module import (register_module_forward_hook,
+                                             register_module_forward_pre_hook)
+        hooks = [register_module_forward_pre_hook(run._enter),
+                 register_module_forward_hook(run._exit)]
+        try:
+            with _Recorder(run), torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+                out = self.original_forward(*args, **kwargs)
+        finally:
+            _STATE.run = prev
+            for h in hooks:
+                h.remove()
+        self.last_run = run
+        return out
+
+
+def patch(model: torch.nn.Module, meta: dict, table: dict) -> torch.nn.Module:
+    """Patch `model` in place to run `table`'s plan in training; returns `model`."""
+    if is_patched(model):
+        raise _error("this model is already patched by slackswap",
+                     "call slackswap's unpatch(model) first to patch it with another plan")
+    had = "forward" in model.__dict__
+    original = model.forward
+    state = _Patched(model, meta, table, original, had)
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        return state.forward(*args, **kwargs)
+
+    forward.__slackswap__ = state
+    model.forward = forward
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `patch`: the model's forward is its own again."""
+    state = getattr(model.__dict__.get("forward"), "__slackswap__", None)
+    if state is None:
+        raise _error("this model is not patched by slackswap", "nothing to undo")
+    if state.had_instance_forward:
+        model.forward = state.original_forward
+    else:
+        del model.forward
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return getattr(model.__dict__.get("forward"), "__slackswap__", None) is not None
+
+
+def _error(message: str, hint: str):
+    from .errors import InputError
+    return InputError(message, hint=hint)

@@ -1,0 +1,200 @@
+"""patch_in_place: the plan runs inside the model's own forward and autograd's backward.
+
+Real models (tiny GPT, HF GPT-2/BERT/Llama from configs, a BatchNorm CNN) are profiled with
+fake tensors, planned, applied, and patched in place; three AdamW steps then give bitwise the
+losses and parameters of the unpatched model, and the step holds less for backward as the
+budget falls. The model object is the same, returns what it returned (a Hugging Face
+`ModelOutput` with `.loss` and `.logits`), runs its hooks, and is untouched in eval mode.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from slackswap_cli.apply import apply_plan, load_patched
+from slackswap_cli.errors import InputError
+from slackswap_cli.trace.joint import loss_from_output, split_inputs
+from slackswap_cli.trace.workload import load_workload
+from tests.test_apply import HW, files, plan_at, profiled  # noqa: F401  (fixtures)
+
+
+_NO_DROPOUT: dict = {}
+
+
+def patched_module(tmp_path, files, name, frac, planner="slackswap", args=None):
+    if args:
+        from slackswap_cli.trace import profile_workload
+        key = (name, tuple(sorted(args.items())))
+        if key not in _NO_DROPOUT:
+            _NO_DROPOUT[key] = profile_workload(str(files[name]), device="fake", hardware=HW,
+                                                args=args)
+        prof = _NO_DROPOUT[key]
+    else:
+        prof = profiled(files, name)
+    peak = prof.summary["peak_activation_bytes"]
+    from slackswap_cli.planners import make_plan
+    plan = make_plan(planner, prof, HW, int(peak * frac), frac)
+    path = tmp_path / f"{name}_{planner}_{frac}.py"
+    path.write_text(apply_plan(plan, prof, args=args))
+    return load_patched(str(path)), plan
+
+
+def train(model, work, steps=3, seed=0):
+    """`steps` AdamW steps from the same seed; (losses, final parameters, last output)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, out = [], None
+    torch.manual_seed(seed)
+    for _ in range(steps):
+        a, kw = split_inputs(work.inputs)
+        out = model(*a, **kw)
+        loss = loss_from_output(out, work.inputs, work.loss_fn)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()], out
+
+
+def twin(files, name):
+    a, b = load_workload(str(files[name])), load_workload(str(files[name]))
+    b.model.load_state_dict(a.model.state_dict())
+    return a, b
+
+
+def run_of(model):
+    return model.forward.__slackswap__.last_run
+
+
+@pytest.mark.parametrize("name,frac", [("tiny_gpt", 0.3), ("gpt2", 0.5), ("bert", 0.4),
+                                       ("llama", 0.3), ("cnn", 0.75)])
+def test_patched_in_place_trains_bitwise_like_eager(name, frac, files, tmp_path):
+    mod, plan = patched_module(tmp_path, files, name, frac)
+    eager, work = twin(files, name)
+    want_losses, want_params, want_out = train(eager.model, eager)
+    model = mod.patch_in_place(work.model)
+    assert model is work.model                        # patched in place, same object
+    losses, params, out = train(model, work)
+    assert losses == want_losses
+    assert all(torch.equal(p, q) for p, q in zip(params, want_params))
+    assert type(out) is type(want_out)                # a ModelOutput stays a ModelOutput
+    for b1, b2 in zip(eager.model.buffers(), work.model.buffers()):
+        assert torch.equal(b1, b2)                    # BatchNorm statistics updated once
+    run = run_of(model)
+    n_planned = sum(1 for a in plan.decisions if a.action != "keep")
+    assert n_planned > 0
+    assert len(run.rec_of_op) > 0.6 * len(mod.TABLE["ops"])   # most ops aligned
+
+
+def test_recompute_and_swap_really_happen_and_memory_falls(files, tmp_path):
+    """Without dropout (a fake profile takes CUDA's fused dropout, a CPU run decomposes it, so
+    those ops do not align and their tensors stay as eager keeps them)."""
+    args = {"dropout": 0.0}
+    held = {}
+    for frac in (1.0, 0.7, 0.5):
+        mod, plan = patched_module(tmp_path, files, "tiny_gpt", frac, args=args)
+        assert plan.feasible
+        work = load_workload(str(files["tiny_gpt"]), args=args)
+        model = mod.patch_in_place(work.model)
+        loss = model(*work.inputs)
+        run = run_of(model)
+        held[frac] = run.held_device_bytes()
+        # after forward the step holds exactly what the plan keeps: swapped roots are on the
+        # host and recomputed ones were let go
+        prof = _NO_DROPOUT[("tiny_gpt", (("dropout", 0.0),))]
+        assert held[frac] == sum(prof.tensors[d.tensor].size_bytes for d in plan.decisions
+                                 if d.action == "keep")
+        assert len(run.rec_of_op) == len(mod.TABLE["ops"]) - 3   # all but autograd's detaches
+        assert all(run.usable.values())
+        loss.backward()
+        acts = {d.action for d in plan.decisions}
+        assert acts & {"swap", "recompute"} or frac == 1.0
+        if "recompute" in acts:
+            assert run.rerun_ops > 0
+        if "swap" in acts:
+            assert run.metas                          # roots copied to host memory
+    assert held[1.0] > held[0.7] > held[0.5]
+    # keep-all holds what eager autograd saves: the profile's saved bytes
+    assert held[1.0] == prof.summary["saved_bytes"]
+
+
+def test_eval_mode_and_no_grad_run_the_original_forward(files, tmp_path):
+    mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.3)
+    work = load_workload(str(files["tiny_gpt"]))
+    model = mod.patch_in_place(work.model)
+    model.eval()
+    with torch.no_grad():
+        model(*work.inputs)
+    assert run_of(model) is None
+    model.train()
+    with torch.no_grad():
+        model(*work.inputs)
+    assert run_of(model) is None
+    model(*work.inputs)
+    assert run_of(model) is not None
+
+
+def test_unpatch_restores_and_double_patch_is_refused(files, tmp_path):
+    mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.3)
+    work = load_workload(str(files["tiny_gpt"]))
+    cls_forward = type(work.model).forward
+    mod.patch_in_place(work.model)
+    with pytest.raises(InputError, match="already patched"):
+        mod.patch_in_place(work.model)
+    mod.unpatch(work.model)
+    assert "forward" not in work.model.__dict__
+    assert work.model.forward.__func__ is cls_forward
+    with pytest.raises(InputError, match="not patched"):
+        mod.unpatch(work.model)
+
+
+def test_hooks_registered_after_patching_run(files, tmp_path):
+    mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.3)
+    work = load_workload(str(files["tiny_gpt"]))
+    model = mod.patch_in_place(work.model)
+    seen = []
+    model.blocks[0].register_forward_hook(lambda m, a, o: seen.append("block"))
+    model.register_forward_pre_hook(lambda m, a: seen.append("root"))
+    model(*work.inputs).backward()
+    assert seen == ["root", "block"]
+
+
+def test_gradient_accumulation_is_exact(files, tmp_path):
+    mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.3)
+    eager, work = twin(files, "tiny_gpt")
+    model = mod.patch_in_place(work.model)
+    grads = []
+    for m in (eager.model, model):
+        torch.manual_seed(1)
+        for _ in range(2):
+            (m(*work.inputs) / 2).backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_hf_trainer_trains_the_patched_model_like_the_original(files, tmp_path):
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+    mod, _ = patched_module(tmp_path, files, "gpt2", 0.5)
+    eager, work = twin(files, "gpt2")
+    ids = work.inputs["input_ids"]
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]}
+
+    results = []
+    for model in (eager.model, mod.patch_in_place(work.model)):
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                                 max_steps=3, learning_rate=1e-2, logging_steps=1, seed=0,
+                                 report_to=[], save_strategy="no", use_cpu=True,
+                                 dataloader_num_workers=0)
+        trainer = Trainer(model=model, args=args, train_dataset=Data())
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        results.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (l1, p1), (l2, p2) = results
+    assert len(l1) == 3 and l1 == l2
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2))
