@@ -120,6 +120,7 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
                  "measure_warmup": m["warmup"], "measure_repeats": m["repeats"]}
         prof = joint_to_profile(joint, workload=header, env=env, op_times_us=m["op_times_us"],
                                 time_source="measured", storage_keys=m["storage_keys"],
+                                storage_sizes=m["storage_sizes"],
                                 summary_extra=extra, progress=say)
     prof.summary["profile_s"] = round(time.perf_counter() - t0, 3)
     say(f"profiled {prof.summary['n_ops']} ops in {prof.summary['profile_s']:.1f} s")

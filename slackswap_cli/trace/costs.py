@@ -85,3 +85,16 @@ def storage_nbytes(t: torch.Tensor) -> int:
         return int(t.untyped_storage().nbytes())
     except Exception:  # noqa: BLE001 - sparse/functional tensors have no plain storage
         return tensor_nbytes(t)
+
+
+def is_random_op(node: fx.Node) -> bool:
+    """Does this node draw random numbers (so re-running it gives another result)?"""
+    target = node.target
+    tags = getattr(target, "tags", ())
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    schema = getattr(target, "_schema", None)
+    if schema is not None and any(a.name == "dropout_p" for a in schema.arguments):
+        p = bound_args(target, node.args, node.kwargs).get("dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
