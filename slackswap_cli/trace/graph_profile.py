@@ -289,6 +289,19 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
                     and b.tensors[x].producer is not None \
                     and b.ops[b.tensors[x].producer].phase == "backward":
                 b.tensors[x].kind = "gradient"
+    # An output nothing reads, of a backward op whose other results are returned gradients, is
+    # a gradient too: when a meta kernel returns one tensor for two gradients (see the module
+    # docstring), the traced step returns that tensor twice and leaves its twin unread, but
+    # only on the first trace in a process (FakeTensor's dispatch cache builds fresh outputs
+    # later). The kind must not depend on which trace this was.
+    read = {t for op in b.ops for t in op.inputs} | {t.alias_of for t in b.tensors}
+    for op in b.ops:
+        if op.phase != "backward" or not any(b.tensors[t].kind == "gradient" for t in op.outputs):
+            continue
+        for t in op.outputs:
+            x = b.tensors[t]
+            if x.kind == "activation" and x.alias_of is None and t not in read:
+                x.kind = "gradient"
     for t in mutated_roots | random_roots:
         b.tensors[t].recomputable = False
     # an alias is recomputable exactly when its root is (it is re-derived from the root)
@@ -298,5 +311,6 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
     extra = {"n_tensors": len(b.tensors),
              "flops": sum(o.flops for o in b.ops),
              "time_source": "measured" if op_times_us is not None else time_source,
+             "checkpoints_inlined": joint.checkpoints_inlined,
              **(summary_extra or {})}
     return b.build(workload=workload, env=env, summary_extra=extra)
