@@ -130,17 +130,23 @@ def first_feasible_budget(profile: Profile, hw, planner: str, *, hi: int | None 
     from .planners import make_plan
     from .simulate import budget_floor_bytes
 
+    def fits(budget: int) -> bool:
+        try:
+            return make_plan(planner, profile, hw, budget, **options).feasible
+        except InputError:   # the simulator refused the plan (see `repair_to_fit`)
+            return False
+
     lo = budget_floor_bytes(profile)
     hi = keep_all_peak_bytes(profile) if hi is None else int(hi)
-    if not make_plan(planner, profile, hw, hi, **options).feasible:
+    if not fits(hi):
         return None
-    if make_plan(planner, profile, hw, lo, **options).feasible:
+    if fits(lo):
         return lo
     for _ in range(steps):        # invariant: lo does not fit, hi fits
         if hi - lo <= 1:
             break
         mid = (lo + hi) // 2
-        if make_plan(planner, profile, hw, mid, **options).feasible:
+        if fits(mid):
             hi = mid
         else:
             lo = mid
@@ -153,13 +159,21 @@ def repair_to_fit(profile: Profile, decisions, budget_bytes: int) -> list:
     Returns the decisions unchanged when they fit. Otherwise the saved activations they keep
     or recompute are turned into swaps, largest first: the shortest prefix of that order that
     fits (bisection; swapping all of them is the swap-everything plan, which fits every budget
-    at or above the floor). Raises `InfeasibleError` below the floor.
+    at or above the floor). Decisions the simulator cannot carry out (a recompute chain that
+    needs a random op's output backward does not save) do not fit either, and are repaired the
+    same way. Raises `InfeasibleError` below the floor.
     """
     from .schema import Decision
     from .simulate import budget_floor_bytes, min_peak_bytes
 
+    def fits(ds: list) -> bool:
+        try:
+            return min_peak_bytes(profile, ds) <= budget_bytes
+        except InputError:   # a recompute chain through a random op's unsaved output
+            return False
+
     decisions = list(decisions)
-    if min_peak_bytes(profile, decisions) <= budget_bytes:
+    if fits(decisions):
         return decisions
     check_budget(budget_bytes, profile)
     by_tensor = {d.tensor: d for d in decisions}
@@ -174,14 +188,14 @@ def repair_to_fit(profile: Profile, decisions, budget_bytes: int) -> list:
         return out
 
     lo, hi = 0, len(order)             # invariant: prefix lo does not fit, prefix hi does
-    if min_peak_bytes(profile, swapped(hi)) > budget_bytes:   # pragma: no cover - floor is exact
+    if not fits(swapped(hi)):   # pragma: no cover - the floor is exact
         raise InfeasibleError(
             f"swapping every saved activation does not fit {fmt_bytes(budget_bytes)} "
             f"(floor {fmt_bytes(budget_floor_bytes(profile))})",
             hint="this is a bug: the floor should be the swap-everything plan's peak")
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if min_peak_bytes(profile, swapped(mid)) <= budget_bytes:
+        if fits(swapped(mid)):
             hi = mid
         else:
             lo = mid
