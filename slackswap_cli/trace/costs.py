@@ -13,6 +13,9 @@ traffic, which is what the roofline's byte term charges them for. Two additions:
 
 Bytes (see `graph_profile`, which knows the aliasing) are each distinct input tensor read once
 plus each output written; views move nothing.
+
+`is_random_op` (does re-running this node draw other numbers?) lives here too, next to
+`bound_args` which it needs, so that both the tracer (`joint`) and the profile builder can use it.
 """
 from __future__ import annotations
 

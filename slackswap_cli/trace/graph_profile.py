@@ -314,3 +314,39 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
              "checkpoints_inlined": joint.checkpoints_inlined,
              **(summary_extra or {})}
     return b.build(workload=workload, env=env, summary_extra=extra)
+
+
+def first_difference(expected: Profile, got: Profile) -> str:
+    """Where two profiles' graphs first differ, in words (for a fingerprint mismatch).
+
+    Compares what the fingerprint hashes, in its order: each op's target, phase and wiring,
+    then each tensor's kind, shape, dtype and storage root; names the first differing op (for
+    a tensor, the op that made it).
+    """
+    def op_desc(p: Profile, i: int) -> str:
+        o = p.ops[i]
+        return f"op {i} ({o.name}, {o.target}, {o.phase})"
+
+    for i, (a, b) in enumerate(zip(expected.ops, got.ops)):
+        if (a.target, a.phase) != (b.target, b.phase):
+            return f"first difference at {op_desc(got, i)}, where the profile has {op_desc(expected, i)}"
+        if (a.inputs, a.outputs) != (b.inputs, b.outputs):
+            return (f"first difference at {op_desc(got, i)}: it reads {list(b.inputs)} and writes "
+                    f"{list(b.outputs)}, where the profile's reads {list(a.inputs)} and writes "
+                    f"{list(a.outputs)}")
+    if len(expected.ops) != len(got.ops):
+        n = min(len(expected.ops), len(got.ops))
+        extra = op_desc(got, n) if len(got.ops) > n else op_desc(expected, n)
+        return (f"{len(got.ops)} ops where the profile has {len(expected.ops)}; the first one "
+                f"only one of them has is {extra}")
+    for a, b in zip(expected.tensors, got.tensors):
+        fields = ("kind", "shape", "dtype", "alias_of")
+        va, vb = [getattr(a, f) for f in fields], [getattr(b, f) for f in fields]
+        if va != vb:
+            f = fields[next(k for k in range(len(fields)) if va[k] != vb[k])]
+            made = (f", made by {op_desc(got, b.producer)}" if b.producer is not None else "")
+            return (f"first difference at tensor {b.id} ({b.name}{made}): {f} "
+                    f"{getattr(b, f)!r} where the profile has {getattr(a, f)!r}")
+    if len(expected.tensors) != len(got.tensors):
+        return f"{len(got.tensors)} tensors where the profile has {len(expected.tensors)}"
+    return "the graphs hash differently but no field differs"

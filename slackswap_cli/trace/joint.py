@@ -24,6 +24,12 @@ In-place ops stay in the graph as they are (dropout's `bernoulli_`, `relu_`, Bat
 running-statistics updates): their outputs alias the tensor they mutate. The profile marks a
 mutated tensor as not recomputable, which is always safe.
 
+`torch.utils.checkpoint` regions are traced as plain calls (`_inline_checkpoints`): a traced
+graph cannot replay the generator state a checkpoint restores before its recompute, so its
+recompute would draw fresh dropout masks. Any other `set_rng_state` inside a step that draws
+random numbers is refused (`_watch_rng_restores`). `loss_fn(output, inputs)` gets the inputs
+in the form the workload gave them (`workload_inputs`).
+
 The model and inputs may be real tensors (`mode="real"`: the graph can be run and timed) or
 FakeTensors created under a FakeTensorMode (nothing is allocated; costs come from a roofline).
 """
