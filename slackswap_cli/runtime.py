@@ -20,9 +20,10 @@ copies them back ahead of their use in backward. This module does the copying, s
 
 `StepStore` is the per-step object a patched step's forward fills and its backward empties:
 `keep(name, t)` / `take(name)` for kept tensors, `offload(name, t)` / `prefetch(name)` /
-`wait(name)` for swapped ones. A kernel may leave an output undefined (`None` in Python: the
-CPU RNN kernels' workspace, which fake tensors show as an empty tensor); such a value holds no
-memory, whatever the plan says, so it is held as `None` and handed back as `None`. It also accounts honestly for what it holds on the device
+`wait(name)` for swapped ones. A kernel may leave an output undefined (`None` in Python; the
+CPU RNN kernels do so for their workspace when grad mode is off, which `_traced_mode` avoids):
+such a value holds no memory, whatever the plan says, so it is held as `None` and handed back
+as `None`. The store also accounts honestly for what it holds on the device
 (`held_device_bytes`): kept storages (each counted once, parameters, buffers and inputs
 excluded, since they exist anyway) plus swapped tensors whose D2H copy has not finished.
 
@@ -261,7 +262,7 @@ class StepStore:
         h = self.swapped.get(name)
         if h is None:
             return          # an undefined output, held as None (see `offload`)
-        if h is not None and h.device_copy is None:
+        if h.device_copy is None:
             prefetch(h)
             self.prefetched_bytes += h.nbytes
 

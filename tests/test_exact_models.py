@@ -279,3 +279,17 @@ def test_a_fingerprint_mismatch_names_the_first_differing_op(files):
     with pytest.raises(FingerprintMismatch, match=r"first difference at op \d+ \(") as exc:
         apply_plan(plan, prof, model_path=str(edited))
     assert "slackswap profile" in exc.value.hint
+
+
+def test_an_undefined_output_is_no_activation_whatever_the_plan_says():
+    import torch
+
+    from slackswap_cli.runtime import StepStore
+    store = StepStore()
+    store.keep("kept", None)
+    store.offload("swapped", None)
+    store.offload("real", torch.ones(4))
+    assert store.held_device_bytes() == 0 and store.offloaded_bytes == 16
+    store.prefetch("swapped")
+    assert store.take("kept") is None and store.wait("swapped") is None
+    assert torch.equal(store.wait("real"), torch.ones(4))
