@@ -102,9 +102,12 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
         joint, work = trace_fake(str(path), entry, args, device, real=True)
         fp = joint_fingerprint(joint)
     if fp != profile.fingerprint:
+        from .hardware import PRESETS
+        from .trace.graph_profile import first_difference, joint_to_profile
+        got = joint_to_profile(joint, workload={}, env={}, hardware=PRESETS["a100-pcie4"])
         raise FingerprintMismatch(
             f"{path} now traces to graph {fp}, but the profile was made from graph "
-            f"{profile.fingerprint}",
+            f"{profile.fingerprint}; {first_difference(profile, got)}",
             hint="the model, its inputs or torch changed: re-run `slackswap profile` and `slackswap plan`")
     workload_ref = {"path": str(Path(path).resolve()), "entry": entry, "args": args,
                     "name": profile.workload.get("name", Path(path).stem)}

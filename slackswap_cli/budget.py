@@ -16,6 +16,17 @@ moment of the step. It is given either
 forward or backward still reads them, transients, non-evictable values), computed by the
 simulator's `budget_floor_bytes`. It raises `InfeasibleError` (exit code 4, "no plan fits the
 budget"), since the input is well formed but cannot be met.
+
+The floor is exact, not an estimate: it is the least activation peak of the plan that swaps
+every saved activation, and the simulator's feasibility is static (`min_peak_bytes(plan) <=
+budget`), so that plan fits every budget at or above the floor, and no plan has a lower least
+peak (a kept tensor is resident longer than a swapped one; a recomputed one as long, plus the
+inputs its recompute reads). A heuristic planner may still miss a budget just above the floor:
+
+- `first_feasible_budget` finds the smallest budget (by bisection) at which a given planner's
+  own plan fits, for an error message that says what that planner can reach;
+- `repair_to_fit` turns any plan into one that fits a budget at or above the floor, by
+  swapping the tensors it keeps or recomputes, largest first, as few as the simulator needs.
 """
 from __future__ import annotations
 
@@ -81,20 +92,111 @@ def parse_budget(text: str | float | int, profile: Profile) -> tuple[int, float 
 
 def check_budget(budget_bytes: int, profile: Profile) -> None:
     """Raise `InfeasibleError` when no plan can keep activation memory under `budget_bytes`."""
-    from .simulate import budget_floor_bytes  # late: keeps budget importable on its own
-
-    floor = budget_floor_bytes(profile)
-    if budget_bytes < floor:
-        peak = keep_all_peak_bytes(profile)
-        frac = f" ({floor / peak:.3f} of the keep-all peak)" if peak else ""
-        raise InfeasibleError(
-            f"budget {fmt_bytes(budget_bytes)} is below the floor {fmt_bytes(floor)}{frac}: "
-            "memory that no plan can free",
-            hint=f"raise the budget to at least {_ceil3(floor / peak) if peak else 1} "
-                 f"(fraction) or {fmt_bytes(floor)} ({floor} bytes)")
+    below = floor_message(budget_bytes, profile)
+    if below is not None:
+        raise InfeasibleError(below[0], hint=below[1])
 
 
 def _ceil3(x: float) -> float:
     """x rounded up to 3 decimals, so the suggested fraction is never below the floor."""
     return math.ceil(x * 1000 - 1e-9) / 1000
 
+
+
+def floor_message(budget_bytes: int, profile: Profile) -> tuple[str, str] | None:
+    """(error, hint) when `budget_bytes` is below the floor, else None (see `check_budget`)."""
+    from .simulate import budget_floor_bytes  # late: keeps budget importable on its own
+
+    floor = budget_floor_bytes(profile)
+    if budget_bytes >= floor:
+        return None
+    peak = keep_all_peak_bytes(profile)
+    frac = f" ({floor / peak:.3f} of the keep-all peak)" if peak else ""
+    return (f"budget {fmt_bytes(budget_bytes)} is below the floor {fmt_bytes(floor)}{frac}: "
+            "memory that no plan can free",
+            f"raise the budget to at least {_ceil3(floor / peak) if peak else 1} "
+            f"(fraction) or {fmt_bytes(floor)} ({floor} bytes)")
+
+
+def first_feasible_budget(profile: Profile, hw, planner: str, *, hi: int | None = None,
+                          steps: int = 10, **options) -> int | None:
+    """The smallest budget found at which `planner`'s own plan fits, or None if none does.
+
+    Bisection between the floor and `hi` (default: the keep-all peak) over `steps` rounds, so
+    the answer is within (hi - floor) / 2**steps of the first budget where the planner
+    succeeds, provided its success is monotone in the budget (a heuristic's need not be: the
+    result is a budget where it fits, not a proof that it fits nowhere below).
+    """
+    from .planners import make_plan
+    from .simulate import budget_floor_bytes
+
+    def fits(budget: int) -> bool:
+        try:
+            return make_plan(planner, profile, hw, budget, **options).feasible
+        except InputError:   # the simulator refused the plan (see `repair_to_fit`)
+            return False
+
+    lo = budget_floor_bytes(profile)
+    hi = keep_all_peak_bytes(profile) if hi is None else int(hi)
+    if not fits(hi):
+        return None
+    if fits(lo):
+        return lo
+    for _ in range(steps):        # invariant: lo does not fit, hi fits
+        if hi - lo <= 1:
+            break
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def repair_to_fit(profile: Profile, decisions, budget_bytes: int) -> list:
+    """`decisions` changed as little as found so that the plan fits `budget_bytes`.
+
+    Returns the decisions unchanged when they fit. Otherwise the saved activations they keep
+    or recompute are turned into swaps, largest first: the shortest prefix of that order that
+    fits (bisection; swapping all of them is the swap-everything plan, which fits every budget
+    at or above the floor). Decisions the simulator cannot carry out (a recompute chain that
+    needs a random op's output backward does not save) do not fit either, and are repaired the
+    same way. Raises `InfeasibleError` below the floor.
+    """
+    from .schema import Decision
+    from .simulate import budget_floor_bytes, min_peak_bytes
+
+    def fits(ds: list) -> bool:
+        try:
+            return min_peak_bytes(profile, ds) <= budget_bytes
+        except InputError:   # a recompute chain through a random op's unsaved output
+            return False
+
+    decisions = list(decisions)
+    if fits(decisions):
+        return decisions
+    check_budget(budget_bytes, profile)
+    by_tensor = {d.tensor: d for d in decisions}
+    order = sorted((t for t in profile.saved_activations
+                    if by_tensor.get(t.id, Decision(t.id, "keep")).action != "swap"),
+                   key=lambda t: (-t.size_bytes, t.id))
+
+    def swapped(k: int) -> list:
+        turn = {t.id for t in order[:k]}
+        out = [Decision(d.tensor, "swap") if d.tensor in turn else d for d in decisions]
+        out += [Decision(t, "swap") for t in turn - set(by_tensor)]
+        return out
+
+    lo, hi = 0, len(order)             # invariant: prefix lo does not fit, prefix hi does
+    if not fits(swapped(hi)):   # pragma: no cover - the floor is exact
+        raise InfeasibleError(
+            f"swapping every saved activation does not fit {fmt_bytes(budget_bytes)} "
+            f"(floor {fmt_bytes(budget_floor_bytes(profile))})",
+            hint="this is a bug: the floor should be the swap-everything plan's peak")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(swapped(mid)):
+            hi = mid
+        else:
+            lo = mid
+    return swapped(hi)

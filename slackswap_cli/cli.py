@@ -254,12 +254,14 @@ def plan(
 ) -> None:
     """Decide keep / swap / recompute for every saved activation, simulate, write the plan."""
     try:
-        from .budget import check_budget
-        from .planners import make_plan
+        from .budget import first_feasible_budget, floor_message
+        from .planners import get_planner, make_plan
         from .schema import save
         from .simulate import simulate
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
-        check_budget(budget_bytes, prof)
+        get_planner(planner)
+        # below the floor no plan fits, but the planner's closest plan is still written
+        below = floor_message(budget_bytes, prof)
         target = output or _sibling(profile_path, ".plan.json")
         _check_output_path(target, "-o", [profile_path, hardware])
         options = {"time_limit_s": time_limit} if planner == "optimal" else {}
@@ -267,6 +269,9 @@ def plan(
         result = _with_paths(result, profile_path, prof)
         save(result, target)
         sim = simulate(prof, result.decisions, hw, budget_bytes)
+        reach = None
+        if not result.feasible and below is None and planner != "optimal":
+            reach = first_feasible_budget(prof, hw, planner)   # optimal: a MILP per step
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
@@ -276,9 +281,22 @@ def plan(
         _render(plan_views(result, prof, sim))
         out.print(f"wrote {target}", markup=False)
     if not result.feasible:
-        _error_lines("no plan keeps activation memory under the budget; "
-                     f"wrote the best one found to {target} with feasible: false",
-                     "raise --budget, or try --planner optimal")
+        wrote = f"wrote the closest plan found to {target} with feasible: false"
+        if below is not None:
+            _error_lines(f"{below[0]}; {wrote}", below[1])
+        else:
+            from .budget import keep_all_peak_bytes
+            from .simulate import budget_floor_bytes
+            from .units import fmt_bytes
+            peak, floor = keep_all_peak_bytes(prof), budget_floor_bytes(prof)
+            fits = ("" if reach is None else
+                    f"; planner {planner} first fits at {fmt_bytes(reach)}"
+                    + (f" ({reach / peak:.3f})" if peak else ""))
+            _error_lines(f"planner {planner} found no plan under the budget{fits}; {wrote}",
+                         f"the floor is {fmt_bytes(floor)}"
+                         + (f" ({floor / peak:.3f})" if peak else "")
+                         + ": `--planner swap-all` fits every budget from there up; or raise "
+                           "--budget, or try --planner optimal")
         raise typer.Exit(4)
 
 

@@ -51,7 +51,7 @@ _STATE = threading.local()
 
 
 def _is_random(rec: "_Record") -> bool:
-    from .trace.graph_profile import is_random_call
+    from .trace.costs import is_random_call
     return is_random_call(rec.func, rec.args, rec.kwargs)
 
 

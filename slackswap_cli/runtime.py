@@ -20,7 +20,10 @@ copies them back ahead of their use in backward. This module does the copying, s
 
 `StepStore` is the per-step object a patched step's forward fills and its backward empties:
 `keep(name, t)` / `take(name)` for kept tensors, `offload(name, t)` / `prefetch(name)` /
-`wait(name)` for swapped ones. It also accounts honestly for what it holds on the device
+`wait(name)` for swapped ones. A kernel may leave an output undefined (`None` in Python; the
+CPU RNN kernels do so for their workspace when grad mode is off, which `_traced_mode` avoids):
+such a value holds no memory, whatever the plan says, so it is held as `None` and handed back
+as `None`. The store also accounts honestly for what it holds on the device
 (`held_device_bytes`): kept storages (each counted once, parameters, buffers and inputs
 excluded, since they exist anyway) plus swapped tensors whose D2H copy has not finished.
 
@@ -243,7 +246,10 @@ class StepStore:
     def keep(self, name: str, t: torch.Tensor) -> None:
         self.kept[name] = t
 
-    def offload(self, name: str, t: torch.Tensor) -> None:
+    def offload(self, name: str, t: torch.Tensor | None) -> None:
+        if t is None:   # an undefined output (an RNN kernel's unused workspace): nothing to copy
+            self.kept[name] = None
+            return
         self.swapped[name] = offload(t)
         self.offloaded_bytes += self.swapped[name].nbytes
 
@@ -254,11 +260,15 @@ class StepStore:
 
     def prefetch(self, name: str) -> None:
         h = self.swapped.get(name)
-        if h is not None and h.device_copy is None:
+        if h is None:
+            return          # an undefined output, held as None (see `offload`)
+        if h.device_copy is None:
             prefetch(h)
             self.prefetched_bytes += h.nbytes
 
-    def wait(self, name: str) -> torch.Tensor:
+    def wait(self, name: str) -> torch.Tensor | None:
+        if name not in self.swapped and self.kept.get(name, 0) is None:
+            return self.kept.pop(name)   # an undefined output (see `offload`)
         self.prefetch(name)
         return wait(self.swapped.pop(name))
 
@@ -273,6 +283,8 @@ class StepStore:
         seen: set = set()
         total = 0
         for t in self.kept.values():
+            if not isinstance(t, torch.Tensor):
+                continue    # an undefined output (None): it holds no memory
             key = storage_key(t)
             if key in seen or key in self._exclude:
                 continue
@@ -292,6 +304,22 @@ class StepStore:
 # --------------------------------------------------------------------------------------------
 # The patched module
 # --------------------------------------------------------------------------------------------
+def _traced_mode():
+    """Grad mode on, as when the step was traced: some kernels read it.
+
+    Inside an autograd.Function grad mode is off, and kernels that check it skip what only
+    backward needs: the CPU (mkldnn) RNN kernels then leave their workspace output undefined,
+    and their backward fails on it. The step's own ops run on detached tensors (`_detached`),
+    so grad mode on records no autograd graph and saves nothing.
+    """
+    return torch.enable_grad()
+
+
+def _detached(flat) -> list[torch.Tensor]:
+    """The step's tensors without autograd history (same storages: in-place updates land)."""
+    return [t.detach() for t in flat]
+
+
 class _StepFunction(torch.autograd.Function):
     """Forward runs the plan's forward step, backward its backward step (one autograd node)."""
 
@@ -299,9 +327,10 @@ class _StepFunction(torch.autograd.Function):
     def forward(ctx, step: "PatchedStep", *flat: torch.Tensor) -> torch.Tensor:
         store = StepStore(exclude=list(flat))
         device = flat[0].device
-        # the graph already holds every cast the model makes; autocast must not add more
-        with torch.autocast(device.type, enabled=False):
-            loss = step.forward_fn(store, device, *flat)
+        # the graph already holds every cast the model makes; autocast must not add more.
+        # Grad mode is on, as in the traced step (see `_traced_mode`).
+        with torch.autocast(device.type, enabled=False), _traced_mode():
+            loss = step.forward_fn(store, device, *_detached(flat))
         ctx.store, ctx.step, ctx.flat = store, step, flat
         step.last_store = weakref.ref(store)
         step.held_bytes_after_forward = store.held_device_bytes()
@@ -315,8 +344,8 @@ class _StepFunction(torch.autograd.Function):
             raise RuntimeError("slackswap: this patched step already ran its backward, which frees "
                                "(or hands back to the host pool) everything forward saved; "
                                "backward(retain_graph=True) twice is not supported")
-        with torch.autocast(flat[0].device.type, enabled=False):
-            grads = step.backward_fn(store, flat[0].device, *flat, grad_loss)
+        with torch.autocast(flat[0].device.type, enabled=False), _traced_mode():
+            grads = step.backward_fn(store, flat[0].device, *_detached(flat), grad_loss.detach())
         ctx.store = ctx.flat = None
         out: list[Any] = [None] * len(flat)
         for i, g in zip(step.meta["grad_param_index"], grads):

@@ -61,12 +61,17 @@ def test_plan_bad_options(profile_path, tmp_path, args, code, needle):
     assert not out.exists()
 
 
-def test_plan_budget_below_floor_is_refused(profile_path, tmp_path):
+def test_plan_budget_below_floor_writes_the_closest_plan_and_exits_4(profile_path, tmp_path):
+    # README: exit 4 "no plan fits the budget (the best plan is still written, feasible: false)"
     out = tmp_path / "p.json"
     r = run("plan", profile_path, "--budget", "1KiB", "-o", out)
-    assert r.exit_code in (2, 4)
-    assert "Error:" in r.stderr and "Traceback" not in r.stderr
-    assert not out.exists()
+    assert r.exit_code == 4
+    assert "Traceback" not in r.stderr
+    assert "Error:" in r.stderr and "below the floor" in r.stderr and "Hint:" in r.stderr
+    assert "feasible: false" in r.stderr
+    plan = schema.load_plan(out)
+    assert plan.feasible is False and plan.budget_bytes == 1024
+    assert plan.decisions                       # a whole plan, one decision per saved tensor
 
 
 def test_plan_rejects_non_profile(tmp_path):

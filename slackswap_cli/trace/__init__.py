@@ -95,6 +95,9 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     say("tracing forward + loss + backward")
     joint = capture_joint(work.model, work.inputs, work.loss_fn)
     n_nodes = len(joint.gm.graph.nodes)
+    if joint.checkpoints_inlined:
+        say(f"traced {joint.checkpoints_inlined} torch.utils.checkpoint region(s) as plain calls: "
+            "the plan decides what to recompute")
     say(f"traced {n_nodes} graph nodes in {time.perf_counter() - t0:.1f} s")
     shapes, dtypes = _input_info(work.inputs)
     header = {"name": workload_name(module, path), "path": str(Path(path).resolve()),
@@ -120,6 +123,7 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
                  "measure_warmup": m["warmup"], "measure_repeats": m["repeats"]}
         prof = joint_to_profile(joint, workload=header, env=env, op_times_us=m["op_times_us"],
                                 time_source="measured", storage_keys=m["storage_keys"],
+                                storage_sizes=m["storage_sizes"],
                                 summary_extra=extra, progress=say)
     prof.summary["profile_s"] = round(time.perf_counter() - t0, 3)
     say(f"profiled {prof.summary['n_ops']} ops in {prof.summary['profile_s']:.1f} s")

@@ -13,6 +13,9 @@ traffic, which is what the roofline's byte term charges them for. Two additions:
 
 Bytes (see `graph_profile`, which knows the aliasing) are each distinct input tensor read once
 plus each output written; views move nothing.
+
+`is_random_op` (does re-running this node draw other numbers?) lives here too, next to
+`bound_args` which it needs, so that both the tracer (`joint`) and the profile builder can use it.
 """
 from __future__ import annotations
 
@@ -85,3 +88,21 @@ def storage_nbytes(t: torch.Tensor) -> int:
         return int(t.untyped_storage().nbytes())
     except Exception:  # noqa: BLE001 - sparse/functional tensors have no plain storage
         return tensor_nbytes(t)
+
+
+def is_random_op(node: fx.Node) -> bool:
+    """Does this node draw random numbers (so re-running it gives another result)?"""
+    return is_random_call(node.target, node.args, node.kwargs)
+
+
+def is_random_call(target, args, kwargs) -> bool:
+    """`is_random_op` for a call (graph node or recorded eager call): seeded-random ops, and
+    attention kernels only when their `dropout_p` is not 0."""
+    tags = getattr(target, "tags", ())
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    schema = getattr(target, "_schema", None)
+    if schema is not None and any(a.name == "dropout_p" for a in schema.arguments):
+        p = bound_args(target, args, kwargs).get("dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True

@@ -23,6 +23,13 @@ keeps it alive while any alias is read. Two sources, in this order:
    (`view`, `t`, `split`, `detach`, `bernoulli_`, ...), plus `_unsafe_view` and friends, which
    are views that the schema does not declare.
 
+Where both are known and agree, the schema's root is taken. One case of storage sharing is
+ignored: outputs of one op that the schema declares fresh but that share a storage with each
+other. Meta kernels do this where the real kernel does not (`mkldnn_rnn_layer_backward`
+returns one tensor as both bias gradients under FakeTensorMode, two on CPU), and a profile
+must not depend on whether the step was traced with fake or real tensors: `apply` re-traces
+with fake tensors and compares fingerprints. Such an output is its own root of its own bytes.
+
 A view of a parameter or input stays kind `activation` but aliases a non-activation root, so it
 adds no activation bytes and is never a planner candidate.
 
@@ -42,7 +49,7 @@ import torch.utils._pytree as pytree
 from ..errors import InputError
 from ..profile_build import ProfileBuilder
 from ..schema import Profile
-from .costs import bound_args, node_flops, storage_nbytes, tensor_nbytes
+from .costs import is_random_call, is_random_op, node_flops, storage_nbytes, tensor_nbytes
 from .joint import JointGraph
 
 # Views the schema does not declare as aliasing (autograd-invisible views), by overload packet.
@@ -66,24 +73,6 @@ def _packet_name(target) -> str:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def is_random_op(node: fx.Node) -> bool:
-    """Does this node draw random numbers (so re-running it gives another result)?"""
-    return is_random_call(node.target, node.args, node.kwargs)
-
-
-def is_random_call(target, args, kwargs) -> bool:
-    """`is_random_op` for a call (graph node or recorded eager call): seeded-random ops, and
-    attention kernels only when their `dropout_p` is not 0."""
-    tags = getattr(target, "tags", ())
-    if torch.Tag.nondeterministic_seeded not in tags:
-        return False
-    schema = getattr(target, "_schema", None)
-    if schema is not None and any(a.name == "dropout_p" for a in schema.arguments):
-        p = bound_args(target, args, kwargs).get("dropout_p", 0.0)
-        return not (isinstance(p, (int, float)) and p == 0)
-    return True
 
 
 def _schema_aliases(node: fx.Node) -> tuple[dict[int, fx.Node], list[fx.Node]]:
@@ -140,13 +129,16 @@ def storage_keys_from_fake(joint: JointGraph) -> dict[str, int]:
 def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
                      op_times_us: dict[str, float] | None = None, time_source: str = "roofline",
                      hardware=None, storage_keys: dict[str, int] | None = None,
+                     storage_sizes: dict[str, int] | None = None,
                      summary_extra: dict | None = None,
                      progress: Callable[[str], None] | None = None) -> Profile:
     """Build the profile of `joint`.
 
     Times: `op_times_us[op name]` when given (measured), else `hardware.roofline_us(flops,
     bytes)`. `storage_keys` (tensor name -> storage identity) overrides the storages read from
-    a fake trace; see the module docstring for how aliases are found.
+    a fake trace; see the module docstring for how aliases are found. `storage_sizes` (tensor
+    name -> storage bytes of a real run) raises a root's size where the real kernel allocated
+    more than its fake result holds (sizes do not enter the fingerprint).
     """
     if op_times_us is None and hardware is None:
         raise InputError("a profile needs op times: pass measured times or a hardware preset",
@@ -164,25 +156,41 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
 
     b = ProfileBuilder()
     tid_of: dict[str, int] = {}          # node name (getitems included) -> tensor id
-    root_of_key: dict[int, int] = {}     # storage key -> root tensor id
+    root_of_key: dict[int, int] = {}     # storage key -> root tensor id (the first owner)
+    key_of_root: dict[int, int] = {}     # root tensor id -> storage key
     mutated_roots: set[int] = set()
     random_roots: set[int] = set()
     tensor_vals: list[torch.Tensor] = []  # meta val of each tensor id (for byte counts)
 
     def add_tensor(name: str, kind: str, val: torch.Tensor, alias_of: int | None,
-                   key_name: str) -> int:
+                   key_name: str, siblings: tuple[int, ...] = ()) -> int:
         # storage identity, when known, decides; the schema's alias_of is the fallback
         key = storage_keys.get(key_name)
+        declared = alias_of
+        if declared is not None and b.tensors[declared].alias_of is not None:
+            declared = b.tensors[declared].alias_of
+        shared_with_sibling = False
         if key is not None:
-            alias_of = root_of_key.get(key)
-        elif alias_of is not None and b.tensors[alias_of].alias_of is not None:
-            alias_of = b.tensors[alias_of].alias_of
-        size = tensor_nbytes(val) if alias_of is not None else max(storage_nbytes(val),
-                                                                    tensor_nbytes(val))
+            if declared is not None and key_of_root.get(declared) == key:
+                alias_of = declared           # the schema and the storage agree
+            else:
+                alias_of = root_of_key.get(key)
+                if declared is None and alias_of in siblings:
+                    # a fresh output sharing storage with another output of the same op: meta
+                    # kernels do this where real kernels do not (see the module docstring)
+                    alias_of, shared_with_sibling = None, True
+        else:
+            alias_of = declared
+        if alias_of is not None or shared_with_sibling:
+            size = tensor_nbytes(val)
+        else:
+            size = max(storage_nbytes(val), tensor_nbytes(val),
+                       (storage_sizes or {}).get(key_name, 0))
         tid = b.add_tensor(name, kind, tuple(val.shape), dtype_name(val.dtype), size_bytes=size,
                            alias_of=alias_of)
-        if key is not None and key not in root_of_key:
-            root_of_key[key] = tid
+        if key is not None and alias_of is None:
+            key_of_root[tid] = key
+            root_of_key.setdefault(key, tid)
         tensor_vals.append(val)
         return tid
 
@@ -233,7 +241,7 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
                 readers, name, key_name = [], node.name, node.name
             src = aliased.get(i)
             alias_of = tid_of.get(src.name) if src is not None else None
-            tid = add_tensor(name, "activation", v, alias_of, key_name)
+            tid = add_tensor(name, "activation", v, alias_of, key_name, tuple(outputs))
             tid_of[name] = tid
             for r in readers:
                 tid_of[r.name] = tid
@@ -281,6 +289,19 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
                     and b.tensors[x].producer is not None \
                     and b.ops[b.tensors[x].producer].phase == "backward":
                 b.tensors[x].kind = "gradient"
+    # An output nothing reads, of a backward op whose other results are returned gradients, is
+    # a gradient too: when a meta kernel returns one tensor for two gradients (see the module
+    # docstring), the traced step returns that tensor twice and leaves its twin unread, but
+    # only on the first trace in a process (FakeTensor's dispatch cache builds fresh outputs
+    # later). The kind must not depend on which trace this was.
+    read = {t for op in b.ops for t in op.inputs} | {t.alias_of for t in b.tensors}
+    for op in b.ops:
+        if op.phase != "backward" or not any(b.tensors[t].kind == "gradient" for t in op.outputs):
+            continue
+        for t in op.outputs:
+            x = b.tensors[t]
+            if x.kind == "activation" and x.alias_of is None and t not in read:
+                x.kind = "gradient"
     for t in mutated_roots | random_roots:
         b.tensors[t].recomputable = False
     # an alias is recomputable exactly when its root is (it is re-derived from the root)
@@ -290,5 +311,42 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
     extra = {"n_tensors": len(b.tensors),
              "flops": sum(o.flops for o in b.ops),
              "time_source": "measured" if op_times_us is not None else time_source,
+             "checkpoints_inlined": joint.checkpoints_inlined,
              **(summary_extra or {})}
     return b.build(workload=workload, env=env, summary_extra=extra)
+
+
+def first_difference(expected: Profile, got: Profile) -> str:
+    """Where two profiles' graphs first differ, in words (for a fingerprint mismatch).
+
+    Compares what the fingerprint hashes, in its order: each op's target, phase and wiring,
+    then each tensor's kind, shape, dtype and storage root; names the first differing op (for
+    a tensor, the op that made it).
+    """
+    def op_desc(p: Profile, i: int) -> str:
+        o = p.ops[i]
+        return f"op {i} ({o.name}, {o.target}, {o.phase})"
+
+    for i, (a, b) in enumerate(zip(expected.ops, got.ops)):
+        if (a.target, a.phase) != (b.target, b.phase):
+            return f"first difference at {op_desc(got, i)}, where the profile has {op_desc(expected, i)}"
+        if (a.inputs, a.outputs) != (b.inputs, b.outputs):
+            return (f"first difference at {op_desc(got, i)}: it reads {list(b.inputs)} and writes "
+                    f"{list(b.outputs)}, where the profile's reads {list(a.inputs)} and writes "
+                    f"{list(a.outputs)}")
+    if len(expected.ops) != len(got.ops):
+        n = min(len(expected.ops), len(got.ops))
+        extra = op_desc(got, n) if len(got.ops) > n else op_desc(expected, n)
+        return (f"{len(got.ops)} ops where the profile has {len(expected.ops)}; the first one "
+                f"only one of them has is {extra}")
+    for a, b in zip(expected.tensors, got.tensors):
+        fields = ("kind", "shape", "dtype", "alias_of")
+        va, vb = [getattr(a, f) for f in fields], [getattr(b, f) for f in fields]
+        if va != vb:
+            f = fields[next(k for k in range(len(fields)) if va[k] != vb[k])]
+            made = (f", made by {op_desc(got, b.producer)}" if b.producer is not None else "")
+            return (f"first difference at tensor {b.id} ({b.name}{made}): {f} "
+                    f"{getattr(b, f)!r} where the profile has {getattr(a, f)!r}")
+    if len(expected.tensors) != len(got.tensors):
+        return f"{len(got.tensors)} tensors where the profile has {len(expected.tensors)}"
+    return "the graphs hash differently but no field differs"

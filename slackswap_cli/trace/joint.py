@@ -24,6 +24,12 @@ In-place ops stay in the graph as they are (dropout's `bernoulli_`, `relu_`, Bat
 running-statistics updates): their outputs alias the tensor they mutate. The profile marks a
 mutated tensor as not recomputable, which is always safe.
 
+`torch.utils.checkpoint` regions are traced as plain calls (`_inline_checkpoints`): a traced
+graph cannot replay the generator state a checkpoint restores before its recompute, so its
+recompute would draw fresh dropout masks. Any other `set_rng_state` inside a step that draws
+random numbers is refused (`_watch_rng_restores`). `loss_fn(output, inputs)` gets the inputs
+in the form the workload gave them (`workload_inputs`).
+
 The model and inputs may be real tensors (`mode="real"`: the graph can be run and timed) or
 FakeTensors created under a FakeTensorMode (nothing is allocated; costs come from a roofline).
 """
@@ -40,6 +46,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from ..errors import InputError, SlackswapError, TraceError
+from .costs import is_random_op
 
 
 @dataclass
@@ -55,6 +62,7 @@ class JointGraph:
     module: dict[str, str] = field(default_factory=dict)   # node name -> module path
     loss_node: str = ""
     fake: bool = False
+    checkpoints_inlined: int = 0          # torch.utils.checkpoint regions traced as plain calls
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -73,6 +81,21 @@ def split_inputs(inputs: Any) -> tuple[tuple, dict]:
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}
     return (inputs,), {}
+
+
+def workload_inputs(original: Any, args: tuple, kwargs: dict) -> Any:
+    """The inputs rebuilt in the form the workload gave them (`split_inputs` undone).
+
+    `loss_fn(output, inputs)` must see the workload's own `inputs` (a tuple, a list, a dict or
+    one tensor), with the traced tensors in place of the originals.
+    """
+    if isinstance(original, dict):
+        return kwargs
+    if isinstance(original, tuple):
+        return tuple(args)
+    if isinstance(original, list):
+        return list(args)
+    return args[0]
 
 
 def loss_from_output(output: Any, inputs: Any, loss_fn: Callable | None) -> torch.Tensor:
@@ -180,7 +203,7 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
         a, kw = pytree.tree_unflatten(flat, spec)
         state = {**dict(zip(param_names, param_list)), **dict(zip(buffer_names, buffer_list))}
         out = torch.func.functional_call(model, state, a, kw, strict=True)
-        loss = loss_from_output(out, pytree.tree_unflatten(flat, spec), loss_fn)
+        loss = loss_from_output(out, workload_inputs(inputs, a, kw), loss_fn)
         boundary["n"] = len(get_proxy_mode().tracer.graph.nodes)
         grad_params = [param_list[i] for i in grad_index]
         grads = torch.autograd.grad(loss, grad_params, grad_outputs=tangent.to(loss.dtype),
@@ -193,7 +216,8 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
     model.train()
     try:
         emulate = fake_mode is not None and ref.device.type == "cpu"
-        with _ModuleTracker(model) as tracker, _cuda_dropout(emulate):
+        with _ModuleTracker(model) as tracker, _cuda_dropout(emulate), \
+                _inline_checkpoints() as inlined, _watch_rng_restores() as restores:
             if fake_mode is not None:
                 with fake_mode:
                     tangent = torch.ones((), dtype=ref.dtype, device=ref.device)
@@ -217,9 +241,92 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
 
     joint = JointGraph(gm=gm, param_names=param_names, buffer_names=buffer_names, input_spec=spec,
                        input_leaf_is_tensor=is_tensor, input_constants=constants,
-                       grad_param_index=grad_index, fake=fake_mode is not None)
+                       grad_param_index=grad_index, fake=fake_mode is not None,
+                       checkpoints_inlined=inlined["n"])
     _annotate(joint, tracker, boundary.get("n", 0))
+    if restores:
+        _refuse_rng_replay(joint, restores)
     return joint
+
+
+@contextlib.contextmanager
+def _inline_checkpoints():
+    """Trace `torch.utils.checkpoint` regions as plain calls; yields {"n": regions inlined}.
+
+    A checkpointed region re-runs its forward in backward with the random-number generator
+    restored to its state at the region's forward, so dropout draws the same mask twice. A
+    traced graph cannot replay a generator state: the re-run would draw a fresh mask, and the
+    patched step would compute other gradients than eager. Tracing the region as a plain call
+    gives the values and gradients eager computes (checkpointing changes only what is held),
+    and leaves the choice of what to recompute to the plan, which never re-runs a random op.
+    Both variants are inlined: non-reentrant (a generator around the call) and reentrant
+    (`CheckpointFunction`, which runs the region without grad when no input needs one).
+    """
+    import torch.utils.checkpoint as ckpt
+    count = {"n": 0}
+    generator, function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+
+    def plain_generator(fn, *args, **kwargs):
+        count["n"] += 1
+        yield
+
+    class PlainCall:
+        @staticmethod
+        def apply(run_function, preserve_rng_state, *args):
+            count["n"] += 1
+            if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                return run_function(*args)
+            with torch.no_grad():
+                return run_function(*args)
+
+    ckpt._checkpoint_without_reentrant_generator = plain_generator
+    ckpt.CheckpointFunction = PlainCall
+    try:
+        yield count
+    finally:
+        ckpt._checkpoint_without_reentrant_generator = generator
+        ckpt.CheckpointFunction = function
+
+
+@contextlib.contextmanager
+def _watch_rng_restores():
+    """Record every `set_rng_state` the traced step makes (yields the list of callers).
+
+    Code that restores a generator state inside the step means to draw the same random
+    numbers twice (a hand-written recompute). The graph holds the draws but not the restore.
+    """
+    calls: list[str] = []
+    patched = []
+    for mod in (torch, torch.random, getattr(torch, "cuda", None)):
+        original = getattr(mod, "set_rng_state", None) if mod is not None else None
+        if original is None:
+            continue
+
+        def wrapper(*a, _original=original, _name=f"{mod.__name__}.set_rng_state", **kw):
+            if get_proxy_mode() is not None:
+                calls.append(_name)
+            return _original(*a, **kw)
+
+        patched.append((mod, original))
+        mod.set_rng_state = wrapper
+    try:
+        yield calls
+    finally:
+        for mod, original in patched:
+            mod.set_rng_state = original
+
+
+def _refuse_rng_replay(joint: JointGraph, restores: list[str]) -> None:
+    """A step that restores the generator state and draws random numbers cannot be replayed."""
+    random_ops = [n.name for n in joint.gm.graph.nodes
+                  if n.op == "call_function" and hasattr(n.target, "_schema") and is_random_op(n)]
+    if random_ops:
+        raise TraceError(
+            f"the step restores the random-number generator state ({restores[0]}) and draws "
+            f"random numbers ({random_ops[0]}): a traced graph cannot replay a generator state, "
+            "so a patched step would draw other numbers than eager",
+            hint="recompute through torch.utils.checkpoint (slackswap traces its regions as plain "
+                 "calls) or drop the hand-written recompute: the plan decides what to recompute")
 
 
 @contextlib.contextmanager

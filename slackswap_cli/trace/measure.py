@@ -131,6 +131,22 @@ def storage_keys_from_run(env: dict, nodes: list[fx.Node]) -> dict[str, int]:
     return keys
 
 
+def storage_sizes_from_run(env: dict, nodes: list[fx.Node]) -> dict[str, int]:
+    """Tensor name -> bytes of its storage in a real run (kernels may allocate more than the
+    fake trace shows: the CPU RNN kernels' workspace is empty under FakeTensorMode)."""
+    sizes: dict[str, int] = {}
+    for node in nodes:
+        if node not in env or node.op != "call_function" or node.target is operator.getitem:
+            continue
+        val = env[node]
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        for i, v in enumerate(vals):
+            if isinstance(v, torch.Tensor):
+                name = f"{node.name}.{i}" if isinstance(val, (tuple, list)) else node.name
+                sizes[name] = v.untyped_storage().nbytes()
+    return sizes
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -142,7 +158,8 @@ def measure_joint(joint: JointGraph, model: torch.nn.Module, inputs: Any, *,
     """Measure op times and the whole step of a real joint graph.
 
     Returns {"op_times_us": {op name: median us}, "measured_step_us", "op_sum_us",
-    "storage_keys": {tensor name: storage address} (None on CUDA), "warmup", "repeats"}.
+    "storage_keys": {tensor name: storage address} (None on CUDA), "storage_sizes": {tensor
+    name: storage bytes} (None on CUDA), "warmup", "repeats"}.
     """
     runner = _Runner(joint.gm, device)
     args = flat_args(joint, model, inputs)
@@ -153,11 +170,13 @@ def measure_joint(joint: JointGraph, model: torch.nn.Module, inputs: Any, *,
     gc.disable()
     try:
         keys: dict[str, int] | None = None
+        sizes: dict[str, int] | None = None
         if device.type == "cpu":
             if progress:
                 progress("measuring: first pass (storage check)")
             _, env = runner.run(args, keep_all=True)
             keys = storage_keys_from_run(env, runner.nodes)
+            sizes = storage_sizes_from_run(env, runner.nodes)
             del env
         for _ in range(warmup if keys is None else max(0, warmup - 1)):
             runner.run(args)
@@ -199,7 +218,8 @@ def measure_joint(joint: JointGraph, model: torch.nn.Module, inputs: Any, *,
     medians = [pick(col) for col in zip(*samples)] if samples else []
     op_times = {n.name: t for n, t in zip(runner.timed, medians)}
     return {"op_times_us": op_times, "measured_step_us": pick(steps),
-            "op_sum_us": sum(medians), "storage_keys": keys, "warmup": warmup,
+            "op_sum_us": sum(medians), "storage_keys": keys, "storage_sizes": sizes,
+            "warmup": warmup,
             "repeats": repeats}
 
 
