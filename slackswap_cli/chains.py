@@ -17,10 +17,12 @@ through its root, and one decision covers a root and all its aliases.
   reader, produced in backward, or already made resident by an earlier chain or fetch.
 - A swapped root that is not at hand is *fetched* for the chain: it becomes resident from the
   chain on (its `need_task` is the chain's first task that reads it) and is never recomputed.
-- Any other root that is not at hand is re-run when it can be (its producer joins the chain);
-  a root that cannot be re-run and that backward does not save (a random op's output, such as
-  a dropout mask nobody kept) makes the plan impossible (`InputError`); a saved one that cannot
-  be re-run (kept, already past its last reader) has its life extended to the chain (`ext`).
+- A kept root is always at hand: if its last reader already ran, its life is extended to the
+  chain (`ext`), never re-run (so a chain never walks through a kept value, as the planners'
+  static view assumes).
+- Any other root that is not at hand is re-run (its producer joins the chain); one that
+  cannot be re-run and that backward does not save (a random op's output, such as a dropout
+  mask nobody kept) makes the plan impossible (`InputError`).
 - Roots a chain produces that are themselves to be recomputed stay resident until their own
   last reader (`made`): each op is re-run once per step, as torch's partitioner does. Every
   other value a chain produces is a *temporary* (`temps`), freed after the last chain task
@@ -225,7 +227,8 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
         targets = [r for r in ins if action[r] == RECOMPUTE and r not in mat]
         if targets:
             def at_hand(x: int, i: int = i) -> bool:
-                return resident(x, i) or (action[x] == SWAP and x not in mat)
+                return (action[x] == KEEP or resident(x, i)
+                        or (action[x] == SWAP and x not in mat))
             try:
                 run, produced = closure(tab, targets, at_hand)
             except ChainImpossible as exc:

@@ -323,6 +323,12 @@ def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan:
     bstmts = em.stmts
     bstmts.append(Stmt("return [" + ", ".join(x or "None" for x in grads) + "]",
                        uses=tuple(x for x in grads if x)))
+    # a kept root whose views backward takes instead (and that no chain re-derives from) is
+    # not stored at all: the store would hold it to the end of the step
+    unused = set(kept) - em.taken
+    fstmts = [st for st in fstmts if not (st.code.startswith("_s.keep(")
+                                          and st.uses and st.uses[0] in unused)]
+    kept = {k: v for k, v in kept.items() if k not in unused}
 
     args = [p.name for p in placeholders[:-1]]
     _insert_frees(fstmts, keep=set(args))
@@ -448,6 +454,12 @@ class _BackwardEmitter:
         if self._chain_defs is not None:
             self._chain_defs.append(name)
 
+    def _views_only(self, n: fx.Node) -> bool:
+        """A multi-output op whose outputs all alias its inputs (`unsafe_split`): a view."""
+        tids = [self.g.tid.get(u.name) for u in n.users if u.target is operator.getitem]
+        return bool(tids) and all(t is not None and self.g.profile.tensors[t].alias_of is not None
+                                  for t in tids)
+
     def materialize(self, n: fx.Node) -> None:
         """Make forward value `n` valid here without re-running anything the layout did not."""
         if n.name in self.defined:
@@ -480,7 +492,7 @@ class _BackwardEmitter:
             self._def(n.name)
             return
         r = g.root_tid(n)
-        if n.op == "call_function" and (_is_view(n) or (
+        if n.op == "call_function" and (_is_view(n) or self._views_only(n) or (
                 r is not None and g.profile.tensors[r].kind != "activation")):
             # a view (of an activation, a parameter or an input): costs no memory, re-derived
             for a in n.all_input_nodes:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
 import weakref
 from typing import Any
 

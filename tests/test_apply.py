@@ -248,7 +248,7 @@ def test_patched_module_shares_parameters_and_trains(files, tmp_path):
     assert losses[2] < losses[0]
 
 
-def test_emitted_file_imports_only_torch_and_runtime(files, tmp_path):
+def test_emitted_file_imports_only_torch_and_the_runtimes(files, tmp_path):
     prof = profiled(files, "mlp")
     src = apply_plan(hand_plan(prof, {"gelu": "swap", "addmm": "recompute"}), prof)
     imported = set()
@@ -257,7 +257,7 @@ def test_emitted_file_imports_only_torch_and_runtime(files, tmp_path):
             imported |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported |= {f"{node.module}.{a.name}" for a in node.names}
-    assert imported == {"torch", "slackswap_cli.runtime"}
+    assert imported == {"torch", "slackswap_cli.runtime", "slackswap_cli.replay"}
     assert prof.fingerprint in src
     assert "_s.offload('gelu', gelu)" in src and "_s.wait('gelu')" in src
     assert "recompute" in src

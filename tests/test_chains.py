@@ -12,7 +12,7 @@ import re
 import pytest
 
 from slackswap_cli import chains
-from slackswap_cli.chains import KEEP, RECOMPUTE, SWAP, lay_out, tables
+from slackswap_cli.chains import RECOMPUTE, SWAP, lay_out, tables
 from slackswap_cli.errors import InputError
 from slackswap_cli.simulate import recompute_chains
 from slackswap_cli.synthetic import chain_profile
@@ -106,7 +106,7 @@ def test_impossible_chain_is_an_input_error():
 # --------------------------------------------------------------------------------------------
 torch = pytest.importorskip("torch")
 
-from tests.test_apply import HW, files, plan_at, profiled  # noqa: E402,F401  (fixtures)
+from tests.test_apply import files, plan_at, profiled  # noqa: E402,F401  (files: a fixture)
 
 
 def _backward_body(source: str) -> list[str]:

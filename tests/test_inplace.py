@@ -6,7 +6,6 @@ losses and parameters of the unpatched model, and the step holds less for backwa
 budget falls. The model object is the same, returns what it returned (a Hugging Face
 `ModelOutput` with `.loss` and `.logits`), runs its hooks, and is untouched in eval mode.
 """
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from slackswap_cli.apply import apply_plan, load_patched
 from slackswap_cli.errors import InputError
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
-from tests.test_apply import HW, files, plan_at, profiled  # noqa: F401  (fixtures)
+from tests.test_apply import HW, files, profiled  # noqa: F401  (files: a fixture)
 
 
 _NO_DROPOUT: dict = {}

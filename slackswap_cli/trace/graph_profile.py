@@ -49,7 +49,7 @@ import torch.utils._pytree as pytree
 from ..errors import InputError
 from ..profile_build import ProfileBuilder
 from ..schema import Profile
-from .costs import is_random_call, is_random_op, node_flops, storage_nbytes, tensor_nbytes
+from .costs import is_random_op, node_flops, storage_nbytes, tensor_nbytes
 from .joint import JointGraph
 
 # Views the schema does not declare as aliasing (autograd-invisible views), by overload packet.
