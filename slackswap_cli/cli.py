@@ -52,17 +52,38 @@ class _Group(TyperGroup):
             raise typer.Exit(130) from None
         except SystemExit as exc:          # our exits are typer.Exit: this one is user code's
             if isinstance(exc.__context__, BrokenPipeError):
-                raise                      # Rich's exit when stdout closed early (`| head`)
-            _error_lines(f"the workload called sys.exit({exc.code!r}) while slackswap ran it",
-                         "a workload file must not exit: put script code under "
+                _closed_pipe()             # Rich's exit when stdout closed early (`| head`)
+            who = ("the patched module or the workload" if ctx.invoked_subcommand == "verify"
+                   else "the workload")
+            _error_lines(f"{who} called sys.exit({exc.code!r}) while slackswap ran it",
+                         "a module slackswap imports must not exit: put script code under "
                          "`if __name__ == \"__main__\":`")
             raise typer.Exit(3) from None
         except OSError as exc:
             if exc.errno == errno.EPIPE:   # `slackswap show ... | head`: not an error
-                raise
+                _closed_pipe()
             _internal_error(exc)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "torch":
+                _internal_error(exc)
+            _error_lines(f"`slackswap {ctx.invoked_subcommand or ''}` needs torch, which is not "
+                         "installed", "pip install 'slackswap[torch]' (or a torch build for your "
+                         "CUDA version from pytorch.org); plan, show, simulate and compare run "
+                         "without it")
+            raise typer.Exit(2) from None
         except Exception as exc:  # noqa: BLE001 - the boundary: a bug must not print a traceback
             _internal_error(exc)
+
+
+def _closed_pipe() -> None:
+    """Stdout was closed by the reader (`slackswap show ... | head -1`): a normal end. Point
+    stdout at /dev/null so the interpreter's final flush does not fail, and exit 0."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover - stdout without a descriptor
+        pass
+    raise typer.Exit(0)
 
 
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -109,17 +130,30 @@ def _render(items) -> None:
         out.print(item)
 
 
+def _working(message: str, quiet: bool = False):
+    """A spinner with the elapsed time on stderr while a slow step runs, on a terminal only
+    (scripts and pipes see nothing; --json output stays the only thing on stdout)."""
+    if quiet or not err.is_terminal:
+        return _nullcontext()
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                        console=err, transient=True)
+    progress.add_task(message, total=None)
+    return progress
+
+
 def _status(message: str) -> None:
     err.print(f"[dim]{escape(message)}[/]", markup=True)
 
 
-def _check_output_path(path: Path, option: str = "-o", inputs=()) -> None:
+def _check_output_path(path: Path, option: str = "-o", inputs=(), example: str = "out.json") -> None:
     """Refuse, before any work is done, an output that cannot be written or that would
     overwrite one of the command's own inputs (`-o model.py` must not eat the model).
     A missing parent directory is fine: it is created when the file is written."""
     if path.is_dir():
         raise InputError(f"output path {path} is a directory",
-                         hint=f"pass a file name with {option}, e.g. {path / 'out.json'}")
+                         hint=f"pass a file name with {option}, e.g. {path / example}, "
+                              "or another name for the file")
     if path.exists():
         for src in inputs:
             if src is None:
@@ -249,7 +283,7 @@ def plan(
     planner: str = typer.Option("slackswap", "--planner", "-p", help="slackswap | optimal | recompute-only | swap-all | checkpoint-layers"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file [default: the profile's, else a100-pcie4]"),
     time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the optimal planner's MILP may run"),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan path [default: <profile>.plan.json]"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan path [default: <profile name>.plan.json in the current directory]"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON instead of tables"),
 ) -> None:
     """Decide keep / swap / recompute for every saved activation, simulate, write the plan."""
@@ -260,17 +294,18 @@ def plan(
         from .simulate import simulate
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
         check_budget(budget_bytes, prof)
-        target = output or _sibling(profile_path, ".plan.json")
+        target = output or Path(_sibling(profile_path, ".plan.json").name)
         _check_output_path(target, "-o", [profile_path, hardware])
         options = {"time_limit_s": time_limit} if planner == "optimal" else {}
-        result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction, **options)
+        with _working(f"planning with {planner}", as_json):
+            result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction, **options)
         result = _with_paths(result, profile_path, prof)
         save(result, target)
         sim = simulate(prof, result.decisions, hw, budget_bytes)
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
-        _print_json(result)
+        _print_json(_plan_summary(result, target))
     else:
         from .render import plan_views
         _render(plan_views(result, prof, sim))
@@ -280,6 +315,18 @@ def plan(
                      f"wrote the best one found to {target} with feasible: false",
                      "raise --budget, or try --planner optimal")
         raise typer.Exit(4)
+
+
+def _plan_summary(p, path: Path) -> dict:
+    """What a script wants from `plan --json`: where the plan is and what it predicts; the
+    file holds the whole plan (every decision and the schedule)."""
+    counts = {a: 0 for a in ("keep", "swap", "recompute")}
+    for d in p.decisions:
+        counts[d.action] = counts.get(d.action, 0) + 1
+    return {"plan": str(path), "planner": p.planner, "feasible": p.feasible,
+            "hardware": p.hardware.get("name"), "budget_bytes": p.budget_bytes,
+            "budget_fraction": p.budget_fraction, "actions": counts,
+            "predicted": p.predicted, "solve_ms": p.solve_ms, "notes": list(p.notes)}
 
 
 def _sibling(path: Path, suffix: str) -> Path:
@@ -328,7 +375,8 @@ def compare(
                         f"planning with optimal (a MILP, solver limit {time_limit:g} s: set it with "
                         "--time-limit, or leave optimal out with --planners)...")
             options = {"time_limit_s": time_limit} if name == "optimal" else {}
-            p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction, **options)
+            with _working(f"planning with {name}", as_json):
+                p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction, **options)
             rows.append({"planner": name, "feasible": p.feasible, "predicted": p.predicted,
                          "solve_ms": p.solve_ms, "notes": list(p.notes)})
     except SlackswapError as exc:
@@ -383,7 +431,8 @@ def simulate(
         _fail(exc)
     if as_json:
         _print_json({"plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
-                     "reason": result.reason, "predicted": result.predicted})
+                     "reason": result.reason, "predicted": result.predicted,
+                     "trace": str(trace) if trace is not None else None})
     else:
         import dataclasses
         from .render import plan_views
@@ -456,6 +505,7 @@ def apply(
     output: Path = typer.Option(..., "-o", "--output", help="path of the patched module (.py)"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile JSON [default: the one the plan records]"),
     model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the profile records]"),
+    as_json: bool = typer.Option(False, "--json", help="print {patched, module, plan, ...} as JSON"),
 ) -> None:
     """Emit a patched training module that carries the plan out on the real model."""
     try:
@@ -468,11 +518,17 @@ def apply(
         p = load_plan(plan_path)
         prof = _plan_profile(p, profile_path)
         _check_output_path(output, "-o", [plan_path, profile_path or p.profile_path, model,
-                                          prof.workload.get("path")])
-        source = apply_plan(p, prof, model_path=str(model) if model else None)
+                                          prof.workload.get("path")], example="patched.py")
+        with _working("writing the patched module (re-tracing the model)", as_json):
+            source = apply_plan(p, prof, model_path=str(model) if model else None)
         write_atomic(output, source.encode())
     except SlackswapError as exc:
         _fail(exc)
+    if as_json:
+        _print_json({"patched": str(output), "module": output.stem,
+                     "importable": output.stem.isidentifier(), "plan": str(plan_path),
+                     "planner": p.planner, "feasible": p.feasible})
+        return
     out.print(f"wrote {output}", markup=False)
     if not output.stem.isidentifier():
         err.print(f"[yellow]Warning:[/] '{escape(output.stem)}' is not a Python module name, so "
@@ -495,7 +551,8 @@ def verify(
     """Run original and patched for N steps: losses and gradients equal, memory and time measured."""
     try:
         from .verify import verify as run_verify
-        report = run_verify(str(patched), model_path=str(model) if model else None, steps=steps)
+        with _working(f"running original and patched step{'s' if steps > 1 else ''}", as_json):
+            report = run_verify(str(patched), model_path=str(model) if model else None, steps=steps)
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
@@ -547,10 +604,20 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
 
 
 @app.command()
-def version() -> None:
-    """Print the version."""
+def version(as_json: bool = typer.Option(False, "--json", help="print {version, python, torch} as JSON")) -> None:
+    """Print the version (with --json: also Python's and torch's, null if torch is missing)."""
     from . import __version__
-    typer.echo(__version__)
+    if not as_json:
+        typer.echo(__version__)
+        return
+    import platform
+    from importlib import metadata
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    _print_json({"version": __version__, "python": platform.python_version(),
+                 "torch": torch_version})
 
 
 def main() -> None:

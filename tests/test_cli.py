@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 from slackswap_cli import schema
 from slackswap_cli.cli import app
 from slackswap_cli.synthetic import chain_profile
+from helpers import assert_clean_error
 
 runner = CliRunner()
 
@@ -22,13 +23,6 @@ def profile_path(tmp_path):
     return path
 
 
-def assert_clean_error(result, code, needle):
-    assert result.exit_code == code, result.output
-    assert "Error:" in result.stderr and needle in result.stderr
-    assert "Hint:" in result.stderr
-    assert "Traceback" not in result.output + result.stderr
-
-
 def test_plan_writes_plan_and_prints_summary(profile_path, tmp_path):
     out = tmp_path / "p.json"
     r = run("plan", profile_path, "--budget", "0.5", "-o", out)
@@ -41,12 +35,13 @@ def test_plan_writes_plan_and_prints_summary(profile_path, tmp_path):
     assert "retention" in r.stdout.lower()
 
 
-def test_plan_json_output_is_one_document(profile_path, tmp_path):
+def test_plan_json_output_is_a_summary_naming_the_file(profile_path, tmp_path):
     r = run("plan", profile_path, "--budget", "200MiB", "-o", tmp_path / "p.json", "--json")
     assert r.exit_code == 0, r.stderr
     doc = orjson.loads(r.stdout)
-    assert doc["format"] == "slackswap.plan" and doc["budget_bytes"] == 200 << 20
-    assert doc["budget_fraction"] is None
+    assert doc["plan"] == str(tmp_path / "p.json") and doc["budget_bytes"] == 200 << 20
+    assert doc["budget_fraction"] is None and "schedule" not in doc
+    assert schema.load_plan(tmp_path / "p.json").budget_bytes == 200 << 20
 
 
 @pytest.mark.parametrize("args,code,needle", [

@@ -334,17 +334,6 @@ def test_record_false_same_numbers_no_timeline():
     assert max(m for _, m in a.memory) == a.predicted.peak_bytes
 
 
-def test_importable_without_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "from slackswap_cli.simulate import simulate\n"
-            "from slackswap_cli.synthetic import chain_profile\n"
-            "from slackswap_cli.hardware import PRESETS\n"
-            "r = simulate(chain_profile(3), {}, PRESETS['a100-pcie4'])\n"
-            "assert r.predicted.retention == 1.0\n"
-            "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # properties on random small profiles
 # ---------------------------------------------------------------------------------------------
