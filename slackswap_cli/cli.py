@@ -266,11 +266,12 @@ def _parse_input_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
 # --------------------------------------------------------------------------------------------
 def _plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
     from .budget import parse_budget
-    from .hardware import load_hardware
+    from .hardware import load_hardware, stored_hardware
     from .schema import load_profile
     from .profile_build import recost
     prof = load_profile(profile_path)
-    hw = load_hardware(hardware or prof.env.get("hardware") or None)
+    hw = (load_hardware(hardware) if hardware else
+          stored_hardware(prof.env.get("hardware"), str(profile_path)) or load_hardware(None))
     prof = recost(prof, hw)  # a roofline profile is re-timed for the hardware planned for
     budget_bytes, fraction = parse_budget(budget, prof)
     return prof, hw, budget_bytes, fraction

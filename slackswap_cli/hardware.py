@@ -250,15 +250,24 @@ def load_hardware(name_or_path: str | None) -> HardwareSpec:
         if not isinstance(data, dict):
             raise FormatError(f"hardware file {path} must hold one JSON object", hint=example)
         data.setdefault("name", path.stem)
-        spec = HardwareSpec.from_dict(data, source=str(path))
-        preset = PRESETS.get(spec.name)
-        if preset is not None and dataclasses.replace(spec, description=preset.description) != preset:
-            # profiles, plans and re-costing know hardware by name: an edited copy of a preset
-            # that keeps the preset's name would be taken for the preset
-            raise FormatError(f"hardware file {path} is named '{spec.name}' like the preset, "
-                              "but its numbers differ",
-                              hint='give it a name of its own, e.g. "name": "my-'
-                                   f'{spec.name}"')
-        return spec
+        # profiles and plans store the whole spec, never just its name: an edited copy of a
+        # preset that keeps the preset's name is still planned with its own numbers
+        return HardwareSpec.from_dict(data, source=str(path))
     raise InputError(f"unknown hardware preset '{name_or_path}'",
                      hint=f"presets: {', '.join(PRESETS)}; or pass a JSON file with the same fields")
+
+
+def stored_hardware(value, source: str) -> HardwareSpec | None:
+    """The hardware a profile was costed on, from its `env.hardware`: the whole spec (what
+    `slackswap profile` writes), a preset name (profiles written before specs were stored),
+    or None (measured times: no hardware model)."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return HardwareSpec.from_dict(value, source=f"{source}: env.hardware")
+    if isinstance(value, str) and value in PRESETS:
+        return PRESETS[value]
+    raise FormatError(f"{source}: env.hardware names {value!r:.60}, which is not a preset "
+                      "(this profile stores the hardware's name only)",
+                      hint="pass the hardware it was profiled with: --hardware FILE.json, or "
+                           "profile the model again, which stores the whole spec")

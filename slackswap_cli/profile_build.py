@@ -157,12 +157,17 @@ def recost(prof: Profile, hw) -> Profile:
     """The same step costed on other hardware: every roofline op re-timed with `hw`.
 
     Only a profile whose ops were all costed by the roofline can be re-costed (each op keeps
-    its FLOPs and bytes) and names the preset it was costed on (`env.hardware`); measured or
-    hand-made times belong to where they came from, and such a profile is returned unchanged. The fingerprint does not change (times are not part of it).
+    its FLOPs and bytes) and records the hardware it was costed on (`env.hardware`: the whole
+    spec, or a preset's name in older profiles); measured or hand-made times belong to where
+    they came from, and such a profile is returned unchanged. The fingerprint does not change
+    (times are not part of it).
     """
     costed_on = prof.env.get("hardware")
-    if costed_on is None or costed_on == hw.name:
-        return prof  # no preset to re-cost from (hand-made times), or already costed there
+    if costed_on is None:
+        return prof  # no hardware to re-cost from (measured or hand-made times)
+    if costed_on == hw.to_dict() or (isinstance(costed_on, str) and costed_on == hw.name
+                                     and _is_preset(hw)):
+        return prof  # already costed there
     if not prof.ops or any(op.time_source != "roofline" for op in prof.ops):
         return prof
     ops = tuple(dataclasses.replace(op, time_us=hw.roofline_us(op.flops, op.bytes))
@@ -171,5 +176,10 @@ def recost(prof: Profile, hw) -> Profile:
                    forward_us=sum(o.time_us for o in ops if o.phase == "forward"),
                    backward_us=sum(o.time_us for o in ops if o.phase == "backward"))
     return Profile(fingerprint=prof.fingerprint, workload=prof.workload,
-                   env=dict(prof.env, hardware=hw.name), summary=summary, ops=ops,
+                   env=dict(prof.env, hardware=hw.to_dict()), summary=summary, ops=ops,
                    tensors=prof.tensors)
+
+
+def _is_preset(hw) -> bool:
+    from .hardware import PRESETS
+    return PRESETS.get(hw.name) == hw

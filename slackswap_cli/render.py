@@ -187,6 +187,7 @@ def profile_views(profile: Profile, top: int = 10) -> list:
     for o in ops:
         sources[o.time_source] = sources.get(o.time_source, 0) + 1
     hw = profile.env.get("hardware")
+    hw = hw.get("name") if isinstance(hw, dict) else hw
     device = profile.env.get("device_name") or profile.env.get("device")
     if all(o.time_source == "measured" for o in ops) and ops:
         costs = f"op times measured on {device or '?'}"

@@ -114,3 +114,38 @@ def test_profile_missing_file(tmp_path):
     out = tmp_path / "p.json"
     assert_clean_error(run("profile", tmp_path / "nope.py", "-o", out), 2, "does not exist")
     assert not out.exists()
+
+
+def _roofline(prof, hw):
+    """`prof` as `profile --device fake --hardware hw` writes it: roofline times, spec stored."""
+    import dataclasses
+    ops = tuple(dataclasses.replace(o, flops=10**12, bytes=10**9, time_source="roofline",
+                                    time_us=hw.roofline_us(10**12, 10**9)) for o in prof.ops)
+    return dataclasses.replace(prof, ops=ops, env={"hardware": hw.to_dict()})
+
+
+def test_a_profile_costed_on_a_custom_spec_plans_without_naming_it_again(tmp_path):
+    """`profile --hardware my-a100.json` then `plan p.json`: the profile carries the spec."""
+    import dataclasses
+    from slackswap_cli.hardware import PRESETS
+    # an edited copy that even keeps the preset's name: its own numbers are what count
+    mine = dataclasses.replace(PRESETS["a100-pcie4"], h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    schema.save(_roofline(chain_profile(6, act_bytes=64 << 20), mine), tmp_path / "p.json")
+    r = run("plan", tmp_path / "p.json", "--budget", "0.5", "-o", tmp_path / "plan.json")
+    assert r.exit_code == 0, r.stderr
+    plan = schema.load_plan(tmp_path / "plan.json")
+    assert plan.hardware == mine.to_dict() != PRESETS["a100-pcie4"].to_dict()
+
+
+def test_an_old_profile_naming_its_preset_still_plans(profile_path, tmp_path):
+    raw = orjson.loads(profile_path.read_bytes())
+    raw["env"] = {"hardware": "h100-pcie5"}
+    (tmp_path / "old.json").write_bytes(orjson.dumps(raw))
+    r = run("plan", tmp_path / "old.json", "--budget", "0.5", "-o", tmp_path / "plan.json")
+    assert r.exit_code == 0, r.stderr
+    assert schema.load_plan(tmp_path / "plan.json").hardware["name"] == "h100-pcie5"
+    raw["env"] = {"hardware": "my-a100"}        # a custom spec known by name only
+    (tmp_path / "old.json").write_bytes(orjson.dumps(raw))
+    r = run("plan", tmp_path / "old.json", "--budget", "0.5", "-o", tmp_path / "plan.json")
+    assert_clean_error(r, 2, "env.hardware names 'my-a100'")
+    assert "--hardware FILE.json" in r.stderr

@@ -84,7 +84,7 @@ def test_mlp_by_hand(tmp_path):
     assert op.time_us == pytest.approx(HW.roofline_us(op.flops, op.bytes))
     assert op.bytes == (4 * 8 + 8 * 16 + 4 * 16) * 4
     assert prof.workload["source"] == "onnx" and prof.workload["input_shapes"] == {"x": [4, 8]}
-    assert prof.env["device"] == "onnx" and prof.env["hardware"] == HW.name
+    assert prof.env["device"] == "onnx" and prof.env["hardware"] == HW.to_dict()
     assert prof.env["onnx_opset"] == 17
 
 

@@ -43,7 +43,7 @@ def test_recost_retimes_roofline_ops_only():
     p = dataclasses.replace(p, ops=ops, env={"hardware": "a100-pcie4"})
     h100 = PRESETS["h100-pcie5"]
     q = recost(p, h100)
-    assert q.fingerprint == p.fingerprint and q.env["hardware"] == "h100-pcie5"
+    assert q.fingerprint == p.fingerprint and q.env["hardware"] == h100.to_dict()
     assert q.ops[0].time_us == pytest.approx(h100.roofline_us(2 * 10**12, 10**9))
     assert q.summary["forward_us"] == pytest.approx(sum(o.time_us for o in q.ops[:p.n_forward]))
     assert recost(q, h100) is q                       # already costed there
