@@ -427,7 +427,7 @@ def simulate(
         result = run_sim(prof, p.decisions, hw, p.budget_bytes, record=trace is not None or not as_json)
         if trace is not None:
             from .chrome_trace import to_chrome_trace
-            write_atomic(trace, dumps(to_chrome_trace(result, prof)))
+            write_atomic(trace, dumps(to_chrome_trace(result, prof, p.budget_bytes)))
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
@@ -439,7 +439,7 @@ def simulate(
         from .render import plan_views
         shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted,
                                     feasible=result.feasible)
-        _render(plan_views(shown, prof, result))
+        _render(plan_views(shown, prof, result, planned=p))
         if trace is not None:
             out.print(f"wrote {trace} (open it in https://ui.perfetto.dev)", markup=False)
     if not result.feasible:

@@ -149,3 +149,17 @@ def test_an_old_profile_naming_its_preset_still_plans(profile_path, tmp_path):
     r = run("plan", tmp_path / "old.json", "--budget", "0.5", "-o", tmp_path / "plan.json")
     assert_clean_error(r, 2, "env.hardware names 'my-a100'")
     assert "--hardware FILE.json" in r.stderr
+
+
+def test_simulate_shows_the_change_against_the_plan_not_its_old_notes(profile_path, tmp_path):
+    plan_path, trace = tmp_path / "p.json", tmp_path / "t.json"
+    assert run("plan", profile_path, "--budget", "0.5", "-o", plan_path).exit_code == 0
+    planned = schema.load_plan(plan_path)
+    r = run("simulate", plan_path, "--hardware", "rtx4090-pcie4", "--trace", trace)
+    assert r.exit_code == 0, r.stderr
+    assert "solve time" not in r.stdout and "planned on a100-pcie4: retention" in r.stdout
+    r = run("simulate", plan_path)
+    assert "same as predicted on a100-pcie4" in r.stdout
+    # the trace carries the budget as a second series of the memory counter
+    counters = [e for e in orjson.loads(trace.read_bytes())["traceEvents"] if e["ph"] == "C"]
+    assert counters and all(e["args"]["budget_bytes"] == planned.budget_bytes for e in counters)
