@@ -86,7 +86,12 @@ def _closed_pipe() -> None:
     raise typer.Exit(0)
 
 
-app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+def _examples(*lines: str) -> str:
+    """A command's help epilog: example command lines, kept as written (click's \\b)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+app = typer.Typer(cls=_Group, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   pretty_exceptions_enable=False,
                   help="Fit training into GPU memory: keep, swap or recompute each saved activation.",
                   epilog="Exit codes: 0 ok, 1 internal error (a bug: SLACKSWAP_DEBUG=1 prints its "
@@ -178,15 +183,20 @@ def _check_output_path(path: Path, option: str = "-o", inputs=(), example: str =
 
 
 # --------------------------------------------------------------------------------------------
-@app.command()
+@app.command(short_help="Trace one training step and write its profile.",
+             epilog=_examples(
+                 "slackswap profile model.py --device fake -o model.profile.json",
+                 "slackswap profile examples/tiny_gpt.py --arg n_layer=2 --arg seq=256",
+                 "slackswap profile model.onnx --input-shape input=8x3x224x224",
+             ))
 def profile(
     model: Path = typer.Argument(..., metavar="MODEL", help="workload file (model.py with a workload() function) or an ONNX file"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile path [default: <model>.profile.json]"),
     entry: str = typer.Option("workload", "--entry", help="function in the workload file that returns (model, inputs[, loss_fn])"),
-    arg: List[str] = typer.Option([], "--arg", help="key=value passed to the entry function (Python literal); repeatable"),
+    arg: List[str] = typer.Option([], "--arg", metavar="KEY=VALUE", help="key=value passed to the entry function (Python literal); repeatable"),
     device: str = typer.Option("auto", "--device", help="auto | cuda | cpu | fake (FakeTensorMode: nothing allocated, roofline costs)"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file for roofline costs [default: a100-pcie4]"),
-    input_shape: List[str] = typer.Option([], "--input-shape", help="ONNX only: name=1x3x224x224 for a dynamic input; repeatable"),
+    input_shape: List[str] = typer.Option([], "--input-shape", metavar="NAME=SHAPE", help="ONNX only: name=1x3x224x224 for a dynamic input; repeatable"),
     as_json: bool = typer.Option(False, "--json", help="print the profile summary as JSON instead of tables"),
 ) -> None:
     """Trace one training step and write its profile (every saved activation, its cost and lifetime)."""
@@ -277,7 +287,12 @@ def _plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
     return prof, hw, budget_bytes, fraction
 
 
-@app.command()
+@app.command(short_help="Decide keep / swap / recompute; simulate; write the plan.",
+             epilog=_examples(
+                 "slackswap plan model.profile.json --budget 0.5",
+                 "slackswap plan model.profile.json --budget 20GiB --hardware h100-pcie5 -o p.json",
+                 "slackswap plan model.profile.json --budget 0.4 --planner optimal --time-limit 30",
+             ))
 def plan(
     profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON from `slackswap profile`"),
     budget: str = typer.Option(..., "--budget", "-b", help="fraction of the keep-all activation peak (0.5) or bytes (20GiB, 512MiB, 2e9)"),
@@ -346,7 +361,11 @@ def _with_paths(plan_obj, profile_path: Path, prof):
 
 
 # --------------------------------------------------------------------------------------------
-@app.command()
+@app.command(short_help="Every planner side by side on one profile.",
+             epilog=_examples(
+                 "slackswap compare model.profile.json --budget 0.5",
+                 "slackswap compare model.profile.json --budget 0.5 --planners slackswap,swap-all --json",
+             ))
 def compare(
     profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON"),
     budget: str = typer.Option(..., "--budget", "-b", help="fraction (0.5) or bytes (20GiB)"),
@@ -403,7 +422,11 @@ def compare(
 
 
 # --------------------------------------------------------------------------------------------
-@app.command()
+@app.command(short_help="Re-simulate a plan (what-if on other hardware).",
+             epilog=_examples(
+                 "slackswap simulate model.plan.json --hardware gh200-c2c",
+                 "slackswap simulate model.plan.json --trace step.trace.json   # open in ui.perfetto.dev",
+             ))
 def simulate(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan JSON from `slackswap plan`"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="re-simulate on this preset or JSON file [default: the plan's]"),
@@ -464,7 +487,11 @@ def _plan_profile(p, profile_path: Optional[Path]):
 
 
 # --------------------------------------------------------------------------------------------
-@app.command()
+@app.command(short_help="Inspect a profile or a plan in the terminal.",
+             epilog=_examples(
+                 "slackswap show model.profile.json",
+                 "slackswap show model.plan.json --json",
+             ))
 def show(
     path: Path = typer.Argument(..., metavar="FILE", help="a profile or a plan JSON"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="for a plan: its profile [default: the one it records]"),
@@ -500,7 +527,10 @@ def show(
 
 
 # --------------------------------------------------------------------------------------------
-@app.command()
+@app.command(short_help="Emit a patched training module that carries a plan out.",
+             epilog=_examples(
+                 "slackswap apply model.plan.json -o model_patched.py",
+             ))
 def apply(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan JSON"),
     output: Path = typer.Option(..., "-o", "--output", help="path of the patched module (.py)"),
@@ -542,7 +572,10 @@ def apply(
               "    loss.backward(); optimizer.step()", markup=False)
 
 
-@app.command()
+@app.command(short_help="Compare original and patched: losses, gradients, memory.",
+             epilog=_examples(
+                 "slackswap verify model_patched.py --steps 3",
+             ))
 def verify(
     patched: Path = typer.Argument(..., metavar="PATCHED", help="patched module from `slackswap apply`"),
     model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the patched module records]"),
@@ -571,7 +604,11 @@ def verify(
 
 
 # --------------------------------------------------------------------------------------------
-@app.command("hardware")
+@app.command("hardware", short_help="List hardware presets, or print one.",
+             epilog=_examples(
+                 "slackswap hardware",
+                 "slackswap hardware a100-pcie4 --json > my-a100.json",
+             ))
 def hardware_cmd(
     name: Optional[str] = typer.Argument(None, metavar="NAME", help="a preset to print in full"),
     as_json: bool = typer.Option(False, "--json", help="print as JSON (a starting point for a custom --hardware file)"),
@@ -604,7 +641,10 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
     pass
 
 
-@app.command()
+@app.command(short_help="Print the version.",
+             epilog=_examples(
+                 "slackswap version --json",
+             ))
 def version(as_json: bool = typer.Option(False, "--json", help="print {version, python, torch} as JSON")) -> None:
     """Print the version (with --json: also Python's and torch's, null if torch is missing)."""
     from . import __version__

@@ -167,3 +167,29 @@ def test_simulate_shows_the_change_against_the_plan_not_its_old_notes(profile_pa
     # the trace carries the budget as a second series of the memory counter
     counters = [e for e in orjson.loads(trace.read_bytes())["traceEvents"] if e["ph"] == "C"]
     assert counters and all(e["args"]["budget_bytes"] == planned.budget_bytes for e in counters)
+
+
+def test_help_lists_every_command_whole_and_shows_examples():
+    r = runner.invoke(app, ["--help"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0
+    commands = r.stdout.split("Commands:")[1].split("Exit codes")[0]
+    assert "..." not in commands and len(commands.strip().splitlines()) == 9
+    assert all(len(line) <= 80 for line in r.stdout.splitlines())
+    r = runner.invoke(app, ["profile", "--help"], env={"COLUMNS": "80"})
+    assert "--arg KEY=VALUE" in r.stdout and "list[str]" not in r.stdout
+    assert "Examples:\n    slackswap profile model.py --device fake" in r.stdout
+    for cmd in ("plan", "compare", "simulate", "show", "apply", "verify", "hardware"):
+        r = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "80"})
+        assert r.exit_code == 0 and f"Examples:\n    slackswap {cmd}" in r.stdout, cmd
+
+
+def test_plan_without_output_writes_to_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "profiles").mkdir()
+    schema.save(chain_profile(4), tmp_path / "profiles" / "chain.profile.json")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    r = run("plan", "../profiles/chain.profile.json", "--budget", "0.6")
+    assert r.exit_code == 0, r.stderr
+    assert "wrote chain.plan.json" in r.stdout
+    assert schema.load_plan(tmp_path / "work" / "chain.plan.json").feasible
+    assert not (tmp_path / "profiles" / "chain.plan.json").exists()
