@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/slackswap profile examples/tiny_gpt.py -o out/tiny_gpt.profile.json
 	$(VENV)/bin/slackswap plan sample_profiles/gpt2-xl.json --budget 0.5 -o out/gpt2-xl.plan.json
-	$(VENV)/bin/slackswap show out/gpt2-xl.plan.json
+	$(VENV)/bin/slackswap compare sample_profiles/gpt2-xl.json --budget 0.5 \
+		--planners slackswap,recompute-only,swap-all,checkpoint-layers
 
 test: install
 	$(PY) -m pytest -q

@@ -238,6 +238,8 @@ def profile(
         save(prof, target)
     except SlackswapError as exc:
         _fail(exc)
+    from .profile_build import attention_warning
+    warnings = [*warnings, *filter(None, [attention_warning(prof)])]
     for w in warnings:
         err.print(f"[yellow]Warning:[/] {escape(w)}", markup=True)
     if as_json:

@@ -50,3 +50,27 @@ def test_recost_retimes_roofline_ops_only():
     measured = dataclasses.replace(p, ops=tuple(dataclasses.replace(o, time_source="measured")
                                                 for o in p.ops))
     assert recost(measured, h100) is measured         # measured times are never rewritten
+
+
+def _attention_step(target: str, shape) -> "Profile":
+    """x -> scores (softmax or not) -> out; backward reads the scores."""
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (2, 256, 64), "bfloat16")
+    s = b.add_tensor("scores", "activation", shape, "bfloat16")
+    o = b.add_tensor("out", "activation", (2, 256, 64), "bfloat16")
+    g = b.add_tensor("g", "gradient", (2, 256, 64), "bfloat16")
+    b.add_op("attn", target, "forward", [x], [s])
+    b.add_op("pv", "aten.bmm.default", "forward", [s], [o])
+    b.add_op("pv_bwd", "aten.bmm.default", "backward", [s, o], [g])
+    return b.build()
+
+
+def test_attention_warning_names_saved_seq_by_seq_softmax():
+    from slackswap_cli.profile_build import attention_warning
+    w = attention_warning(_attention_step("aten._safe_softmax.default", (2, 12, 256, 256)))
+    assert w is not None and "256x256 attention matrices" in w and "scores 2x12x256x256" in w
+    assert "attn_pdrop=0.0" in w
+    # a mask over one head, a non-softmax square, a short sequence: no warning
+    assert attention_warning(_attention_step("aten.where.self", (2, 12, 256, 256))) is None
+    assert attention_warning(_attention_step("aten._softmax.default", (2, 1, 256, 256))) is None
+    assert attention_warning(_attention_step("aten._softmax.default", (2, 12, 64, 64))) is None
