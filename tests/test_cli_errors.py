@@ -75,6 +75,19 @@ def ws(tmp_path, monkeypatch):
     (tmp_path / "notmod.py").write_text("raise SystemExit('a training script: must not run')\n")
     (tmp_path / "text.onnx").write_text("this is not onnx")
     (tmp_path / "afile").write_text("")
+    (tmp_path / "nul.py").write_bytes(b"x = 1\x00\ndef workload():\n    pass\n")
+    (tmp_path / "int32ids.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = torch.nn.Embedding(8, 4)\n"
+        "    def forward(self, ids, labels):\n"
+        "        return torch.nn.functional.cross_entropy(self.emb(ids).flatten(0, 1),\n"
+        "                                                 labels.flatten())\n"
+        "def workload():\n"
+        "    ids = torch.randint(0, 4, (2, 3), dtype=torch.int32)\n"
+        "    return M(), (ids, ids)\n")
     return tmp_path
 
 
@@ -137,6 +150,8 @@ CASES = [
     (("profile", "syntax.py", "-o", "out.json"), 2, "syntax"),
     (("profile", "raises.py", "-o", "out.json"), 3, "boom"),
     (("profile", "exits.py", "-o", "out.json"), 3, "sys.exit(0)"),
+    (("profile", "nul.py", "-o", "out.json"), 2, "syntax error: source code string cannot contain null bytes"),
+    (("profile", "int32ids.py", "--device", "cpu", "-o", "out.json"), 3, "ids and labels as torch.long"),
     (("profile", "notloss.py", "--device", "cpu", "-o", "out.json"), 3, "scalar"),
     (("profile", "twoargs.py", "--arg", "n=4", "--device", "cpu", "-o", "out.json"), 2,
      "loss_fn"),

@@ -190,8 +190,13 @@ def measure_joint(joint: JointGraph, model: torch.nn.Module, inputs: Any, *,
                          hint="profile it with --device fake (roofline costs), or shrink it "
                               "with --arg (batch, seq, layers)") from None
     except RuntimeError as exc:
-        raise TraceError(f"running the traced step on {device} failed: {str(exc).splitlines()[0][:300]}",
-                         hint="check that the workload trains eagerly on this device") from None
+        first = str(exc).splitlines()[0][:300]
+        hint = "check that the workload trains eagerly on this device"
+        if "dtype" in first.lower():
+            hint = ("give the inputs the dtypes the model trains with (token ids and labels as "
+                    "torch.long, floats in the model's dtype); " + hint)
+        raise TraceError(f"running the traced step on {device} failed: {first}",
+                         hint=hint) from None
     finally:
         if gc_was_enabled:
             gc.enable()
