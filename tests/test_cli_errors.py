@@ -272,3 +272,28 @@ def test_apply_onto_a_directory_suggests_a_module_path(ws):
     r = run("apply", "chain.plan.json", "-o", "patched.py")
     assert_clean_error(r, 2, "is a directory")
     assert "patched.py/patched.py" in r.stderr and "out.json" not in r.stderr
+
+
+def test_a_patched_module_that_exits_is_not_blamed_on_the_workload(ws):
+    pytest.importorskip("torch")
+    (ws / "exits_patched.py").write_text(
+        '"""written by `slackswap apply`"""\nimport sys\nMETA = {}\nsys.exit(7)\n')
+    r = run("verify", "exits_patched.py")
+    assert_clean_error(r, 3, "the patched module or the workload called sys.exit(7)")
+
+
+def test_slow_commands_show_a_spinner_on_a_terminal_only(ws, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import slackswap_cli.cli as cli
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "err", Console(file=buf, force_terminal=True, width=80))
+    assert run(*PLAN).exit_code == 0
+    assert "planning with slackswap" in buf.getvalue()
+    assert "0:00:0" in buf.getvalue()                 # the elapsed time beside it
+    buf.truncate(0)
+    monkeypatch.setattr(cli, "err", Console(file=buf, force_terminal=False, width=80))
+    assert run(*PLAN).exit_code == 0
+    assert "planning with" not in buf.getvalue()      # a pipe or a log file gets no spinner
