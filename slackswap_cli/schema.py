@@ -560,13 +560,13 @@ def validate_plan(plan: Plan, source: str = "plan") -> None:
         _require(e.kind in ("offload", "prefetch", "recompute"), source,
                  f"schedule[{i}] has kind {e.kind!r}")
         _require(_finite_in(e.start_us, 0, MAX_US) and _finite_in(e.end_us, e.start_us, MAX_US),
-                 source, f"schedule[{i}] has times {e.start_us!r}..{e.end_us!r}: not a finite "
-                         "interval in microseconds")
+                 source, f"schedule[{i}] has times {e.start_us!r}..{e.end_us!r} us: not an "
+                         f"interval within [0, {MAX_US:g}] us")
     pr = plan.predicted
     for name in ("step_us", "ideal_us", "stall_us", "recompute_us"):
         v = getattr(pr, name)
         _require(_finite_in(v, 0, MAX_US), source, f"predicted.{name} is {v!r:.40}, "
-                                                   "expected a finite time in microseconds")
+                                                   f"expected a time in [0, {MAX_US:g}] us")
     _require(_finite_in(pr.retention, 0, 1), source,
              f"predicted.retention is {pr.retention!r:.40}, expected a number in [0, 1]")
     for name in ("peak_bytes", "swapped_bytes", "prefetched_bytes", "recomputed_bytes"):
