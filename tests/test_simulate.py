@@ -4,8 +4,6 @@ Test hardware: copies move 1e10 bytes/s with no latency, so 1_000_000 bytes take
 100 us each way; on a duplex link each direction keeps half its bandwidth while the other one
 is busy (derate 0.5).
 """
-import subprocess
-import sys
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
