@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slackswap-installed
 
-.PHONY: install demo test test-fast samples bench clean
+.PHONY: install demo test test-fast fuzz samples bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# 3000 structurally mutated profiles, plans and hardware files (about a minute of CPU).
+fuzz: install
+	SLACKSWAP_FUZZ_MANY=1 $(PY) -m pytest -q tests/test_fuzz_loaders.py
 
 # Regenerate the shipped sample profiles (fake tensors, roofline on a100-pcie4).
 samples: install

@@ -6,11 +6,13 @@ by something odd, a key deleted or added, a list element dropped, duplicated or 
 goes through the commands that read it, in-process. Every mutant must end in one of the ways a
 user may see: exit 0 (the edit was harmless), 2 (refused as bad input, with `Error:` and
 `Hint:`) or 4 (no plan fits); never exit 1 (a bug), never a hang, and any plan the command
-wrote must load again. The seed is fixed, so a failure reproduces.
+wrote must load again. The seed is fixed, so a failure reproduces. `make test` runs 300
+mutants; `make fuzz` runs 3000 more.
 """
 from __future__ import annotations
 
 import copy
+import os
 import random
 import signal
 from contextlib import contextmanager
@@ -161,6 +163,8 @@ def test_mutated_files_are_refused_or_handled(base):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("SLACKSWAP_FUZZ_MANY"),
+                    reason="3000 mutants take about 50 s of CPU: `make fuzz` runs them")
 def test_many_mutated_files_are_refused_or_handled(base):
-    codes = fuzz(base, 2000, seed=1211)
-    assert codes.get("2", 0) > 700, codes
+    codes = fuzz(base, 3000, seed=1211)
+    assert codes.get("2", 0) > 1000, codes
