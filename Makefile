@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slackswap-installed
 
-.PHONY: install demo test test-fast samples bench clean
+.PHONY: install demo test test-fast fuzz samples bench clean
 
 install: $(STAMP)
 
@@ -21,10 +21,15 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/slackswap profile examples/tiny_gpt.py -o out/tiny_gpt.profile.json
 	$(VENV)/bin/slackswap plan sample_profiles/gpt2-xl.json --budget 0.5 -o out/gpt2-xl.plan.json
-	$(VENV)/bin/slackswap show out/gpt2-xl.plan.json
+	$(VENV)/bin/slackswap compare sample_profiles/gpt2-xl.json --budget 0.5 \
+		--planners slackswap,recompute-only,swap-all,checkpoint-layers
 
 test: install
 	$(PY) -m pytest -q
+
+# 3000 structurally mutated profiles, plans and hardware files (about a minute of CPU).
+fuzz: install
+	SLACKSWAP_FUZZ_MANY=1 $(PY) -m pytest -q tests/test_fuzz_loaders.py
 
 # Regenerate the shipped sample profiles (fake tensors, roofline on a100-pcie4).
 samples: install

@@ -265,7 +265,16 @@ def main(argv: list[str] | None = None) -> int:
                          "the sweep [default 0]")
     ap.add_argument("--synthetic", action="store_true",
                     help="use the synthetic transformer stand-ins instead of sample profiles")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw <out>/paper_table.png from <out>/paper_table.json, run nothing")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        import orjson
+        results = orjson.loads((Path(args.out) / "paper_table.json").read_bytes())
+        names = list(dict.fromkeys(r["planner"] for e in results["profiles"] for r in e["main"]))
+        png = plot(results, names, Path(args.out) / "paper_table.png")
+        print(f"[paper_table] wrote {png}" if png else "[paper_table] matplotlib is not installed")
+        return 0 if png else 1
 
     from slackswap_cli.planners import planner_names
     from slackswap_cli.schema import load_profile, save, write_atomic, dumps
@@ -402,7 +411,16 @@ def _bound(row: dict | None) -> float | None:
     return None
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
 def plot(results: dict, names: list[str], path: Path) -> str | None:
+    """Retention against budget, one panel a profile, the hardware in the title.
+
+    The y axis spans the band where the planners differ: a planner whose every point lies
+    far below it (swap-all, flat where the link cannot hide its copies) is named in the
+    legend with its value instead of flattening the band. Each planner has its own marker
+    and a small sideways offset, so equal points stay visible."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -410,14 +428,31 @@ def plot(results: dict, names: list[str], path: Path) -> str | None:
     except Exception:   # matplotlib is optional
         return None
     profs = results["profiles"]
-    fig, axes = plt.subplots(1, len(profs), figsize=(5 * len(profs), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(profs), figsize=(5 * len(profs), 5.2), squeeze=False)
     for ax, e in zip(axes[0], profs):
+        lines = {}
         for name in names:
             pts = [(r["budget_fraction"], r["retention"]) for r in e["sweep"]
                    if r["planner"] == name and r.get("retention") is not None and r["feasible"]]
             if pts:
-                xs, ys = zip(*sorted(pts))
-                ax.plot(xs, ys, marker="o", label=name)
+                lines[name] = sorted(pts)
+        tops = [max(y for _, y in pts) for pts in lines.values()]
+        # the band: from the lowest point of the lines that reach within 0.3 of the best
+        near = [pts for pts in lines.values() if max(y for _, y in pts) >= max(tops) - 0.3]
+        lo = min(y for pts in near for _, y in pts) - 0.02 if near else 0.0
+        lo = max(0.0, min(lo, 0.95))
+        step = 0.006 * (max(x for pts in lines.values() for x, _ in pts) or 1.0)
+        for i, (name, pts) in enumerate(lines.items()):
+            xs, ys = zip(*pts)
+            if max(ys) < lo:            # entirely below the band: say where, do not squash it
+                flat = min(ys) == max(ys)
+                where = f"{ys[0]:.2f}" if flat else f"{min(ys):.2f}-{max(ys):.2f}"
+                ax.plot([], [], marker=MARKERS[i % len(MARKERS)], ls="--", color=f"C{i}",
+                        label=f"{name}: {where}, below the axis")
+                continue
+            dx = (i - (len(lines) - 1) / 2) * step
+            ax.plot([x + dx for x in xs], ys, marker=MARKERS[i % len(MARKERS)], ms=5,
+                    color=f"C{i}", alpha=0.85, label=name)
         opt = next((r for r in e["main"] if r["planner"] == "optimal"
                     and r.get("retention") is not None), None)
         if opt:
@@ -425,11 +460,15 @@ def plot(results: dict, names: list[str], path: Path) -> str | None:
         if e.get("published_retention"):
             ax.plot([results["budget"]], [e["published_retention"]], "k*", ms=12,
                     label="published")
+        ax.set_ylim(lo, 1.005)
         ax.set_title(e["name"])
         ax.set_xlabel("budget (fraction of keep-all peak)")
         ax.set_ylabel("retention")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+                  frameon=False)
+    fig.suptitle(f"Retention against activation budget, simulated on {results['hardware']}",
+                 fontsize=11)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)

@@ -52,20 +52,46 @@ class _Group(TyperGroup):
             raise typer.Exit(130) from None
         except SystemExit as exc:          # our exits are typer.Exit: this one is user code's
             if isinstance(exc.__context__, BrokenPipeError):
-                raise                      # Rich's exit when stdout closed early (`| head`)
-            _error_lines(f"the workload called sys.exit({exc.code!r}) while slackswap ran it",
-                         "a workload file must not exit: put script code under "
+                _closed_pipe()             # Rich's exit when stdout closed early (`| head`)
+            who = ("the patched module or the workload" if ctx.invoked_subcommand == "verify"
+                   else "the workload")
+            _error_lines(f"{who} called sys.exit({exc.code!r}) while slackswap ran it",
+                         "a module slackswap imports must not exit: put script code under "
                          "`if __name__ == \"__main__\":`")
             raise typer.Exit(3) from None
         except OSError as exc:
             if exc.errno == errno.EPIPE:   # `slackswap show ... | head`: not an error
-                raise
+                _closed_pipe()
             _internal_error(exc)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "torch":
+                _internal_error(exc)
+            _error_lines(f"`slackswap {ctx.invoked_subcommand or ''}` needs torch, which is not "
+                         "installed", "pip install 'slackswap[torch]' (or a torch build for your "
+                         "CUDA version from pytorch.org); plan, show, simulate and compare run "
+                         "without it")
+            raise typer.Exit(2) from None
         except Exception as exc:  # noqa: BLE001 - the boundary: a bug must not print a traceback
             _internal_error(exc)
 
 
-app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+def _closed_pipe() -> None:
+    """Stdout was closed by the reader (`slackswap show ... | head -1`): a normal end. Point
+    stdout at /dev/null so the interpreter's final flush does not fail, and exit 0."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover - stdout without a descriptor
+        pass
+    raise typer.Exit(0)
+
+
+def _examples(*lines: str) -> str:
+    """A command's help epilog: example command lines, kept as written (click's \\b)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+app = typer.Typer(cls=_Group, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   pretty_exceptions_enable=False,
                   help="Fit training into GPU memory: keep, swap or recompute each saved activation.",
                   epilog="Exit codes: 0 ok, 1 internal error (a bug: SLACKSWAP_DEBUG=1 prints its "
@@ -109,17 +135,30 @@ def _render(items) -> None:
         out.print(item)
 
 
+def _working(message: str, quiet: bool = False):
+    """A spinner with the elapsed time on stderr while a slow step runs, on a terminal only
+    (scripts and pipes see nothing; --json output stays the only thing on stdout)."""
+    if quiet or not err.is_terminal:
+        return _nullcontext()
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                        console=err, transient=True)
+    progress.add_task(message, total=None)
+    return progress
+
+
 def _status(message: str) -> None:
     err.print(f"[dim]{escape(message)}[/]", markup=True)
 
 
-def _check_output_path(path: Path, option: str = "-o", inputs=()) -> None:
+def _check_output_path(path: Path, option: str = "-o", inputs=(), example: str = "out.json") -> None:
     """Refuse, before any work is done, an output that cannot be written or that would
     overwrite one of the command's own inputs (`-o model.py` must not eat the model).
     A missing parent directory is fine: it is created when the file is written."""
     if path.is_dir():
         raise InputError(f"output path {path} is a directory",
-                         hint=f"pass a file name with {option}, e.g. {path / 'out.json'}")
+                         hint=f"pass a file name with {option}, e.g. {path / example}, "
+                              "or another name for the file")
     if path.exists():
         for src in inputs:
             if src is None:
@@ -144,15 +183,20 @@ def _check_output_path(path: Path, option: str = "-o", inputs=()) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-@app.command()
+@app.command(short_help="Trace one training step and write its profile.",
+             epilog=_examples(
+                 "slackswap profile model.py --device fake -o model.profile.json",
+                 "slackswap profile examples/tiny_gpt.py --arg n_layer=2 --arg seq=256",
+                 "slackswap profile model.onnx --input-shape input=8x3x224x224",
+             ))
 def profile(
     model: Path = typer.Argument(..., metavar="MODEL", help="workload file (model.py with a workload() function) or an ONNX file"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile path [default: <model>.profile.json]"),
     entry: str = typer.Option("workload", "--entry", help="function in the workload file that returns (model, inputs[, loss_fn])"),
-    arg: List[str] = typer.Option([], "--arg", help="key=value passed to the entry function (Python literal); repeatable"),
+    arg: List[str] = typer.Option([], "--arg", metavar="KEY=VALUE", help="key=value passed to the entry function (Python literal); repeatable"),
     device: str = typer.Option("auto", "--device", help="auto | cuda | cpu | fake (FakeTensorMode: nothing allocated, roofline costs)"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file for roofline costs [default: a100-pcie4]"),
-    input_shape: List[str] = typer.Option([], "--input-shape", help="ONNX only: name=1x3x224x224 for a dynamic input; repeatable"),
+    input_shape: List[str] = typer.Option([], "--input-shape", metavar="NAME=SHAPE", help="ONNX only: name=1x3x224x224 for a dynamic input; repeatable"),
     as_json: bool = typer.Option(False, "--json", help="print the profile summary as JSON instead of tables"),
 ) -> None:
     """Trace one training step and write its profile (every saved activation, its cost and lifetime)."""
@@ -194,6 +238,8 @@ def profile(
         save(prof, target)
     except SlackswapError as exc:
         _fail(exc)
+    from .profile_build import attention_warning
+    warnings = [*warnings, *filter(None, [attention_warning(prof)])]
     for w in warnings:
         err.print(f"[yellow]Warning:[/] {escape(w)}", markup=True)
     if as_json:
@@ -232,24 +278,30 @@ def _parse_input_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
 # --------------------------------------------------------------------------------------------
 def _plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
     from .budget import parse_budget
-    from .hardware import load_hardware
+    from .hardware import load_hardware, stored_hardware
     from .schema import load_profile
     from .profile_build import recost
     prof = load_profile(profile_path)
-    hw = load_hardware(hardware or prof.env.get("hardware") or None)
+    hw = (load_hardware(hardware) if hardware else
+          stored_hardware(prof.env.get("hardware"), str(profile_path)) or load_hardware(None))
     prof = recost(prof, hw)  # a roofline profile is re-timed for the hardware planned for
     budget_bytes, fraction = parse_budget(budget, prof)
     return prof, hw, budget_bytes, fraction
 
 
-@app.command()
+@app.command(short_help="Decide keep / swap / recompute; simulate; write the plan.",
+             epilog=_examples(
+                 "slackswap plan model.profile.json --budget 0.5",
+                 "slackswap plan model.profile.json --budget 20GiB --hardware h100-pcie5 -o p.json",
+                 "slackswap plan model.profile.json --budget 0.4 --planner optimal --time-limit 30",
+             ))
 def plan(
     profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON from `slackswap profile`"),
     budget: str = typer.Option(..., "--budget", "-b", help="fraction of the keep-all activation peak (0.5) or bytes (20GiB, 512MiB, 2e9)"),
     planner: str = typer.Option("slackswap", "--planner", "-p", help="slackswap | optimal | recompute-only | swap-all | checkpoint-layers"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file [default: the profile's, else a100-pcie4]"),
     time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the optimal planner's MILP may run"),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan path [default: <profile>.plan.json]"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan path [default: <profile name>.plan.json in the current directory]"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON instead of tables"),
 ) -> None:
     """Decide keep / swap / recompute for every saved activation, simulate, write the plan."""
@@ -262,10 +314,11 @@ def plan(
         get_planner(planner)
         # below the floor no plan fits, but the planner's closest plan is still written
         below = floor_message(budget_bytes, prof)
-        target = output or _sibling(profile_path, ".plan.json")
+        target = output or Path(_sibling(profile_path, ".plan.json").name)
         _check_output_path(target, "-o", [profile_path, hardware])
         options = {"time_limit_s": time_limit} if planner == "optimal" else {}
-        result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction, **options)
+        with _working(f"planning with {planner}", as_json):
+            result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction, **options)
         result = _with_paths(result, profile_path, prof)
         save(result, target)
         sim = simulate(prof, result.decisions, hw, budget_bytes)
@@ -275,7 +328,7 @@ def plan(
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
-        _print_json(result)
+        _print_json(_plan_summary(result, target))
     else:
         from .render import plan_views
         _render(plan_views(result, prof, sim))
@@ -300,6 +353,18 @@ def plan(
         raise typer.Exit(4)
 
 
+def _plan_summary(p, path: Path) -> dict:
+    """What a script wants from `plan --json`: where the plan is and what it predicts; the
+    file holds the whole plan (every decision and the schedule)."""
+    counts = {a: 0 for a in ("keep", "swap", "recompute")}
+    for d in p.decisions:
+        counts[d.action] = counts.get(d.action, 0) + 1
+    return {"plan": str(path), "planner": p.planner, "feasible": p.feasible,
+            "hardware": p.hardware.get("name"), "budget_bytes": p.budget_bytes,
+            "budget_fraction": p.budget_fraction, "actions": counts,
+            "predicted": p.predicted, "solve_ms": p.solve_ms, "notes": list(p.notes)}
+
+
 def _sibling(path: Path, suffix: str) -> Path:
     name = path.name
     for ext in (".profile.json", ".plan.json", ".json"):
@@ -316,7 +381,11 @@ def _with_paths(plan_obj, profile_path: Path, prof):
 
 
 # --------------------------------------------------------------------------------------------
-@app.command()
+@app.command(short_help="Every planner side by side on one profile.",
+             epilog=_examples(
+                 "slackswap compare model.profile.json --budget 0.5",
+                 "slackswap compare model.profile.json --budget 0.5 --planners slackswap,swap-all --json",
+             ))
 def compare(
     profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON"),
     budget: str = typer.Option(..., "--budget", "-b", help="fraction (0.5) or bytes (20GiB)"),
@@ -346,7 +415,8 @@ def compare(
                         f"planning with optimal (a MILP, solver limit {time_limit:g} s: set it with "
                         "--time-limit, or leave optimal out with --planners)...")
             options = {"time_limit_s": time_limit} if name == "optimal" else {}
-            p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction, **options)
+            with _working(f"planning with {name}", as_json):
+                p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction, **options)
             rows.append({"planner": name, "feasible": p.feasible, "predicted": p.predicted,
                          "solve_ms": p.solve_ms, "notes": list(p.notes)})
     except SlackswapError as exc:
@@ -372,7 +442,11 @@ def compare(
 
 
 # --------------------------------------------------------------------------------------------
-@app.command()
+@app.command(short_help="Re-simulate a plan (what-if on other hardware).",
+             epilog=_examples(
+                 "slackswap simulate model.plan.json --hardware gh200-c2c",
+                 "slackswap simulate model.plan.json --trace step.trace.json   # open in ui.perfetto.dev",
+             ))
 def simulate(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan JSON from `slackswap plan`"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="re-simulate on this preset or JSON file [default: the plan's]"),
@@ -396,18 +470,19 @@ def simulate(
         result = run_sim(prof, p.decisions, hw, p.budget_bytes, record=trace is not None or not as_json)
         if trace is not None:
             from .chrome_trace import to_chrome_trace
-            write_atomic(trace, dumps(to_chrome_trace(result, prof)))
+            write_atomic(trace, dumps(to_chrome_trace(result, prof, p.budget_bytes)))
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
         _print_json({"plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
-                     "reason": result.reason, "predicted": result.predicted})
+                     "reason": result.reason, "predicted": result.predicted,
+                     "trace": str(trace) if trace is not None else None})
     else:
         import dataclasses
         from .render import plan_views
         shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted,
                                     feasible=result.feasible)
-        _render(plan_views(shown, prof, result))
+        _render(plan_views(shown, prof, result, planned=p))
         if trace is not None:
             out.print(f"wrote {trace} (open it in https://ui.perfetto.dev)", markup=False)
     if not result.feasible:
@@ -432,7 +507,11 @@ def _plan_profile(p, profile_path: Optional[Path]):
 
 
 # --------------------------------------------------------------------------------------------
-@app.command()
+@app.command(short_help="Inspect a profile or a plan in the terminal.",
+             epilog=_examples(
+                 "slackswap show model.profile.json",
+                 "slackswap show model.plan.json --json",
+             ))
 def show(
     path: Path = typer.Argument(..., metavar="FILE", help="a profile or a plan JSON"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="for a plan: its profile [default: the one it records]"),
@@ -468,12 +547,16 @@ def show(
 
 
 # --------------------------------------------------------------------------------------------
-@app.command()
+@app.command(short_help="Emit a patched training module that carries a plan out.",
+             epilog=_examples(
+                 "slackswap apply model.plan.json -o model_patched.py",
+             ))
 def apply(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan JSON"),
     output: Path = typer.Option(..., "-o", "--output", help="path of the patched module (.py)"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile JSON [default: the one the plan records]"),
     model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the profile records]"),
+    as_json: bool = typer.Option(False, "--json", help="print {patched, module, plan, ...} as JSON"),
 ) -> None:
     """Emit a patched training module that carries the plan out on the real model."""
     try:
@@ -486,11 +569,17 @@ def apply(
         p = load_plan(plan_path)
         prof = _plan_profile(p, profile_path)
         _check_output_path(output, "-o", [plan_path, profile_path or p.profile_path, model,
-                                          prof.workload.get("path")])
-        source = apply_plan(p, prof, model_path=str(model) if model else None)
+                                          prof.workload.get("path")], example="patched.py")
+        with _working("writing the patched module (re-tracing the model)", as_json):
+            source = apply_plan(p, prof, model_path=str(model) if model else None)
         write_atomic(output, source.encode())
     except SlackswapError as exc:
         _fail(exc)
+    if as_json:
+        _print_json({"patched": str(output), "module": output.stem,
+                     "importable": output.stem.isidentifier(), "plan": str(plan_path),
+                     "planner": p.planner, "feasible": p.feasible})
+        return
     out.print(f"wrote {output}", markup=False)
     if not output.stem.isidentifier():
         err.print(f"[yellow]Warning:[/] '{escape(output.stem)}' is not a Python module name, so "
@@ -503,7 +592,10 @@ def apply(
               "    loss.backward(); optimizer.step()", markup=False)
 
 
-@app.command()
+@app.command(short_help="Compare original and patched: losses, gradients, memory.",
+             epilog=_examples(
+                 "slackswap verify model_patched.py --steps 3",
+             ))
 def verify(
     patched: Path = typer.Argument(..., metavar="PATCHED", help="patched module from `slackswap apply`"),
     model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the patched module records]"),
@@ -513,7 +605,8 @@ def verify(
     """Run original and patched for N steps: losses and gradients equal, memory and time measured."""
     try:
         from .verify import verify as run_verify
-        report = run_verify(str(patched), model_path=str(model) if model else None, steps=steps)
+        with _working(f"running original and patched step{'s' if steps > 1 else ''}", as_json):
+            report = run_verify(str(patched), model_path=str(model) if model else None, steps=steps)
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
@@ -531,7 +624,11 @@ def verify(
 
 
 # --------------------------------------------------------------------------------------------
-@app.command("hardware")
+@app.command("hardware", short_help="List hardware presets, or print one.",
+             epilog=_examples(
+                 "slackswap hardware",
+                 "slackswap hardware a100-pcie4 --json > my-a100.json",
+             ))
 def hardware_cmd(
     name: Optional[str] = typer.Argument(None, metavar="NAME", help="a preset to print in full"),
     as_json: bool = typer.Option(False, "--json", help="print as JSON (a starting point for a custom --hardware file)"),
@@ -564,11 +661,24 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
     pass
 
 
-@app.command()
-def version() -> None:
-    """Print the version."""
+@app.command(short_help="Print the version.",
+             epilog=_examples(
+                 "slackswap version --json",
+             ))
+def version(as_json: bool = typer.Option(False, "--json", help="print {version, python, torch} as JSON")) -> None:
+    """Print the version (with --json: also Python's and torch's, null if torch is missing)."""
     from . import __version__
-    typer.echo(__version__)
+    if not as_json:
+        typer.echo(__version__)
+        return
+    import platform
+    from importlib import metadata
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    _print_json({"version": __version__, "python": platform.python_version(),
+                 "torch": torch_version})
 
 
 def main() -> None:

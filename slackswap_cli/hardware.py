@@ -22,6 +22,7 @@ pass a JSON file with the same field names instead of a preset name.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,26 +95,44 @@ class HardwareSpec:
             spec = cls(**data)
         except TypeError as exc:  # pragma: no cover - guarded above
             raise FormatError(f"{source}: {exc}") from None
-        for name in ("peak_flops_per_s", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
+        if not isinstance(spec.name, str) or not spec.name.strip() or len(spec.name) > 100:
+            raise FormatError(f"{source}: name must be a non-empty string, got {spec.name!r:.60}",
+                              hint='name the hardware, e.g. "name": "my-a100"')
+        if not isinstance(spec.description, str):
+            raise FormatError(f"{source}: description must be a string, got "
+                              f"{spec.description!r:.60}", hint="describe the machine in words")
+        for name, (lo, hi, hint) in _BOUNDS.items():
             value = getattr(spec, name)
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise FormatError(f"{source}: {name} must be a positive number, got {value!r}",
-                                  hint="rates are in bytes or FLOPs per second, e.g. 25e9")
-        for name in ("matmul_efficiency", "hbm_efficiency", "duplex_derate"):
-            value = getattr(spec, name)
-            if not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise FormatError(f"{source}: {name} must be in (0, 1], got {value!r}",
-                                  hint="an efficiency is the achievable fraction of the peak")
-        for name in ("memory_bytes", "copy_latency_us", "kernel_overhead_us"):
-            value = getattr(spec, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise FormatError(f"{source}: {name} must be a non-negative number, got {value!r}",
-                                  hint="units are in the field name (bytes, us)")
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and math.isfinite(value) and lo <= value <= hi)
+            if name == "memory_bytes":
+                ok = ok and (isinstance(value, int) or float(value).is_integer())
+            if not ok:
+                raise FormatError(f"{source}: {name} is {value!r:.40}, expected a number in "
+                                  f"[{lo:g}, {hi:g}]", hint=hint)
         if not isinstance(spec.duplex, bool):
             raise FormatError(f"{source}: duplex must be true or false, got {spec.duplex!r}",
                               hint="true when the link copies both ways at once")
         return spec
 
+
+# What a hardware file may hold: bounds far outside any real machine on both sides, but
+# tight enough that every simulated time stays finite and the event loop moves on (a bandwidth
+# of 5e-324 B/s or a latency of 1e308 us would make copies last forever).
+_RATE = "rates are in bytes or FLOPs per second, e.g. 25e9"
+_EFF = "an efficiency is the achievable fraction of the peak, e.g. 0.85"
+_BOUNDS: dict[str, tuple[float, float, str]] = {
+    "peak_flops_per_s": (1e6, 1e20, _RATE),
+    "hbm_bytes_per_s": (1e6, 1e16, _RATE),
+    "h2d_bytes_per_s": (1e3, 1e16, _RATE),
+    "d2h_bytes_per_s": (1e3, 1e16, _RATE),
+    "matmul_efficiency": (1e-3, 1.0, _EFF),
+    "hbm_efficiency": (1e-3, 1.0, _EFF),
+    "duplex_derate": (1e-3, 1.0, _EFF),
+    "memory_bytes": (0, 2**60, "device memory in bytes, e.g. 85899345920 for 80 GiB"),
+    "copy_latency_us": (0, 1e6, "microseconds per copy, e.g. 8"),
+    "kernel_overhead_us": (0, 1e6, "microseconds per kernel, e.g. 2"),
+}
 
 # Sources:
 # [A100]   NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 312 TFLOPS dense BF16, 2039 GB/s HBM2e.
@@ -231,15 +250,24 @@ def load_hardware(name_or_path: str | None) -> HardwareSpec:
         if not isinstance(data, dict):
             raise FormatError(f"hardware file {path} must hold one JSON object", hint=example)
         data.setdefault("name", path.stem)
-        spec = HardwareSpec.from_dict(data, source=str(path))
-        preset = PRESETS.get(spec.name)
-        if preset is not None and dataclasses.replace(spec, description=preset.description) != preset:
-            # profiles, plans and re-costing know hardware by name: an edited copy of a preset
-            # that keeps the preset's name would be taken for the preset
-            raise FormatError(f"hardware file {path} is named '{spec.name}' like the preset, "
-                              "but its numbers differ",
-                              hint='give it a name of its own, e.g. "name": "my-'
-                                   f'{spec.name}"')
-        return spec
+        # profiles and plans store the whole spec, never just its name: an edited copy of a
+        # preset that keeps the preset's name is still planned with its own numbers
+        return HardwareSpec.from_dict(data, source=str(path))
     raise InputError(f"unknown hardware preset '{name_or_path}'",
                      hint=f"presets: {', '.join(PRESETS)}; or pass a JSON file with the same fields")
+
+
+def stored_hardware(value, source: str) -> HardwareSpec | None:
+    """The hardware a profile was costed on, from its `env.hardware`: the whole spec (what
+    `slackswap profile` writes), a preset name (profiles written before specs were stored),
+    or None (measured times: no hardware model)."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return HardwareSpec.from_dict(value, source=f"{source}: env.hardware")
+    if isinstance(value, str) and value in PRESETS:
+        return PRESETS[value]
+    raise FormatError(f"{source}: env.hardware names {value!r:.60}, which is not a preset "
+                      "(this profile stores the hardware's name only)",
+                      hint="pass the hardware it was profiled with: --hardware FILE.json, or "
+                           "profile the model again, which stores the whole spec")

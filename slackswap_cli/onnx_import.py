@@ -695,7 +695,7 @@ class _Importer:
                     "input_dtypes": {n: self.dtype(n) for n in self.graph_inputs},
                     "loss": self.loss_desc}
         env = {"torch_version": None, "device": "onnx", "device_name": None,
-               "hardware": self.hw.name, "onnx_opset": opset, "producer": producer or None}
+               "hardware": self.hw.to_dict(), "onnx_opset": opset, "producer": producer or None}
         extra = {"forward_flops": sum(o.flops for o in b.ops if o.phase == "forward"),
                  "backward_flops": sum(o.flops for o in b.ops if o.phase == "backward"),
                  "warnings": list(self.warnings)}

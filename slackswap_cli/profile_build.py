@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .schema import Op, Profile, Tensor, op_fingerprint, validate_profile
+from .units import fmt_bytes
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
@@ -157,12 +158,17 @@ def recost(prof: Profile, hw) -> Profile:
     """The same step costed on other hardware: every roofline op re-timed with `hw`.
 
     Only a profile whose ops were all costed by the roofline can be re-costed (each op keeps
-    its FLOPs and bytes) and names the preset it was costed on (`env.hardware`); measured or
-    hand-made times belong to where they came from, and such a profile is returned unchanged. The fingerprint does not change (times are not part of it).
+    its FLOPs and bytes) and records the hardware it was costed on (`env.hardware`: the whole
+    spec, or a preset's name in older profiles); measured or hand-made times belong to where
+    they came from, and such a profile is returned unchanged. The fingerprint does not change
+    (times are not part of it).
     """
     costed_on = prof.env.get("hardware")
-    if costed_on is None or costed_on == hw.name:
-        return prof  # no preset to re-cost from (hand-made times), or already costed there
+    if costed_on is None:
+        return prof  # no hardware to re-cost from (measured or hand-made times)
+    if costed_on == hw.to_dict() or (isinstance(costed_on, str) and costed_on == hw.name
+                                     and _is_preset(hw)):
+        return prof  # already costed there
     if not prof.ops or any(op.time_source != "roofline" for op in prof.ops):
         return prof
     ops = tuple(dataclasses.replace(op, time_us=hw.roofline_us(op.flops, op.bytes))
@@ -171,5 +177,44 @@ def recost(prof: Profile, hw) -> Profile:
                    forward_us=sum(o.time_us for o in ops if o.phase == "forward"),
                    backward_us=sum(o.time_us for o in ops if o.phase == "backward"))
     return Profile(fingerprint=prof.fingerprint, workload=prof.workload,
-                   env=dict(prof.env, hardware=hw.name), summary=summary, ops=ops,
+                   env=dict(prof.env, hardware=hw.to_dict()), summary=summary, ops=ops,
                    tensors=prof.tensors)
+
+
+def _is_preset(hw) -> bool:
+    from .hardware import PRESETS
+    return PRESETS.get(hw.name) == hw
+
+
+ATTENTION_MIN_SEQ = 128   # below this a seq x seq matrix is small whatever path made it
+
+
+def attention_warning(prof: Profile) -> str | None:
+    """A warning when the step saves seq x seq attention matrices, else None.
+
+    Fused attention kernels (flash, memory-efficient) save only the output and a log-sum-exp
+    per row; the unfused "math" path saves the softmax of every head, and with attention
+    dropout its mask and output too: (batch, heads, seq, seq) each, which at long sequences
+    dwarfs the rest of a layer. The sign is a saved softmax output whose last two dimensions
+    are equal (seq x seq) over more than one head; every saved activation of that shape is
+    counted.
+    """
+    squares = set()
+    for t in prof.saved_activations:
+        sh = t.shape
+        if (len(sh) >= 4 and sh[-1] == sh[-2] >= ATTENTION_MIN_SEQ and sh[-3] > 1
+                and "softmax" in prof.ops[t.producer].target.lower()):
+            squares.add(tuple(sh))
+    if not squares:
+        return None
+    hits = [t for t in prof.saved_activations if tuple(t.shape) in squares]
+    total = sum(t.size_bytes for t in hits)
+    example = max(hits, key=lambda t: t.size_bytes)
+    seq = example.shape[-1]
+    return (f"{len(hits)} saved tensors are {seq}x{seq} attention matrices "
+            f"({fmt_bytes(total)} of {fmt_bytes(prof.summary.get('saved_bytes', 0))} saved; "
+            f"e.g. {example.name} {'x'.join(map(str, example.shape))}): attention ran the "
+            "unfused math path. The fused kernel saves none of them: use "
+            "torch.nn.functional.scaled_dot_product_attention (Hugging Face: "
+            'attn_implementation="sdpa") with attention dropout 0 (e.g. attn_pdrop=0.0 or '
+            "attention_dropout=0.0); ignore this if the math path is what you train with")

@@ -187,6 +187,7 @@ def profile_views(profile: Profile, top: int = 10) -> list:
     for o in ops:
         sources[o.time_source] = sources.get(o.time_source, 0) + 1
     hw = profile.env.get("hardware")
+    hw = hw.get("name") if isinstance(hw, dict) else hw
     device = profile.env.get("device_name") or profile.env.get("device")
     if all(o.time_source == "measured" for o in ops) and ops:
         costs = f"op times measured on {device or '?'}"
@@ -299,9 +300,11 @@ def _rows_table(title: str, cols, rows, compact: bool = False, fixed: tuple = ()
 # plan
 # --------------------------------------------------------------------------------------------
 def memory_chart(memory: Sequence[tuple[float, int]], budget_bytes: int | None,
-                 step_us: float | None = None, width: int = 60, height: int = 8) -> Text:
+                 step_us: float | None = None, width: int = 60, height: int = 8,
+                 backward_us: float | None = None) -> Text:
     """Activation memory over the step as a bar chart of `width` columns (the highest value in
-    each time slice), with the budget drawn as a line."""
+    each time slice), with the budget drawn as a line, the y axis labelled every other row,
+    and the start of backward marked on the time axis when `backward_us` is given."""
     if not memory:
         return Text("(no memory timeline: simulate with record=True)", style="dim")
     end = step_us if step_us else max(t for t, _ in memory)
@@ -324,9 +327,15 @@ def memory_chart(memory: Sequence[tuple[float, int]], budget_bytes: int | None,
     budget_row = None
     if budget_bytes:
         budget_row = min(height - 1, int(budget_bytes / scale * height - 1e-9))
-    labels = {height - 1: fmt_bytes(scale), 0: "0"}
+    # a row is labelled with the value at its top edge; every other row, so labels stay apart
+    labels = {row: fmt_bytes(scale * (row + 1) / height)
+              for row in range(height - 1, 0, -2)}
+    labels[0] = "0"
     if budget_row is not None:
         labels[budget_row] = f"budget {fmt_bytes(budget_bytes)}"
+        labels.pop(budget_row + 1, None)    # keep the budget label clear of its neighbours
+        if budget_row > 0:
+            labels.pop(budget_row - 1, None)
     lw = max(len(v) for v in labels.values())
     text = Text()
     for row in range(height - 1, -1, -1):
@@ -344,13 +353,49 @@ def memory_chart(memory: Sequence[tuple[float, int]], budget_bytes: int | None,
             else:
                 text.append(" ")
         text.append("\n")
-    text.append(" " * lw + " └" + "─" * width + "\n", style="dim")
+    axis = ["─"] * width
+    bwd_col = None
+    if backward_us is not None and 0 <= backward_us <= end:
+        bwd_col = min(width - 1, int(backward_us / end * width))
+        axis[bwd_col] = "┴"
+    text.append(" " * lw + " └" + "".join(axis) + "\n", style="dim")
     right = fmt_us(end)
-    text.append(" " * (lw + 2) + "0" + right.rjust(width - 1), style="dim")
+    under = list("0" + right.rjust(width - 1))
+    if bwd_col is not None:
+        mark = "^ backward"
+        at = bwd_col if bwd_col + len(mark) <= width - len(right) - 1 else None
+        if at is None and bwd_col - len(mark) + 1 > 1:   # no room on the right: end at it
+            mark, at = "backward ^", bwd_col - len(mark) + 1
+        if at is not None and at > 1:
+            under[at:at + len(mark)] = mark
+    text.append(" " * (lw + 2) + "".join(under), style="dim")
     return text
 
 
-def _why(action: str, t, rc_us: float, copy_us: float, late_us: float | None) -> str:
+class MemoryChart:
+    """`memory_chart` drawn as wide as the console allows (60 to 200 columns of bars)."""
+
+    def __init__(self, memory, budget_bytes, step_us=None, backward_us=None, height: int = 8):
+        self.args = (memory, budget_bytes, step_us)
+        self.backward_us, self.height = backward_us, height
+
+    def __rich_console__(self, console, options):
+        probe = memory_chart(*self.args, width=60, height=self.height)
+        labels = max(map(len, probe.plain.splitlines())) - 60      # y labels and the axis
+        width = max(60, min(200, options.max_width - labels))
+        yield memory_chart(*self.args, width=width, height=self.height,
+                           backward_us=self.backward_us)
+
+    def __rich_measure__(self, console, options):
+        return Measurement(60, options.max_width)
+
+
+def _why(action: str, t, rc_us: float, copy_us: float, late_us: float | None,
+         gap_ops: int = 1, gap_us: float = float("inf"), feasible: bool = False) -> str:
+    """The reason shown beside a tensor's action. A kept tensor is kept for what is true of
+    it: nothing else could be done with it, it is idle too briefly between its last forward
+    read and first backward read (`gap_ops` ops taking `gap_us`) for moving it to pay, or the
+    plan fits with it resident; only an infeasible plan's keeps are explained by their cost."""
     mib = t.size_bytes / 2**20
     per_mib = f"{fmt_us(rc_us / mib)} per MiB" if mib else "empty"
     if action == "swap":
@@ -364,7 +409,37 @@ def _why(action: str, t, rc_us: float, copy_us: float, late_us: float | None) ->
         return f"recompute: {fmt_us(rc_us)} ({per_mib}) vs {fmt_us(copy_us)} copy"
     if not t.recomputable:
         return f"keep: random op output (cannot recompute), {fmt_us(copy_us)} copy"
+    if gap_ops <= 0:
+        return "keep: backward reads it right after forward: no idle time to free it in"
+    idle = f"{fmt_us(gap_us)} ({gap_ops} op{'s' if gap_ops > 1 else ''})"
+    if gap_us < copy_us:
+        return (f"keep: idle only {idle} between its forward and backward reads, "
+                f"less than a {fmt_us(copy_us)} copy")
+    if feasible:
+        return f"keep: the budget holds with it resident (idle {idle})"
     return f"keep: would cost {fmt_us(rc_us)} to recompute or a {fmt_us(copy_us)} copy"
+
+
+def _change(planned: Plan, now: Predicted) -> str:
+    """How a re-simulation differs from what the plan predicted when it was made."""
+    was = planned.predicted
+    where = planned.hardware.get("name", "?")
+    if now == was:
+        return f"same as predicted on {where}"
+    parts = [f"retention {fmt_pct(was.retention)} -> {fmt_pct(now.retention)}",
+             f"step {fmt_us(was.step_us)} -> {fmt_us(now.step_us)}"]
+    if now.peak_bytes != was.peak_bytes:
+        parts.append(f"peak {fmt_bytes(was.peak_bytes)} -> {fmt_bytes(now.peak_bytes)}")
+    return f"planned on {where}: " + ", ".join(parts)
+
+
+def _idle(profile: Profile, tensor_id: int) -> dict:
+    """The ops between a saved tensor's last forward read and its first backward read."""
+    lo = profile.last_forward_use(tensor_id) + 1
+    hi = profile.first_backward_use(tensor_id)
+    hi = lo if hi is None else hi
+    return {"gap_ops": max(0, hi - lo),
+            "gap_us": sum(op.time_us for op in profile.ops[lo:hi])}
 
 
 def _chain_rows(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
@@ -384,9 +459,14 @@ def _chain_rows(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
              f"before op {owner} ({profile.ops[owner].name})")]
 
 
-def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list:
+def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
+               planned: Plan | None = None) -> list:
     """Summary, bytes per action, actions per layer, biggest tensors with their action and why,
-    and memory over time (from `result`, a SimResult, when given)."""
+    and memory over time (from `result`, a SimResult, when given).
+
+    `planned`: for a re-simulation (`slackswap simulate`), the plan as written: the summary
+    then shows the change against its prediction instead of its solve time and notes, which
+    belong to the original run."""
     pr: Predicted = result.predicted if result is not None else plan.predicted
     feasible = result.feasible if result is not None else plan.feasible
     reason = getattr(result, "reason", None)
@@ -430,10 +510,12 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list
         ("copied", f"{fmt_bytes(pr.swapped_bytes)} to host, "
                    f"{fmt_bytes(pr.prefetched_bytes)} back"),
         *_chain_rows(plan, profile),
-        ("solve time", f"{plan.solve_ms:.1f} ms"),
     ]
-    for note in plan.notes:
-        rows.append(("note", note))
+    if planned is None:
+        rows.append(("solve time", f"{plan.solve_ms:.1f} ms"))
+        rows.extend(("note", note) for note in plan.notes)
+    else:
+        rows.append(("vs the plan", _change(planned, pr)))
     summary = _kv_table("Plan", rows)
 
     actions = plan.actions()
@@ -490,7 +572,9 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list
         rc = profile.ops[t.producer].time_us
         cp = hw.copy_us(t.size_bytes, "d2h") if hw else 0.0
         rows_b.append((t.name, layers[t.producer], fmt_bytes(t.size_bytes),
-                       Text(a, style=styles[a]), _why(a, t, rc, cp, late.get(t.id))))
+                       Text(a, style=styles[a]),
+                       _why(a, t, rc, cp, late.get(t.id), feasible=feasible,
+                            **_idle(profile, t.id))))
 
     def table(with_layer: bool, compact: bool) -> Table:
         tb = Table(title=title, title_justify="left",
@@ -511,7 +595,12 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12) -> list
     biggest = _Fit(table(True, False), table(False, True))
 
     chart_title = Text("Activation memory over the step", style="italic")
-    chart = memory_chart(result.memory if result is not None else (), budget, pr.step_us)
+    bwd_us = None
+    if result is not None and result.events:
+        bwd_us = min((e.start_us for e in result.events if e.kind == "op" and e.op is not None
+                      and e.op >= profile.n_forward), default=None)
+    chart = MemoryChart(result.memory if result is not None else (), budget, pr.step_us,
+                        backward_us=bwd_us)
     return [summary, per_action, per_layer, biggest, Group(chart_title, chart)]
 
 

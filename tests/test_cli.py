@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 from slackswap_cli import schema
 from slackswap_cli.cli import app
 from slackswap_cli.synthetic import chain_profile
+from helpers import assert_clean_error
 
 runner = CliRunner()
 
@@ -22,13 +23,6 @@ def profile_path(tmp_path):
     return path
 
 
-def assert_clean_error(result, code, needle):
-    assert result.exit_code == code, result.output
-    assert "Error:" in result.stderr and needle in result.stderr
-    assert "Hint:" in result.stderr
-    assert "Traceback" not in result.output + result.stderr
-
-
 def test_plan_writes_plan_and_prints_summary(profile_path, tmp_path):
     out = tmp_path / "p.json"
     r = run("plan", profile_path, "--budget", "0.5", "-o", out)
@@ -41,12 +35,13 @@ def test_plan_writes_plan_and_prints_summary(profile_path, tmp_path):
     assert "retention" in r.stdout.lower()
 
 
-def test_plan_json_output_is_one_document(profile_path, tmp_path):
+def test_plan_json_output_is_a_summary_naming_the_file(profile_path, tmp_path):
     r = run("plan", profile_path, "--budget", "200MiB", "-o", tmp_path / "p.json", "--json")
     assert r.exit_code == 0, r.stderr
     doc = orjson.loads(r.stdout)
-    assert doc["format"] == "slackswap.plan" and doc["budget_bytes"] == 200 << 20
-    assert doc["budget_fraction"] is None
+    assert doc["plan"] == str(tmp_path / "p.json") and doc["budget_bytes"] == 200 << 20
+    assert doc["budget_fraction"] is None and "schedule" not in doc
+    assert schema.load_plan(tmp_path / "p.json").budget_bytes == 200 << 20
 
 
 @pytest.mark.parametrize("args,code,needle", [
@@ -124,3 +119,82 @@ def test_profile_missing_file(tmp_path):
     out = tmp_path / "p.json"
     assert_clean_error(run("profile", tmp_path / "nope.py", "-o", out), 2, "does not exist")
     assert not out.exists()
+
+
+def _roofline(prof, hw):
+    """`prof` as `profile --device fake --hardware hw` writes it: roofline times, spec stored."""
+    import dataclasses
+    ops = tuple(dataclasses.replace(o, flops=10**12, bytes=10**9, time_source="roofline",
+                                    time_us=hw.roofline_us(10**12, 10**9)) for o in prof.ops)
+    return dataclasses.replace(prof, ops=ops, env={"hardware": hw.to_dict()})
+
+
+def test_a_profile_costed_on_a_custom_spec_plans_without_naming_it_again(tmp_path):
+    """`profile --hardware my-a100.json` then `plan p.json`: the profile carries the spec."""
+    import dataclasses
+    from slackswap_cli.hardware import PRESETS
+    # an edited copy that even keeps the preset's name: its own numbers are what count
+    mine = dataclasses.replace(PRESETS["a100-pcie4"], h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    schema.save(_roofline(chain_profile(6, act_bytes=64 << 20), mine), tmp_path / "p.json")
+    r = run("plan", tmp_path / "p.json", "--budget", "0.5", "-o", tmp_path / "plan.json")
+    assert r.exit_code == 0, r.stderr
+    plan = schema.load_plan(tmp_path / "plan.json")
+    assert plan.hardware == mine.to_dict() != PRESETS["a100-pcie4"].to_dict()
+
+
+def test_an_old_profile_naming_its_preset_still_plans(profile_path, tmp_path):
+    raw = orjson.loads(profile_path.read_bytes())
+    raw["env"] = {"hardware": "h100-pcie5"}
+    (tmp_path / "old.json").write_bytes(orjson.dumps(raw))
+    r = run("plan", tmp_path / "old.json", "--budget", "0.5", "-o", tmp_path / "plan.json")
+    assert r.exit_code == 0, r.stderr
+    assert schema.load_plan(tmp_path / "plan.json").hardware["name"] == "h100-pcie5"
+    raw["env"] = {"hardware": "my-a100"}        # a custom spec known by name only
+    (tmp_path / "old.json").write_bytes(orjson.dumps(raw))
+    r = run("plan", tmp_path / "old.json", "--budget", "0.5", "-o", tmp_path / "plan.json")
+    assert_clean_error(r, 2, "env.hardware names 'my-a100'")
+    assert "--hardware FILE.json" in r.stderr
+
+
+def test_simulate_shows_the_change_against_the_plan_not_its_old_notes(profile_path, tmp_path):
+    plan_path, trace = tmp_path / "p.json", tmp_path / "t.json"
+    assert run("plan", profile_path, "--budget", "0.5", "-o", plan_path).exit_code == 0
+    planned = schema.load_plan(plan_path)
+    from slackswap_cli.hardware import PRESETS
+    slow = tmp_path / "slow.json"       # a link 25x slower: copies no longer hide
+    slow.write_bytes(orjson.dumps(PRESETS["a100-pcie4"].to_dict() | {
+        "name": "slow-link", "h2d_bytes_per_s": 1e9, "d2h_bytes_per_s": 1e9}))
+    r = run("simulate", plan_path, "--hardware", slow, "--trace", trace)
+    assert r.exit_code in (0, 4), r.stderr
+    assert "solve time" not in r.stdout and "planned on a100-pcie4: retention" in r.stdout
+    r = run("simulate", plan_path)
+    assert "same as predicted on a100-pcie4" in r.stdout
+    # the trace carries the budget as a second series of the memory counter
+    counters = [e for e in orjson.loads(trace.read_bytes())["traceEvents"] if e["ph"] == "C"]
+    assert counters and all(e["args"]["budget_bytes"] == planned.budget_bytes for e in counters)
+
+
+def test_help_lists_every_command_whole_and_shows_examples():
+    r = runner.invoke(app, ["--help"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0
+    commands = r.stdout.split("Commands:")[1].split("Exit codes")[0]
+    assert "..." not in commands and len(commands.strip().splitlines()) == 9
+    assert all(len(line) <= 80 for line in r.stdout.splitlines())
+    r = runner.invoke(app, ["profile", "--help"], env={"COLUMNS": "80"})
+    assert "--arg KEY=VALUE" in r.stdout and "list[str]" not in r.stdout
+    assert "Examples:\n    slackswap profile model.py --device fake" in r.stdout
+    for cmd in ("plan", "compare", "simulate", "show", "apply", "verify", "hardware"):
+        r = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "80"})
+        assert r.exit_code == 0 and f"Examples:\n    slackswap {cmd}" in r.stdout, cmd
+
+
+def test_plan_without_output_writes_to_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "profiles").mkdir()
+    schema.save(chain_profile(4), tmp_path / "profiles" / "chain.profile.json")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    r = run("plan", "../profiles/chain.profile.json", "--budget", "0.6")
+    assert r.exit_code == 0, r.stderr
+    assert "wrote chain.plan.json" in r.stdout
+    assert schema.load_plan(tmp_path / "work" / "chain.plan.json").feasible
+    assert not (tmp_path / "profiles" / "chain.plan.json").exists()

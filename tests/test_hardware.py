@@ -63,3 +63,24 @@ def test_bad_hardware_inputs(tmp_path):
     path.write_bytes(orjson.dumps(dataclasses.asdict(A100) | {"hbm_efficiency": 1.5}))
     with pytest.raises(FormatError, match="hbm_efficiency"):
         load_hardware(str(path))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("h2d_bytes_per_s", 5e-324), ("d2h_bytes_per_s", True), ("hbm_bytes_per_s", 1e300),
+    ("copy_latency_us", 1e308), ("kernel_overhead_us", 1e308), ("peak_flops_per_s", 0),
+    ("matmul_efficiency", 1e-300), ("duplex_derate", 1.5), ("memory_bytes", 1.5),
+    ("memory_bytes", -1), ("name", 7), ("name", ["a"]), ("name", {"a": 1}), ("name", ""),
+    ("description", 3),
+])
+def test_hardware_numbers_are_bounded(field, value):
+    data = PRESETS["a100-pcie4"].to_dict() | {"name": "mine", field: value}
+    with pytest.raises(FormatError, match=field):
+        HardwareSpec.from_dict(data)
+
+
+def test_an_edited_preset_keeping_its_name_is_its_own_spec(tmp_path):
+    # profiles and plans store the whole spec: the name no longer stands for the numbers
+    path = tmp_path / "a100.json"
+    path.write_bytes(orjson.dumps(PRESETS["a100-pcie4"].to_dict() | {"h2d_bytes_per_s": 1e9}))
+    spec = load_hardware(str(path))
+    assert spec.name == "a100-pcie4" and spec.h2d_bytes_per_s == 1e9

@@ -2,9 +2,6 @@
 profiled against the same torch model measured eagerly."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import numpy as np
@@ -17,6 +14,7 @@ from onnx import TensorProto, helper  # noqa: E402
 from slackswap_cli.errors import FormatError, InputError  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.onnx_import import parse_input_shapes, profile_onnx  # noqa: E402
+from helpers import run_torch_blocked  # noqa: E402
 
 HW = PRESETS["a100-pcie4"]
 F32 = TensorProto.FLOAT
@@ -84,7 +82,7 @@ def test_mlp_by_hand(tmp_path):
     assert op.time_us == pytest.approx(HW.roofline_us(op.flops, op.bytes))
     assert op.bytes == (4 * 8 + 8 * 16 + 4 * 16) * 4
     assert prof.workload["source"] == "onnx" and prof.workload["input_shapes"] == {"x": [4, 8]}
-    assert prof.env["device"] == "onnx" and prof.env["hardware"] == HW.name
+    assert prof.env["device"] == "onnx" and prof.env["hardware"] == HW.to_dict()
     assert prof.env["onnx_opset"] == 17
 
 
@@ -305,15 +303,12 @@ def test_parse_input_shapes():
 
 def test_importer_does_not_import_torch(tmp_path):
     path = _mlp(tmp_path)
-    code = textwrap.dedent(f"""
-        import sys
-        sys.modules["torch"] = None
+    r = run_torch_blocked(f"""
         from slackswap_cli.onnx_import import profile_onnx
         from slackswap_cli.hardware import PRESETS
         prof, _ = profile_onnx(r"{path}", PRESETS["a100-pcie4"])
         print(prof.summary["saved_bytes"])
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(4 * 16 * 4)
 

@@ -43,10 +43,34 @@ def test_recost_retimes_roofline_ops_only():
     p = dataclasses.replace(p, ops=ops, env={"hardware": "a100-pcie4"})
     h100 = PRESETS["h100-pcie5"]
     q = recost(p, h100)
-    assert q.fingerprint == p.fingerprint and q.env["hardware"] == "h100-pcie5"
+    assert q.fingerprint == p.fingerprint and q.env["hardware"] == h100.to_dict()
     assert q.ops[0].time_us == pytest.approx(h100.roofline_us(2 * 10**12, 10**9))
     assert q.summary["forward_us"] == pytest.approx(sum(o.time_us for o in q.ops[:p.n_forward]))
     assert recost(q, h100) is q                       # already costed there
     measured = dataclasses.replace(p, ops=tuple(dataclasses.replace(o, time_source="measured")
                                                 for o in p.ops))
     assert recost(measured, h100) is measured         # measured times are never rewritten
+
+
+def _attention_step(target: str, shape) -> "Profile":
+    """x -> scores (softmax or not) -> out; backward reads the scores."""
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (2, 256, 64), "bfloat16")
+    s = b.add_tensor("scores", "activation", shape, "bfloat16")
+    o = b.add_tensor("out", "activation", (2, 256, 64), "bfloat16")
+    g = b.add_tensor("g", "gradient", (2, 256, 64), "bfloat16")
+    b.add_op("attn", target, "forward", [x], [s])
+    b.add_op("pv", "aten.bmm.default", "forward", [s], [o])
+    b.add_op("pv_bwd", "aten.bmm.default", "backward", [s, o], [g])
+    return b.build()
+
+
+def test_attention_warning_names_saved_seq_by_seq_softmax():
+    from slackswap_cli.profile_build import attention_warning
+    w = attention_warning(_attention_step("aten._safe_softmax.default", (2, 12, 256, 256)))
+    assert w is not None and "256x256 attention matrices" in w and "scores 2x12x256x256" in w
+    assert "attn_pdrop=0.0" in w
+    # a mask over one head, a non-softmax square, a short sequence: no warning
+    assert attention_warning(_attention_step("aten.where.self", (2, 12, 256, 256))) is None
+    assert attention_warning(_attention_step("aten._softmax.default", (2, 1, 256, 256))) is None
+    assert attention_warning(_attention_step("aten._softmax.default", (2, 12, 64, 64))) is None

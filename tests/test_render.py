@@ -156,3 +156,39 @@ def test_compare_table_marks_the_best_feasible():
     assert f"{100 * 900 / 1000:.1f}%" in line and "yes" in line and "100.0 us" in line
     line = next(l for l in out.splitlines() if "│ keep" in l)
     assert "no" in line and "100.0%" in line
+
+
+def test_memory_chart_labels_the_y_axis_and_marks_backward():
+    chart = render.memory_chart([(0.0, 0), (0.0, 8 * MiB), (60.0, 2 * MiB), (100.0, 0)],
+                                budget_bytes=None, step_us=100.0, width=40, height=8,
+                                backward_us=50.0)
+    lines = chart.plain.splitlines()
+    labelled = [ln.split("│")[0].strip() for ln in lines[:8]]
+    assert labelled == ["8.00 MiB", "", "6.00 MiB", "", "4.00 MiB", "", "2.00 MiB", "0"]
+    axis = lines[8].split("└")[1]
+    assert axis.index("┴") == 20                      # 50 us of 100 us over 40 columns
+    assert "^ backward" in lines[9]
+
+
+def test_memory_chart_is_as_wide_as_the_console():
+    p = chain_profile(4, act_bytes=MiB, fwd_us=100.0)
+    r = simulate(p, {}, HW, 4 * MiB)
+    for width in (80, 160):
+        c = Console(record=True, width=width)
+        c.print(render.MemoryChart(r.memory, 4 * MiB, r.predicted.step_us))
+        bars = [ln for ln in c.export_text().splitlines() if "└" in ln][0]
+        assert len(bars.rstrip()) == width                 # fills the line, no wrap
+
+
+def test_why_a_tensor_is_kept_is_its_own_reason():
+    p = chain_profile(4, act_bytes=MiB, fwd_us=100.0)
+    t_last = p.saved_activations[-1]       # a3: read by the loss, then at once by backward
+    t_first = p.saved_activations[0]       # a0: idle through the whole rest of the step
+    gap = render._idle(p, t_first.id)
+    assert gap["gap_ops"] > 3 and gap["gap_us"] > 0
+    # plenty of idle time, plan fits: the reason is that it fits, not a recompute cost
+    assert render._why("keep", t_first, 100.0, 1.0, None, feasible=True, **gap).startswith(
+        "keep: the budget holds with it resident")
+    last = render._idle(p, t_last.id)
+    why = render._why("keep", t_last, 100.0, 1e6, None, feasible=True, **last)
+    assert "idle only" in why or "no idle time" in why

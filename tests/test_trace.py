@@ -277,7 +277,7 @@ def test_workload_header_and_env(gpt):
     assert w["args"] == TINY["tiny_gpt"]
     assert w["input_shapes"] == {"args[0]": [2, 32], "args[1]": [2, 32]}
     assert w["input_dtypes"] == {"args[0]": "int64", "args[1]": "int64"}
-    assert env["device"] == "fake" and env["hardware"] == "a100-pcie4"
+    assert env["device"] == "fake" and env["hardware"] == HW.to_dict()
     assert env["torch_version"] == torch.__version__
     assert all(o.time_source == "roofline" for o in gpt.ops)
 

@@ -106,7 +106,7 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     if device == "fake":
         env = {"torch_version": torch.__version__, "device": "fake",
                "device_name": "FakeTensorMode (nothing allocated)",
-               "hardware": hardware.name}
+               "hardware": hardware.to_dict()}
         prof = joint_to_profile(joint, workload=header, env=env, hardware=hardware,
                                 time_source="roofline", progress=say)
     else:

@@ -93,7 +93,8 @@ def _import_file(path: Path):
         spec.loader.exec_module(module)
     except SyntaxError as exc:
         sys.modules.pop(name, None)
-        raise InputError(f"{path} has a syntax error at line {exc.lineno}: {exc.msg}",
+        where = f" at line {exc.lineno}" if exc.lineno else ""   # null bytes have no line
+        raise InputError(f"{path} has a syntax error{where}: {exc.msg}",
                          hint="fix the workload file; `python FILE` shows the same error") from None
     except SlackswapError as exc:  # a workload that raises our own error keeps it
         sys.modules.pop(name, None)
