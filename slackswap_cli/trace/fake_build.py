@@ -1,0 +1,65 @@
+"""Build a model under fake tensors the way its author wrote it: `.to(dtype)`, `.half()`, init.
+
+`--device fake` runs `workload()` inside a FakeTensorMode, so every parameter is a FakeTensor
+(shape, dtype and device; no data). Two things in ordinary model code do not work there out of
+the box, and `fake_build(mode)` makes both work while `workload()` runs:
+
+- **Module conversions** (`model.to(torch.bfloat16)`, `.half()`, `.float()`, `.to("cpu")`).
+  `nn.Module._apply` replaces a FakeTensor parameter by `torch.utils.swap_tensors(old, new)`,
+  which keeps the Parameter object (so tied weights stay tied) but refuses any tensor that a
+  weak reference points to. FakeTensorMode's converter memo (a `WeakValueDictionary` from the
+  meta tensor it wrapped to the FakeTensor) holds exactly such references to every fake view
+  it made, and `Parameter(fake)` is a view (`detach`). Here the swap first drops the memo's own
+  entries for the two tensors, then swaps. Those entries would be stale after the swap anyway
+  (the object now holds the other tensor's data), and any other weak reference still makes the
+  swap refuse, as before.
+- **Value-dependent weight init.** `torch.nn.init.trunc_normal_` (Hugging Face ViT, DeiT,
+  Swin, ...) redraws samples while any lies outside its bounds: it asks the data
+  (`mask.any()`, `.item()`), which fake tensors do not have. Initial values of a fake tensor
+  mean nothing, so init on a fake tensor returns it unchanged.
+
+Both patches are in place only while `workload()` runs under `fake_build`; real tensors take
+torch's own path unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+
+def _forget(memo, tensor) -> None:
+    """Drop `memo`'s entries whose weak reference points at `tensor` (its memo of fake views)."""
+    for ref in weakref.getweakrefs(tensor):
+        if isinstance(ref, weakref.KeyedRef) and memo.data.get(ref.key) is ref:
+            del memo.data[ref.key]
+
+
+@contextlib.contextmanager
+def fake_build(fake_mode):
+    """While active: module conversions and `trunc_normal_` work on `fake_mode`'s FakeTensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    memo = fake_mode.fake_tensor_converter.meta_converter.tensor_memo
+    swap_original = torch.utils.swap_tensors
+    trunc_original = torch.nn.init._no_grad_trunc_normal_
+
+    def swap_tensors(t1, t2):
+        for t in (t1, t2):
+            if isinstance(t, FakeTensor) and t.fake_mode is fake_mode:
+                _forget(memo, t)
+        return swap_original(t1, t2)
+
+    def no_grad_trunc_normal_(tensor, *args, **kwargs):
+        if isinstance(tensor, FakeTensor):
+            return tensor     # no values to draw: the shape is all a fake tensor has
+        return trunc_original(tensor, *args, **kwargs)
+
+    torch.utils.swap_tensors = swap_tensors
+    torch.nn.init._no_grad_trunc_normal_ = no_grad_trunc_normal_
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap_original
+        torch.nn.init._no_grad_trunc_normal_ = trunc_original
