@@ -31,9 +31,12 @@ import torch
 
 def _forget(memo, tensor) -> None:
     """Drop `memo`'s entries whose weak reference points at `tensor` (its memo of fake views)."""
+    data = getattr(memo, "data", None)
+    if not isinstance(data, dict):
+        return
     for ref in weakref.getweakrefs(tensor):
-        if isinstance(ref, weakref.KeyedRef) and memo.data.get(ref.key) is ref:
-            del memo.data[ref.key]
+        if isinstance(ref, weakref.KeyedRef) and data.get(ref.key) is ref:
+            del data[ref.key]
 
 
 @contextlib.contextmanager
@@ -41,13 +44,15 @@ def fake_build(fake_mode):
     """While active: module conversions and `trunc_normal_` work on `fake_mode`'s FakeTensors."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    memo = fake_mode.fake_tensor_converter.meta_converter.tensor_memo
+    # private to torch: should a later torch move it, conversions fail as they did before
+    converter = getattr(getattr(fake_mode, "fake_tensor_converter", None), "meta_converter", None)
+    memo = getattr(converter, "tensor_memo", None)
     swap_original = torch.utils.swap_tensors
-    trunc_original = torch.nn.init._no_grad_trunc_normal_
+    trunc_original = getattr(torch.nn.init, "_no_grad_trunc_normal_", None)
 
     def swap_tensors(t1, t2):
         for t in (t1, t2):
-            if isinstance(t, FakeTensor) and t.fake_mode is fake_mode:
+            if memo is not None and isinstance(t, FakeTensor) and t.fake_mode is fake_mode:
                 _forget(memo, t)
         return swap_original(t1, t2)
 
@@ -57,9 +62,11 @@ def fake_build(fake_mode):
         return trunc_original(tensor, *args, **kwargs)
 
     torch.utils.swap_tensors = swap_tensors
-    torch.nn.init._no_grad_trunc_normal_ = no_grad_trunc_normal_
+    if trunc_original is not None:
+        torch.nn.init._no_grad_trunc_normal_ = no_grad_trunc_normal_
     try:
         yield
     finally:
         torch.utils.swap_tensors = swap_original
-        torch.nn.init._no_grad_trunc_normal_ = trunc_original
+        if trunc_original is not None:
+            torch.nn.init._no_grad_trunc_normal_ = trunc_original

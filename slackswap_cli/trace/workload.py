@@ -190,8 +190,10 @@ def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=
 
 
 def _data_dependent(exc: BaseException) -> bool:
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-    return isinstance(exc, DataDependentOutputException) or "data-dependent" in str(exc)
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException)
+    return (isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException))
+            or "data-dependent" in str(exc))
 
 
 def _where(exc: BaseException) -> str:
