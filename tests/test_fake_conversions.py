@@ -179,3 +179,39 @@ def test_llama_written_with_to_bf16_profiles_with_device_fake(tmp_path):
                                  "fake", *tiny, "-o", str(out), "--json"])
     assert r.exit_code == 0, r.stdout + r.stderr
     assert out.exists() and '"bfloat16"' in out.read_text()
+
+
+def test_settings_computed_with_linspace_work_under_fake_tensors(tmp_path):
+    """`torch.linspace(0, rate, n).tolist()` (stochastic depth in ConvNeXt and many vision
+    models) gives the same numbers while building under fake tensors as for real."""
+    path = write(tmp_path, """
+        import torch
+
+        def workload(n=4):
+            rates = [x.item() for x in torch.linspace(0, 0.3, n)]
+            big = torch.linspace(0, 1, 10_000)            # large: stays an ordinary fake tensor
+            model = torch.nn.Sequential(*[torch.nn.Dropout(r) for r in rates],
+                                        torch.nn.Linear(4, 4))
+            return model, (torch.ones(2, 4),), lambda out, inputs: out.sum()
+    """)
+    fake = load_workload(path, fake_mode=FakeTensorMode()).model
+    real = load_workload(path).model
+    assert [m.p for m in fake[:4]] == [m.p for m in real[:4]] == pytest.approx([0, 0.1, 0.2, 0.3])
+    assert torch.linspace.__module__ != __name__ and "fake_build" not in torch.linspace.__module__
+
+
+def test_hugging_face_convnext_with_drop_path_profiles_under_fake_tensors(tmp_path):
+    pytest.importorskip("transformers")
+    path = write(tmp_path, """
+        import torch
+        from transformers import ConvNextConfig, ConvNextForImageClassification
+
+        def workload():
+            config = ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
+                                    num_labels=3, drop_path_rate=0.1)
+            model = ConvNextForImageClassification(config).to(torch.bfloat16)
+            pixels = torch.randn(2, 3, 32, 32, dtype=torch.bfloat16)
+            return model, {"pixel_values": pixels, "labels": torch.tensor([0, 2])}
+    """)
+    prof = profile_workload(str(path), device="fake", hardware=HW)
+    assert prof.saved_activations

@@ -17,8 +17,12 @@ the box, and `fake_build(mode)` makes both work while `workload()` runs:
   Swin, ...) redraws samples while any lies outside its bounds: it asks the data
   (`mask.any()`, `.item()`), which fake tensors do not have. Initial values of a fake tensor
   mean nothing, so init on a fake tensor returns it unchanged.
+- **Settings computed with tensors.** Many vision models spread stochastic-depth rates with
+  `torch.linspace(0, rate, n).tolist()` (Hugging Face ConvNeXt, and about twenty more). A
+  small `torch.linspace` made while building is computed for real and wrapped as a *constant*
+  FakeTensor, which FakeTensorMode can answer `.item()` and `.tolist()` for.
 
-Both patches are in place only while `workload()` runs under `fake_build`; real tensors take
+The patches are in place only while `workload()` runs under `fake_build`; real tensors take
 torch's own path unchanged.
 """
 from __future__ import annotations
@@ -27,7 +31,9 @@ import contextlib
 import weakref
 
 import torch
+import torch.utils._pytree as pytree
 
+_CONSTANT_NUMEL = 4096   # a linspace this small is a setting, not data worth not allocating
 
 def _forget(memo, tensor) -> None:
     """Drop `memo`'s entries whose weak reference points at `tensor` (its memo of fake views)."""
@@ -61,12 +67,27 @@ def fake_build(fake_mode):
             return tensor     # no values to draw: the shape is all a fake tensor has
         return trunc_original(tensor, *args, **kwargs)
 
+    linspace_original = torch.linspace
+
+    def linspace(*args, **kwargs):
+        out = linspace_original(*args, **kwargs)
+        small = (out.numel() <= _CONSTANT_NUMEL and out.device.type == "cpu"
+                 and not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))))
+        if not (small and isinstance(out, FakeTensor) and out.fake_mode is fake_mode):
+            return out
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            real = linspace_original(*args, **kwargs)
+        return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, real, make_constant=True)
+
     torch.utils.swap_tensors = swap_tensors
+    torch.linspace = linspace
     if trunc_original is not None:
         torch.nn.init._no_grad_trunc_normal_ = no_grad_trunc_normal_
     try:
         yield
     finally:
         torch.utils.swap_tensors = swap_original
+        torch.linspace = linspace_original
         if trunc_original is not None:
             torch.nn.init._no_grad_trunc_normal_ = trunc_original
