@@ -7,7 +7,8 @@ another) returns
   ``model(inputs)`` (one tensor) gives the loss, or an object whose ``.loss`` is the loss
   (Hugging Face models given labels);
 - ``(model, inputs, loss_fn)``: ``loss_fn(output, inputs)`` gives the loss;
-- or a ``slackswap_cli.Workload`` with the same fields.
+- or a ``slackswap_cli.Workload`` with the same fields (and ``autocast="bf16"``/``"fp16"`` when
+  the step trains under ``torch.autocast``).
 
 ``--arg key=value`` options become keyword arguments of the entry function. Values are Python
 literals (``4``, ``0.1``, ``True``, ``None``, ``'bert'``, ``(1, 2)``); a bare word that is not a
@@ -17,7 +18,9 @@ A file may set a module-level ``NAME = "..."`` to name the workload in profiles;
 file's stem is its name.
 
 With a FakeTensorMode, the entry function runs inside it, so the model's parameters and the
-inputs are FakeTensors: a 7B-parameter model is "built" without allocating a byte.
+inputs are FakeTensors: a 7B-parameter model is "built" without allocating a byte. It also runs
+under ``fake_build`` (fake_build.py), so ``model.to(torch.bfloat16)``, ``.half()`` and
+value-dependent init such as ``trunc_normal_`` work on those FakeTensors as written.
 """
 from __future__ import annotations
 
