@@ -1,11 +1,15 @@
-"""How long `slackswap profile --device fake` takes on the Llama-7B-style example, and how much
+"""How long `slackswap profile --device fake` takes on the Llama-7B examples, and how much
 memory it needs (target: at most 60 s and 2 GiB on a small CPU machine).
+
+Two 7B cases run by default: `llama_7b` (built directly in bf16, SDPA causal without a mask)
+and `llama_7b_to_bf16` (the default `LlamaConfig()`, built in fp32 and then converted with
+`.to(torch.bfloat16)`, which fake tensors used to refuse).
 
 Each example is profiled in a fresh subprocess, so the peak RSS (`resource.getrusage`, which
 reports the high-water mark of the process) is that of one profile run, imports included.
 Writes benchmarks/results/profile_speed.json.
 
-    python benchmarks/profile_speed.py                 # the Llama-7B-style example
+    python benchmarks/profile_speed.py                 # the two Llama-7B examples
     python benchmarks/profile_speed.py --all           # also BERT-Large and GPT-2 XL
 """
 from __future__ import annotations
@@ -56,7 +60,7 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="also BERT-Large and GPT-2 XL")
     parser.add_argument("-o", default=str(ROOT / "benchmarks" / "results" / "profile_speed.json"))
     opts = parser.parse_args()
-    examples = ["llama_7b"] + (["bert_large", "gpt2_xl"] if opts.all else [])
+    examples = ["llama_7b", "llama_7b_to_bf16"] + (["bert_large", "gpt2_xl"] if opts.all else [])
     import torch
     report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": platform.python_version(), "torch": torch.__version__},

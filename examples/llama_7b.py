@@ -28,7 +28,8 @@ def workload(n_layer=32, hidden=4096, n_head=32, intermediate=11008, vocab=32000
                          num_key_value_heads=n_head, intermediate_size=intermediate,
                          vocab_size=vocab, max_position_embeddings=seq,
                          attn_implementation="sdpa_causal", use_cache=False)
-    # built directly in its dtype: `.to(dtype)` cannot convert FakeTensor parameters
+    # built directly in its dtype, so the rotary `inv_freq` buffer stays fp32 as Hugging Face
+    # means it to (`.to(dtype)` would convert it too; see llama_7b_to_bf16.py)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     input_ids = torch.randint(0, vocab, (batch, seq))
     return model, {"input_ids": input_ids, "labels": input_ids}

@@ -194,7 +194,8 @@ def profile(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile path [default: <model>.profile.json]"),
     entry: str = typer.Option("workload", "--entry", help="function in the workload file that returns (model, inputs[, loss_fn])"),
     arg: List[str] = typer.Option([], "--arg", metavar="KEY=VALUE", help="key=value passed to the entry function (Python literal); repeatable"),
-    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu | fake (FakeTensorMode: nothing allocated, roofline costs)"),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu | fake (FakeTensorMode: nothing allocated, roofline costs; random ops traced as CUDA runs them) | fake:cpu (the same, random ops as a CPU runs them: for a plan to run on a CPU)"),
+    autocast: Optional[str] = typer.Option(None, "--autocast", help="bf16 | fp16: trace the step under torch.autocast in that dtype (forward and loss inside, backward outside)"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file for roofline costs [default: a100-pcie4]"),
     input_shape: List[str] = typer.Option([], "--input-shape", metavar="NAME=SHAPE", help="ONNX only: name=1x3x224x224 for a dynamic input; repeatable"),
     as_json: bool = typer.Option(False, "--json", help="print the profile summary as JSON instead of tables"),
@@ -213,16 +214,19 @@ def profile(
             raise InputError(f"{model} is a JSON file, not a workload",
                              hint="profile takes a workload .py file or an .onnx file; to plan "
                                   f"an existing profile run `slackswap plan {model} --budget 0.5`")
-        if device not in ("auto", "cuda", "cpu", "fake"):
-            raise InputError(f"unknown device '{device}'", hint="use auto, cuda, cpu or fake")
+        from .trace import split_device
+        split_device(device)   # refuses an unknown --device before anything is written
         target = output or model.with_suffix(".profile.json")
         _check_output_path(target, "-o", [model, hardware])
         warnings: list[str] = []
-        if hardware and device != "fake" and model.suffix.lower() != ".onnx":
+        if hardware and not device.startswith("fake") and model.suffix.lower() != ".onnx":
             warnings.append(f"--hardware {hardware} is not used: --device {device} measures op "
                             "times (the roofline costs only --device fake and ONNX profiles)")
         if model.suffix.lower() == ".onnx":
             from .onnx_import import profile_onnx
+            if autocast:
+                raise InputError("--autocast applies to workload files only",
+                                 hint="an ONNX graph's dtypes are the ones it was exported with")
             shapes = _parse_input_shapes(input_shape)
             prof, warnings = profile_onnx(str(model), hw, input_shapes=shapes or None)
         else:
@@ -234,7 +238,7 @@ def profile(
             args = parse_workload_args(arg)
             with err.status("tracing the training step...") if err.is_terminal else _nullcontext():
                 prof = profile_workload(str(model), entry=entry, args=args, device=device,
-                                        hardware=hw, progress=_status)
+                                        hardware=hw, autocast=autocast, progress=_status)
         save(prof, target)
     except SlackswapError as exc:
         _fail(exc)

@@ -18,11 +18,29 @@ from ..errors import InputError, TraceError
 from ..schema import Profile
 
 
+DEVICES = ("auto", "cuda", "cpu", "fake", "fake:cuda", "fake:cpu")
+_DEVICE_HINT = "use auto, cuda, cpu, fake (= fake:cuda) or fake:cpu"
+
+
+def split_device(device: str) -> tuple[str, str | None]:
+    """`--device` -> (device, target): "fake:cpu" -> ("fake", "cpu"), "fake" -> ("fake", "cuda").
+
+    A fake trace stands for the device the plan will run on (its dropout, see
+    `joint._cuda_dropout`); `fake` alone means a CUDA GPU. Real devices are their own target
+    (None here: resolved with `resolve_device`).
+    """
+    if device not in DEVICES:
+        raise InputError(f"unknown device '{device}'", hint=_DEVICE_HINT)
+    if device.startswith("fake"):
+        return "fake", device.partition(":")[2] or "cuda"
+    return device, None
+
+
 def resolve_device(device: str) -> str:
     """auto -> cuda when available, else cpu; checks that cuda exists when asked for."""
     import torch
-    if device not in ("auto", "cuda", "cpu", "fake"):
-        raise InputError(f"unknown device '{device}'", hint="use auto, cuda, cpu or fake")
+    if device not in DEVICES or device.startswith("fake:"):
+        raise InputError(f"unknown device '{device}'", hint=_DEVICE_HINT)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -63,12 +81,18 @@ def _input_info(inputs) -> tuple[dict, dict]:
 
 
 def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
-                     device: str = "auto", hardware=None,
+                     device: str = "auto", hardware=None, autocast: str | None = None,
                      progress: Callable[[str], None] | None = None) -> Profile:
     """Load the workload at `path`, trace one training step and return its profile.
 
     device: `fake` builds everything under FakeTensorMode and costs ops by the roofline of
-    `hardware`; `cpu`/`cuda` run the real step and time every op; `auto` picks cuda if present.
+    `hardware`, tracing random ops as a CUDA GPU runs them (`fake:cuda` says the same;
+    `fake:cpu` traces them as a CPU does, for a plan to run and verify on a CPU);
+    `cpu`/`cuda` run the real step and time every op; `auto` picks cuda if present.
+    The device the plan is for is `env["target_device"]`.
+    autocast: "bf16" / "fp16" traces forward and loss under `torch.autocast` (the workload's
+    own `Workload(autocast=...)` when not given; both given must agree); recorded as
+    `workload["autocast"]`, with `env["autocast_device_type"]` the autocast device type used.
     `progress(line)` receives status lines (for stderr).
     """
     import torch
@@ -78,8 +102,13 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     from .joint import capture_joint
     from .workload import _load, workload_name
 
+    from .joint import autocast_name
+
     say = progress or (lambda _line: None)
-    device = resolve_device(device)
+    device, target = split_device(device)
+    device = resolve_device(device) if device != "fake" else device
+    target = target or device
+    autocast = autocast_name(autocast)
     if device == "fake" and hardware is None:
         raise InputError("--device fake needs a hardware preset for roofline costs",
                          hint="pass --hardware a100-pcie4 (or another preset)")
@@ -92,8 +121,13 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
                              device=None if device == "fake" else device)
     except torch.OutOfMemoryError as exc:
         raise _does_not_fit(device, exc) from None
-    say("tracing forward + loss + backward")
-    joint = capture_joint(work.model, work.inputs, work.loss_fn)
+    if autocast and work.autocast and autocast != work.autocast:
+        raise InputError(f"--autocast {autocast}, but the workload asks for autocast "
+                         f"{work.autocast}", hint="give one of them, or make them agree")
+    autocast = autocast or work.autocast
+    say("tracing forward + loss + backward" + (f" under autocast {autocast}" if autocast else ""))
+    joint = capture_joint(work.model, work.inputs, work.loss_fn, autocast=autocast,
+                          target_device=target)
     n_nodes = len(joint.gm.graph.nodes)
     if joint.checkpoints_inlined:
         say(f"traced {joint.checkpoints_inlined} torch.utils.checkpoint region(s) as plain calls: "
@@ -103,10 +137,14 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     header = {"name": workload_name(module, path), "path": str(Path(path).resolve()),
               "entry": entry, "args": dict(args or {}), "input_shapes": shapes,
               "input_dtypes": dtypes}
+    if autocast:
+        header["autocast"] = autocast
     if device == "fake":
         env = {"torch_version": torch.__version__, "device": "fake",
                "device_name": "FakeTensorMode (nothing allocated)",
-               "hardware": hardware.to_dict()}
+               "hardware": hardware.to_dict(), "target_device": target}
+        if autocast:
+            env["autocast_device_type"] = _ref_device(work.model)
         prof = joint_to_profile(joint, workload=header, env=env, hardware=hardware,
                                 time_source="roofline", progress=say)
     else:
@@ -114,7 +152,9 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
         dev = torch.device(device)
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
         env = {"torch_version": torch.__version__, "device": device, "device_name": name,
-               "hardware": None}
+               "hardware": None, "target_device": target}
+        if autocast:
+            env["autocast_device_type"] = _ref_device(work.model)
         try:
             m = measure_joint(joint, work.model, work.inputs, device=dev, progress=say)
         except torch.OutOfMemoryError as exc:
@@ -128,6 +168,11 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     prof.summary["profile_s"] = round(time.perf_counter() - t0, 3)
     say(f"profiled {prof.summary['n_ops']} ops in {prof.summary['profile_s']:.1f} s")
     return prof
+
+
+def _ref_device(model) -> str:
+    """The device type of the model's first parameter (the one autocast keys on)."""
+    return next(model.parameters()).device.type
 
 
 def _does_not_fit(device: str, exc: BaseException) -> TraceError:

@@ -177,11 +177,18 @@ class _ModuleTracker:
         return current
 
 
-def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None = None) -> JointGraph:
+def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None = None, *,
+                  autocast: str | None = None, target_device: str | None = None) -> JointGraph:
     """Trace forward + loss + backward of `model` on `inputs` into one FX graph.
 
     Real tensors give a runnable graph; FakeTensors (model and inputs built under one
     FakeTensorMode) give a graph with shapes only.
+
+    `autocast` ("bf16" / "fp16"): forward and loss run under `torch.autocast` of the tensors'
+    device type, as in `with torch.autocast(...): loss = ...; loss.backward()`; the casts it
+    inserts are ops of the graph. `target_device` ("cuda" / "cpu", default "cuda"): the device a
+    fake trace stands for, which decides how it traces dropout (`_cuda_dropout`); real traces
+    always follow their own device.
     """
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -202,8 +209,9 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
         flat = [next(it) if t else c for t, c in zip(is_tensor, constants)]
         a, kw = pytree.tree_unflatten(flat, spec)
         state = {**dict(zip(param_names, param_list)), **dict(zip(buffer_names, buffer_list))}
-        out = torch.func.functional_call(model, state, a, kw, strict=True)
-        loss = loss_from_output(out, workload_inputs(inputs, a, kw), loss_fn)
+        with region:
+            out = torch.func.functional_call(model, state, a, kw, strict=True)
+            loss = loss_from_output(out, workload_inputs(inputs, a, kw), loss_fn)
         boundary["n"] = len(get_proxy_mode().tracer.graph.nodes)
         grad_params = [param_list[i] for i in grad_index]
         grads = torch.autograd.grad(loss, grad_params, grad_outputs=tangent.to(loss.dtype),
@@ -212,10 +220,14 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
 
     fake_mode = torch._guards.detect_fake_mode([*params.values(), *buffers.values(), *tensor_leaves])
     ref = next(iter(params.values()))
+    region = autocast_region(autocast, ref.device.type)
+    target = target_device or "cuda"
+    if target not in TARGET_DEVICES:
+        raise InputError(f"unknown target device '{target}'", hint="use cuda or cpu")
     was_training = model.training
     model.train()
     try:
-        emulate = fake_mode is not None and ref.device.type == "cpu"
+        emulate = fake_mode is not None and ref.device.type == "cpu" and target == "cuda"
         with _ModuleTracker(model) as tracker, _cuda_dropout(emulate), \
                 _inline_checkpoints() as inlined, _watch_rng_restores() as restores:
             if fake_mode is not None:
@@ -247,6 +259,33 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
     if restores:
         _refuse_rng_replay(joint, restores)
     return joint
+
+
+TARGET_DEVICES = ("cuda", "cpu")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_AUTOCAST_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
+                   "half": "fp16"}
+
+
+def autocast_name(value: Any) -> str | None:
+    """None, "bf16"/"bfloat16"/torch.bfloat16 or "fp16"/"float16"/"half"/torch.float16 -> None, "bf16" or "fp16"."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    name = _AUTOCAST_NAMES.get(str(value).lower()) if isinstance(value, (str, torch.dtype)) else None
+    if name is None:
+        raise InputError(f"unknown autocast dtype {value!r}",
+                         hint="use bf16 or fp16 (torch.autocast's lower-precision dtype)")
+    return name
+
+
+def autocast_region(autocast: Any, device_type: str):
+    """`torch.autocast(device_type, dtype)` for an autocast name, else a context that does nothing."""
+    name = autocast_name(autocast)
+    if name is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=AUTOCAST_DTYPES[name])
 
 
 @contextlib.contextmanager
@@ -334,9 +373,12 @@ def _cuda_dropout(enabled: bool):
     """Trace dropout as CUDA runs it: one fused `native_dropout` with a 1-byte bool mask.
 
     On a CPU, `F.dropout` decomposes into `bernoulli_` on a mask of the input's dtype (2 bytes
-    per element in bf16); on CUDA the fused kernel saves a bool mask. A fake-tensor trace stands
-    for the GPU the model will train on, so it takes the CUDA path. Real traces keep the
-    device's own path, so a patched step draws the same random numbers as eager.
+    per element in bf16); on CUDA the fused kernel saves a bool mask. The two also round
+    differently in bf16, so a plan must draw dropout the way the device it runs on does.
+    A fake-tensor trace (its tensors are fake CPU tensors) stands for the device the profile is
+    for: `target_device="cuda"` (the default) takes the CUDA path, `"cpu"` keeps the CPU one.
+    Real traces keep the device's own path, so a patched step draws the same random numbers as
+    eager.
     """
     if not enabled:
         yield

@@ -7,7 +7,8 @@ another) returns
   ``model(inputs)`` (one tensor) gives the loss, or an object whose ``.loss`` is the loss
   (Hugging Face models given labels);
 - ``(model, inputs, loss_fn)``: ``loss_fn(output, inputs)`` gives the loss;
-- or a ``slackswap_cli.Workload`` with the same fields.
+- or a ``slackswap_cli.Workload`` with the same fields (and ``autocast="bf16"``/``"fp16"`` when
+  the step trains under ``torch.autocast``).
 
 ``--arg key=value`` options become keyword arguments of the entry function. Values are Python
 literals (``4``, ``0.1``, ``True``, ``None``, ``'bert'``, ``(1, 2)``); a bare word that is not a
@@ -17,11 +18,14 @@ A file may set a module-level ``NAME = "..."`` to name the workload in profiles;
 file's stem is its name.
 
 With a FakeTensorMode, the entry function runs inside it, so the model's parameters and the
-inputs are FakeTensors: a 7B-parameter model is "built" without allocating a byte.
+inputs are FakeTensors: a 7B-parameter model is "built" without allocating a byte. It also runs
+under ``fake_build`` (fake_build.py), so ``model.to(torch.bfloat16)``, ``.half()`` and
+value-dependent init such as ``trunc_normal_`` work on those FakeTensors as written.
 """
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import importlib.util
 import inspect
@@ -35,6 +39,8 @@ import torch.utils._pytree as pytree
 
 from .. import Workload
 from ..errors import InputError, SlackswapError, TraceError
+from .fake_build import fake_build
+from .joint import autocast_name
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _BARE_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]*$")
@@ -150,7 +156,7 @@ def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=
         pass
     try:
         if fake_mode is not None:
-            with fake_mode:
+            with fake_build(fake_mode), fake_mode:
                 result = fn(**args)
         else:
             result = fn(**args)
@@ -163,16 +169,46 @@ def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=
                              "build lacks", hint=_CPU_HINT) from None
         if fake_mode is not None and "Couldn't swap" in text:
             raise TraceError(
-                f"{entry}() in {p.name} converts a module (.to/.half/.bfloat16) built under "
-                "fake tensors, which torch cannot do", hint=_DTYPE_HINT) from None
+                f"{entry}() in {p.name} converts a module (.to/.half/.bfloat16) whose "
+                "parameters something else holds a weak reference to, which torch cannot do "
+                "with fake tensors", hint=_DTYPE_HINT) from None
+        if fake_mode is not None and _data_dependent(exc):
+            raise TraceError(
+                f"{entry}() in {p.name} reads a tensor's values while building ({_where(exc)}), "
+                "and fake tensors (--device fake) have none",
+                hint="guard value-dependent setup code with `if not isinstance(t, "
+                     "torch._subclasses.FakeTensor)`, or profile with --device cpu") from None
         raise TraceError(f"{entry}() in {p.name} raised {_one_line(exc)}",
                          hint="run the workload eagerly to see the full traceback") from None
     work = _as_workload(result, entry)
+    try:
+        work = dataclasses.replace(work, autocast=autocast_name(work.autocast))
+    except InputError as exc:
+        raise TraceError(f"{entry}() in {p.name} returned a Workload with {exc.message}",
+                         hint=exc.hint) from None
     if fake_mode is not None:
         work = _to_fake(work, fake_mode)
     if device is not None:
         work = _to_device(work, torch.device(device))
     return work, module
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException)
+    return (isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException))
+            or "data-dependent" in str(exc))
+
+
+def _where(exc: BaseException) -> str:
+    """`file.py:12` of the innermost frame outside torch that led to `exc`."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and f.filename != __file__]
+    if not frames:
+        return type(exc).__name__
+    f = frames[-1]
+    return f"{Path(f.filename).name}:{f.lineno}"
 
 
 def load_workload(path, entry: str = "workload", args: dict | None = None, *, fake_mode=None,
@@ -246,7 +282,7 @@ def _to_fake(work: Workload, fake_mode) -> Workload:
             raise InputError(
                 f"the workload puts tensors on {', '.join(on)}, which this torch build lacks",
                 hint=_CPU_HINT)
-    return Workload(work.model, inputs, work.loss_fn)
+    return dataclasses.replace(work, inputs=inputs)
 
 
 def _to_device(work: Workload, device: torch.device) -> Workload:
@@ -257,4 +293,4 @@ def _to_device(work: Workload, device: torch.device) -> Workload:
     except Exception as exc:  # noqa: BLE001
         raise TraceError(f"moving the model to {device} failed: {_one_line(exc)}",
                          hint="check that the device exists and the model fits in its memory") from None
-    return Workload(model, pytree.tree_map(move, work.inputs), work.loss_fn)
+    return dataclasses.replace(work, model=model, inputs=pytree.tree_map(move, work.inputs))
