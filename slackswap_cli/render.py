@@ -729,6 +729,10 @@ def verify_memory_view(report) -> Group:
             lt.add_row(x["tensor"], fmt_bytes(x["bytes"]), lu,
                        "yes" if x.get("held_past_last_use") else "")
         parts.append(lt)
+    pro, mro = get("predicted_recompute_ops"), get("measured_recompute_ops")
+    if pro is not None:
+        parts.append(Text(f"ops re-run in backward: {mro} by the patched module, {pro} in the "
+                          "simulator's schedule", style="dim" if mro == pro else "yellow"))
     extra, rc = get("extra_step_ms") or [], get("predicted_recompute_us")
     if extra and rc:
         srt = sorted(extra)

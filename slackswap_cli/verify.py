@@ -79,6 +79,9 @@ class VerifyReport:
     extra_step_ms: list[float] = field(default_factory=list)   # patched - original, per step
     predicted_recompute_us: float | None = None
     profile_time_source: str = ""
+    # ops re-run in backward: in the simulator's schedule and in the patched module's run
+    predicted_recompute_ops: int | None = None
+    measured_recompute_ops: int = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,27 +225,44 @@ def measure_patched_step(mod, patched, p_args, p_kwargs, profile=None) -> Measur
 
 
 def align(predicted, measured: list[TimelineRow]) -> tuple[list[int | None], int]:
-    """The simulator's memory for each measured row: tasks matched to rows in order by
-    (op, recompute). A predicted task the run never made, or a call the simulator does not
-    model (a runtime copy), stays unmatched (None). Also returns how many tasks matched."""
+    """The simulator's memory for each measured row, and how many tasks found their row.
+
+    Every profile op runs once in both, in the same order: those match by op id. A recompute
+    task matches a re-run of the same op among the calls made before the same backward op
+    (its owner), in order. A task the run never made, or a call the simulator does not model
+    (a runtime copy, a re-run the simulator does not schedule), stays unmatched (None).
+    """
+    def owners(items):
+        out, nxt = [None] * len(items), None
+        for k in range(len(items) - 1, -1, -1):
+            op, rec = items[k]
+            if op is not None and not rec:
+                nxt = op
+            out[k] = nxt
+        return out
+
     out: list[int | None] = [None] * len(measured)
-    i = matched = 0
-    index: dict = {}
-    for k, r in enumerate(measured):
-        if r.op is not None:
-            index.setdefault((r.op, r.recompute), []).append(k)
-    cursor: dict = {}
-    for op, rec, m in predicted:
-        lst = index.get((op, rec), [])
-        c = cursor.get((op, rec), 0)
-        while c < len(lst) and lst[c] < i:
-            c += 1
-        if c < len(lst):
-            out[lst[c]] = m
-            i = lst[c] + 1
+    m_items = [(r.op, r.recompute) for r in measured]
+    m_owner = owners(m_items)
+    row_of = {op: k for k, (op, rec) in enumerate(m_items) if op is not None and not rec}
+    rec_rows: dict = {}
+    for k, (op, rec) in enumerate(m_items):
+        if rec:
+            rec_rows.setdefault(m_owner[k], []).append(k)
+    p_owner = owners([(op, rec) for op, rec, _ in predicted])
+    used: set[int] = set()
+    matched = 0
+    for (op, rec, m), owner in zip(predicted, p_owner):
+        if not rec:
+            k = row_of.get(op)
+        else:
+            k = next((k for k in rec_rows.get(owner, ()) if k not in used
+                      and measured[k].op == op), None)
+            if k is not None:   # in order: earlier re-runs of this segment are passed
+                used.update(x for x in rec_rows[owner] if x <= k)
+        if k is not None:
+            out[k] = m
             matched += 1
-            c += 1
-        cursor[(op, rec)] = c
     return out, matched
 
 
@@ -395,13 +415,15 @@ def _warmup(model, run) -> None:
 
 def verify(patched_path: str, model_path: str | None = None, entry: str | None = None,
            args: dict | None = None, steps: int = 1, seed: int = 0,
-           check_trace: bool = True, warmup: bool = True, plan=None) -> VerifyReport:
+           check_trace: bool = True, warmup: bool = True, plan=None,
+           profile=None) -> VerifyReport:
     """Run the original and the patched training step `steps` times and compare them.
 
     `warmup` first runs one untimed step of each and restores weights, buffers and RNG state,
     so step times do not include one-off costs (allocator growth, kernel selection).
     `plan`: the Plan the module was made from (default: found next to the module by
-    `find_plan`); with it, the measured memory timeline is aligned with the simulator's.
+    `find_plan`) and `profile` its profile (default: the one the plan records); with them,
+    the measured memory timeline is aligned with the simulator's.
     """
     import torch
     import torch.utils._pytree as pytree
@@ -530,11 +552,13 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
     from .schema import load_profile
     if plan is None:
         plan = find_plan(patched_path, meta)
-    profile = None
-    if plan is not None and plan.profile_path and Path(plan.profile_path).exists():
+    if plan is not None and profile is None and plan.profile_path \
+            and Path(plan.profile_path).exists():
         profile = load_profile(plan.profile_path)
-        if profile.fingerprint != meta.get("profile_fingerprint"):
-            profile = None
+    if profile is not None and (plan is None
+                                or profile.fingerprint != meta.get("profile_fingerprint")
+                                or plan.profile_fingerprint != profile.fingerprint):
+        profile = None
     opt_p.zero_grad(set_to_none=True)
     opt_o.zero_grad(set_to_none=True)
     torch.manual_seed(seed + 1 + steps)
@@ -546,6 +570,7 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
     worst = None
     device_peak = None
     matched = n_tasks = 0
+    pred_rec_ops = None
     if profile is not None:
         hw = HardwareSpec.from_dict(plan.hardware, "plan hardware")
         prof = recost(profile, hw)
@@ -558,6 +583,7 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
         on_plan, _ = align(pred_plan, ms.rows)
         on_dev, matched = align(pred_dev, ms.rows)
         n_tasks = len(pred_dev)
+        pred_rec_ops = sum(1 for _, rec, _ in pred_dev if rec)
         for r, a, b in zip(ms.rows, on_plan, on_dev):
             r.predicted_bytes = b
             timeline.append({"op": r.op, "name": r.name, "recompute": r.recompute,
@@ -619,4 +645,6 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
         extra_step_ms=[p - o for o, p in zip(times_o, times_p)],
         predicted_recompute_us=(plan.predicted.recompute_us if plan is not None else None),
         profile_time_source=(profile.summary.get("time_source", "") if profile is not None
-                             else ""))
+                             else ""),
+        predicted_recompute_ops=pred_rec_ops,
+        measured_recompute_ops=sum(1 for x in ms.rows if x.recompute))
