@@ -738,12 +738,12 @@ def verify_memory_view(report) -> Group:
         srt = sorted(extra)
         med = srt[len(srt) // 2]
         src = get("profile_time_source")
+        like = src == "measured"
         parts.append(Text(f"patched minus original step time: median {fmt_us(med * 1e3)} "
                           f"(min {fmt_us(srt[0] * 1e3)}, max {fmt_us(srt[-1] * 1e3)}, "
                           f"{len(extra)} steps) vs predicted recompute {fmt_us(rc)}"
-                          + (f": ratio {med * 1e3 / rc:.2f}" if rc > 0 else "")
-                          + ("" if src == "measured" else
-                             f" (the profile's times are {src or 'not measured'} here: "
-                             "profile with --device cpu for a like-for-like ratio)"),
+                          + (f": ratio {med * 1e3 / rc:.2f}" if like and rc > 0 else
+                             f" (the profile's times are {src or 'not measured'}: profile with "
+                             "--device cpu for a like-for-like ratio)"),
                           style="dim"))
     return Group(*parts)

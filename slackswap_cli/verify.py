@@ -79,7 +79,8 @@ class VerifyReport:
     extra_step_ms: list[float] = field(default_factory=list)   # patched - original, per step
     predicted_recompute_us: float | None = None
     profile_time_source: str = ""
-    # ops re-run in backward: in the simulator's schedule and in the patched module's run
+    # ops re-run in backward (views re-derived from a restored root are free, not counted):
+    # in the simulator's schedule and in the patched module's run
     predicted_recompute_ops: int | None = None
     measured_recompute_ops: int = 0
 
@@ -300,6 +301,12 @@ def worst_divergence(ms: MeasuredStep, profile) -> dict | None:
     return {"op": r.op, "name": r.name, "recompute": r.recompute, "statement": r.statement,
             "measured_bytes": r.measured_bytes, "predicted_bytes": r.predicted_bytes,
             "excess_bytes": r.measured_bytes - r.predicted_bytes, "live_tensors": tensors}
+
+
+def _is_view_op(profile, op: int) -> bool:
+    """Does op only make views (its outputs alias their inputs' storage: nothing re-run)?"""
+    outs = profile.ops[op].outputs
+    return bool(outs) and all(profile.tensors[t].alias_of is not None for t in outs)
 
 
 def measure_eager_step(model, run) -> int:
@@ -583,7 +590,7 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
         on_plan, _ = align(pred_plan, ms.rows)
         on_dev, matched = align(pred_dev, ms.rows)
         n_tasks = len(pred_dev)
-        pred_rec_ops = sum(1 for _, rec, _ in pred_dev if rec)
+        pred_rec_ops = sum(1 for op, rec, _ in pred_dev if rec and not _is_view_op(profile, op))
         for r, a, b in zip(ms.rows, on_plan, on_dev):
             r.predicted_bytes = b
             timeline.append({"op": r.op, "name": r.name, "recompute": r.recompute,
@@ -647,4 +654,5 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
         profile_time_source=(profile.summary.get("time_source", "") if profile is not None
                              else ""),
         predicted_recompute_ops=pred_rec_ops,
-        measured_recompute_ops=sum(1 for x in ms.rows if x.recompute))
+        measured_recompute_ops=sum(1 for x in ms.rows if x.recompute
+                                   and (profile is None or not _is_view_op(profile, x.op))))

@@ -18,19 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT = ROOT / "examples" / "tiny_gpt.py"
 
 
-def release_unused_kept_roots(source: str) -> str:
-    """Drop `_s.keep(root)` of roots backward never takes (it takes their views instead).
+def _fidelity_module():
+    spec = importlib.util.spec_from_file_location("fidelity", ROOT / "benchmarks" / "fidelity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
-    The store would hold such a root until the step ends, long after the profile says it is
-    dead (verify reports it: see test_kept_roots_never_taken_are_held_past_their_last_use).
-    Its kept views hold the storage as long as backward needs it, so dropping the root's own
-    keep is what `partition` should emit; once it does, this changes nothing.
-    """
-    names = re.findall(r"_s\.keep\('(\w+)'", source)
-    for n in names:
-        if f"_s.take('{n}')" not in source:
-            source = re.sub(rf"\n\s+_s\.keep\('{n}', {n}\)[^\n]*", "", source)
-    return source
+
+def release_unused_kept_roots(source: str) -> str:
+    """`apply` keeps roots whose views are what backward takes, and the store holds them to
+    the end of the step (test_kept_roots_never_taken_are_held_past_their_last_use); see
+    benchmarks/fidelity.py. A no-op once `apply` stops doing so."""
+    return _fidelity_module().release_unused_kept_roots(source)
 
 
 def patched_file(prof, fraction, directory, name, release=True):
@@ -220,13 +219,6 @@ def test_cuda_profile_apply_verify(tmp_path):
 # --------------------------------------------------------------------------------------------
 # fidelity: the shipped examples in small configurations, at three budgets
 # --------------------------------------------------------------------------------------------
-def _fidelity_module():
-    spec = importlib.util.spec_from_file_location("fidelity", ROOT / "benchmarks" / "fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-gpt", "gpt2", "bert", "llama", "bn-cnn"])
 def test_measured_peak_within_5_percent_of_predicted(name, tmp_path):
