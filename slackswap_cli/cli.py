@@ -604,21 +604,28 @@ def verify(
     patched: Path = typer.Argument(..., metavar="PATCHED", help="patched module from `slackswap apply`"),
     model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the patched module records]"),
     steps: int = typer.Option(1, "--steps", min=1, help="training steps to compare"),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="the plan the module was made from, for the simulator's timeline [default: a matching plan next to the module]"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:
-    """Run original and patched for N steps: losses and gradients equal, memory and time measured."""
+    """Run original and patched for N steps: losses and gradients equal, memory (op by op, against the simulator) and time measured."""
     try:
         from .verify import verify as run_verify
+        plan_obj = None
+        if plan is not None:
+            from .schema import load_plan
+            plan_obj = load_plan(plan)
         with _working(f"running original and patched step{'s' if steps > 1 else ''}", as_json):
-            report = run_verify(str(patched), model_path=str(model) if model else None, steps=steps)
+            report = run_verify(str(patched), model_path=str(model) if model else None,
+                                steps=steps, plan=plan_obj)
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
         import dataclasses
         _print_json(dataclasses.asdict(report) if dataclasses.is_dataclass(report) else report)
     else:
-        from .render import verify_view
+        from .render import verify_memory_view, verify_view
         out.print(verify_view(report))
+        out.print(verify_memory_view(report))
     if not report.passed:
         _error_lines("verify failed: " + "; ".join(report.reasons),
                      "if the model or its code changed since it was profiled, run `slackswap "

@@ -712,3 +712,127 @@ def verify_view(report) -> Group:
     parts = [verdict, checks, t, *(Text(n, style="dim") for n in notes)]
     parts += [Text(f"- {reason}", style="red") for reason in get("reasons") or []]
     return Group(*parts)
+
+
+# --------------------------------------------------------------------------------------------
+# verify: measured activation memory against the simulator's, op by op
+# --------------------------------------------------------------------------------------------
+def two_curve_chart(measured: Sequence[int], predicted: Sequence[int | None],
+                    budget_bytes: int | None = None, width: int = 60, height: int = 8) -> Text:
+    """Measured (bars) and predicted (dots) memory per op, each column the highest value of
+    its slice of ops, with the budget as a line. Unmatched predictions (None) are skipped."""
+    n = len(measured)
+    if not n:
+        return Text("(no measured timeline)", style="dim")
+    width = min(width, n)
+    cols_m, cols_p = [], []
+    for c in range(width):
+        lo, hi = c * n // width, max(c * n // width + 1, (c + 1) * n // width)
+        cols_m.append(max(measured[lo:hi]))
+        ps = [p for p in predicted[lo:hi] if p is not None]
+        cols_p.append(max(ps) if ps else None)
+    peak = max(max(cols_m), max((p for p in cols_p if p is not None), default=0))
+    scale = max(peak, budget_bytes or 0) or 1
+    budget_row = (min(height - 1, int(budget_bytes / scale * height - 1e-9))
+                  if budget_bytes else None)
+    labels = {height - 1: fmt_bytes(scale), 0: "0"}
+    if budget_row is not None:
+        labels[budget_row] = f"budget {fmt_bytes(budget_bytes)}"
+    lw = max(len(v) for v in labels.values())
+    text = Text()
+    for row in range(height - 1, -1, -1):
+        text.append(f"{labels.get(row, ''):>{lw}} ", style="dim")
+        text.append("│", style="dim")
+        for m, p in zip(cols_m, cols_p):
+            level = m / scale * height - row
+            prow = None if p is None else min(height - 1, int(p / scale * height - 1e-9))
+            over = budget_bytes is not None and m > budget_bytes * 1.05
+            if prow == row:
+                text.append("•", style="bold magenta")
+            elif level >= 1:
+                text.append("█", style="red" if over else "cyan")
+            elif level > 0:
+                text.append(_BLOCKS[max(1, int(level * 8))], style="red" if over else "cyan")
+            elif row == budget_row:
+                text.append("─", style="yellow")
+            else:
+                text.append(" ")
+        text.append("\n")
+    text.append(" " * lw + " └" + "─" * width + "\n", style="dim")
+    text.append(" " * (lw + 2) + "op 1" + f"op {n}".rjust(width - 4), style="dim")
+    return text
+
+
+def verify_memory_view(report) -> Group:
+    """`slackswap verify`: activation memory measured op by op (bars) against the simulator
+    (dots), the peaks side by side, and the op where the run held the most more than predicted."""
+    get = report.get if isinstance(report, dict) else (lambda k: getattr(report, k, None))
+    cpu = get("device") == "cpu"
+    t = Table(title="Activation memory, op by op (live activation storages, views once, "
+                    "gradients out)", title_justify="left")
+    t.add_column("")
+    for col in ("measured", "predicted", "measured / predicted"):
+        t.add_column(col, justify="right", no_wrap=True)
+
+    def ratio(a, b) -> str:
+        return f"{a / b:.3f}" if a and b else "-"
+
+    orig_m, orig_p = get("measured_original_peak_bytes"), get("predicted_original_peak_bytes")
+    t.add_row("original step peak", fmt_bytes(orig_m), fmt_bytes(orig_p) if orig_p else "-",
+              ratio(orig_m, orig_p))
+    pm, pp = get("measured_peak_bytes"), get("predicted_peak_bytes")
+    t.add_row("patched step peak (plan)", fmt_bytes(pm), fmt_bytes(pp) if pp else "-",
+              ratio(pm, pp))
+    pd = get("predicted_device_peak_bytes")
+    if pd is not None and cpu:
+        t.add_row("patched step peak (copies synchronous)", fmt_bytes(pm), fmt_bytes(pd),
+                  ratio(pm, pd))
+    parts: list = [t]
+    rows = get("timeline") or []
+    if rows:
+        key = "predicted_device_bytes"
+        parts.append(two_curve_chart([r["measured_bytes"] for r in rows],
+                                     [r.get(key) for r in rows], get("budget_bytes")))
+        legend = ("█ measured   • predicted" + (" (the plan re-simulated with synchronous "
+                  "copies, as this CPU run makes them)" if cpu else ""))
+        parts.append(Text(legend, style="dim"))
+    if get("plan_found"):
+        parts.append(Text(f"{get('timeline_matched')} of {get('timeline_tasks')} simulated "
+                          f"tasks matched to calls of the patched module", style="dim"))
+    else:
+        parts.append(Text("no plan found next to the patched module: pass --plan to compare "
+                          "the timeline with the simulator's", style="dim"))
+    w = get("worst_divergence")
+    if w and w.get("excess_bytes", 0) > 0:
+        what = "recomputing " if w["recompute"] else ""
+        parts.append(Text(f"largest excess over the simulator: {fmt_bytes(w['excess_bytes'])} at "
+                          f"{what}op {w['op']} ({w['name']}): measured "
+                          f"{fmt_bytes(w['measured_bytes'])}, predicted "
+                          f"{fmt_bytes(w['predicted_bytes'])}"))
+        lt = Table(title_justify="left", box=None)
+        for col in ("live there", "size", "profile: dead after op", "held past it"):
+            lt.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
+        for x in w.get("live_tensors", []):
+            lu = (f"{x['profile_last_use']} ({x['profile_last_use_name']})"
+                  if "profile_last_use" in x else "-")
+            lt.add_row(x["tensor"], fmt_bytes(x["bytes"]), lu,
+                       "yes" if x.get("held_past_last_use") else "")
+        parts.append(lt)
+    pro, mro = get("predicted_recompute_ops"), get("measured_recompute_ops")
+    if pro is not None:
+        parts.append(Text(f"ops re-run in backward: {mro} by the patched module, {pro} in the "
+                          "simulator's schedule", style="dim" if mro == pro else "yellow"))
+    extra, rc = get("extra_step_ms") or [], get("predicted_recompute_us")
+    if extra and rc:
+        srt = sorted(extra)
+        med = srt[len(srt) // 2]
+        src = get("profile_time_source")
+        like = src == "measured"
+        parts.append(Text(f"patched minus original step time: median {fmt_us(med * 1e3)} "
+                          f"(min {fmt_us(srt[0] * 1e3)}, max {fmt_us(srt[-1] * 1e3)}, "
+                          f"{len(extra)} steps) vs predicted recompute {fmt_us(rc)}"
+                          + (f": ratio {med * 1e3 / rc:.2f}" if like and rc > 0 else
+                             f" (the profile's times are {src or 'not measured'}: profile with "
+                             "--device cpu for a like-for-like ratio)"),
+                          style="dim"))
+    return Group(*parts)

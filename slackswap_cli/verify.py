@@ -22,10 +22,14 @@ budget (the report names the quantity compared).
 """
 from __future__ import annotations
 
+import dataclasses
+import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import InputError
+from .units import fmt_bytes
 
 MEMORY_TOLERANCE = 0.05
 
@@ -58,6 +62,263 @@ class VerifyReport:
     recomputed: int
     passed: bool
     reasons: list[str] = field(default_factory=list)
+    # activation memory over the step, measured op by op (trace.memtrace) on both devices
+    measured_peak_bytes: int = 0            # patched step
+    measured_peak_at: str = ""              # the statement of the patched module at the peak
+    measured_original_peak_bytes: int = 0   # eager step
+    predicted_original_peak_bytes: int = 0  # keep-all peak of the profile
+    # the plan's decisions re-simulated with the copies this device makes (CPU: synchronous);
+    # on CUDA it is the plan's own prediction
+    predicted_device_peak_bytes: int | None = None
+    plan_found: bool = False
+    timeline_matched: int = 0               # simulator tasks matched to measured calls
+    timeline_tasks: int = 0
+    timeline: list[dict] = field(default_factory=list)   # op, name, recompute, predicted, measured
+    worst_divergence: dict | None = None
+    # recompute time (meaningful with a profile measured on this device)
+    extra_step_ms: list[float] = field(default_factory=list)   # patched - original, per step
+    predicted_recompute_us: float | None = None
+    profile_time_source: str = ""
+    # ops re-run in backward (views re-derived from a restored root are free, not counted):
+    # in the simulator's schedule and in the patched module's run
+    predicted_recompute_ops: int | None = None
+    measured_recompute_ops: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# Memory timelines: measured (memtrace) against predicted (the simulator), aligned by op
+# --------------------------------------------------------------------------------------------
+_DEF = re.compile(r"^\s*(\w+) = (?:aten|torch\.ops)\.")
+_STORE = re.compile(r"_s\.(?:prefetch|wait|offload)\('(\w+)'")
+
+
+@dataclass
+class TimelineRow:
+    """One op of the patched step: what the simulator predicted and what the run held."""
+    op: int | None             # profile op id (None: a runtime call, e.g. a prefetch's copy)
+    name: str                  # the op's (or the statement's) name
+    recompute: bool            # a forward op re-run in backward
+    predicted_bytes: int | None
+    measured_bytes: int
+    statement: str = ""
+
+
+def find_plan(patched_path: str, meta: dict):
+    """The plan a patched module was made from: a `*.json` next to it (or in the current
+    directory) whose decisions hash to the module's `plan_fingerprint`; None if none does."""
+    from .apply import plan_fingerprint
+    from .errors import SlackswapError
+    from .schema import load_plan
+    want = meta.get("plan_fingerprint")
+    dirs = [Path(patched_path).resolve().parent, Path.cwd()]
+    for d in dict.fromkeys(dirs):
+        for f in sorted(d.glob("*.json")):
+            try:
+                with open(f, "rb") as fh:
+                    if b"slackswap.plan" not in fh.read(200):
+                        continue
+                plan = load_plan(f)
+            except (OSError, SlackswapError):
+                continue
+            if plan_fingerprint(plan) == want:
+                return plan
+    return None
+
+
+def synchronous_copies(hw):
+    """`hw` with copies that take no time: how a CPU run (copies are synchronous there) moves
+    swapped tensors. Memory accounting can then be compared without the GPU's copy timing."""
+    return dataclasses.replace(hw, h2d_bytes_per_s=1e30, d2h_bytes_per_s=1e30,
+                               copy_latency_us=0.0)
+
+
+def predicted_timeline(profile, plan, hw, budget_bytes, *, issue_at_schedule: bool = False):
+    """(per-task predicted memory [(op, recompute, bytes)], simulated peak) for `plan`'s
+    decisions on `hw`. Memory during a task is the highest value the simulator recorded from
+    its start to its end. Ops the profile times at 0 us (views) get 1e-6 us, so every task
+    has an interval of its own (the schedule does not change by any measurable amount).
+    `issue_at_schedule`: prefetches no earlier than where the plan's schedule issued them,
+    which is where the patched module issues them."""
+    from .schema import Decision
+    from .simulate import simulate
+    ops = tuple(o if o.time_us > 0 else dataclasses.replace(o, time_us=1e-6) for o in profile.ops)
+    prof = dataclasses.replace(profile, ops=ops)
+    decisions = list(plan.decisions)
+    if issue_at_schedule:
+        issue = {e.tensor: e.issue_op for e in plan.schedule if e.kind == "prefetch"}
+        decisions = [Decision(d.tensor, d.action, issue.get(d.tensor, d.prefetch_at))
+                     if d.action == "swap" else d for d in decisions]
+    res = simulate(prof, decisions, hw, budget_bytes, record=True)
+    mem = res.memory
+    out = []
+    j, cur = 0, 0
+    for e in res.events:
+        if e.engine != "compute" or e.kind not in ("op", "recompute"):
+            continue
+        while j < len(mem) and mem[j][0] <= e.start_us:
+            cur = mem[j][1]
+            j += 1
+        m, k = cur, j
+        while k < len(mem) and mem[k][0] < e.end_us:
+            m = max(m, mem[k][1])
+            k += 1
+        out.append((e.op, e.kind == "recompute", m))
+    return out, res.predicted.peak_bytes
+
+
+@dataclass
+class MeasuredStep:
+    rows: list[TimelineRow]            # one per aten call of forward_step/backward_step
+    peak_bytes: int
+    peak_row: int
+    tracker: object
+    sample_rows: dict                  # tracker sample index -> index into rows
+
+
+def measure_patched_step(mod, patched, p_args, p_kwargs, profile=None) -> MeasuredStep:
+    """Run one patched training step under `memtrace.MemTracker` and name every aten call
+    after the statement of the patched module that made it (its line in forward_step or
+    backward_step). Host buffers of the swap engine and calls outside the two steps
+    (autograd's own bookkeeping) allocate no activation memory; the gradients the backward
+    returns are taken off the timeline (the profile's `gradient` tensors)."""
+    from . import runtime
+    from .trace.memtrace import SKIP, MemTracker, caller_line
+    src = Path(mod.__file__).read_text().splitlines()
+    codes = {mod.forward_step.__code__: "forward", mod.backward_step.__code__: "backward",
+             runtime.HostPool.get.__code__: SKIP}
+    grads: list = []
+    inner = patched.backward_fn
+
+    def backward_fn(*a):
+        g = inner(*a)
+        grads.extend(x for x in g if x is not None)
+        return g
+
+    op_id = {o.name: o.id for o in profile.ops} if profile is not None else {}
+    n_fwd = profile.n_forward if profile is not None else 0
+    tracker = MemTracker(caller_line(codes, outside=SKIP))
+    patched.backward_fn = backward_fn
+    try:
+        with tracker:
+            loss = patched(*p_args, **p_kwargs)
+            loss.backward()
+    finally:
+        patched.backward_fn = inner
+    tracker.finish()
+    tracker.exclude(grads)
+    tl = tracker.timeline()
+    rows: list[TimelineRow] = []
+    sample_rows = {}
+    for s, v in zip(tracker.samples, tl):
+        if s.label is SKIP or s.label is None:
+            continue
+        phase, line = s.label
+        stmt = src[line - 1].strip() if 0 < line <= len(src) else ""
+        m = _DEF.match(stmt)
+        name = m.group(1) if m else stmt.split("#")[0].strip()[:60]
+        op = op_id.get(name) if m else None
+        rec = phase == "backward" and op is not None and op < n_fwd
+        sample_rows[s.index] = len(rows)
+        rows.append(TimelineRow(op, name, rec, None, v, stmt))
+    peak_row = max(range(len(rows)), key=lambda i: rows[i].measured_bytes, default=0)
+    peak = rows[peak_row].measured_bytes if rows else 0
+    return MeasuredStep(rows, peak, peak_row, tracker, sample_rows)
+
+
+def align(predicted, measured: list[TimelineRow]) -> tuple[list[int | None], int]:
+    """The simulator's memory for each measured row, and how many tasks found their row.
+
+    Every profile op runs once in both, in the same order: those match by op id. A recompute
+    task matches a re-run of the same op among the calls made before the same backward op
+    (its owner), in order. A task the run never made, or a call the simulator does not model
+    (a runtime copy, a re-run the simulator does not schedule), stays unmatched (None).
+    """
+    def owners(items):
+        out, nxt = [None] * len(items), None
+        for k in range(len(items) - 1, -1, -1):
+            op, rec = items[k]
+            if op is not None and not rec:
+                nxt = op
+            out[k] = nxt
+        return out
+
+    out: list[int | None] = [None] * len(measured)
+    m_items = [(r.op, r.recompute) for r in measured]
+    m_owner = owners(m_items)
+    row_of = {op: k for k, (op, rec) in enumerate(m_items) if op is not None and not rec}
+    rec_rows: dict = {}
+    for k, (op, rec) in enumerate(m_items):
+        if rec:
+            rec_rows.setdefault(m_owner[k], []).append(k)
+    p_owner = owners([(op, rec) for op, rec, _ in predicted])
+    used: set[int] = set()
+    matched = 0
+    for (op, rec, m), owner in zip(predicted, p_owner):
+        if not rec:
+            k = row_of.get(op)
+        else:
+            k = next((k for k in rec_rows.get(owner, ()) if k not in used
+                      and measured[k].op == op), None)
+            if k is not None:   # in order: earlier re-runs of this segment are passed
+                used.update(x for x in rec_rows[owner] if x <= k)
+        if k is not None:
+            out[k] = m
+            matched += 1
+    return out, matched
+
+
+def worst_divergence(ms: MeasuredStep, profile) -> dict | None:
+    """The aligned op where the run held the most more than predicted, and the live tensors
+    there, largest first, each with the op after which the profile says it is dead."""
+    rows = ms.rows
+    cand = [k for k, r in enumerate(rows) if r.predicted_bytes is not None]
+    if not cand:
+        return None
+    k = max(cand, key=lambda i: rows[i].measured_bytes - rows[i].predicted_bytes)
+    r = rows[k]
+    # where backward stands: the op this row is (or is recomputed for: the next original op)
+    at_op = next((x.op for x in rows[k:] if x.op is not None and not x.recompute), None)
+    sample = next(s for s, row in ms.sample_rows.items() if row == k)
+    ids = {t.name: t.id for t in profile.tensors} if profile is not None else {}
+    last = profile.last_use if profile is not None else {}
+    tensors = []
+    for st in ms.tracker.live_at(sample)[:6]:
+        stmt = st.label
+        name = "?"
+        if isinstance(stmt, tuple):
+            text = ms.rows[ms.sample_rows[st.born]].statement if st.born in ms.sample_rows else ""
+            m = _DEF.match(text) or _STORE.search(text)
+            name = m.group(1) if m else text[:40]
+        tid = ids.get(name)
+        root = profile.root(tid) if tid is not None else None
+        lu = last.get(root) if root is not None else None
+        entry = {"tensor": name, "bytes": st.nbytes, "allocated_by": st.target}
+        if lu is not None:
+            entry["profile_last_use"] = lu
+            entry["profile_last_use_name"] = profile.ops[lu].name
+            entry["held_past_last_use"] = at_op is not None and lu < at_op
+        tensors.append(entry)
+    return {"op": r.op, "name": r.name, "recompute": r.recompute, "statement": r.statement,
+            "measured_bytes": r.measured_bytes, "predicted_bytes": r.predicted_bytes,
+            "excess_bytes": r.measured_bytes - r.predicted_bytes, "live_tensors": tensors}
+
+
+def _is_view_op(profile, op: int) -> bool:
+    """Does op only make views (its outputs alias their inputs' storage: nothing re-run)?"""
+    outs = profile.ops[op].outputs
+    return bool(outs) and all(profile.tensors[t].alias_of is not None for t in outs)
+
+
+def measure_eager_step(model, run) -> int:
+    """Activation peak of one eager training step (`run()` returns the loss): the same
+    accounting, gradients left out."""
+    from .trace.memtrace import MemTracker
+    tracker = MemTracker()
+    with tracker:
+        run().backward()
+    tracker.finish()
+    tracker.exclude([p.grad for p in model.parameters() if p.grad is not None])
+    return max(tracker.timeline(), default=0)
 
 
 def _rel(a, b) -> float:
@@ -161,11 +422,15 @@ def _warmup(model, run) -> None:
 
 def verify(patched_path: str, model_path: str | None = None, entry: str | None = None,
            args: dict | None = None, steps: int = 1, seed: int = 0,
-           check_trace: bool = True, warmup: bool = True) -> VerifyReport:
+           check_trace: bool = True, warmup: bool = True, plan=None,
+           profile=None) -> VerifyReport:
     """Run the original and the patched training step `steps` times and compare them.
 
     `warmup` first runs one untimed step of each and restores weights, buffers and RNG state,
     so step times do not include one-off costs (allocator growth, kernel selection).
+    `plan`: the Plan the module was made from (default: found next to the module by
+    `find_plan`) and `profile` its profile (default: the one the plan records); with them,
+    the measured memory timeline is aligned with the simulator's.
     """
     import torch
     import torch.utils._pytree as pytree
@@ -223,7 +488,7 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
 
     losses_o, losses_p = [], []
     max_loss = max_grad = max_buf = 0.0
-    worst = ""
+    worst_param = ""
     peaks_o, peaks_p, times_o, times_p = [], [], [], []
     offloaded = 0
 
@@ -278,7 +543,7 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
         for name, p in params_o.items():
             d = _rel(p.grad, params_p[name].grad)
             if d > max_grad:
-                max_grad, worst = d, name
+                max_grad, worst_param = d, name
         for (name, b), (_, b2) in zip(orig.model.named_buffers(), work.model.named_buffers()):
             if b.is_floating_point():
                 max_buf = max(max_buf, _rel(b, b2))
@@ -288,29 +553,106 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
             opt_o.step()
             opt_p.step()
 
+    # ---- memory over time: one more step of each, under the memory tracker ----------------
+    from .hardware import HardwareSpec
+    from .profile_build import recost
+    from .schema import load_profile
+    if plan is None:
+        plan = find_plan(patched_path, meta)
+    if plan is not None and profile is None and plan.profile_path \
+            and Path(plan.profile_path).exists():
+        profile = load_profile(plan.profile_path)
+    if profile is not None and (plan is None
+                                or profile.fingerprint != meta.get("profile_fingerprint")
+                                or plan.profile_fingerprint != profile.fingerprint):
+        profile = None
+    opt_p.zero_grad(set_to_none=True)
+    opt_o.zero_grad(set_to_none=True)
+    torch.manual_seed(seed + 1 + steps)
+    ms = measure_patched_step(mod, patched, p_args, p_kwargs, profile)
+    torch.manual_seed(seed + 1 + steps)
+    peak_orig = measure_eager_step(orig.model, lambda: loss_from_output(
+        orig.model(*o_args, **o_kwargs), orig.inputs, orig.loss_fn))
+    timeline: list[dict] = []
+    worst = None
+    device_peak = None
+    matched = n_tasks = 0
+    pred_rec_ops = None
+    if profile is not None:
+        hw = HardwareSpec.from_dict(plan.hardware, "plan hardware")
+        prof = recost(profile, hw)
+        pred_plan, _ = predicted_timeline(prof, plan, hw, plan.budget_bytes)
+        if cuda:
+            pred_dev, device_peak = pred_plan, plan.predicted.peak_bytes
+        else:
+            pred_dev, device_peak = predicted_timeline(prof, plan, synchronous_copies(hw), None,
+                                                       issue_at_schedule=True)
+        on_plan, _ = align(pred_plan, ms.rows)
+        on_dev, matched = align(pred_dev, ms.rows)
+        n_tasks = len(pred_dev)
+        pred_rec_ops = sum(1 for op, rec, _ in pred_dev if rec and not _is_view_op(profile, op))
+        for r, a, b in zip(ms.rows, on_plan, on_dev):
+            r.predicted_bytes = b
+            timeline.append({"op": r.op, "name": r.name, "recompute": r.recompute,
+                             "measured_bytes": r.measured_bytes, "predicted_bytes": a,
+                             "predicted_device_bytes": b})
+        worst = worst_divergence(ms, profile)
+    else:
+        timeline = [{"op": r.op, "name": r.name, "recompute": r.recompute,
+                     "measured_bytes": r.measured_bytes, "predicted_bytes": None,
+                     "predicted_device_bytes": None} for r in ms.rows]
+
     reasons = []
     if max_loss > loss_tol:
         reasons.append(f"loss differs by {max_loss:.2e} (relative), tolerance {loss_tol:g}")
     if max_grad > grad_tol:
-        reasons.append(f"gradient of {worst} differs by {max_grad:.2e} (relative), tolerance {grad_tol:g}")
+        reasons.append(f"gradient of {worst_param} differs by {max_grad:.2e} (relative), tolerance {grad_tol:g}")
     if max_buf > grad_tol:
         reasons.append(f"buffers differ by {max_buf:.2e} (relative), tolerance {grad_tol:g}")
     budget = int(meta.get("budget_bytes") or 0)
     metric = ("cuda max_memory_allocated above the step's start, gradients subtracted" if cuda
               else "bytes held for backward at the end of forward (cpu)")
     peak_p = max(peaks_p)
-    if budget > 0 and peak_p > budget * (1 + MEMORY_TOLERANCE):
-        reasons.append(f"measured {metric}: {peak_p} bytes, more than 5% above the plan's budget "
-                       f"of {budget} bytes")
+    if budget > 0 and ms.peak_bytes > budget * (1 + MEMORY_TOLERANCE):
+        at = ms.rows[ms.peak_row].statement.split("#")[0].strip() if ms.rows else "?"
+        why = ""
+        if worst is not None:
+            held = [t for t in worst["live_tensors"] if t.get("held_past_last_use")]
+            names = ", ".join(f"{t['tensor']} ({fmt_bytes(t['bytes'])}, dead after op "
+                              f"{t['profile_last_use']} {t['profile_last_use_name']})"
+                              for t in held[:4])
+            why = (f"; largest excess over the simulator: {fmt_bytes(worst['excess_bytes'])} at "
+                   f"op {worst['op']} ({worst['name']})"
+                   + (f", held past their last use: {names}" if names else ""))
+        reasons.append(f"measured activation peak {fmt_bytes(ms.peak_bytes)} ({ms.peak_bytes} "
+                       f"bytes) at `{at[:80]}` is more than 5% above the plan's budget of "
+                       f"{fmt_bytes(budget)}" + why)
     pred = meta.get("predicted", {})
+    fraction = meta.get("budget_fraction")
+    keep_all = (int(profile.summary.get("peak_activation_bytes", 0)) if profile is not None
+                else int(round(budget / fraction)) if fraction else 0)
     return VerifyReport(
         patched=str(patched_path), workload=str(path), device=device, steps=steps,
         losses_original=losses_o, losses_patched=losses_p, max_loss_rel_diff=max_loss,
-        max_grad_rel_diff=max_grad, worst_grad_param=worst, max_buffer_rel_diff=max_buf,
+        max_grad_rel_diff=max_grad, worst_grad_param=worst_param, max_buffer_rel_diff=max_buf,
         loss_tolerance=loss_tol, grad_tolerance=grad_tol, memory_metric=metric,
         original_peak_bytes=int(max(peaks_o)), patched_peak_bytes=int(peak_p),
         budget_bytes=budget, predicted_peak_bytes=int(pred.get("peak_bytes", 0)),
         original_step_ms=min(times_o), patched_step_ms=min(times_p),
         predicted_step_us=float(pred.get("step_us", 0.0)), swapped_bytes_per_step=int(offloaded),
         kept=len(meta.get("kept", ())), swapped=len(meta.get("swapped", ())),
-        recomputed=len(meta.get("recomputed", ())), passed=not reasons, reasons=reasons)
+        recomputed=len(meta.get("recomputed", ())), passed=not reasons, reasons=reasons,
+        measured_peak_bytes=int(ms.peak_bytes),
+        measured_peak_at=(ms.rows[ms.peak_row].statement.split("#")[0].strip()
+                          if ms.rows else ""),
+        measured_original_peak_bytes=int(peak_orig), predicted_original_peak_bytes=keep_all,
+        predicted_device_peak_bytes=None if device_peak is None else int(device_peak),
+        plan_found=profile is not None, timeline_matched=matched, timeline_tasks=n_tasks,
+        timeline=timeline, worst_divergence=worst,
+        extra_step_ms=[p - o for o, p in zip(times_o, times_p)],
+        predicted_recompute_us=(plan.predicted.recompute_us if plan is not None else None),
+        profile_time_source=(profile.summary.get("time_source", "") if profile is not None
+                             else ""),
+        predicted_recompute_ops=pred_rec_ops,
+        measured_recompute_ops=sum(1 for x in ms.rows if x.recompute
+                                   and (profile is None or not _is_view_op(profile, x.op))))
