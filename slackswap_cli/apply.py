@@ -8,9 +8,11 @@ step (`partition`), and write both as plain Python calling aten ops, with the pl
 the file are the profile's tensor names (fx node names), so every line can be traced back to a
 tensor id of the profile and a decision of the plan.
 
-The emitted file imports only torch and `slackswap_cli.runtime`. `patch(model)` returns a
+The emitted file imports only torch, `slackswap_cli.runtime` and `slackswap_cli.replay`.
+`patch(model)` patches the model in place (`replay`): the plan runs inside its own forward and
+autograd's backward, from the table of `chains.runtime_table`. `step_module(model)` returns a
 module sharing the model's parameters and buffers whose forward takes the workload's inputs and
-returns the loss; the two steps run inside one `torch.autograd.Function`
+returns the loss; the two written-out steps run inside one `torch.autograd.Function`
 (`runtime.PatchedStep`), so `loss.backward()` fills `.grad` of the original parameters.
 """
 from __future__ import annotations
@@ -95,7 +97,7 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
     device = profile.env.get("device")
     joint, work = trace_fake(str(path), entry, args, device)
     fp = joint_fingerprint(joint)
-    # what `patch(model)` compares a fake re-trace of the user's model against
+    # what `step_module(model)` compares a fake re-trace of the user's model against
     trace_fp = fp if joint.fake else None
     if fp != profile.fingerprint and joint.fake:
         # a fake trace may pick other kernels than the real one did: trace for real
@@ -128,7 +130,7 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     """Write the patched module for an already traced joint graph (see `apply_plan`).
 
     `trace_fingerprint`: the profile fingerprint of a fake trace of the workload, which
-    `patch(model, check_trace=True)` compares a fake trace of the user's model against.
+    `step_module(model, check_trace=True)` compares a fake trace of the user's model against.
     """
     import torch.utils._pytree as pytree
 
@@ -197,15 +199,20 @@ Plan: planner {plan.planner}, activation budget {plan.budget_bytes} bytes{frac};
 activations it keeps {counts["keep"]}, swaps {counts["swap"]} to host memory and recomputes {counts["recompute"]}.
 Predicted: peak {plan.predicted.peak_bytes} bytes, step {plan.predicted.step_us:.1f} us (ideal {plan.predicted.ideal_us:.1f} us).{infeasible}
 
-Use it in a training loop (one line changes):
+Use it in training (one line added):
 
     from {{this module}} import patch
-    step = patch(model)            # shares model's parameters and buffers
-    loss = step(*inputs)           # or step(**inputs): the workload's inputs, same form
+    patch(model)                   # in place: the same model object, its hooks, DDP, Trainer
+    loss = model(*inputs)          # (or whatever the model returns) trains under the plan
     loss.backward(); optimizer.step()
 
-The file runs only the workload it was made for: other input shapes, another model or another
-device raise an error that says to re-profile. Names below are the profile's tensor names.
+`patch` carries the plan out inside the model's own forward (slackswap_cli/replay.py) using
+TABLE below: ops that do not line up with the profile (another input shape, a wrapper's own
+ops) run as eager runs them, never with other values. `unpatch(model)` undoes it.
+
+`step_module(model)` instead runs the whole traced step (forward_step and backward_step below,
+the plan written out as code, names = the profile's tensor names) as one autograd node; it runs
+only the workload it was made for, and `slackswap verify` uses it to check the plan bit by bit.
 """
 import torch
 from slackswap_cli import replay
@@ -215,7 +222,7 @@ aten = torch.ops.aten
 
 META = {pprint.pformat(meta, width=100, sort_dicts=False)}
 
-# The plan as `patch_in_place` carries it out (see slackswap_cli/replay.py): the forward ops it
+# The plan as `patch` carries it out (see slackswap_cli/replay.py): the forward ops it
 # aligns the model's with, each saved root's action, and the recompute chains (the simulator's).
 TABLE = {pprint.pformat(runtime_table(profile, plan.decisions), width=100, compact=True)}
 
@@ -234,7 +241,7 @@ def backward_step({bwd_args}):
 {render(step.backward)}
 
 
-def patch_in_place(model):
+def patch(model):
     """Patch `model` in place so its training forward runs the plan; returns `model` itself.
 
     In train mode with grad enabled, `model(...)` returns what it returned before and its
@@ -246,12 +253,13 @@ def patch_in_place(model):
 
 
 def unpatch(model):
-    """Undo `patch_in_place`."""
+    """Undo `patch`."""
     return replay.unpatch(model)
 
 
-def patch(model, check_trace=True):
-    """A module that runs `model`'s training step under the plan (see the module docstring).
+def step_module(model, check_trace=True):
+    """A module that runs `model`'s whole training step under the plan as one autograd node:
+    `step_module(model)(*inputs)` returns the loss (see the module docstring).
 
     check_trace: re-trace the model once with fake tensors and refuse it if its graph differs
     from the profile's (a changed model or torch version).

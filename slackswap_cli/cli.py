@@ -591,8 +591,8 @@ def apply(
                   "load it with importlib", markup=True)
     out.print("use it in your training loop:\n"
               f"    from {output.stem} import patch\n"
-              "    step = patch(model)        # shares model's parameters\n"
-              "    loss = step(*inputs)       # or step(**inputs)\n"
+              "    patch(model)               # in place: same model, hooks, DDP, Trainer\n"
+              "    loss = model(*inputs)      # trains under the plan\n"
               "    loss.backward(); optimizer.step()", markup=False)
 
 

@@ -461,7 +461,7 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
     work.model.load_state_dict(orig.model.state_dict())
     orig.model.train()
     work.model.train()
-    patched = mod.patch(work.model, check_trace=check_trace)
+    patched = mod.step_module(work.model, check_trace=check_trace)
 
     p_args, p_kwargs = split_inputs(work.inputs)
     o_args, o_kwargs = split_inputs(orig.inputs)

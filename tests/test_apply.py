@@ -193,7 +193,7 @@ def test_recompute_reruns_forward_flops_in_backward(files, tmp_path):
     for label, actions in (("keep", {}), ("recompute", {"addmm": "recompute"})):
         mod = load_patched(write_patched(tmp_path, hand_plan(prof, actions), prof, f"{label}.py"))
         work = load_workload(str(files["mlp"]))
-        step = mod.patch(work.model, check_trace=False)
+        step = mod.step_module(work.model, check_trace=False)
         with FlopCounterMode(display=False) as fwd:
             loss = step(*work.inputs)
         with FlopCounterMode(display=False) as bwd:
@@ -209,7 +209,7 @@ def test_swap_moves_the_tensor_to_host(files, tmp_path):
     mod = load_patched(write_patched(tmp_path, hand_plan(prof, {"gelu": "swap"}), prof))
     keep = load_patched(write_patched(tmp_path, hand_plan(prof, {}), prof, "keep.py"))
     work = load_workload(str(files["mlp"]))
-    step = mod.patch(work.model, check_trace=False)
+    step = mod.step_module(work.model, check_trace=False)
     loss = step(*work.inputs)
     gc.collect()
     store = step.last_store()
@@ -220,7 +220,7 @@ def test_swap_moves_the_tensor_to_host(files, tmp_path):
     expected = F.gelu(F.linear(x, work.model.fc1.weight, work.model.fc1.bias))
     assert torch.equal(handle.host, expected)          # its data lives in the host buffer
     held_swap = step.held_bytes_after_forward
-    keep_step = keep.patch(work.model, check_trace=False)
+    keep_step = keep.step_module(work.model, check_trace=False)
     keep_step(*work.inputs).backward()
     assert keep_step.held_bytes_after_forward - held_swap == 4 * 32 * 4
     grads_keep = [p.grad.clone() for p in work.model.parameters()]
@@ -235,7 +235,7 @@ def test_patched_module_shares_parameters_and_trains(files, tmp_path):
     plan = plan_at(prof, prof.summary["peak_activation_bytes"] // 2)
     mod = load_patched(write_patched(tmp_path, plan, prof))
     work = load_workload(str(files["tiny_gpt"]))
-    step = mod.patch(work.model, check_trace=False)
+    step = mod.step_module(work.model, check_trace=False)
     assert [id(p) for p in step.parameters()] == [id(p) for p in work.model.parameters()]
     opt = torch.optim.SGD(work.model.parameters(), lr=0.1)
     losses = []
@@ -295,7 +295,7 @@ def test_wrong_inputs_model_or_mode_raise_clear_errors(files, tmp_path):
     prof = profiled(files, "tiny_gpt")
     mod = load_patched(write_patched(tmp_path, hand_plan(prof, {}), prof))
     work = load_workload(str(files["tiny_gpt"]))
-    step = mod.patch(work.model, check_trace=False)
+    step = mod.step_module(work.model, check_trace=False)
     idx, targets = work.inputs
     with pytest.raises(FingerprintMismatch, match="input 0 is") as exc:
         step(idx[:, :16], targets[:, :16])
@@ -304,7 +304,7 @@ def test_wrong_inputs_model_or_mode_raise_clear_errors(files, tmp_path):
         step(idx=idx, targets=targets)
     other = load_workload(str(files["tiny_gpt"]), args={"d_model": 32})
     with pytest.raises(FingerprintMismatch, match="parameters differ"):
-        mod.patch(other.model, check_trace=False)
+        mod.step_module(other.model, check_trace=False)
     work.model.eval()
     with pytest.raises(InputError, match="eval mode"):
         step(idx, targets)
@@ -316,12 +316,12 @@ def test_check_trace_refuses_a_changed_model(files, tmp_path):
     prof = profile_workload(str(path), device="fake", hardware=HW)
     mod = load_patched(write_patched(tmp_path, hand_plan(prof, {}), prof))
     work = load_workload(str(path))
-    mod.patch(work.model)                              # same model: accepted
+    mod.step_module(work.model)                              # same model: accepted
     path.write_text(MLP.replace("ACT", "relu"))        # same parameters, another graph
     work = load_workload(str(path))
     with pytest.raises(FingerprintMismatch, match="traces to graph"):
-        mod.patch(work.model)
-    mod.patch(work.model, check_trace=False)           # the cheap checks alone pass
+        mod.step_module(work.model)
+    mod.step_module(work.model, check_trace=False)           # the cheap checks alone pass
 
 
 def test_prefetches_are_issued_where_the_plan_schedules_them(files):
@@ -352,7 +352,7 @@ def test_backward_twice_and_autocast_are_refused(files, tmp_path):
     prof = profiled(files, "mlp")
     mod = load_patched(write_patched(tmp_path, hand_plan(prof, {"gelu": "swap"}), prof))
     work = load_workload(str(files["mlp"]))
-    step = mod.patch(work.model, check_trace=False)
+    step = mod.step_module(work.model, check_trace=False)
     loss = step(*work.inputs)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
@@ -396,7 +396,7 @@ def test_inputs_that_require_grad_are_refused(files, tmp_path):
     prof = profiled(files, "mlp")
     mod = load_patched(write_patched(tmp_path, hand_plan(prof, {}), prof))
     work = load_workload(str(files["mlp"]))
-    step = mod.patch(work.model, check_trace=False)
+    step = mod.step_module(work.model, check_trace=False)
     x, = work.inputs
     with pytest.raises(InputError, match="requires grad"):
         step(x.clone().requires_grad_())
@@ -409,7 +409,7 @@ def test_patch_leaves_the_callers_rng_alone(files, tmp_path):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    mod.patch(work.model, check_trace=True)
+    mod.step_module(work.model, check_trace=True)
     assert torch.equal(torch.rand(3), expected)
 
 

@@ -1,4 +1,4 @@
-"""patch_in_place: the plan runs inside the model's own forward and autograd's backward.
+"""patch: the plan runs inside the model's own forward and autograd's backward.
 
 Real models (tiny GPT, HF GPT-2/BERT/Llama from configs, a BatchNorm CNN) are profiled with
 fake tensors, planned, applied, and patched in place; three AdamW steps then give bitwise the
@@ -70,7 +70,7 @@ def test_patched_in_place_trains_bitwise_like_eager(name, frac, files, tmp_path)
     mod, plan = patched_module(tmp_path, files, name, frac)
     eager, work = twin(files, name)
     want_losses, want_params, want_out = train(eager.model, eager)
-    model = mod.patch_in_place(work.model)
+    model = mod.patch(work.model)
     assert model is work.model                        # patched in place, same object
     losses, params, out = train(model, work)
     assert losses == want_losses
@@ -93,7 +93,7 @@ def test_recompute_and_swap_really_happen_and_memory_falls(files, tmp_path):
         mod, plan = patched_module(tmp_path, files, "tiny_gpt", frac, args=args)
         assert plan.feasible
         work = load_workload(str(files["tiny_gpt"]), args=args)
-        model = mod.patch_in_place(work.model)
+        model = mod.patch(work.model)
         loss = model(*work.inputs)
         run = run_of(model)
         held[frac] = run.held_device_bytes()
@@ -119,7 +119,7 @@ def test_recompute_and_swap_really_happen_and_memory_falls(files, tmp_path):
 def test_eval_mode_and_no_grad_run_the_original_forward(files, tmp_path):
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.3)
     work = load_workload(str(files["tiny_gpt"]))
-    model = mod.patch_in_place(work.model)
+    model = mod.patch(work.model)
     model.eval()
     with torch.no_grad():
         model(*work.inputs)
@@ -136,9 +136,9 @@ def test_unpatch_restores_and_double_patch_is_refused(files, tmp_path):
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.3)
     work = load_workload(str(files["tiny_gpt"]))
     cls_forward = type(work.model).forward
-    mod.patch_in_place(work.model)
+    mod.patch(work.model)
     with pytest.raises(InputError, match="already patched"):
-        mod.patch_in_place(work.model)
+        mod.patch(work.model)
     mod.unpatch(work.model)
     assert "forward" not in work.model.__dict__
     assert work.model.forward.__func__ is cls_forward
@@ -149,7 +149,7 @@ def test_unpatch_restores_and_double_patch_is_refused(files, tmp_path):
 def test_hooks_registered_after_patching_run(files, tmp_path):
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.3)
     work = load_workload(str(files["tiny_gpt"]))
-    model = mod.patch_in_place(work.model)
+    model = mod.patch(work.model)
     seen = []
     model.blocks[0].register_forward_hook(lambda m, a, o: seen.append("block"))
     model.register_forward_pre_hook(lambda m, a: seen.append("root"))
@@ -160,7 +160,7 @@ def test_hooks_registered_after_patching_run(files, tmp_path):
 def test_gradient_accumulation_is_exact(files, tmp_path):
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.3)
     eager, work = twin(files, "tiny_gpt")
-    model = mod.patch_in_place(work.model)
+    model = mod.patch(work.model)
     grads = []
     for m in (eager.model, model):
         torch.manual_seed(1)
@@ -185,7 +185,7 @@ def test_hf_trainer_trains_the_patched_model_like_the_original(files, tmp_path):
             return {"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]}
 
     results = []
-    for model in (eager.model, mod.patch_in_place(work.model)):
+    for model in (eager.model, mod.patch(work.model)):
         args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
                                  max_steps=3, learning_rate=1e-2, logging_steps=1, seed=0,
                                  report_to=[], save_strategy="no", use_cpu=True,
