@@ -40,18 +40,20 @@ def plan_fingerprint(plan: Plan) -> str:
     return h.hexdigest()[:16]
 
 
-def trace_fake(path: str, entry: str, args: dict | None, device: str | None, real: bool = False):
+def trace_fake(path: str, entry: str, args: dict | None, device: str | None, real: bool = False,
+               *, autocast: str | None = None, target_device: str | None = None):
     """(joint graph, workload) of the workload at `path`, traced with fake tensors when possible.
 
     Fake tensors allocate nothing, so a model too large for this machine can still be applied.
     A workload that builds part of its model outside `workload()` cannot be faked; it is then
-    loaded and traced for real.
+    loaded and traced for real. `autocast` and `target_device` are the profile's (its trace
+    ran under that autocast, and took the random ops of that device).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .trace.joint import capture_joint
     from .trace.workload import load_workload
-    dev = None if device in (None, "fake", "cpu") else device
+    dev = None if device is None or device == "cpu" or device.startswith("fake") else device
     work = None
     if not real:
         try:
@@ -60,7 +62,8 @@ def trace_fake(path: str, entry: str, args: dict | None, device: str | None, rea
             work = None
     if work is None:
         work = load_workload(path, entry, args, device=dev)
-    joint = capture_joint(work.model, work.inputs, work.loss_fn)
+    joint = capture_joint(work.model, work.inputs, work.loss_fn, autocast=autocast,
+                          target_device=target_device)
     return joint, work
 
 
@@ -95,13 +98,15 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
     entry = entry or profile.workload.get("entry") or "workload"
     args = dict(profile.workload.get("args") or {}) if args is None else dict(args)
     device = profile.env.get("device")
-    joint, work = trace_fake(str(path), entry, args, device)
+    how = {"autocast": profile.workload.get("autocast"),
+           "target_device": profile.env.get("target_device")}
+    joint, work = trace_fake(str(path), entry, args, device, **how)
     fp = joint_fingerprint(joint)
     # what `step_module(model)` compares a fake re-trace of the user's model against
     trace_fp = fp if joint.fake else None
     if fp != profile.fingerprint and joint.fake:
         # a fake trace may pick other kernels than the real one did: trace for real
-        joint, work = trace_fake(str(path), entry, args, device, real=True)
+        joint, work = trace_fake(str(path), entry, args, device, real=True, **how)
         fp = joint_fingerprint(joint)
     if fp != profile.fingerprint:
         from .hardware import PRESETS
@@ -120,7 +125,7 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
     except UnknownConstant:
         # the step reads a tensor made inside the workload but outside the inputs (say labels a
         # loss_fn closes over): only a real trace knows its values, which the file then embeds
-        joint, work = trace_fake(str(path), entry, args, device, real=True)
+        joint, work = trace_fake(str(path), entry, args, device, real=True, **how)
         return emit_module(joint, work, profile, plan, workload_ref=workload_ref,
                            trace_fingerprint=trace_fp)
 
@@ -160,6 +165,8 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
         "input_is_tensor": list(joint.input_leaf_is_tensor),
         "input_tensors": [[list(v.shape), str(v.dtype)] for v in input_vals],
         "input_constants": [repr(c) for c in joint.input_constants],
+        "autocast": profile.workload.get("autocast"),
+        "target_device": profile.env.get("target_device"),
         "budget_bytes": plan.budget_bytes,
         "budget_fraction": plan.budget_fraction,
         "planner": plan.planner,

@@ -46,6 +46,7 @@ from .partition import written_positions
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
 
 WINDOW = 256            # how far ahead an op may match an expected op
+ALIGN_WARN = 0.5        # warn when fewer of the profile's forward ops than this line up
 _STATE = threading.local()
 
 
@@ -308,6 +309,10 @@ class PlanRun:
             _, _, loc = packed
             owner = self.table["made_by"][r]
             if owner not in self.done_chains:
+                # autograd unpacks a node's saved tensors in its own order: chains laid out
+                # before this one (whose roots it may read) run first, as simulated
+                for o in sorted(x for x in self.deferred if x < owner and x not in self.done_chains):
+                    self._run_chain(o)
                 self._run_chain(owner)
             out = self._resolve(loc, {})
         self._unpacked(r)
@@ -471,6 +476,7 @@ class _Patched:
         self.original_forward = original_forward
         self.had_instance_forward = had_instance_forward
         self.last_run: PlanRun | None = None
+        self.warned = False
         self.names = {id(m): name for name, m in model.named_modules()}
         self.op_inputs = table["op_inputs"]
         self.non_activation = set(table["non_activation"])
@@ -506,11 +512,29 @@ class _Patched:
             for h in hooks:
                 h.remove()
         self.last_run = run
+        self._check_alignment(run)
         return out
+
+    def _check_alignment(self, run: PlanRun) -> None:
+        """Say once, on stderr, when most of the profile's ops did not line up: the plan then
+        saves little (correctness is not at stake: unmatched values are kept as eager keeps
+        them)."""
+        n = len(self.table["ops"])
+        matched = len(run.rec_of_op)
+        if n and matched < ALIGN_WARN * n and not self.warned:
+            self.warned = True
+            import sys
+            print(f"slackswap: only {matched} of the profile's {n} forward ops lined up with "
+                  "this step's (another input shape, device, dtype or model?): the plan ran "
+                  "for those alone. Re-profile for this setup to get all of it.", file=sys.stderr)
 
 
 def patch(model: torch.nn.Module, meta: dict, table: dict) -> torch.nn.Module:
     """Patch `model` in place to run `table`'s plan in training; returns `model`."""
+    inner = _unwrap(model)
+    if inner is not model:
+        patch(inner, meta, table)     # the wrapper calls it: its forward runs the plan
+        return model
     if is_patched(model):
         raise _error("this model is already patched by slackswap",
                      "call slackswap's unpatch(model) first to patch it with another plan")
@@ -527,8 +551,23 @@ def patch(model: torch.nn.Module, meta: dict, table: dict) -> torch.nn.Module:
     return model
 
 
+def _unwrap(model):
+    """The model a DDP wrapper holds (its forward calls it); a compiled model is refused."""
+    if type(model).__name__ == "OptimizedModule":
+        raise _error("this model is compiled with torch.compile; slackswap patches the eager "
+                     "model", "call patch(model) before torch.compile(model), or train uncompiled")
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(model, (DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    return model
+
+
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `patch`: the model's forward is its own again."""
+    inner = _unwrap(model)
+    if inner is not model:
+        unpatch(inner)
+        return model
     state = getattr(model.__dict__.get("forward"), "__slackswap__", None)
     if state is None:
         raise _error("this model is not patched by slackswap", "nothing to undo")

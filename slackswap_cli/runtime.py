@@ -441,7 +441,8 @@ class PatchedStep(torch.nn.Module):
             import torch.utils._pytree as pytree
             inputs = pytree.tree_map(lambda x: x.to(self.meta["device_type"])
                                      if isinstance(x, torch.Tensor) else x, inputs)
-        joint = capture_joint(shadow, inputs, work.loss_fn)
+        joint = capture_joint(shadow, inputs, work.loss_fn, autocast=self.meta.get("autocast"),
+                              target_device=self.meta.get("target_device"))
         fp = joint_fingerprint(joint)
         if fp != expected:
             raise _mismatch(f"this model traces to graph {fp}, the plan was made for graph "
@@ -479,12 +480,12 @@ class PatchedStep(torch.nn.Module):
             raise InputError("the patched module runs training steps, but the model is in eval mode",
                              hint="call model.train() first, or call the model itself for evaluation")
         dev_type = self.meta["device_type"]
-        if torch.is_autocast_enabled(dev_type):
+        if torch.is_autocast_enabled(dev_type) and not self.meta.get("autocast"):
             from .errors import InputError
             raise InputError("the patched step was called under torch.autocast, but the profile "
                              "was traced without it",
-                             hint="put the autocast inside the workload (its forward or loss_fn) "
-                                  "and re-profile, so the casts are part of the traced step")
+                             hint="re-profile with `slackswap profile --autocast bf16` (or fp16), "
+                                  "so the casts are part of the traced step")
         inputs = self._flat_inputs(args, kwargs)
         if any(x.requires_grad for x in inputs):
             from .errors import InputError

@@ -38,15 +38,18 @@ def patched_module(tmp_path, files, name, frac, planner="slackswap", args=None):
     return load_patched(str(path)), plan
 
 
-def train(model, work, steps=3, seed=0):
-    """`steps` AdamW steps from the same seed; (losses, final parameters, last output)."""
+def train(model, work, steps=3, seed=0, autocast=None):
+    """`steps` AdamW steps from the same seed; (losses, final parameters, last output).
+    `autocast`: a dtype to run forward and loss under (backward outside, as torch advises)."""
+    import contextlib
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, out = [], None
     torch.manual_seed(seed)
     for _ in range(steps):
         a, kw = split_inputs(work.inputs)
-        out = model(*a, **kw)
-        loss = loss_from_output(out, work.inputs, work.loss_fn)
+        with (torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()):
+            out = model(*a, **kw)
+            loss = loss_from_output(out, work.inputs, work.loss_fn)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -197,3 +200,51 @@ def test_hf_trainer_trains_the_patched_model_like_the_original(files, tmp_path):
     (l1, p1), (l2, p2) = results
     assert len(l1) == 3 and l1 == l2
     assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+
+
+def test_autocast_profile_patched_model_trains_like_eager_under_autocast(files, tmp_path):
+    """fp32 weights + autocast bf16: profiled under `--autocast bf16` for a CPU (`fake:cpu`:
+    random ops as a CPU draws them), the patched model under the same autocast equals eager."""
+    from slackswap_cli.planners import make_plan
+    from slackswap_cli.trace import profile_workload
+    prof = profile_workload(str(files["tiny_gpt"]), device="fake:cpu", hardware=HW,
+                            autocast="bf16")
+    peak = prof.summary["peak_activation_bytes"]
+    plan = make_plan("recompute-only", prof, HW, int(peak * 0.4), 0.4)
+    path = tmp_path / "autocast_patched.py"
+    path.write_text(apply_plan(plan, prof))
+    mod = load_patched(str(path))
+    eager, work = twin(files, "tiny_gpt")
+    want_losses, want_params, _ = train(eager.model, eager, autocast=torch.bfloat16)
+    model = mod.patch(work.model)
+    losses, params, _ = train(model, work, autocast=torch.bfloat16)
+    assert losses == want_losses
+    assert all(torch.equal(p, q) for p, q in zip(params, want_params))
+    run = run_of(model)
+    assert run.rerun_ops > 0 and len(run.rec_of_op) > 0.9 * len(mod.TABLE["ops"])
+
+
+def test_another_input_shape_runs_correctly_and_says_the_plan_did_not_line_up(files, tmp_path,
+                                                                              capfd):
+    mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.4)
+    from slackswap_cli.trace.workload import load_workload as load
+    eager = load(str(files["tiny_gpt"]), args={"batch": 3})
+    work = load(str(files["tiny_gpt"]), args={"batch": 3})
+    model = mod.patch(work.model)
+    want, _, _ = train(eager.model, eager, steps=2)
+    got, _, _ = train(model, work, steps=2)
+    assert got == want
+    err = capfd.readouterr().err
+    assert err.count("lined up") == 1 and "Re-profile" in err
+
+
+def test_a_compiled_model_is_refused_and_a_ddp_wrapper_patches_its_module(files, tmp_path):
+    mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.4)
+    work = load_workload(str(files["tiny_gpt"]))
+    with pytest.raises(InputError, match="torch.compile"):
+        mod.patch(torch.compile(work.model))
+    dp = torch.nn.DataParallel(work.model)
+    assert mod.patch(dp) is dp
+    assert "forward" in work.model.__dict__
+    mod.unpatch(dp)
+    assert "forward" not in work.model.__dict__
