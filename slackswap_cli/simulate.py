@@ -1,7 +1,7 @@
 """The discrete-event simulator: how long one training step takes under a plan, and how much
 activation memory it needs at every moment.
 
-Every planner is judged by this module, so it follows DESIGN.md §5 literally and states each
+Every planner is judged by this module, so it follows docs/design.md §6 literally and states each
 modelling choice here.
 
 **Engines.** Three FIFO engines: *compute* (one stream: forward ops, then backward ops with
