@@ -12,7 +12,12 @@ On a CUDA machine this script
 4. runs the baselines at the same budgets: `torch.utils.checkpoint` on every block (budget-free:
    one measurement) and `torch.compile` with `torch._functorch.config.activation_memory_budget`
    (failures are recorded, not fatal),
-5. writes JSON (`--out`, default benchmarks/results/gpu_check.json): for every row, predicted
+5. runs the in-place patch (`patch(model)`, what users train with) at the same budgets:
+   plain, under FSDP2 on this one GPU (`fully_shard` on the blocks and the root, world size
+   1), and with a plan from a `--device fake` profile (made as on a CPU-only machine: fake CPU
+   tensors, roofline costs) applied on this device: losses against eager, how many of the
+   profile's forward ops lined up, ops re-run, peak memory and step time,
+6. writes JSON (`--out`, default benchmarks/results/gpu_check.json): for every row, predicted
    vs measured peak activation memory and step time, and measured retention (eager keep-all
    step time / step time).
 
@@ -133,7 +138,8 @@ def checkpoint_every_block(model: torch.nn.Module) -> None:
 
 def measure_step(model, run, cuda: bool, steps: int, seed: int) -> dict:
     """Peak activation memory and fastest step time of `run()` (forward, returns the loss)."""
-    exclude = [*model.parameters(), *model.buffers()]
+    # FSDP2 parameters are DTensors: their local shards are what exists on this rank
+    exclude = [getattr(t, "_local_tensor", t) for t in (*model.parameters(), *model.buffers())]
     peaks, times, losses = [], [], []
     for k in range(steps + 1):        # step 0 warms up (and compiles)
         for p in model.parameters():
@@ -157,6 +163,79 @@ def measure_step(model, run, cuda: bool, steps: int, seed: int) -> dict:
             times.append(dt)
             losses.append(float(loss.detach()))
     return {"peak_bytes": max(peaks), "step_ms": min(times), "losses": losses}
+
+
+# --------------------------------------------------------------------------------------------
+# The in-place patch: plain, under FSDP2 (world size 1), and a fake CPU profile's plan
+# --------------------------------------------------------------------------------------------
+def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps: int, seed: int,
+                method: str, fsdp: bool = False) -> list[dict]:
+    from slackswap_cli.apply import load_patched
+    device = "cuda" if cuda else None
+    peak = int(prof.summary["peak_activation_bytes"])
+    rows = []
+    if fsdp:
+        import os
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29533")
+            dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        for frac in fractions:
+            row: dict = {"method": method, "budget_fraction": frac, "budget_bytes": int(frac * peak)}
+            try:
+                plan = make_plan("slackswap", prof, hw, int(frac * peak), frac)
+                row.update({"feasible": plan.feasible,
+                            "predicted_peak_bytes": plan.predicted.peak_bytes,
+                            "predicted_step_us": plan.predicted.step_us,
+                            "predicted_retention": plan.predicted.retention})
+                path = Path(tmp) / f"inplace_{frac:g}.py"
+                path.write_text(apply_plan(plan, prof, args=args))
+                mod = load_patched(str(path))
+                measured = {}
+                for label in ("eager", "patched"):
+                    work = load_workload(str(WORKLOAD), args=args, device=device)
+                    model = work.model
+                    if label == "patched":
+                        mod.patch(model)
+                    if fsdp:
+                        from torch.distributed.fsdp import fully_shard
+                        for b in _blocks(model):
+                            fully_shard(b)
+                        fully_shard(model)
+                    a, kw = split_inputs(work.inputs)
+                    held = []
+
+                    def run():
+                        out = loss_from_output(model(*a, **kw), work.inputs, work.loss_fn)
+                        last = getattr(getattr(model.forward, "__slackswap__", None), "last_run", None)
+                        if last is not None:
+                            held.append(last.held_device_bytes())
+                        return out
+                    m = measure_step(model, run, cuda, steps, seed)
+                    if not cuda and held:
+                        m["peak_bytes"] = max(held)     # CPU: bytes held for backward
+                    last = getattr(getattr(model.forward, "__slackswap__", None), "last_run", None)
+                    if last is not None:
+                        m["ops_lined_up"] = len(last.rec_of_op)
+                        m["profile_forward_ops"] = len(mod.TABLE["ops"])
+                        m["ops_rerun"] = last.rerun_ops
+                        m["roots_swapped"] = len(last.metas)
+                    measured[label] = m
+                e, p_ = measured["eager"], measured["patched"]
+                row.update({"passed": e["losses"] == p_["losses"],
+                            "max_loss_abs_diff": max(abs(x - y) for x, y in zip(e["losses"], p_["losses"])),
+                            "measured_peak_bytes": p_["peak_bytes"], "eager_peak_bytes": e["peak_bytes"],
+                            "measured_step_ms": p_["step_ms"], "eager_step_ms": e["step_ms"],
+                            "measured_retention": e["step_ms"] / p_["step_ms"],
+                            **{k: p_[k] for k in ("ops_lined_up", "profile_forward_ops", "ops_rerun",
+                                                  "roots_swapped") if k in p_}})
+            except Exception as exc:  # noqa: BLE001 - record and go on
+                row["error"] = _err(exc)
+                row["traceback"] = traceback.format_exc().splitlines()[-6:]
+            rows.append(row)
+    return rows
 
 
 def run_baselines(args: dict, fractions: list[float], cuda: bool, steps: int, seed: int,
@@ -290,6 +369,15 @@ def main(argv=None) -> int:
                 row["error"] = _err(exc)
                 row["traceback"] = traceback.format_exc().splitlines()[-6:]
             result["rows"].append(row)
+    say("in place: patch(model), plain and under FSDP2 (world size 1)")
+    result["rows"] += run_inplace(prof, hw, args, fractions, cuda, opts.steps, opts.seed,
+                                  "slackswap-inplace")
+    result["rows"] += run_inplace(prof, hw, args, fractions, cuda, opts.steps, opts.seed,
+                                  "slackswap-inplace-fsdp2", fsdp=True)
+    say("in place with a plan from a --device fake profile (as made on a CPU-only machine)")
+    fake_prof = profile_workload(str(WORKLOAD), args=args, device="fake", hardware=hw)
+    result["rows"] += run_inplace(fake_prof, hw, args, fractions, cuda, opts.steps, opts.seed,
+                                  "slackswap-inplace-fake-cpu-profile")
     if not opts.no_baselines:
         say("baselines: checkpoint every block, torch.compile activation_memory_budget")
         result["rows"] += run_baselines(args, fractions, cuda, opts.steps, opts.seed,
@@ -300,7 +388,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
     say(f"wrote {out}")
-    failed = [r for r in result["rows"] if r["method"] == "slackswap"
+    failed = [r for r in result["rows"] if r["method"].startswith("slackswap")
               and (r.get("error") or not r.get("passed", False))]
     return 1 if failed else 0
 

@@ -328,7 +328,8 @@ def runtime_table(prof, decisions) -> dict:
     """The plan as the in-place runtime (`replay`) carries it out, in plain Python values.
 
     - `ops`: the forward ops in order, `[name, target, output shapes, output tensor ids,
-      module path]` (the runtime aligns the ops it sees with these);
+      module path, reads activations, the activations it reads]` (the runtime aligns the ops
+      it sees with these);
     - `root`: activation tensor id -> its storage root (aliases only);
     - `action`: root -> "swap" | "recompute" (every other root is kept);
     - `chains`: backward op -> the forward ops re-run before it (`Layout.chains`);
@@ -361,9 +362,11 @@ def runtime_table(prof, decisions) -> dict:
         chain_inputs[owner] = ins
     first_use = {r: lay.task_owner[t] for r, t in lay.need_task.items()}
     ops = []
+    root_of = tab.root
     for o in prof.ops[:nf]:
+        acts = [t for t in o.inputs if prof.tensors[root_of[t]].kind == "activation"]
         ops.append([o.name, o.target, [list(prof.tensors[t].shape) for t in o.outputs],
-                    list(o.outputs), o.module])
+                    list(o.outputs), o.module, bool(acts), acts])
     op_inputs = {p: list(tab.in_roots[p]) for ops_ in chains.values() for p in ops_}
     needs: dict[int, list[int]] = {}
     for owner, ops_ in chains.items():

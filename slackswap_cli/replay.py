@@ -104,6 +104,7 @@ class PlanRun:
         t = patched.table
         self.table = t
         self.records: list[_Record] = []
+        self.reads_act: list[bool] = []            # per record: does it read activations?
         self.where = WeakTensorKeyDictionary()     # produced tensor -> (record, output)
         self.rec_of_op: dict[int, int] = {}        # profile op id -> record
         self.tid_of: dict[tuple[int, int], int] = {}
@@ -141,7 +142,6 @@ class PlanRun:
         bump = _written_returns(func)
         versions = [x._version + (j in bump) if isinstance(x, torch.Tensor) else 0
                     for j, x in enumerate(leaves)]
-        op = self._align(func, leaves)
         in_locs = []
 
         def ref(x):
@@ -155,7 +155,14 @@ class PlanRun:
             return x
         rargs = pytree.tree_map(ref, args)
         rkwargs = pytree.tree_map(ref, kwargs)
+        # does it read activations (values the forward computed from its inputs), as opposed
+        # to parameters only (a wrapper's all-gather and views of weights)?
+        reads_act = any(self._activation(loc) for loc in in_locs)
+        known = {t for t in (self.tid_of.get(loc) for loc in in_locs)
+                 if t is not None and self.root(t) not in self.p.non_activation}
+        op = self._align(func, leaves, reads_act, known)
         self.records.append(_Record(func, rargs, rkwargs, outs, versions, op, in_locs))
+        self.reads_act.append(reads_act)
         for j, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 if self.device is None and x.device.type != "meta":
@@ -177,8 +184,17 @@ class PlanRun:
                         self.metas[r] = (x.dtype, tuple(x.shape), tuple(x.stride()),
                                          x.storage_offset())
 
-    def _align(self, func, leaves) -> int | None:
-        """The next expected op with this op's target, first output shape and module."""
+    def _activation(self, loc: tuple[int, int]) -> bool:
+        tid = self.tid_of.get(loc)
+        if tid is not None:
+            return self.root(tid) not in self.p.non_activation
+        return self.reads_act[loc[0]]
+
+    def _align(self, func, leaves, reads_act: bool, known: set) -> int | None:
+        """The next expected op with this op's target, first output shape and module, that
+        reads activations exactly when this op does, and reads no profile value it does not
+        (so an op of a wrapper's hook, such as FSDP2's views of gathered weights or of a
+        block's input, cannot pass for a model's op)."""
         ops = self.table["ops"]
         name = str(func)
         first = next((list(x.shape) for x in leaves if isinstance(x, torch.Tensor)), None)
@@ -186,7 +202,8 @@ class PlanRun:
         end = min(len(ops), self.ptr + WINDOW)
         for i in range(self.ptr, end):
             o = ops[i]
-            if o[1] == name and o[4] == module and (o[2][0] if o[2] else None) == first:
+            if (o[1] == name and o[4] == module and (o[2][0] if o[2] else None) == first
+                    and o[5] == reads_act and known.issubset(o[6])):
                 self.ptr = i + 1
                 return i
         self.unmatched += 1
