@@ -13,7 +13,7 @@ plans the step with every registered planner at budget 0.5 of the keep-all activ
                                      [--synthetic]
 
 `--synthetic` (or a missing sample profile) uses transformer-shaped synthetic profiles built
-here with ProfileBuilder (see `transformer_profile`), so the benchmark runs before the traced
+by `slackswap_cli.synthetic.transformer_profile`, so the benchmark runs before the traced
 samples exist. Those are stand-ins, not the paper's workloads: the table says which was used.
 """
 from __future__ import annotations
@@ -28,185 +28,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from slackswap_cli.hardware import PRESETS, HardwareSpec, load_hardware  # noqa: E402
-from slackswap_cli.profile_build import ProfileBuilder  # noqa: E402
 from slackswap_cli.schema import Profile  # noqa: E402
+from slackswap_cli.synthetic import SYNTHETIC_SHAPES, synthetic_sample  # noqa: E402
 
 # Published retention at half the activation peak, A100 + PCIe 4.0 (DESIGN.md §1).
 PUBLISHED = {"bert-large": 0.963, "gpt2-xl": 0.976, "llama-7b": 0.996}
 SAMPLES = ["sample_profiles/bert-large.json", "sample_profiles/gpt2-xl.json",
            "sample_profiles/llama-7b.json"]
 SWEEP = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
-
-# name -> (architecture, layers, hidden, heads, ffn, batch, seq)
-SYNTHETIC_SHAPES = {
-    "bert-large": ("bert", 24, 1024, 16, 4096, 8, 512),
-    "gpt2-xl": ("gpt2", 48, 1600, 25, 6400, 4, 1024),
-    "llama-7b": ("llama", 32, 4096, 32, 11008, 1, 4096),
-}
-
-
-# --------------------------------------------------------------------------------------------
-# Synthetic transformer profiles (stand-ins until traced samples exist)
-# --------------------------------------------------------------------------------------------
-def transformer_profile(arch: str = "gpt2", layers: int = 4, hidden: int = 256, heads: int = 4,
-                        ffn: int | None = None, batch: int = 2, seq: int = 128,
-                        hw: HardwareSpec | None = None, name: str | None = None) -> Profile:
-    """An aten-level-looking training step of a transformer, roofline-timed on `hw`.
-
-    Per block (bf16): norm (output + fp32 statistics), QKV projection(s), flash-style attention
-    (output + fp32 log-sum-exp), output projection, dropout (bert/gpt2: output and bool mask, not
-    recomputable), residual add, norm, MLP (GELU, or SwiGLU for llama), dropout, residual add;
-    backward mirrors it, reading what forward saved and producing gradient transients.
-    """
-    hw = hw or PRESETS["a100-pcie4"]
-    ffn = ffn or 4 * hidden
-    n_tok = batch * seq
-    bf = 2
-    b = ProfileBuilder()
-
-    def act(nm, cols, dtype="bfloat16", rec=True):
-        return b.add_tensor(nm, "activation", (n_tok, cols), dtype, recomputable=rec)
-
-    def op(nm, target, phase, ins, outs, mod, flops=0, extra_bytes=0):
-        moved = sum(b.tensors[t].size_bytes for t in (*ins, *outs)
-                    if b.tensors[t].kind == "activation") + extra_bytes
-        return b.add_op(nm, target, phase, ins, outs, module=mod, flops=int(flops), bytes=moved,
-                        time_us=hw.roofline_us(flops, moved))
-
-    def param(nm, n_el):
-        return b.add_tensor(nm, "parameter", (n_el,), "bfloat16")
-
-    x_in = b.add_tensor("input_embeds", "input", (n_tok, hidden), "bfloat16")
-    prefix = {"bert": "bert.encoder.layer", "gpt2": "transformer.h", "llama": "model.layers"}[arch]
-    dropout = arch != "llama"
-    x = act("embed", hidden)
-    op("embed", "aten.embedding.default", "forward", (x_in,), (x,), "embed", 0)
-    saved_per_layer = []
-    for li in range(layers):
-        mod = f"{prefix}.{li}"
-        w = {k: param(f"{k}{li}", n) for k, n in (
-            ("wqkv", 3 * hidden * hidden), ("wo", hidden * hidden),
-            ("w1", hidden * ffn * (2 if arch == "llama" else 1)), ("w2", hidden * ffn))}
-        s = {}
-        s["x"] = x
-        h1, mu1, rs1 = act(f"ln1_{li}", hidden), act(f"mu1_{li}", 1, "float32"), act(f"rs1_{li}", 1, "float32")
-        op(f"ln1_{li}", "aten.native_layer_norm.default", "forward", (x,), (h1, mu1, rs1), f"{mod}.ln_1")
-        qkv = act(f"qkv_{li}", 3 * hidden)
-        op(f"qkv_{li}", "aten.addmm.default", "forward", (h1, w["wqkv"]), (qkv,), f"{mod}.attn.c_attn",
-           2 * n_tok * hidden * 3 * hidden, 3 * hidden * hidden * bf)
-        if arch == "llama":  # rotary embedding: q, k rotated copies
-            qk = act(f"rope_{li}", 2 * hidden)
-            op(f"rope_{li}", "aten.mul.Tensor", "forward", (qkv,), (qk,), f"{mod}.attn.rotary")
-            att_in = (qk, qkv)
-        else:
-            att_in = (qkv,)
-        o = act(f"attn_{li}", hidden)
-        lse = b.add_tensor(f"lse_{li}", "activation", (batch, heads, seq), "float32")
-        causal = 0.5 if arch != "bert" else 1.0
-        att_flops = 4 * batch * seq * seq * hidden * causal
-        op(f"attn_{li}", "aten._scaled_dot_product_flash_attention.default", "forward", att_in,
-           (o, lse), f"{mod}.attn", att_flops)
-        pr = act(f"proj_{li}", hidden)
-        op(f"proj_{li}", "aten.addmm.default", "forward", (o, w["wo"]), (pr,), f"{mod}.attn.c_proj",
-           2 * n_tok * hidden * hidden, hidden * hidden * bf)
-        if dropout:
-            pd, mask = act(f"drop1_{li}", hidden, rec=False), act(f"mask1_{li}", hidden, "bool", rec=False)
-            op(f"drop1_{li}", "aten.native_dropout.default", "forward", (pr,), (pd, mask), f"{mod}.attn.dropout")
-        else:
-            pd, mask = pr, None
-        x2 = act(f"res1_{li}", hidden)
-        op(f"res1_{li}", "aten.add.Tensor", "forward", (x, pd), (x2,), mod)
-        h2, mu2, rs2 = act(f"ln2_{li}", hidden), act(f"mu2_{li}", 1, "float32"), act(f"rs2_{li}", 1, "float32")
-        op(f"ln2_{li}", "aten.native_layer_norm.default", "forward", (x2,), (h2, mu2, rs2), f"{mod}.ln_2")
-        if arch == "llama":
-            u = act(f"gateup_{li}", 2 * ffn)
-            op(f"gateup_{li}", "aten.mm.default", "forward", (h2, w["w1"]), (u,), f"{mod}.mlp.gate_up",
-               2 * n_tok * hidden * 2 * ffn, 2 * hidden * ffn * bf)
-            g = act(f"swiglu_{li}", ffn)
-            op(f"swiglu_{li}", "aten.mul.Tensor", "forward", (u,), (g,), f"{mod}.mlp.act")
-        else:
-            u = act(f"fc1_{li}", ffn)
-            op(f"fc1_{li}", "aten.addmm.default", "forward", (h2, w["w1"]), (u,), f"{mod}.mlp.c_fc",
-               2 * n_tok * hidden * ffn, hidden * ffn * bf)
-            g = act(f"gelu_{li}", ffn)
-            op(f"gelu_{li}", "aten.gelu.default", "forward", (u,), (g,), f"{mod}.mlp.act")
-        v = act(f"fc2_{li}", hidden)
-        op(f"fc2_{li}", "aten.addmm.default", "forward", (g, w["w2"]), (v,), f"{mod}.mlp.c_proj",
-           2 * n_tok * hidden * ffn, hidden * ffn * bf)
-        if dropout:
-            vd, mask2 = act(f"drop2_{li}", hidden, rec=False), act(f"mask2_{li}", hidden, "bool", rec=False)
-            op(f"drop2_{li}", "aten.native_dropout.default", "forward", (v,), (vd, mask2), f"{mod}.mlp.dropout")
-        else:
-            vd, mask2 = v, None
-        x3 = act(f"res2_{li}", hidden)
-        op(f"res2_{li}", "aten.add.Tensor", "forward", (x2, vd), (x3,), mod)
-        saved_per_layer.append(dict(mod=mod, w=w, x=x, h1=h1, mu1=mu1, rs1=rs1, qkv=qkv,
-                                    qk=att_in[0] if arch == "llama" else None, o=o, lse=lse,
-                                    mask=mask, x2=x2, h2=h2, mu2=mu2, rs2=rs2, u=u, g=g,
-                                    mask2=mask2))
-        x = x3
-    loss = b.add_tensor("loss", "activation", (), "float32")
-    op("loss", "aten.mean.default", "forward", (x,), (loss,), "loss")
-    gy = b.add_tensor("tangent", "input", (), "float32")
-    gx = act("grad_out", hidden)
-    op("loss_bwd", "aten.expand.default", "backward", (gy, x), (gx,), "loss")
-    for li in reversed(range(layers)):
-        s = saved_per_layer[li]
-        mod, w = s["mod"], s["w"]
-
-        def gw(nm):
-            return b.add_tensor(f"{nm}_grad{li}", "gradient", (1,), "bfloat16",
-                                size_bytes=b.tensors[w[nm]].size_bytes)
-        if dropout:
-            gv = act(f"gdrop2_{li}", hidden)
-            op(f"gdrop2_{li}", "aten.native_dropout_backward.default", "backward", (gx, s["mask2"]), (gv,), f"{mod}.mlp.dropout")
-        else:
-            gv = gx
-        gg = act(f"gfc2_{li}", ffn)
-        op(f"gfc2_{li}", "aten.mm.default", "backward", (gv, s["g"]), (gg, gw("w2")), f"{mod}.mlp.c_proj",
-           4 * n_tok * hidden * ffn, hidden * ffn * bf)
-        gu = act(f"gact_{li}", 2 * ffn if arch == "llama" else ffn)
-        op(f"gact_{li}", "aten.gelu_backward.default" if arch != "llama" else "aten.mul.Tensor",
-           "backward", (gg, s["u"]), (gu,), f"{mod}.mlp.act")
-        gh2 = act(f"gfc1_{li}", hidden)
-        op(f"gfc1_{li}", "aten.mm.default", "backward", (gu, s["h2"]), (gh2, gw("w1")), f"{mod}.mlp.c_fc",
-           4 * n_tok * hidden * ffn * (2 if arch == "llama" else 1), hidden * ffn * bf)
-        gx2 = act(f"gln2_{li}", hidden)
-        op(f"gln2_{li}", "aten.native_layer_norm_backward.default", "backward",
-           (gh2, gx, s["x2"], s["mu2"], s["rs2"]), (gx2,), f"{mod}.ln_2")
-        if dropout:
-            gp = act(f"gdrop1_{li}", hidden)
-            op(f"gdrop1_{li}", "aten.native_dropout_backward.default", "backward", (gx2, s["mask"]), (gp,), f"{mod}.attn.dropout")
-        else:
-            gp = gx2
-        go = act(f"gproj_{li}", hidden)
-        op(f"gproj_{li}", "aten.mm.default", "backward", (gp, s["o"]), (go, gw("wo")), f"{mod}.attn.c_proj",
-           4 * n_tok * hidden * hidden, hidden * hidden * bf)
-        gqkv = act(f"gattn_{li}", 3 * hidden)
-        att_ins = (go, s["qkv"], s["o"], s["lse"]) + ((s["qk"],) if s["qk"] is not None else ())
-        causal = 0.5 if arch != "bert" else 1.0
-        op(f"gattn_{li}", "aten._scaled_dot_product_flash_attention_backward.default", "backward",
-           att_ins, (gqkv,), f"{mod}.attn", 2.5 * 4 * batch * seq * seq * hidden * causal)
-        gh1 = act(f"gqkv_{li}", hidden)
-        op(f"gqkv_{li}", "aten.mm.default", "backward", (gqkv, s["h1"]), (gh1, gw("wqkv")), f"{mod}.attn.c_attn",
-           4 * n_tok * hidden * 3 * hidden, 3 * hidden * hidden * bf)
-        gxn = act(f"gln1_{li}", hidden)
-        op(f"gln1_{li}", "aten.native_layer_norm_backward.default", "backward",
-           (gh1, gx2, s["x"], s["mu1"], s["rs1"]), (gxn,), f"{mod}.ln_1")
-        gx = gxn
-    gemb = b.add_tensor("embed_grad", "gradient", (1,), "bfloat16")
-    op("embed_bwd", "aten.embedding_dense_backward.default", "backward", (gx,), (gemb,), "embed")
-    return b.build(workload={"name": name or f"synthetic-{arch}", "synthetic": True,
-                             "args": dict(arch=arch, layers=layers, hidden=hidden, heads=heads,
-                                          ffn=ffn, batch=batch, seq=seq)},
-                   env={"device": "synthetic", "hardware": hw.name})
-
-
-def synthetic_sample(name: str, hw: HardwareSpec) -> Profile:
-    arch, layers, hidden, heads, ffn, batch, seq = SYNTHETIC_SHAPES[name]
-    return transformer_profile(arch, layers, hidden, heads, ffn, batch, seq, hw=hw,
-                               name=f"synthetic-{name}")
-
 
 # --------------------------------------------------------------------------------------------
 # The benchmark

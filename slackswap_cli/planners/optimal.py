@@ -23,7 +23,9 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   duplex derate, and chains pulling evicted inputs back early (their memory). The plan is
   repaired in the static model of `common` (extra recompute where memory still exceeds the
   budget) and the simulator judges it; notes give the MILP's objective, its proven lower bound
-  (on the model, not on the simulator) and gap.
+  (on this model, not on the simulator: a plan can beat it) and gap. The bound that holds for
+  every plan the simulator accepts is `bound.sound_bound`, an LP relaxation of the simulator's
+  rules; `plan` computes it first and reports it in the notes ("sound bound: ...").
 
 **Repeated layers.** Transformer blocks repeat: when the profile has more than
 `untie_limit` candidates, candidates at the same position of identical blocks share one
@@ -39,10 +41,68 @@ import numpy as np
 
 from ..hardware import HardwareSpec
 from ..schema import Profile
+from .bound import quiet_fds, sound_bound
 from .common import KEEP, RECOMPUTE, SWAP, Model, State, build_chains, build_model, memory, \
     recompute_until_fits
 
 DEFAULT_TIME_LIMIT_S = 60.0
+NODE_LIMIT = 20_000          # a deterministic cap on the search (the time limit is not)
+BOUND_SHARE = 0.3            # at most this share of the time limit goes to the sound bound
+RESERVE_S = 1.0              # kept back for the repair, prefetch points and the simulation
+SOFT_SHARE = 0.7             # HiGHS's own time limit, as a share of the MILP's time: HiGHS
+                             # checks it only now and then, so the solve also runs in a child
+                             # process that is stopped at the full time
+
+
+class _Stopped:
+    """What `_run_bounded` returns for a solve it had to stop (no solution, no bound)."""
+    x = None
+    fun = None
+    mip_dual_bound = None
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _call_quietly(fn, kwargs, conn=None):
+    import warnings
+    with warnings.catch_warnings(), quiet_fds():
+        # random_seed and threads go to HiGHS verbatim (scipy warns that it does so)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = fn(**kwargs)
+    out = {k: getattr(res, k, None) for k in ("x", "fun", "mip_dual_bound", "message")}
+    if conn is None:
+        return out
+    conn.send(out)
+    conn.close()
+
+
+def _run_bounded(fn, kwargs, limit_s: float):
+    """`fn(**kwargs)` (a scipy HiGHS call) with its C output silenced, stopped after `limit_s`
+    seconds: in a forked child where the platform allows, else in this process (then only
+    HiGHS's own time limit applies)."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+    try:
+        ctx = mp.get_context("fork")
+    except ValueError:
+        return SimpleNamespace(**_call_quietly(fn, kwargs))
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_call_quietly, args=(fn, kwargs, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if recv.poll(max(0.1, limit_s)):
+            try:
+                return SimpleNamespace(**recv.recv())
+            except EOFError:
+                return _Stopped("the solver process ended without an answer")
+        return _Stopped(f"stopped after the time limit ({limit_s:.1f} s)")
+    finally:
+        recv.close()
+        if child.is_alive():
+            child.terminate()
+        child.join()
 PREFETCH_MARGIN = 0.10
 
 
@@ -101,7 +161,7 @@ def _groups(m: Model, untie_limit: int, groups: int) -> tuple[np.ndarray, int, s
 
 
 def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-          untie_limit: int = 900, groups: int = 6):
+          untie_limit: int = 900, groups: int = 6, node_limit: int | None = NODE_LIMIT):
     """Build and solve the MILP. Returns (actions, notes)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
@@ -231,10 +291,14 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
     integrality[ieF] = integrality[ieB] = 0
     integrality[iy:iy + ny] = 0     # y is integral at any optimum (it only pays)
     t0 = time.perf_counter()
-    res = milp(cost, constraints=[LinearConstraint(A, np.concatenate(lo_b), np.concatenate(hi_b))],
-               integrality=integrality, bounds=Bounds(np.zeros(N), ub),
-               options={"time_limit": float(time_limit_s), "mip_rel_gap": 1e-4,
-                        "disp": False})
+    options = {"time_limit": max(0.1, SOFT_SHARE * float(time_limit_s)), "mip_rel_gap": 1e-4,
+               "disp": False, "random_seed": 0, "threads": 1}
+    if node_limit is not None:
+        options["node_limit"] = int(node_limit)
+    constraint = LinearConstraint(A, np.concatenate(lo_b), np.concatenate(hi_b))
+    res = _run_bounded(milp, dict(c=cost, constraints=[constraint], integrality=integrality,
+                                  bounds=Bounds(np.zeros(N), ub), options=options),
+                       float(time_limit_s))
     solve_s = time.perf_counter() - t0
     notes.append(f"MILP: {nv} choices x 2 binaries, {ny} producer runs, {len(sel)} memory rows, "
                  f"{A.nnz} nonzeros; HiGHS {solve_s:.1f} s, status: {res.message}")
@@ -243,7 +307,7 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
         if bound is not None and np.isfinite(bound):
             ideal = m.ideal_us
             notes.append(f"MILP proven lower bound {bound:.1f} us of overhead: retention at most "
-                         f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model")
+                         f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model (not a bound on plans)")
         notes.append("MILP found no solution in time: using slackswap's static plan instead")
         return None, notes
     x = np.round(res.x).astype(int)
@@ -253,7 +317,7 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
         ideal = m.ideal_us
         notes.append(f"MILP objective {obj:.1f} us of overhead, proven lower bound {bound:.1f} us "
                      f"(gap {100 * gap:.2f}%): retention at most "
-                     f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model")
+                     f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model (not a bound on plans)")
     actions = []
     for c in range(n):
         if x[iw + var[c]]:
@@ -266,16 +330,31 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
 
 
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
-         time_limit_s: float = DEFAULT_TIME_LIMIT_S, untie_limit: int = 900, groups: int = 6):
+         time_limit_s: float = DEFAULT_TIME_LIMIT_S, untie_limit: int = 900, groups: int = 6,
+         node_limit: int | None = NODE_LIMIT):
     """The `optimal` planner: solve the MILP, then repair what the static model still finds over.
 
-    Options: `time_limit_s` for HiGHS; profiles with more than `untie_limit` candidates tie
-    identical blocks into `groups` groups (see the module docstring).
+    `time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
+    `BOUND_SHARE` of it), the MILP (what is left, less `RESERVE_S` for the repair and the
+    simulation after it). HiGHS runs with a fixed seed on one thread, so two runs give the same
+    plan unless the time limit, rather than the gap or `node_limit`, ends the search (the notes
+    say which). Profiles with more than `untie_limit` candidates tie identical blocks into
+    `groups` groups (see the module docstring).
     """
     from . import PlannerOutput
     from .slackswap import plan_static, prefetch_points
+    t0 = time.perf_counter()
+    deadline = t0 + float(time_limit_s)
     m = build_model(profile, hw)
-    actions, notes = solve(m, budget_bytes, time_limit_s, untie_limit=untie_limit, groups=groups)
+    notes: list[str] = []
+    b = sound_bound(profile, hw, budget_bytes,
+                    time_limit_s=max(0.5, BOUND_SHARE * (deadline - time.perf_counter())))
+    notes.append(b.message)
+    reserve = max(RESERVE_S, 0.05 * time_limit_s)
+    milp_s = max(0.5, deadline - time.perf_counter() - reserve)
+    actions, more = solve(m, budget_bytes, milp_s, untie_limit=untie_limit, groups=groups,
+                          node_limit=node_limit)
+    notes.extend(more)
     if actions is None:
         state, _, _ = plan_static(m, budget_bytes)
     else:
