@@ -1,15 +1,18 @@
 """Reproduce the reference paper's table: retention of every planner on the sample profiles.
 
 For each profile (default: sample_profiles/bert-large.json, gpt2-xl.json, llama-7b.json) this
-plans the step with every registered planner at budget 0.5 of the keep-all activation peak on
-`a100-pcie4`, then sweeps the budget from 0.1 to 1.0, and writes
+plans the step with every registered planner at budgets 0.3, 0.5 and 0.7 of the keep-all
+activation peak on `a100-pcie4` (the published figures are at 0.5), computes the sound bound
+(`slackswap_cli/planners/bound.py`: no plan the simulator accepts has a higher retention), then
+sweeps the budget from 0.1 to 1.0 with the heuristic planners, and writes
 
 - `<out>/paper_table.json`: every (profile, planner, budget) result with the simulator's numbers,
 - `<out>/paper_table.md`: the table at 0.5 next to the published figures, and the sweep,
 - `<out>/paper_table.png`: retention against budget, one panel a profile (if matplotlib imports).
 
     python benchmarks/paper_table.py [--profiles a.json b.json] [--out benchmarks/results]
-                                     [--hardware a100-pcie4] [--optimal-time-limit 60]
+                                     [--budgets 0.3,0.5,0.7] [--hardware a100-pcie4]
+                                     [--optimal-time-limit 60]
                                      [--synthetic]
 
 `--synthetic` (or a missing sample profile) uses transformer-shaped synthetic profiles built
@@ -76,6 +79,18 @@ def run_one(prof: Profile, hw: HardwareSpec, planner: str, fraction: float,
     return row
 
 
+def bound_row(prof: Profile, hw: HardwareSpec, fraction: float) -> dict:
+    """The sound bound at `fraction` of the keep-all peak, as a result row."""
+    from slackswap_cli.planners.bound import sound_bound
+    budget = int(fraction * int(prof.summary["peak_activation_bytes"]))
+    t0 = time.perf_counter()
+    b = sound_bound(prof, hw, budget)
+    return {"planner": "sound bound", "budget_fraction": fraction, "budget_bytes": budget,
+            "feasible": b.fits, "below_floor": not b.fits, "retention": b.retention,
+            "overhead_us": b.overhead_us, "solve_s": time.perf_counter() - t0,
+            "message": b.message}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profiles", nargs="*", default=None,
@@ -83,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                     help="output folder [default: benchmarks/results]")
     ap.add_argument("--hardware", default="a100-pcie4")
-    ap.add_argument("--budget", type=float, default=0.5, help="budget of the main table")
+    ap.add_argument("--budget", type=float, default=0.5,
+                    help="budget of the published figures [default 0.5]")
+    ap.add_argument("--budgets", default="0.3,0.5,0.7",
+                    help="comma-separated budgets of the main table (every planner and the "
+                         "sound bound); --budget is added if missing")
     ap.add_argument("--sweep", default=",".join(str(x) for x in SWEEP),
                     help="comma-separated budget fractions of the sweep")
     ap.add_argument("--planners", default=None, help="comma-separated subset")
@@ -102,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     hw = load_hardware(args.hardware)
     names = args.planners.split(",") if args.planners else planner_names()
     sweep = [float(x) for x in args.sweep.split(",") if x.strip()]
+    mains = sorted({float(x) for x in args.budgets.split(",") if x.strip()} | {args.budget})
     profiles: list[tuple[str, Profile, str]] = []
     paths = args.profiles if args.profiles is not None else [str(ROOT / s) for s in SAMPLES]
     for path in paths:
@@ -115,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[paper_table] {path} missing: using the synthetic stand-in", flush=True)
             profiles.append((key, synthetic_sample(key, hw), "synthetic"))
 
-    results = {"hardware": hw.name, "budget": args.budget, "sweep": sweep,
+    results = {"hardware": hw.name, "budget": args.budget, "budgets": mains, "sweep": sweep,
                "optimal_time_limit_s": args.optimal_time_limit, "profiles": []}
     for key, prof, source in profiles:
         slack = (prof.summary.get("forward_us", 0.0) * 1e-6 * hw.d2h_bytes_per_s
@@ -125,17 +145,25 @@ def main(argv: list[str] | None = None) -> int:
                  "n_ops": len(prof.ops), "n_saved": len(prof.saved_activations),
                  "peak_activation_bytes": prof.summary["peak_activation_bytes"],
                  "published_retention": PUBLISHED.get(key), "main": [], "sweep": []}
-        for name in names:
-            row = run_one(prof, hw, name, args.budget, args.optimal_time_limit)
-            entry["main"].append(row)
-            print(f"[paper_table] {key:12s} {args.budget:.2f} {name:17s} "
-                  f"{_fmt_ret(row)} ({row.get('plan_and_simulate_ms', 0):.0f} ms)", flush=True)
+        entry["bound"] = []
+        for frac in mains:
+            entry["bound"].append(bound_row(prof, hw, frac))
+            print(f"[paper_table] {key:12s} {frac:.2f} sound bound "
+                  f"{_fmt_ret(entry['bound'][-1])}", flush=True)
+            for name in names:
+                row = run_one(prof, hw, name, frac, args.optimal_time_limit)
+                entry["main"].append(row)
+                print(f"[paper_table] {key:12s} {frac:.2f} {name:17s} "
+                      f"{_fmt_ret(row)} ({row.get('plan_and_simulate_ms', 0):.0f} ms)",
+                      flush=True)
         for frac in sweep:
             for name in names:
                 if name == "optimal" and args.sweep_optimal_time_limit <= 0:
                     continue
-                if abs(frac - args.budget) < 1e-9:
-                    row = next(r for r in entry["main"] if r["planner"] == name)
+                done = [r for r in entry["main"] if r["planner"] == name
+                        and abs(r["budget_fraction"] - frac) < 1e-9]
+                if done:
+                    row = done[0]
                 else:
                     row = run_one(prof, hw, name, frac, args.sweep_optimal_time_limit)
                 entry["sweep"].append(row)
@@ -164,47 +192,55 @@ def _fmt_ret(row: dict) -> str:
 
 
 def render_markdown(results: dict, names: list[str]) -> str:
-    lines = [f"# Paper table: retention at budget {results['budget']} on {results['hardware']}",
+    budgets = results.get("budgets", [results["budget"]])
+    lines = [f"# Paper table: retention on {results['hardware']} at budgets "
+             + ", ".join(f"{b:g}" for b in budgets) + " of the keep-all peak",
              "",
              "Retention = ideal step time / simulated step time (the simulator of "
              "`slackswap_cli/simulate.py`). A plan over budget is marked; 'below floor' means no "
-             "plan can meet that budget.", ""]
-    head = "| workload | source | published | " + " | ".join(names) + " | slackswap plan+sim |"
-    lines += [head, "|" + "---|" * (len(names) + 4)]
+             "plan can meet that budget. *Sound bound*: the LP of "
+             "`slackswap_cli/planners/bound.py`, a relaxation of the simulator's rules: no plan "
+             "the simulator accepts has a higher retention. The published figures are at "
+             f"{results['budget']}.", ""]
+    head = ("| workload | budget | published | " + " | ".join(names)
+            + " | sound bound | slackswap plan+sim |")
+    lines += [head, "|" + "---|" * (len(names) + 5)]
     for e in results["profiles"]:
         pub = e["published_retention"]
-        cells = []
-        for name in names:
-            row = next((r for r in e["main"] if r["planner"] == name), None)
-            cells.append(_fmt_ret(row) if row else "-")
-        ss = next((r for r in e["main"] if r["planner"] == "slackswap"), {})
-        lines.append(f"| {e['name']} | {Path(e['source']).name} | "
-                     f"{'-' if pub is None else f'{100 * pub:.1f}%'} | " + " | ".join(cells)
-                     + f" | {ss.get('plan_and_simulate_ms', 0):.0f} ms |")
-    lines += ["", "Against the published figure and the MILP's bound (`optimal` proves a lower bound "
-              "on the overhead of its model; the model is close to, not the same as, the "
-              "simulator). *Slack* = forward time x D2H bandwidth / keep-all peak: the share of "
-              "the peak that copies hidden under forward compute can move out; at budget "
-              f"{results['budget']} the rest of what must leave has to be recomputed.", "",
-              "| workload | slackswap | optimal | MILP bound | slackswap - optimal | slack |",
-              "|---|---|---|---|---|---|"]
+        for frac in budgets:
+            cells = []
+            for name in names:
+                row = _row(e["main"], name, frac)
+                cells.append(_fmt_ret(row) if row else "-")
+            ss = _row(e["main"], "slackswap", frac) or {}
+            bnd = _row(e.get("bound", []), "sound bound", frac)
+            pub_cell = (f"{100 * pub:.1f}%" if pub is not None
+                        and abs(frac - results["budget"]) < 1e-9 else "-")
+            lines.append(f"| {e['name']} | {frac:g} | {pub_cell} | " + " | ".join(cells)
+                         + f" | {_fmt_ret(bnd) if bnd else '-'}"
+                         + f" | {ss.get('plan_and_simulate_ms', 0):.0f} ms |")
+    lines += ["", "How far the planners are from the sound bound. *Slack* = forward time x D2H "
+              "bandwidth / keep-all peak: the share of the peak that copies hidden under forward "
+              "compute can move out; the rest of what must leave has to be recomputed.", "",
+              "| workload | budget | slackswap | optimal | sound bound | slackswap to bound "
+              "| slack |", "|---|---|---|---|---|---|---|"]
     for e in results["profiles"]:
-        ss = next((r for r in e["main"] if r["planner"] == "slackswap"), None)
-        opt = next((r for r in e["main"] if r["planner"] == "optimal"), None)
-        bound = _bound(opt)
-        diff = (f"{100 * (ss['retention'] - opt['retention']):+.2f} points"
-                if ss and opt and ss.get("retention") is not None
-                and opt.get("retention") is not None else "-")
-        slack = e.get("slack_fraction")
-        lines.append(f"| {e['name']} | {_fmt_ret(ss) if ss else '-'} | "
-                     f"{_fmt_ret(opt) if opt else '-'} | "
-                     f"{'-' if bound is None else f'<= {100 * bound:.2f}%'} | {diff} | "
-                     f"{'-' if slack is None else f'{100 * slack:.1f}%'} |")
+        for frac in budgets:
+            ss, opt = _row(e["main"], "slackswap", frac), _row(e["main"], "optimal", frac)
+            bnd = _row(e.get("bound", []), "sound bound", frac)
+            diff = (f"{100 * (bnd['retention'] - ss['retention']):.2f} points"
+                    if ss and bnd and ss.get("retention") is not None
+                    and bnd.get("retention") is not None else "-")
+            slack = e.get("slack_fraction")
+            lines.append(f"| {e['name']} | {frac:g} | {_fmt_ret(ss) if ss else '-'} | "
+                         f"{_fmt_ret(opt) if opt else '-'} | {_fmt_ret(bnd) if bnd else '-'} | "
+                         f"{diff} | {'-' if slack is None else f'{100 * slack:.1f}%'} |")
     lines.append("")
     for e in results["profiles"]:
-        opt = next((r for r in e["main"] if r["planner"] == "optimal"), None)
-        if opt and opt.get("notes"):
-            lines.append(f"- {e['name']} optimal: " + "; ".join(opt["notes"]))
+        for row in e["main"]:
+            if row["planner"] == "optimal" and row.get("notes"):
+                lines.append(f"- {e['name']} at {row['budget_fraction']:g}, optimal: "
+                             + "; ".join(row["notes"]))
     lines += ["", "## Budget sweep", ""]
     for e in results["profiles"]:
         swept = sorted({r["planner"] for r in e["sweep"]}, key=names.index)
@@ -213,22 +249,16 @@ def render_markdown(results: dict, names: list[str]) -> str:
         for frac in results["sweep"]:
             cells = []
             for name in swept:
-                row = next((r for r in e["sweep"] if r["planner"] == name
-                            and r["budget_fraction"] == frac), None)
+                row = _row(e["sweep"], name, frac)
                 cells.append(_fmt_ret(row) if row else "-")
             lines.append(f"| {frac:.1f} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
-def _bound(row: dict | None) -> float | None:
-    """The MILP's retention bound, from its notes."""
-    import re
-    for note in (row or {}).get("notes", []):
-        m = re.search(r"retention at most ([0-9.]+)", note)
-        if m:
-            return float(m.group(1))
-    return None
+def _row(rows: list[dict], planner: str, frac: float) -> dict | None:
+    return next((r for r in rows if r["planner"] == planner
+                 and abs(r["budget_fraction"] - frac) < 1e-9), None)
 
 
 def plot(results: dict, names: list[str], path: Path) -> str | None:
@@ -247,10 +277,14 @@ def plot(results: dict, names: list[str], path: Path) -> str | None:
             if pts:
                 xs, ys = zip(*sorted(pts))
                 ax.plot(xs, ys, marker="o", label=name)
-        opt = next((r for r in e["main"] if r["planner"] == "optimal"
-                    and r.get("retention") is not None), None)
-        if opt:
-            ax.plot([opt["budget_fraction"]], [opt["retention"]], "kx", ms=9, label="optimal")
+        opts = [(r["budget_fraction"], r["retention"]) for r in e["main"]
+                if r["planner"] == "optimal" and r.get("retention") is not None]
+        if opts:
+            ax.plot(*zip(*opts), "kx", ms=9, label="optimal")
+        bnds = [(r["budget_fraction"], r["retention"]) for r in e.get("bound", [])
+                if r.get("retention") is not None]
+        if bnds:
+            ax.plot(*zip(*bnds), "k_", ms=14, mew=2, label="sound bound")
         if e.get("published_retention"):
             ax.plot([results["budget"]], [e["published_retention"]], "k*", ms=12,
                     label="published")

@@ -135,3 +135,25 @@ def test_bound_counts_hidden_swaps_as_free():
     assert b.retention < 1.0
     plan = run_planner("slackswap", p, slow, budget)[0]
     assert _retention(p, plan, slow, budget) <= b.retention + TOL
+
+
+@pytest.mark.slow
+def test_local_search_on_a_sample_stays_under_the_bound():
+    # BERT-Large at half its activation peak: a 1-move search from slackswap's plan (tens of
+    # seconds) finds nothing above the sound bound, and never loses what it started from
+    from pathlib import Path
+    from slackswap_cli.budget import parse_budget
+    from slackswap_cli.hardware import PRESETS
+    from slackswap_cli.profile_build import recost
+    from slackswap_cli.schema import load_profile
+    hw = PRESETS["a100-pcie4"]
+    path = Path(__file__).resolve().parents[1] / "sample_profiles" / "bert-large.json"
+    prof = recost(load_profile(path), hw)
+    budget, _ = parse_budget("0.5", prof)
+    start = run_planner("slackswap", prof, hw, budget)[0]
+    res = improve(prof, hw, budget, start, two_moves=False, max_passes=1, time_limit_s=30.0)
+    bound = sound_bound(prof, hw, budget)
+    assert res.start_retention is not None and res.retention >= res.start_retention
+    assert res.retention <= bound.retention + TOL
+    assert res.evaluated > 100
+    assert _retention(prof, list(res.decisions), hw, budget) == pytest.approx(res.retention)

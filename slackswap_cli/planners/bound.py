@@ -46,6 +46,10 @@ ignored, loosening); swapped, whatever the copy engines have not yet moved. Extr
   whole between the starts of i and of j, at most `bw_h2d * (ideal_start(j) - ideal_start(i)
   + S)` bytes. So `L_i + sum_gap size_c k_c + sum_{i < fb_c <= j} size_c w_c - bw_h2d *
   (ideal_start(j) - ideal_start(i) + S) <= B`, for a sample of j per i (any subset is sound).
+- Latency: a copy takes `latency + bytes / bw` or longer, and the engines run one copy at a
+  time, so copies of F bytes in all, none larger than `smax`, take at least
+  `F / smax * latency + F / bw`: in (b)-(d) `bw` is the effective `1 / (1/bw + latency/smax)`,
+  with `smax` the largest saved root in the row's gap (for (d), the largest of all).
 - (d) backward j: prefetches start in backward, after forward ended (no earlier than the
   ideal forward end), and every swapped c with fb_c <= j has arrived before j starts:
   `sum_{fb_c <= j} size_c w_c <= bw_h2d * (ideal_start(j) - forward_end + S)`.
@@ -242,8 +246,16 @@ def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = Non
                      "no plan fits: the memory every plan needs exceeds the budget")
     scale = float(max(B, 1))                      # bytes in units of the budget
     size = f.size / scale
-    bw_d = hw.d2h_bytes_per_s * 1e-6 / scale      # budget units per us
-    bw_h = hw.h2d_bytes_per_s * 1e-6 / scale
+    bw_d_raw = hw.d2h_bytes_per_s * 1e-6 / scale  # budget units per us
+    bw_h_raw = hw.h2d_bytes_per_s * 1e-6 / scale
+    lat = max(0.0, float(hw.copy_latency_us))
+    # effective bandwidths: copies of at most `smax` bytes each pay the latency per copy
+    smax_all = float(size.max(initial=0.0))
+
+    def eff(bw: float, smax: float) -> float:
+        return bw if smax <= 0 or lat <= 0 else 1.0 / (1.0 / bw + lat / smax)
+    smax_row = {int(i): float(size[(f.lf < i) & (f.fb > i)].max(initial=0.0)) for i in over}
+    bw_h_all = eff(bw_h_raw, smax_all)
     cap = (B - f.floor) / scale                   # room left at each op
     fwd_rows = over[over < nf]
     bwd_rows = over[over >= nf]
@@ -321,6 +333,7 @@ def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = Non
     for i in over:                                # (b)
         q = at[int(i)]
         rec = [iR] if i >= nf else []
+        bw_d = eff(bw_d_raw, smax_row[int(i)])
         row([iKI + q, iKO + q, iWI + q, iWO + q, iZ + q] + rec,
             [1.0, -1.0, 1.0, -1.0, -bw_d] + [-bw_d] * len(rec), -np.inf,
             cap[i] + bw_d * f.t_start[i])
@@ -329,6 +342,7 @@ def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = Non
     for q_op, i in tails:                         # (b')
         qq, qi = at[q_op], at[i]
         rec = [iR] if i >= nf else []
+        bw_d = eff(bw_d_raw, smax_row[i])
         gap_i = (f.lf < i) & (f.fb > i)
         direct = np.nonzero(gap_i & (f.p >= q_op))[0]
         other = np.nonzero(~gap_i & (f.p < q_op))[0]
@@ -343,10 +357,12 @@ def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = Non
             cap[i] + bw_d * (f.t_start[i] - f.t_start[q_op]))
     for i, j in pairs:                            # (c)
         qi, qj = at[i], at[j]
+        bw_h = eff(bw_h_raw, smax_row[i])
         row([iKI + qi, iKO + qi, iWO + qj, iWO + qi, iZ + qj, iZ + qi, iR],
             [1.0, -1.0, 1.0, -1.0, -bw_h, bw_h, -bw_h],
             -np.inf, cap[i] + bw_h * (f.t_start[j] - f.t_start[i]))
     qf = at[nf - 1]
+    bw_h = bw_h_all
     for j in P[P >= nf]:                          # (d)
         q = at[int(j)]
         row([iWO + q, iZ + q, iZ + qf, iR], [1.0, -bw_h, bw_h, -bw_h], -np.inf,

@@ -3,8 +3,9 @@
 A *1-move* changes one saved activation's action (keep, swap, recompute; recompute only where
 the tensor can be re-run); a *2-move* exchanges the actions of two tensors (one swapped, one
 recomputed, say). A move is taken when the simulated plan fits the budget and its retention
-rises by more than `min_gain`; the search repeats until no move helps, a pass limit or a time
-limit. 2-moves are tried between each tensor and its `pair_window` nearest tensors in size (an
+rises by more than `min_gain` (first improvement: a pass tries every move once, in a fixed
+order, taking each that helps); passes repeat until one finds nothing, a pass limit or a time
+limit. Deterministic: the order depends on tensor ids and sizes only. 2-moves are tried between each tensor and its `pair_window` nearest tensors in size (an
 exchange between similar sizes keeps memory about level; all pairs would be quadratic).
 
 Prefetch pins (`prefetch_at`) of unchanged swaps are kept; a tensor that becomes a swap has
@@ -43,7 +44,7 @@ def _score(prof, decisions, hw, budget) -> float | None:
 def improve(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions,
             two_moves: bool = True, max_passes: int = 20, time_limit_s: float = 60.0,
             pair_window: int = 4, min_gain: float = 1e-9) -> SearchResult:
-    """Best-improvement local search from `decisions` (a list of `Decision`)."""
+    """First-improvement local search from `decisions` (a list of `Decision`)."""
     t0 = time.perf_counter()
     cur = {d.tensor: d for d in decisions}
     for t in prof.saved_activations:
@@ -78,21 +79,25 @@ def improve(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions,
                         continue
                     yield {a: ab, b: aa}
 
-    for _ in range(max_passes):
-        best_move, best_val = None, best
-        for change in candidates():
+    passes = 0
+    out_of_time = False
+    while passes < max_passes and not out_of_time:
+        passes += 1
+        improved = False
+        for change in list(candidates()):
             if time.perf_counter() - t0 > time_limit_s:
+                out_of_time = True
                 break
+            if any(cur[t].action == a for t, a in change.items()):
+                continue                        # stale: an earlier move changed it
             val = _score(prof, with_actions(change), hw, budget_bytes)
             evaluated += 1
-            if val is not None and (best_val is None or val > best_val + min_gain):
-                best_move, best_val = change, val
-        if best_move is None:
-            break
-        cur = {d.tensor: d for d in with_actions(best_move)}
-        best = best_val
-        moves += 1
-        if time.perf_counter() - t0 > time_limit_s:
+            if val is not None and (best is None or val > best + min_gain):
+                cur = {d.tensor: d for d in with_actions(change)}
+                best = val
+                moves += 1
+                improved = True
+        if not improved:
             break
     return SearchResult(tuple(cur[t] for t in ids), best, start,
                         moves, evaluated, time.perf_counter() - t0)
