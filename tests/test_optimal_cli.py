@@ -72,3 +72,25 @@ def test_optimal_is_deterministic():
     b = make_plan("optimal", p, PRESETS["a100-pcie4"], budget, time_limit_s=20)
     assert a.decisions == b.decisions
     assert a.predicted == b.predicted
+
+
+def _add(a, b):
+    return a + b
+
+
+def _boom():
+    raise ValueError("inside the child")
+
+
+def _sleep():
+    import time
+    time.sleep(30)
+
+
+def test_run_quietly_stops_at_its_limit_and_surfaces_errors():
+    from slackswap_cli.planners.bound import run_quietly
+    assert run_quietly(_add, {"a": 1, "b": 2}, 5.0) == 3
+    assert run_quietly(_add, {"a": 1, "b": 2}) == 3          # no limit: runs here
+    assert run_quietly(_sleep, {}, 0.5) is None            # stopped, not waited for
+    with pytest.raises(ValueError, match="inside the child"):
+        run_quietly(_boom, {}, 5.0)

@@ -61,7 +61,8 @@ whose gap has opened, resp. closed, by position q), so the LP has O(ops + roots)
 **Numerics.** HiGHS solves the LP to a relative tolerance of about 1e-7; the reported
 overhead is lowered by `1e-6 * ideal` before it becomes a bound, so a rounding error can only
 loosen it. The LP is solved by scipy's HiGHS (deterministic), silenced at the file-descriptor
-level (`quiet_fds`). When the LP is infeasible, no plan fits the budget at all.
+level (`quiet_fds`); with a time limit it runs in a forked child stopped at the limit
+(`run_quietly`). When the LP is infeasible, no plan fits the budget at all.
 """
 from __future__ import annotations
 
@@ -122,6 +123,60 @@ def quiet_fds():
             os.dup2(copy, fd)
             os.close(copy)
         os.close(devnull)
+
+
+def run_quietly(fn, kwargs: dict, limit_s: float | None = None):
+    """`fn(**kwargs)` (a scipy HiGHS call, or a function making one) with file descriptors 1
+    and 2 silenced and scipy's warnings about options passed to HiGHS verbatim ignored.
+
+    With `limit_s` it runs in a forked child that is stopped after `limit_s` seconds (HiGHS
+    checks its own time limit only now and then); it returns None when stopped. The result
+    must pickle. Where fork is not available it runs here, unbounded.
+    """
+    import multiprocessing as mp
+    if limit_s is not None:
+        try:
+            ctx = mp.get_context("fork")
+        except ValueError:
+            ctx = None
+        if ctx is not None:
+            recv, send = ctx.Pipe(duplex=False)
+            child = ctx.Process(target=_child, args=(fn, kwargs, send), daemon=True)
+            child.start()
+            send.close()
+            try:
+                if recv.poll(max(0.1, limit_s)):
+                    try:
+                        ok, value = recv.recv()
+                    except EOFError:          # the child died (killed, out of memory)
+                        return None
+                    if not ok:
+                        raise value            # a bug in the child: surface it here
+                    return value
+                return None
+            finally:
+                recv.close()
+                if child.is_alive():
+                    child.terminate()
+                child.join()
+    return _quiet_call(fn, kwargs)
+
+
+def _quiet_call(fn, kwargs):
+    import warnings
+    with warnings.catch_warnings(), quiet_fds():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return fn(**kwargs)
+
+
+def _child(fn, kwargs, conn):
+    try:
+        try:
+            conn.send((True, _quiet_call(fn, kwargs)))
+        except Exception as exc:     # noqa: BLE001 - sent to the parent, which raises it
+            conn.send((False, exc))
+    finally:
+        conn.close()
 
 
 class _Facts:
@@ -225,7 +280,14 @@ def sound_bound(prof: Profile, hw: HardwareSpec, budget_bytes: int,
     cache = prof.__dict__.setdefault("_slackswap_bounds", {})
     if key in cache:
         return cache[key]
-    out = _solve(_facts(prof), hw, int(budget_bytes), time_limit_s)
+    t0 = time.perf_counter()
+    facts = _facts(prof)
+    limit = None if time_limit_s is None else max(0.1, time_limit_s - (time.perf_counter() - t0))
+    out = run_quietly(_solve, dict(f=facts, hw=hw, B=int(budget_bytes), time_limit_s=limit),
+                      limit)
+    if out is None:
+        return Bound(True, None, None, facts.ideal, time.perf_counter() - t0, 0,
+                     f"sound bound not computed within its time ({time_limit_s:.1f} s)")
     if out.retention is not None or not out.fits:
         cache[key] = out
     return out

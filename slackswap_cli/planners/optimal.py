@@ -41,69 +41,28 @@ import numpy as np
 
 from ..hardware import HardwareSpec
 from ..schema import Profile
-from .bound import quiet_fds, sound_bound
+from .bound import run_quietly, sound_bound
 from .common import KEEP, RECOMPUTE, SWAP, Model, State, build_chains, build_model, memory, \
     recompute_until_fits
 
 DEFAULT_TIME_LIMIT_S = 60.0
+PREFETCH_MARGIN = 0.10
 NODE_LIMIT = 20_000          # a deterministic cap on the search (the time limit is not)
 BOUND_SHARE = 0.3            # at most this share of the time limit goes to the sound bound
-RESERVE_S = 1.0              # kept back for the repair, prefetch points and the simulation
+RESERVE_S = 2.0              # kept back for the repair, prefetch points and the simulation
 SOFT_SHARE = 0.7             # HiGHS's own time limit, as a share of the MILP's time: HiGHS
                              # checks it only now and then, so the solve also runs in a child
                              # process that is stopped at the full time
 
 
 class _Stopped:
-    """What `_run_bounded` returns for a solve it had to stop (no solution, no bound)."""
+    """What the solve returns when it had to be stopped (no solution, no bound)."""
     x = None
     fun = None
     mip_dual_bound = None
 
     def __init__(self, message: str):
         self.message = message
-
-
-def _call_quietly(fn, kwargs, conn=None):
-    import warnings
-    with warnings.catch_warnings(), quiet_fds():
-        # random_seed and threads go to HiGHS verbatim (scipy warns that it does so)
-        warnings.simplefilter("ignore", RuntimeWarning)
-        res = fn(**kwargs)
-    out = {k: getattr(res, k, None) for k in ("x", "fun", "mip_dual_bound", "message")}
-    if conn is None:
-        return out
-    conn.send(out)
-    conn.close()
-
-
-def _run_bounded(fn, kwargs, limit_s: float):
-    """`fn(**kwargs)` (a scipy HiGHS call) with its C output silenced, stopped after `limit_s`
-    seconds: in a forked child where the platform allows, else in this process (then only
-    HiGHS's own time limit applies)."""
-    import multiprocessing as mp
-    from types import SimpleNamespace
-    try:
-        ctx = mp.get_context("fork")
-    except ValueError:
-        return SimpleNamespace(**_call_quietly(fn, kwargs))
-    recv, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_call_quietly, args=(fn, kwargs, send), daemon=True)
-    child.start()
-    send.close()
-    try:
-        if recv.poll(max(0.1, limit_s)):
-            try:
-                return SimpleNamespace(**recv.recv())
-            except EOFError:
-                return _Stopped("the solver process ended without an answer")
-        return _Stopped(f"stopped after the time limit ({limit_s:.1f} s)")
-    finally:
-        recv.close()
-        if child.is_alive():
-            child.terminate()
-        child.join()
-PREFETCH_MARGIN = 0.10
 
 
 def _windows(m: Model):
@@ -161,8 +120,12 @@ def _groups(m: Model, untie_limit: int, groups: int) -> tuple[np.ndarray, int, s
 
 
 def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-          untie_limit: int = 900, groups: int = 6, node_limit: int | None = NODE_LIMIT):
-    """Build and solve the MILP. Returns (actions, notes)."""
+          untie_limit: int = 900, groups: int = 6, node_limit: int | None = NODE_LIMIT,
+          fork: bool = True):
+    """Build and solve the MILP within `time_limit_s` (building included). Returns (actions,
+    notes). With `fork`, HiGHS runs in a child process stopped at the limit (`run_quietly`);
+    without, in this process (silenced), stopped only by its own time limit."""
+    t_build = time.perf_counter()
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -291,14 +254,17 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
     integrality[ieF] = integrality[ieB] = 0
     integrality[iy:iy + ny] = 0     # y is integral at any optimum (it only pays)
     t0 = time.perf_counter()
-    options = {"time_limit": max(0.1, SOFT_SHARE * float(time_limit_s)), "mip_rel_gap": 1e-4,
+    left = float(time_limit_s) - (t0 - t_build)
+    options = {"time_limit": max(0.1, SOFT_SHARE * left), "mip_rel_gap": 1e-4,
                "disp": False, "random_seed": 0, "threads": 1}
     if node_limit is not None:
         options["node_limit"] = int(node_limit)
     constraint = LinearConstraint(A, np.concatenate(lo_b), np.concatenate(hi_b))
-    res = _run_bounded(milp, dict(c=cost, constraints=[constraint], integrality=integrality,
-                                  bounds=Bounds(np.zeros(N), ub), options=options),
-                       float(time_limit_s))
+    res = run_quietly(milp, dict(c=cost, constraints=[constraint], integrality=integrality,
+                                 bounds=Bounds(np.zeros(N), ub), options=options),
+                      max(0.1, left) if fork else None)
+    if res is None:
+        res = _Stopped(f"stopped after the time limit ({left:.1f} s)")
     solve_s = time.perf_counter() - t0
     notes.append(f"MILP: {nv} choices x 2 binaries, {ny} producer runs, {len(sel)} memory rows, "
                  f"{A.nnz} nonzeros; HiGHS {solve_s:.1f} s, status: {res.message}")
@@ -350,21 +316,39 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     b = sound_bound(profile, hw, budget_bytes,
                     time_limit_s=max(0.5, BOUND_SHARE * (deadline - time.perf_counter())))
     notes.append(b.message)
-    reserve = max(RESERVE_S, 0.05 * time_limit_s)
+    reserve = max(RESERVE_S, 0.08 * time_limit_s)
     milp_s = max(0.5, deadline - time.perf_counter() - reserve)
-    actions, more = solve(m, budget_bytes, milp_s, untie_limit=untie_limit, groups=groups,
-                          node_limit=node_limit)
+    # the whole solve (building the MILP included) runs in a child stopped at milp_s
+    out = run_quietly(solve, dict(m=m, budget_bytes=budget_bytes, time_limit_s=milp_s,
+                                  untie_limit=untie_limit, groups=groups,
+                                  node_limit=node_limit, fork=False), milp_s)
+    actions, more = out if out is not None else (
+        None, [f"MILP stopped after its time ({milp_s:.1f} s) with no answer"])
     notes.extend(more)
+    fallback, _, _ = plan_static(m, budget_bytes)
+    fallback_dec = fallback.decisions(prefetch_points(m, fallback))
     if actions is None:
-        state, _, _ = plan_static(m, budget_bytes)
-    else:
-        state = State(m, actions)
-        for c, a in enumerate(actions):     # a chain the MILP could not see through
-            if a == RECOMPUTE and not np.isfinite(state.cost[c]):
-                state.set(c, KEEP)
-        mem = memory(m, state)
-        if mem.max(initial=0) > budget_bytes:
-            _, fits = recompute_until_fits(m, state, budget_bytes, mem)
-            notes.append("repaired the MILP plan with extra recompute where the static model "
-                         "(with copy queueing) still exceeded the budget")
-    return PlannerOutput(state.decisions(prefetch_points(m, state)), tuple(notes))
+        if out is None:
+            notes.append("using slackswap's static plan instead")
+        return PlannerOutput(fallback_dec, tuple(notes))
+    state = State(m, actions)
+    for c, a in enumerate(actions):     # a chain the MILP could not see through
+        if a == RECOMPUTE and not np.isfinite(state.cost[c]):
+            state.set(c, KEEP)
+    mem = memory(m, state)
+    if mem.max(initial=0) > budget_bytes:
+        _, fits = recompute_until_fits(m, state, budget_bytes, mem)
+        notes.append("repaired the MILP plan with extra recompute where the static model "
+                     "(with copy queueing) still exceeded the budget")
+    mine = state.decisions(prefetch_points(m, state))
+    # an incumbent cut short by the time limit can be poor: the simulator picks
+    if _judge(profile, fallback_dec, hw, budget_bytes) > _judge(profile, mine, hw, budget_bytes):
+        notes.append("slackswap's static plan simulates better than the MILP's: using it")
+        return PlannerOutput(fallback_dec, tuple(notes))
+    return PlannerOutput(mine, tuple(notes))
+
+
+def _judge(profile, decisions, hw, budget_bytes) -> tuple[bool, float]:
+    from ..simulate import simulate
+    res = simulate(profile, decisions, hw, budget_bytes, record=False)
+    return (res.feasible, res.predicted.retention)
