@@ -12,20 +12,20 @@ recompute; `k + w + r = 1`). An integral plan sets one of them to 1, so the LP's
 contains every plan: fractional values only add solutions (a relaxation). `r_c = 0` where the
 simulator refuses recompute: a random op's output, or a chain that must re-run a random op
 whose output backward does not save (`InputError`, so no such plan simulates). `y_o` in
-[0, 1] for each op o some chain re-runs; `S >= 0`, the overhead: simulated step time minus
-ideal time (the sum of all op times).
+[0, 1] for each op o some chain re-runs; `R >= 0`, recompute time; `Z_i >= 0`, the stall
+time before original op i starts (non-decreasing in i), `Z_end` the total stall.
 
 **Overhead.** The compute engine is serial and runs every op once plus the recompute tasks,
-so `step = ideal + recompute time + stall time`, `S = step - ideal`.
-- Recompute (`S >= sum_o time_o * y_o`, `y_o >= r_c` for every op o in c's static chain):
+so `step = ideal + recompute time + stall time`; the LP minimises `S = R + Z_end`.
+- Recompute (`R >= sum_o time_o * y_o`, `y_o >= r_c` for every op o in c's static chain):
   recomputing c re-runs its producer at least once (before its first backward use, or earlier
   in another chain that passes through c), and every forward value that op reads and backward
   does not save is dead in backward, so its producer is re-run as well, recursively (the static
   chain). Other saved inputs add nothing (they may be kept). Each re-run op is paid once, even
   if the simulator re-runs it several times: a loosening.
-- The simulated start of any compute task i is at most `ideal_start(i) + S` (the overhead
-  before i is part of the total), and the time between the starts of two original ops
-  i < j is at most `ideal_start(j) - ideal_start(i) + S`.
+- Time: the simulated start of original op i is `ideal_start(i) + Z_i + (recompute before i)`,
+  with no recompute in forward; between the starts of ops q < i at most
+  `ideal_start(i) - ideal_start(q) + Z_i - Z_q + R` (the `R` only when i is in backward).
 
 **Memory.** In a feasible simulation the memory at the start of each original op i (its
 allocation included) is at most the budget B. Counted there, whatever the plan:
@@ -34,29 +34,36 @@ still reads (p_c <= i <= lf_c) or backward already reads (fb_c <= i <= lu_c): a 
 resident to its last use, a swapped one is released only after its last forward reader and
 fetched before its first backward reader, a recomputed one likewise. Saved roots in their gap
 (lf_c < i < fb_c) add: kept, all of it; recomputed, nothing (a chain may bring it back early:
-ignored, loosening); swapped, whatever the copy engines have not yet moved. Extra residency
-(chain temporaries, chains pulling inputs early, queueing) only adds memory and is ignored.
+ignored, loosening); swapped, whatever is not yet off the device or already being fetched
+back. Extra residency (chain temporaries, chains pulling inputs early, queueing) only adds
+memory and is ignored.
 - (a) `L_i + sum_gap size_c k_c <= B` at every op: swapped bytes counted as gone.
-- (b) forward i: the gap's swapped bytes leave only through the D2H engine, one FIFO whose
-  copies take `latency + bytes / bw` or longer (contention, half duplex), starting no earlier
-  than time 0; by the start of i it moved at most `bw_d2h * (ideal_start(i) + S)` bytes.
-  So `L_i + sum_gap size_c (k_c + w_c) - bw_d2h (ideal_start(i) + S) <= B`.
-- (c) backward i < j: a swapped c with i < fb_c <= j that is not resident at the start of i
-  (its prefetch not yet issued: an issued prefetch holds its memory from issue) is copied
-  whole between the starts of i and of j, at most `bw_h2d * (ideal_start(j) - ideal_start(i)
-  + S)` bytes. So `L_i + sum_gap size_c k_c + sum_{i < fb_c <= j} size_c w_c - bw_h2d *
-  (ideal_start(j) - ideal_start(i) + S) <= B`, for a sample of j per i (any subset is sound).
-- Latency: a copy takes `latency + bytes / bw` or longer, and the engines run one copy at a
-  time, so copies of F bytes in all, none larger than `smax`, take at least
-  `F / smax * latency + F / bw`: in (b)-(d) `bw` is the effective `1 / (1/bw + latency/smax)`,
-  with `smax` the largest saved root in the row's gap (for (d), the largest of all).
-- (d) backward j: prefetches start in backward, after forward ended (no earlier than the
-  ideal forward end), and every swapped c with fb_c <= j has arrived before j starts:
-  `sum_{fb_c <= j} size_c w_c <= bw_h2d * (ideal_start(j) - forward_end + S)`.
+- (b) every op i: a swapped root in i's gap is gone only once its D2H copy is done. The D2H
+  engine runs one copy at a time from time 0, so by the start of i it finished at most
+  `bw_d2h * (ideal_start(i) + Z_i [+ R])` bytes: `L_i + sum_gap size_c (k_c + w_c) -
+  bw_d2h (ideal_start(i) + Z_i [+ R]) <= B`.
+- (b') every op i and a sample of earlier producer positions q: a root produced at or after q
+  is copied no earlier than q's start, so of the gap's roots produced from q on at most
+  `bw_d2h * (time between the starts of q and i)` bytes are gone (roots produced before q
+  may all be gone): the row of (b) over those roots with that window.
+- (c) backward i < j, a sample of j per i: a swapped c with i < fb_c <= j that is not
+  resident at the start of i (its prefetch not yet issued: an issued prefetch holds its
+  memory from issue) is copied whole between the starts of i and of j, one copy at a time:
+  `L_i + sum_gap size_c k_c + sum_{i < fb_c <= j} size_c w_c - bw_h2d * (time between the
+  starts of i and j) <= B`.
+- (d) backward j: prefetches start in backward, after forward ended (no earlier than
+  `forward_end + Z_{last forward op}`), and every swapped c with fb_c <= j has arrived before
+  j starts: `sum_{fb_c <= j} size_c w_c <= bw_h2d * (time from forward's end to j's start)`.
+- Latency: a copy takes `latency + bytes / bw` or longer (contention and half duplex only slow
+  it), and the engines run one copy at a time, so copies of F bytes in all, none larger than
+  `smax`, take at least `F / smax * latency + F / bw`: in (b)-(d) `bw` is the effective
+  `1 / (1/bw + latency/smax)`, with `smax` the largest saved root in the row's gap (for (d),
+  the largest of all).
 
-Rows (a) and (b) are only written at ops whose keep-all memory is over the budget (elsewhere
-they hold for every plan). Sums over gaps use cumulative variables (bytes kept / swapped
-whose gap has opened, resp. closed, by position q), so the LP has O(ops + roots) nonzeros.
+Rows are only written at ops whose keep-all memory is over the budget (elsewhere they hold
+for every plan), and any subset of rows is still a relaxation. Sums over gaps use cumulative
+variables (bytes kept / swapped whose gap has opened, resp. closed, by position q), so the
+LP has few nonzeros per row.
 
 **Numerics.** HiGHS solves the LP to a relative tolerance of about 1e-7; the reported
 overhead is lowered by `1e-6 * ideal` before it becomes a bound, so a rounding error can only
