@@ -23,7 +23,9 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   duplex derate, and chains pulling evicted inputs back early (their memory). The plan is
   repaired in the static model of `common` (extra recompute where memory still exceeds the
   budget) and the simulator judges it; notes give the MILP's objective, its proven lower bound
-  (on this model, not on the simulator: a plan can beat it) and gap. The bound that holds for
+  (on this model, not on the simulator: a plan can beat it) and gap. When the MILP has no
+  answer in time, or slackswap's plan simulates better than the repaired MILP plan, slackswap's
+  plan is returned (the notes say so), so `optimal` never simulates below `slackswap`. The bound that holds for
   every plan the simulator accepts is `bound.sound_bound`, an LP relaxation of the simulator's
   rules; `plan` computes it first and reports it in the notes ("sound bound: ...").
 
@@ -274,7 +276,7 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
             ideal = m.ideal_us
             notes.append(f"MILP proven lower bound {bound:.1f} us of overhead: retention at most "
                          f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model (not a bound on plans)")
-        notes.append("MILP found no solution in time: using slackswap's static plan instead")
+        notes.append("MILP found no solution in time")
         return None, notes
     x = np.round(res.x).astype(int)
     obj = float(res.fun)
@@ -298,17 +300,18 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
          time_limit_s: float = DEFAULT_TIME_LIMIT_S, untie_limit: int = 900, groups: int = 6,
          node_limit: int | None = NODE_LIMIT):
-    """The `optimal` planner: solve the MILP, then repair what the static model still finds over.
+    """The `optimal` planner: solve the MILP, repair what the static model still finds over,
+    and return it unless slackswap's plan simulates better (then that, said in the notes).
 
     `time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
-    `BOUND_SHARE` of it), the MILP (what is left, less `RESERVE_S` for the repair and the
-    simulation after it). HiGHS runs with a fixed seed on one thread, so two runs give the same
+    `BOUND_SHARE` of it), slackswap's plan, the MILP (what is left, less a reserve for the
+    repair and the simulations after it). HiGHS runs with a fixed seed on one thread, so two runs give the same
     plan unless the time limit, rather than the gap or `node_limit`, ends the search (the notes
     say which). Profiles with more than `untie_limit` candidates tie identical blocks into
     `groups` groups (see the module docstring).
     """
     from . import PlannerOutput
-    from .slackswap import plan_static, prefetch_points
+    from .slackswap import plan as slackswap_plan, prefetch_points
     t0 = time.perf_counter()
     deadline = t0 + float(time_limit_s)
     m = build_model(profile, hw)
@@ -316,6 +319,9 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     b = sound_bound(profile, hw, budget_bytes,
                     time_limit_s=max(0.5, BOUND_SHARE * (deadline - time.perf_counter())))
     notes.append(b.message)
+    # slackswap's plan (simulator-checked) is the fallback and the plan to beat
+    fallback = slackswap_plan(profile, hw, budget_bytes)
+    fallback_dec = list(getattr(fallback, "decisions", fallback))
     reserve = max(RESERVE_S, 0.08 * time_limit_s)
     milp_s = max(0.5, deadline - time.perf_counter() - reserve)
     # the whole solve (building the MILP included) runs in a child stopped at milp_s
@@ -325,11 +331,8 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     actions, more = out if out is not None else (
         None, [f"MILP stopped after its time ({milp_s:.1f} s) with no answer"])
     notes.extend(more)
-    fallback, _, _ = plan_static(m, budget_bytes)
-    fallback_dec = fallback.decisions(prefetch_points(m, fallback))
     if actions is None:
-        if out is None:
-            notes.append("using slackswap's static plan instead")
+        notes.append("using slackswap's plan instead")
         return PlannerOutput(fallback_dec, tuple(notes))
     state = State(m, actions)
     for c, a in enumerate(actions):     # a chain the MILP could not see through
@@ -343,7 +346,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     mine = state.decisions(prefetch_points(m, state))
     # an incumbent cut short by the time limit can be poor: the simulator picks
     if _judge(profile, fallback_dec, hw, budget_bytes) > _judge(profile, mine, hw, budget_bytes):
-        notes.append("slackswap's static plan simulates better than the MILP's: using it")
+        notes.append("slackswap's plan simulates better than the MILP's: using it")
         return PlannerOutput(fallback_dec, tuple(notes))
     return PlannerOutput(mine, tuple(notes))
 
