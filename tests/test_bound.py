@@ -157,3 +157,19 @@ def test_local_search_on_a_sample_stays_under_the_bound():
     assert res.retention <= bound.retention + TOL
     assert res.evaluated > 100
     assert _retention(prof, list(res.decisions), hw, budget) == pytest.approx(res.retention)
+
+
+def test_bound_and_local_search_run_with_torch_blocked():
+    import subprocess
+    import sys
+    code = ("import sys\nsys.modules['torch'] = None\n"
+            "from slackswap_cli.planners.bound import sound_bound\n"
+            "from slackswap_cli.planners.local_search import improve\n"
+            "from slackswap_cli.synthetic import random_profile, transformer_profile\n"
+            "from slackswap_cli.hardware import PRESETS\n"
+            "p = random_profile(3)\n"
+            "b = sound_bound(p, PRESETS['a100-pcie4'], p.summary['peak_activation_bytes'] // 2)\n"
+            "print('ok', b.fits)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ok")
