@@ -348,7 +348,8 @@ def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = Non
             steps.append(k0 - s)
             s = 2 * s + 1 if s else 1
         tails.extend((int(p_pos[k]), int(i)) for k in steps)
-    P = np.unique(np.r_[over, fb_pos[fb_pos >= nf], [j for _, j in pairs], [q for q, _ in tails], [nf - 1]])
+    P = np.unique(np.r_[over, fb_pos[fb_pos >= nf], [j for _, j in pairs],
+                        [q for q, _ in tails], [nf - 1]])
     P = P.astype(np.int64)
     nP = len(P)
     ops_used = sorted({o for ch in f.chain if ch for o in ch})

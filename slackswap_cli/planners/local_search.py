@@ -5,8 +5,9 @@ the tensor can be re-run); a *2-move* exchanges the actions of two tensors (one 
 recomputed, say). A move is taken when the simulated plan fits the budget and its retention
 rises by more than `min_gain` (first improvement: a pass tries every move once, in a fixed
 order, taking each that helps); passes repeat until one finds nothing, a pass limit or a time
-limit. Deterministic: the order depends on tensor ids and sizes only. 2-moves are tried between each tensor and its `pair_window` nearest tensors in size (an
-exchange between similar sizes keeps memory about level; all pairs would be quadratic).
+limit. Deterministic: the order depends on tensor ids and sizes only. 2-moves are tried
+between each tensor and its `pair_window` nearest tensors in size (an exchange between similar
+sizes keeps memory about level; all pairs would be quadratic).
 
 Prefetch pins (`prefetch_at`) of unchanged swaps are kept; a tensor that becomes a swap has
 none. A plan the simulator refuses (a recompute chain through a random op nobody saved) is

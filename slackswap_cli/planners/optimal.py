@@ -25,9 +25,10 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   budget) and the simulator judges it; notes give the MILP's objective, its proven lower bound
   (on this model, not on the simulator: a plan can beat it) and gap. When the MILP has no
   answer in time, or slackswap's plan simulates better than the repaired MILP plan, slackswap's
-  plan is returned (the notes say so), so `optimal` never simulates below `slackswap`. The bound that holds for
-  every plan the simulator accepts is `bound.sound_bound`, an LP relaxation of the simulator's
-  rules; `plan` computes it first and reports it in the notes ("sound bound: ...").
+  plan is returned (the notes say so), so `optimal` never simulates below `slackswap`. The
+  bound that holds for every plan the simulator accepts is `bound.sound_bound`, an LP
+  relaxation of the simulator's rules; `plan` computes it first and reports it in the notes
+  ("sound bound: ...").
 
 **Repeated layers.** Transformer blocks repeat: when the profile has more than
 `untie_limit` candidates, candidates at the same position of identical blocks share one
@@ -275,7 +276,8 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
         if bound is not None and np.isfinite(bound):
             ideal = m.ideal_us
             notes.append(f"MILP proven lower bound {bound:.1f} us of overhead: retention at most "
-                         f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model (not a bound on plans)")
+                         f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model "
+                     "(not a bound on plans)")
         notes.append("MILP found no solution in time")
         return None, notes
     x = np.round(res.x).astype(int)
@@ -285,7 +287,8 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
         ideal = m.ideal_us
         notes.append(f"MILP objective {obj:.1f} us of overhead, proven lower bound {bound:.1f} us "
                      f"(gap {100 * gap:.2f}%): retention at most "
-                     f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model (not a bound on plans)")
+                     f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model "
+                     "(not a bound on plans)")
     actions = []
     for c in range(n):
         if x[iw + var[c]]:
@@ -305,9 +308,9 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
 
     `time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
     `BOUND_SHARE` of it), slackswap's plan, the MILP (what is left, less a reserve for the
-    repair and the simulations after it). HiGHS runs with a fixed seed on one thread, so two runs give the same
-    plan unless the time limit, rather than the gap or `node_limit`, ends the search (the notes
-    say which). Profiles with more than `untie_limit` candidates tie identical blocks into
+    repair and the simulations after it). HiGHS runs with a fixed seed on one thread, so two
+    runs give the same plan unless the time limit, rather than the gap or `node_limit`, ends
+    the search (the notes say which). Profiles with more than `untie_limit` candidates tie identical blocks into
     `groups` groups (see the module docstring).
     """
     from . import PlannerOutput
