@@ -1,19 +1,22 @@
 """Reproduce the reference paper's table: retention of every planner on the sample profiles.
 
 For each profile (default: sample_profiles/bert-large.json, gpt2-xl.json, llama-7b.json) this
-plans the step with every registered planner at budget 0.5 of the keep-all activation peak on
-`a100-pcie4`, then sweeps the budget from 0.1 to 1.0, and writes
+plans the step with every registered planner at budgets 0.3, 0.5 and 0.7 of the keep-all
+activation peak on `a100-pcie4` (the published figures are at 0.5), computes the sound bound
+(`slackswap_cli/planners/bound.py`: no plan the simulator accepts has a higher retention), then
+sweeps the budget from 0.1 to 1.0 with the heuristic planners, and writes
 
 - `<out>/paper_table.json`: every (profile, planner, budget) result with the simulator's numbers,
 - `<out>/paper_table.md`: the table at 0.5 next to the published figures, and the sweep,
 - `<out>/paper_table.png`: retention against budget, one panel a profile (if matplotlib imports).
 
     python benchmarks/paper_table.py [--profiles a.json b.json] [--out benchmarks/results]
-                                     [--hardware a100-pcie4] [--optimal-time-limit 60]
+                                     [--budgets 0.3,0.5,0.7] [--hardware a100-pcie4]
+                                     [--optimal-time-limit 60]
                                      [--synthetic]
 
 `--synthetic` (or a missing sample profile) uses transformer-shaped synthetic profiles built
-here with ProfileBuilder (see `transformer_profile`), so the benchmark runs before the traced
+by `slackswap_cli.synthetic.transformer_profile`, so the benchmark runs before the traced
 samples exist. Those are stand-ins, not the paper's workloads: the table says which was used.
 """
 from __future__ import annotations
@@ -27,186 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from slackswap_cli.hardware import PRESETS, HardwareSpec, load_hardware  # noqa: E402
-from slackswap_cli.profile_build import ProfileBuilder  # noqa: E402
+from slackswap_cli.hardware import HardwareSpec, load_hardware  # noqa: E402
 from slackswap_cli.schema import Profile  # noqa: E402
+from slackswap_cli.synthetic import SYNTHETIC_SHAPES, synthetic_sample  # noqa: E402
 
-# Published retention at half the activation peak, A100 + PCIe 4.0 (DESIGN.md §1).
+# Published retention at half the activation peak, A100 + PCIe 4.0 (docs/design.md §1).
 PUBLISHED = {"bert-large": 0.963, "gpt2-xl": 0.976, "llama-7b": 0.996}
 SAMPLES = ["sample_profiles/bert-large.json", "sample_profiles/gpt2-xl.json",
            "sample_profiles/llama-7b.json"]
 SWEEP = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
-
-# name -> (architecture, layers, hidden, heads, ffn, batch, seq)
-SYNTHETIC_SHAPES = {
-    "bert-large": ("bert", 24, 1024, 16, 4096, 8, 512),
-    "gpt2-xl": ("gpt2", 48, 1600, 25, 6400, 4, 1024),
-    "llama-7b": ("llama", 32, 4096, 32, 11008, 1, 4096),
-}
-
-
-# --------------------------------------------------------------------------------------------
-# Synthetic transformer profiles (stand-ins until traced samples exist)
-# --------------------------------------------------------------------------------------------
-def transformer_profile(arch: str = "gpt2", layers: int = 4, hidden: int = 256, heads: int = 4,
-                        ffn: int | None = None, batch: int = 2, seq: int = 128,
-                        hw: HardwareSpec | None = None, name: str | None = None) -> Profile:
-    """An aten-level-looking training step of a transformer, roofline-timed on `hw`.
-
-    Per block (bf16): norm (output + fp32 statistics), QKV projection(s), flash-style attention
-    (output + fp32 log-sum-exp), output projection, dropout (bert/gpt2: output and bool mask, not
-    recomputable), residual add, norm, MLP (GELU, or SwiGLU for llama), dropout, residual add;
-    backward mirrors it, reading what forward saved and producing gradient transients.
-    """
-    hw = hw or PRESETS["a100-pcie4"]
-    ffn = ffn or 4 * hidden
-    n_tok = batch * seq
-    bf = 2
-    b = ProfileBuilder()
-
-    def act(nm, cols, dtype="bfloat16", rec=True):
-        return b.add_tensor(nm, "activation", (n_tok, cols), dtype, recomputable=rec)
-
-    def op(nm, target, phase, ins, outs, mod, flops=0, extra_bytes=0):
-        moved = sum(b.tensors[t].size_bytes for t in (*ins, *outs)
-                    if b.tensors[t].kind == "activation") + extra_bytes
-        return b.add_op(nm, target, phase, ins, outs, module=mod, flops=int(flops), bytes=moved,
-                        time_us=hw.roofline_us(flops, moved))
-
-    def param(nm, n_el):
-        return b.add_tensor(nm, "parameter", (n_el,), "bfloat16")
-
-    x_in = b.add_tensor("input_embeds", "input", (n_tok, hidden), "bfloat16")
-    prefix = {"bert": "bert.encoder.layer", "gpt2": "transformer.h", "llama": "model.layers"}[arch]
-    dropout = arch != "llama"
-    x = act("embed", hidden)
-    op("embed", "aten.embedding.default", "forward", (x_in,), (x,), "embed", 0)
-    saved_per_layer = []
-    for li in range(layers):
-        mod = f"{prefix}.{li}"
-        w = {k: param(f"{k}{li}", n) for k, n in (
-            ("wqkv", 3 * hidden * hidden), ("wo", hidden * hidden),
-            ("w1", hidden * ffn * (2 if arch == "llama" else 1)), ("w2", hidden * ffn))}
-        s = {}
-        s["x"] = x
-        h1, mu1, rs1 = act(f"ln1_{li}", hidden), act(f"mu1_{li}", 1, "float32"), act(f"rs1_{li}", 1, "float32")
-        op(f"ln1_{li}", "aten.native_layer_norm.default", "forward", (x,), (h1, mu1, rs1), f"{mod}.ln_1")
-        qkv = act(f"qkv_{li}", 3 * hidden)
-        op(f"qkv_{li}", "aten.addmm.default", "forward", (h1, w["wqkv"]), (qkv,), f"{mod}.attn.c_attn",
-           2 * n_tok * hidden * 3 * hidden, 3 * hidden * hidden * bf)
-        if arch == "llama":  # rotary embedding: q, k rotated copies
-            qk = act(f"rope_{li}", 2 * hidden)
-            op(f"rope_{li}", "aten.mul.Tensor", "forward", (qkv,), (qk,), f"{mod}.attn.rotary")
-            att_in = (qk, qkv)
-        else:
-            att_in = (qkv,)
-        o = act(f"attn_{li}", hidden)
-        lse = b.add_tensor(f"lse_{li}", "activation", (batch, heads, seq), "float32")
-        causal = 0.5 if arch != "bert" else 1.0
-        att_flops = 4 * batch * seq * seq * hidden * causal
-        op(f"attn_{li}", "aten._scaled_dot_product_flash_attention.default", "forward", att_in,
-           (o, lse), f"{mod}.attn", att_flops)
-        pr = act(f"proj_{li}", hidden)
-        op(f"proj_{li}", "aten.addmm.default", "forward", (o, w["wo"]), (pr,), f"{mod}.attn.c_proj",
-           2 * n_tok * hidden * hidden, hidden * hidden * bf)
-        if dropout:
-            pd, mask = act(f"drop1_{li}", hidden, rec=False), act(f"mask1_{li}", hidden, "bool", rec=False)
-            op(f"drop1_{li}", "aten.native_dropout.default", "forward", (pr,), (pd, mask), f"{mod}.attn.dropout")
-        else:
-            pd, mask = pr, None
-        x2 = act(f"res1_{li}", hidden)
-        op(f"res1_{li}", "aten.add.Tensor", "forward", (x, pd), (x2,), mod)
-        h2, mu2, rs2 = act(f"ln2_{li}", hidden), act(f"mu2_{li}", 1, "float32"), act(f"rs2_{li}", 1, "float32")
-        op(f"ln2_{li}", "aten.native_layer_norm.default", "forward", (x2,), (h2, mu2, rs2), f"{mod}.ln_2")
-        if arch == "llama":
-            u = act(f"gateup_{li}", 2 * ffn)
-            op(f"gateup_{li}", "aten.mm.default", "forward", (h2, w["w1"]), (u,), f"{mod}.mlp.gate_up",
-               2 * n_tok * hidden * 2 * ffn, 2 * hidden * ffn * bf)
-            g = act(f"swiglu_{li}", ffn)
-            op(f"swiglu_{li}", "aten.mul.Tensor", "forward", (u,), (g,), f"{mod}.mlp.act")
-        else:
-            u = act(f"fc1_{li}", ffn)
-            op(f"fc1_{li}", "aten.addmm.default", "forward", (h2, w["w1"]), (u,), f"{mod}.mlp.c_fc",
-               2 * n_tok * hidden * ffn, hidden * ffn * bf)
-            g = act(f"gelu_{li}", ffn)
-            op(f"gelu_{li}", "aten.gelu.default", "forward", (u,), (g,), f"{mod}.mlp.act")
-        v = act(f"fc2_{li}", hidden)
-        op(f"fc2_{li}", "aten.addmm.default", "forward", (g, w["w2"]), (v,), f"{mod}.mlp.c_proj",
-           2 * n_tok * hidden * ffn, hidden * ffn * bf)
-        if dropout:
-            vd, mask2 = act(f"drop2_{li}", hidden, rec=False), act(f"mask2_{li}", hidden, "bool", rec=False)
-            op(f"drop2_{li}", "aten.native_dropout.default", "forward", (v,), (vd, mask2), f"{mod}.mlp.dropout")
-        else:
-            vd, mask2 = v, None
-        x3 = act(f"res2_{li}", hidden)
-        op(f"res2_{li}", "aten.add.Tensor", "forward", (x2, vd), (x3,), mod)
-        saved_per_layer.append(dict(mod=mod, w=w, x=x, h1=h1, mu1=mu1, rs1=rs1, qkv=qkv,
-                                    qk=att_in[0] if arch == "llama" else None, o=o, lse=lse,
-                                    mask=mask, x2=x2, h2=h2, mu2=mu2, rs2=rs2, u=u, g=g,
-                                    mask2=mask2))
-        x = x3
-    loss = b.add_tensor("loss", "activation", (), "float32")
-    op("loss", "aten.mean.default", "forward", (x,), (loss,), "loss")
-    gy = b.add_tensor("tangent", "input", (), "float32")
-    gx = act("grad_out", hidden)
-    op("loss_bwd", "aten.expand.default", "backward", (gy, x), (gx,), "loss")
-    for li in reversed(range(layers)):
-        s = saved_per_layer[li]
-        mod, w = s["mod"], s["w"]
-
-        def gw(nm):
-            return b.add_tensor(f"{nm}_grad{li}", "gradient", (1,), "bfloat16",
-                                size_bytes=b.tensors[w[nm]].size_bytes)
-        if dropout:
-            gv = act(f"gdrop2_{li}", hidden)
-            op(f"gdrop2_{li}", "aten.native_dropout_backward.default", "backward", (gx, s["mask2"]), (gv,), f"{mod}.mlp.dropout")
-        else:
-            gv = gx
-        gg = act(f"gfc2_{li}", ffn)
-        op(f"gfc2_{li}", "aten.mm.default", "backward", (gv, s["g"]), (gg, gw("w2")), f"{mod}.mlp.c_proj",
-           4 * n_tok * hidden * ffn, hidden * ffn * bf)
-        gu = act(f"gact_{li}", 2 * ffn if arch == "llama" else ffn)
-        op(f"gact_{li}", "aten.gelu_backward.default" if arch != "llama" else "aten.mul.Tensor",
-           "backward", (gg, s["u"]), (gu,), f"{mod}.mlp.act")
-        gh2 = act(f"gfc1_{li}", hidden)
-        op(f"gfc1_{li}", "aten.mm.default", "backward", (gu, s["h2"]), (gh2, gw("w1")), f"{mod}.mlp.c_fc",
-           4 * n_tok * hidden * ffn * (2 if arch == "llama" else 1), hidden * ffn * bf)
-        gx2 = act(f"gln2_{li}", hidden)
-        op(f"gln2_{li}", "aten.native_layer_norm_backward.default", "backward",
-           (gh2, gx, s["x2"], s["mu2"], s["rs2"]), (gx2,), f"{mod}.ln_2")
-        if dropout:
-            gp = act(f"gdrop1_{li}", hidden)
-            op(f"gdrop1_{li}", "aten.native_dropout_backward.default", "backward", (gx2, s["mask"]), (gp,), f"{mod}.attn.dropout")
-        else:
-            gp = gx2
-        go = act(f"gproj_{li}", hidden)
-        op(f"gproj_{li}", "aten.mm.default", "backward", (gp, s["o"]), (go, gw("wo")), f"{mod}.attn.c_proj",
-           4 * n_tok * hidden * hidden, hidden * hidden * bf)
-        gqkv = act(f"gattn_{li}", 3 * hidden)
-        att_ins = (go, s["qkv"], s["o"], s["lse"]) + ((s["qk"],) if s["qk"] is not None else ())
-        causal = 0.5 if arch != "bert" else 1.0
-        op(f"gattn_{li}", "aten._scaled_dot_product_flash_attention_backward.default", "backward",
-           att_ins, (gqkv,), f"{mod}.attn", 2.5 * 4 * batch * seq * seq * hidden * causal)
-        gh1 = act(f"gqkv_{li}", hidden)
-        op(f"gqkv_{li}", "aten.mm.default", "backward", (gqkv, s["h1"]), (gh1, gw("wqkv")), f"{mod}.attn.c_attn",
-           4 * n_tok * hidden * 3 * hidden, 3 * hidden * hidden * bf)
-        gxn = act(f"gln1_{li}", hidden)
-        op(f"gln1_{li}", "aten.native_layer_norm_backward.default", "backward",
-           (gh1, gx2, s["x"], s["mu1"], s["rs1"]), (gxn,), f"{mod}.ln_1")
-        gx = gxn
-    gemb = b.add_tensor("embed_grad", "gradient", (1,), "bfloat16")
-    op("embed_bwd", "aten.embedding_dense_backward.default", "backward", (gx,), (gemb,), "embed")
-    return b.build(workload={"name": name or f"synthetic-{arch}", "synthetic": True,
-                             "args": dict(arch=arch, layers=layers, hidden=hidden, heads=heads,
-                                          ffn=ffn, batch=batch, seq=seq)},
-                   env={"device": "synthetic", "hardware": hw.name})
-
-
-def synthetic_sample(name: str, hw: HardwareSpec) -> Profile:
-    arch, layers, hidden, heads, ffn, batch, seq = SYNTHETIC_SHAPES[name]
-    return transformer_profile(arch, layers, hidden, heads, ffn, batch, seq, hw=hw,
-                               name=f"synthetic-{name}")
-
 
 # --------------------------------------------------------------------------------------------
 # The benchmark
@@ -247,6 +79,18 @@ def run_one(prof: Profile, hw: HardwareSpec, planner: str, fraction: float,
     return row
 
 
+def bound_row(prof: Profile, hw: HardwareSpec, fraction: float) -> dict:
+    """The sound bound at `fraction` of the keep-all peak, as a result row."""
+    from slackswap_cli.planners.bound import sound_bound
+    budget = int(fraction * int(prof.summary["peak_activation_bytes"]))
+    t0 = time.perf_counter()
+    b = sound_bound(prof, hw, budget)
+    return {"planner": "sound bound", "budget_fraction": fraction, "budget_bytes": budget,
+            "feasible": b.fits, "below_floor": not b.fits, "retention": b.retention,
+            "overhead_us": b.overhead_us, "solve_s": time.perf_counter() - t0,
+            "message": b.message}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profiles", nargs="*", default=None,
@@ -254,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                     help="output folder [default: benchmarks/results]")
     ap.add_argument("--hardware", default="a100-pcie4")
-    ap.add_argument("--budget", type=float, default=0.5, help="budget of the main table")
+    ap.add_argument("--budget", type=float, default=0.5,
+                    help="budget of the published figures [default 0.5]")
+    ap.add_argument("--budgets", default="0.3,0.5,0.7",
+                    help="comma-separated budgets of the main table (every planner and the "
+                         "sound bound); --budget is added if missing")
     ap.add_argument("--sweep", default=",".join(str(x) for x in SWEEP),
                     help="comma-separated budget fractions of the sweep")
     ap.add_argument("--planners", default=None, help="comma-separated subset")
@@ -277,11 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if png else 1
 
     from slackswap_cli.planners import planner_names
-    from slackswap_cli.schema import load_profile, save, write_atomic, dumps
+    from slackswap_cli.schema import dumps, load_profile, write_atomic
 
     hw = load_hardware(args.hardware)
     names = args.planners.split(",") if args.planners else planner_names()
     sweep = [float(x) for x in args.sweep.split(",") if x.strip()]
+    mains = sorted({float(x) for x in args.budgets.split(",") if x.strip()} | {args.budget})
     profiles: list[tuple[str, Profile, str]] = []
     paths = args.profiles if args.profiles is not None else [str(ROOT / s) for s in SAMPLES]
     for path in paths:
@@ -295,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[paper_table] {path} missing: using the synthetic stand-in", flush=True)
             profiles.append((key, synthetic_sample(key, hw), "synthetic"))
 
-    results = {"hardware": hw.name, "budget": args.budget, "sweep": sweep,
+    results = {"hardware": hw.name, "budget": args.budget, "budgets": mains, "sweep": sweep,
                "optimal_time_limit_s": args.optimal_time_limit, "profiles": []}
     for key, prof, source in profiles:
         slack = (prof.summary.get("forward_us", 0.0) * 1e-6 * hw.d2h_bytes_per_s
@@ -305,17 +154,25 @@ def main(argv: list[str] | None = None) -> int:
                  "n_ops": len(prof.ops), "n_saved": len(prof.saved_activations),
                  "peak_activation_bytes": prof.summary["peak_activation_bytes"],
                  "published_retention": PUBLISHED.get(key), "main": [], "sweep": []}
-        for name in names:
-            row = run_one(prof, hw, name, args.budget, args.optimal_time_limit)
-            entry["main"].append(row)
-            print(f"[paper_table] {key:12s} {args.budget:.2f} {name:17s} "
-                  f"{_fmt_ret(row)} ({row.get('plan_and_simulate_ms', 0):.0f} ms)", flush=True)
+        entry["bound"] = []
+        for frac in mains:
+            entry["bound"].append(bound_row(prof, hw, frac))
+            print(f"[paper_table] {key:12s} {frac:.2f} sound bound "
+                  f"{_fmt_ret(entry['bound'][-1])}", flush=True)
+            for name in names:
+                row = run_one(prof, hw, name, frac, args.optimal_time_limit)
+                entry["main"].append(row)
+                print(f"[paper_table] {key:12s} {frac:.2f} {name:17s} "
+                      f"{_fmt_ret(row)} ({row.get('plan_and_simulate_ms', 0):.0f} ms)",
+                      flush=True)
         for frac in sweep:
             for name in names:
                 if name == "optimal" and args.sweep_optimal_time_limit <= 0:
                     continue
-                if abs(frac - args.budget) < 1e-9:
-                    row = next(r for r in entry["main"] if r["planner"] == name)
+                done = [r for r in entry["main"] if r["planner"] == name
+                        and abs(r["budget_fraction"] - frac) < 1e-9]
+                if done:
+                    row = done[0]
                 else:
                     row = run_one(prof, hw, name, frac, args.sweep_optimal_time_limit)
                 entry["sweep"].append(row)
@@ -344,47 +201,55 @@ def _fmt_ret(row: dict) -> str:
 
 
 def render_markdown(results: dict, names: list[str]) -> str:
-    lines = [f"# Paper table: retention at budget {results['budget']} on {results['hardware']}",
+    budgets = results.get("budgets", [results["budget"]])
+    lines = [f"# Paper table: retention on {results['hardware']} at budgets "
+             + ", ".join(f"{b:g}" for b in budgets) + " of the keep-all peak",
              "",
              "Retention = ideal step time / simulated step time (the simulator of "
              "`slackswap_cli/simulate.py`). A plan over budget is marked; 'below floor' means no "
-             "plan can meet that budget.", ""]
-    head = "| workload | source | published | " + " | ".join(names) + " | slackswap plan+sim |"
-    lines += [head, "|" + "---|" * (len(names) + 4)]
+             "plan can meet that budget. *Sound bound*: the LP of "
+             "`slackswap_cli/planners/bound.py`, a relaxation of the simulator's rules: no plan "
+             "the simulator accepts has a higher retention. The published figures are at "
+             f"{results['budget']}.", ""]
+    head = ("| workload | budget | published | " + " | ".join(names)
+            + " | sound bound | slackswap plan+sim |")
+    lines += [head, "|" + "---|" * (len(names) + 5)]
     for e in results["profiles"]:
         pub = e["published_retention"]
-        cells = []
-        for name in names:
-            row = next((r for r in e["main"] if r["planner"] == name), None)
-            cells.append(_fmt_ret(row) if row else "-")
-        ss = next((r for r in e["main"] if r["planner"] == "slackswap"), {})
-        lines.append(f"| {e['name']} | {Path(e['source']).name} | "
-                     f"{'-' if pub is None else f'{100 * pub:.1f}%'} | " + " | ".join(cells)
-                     + f" | {ss.get('plan_and_simulate_ms', 0):.0f} ms |")
-    lines += ["", "Against the published figure and the MILP's bound (`optimal` proves a lower bound "
-              "on the overhead of its model; the model is close to, not the same as, the "
-              "simulator). *Slack* = forward time x D2H bandwidth / keep-all peak: the share of "
-              "the peak that copies hidden under forward compute can move out; at budget "
-              f"{results['budget']} the rest of what must leave has to be recomputed.", "",
-              "| workload | slackswap | optimal | MILP bound | slackswap - optimal | slack |",
-              "|---|---|---|---|---|---|"]
+        for frac in budgets:
+            cells = []
+            for name in names:
+                row = _row(e["main"], name, frac)
+                cells.append(_fmt_ret(row) if row else "-")
+            ss = _row(e["main"], "slackswap", frac) or {}
+            bnd = _row(e.get("bound", []), "sound bound", frac)
+            pub_cell = (f"{100 * pub:.1f}%" if pub is not None
+                        and abs(frac - results["budget"]) < 1e-9 else "-")
+            lines.append(f"| {e['name']} | {frac:g} | {pub_cell} | " + " | ".join(cells)
+                         + f" | {_fmt_ret(bnd) if bnd else '-'}"
+                         + f" | {ss.get('plan_and_simulate_ms', 0):.0f} ms |")
+    lines += ["", "How far the planners are from the sound bound. *Slack* = forward time x D2H "
+              "bandwidth / keep-all peak: the share of the peak that copies hidden under forward "
+              "compute can move out; the rest of what must leave has to be recomputed.", "",
+              "| workload | budget | slackswap | optimal | sound bound | slackswap to bound "
+              "| slack |", "|---|---|---|---|---|---|---|"]
     for e in results["profiles"]:
-        ss = next((r for r in e["main"] if r["planner"] == "slackswap"), None)
-        opt = next((r for r in e["main"] if r["planner"] == "optimal"), None)
-        bound = _bound(opt)
-        diff = (f"{100 * (ss['retention'] - opt['retention']):+.2f} points"
-                if ss and opt and ss.get("retention") is not None
-                and opt.get("retention") is not None else "-")
-        slack = e.get("slack_fraction")
-        lines.append(f"| {e['name']} | {_fmt_ret(ss) if ss else '-'} | "
-                     f"{_fmt_ret(opt) if opt else '-'} | "
-                     f"{'-' if bound is None else f'<= {100 * bound:.2f}%'} | {diff} | "
-                     f"{'-' if slack is None else f'{100 * slack:.1f}%'} |")
+        for frac in budgets:
+            ss, opt = _row(e["main"], "slackswap", frac), _row(e["main"], "optimal", frac)
+            bnd = _row(e.get("bound", []), "sound bound", frac)
+            diff = (f"{100 * (bnd['retention'] - ss['retention']):.2f} points"
+                    if ss and bnd and ss.get("retention") is not None
+                    and bnd.get("retention") is not None else "-")
+            slack = e.get("slack_fraction")
+            lines.append(f"| {e['name']} | {frac:g} | {_fmt_ret(ss) if ss else '-'} | "
+                         f"{_fmt_ret(opt) if opt else '-'} | {_fmt_ret(bnd) if bnd else '-'} | "
+                         f"{diff} | {'-' if slack is None else f'{100 * slack:.1f}%'} |")
     lines.append("")
     for e in results["profiles"]:
-        opt = next((r for r in e["main"] if r["planner"] == "optimal"), None)
-        if opt and opt.get("notes"):
-            lines.append(f"- {e['name']} optimal: " + "; ".join(opt["notes"]))
+        for row in e["main"]:
+            if row["planner"] == "optimal" and row.get("notes"):
+                lines.append(f"- {e['name']} at {row['budget_fraction']:g}, optimal: "
+                             + "; ".join(row["notes"]))
     lines += ["", "## Budget sweep", ""]
     for e in results["profiles"]:
         swept = sorted({r["planner"] for r in e["sweep"]}, key=names.index)
@@ -393,22 +258,16 @@ def render_markdown(results: dict, names: list[str]) -> str:
         for frac in results["sweep"]:
             cells = []
             for name in swept:
-                row = next((r for r in e["sweep"] if r["planner"] == name
-                            and r["budget_fraction"] == frac), None)
+                row = _row(e["sweep"], name, frac)
                 cells.append(_fmt_ret(row) if row else "-")
             lines.append(f"| {frac:.1f} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
-def _bound(row: dict | None) -> float | None:
-    """The MILP's retention bound, from its notes."""
-    import re
-    for note in (row or {}).get("notes", []):
-        m = re.search(r"retention at most ([0-9.]+)", note)
-        if m:
-            return float(m.group(1))
-    return None
+def _row(rows: list[dict], planner: str, frac: float) -> dict | None:
+    return next((r for r in rows if r["planner"] == planner
+                 and abs(r["budget_fraction"] - frac) < 1e-9), None)
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
@@ -453,10 +312,14 @@ def plot(results: dict, names: list[str], path: Path) -> str | None:
             dx = (i - (len(lines) - 1) / 2) * step
             ax.plot([x + dx for x in xs], ys, marker=MARKERS[i % len(MARKERS)], ms=5,
                     color=f"C{i}", alpha=0.85, label=name)
-        opt = next((r for r in e["main"] if r["planner"] == "optimal"
-                    and r.get("retention") is not None), None)
-        if opt:
-            ax.plot([opt["budget_fraction"]], [opt["retention"]], "kx", ms=9, label="optimal")
+        opts = [(r["budget_fraction"], r["retention"]) for r in e["main"]
+                if r["planner"] == "optimal" and r.get("retention") is not None]
+        if opts:
+            ax.plot(*zip(*opts), "kx", ms=9, label="optimal")
+        bnds = [(r["budget_fraction"], r["retention"]) for r in e.get("bound", [])
+                if r.get("retention") is not None]
+        if bnds:
+            ax.plot(*zip(*bnds), "k_", ms=14, mew=2, label="sound bound")
         if e.get("published_retention"):
             ax.plot([results["budget"]], [e["published_retention"]], "k*", ms=12,
                     label="published")

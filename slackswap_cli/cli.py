@@ -304,11 +304,13 @@ def plan(
     budget: str = typer.Option(..., "--budget", "-b", help="fraction of the keep-all activation peak (0.5) or bytes (20GiB, 512MiB, 2e9)"),
     planner: str = typer.Option("slackswap", "--planner", "-p", help="slackswap | optimal | recompute-only | swap-all | checkpoint-layers"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file [default: the profile's, else a100-pcie4]"),
-    time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the optimal planner's MILP may run"),
+    time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the whole command may take with --planner optimal"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan path [default: <profile name>.plan.json in the current directory]"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON instead of tables"),
 ) -> None:
     """Decide keep / swap / recompute for every saved activation, simulate, write the plan."""
+    import time
+    started = time.perf_counter()
     try:
         from .budget import first_feasible_budget, floor_message
         from .planners import get_planner, make_plan
@@ -320,7 +322,9 @@ def plan(
         below = floor_message(budget_bytes, prof)
         target = output or Path(_sibling(profile_path, ".plan.json").name)
         _check_output_path(target, "-o", [profile_path, hardware])
-        options = {"time_limit_s": time_limit} if planner == "optimal" else {}
+        # optimal keeps its own reserve for the simulation and writing that follow
+        left = max(1.0, time_limit - (time.perf_counter() - started))
+        options = {"time_limit_s": left} if planner == "optimal" else {}
         with _working(f"planning with {planner}", as_json):
             result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction, **options)
         result = _with_paths(result, profile_path, prof)
@@ -332,7 +336,10 @@ def plan(
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
-        _print_json(_plan_summary(result, target))
+        summary = _plan_summary(result, target)
+        if planner == "optimal":
+            summary["bound_retention"] = _bound_retention(planner, prof, hw, budget_bytes)
+        _print_json(summary)
     else:
         from .render import plan_views
         _render(plan_views(result, prof, sim))
@@ -369,6 +376,15 @@ def _plan_summary(p, path: Path) -> dict:
             "predicted": p.predicted, "solve_ms": p.solve_ms, "notes": list(p.notes)}
 
 
+def _bound_retention(planner: str, prof, hw, budget_bytes: int) -> float | None:
+    """The sound bound `optimal` computed (cached on the profile), None for heuristics or
+    when it was not computed in time."""
+    if planner != "optimal":
+        return None
+    from .planners.bound import sound_bound
+    return sound_bound(prof, hw, budget_bytes, time_limit_s=0.0).retention
+
+
 def _sibling(path: Path, suffix: str) -> Path:
     name = path.name
     for ext in (".profile.json", ".plan.json", ".json"):
@@ -394,7 +410,7 @@ def compare(
     profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON"),
     budget: str = typer.Option(..., "--budget", "-b", help="fraction (0.5) or bytes (20GiB)"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file"),
-    time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the optimal planner's MILP may run"),
+    time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the optimal planner may take"),
     planners: Optional[str] = typer.Option(None, "--planners", help="comma-separated subset [default: all]"),
     as_json: bool = typer.Option(False, "--json", help="print {results: [...]} as JSON"),
 ) -> None:
@@ -422,7 +438,8 @@ def compare(
             with _working(f"planning with {name}", as_json):
                 p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction, **options)
             rows.append({"planner": name, "feasible": p.feasible, "predicted": p.predicted,
-                         "solve_ms": p.solve_ms, "notes": list(p.notes)})
+                         "solve_ms": p.solve_ms, "notes": list(p.notes),
+                         "bound_retention": _bound_retention(name, prof, hw, budget_bytes)})
     except SlackswapError as exc:
         _fail(exc)
     if as_json:

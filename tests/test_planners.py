@@ -247,7 +247,7 @@ def test_planner_options_are_checked():
 
 
 # ---------------------------------------------------------------------------------------------
-# a small transformer-shaped profile (the paper benchmark's synthetic stand-in)
+# a small transformer-shaped profile (synthetic.transformer_profile) and the paper benchmark
 # ---------------------------------------------------------------------------------------------
 def _paper_table():
     import importlib.util
@@ -263,8 +263,9 @@ def _paper_table():
 def test_transformer_profile_every_planner_judged_by_the_simulator(arch):
     from slackswap_cli.hardware import PRESETS
     hw = PRESETS["a100-pcie4"]
-    p = _paper_table().transformer_profile(arch, layers=3, hidden=128, heads=4, batch=2,
-                                           seq=64, hw=hw)
+    from slackswap_cli.synthetic import transformer_profile
+    p = transformer_profile(arch, layers=3, hidden=128, heads=4, batch=2,
+                            seq=64, hw=hw)
     budget = p.summary["peak_activation_bytes"] // 2
     assert budget >= budget_floor_bytes(p)
     plans = {name: make_plan(name, p, hw, budget, time_limit_s=10) if name == "optimal"
@@ -283,9 +284,10 @@ def test_paper_table_runs_on_given_profiles(tmp_path):
     import orjson
     from slackswap_cli import schema
     from slackswap_cli.hardware import PRESETS
+    from slackswap_cli.synthetic import transformer_profile
     pt = _paper_table()
-    prof = pt.transformer_profile("gpt2", layers=2, hidden=64, heads=2, batch=1, seq=32,
-                                  hw=PRESETS["a100-pcie4"], name="tiny")
+    prof = transformer_profile("gpt2", layers=2, hidden=64, heads=2, batch=1, seq=32,
+                               hw=PRESETS["a100-pcie4"], name="tiny")
     schema.save(prof, tmp_path / "tiny.json")
     out = tmp_path / "out"
     assert pt.main(["--profiles", str(tmp_path / "tiny.json"), "--out", str(out),

@@ -23,7 +23,12 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   duplex derate, and chains pulling evicted inputs back early (their memory). The plan is
   repaired in the static model of `common` (extra recompute where memory still exceeds the
   budget) and the simulator judges it; notes give the MILP's objective, its proven lower bound
-  (on the model, not on the simulator) and gap.
+  (on this model, not on the simulator: a plan can beat it) and gap. When the MILP has no
+  answer in time, or slackswap's plan simulates better than the repaired MILP plan, slackswap's
+  plan is returned (the notes say so), so `optimal` never simulates below `slackswap`. The
+  bound that holds for every plan the simulator accepts is `bound.sound_bound`, an LP
+  relaxation of the simulator's rules; `plan` computes it first and reports it in the notes
+  ("sound bound: ...").
 
 **Repeated layers.** Transformer blocks repeat: when the profile has more than
 `untie_limit` candidates, candidates at the same position of identical blocks share one
@@ -39,11 +44,28 @@ import numpy as np
 
 from ..hardware import HardwareSpec
 from ..schema import Profile
+from .bound import run_quietly, sound_bound
 from .common import KEEP, RECOMPUTE, SWAP, Model, State, build_chains, build_model, memory, \
     recompute_until_fits
 
 DEFAULT_TIME_LIMIT_S = 60.0
 PREFETCH_MARGIN = 0.10
+NODE_LIMIT = 20_000          # a deterministic cap on the search (the time limit is not)
+BOUND_SHARE = 0.3            # at most this share of the time limit goes to the sound bound
+RESERVE_S = 2.0              # kept back for the repair, prefetch points and the simulation
+SOFT_SHARE = 0.7             # HiGHS's own time limit, as a share of the MILP's time: HiGHS
+                             # checks it only now and then, so the solve also runs in a child
+                             # process that is stopped at the full time
+
+
+class _Stopped:
+    """What the solve returns when it had to be stopped (no solution, no bound)."""
+    x = None
+    fun = None
+    mip_dual_bound = None
+
+    def __init__(self, message: str):
+        self.message = message
 
 
 def _windows(m: Model):
@@ -101,8 +123,12 @@ def _groups(m: Model, untie_limit: int, groups: int) -> tuple[np.ndarray, int, s
 
 
 def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-          untie_limit: int = 900, groups: int = 6):
-    """Build and solve the MILP. Returns (actions, notes)."""
+          untie_limit: int = 900, groups: int = 6, node_limit: int | None = NODE_LIMIT,
+          fork: bool = True):
+    """Build and solve the MILP within `time_limit_s` (building included). Returns (actions,
+    notes). With `fork`, HiGHS runs in a child process stopped at the limit (`run_quietly`);
+    without, in this process (silenced), stopped only by its own time limit."""
+    t_build = time.perf_counter()
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -231,10 +257,17 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
     integrality[ieF] = integrality[ieB] = 0
     integrality[iy:iy + ny] = 0     # y is integral at any optimum (it only pays)
     t0 = time.perf_counter()
-    res = milp(cost, constraints=[LinearConstraint(A, np.concatenate(lo_b), np.concatenate(hi_b))],
-               integrality=integrality, bounds=Bounds(np.zeros(N), ub),
-               options={"time_limit": float(time_limit_s), "mip_rel_gap": 1e-4,
-                        "disp": False})
+    left = float(time_limit_s) - (t0 - t_build)
+    options = {"time_limit": max(0.1, SOFT_SHARE * left), "mip_rel_gap": 1e-4,
+               "disp": False, "random_seed": 0, "threads": 1}
+    if node_limit is not None:
+        options["node_limit"] = int(node_limit)
+    constraint = LinearConstraint(A, np.concatenate(lo_b), np.concatenate(hi_b))
+    res = run_quietly(milp, dict(c=cost, constraints=[constraint], integrality=integrality,
+                                 bounds=Bounds(np.zeros(N), ub), options=options),
+                      max(0.1, left) if fork else None)
+    if res is None:
+        res = _Stopped(f"stopped after the time limit ({left:.1f} s)")
     solve_s = time.perf_counter() - t0
     notes.append(f"MILP: {nv} choices x 2 binaries, {ny} producer runs, {len(sel)} memory rows, "
                  f"{A.nnz} nonzeros; HiGHS {solve_s:.1f} s, status: {res.message}")
@@ -243,8 +276,9 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
         if bound is not None and np.isfinite(bound):
             ideal = m.ideal_us
             notes.append(f"MILP proven lower bound {bound:.1f} us of overhead: retention at most "
-                         f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model")
-        notes.append("MILP found no solution in time: using slackswap's static plan instead")
+                         f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model "
+                     "(not a bound on plans)")
+        notes.append("MILP found no solution in time")
         return None, notes
     x = np.round(res.x).astype(int)
     obj = float(res.fun)
@@ -253,7 +287,8 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
         ideal = m.ideal_us
         notes.append(f"MILP objective {obj:.1f} us of overhead, proven lower bound {bound:.1f} us "
                      f"(gap {100 * gap:.2f}%): retention at most "
-                     f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model")
+                     f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model "
+                     "(not a bound on plans)")
     actions = []
     for c in range(n):
         if x[iw + var[c]]:
@@ -266,26 +301,60 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
 
 
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
-         time_limit_s: float = DEFAULT_TIME_LIMIT_S, untie_limit: int = 900, groups: int = 6):
-    """The `optimal` planner: solve the MILP, then repair what the static model still finds over.
+         time_limit_s: float = DEFAULT_TIME_LIMIT_S, untie_limit: int = 900, groups: int = 6,
+         node_limit: int | None = NODE_LIMIT):
+    """The `optimal` planner: solve the MILP, repair what the static model still finds over,
+    and return it unless slackswap's plan simulates better (then that, said in the notes).
 
-    Options: `time_limit_s` for HiGHS; profiles with more than `untie_limit` candidates tie
-    identical blocks into `groups` groups (see the module docstring).
+    `time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
+    `BOUND_SHARE` of it), slackswap's plan, the MILP (what is left, less a reserve for the
+    repair and the simulations after it). HiGHS runs with a fixed seed on one thread, so two
+    runs give the same plan unless the time limit, rather than the gap or `node_limit`, ends
+    the search (the notes say which). Profiles with more than `untie_limit` candidates tie identical blocks into
+    `groups` groups (see the module docstring).
     """
     from . import PlannerOutput
-    from .slackswap import plan_static, prefetch_points
+    from .slackswap import plan as slackswap_plan, prefetch_points
+    t0 = time.perf_counter()
+    deadline = t0 + float(time_limit_s)
     m = build_model(profile, hw)
-    actions, notes = solve(m, budget_bytes, time_limit_s, untie_limit=untie_limit, groups=groups)
+    notes: list[str] = []
+    b = sound_bound(profile, hw, budget_bytes,
+                    time_limit_s=max(0.5, BOUND_SHARE * (deadline - time.perf_counter())))
+    notes.append(b.message)
+    # slackswap's plan (simulator-checked) is the fallback and the plan to beat
+    fallback = slackswap_plan(profile, hw, budget_bytes)
+    fallback_dec = list(getattr(fallback, "decisions", fallback))
+    reserve = max(RESERVE_S, 0.08 * time_limit_s)
+    milp_s = max(0.5, deadline - time.perf_counter() - reserve)
+    # the whole solve (building the MILP included) runs in a child stopped at milp_s
+    out = run_quietly(solve, dict(m=m, budget_bytes=budget_bytes, time_limit_s=milp_s,
+                                  untie_limit=untie_limit, groups=groups,
+                                  node_limit=node_limit, fork=False), milp_s)
+    actions, more = out if out is not None else (
+        None, [f"MILP stopped after its time ({milp_s:.1f} s) with no answer"])
+    notes.extend(more)
     if actions is None:
-        state, _, _ = plan_static(m, budget_bytes)
-    else:
-        state = State(m, actions)
-        for c, a in enumerate(actions):     # a chain the MILP could not see through
-            if a == RECOMPUTE and not np.isfinite(state.cost[c]):
-                state.set(c, KEEP)
-        mem = memory(m, state)
-        if mem.max(initial=0) > budget_bytes:
-            _, fits = recompute_until_fits(m, state, budget_bytes, mem)
-            notes.append("repaired the MILP plan with extra recompute where the static model "
-                         "(with copy queueing) still exceeded the budget")
-    return PlannerOutput(state.decisions(prefetch_points(m, state)), tuple(notes))
+        notes.append("using slackswap's plan instead")
+        return PlannerOutput(fallback_dec, tuple(notes))
+    state = State(m, actions)
+    for c, a in enumerate(actions):     # a chain the MILP could not see through
+        if a == RECOMPUTE and not np.isfinite(state.cost[c]):
+            state.set(c, KEEP)
+    mem = memory(m, state)
+    if mem.max(initial=0) > budget_bytes:
+        _, fits = recompute_until_fits(m, state, budget_bytes, mem)
+        notes.append("repaired the MILP plan with extra recompute where the static model "
+                     "(with copy queueing) still exceeded the budget")
+    mine = state.decisions(prefetch_points(m, state))
+    # an incumbent cut short by the time limit can be poor: the simulator picks
+    if _judge(profile, fallback_dec, hw, budget_bytes) > _judge(profile, mine, hw, budget_bytes):
+        notes.append("slackswap's plan simulates better than the MILP's: using it")
+        return PlannerOutput(fallback_dec, tuple(notes))
+    return PlannerOutput(mine, tuple(notes))
+
+
+def _judge(profile, decisions, hw, budget_bytes) -> tuple[bool, float]:
+    from ..simulate import simulate
+    res = simulate(profile, decisions, hw, budget_bytes, record=False)
+    return (res.feasible, res.predicted.retention)

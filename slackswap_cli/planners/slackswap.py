@@ -23,7 +23,8 @@ Then the simulator runs the plan. If compute stalls, the swaps it waited for (a 
 an offload still running when memory ran out) become recomputes and the greedy frees what that
 costs; failing that, the plan is made again with prefetches pinned just in time and with less
 of the slack trusted. A plan without swaps is always tried as well (so slackswap never loses to
-recomputing alone); the best plan the simulator saw is returned.
+recomputing alone), and when no plan fits, swapping everything (the least memory any plan
+needs); the best plan the simulator saw is returned.
 """
 from __future__ import annotations
 
@@ -326,11 +327,17 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
             fixed = _fix_stalls(m, state, profile, hw, budget_bytes)
             if fixed is not None and consider(fixed, True, safety, pin):
                 break
+    if not best[0][0]:
+        # nothing fits yet: swapping everything needs the least memory of any plan (it meets
+        # every budget at or above the floor, compute waiting for copies where it must)
+        consider(State(m, [SWAP] * len(m.cands)), True, "swap-all", False)
     _, state, decisions, fits, safety, pin, res = best
     notes = [f"{sum(a == SWAP for a in state.actions)} swapped, "
              f"{sum(a == RECOMPUTE for a in state.actions)} recomputed "
              f"({fmt_us(state.recompute_us())} of recompute in the static model)"]
-    if safety is None:
+    if safety == "swap-all":
+        notes.append("no other plan fitted in simulation: every saved activation swapped")
+    elif safety is None:
         notes.append("recomputing alone beat every plan with swaps in simulation")
     elif getattr(state, "stall_fixed", 0):
         notes.append(f"repaired after simulation: {state.stall_fixed} stalling swaps "

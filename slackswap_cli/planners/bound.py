@@ -1,0 +1,474 @@
+"""A sound upper bound on the retention any plan can reach: an LP that only loosens the simulator.
+
+`optimal`'s MILP is a planning model (it can be beaten by a plan the simulator accepts); this
+module answers a different question: *no* plan, whatever its decisions and prefetch pins, can
+simulate feasibly (`simulate.simulate`, memory never above the budget) faster than
+`ideal + S*`, where `S*` is the optimum of the linear program below. Retention is then at most
+`ideal / (ideal + S*)`. Every row is a consequence of the simulator's rules (its module
+docstring), relaxed; the argument for each is written next to it.
+
+**Variables.** For each saved activation root c: `k_c, w_c, r_c` in [0, 1] (keep, swap,
+recompute; `k + w + r = 1`). An integral plan sets one of them to 1, so the LP's feasible set
+contains every plan: fractional values only add solutions (a relaxation). `r_c = 0` where the
+simulator refuses recompute: a random op's output, or a chain that must re-run a random op
+whose output backward does not save (`InputError`, so no such plan simulates). `y_o` in
+[0, 1] for each op o some chain re-runs; `R >= 0`, recompute time; `Z_i >= 0`, the stall
+time before original op i starts (non-decreasing in i), `Z_end` the total stall.
+
+**Overhead.** The compute engine is serial and runs every op once plus the recompute tasks,
+so `step = ideal + recompute time + stall time`; the LP minimises `S = R + Z_end`.
+- Recompute (`R >= sum_o time_o * y_o`, `y_o >= r_c` for every op o in c's static chain):
+  recomputing c re-runs its producer at least once (before its first backward use, or earlier
+  in another chain that passes through c), and every forward value that op reads and backward
+  does not save is dead in backward, so its producer is re-run as well, recursively (the static
+  chain). Other saved inputs add nothing (they may be kept). Each re-run op is paid once, even
+  if the simulator re-runs it several times: a loosening.
+- Time: the simulated start of original op i is `ideal_start(i) + Z_i + (recompute before i)`,
+  with no recompute in forward; between the starts of ops q < i at most
+  `ideal_start(i) - ideal_start(q) + Z_i - Z_q + R` (the `R` only when i is in backward).
+
+**Memory.** In a feasible simulation the memory at the start of each original op i (its
+allocation included) is at most the budget B. Counted there, whatever the plan:
+`L_i` = non-saved values live at i (producer <= i <= last reader) + saved roots that forward
+still reads (p_c <= i <= lf_c) or backward already reads (fb_c <= i <= lu_c): a kept root is
+resident to its last use, a swapped one is released only after its last forward reader and
+fetched before its first backward reader, a recomputed one likewise. Saved roots in their gap
+(lf_c < i < fb_c) add: kept, all of it; recomputed, nothing (a chain may bring it back early:
+ignored, loosening); swapped, whatever is not yet off the device or already being fetched
+back. Extra residency (chain temporaries, chains pulling inputs early, queueing) only adds
+memory and is ignored.
+- (a) `L_i + sum_gap size_c k_c <= B` at every op: swapped bytes counted as gone.
+- (b) every op i: a swapped root in i's gap is gone only once its D2H copy is done. The D2H
+  engine runs one copy at a time from time 0, so by the start of i it finished at most
+  `bw_d2h * (ideal_start(i) + Z_i [+ R])` bytes: `L_i + sum_gap size_c (k_c + w_c) -
+  bw_d2h (ideal_start(i) + Z_i [+ R]) <= B`.
+- (b') every op i and a sample of earlier producer positions q: a root produced at or after q
+  is copied no earlier than q's start, so of the gap's roots produced from q on at most
+  `bw_d2h * (time between the starts of q and i)` bytes are gone (roots produced before q
+  may all be gone): the row of (b) over those roots with that window.
+- (c) backward i < j, a sample of j per i: a swapped c with i < fb_c <= j that is not
+  resident at the start of i (its prefetch not yet issued: an issued prefetch holds its
+  memory from issue) is copied whole between the starts of i and of j, one copy at a time:
+  `L_i + sum_gap size_c k_c + sum_{i < fb_c <= j} size_c w_c - bw_h2d * (time between the
+  starts of i and j) <= B`.
+- (d) backward j: prefetches start in backward, after forward ended (no earlier than
+  `forward_end + Z_{last forward op}`), and every swapped c with fb_c <= j has arrived before
+  j starts: `sum_{fb_c <= j} size_c w_c <= bw_h2d * (time from forward's end to j's start)`.
+- Latency: a copy takes `latency + bytes / bw` or longer (contention and half duplex only slow
+  it), and the engines run one copy at a time, so copies of F bytes in all, none larger than
+  `smax`, take at least `F / smax * latency + F / bw`: in (b)-(d) `bw` is the effective
+  `1 / (1/bw + latency/smax)`, with `smax` the largest saved root in the row's gap (for (d),
+  the largest of all).
+
+Rows are only written at ops whose keep-all memory is over the budget (elsewhere they hold
+for every plan), and any subset of rows is still a relaxation. Sums over gaps use cumulative
+variables (bytes kept / swapped whose gap has opened, resp. closed, by position q), so the
+LP has few nonzeros per row.
+
+**Numerics.** HiGHS solves the LP to a relative tolerance of about 1e-7; the reported
+overhead is lowered by `1e-6 * ideal` before it becomes a bound, so a rounding error can only
+loosen it. The LP is solved by scipy's HiGHS (deterministic), silenced at the file-descriptor
+level (`quiet_fds`); with a time limit it runs in a forked child stopped at the limit
+(`run_quietly`). When the LP is infeasible, no plan fits the budget at all.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..hardware import HardwareSpec
+from ..schema import Profile
+
+SAFETY = 1e-6          # relative to ideal time, subtracted from the LP's optimum
+PAIRS_PER_ROW = 12     # sampled j's per backward row (c)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """`overhead_us` (S*, lowered by the safety margin) and `retention` (ideal / (ideal + S*))
+    that no feasible plan beats; `fits=False` when no plan can meet the budget at all
+    (`retention` is then None)."""
+    fits: bool
+    overhead_us: float | None
+    retention: float | None
+    ideal_us: float
+    solve_s: float
+    rows: int
+    message: str
+
+
+@contextmanager
+def quiet_fds():
+    """Send file descriptors 1 and 2 to /dev/null for the duration (C libraries such as HiGHS
+    write there directly, past Python's sys.stdout)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    saved = []
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        for fd in (1, 2):
+            try:
+                saved.append((fd, os.dup(fd)))
+                os.dup2(devnull, fd)
+            except OSError:
+                pass
+        yield
+    finally:
+        for fd, copy in saved:
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)
+
+
+def run_quietly(fn, kwargs: dict, limit_s: float | None = None):
+    """`fn(**kwargs)` (a scipy HiGHS call, or a function making one) with file descriptors 1
+    and 2 silenced and scipy's warnings about options passed to HiGHS verbatim ignored.
+
+    With `limit_s` it runs in a forked child that is stopped after `limit_s` seconds (HiGHS
+    checks its own time limit only now and then); it returns None when stopped. The result
+    must pickle. Where fork is not available it runs here, unbounded.
+    """
+    import multiprocessing as mp
+    if limit_s is not None:
+        try:
+            ctx = mp.get_context("fork")
+        except ValueError:
+            ctx = None
+        if ctx is not None:
+            recv, send = ctx.Pipe(duplex=False)
+            child = ctx.Process(target=_child, args=(fn, kwargs, send), daemon=True)
+            child.start()
+            send.close()
+            try:
+                if recv.poll(max(0.1, limit_s)):
+                    try:
+                        ok, value = recv.recv()
+                    except EOFError:          # the child died (killed, out of memory)
+                        return None
+                    if not ok:
+                        raise value            # a bug in the child: surface it here
+                    return value
+                return None
+            finally:
+                recv.close()
+                if child.is_alive():
+                    child.terminate()
+                child.join()
+    return _quiet_call(fn, kwargs)
+
+
+def _quiet_call(fn, kwargs):
+    import warnings
+    with warnings.catch_warnings(), quiet_fds():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return fn(**kwargs)
+
+
+def _child(fn, kwargs, conn):
+    try:
+        try:
+            conn.send((True, _quiet_call(fn, kwargs)))
+        except Exception as exc:     # noqa: BLE001 - sent to the parent, which raises it
+            conn.send((False, exc))
+    finally:
+        conn.close()
+
+
+class _Facts:
+    """What the bound needs from a profile, with the simulator's definitions (roots, saved,
+    first/last uses)."""
+
+    def __init__(self, prof: Profile):
+        ops, tensors = prof.ops, prof.tensors
+        n, nf = len(ops), prof.n_forward
+        root = [t.id if t.alias_of is None else t.alias_of for t in tensors]
+        is_root = [t.kind == "activation" and t.alias_of is None and t.producer is not None
+                   for t in tensors]
+        producer = [-1 if t.producer is None else t.producer for t in tensors]
+        in_roots = []
+        for o in ops:
+            seen: list[int] = []
+            for j in o.inputs:
+                r = root[j]
+                if is_root[r] and r not in seen:
+                    seen.append(r)
+            in_roots.append(seen)
+        last = list(producer)
+        lfu = list(producer)
+        fbu = [-1] * len(tensors)
+        for i, rs in enumerate(in_roots):
+            for r in rs:
+                last[r] = i
+                if i < nf:
+                    lfu[r] = i
+                elif fbu[r] < 0:
+                    fbu[r] = i
+        saved = [is_root[j] and tensors[j].saved and 0 <= producer[j] < nf and fbu[j] >= 0
+                 for j in range(len(tensors))]
+        self.n, self.nf = n, nf
+        self.time = np.array([float(o.time_us) for o in ops])
+        self.t_start = np.concatenate([[0.0], np.cumsum(self.time)[:-1]]) if n else np.zeros(0)
+        self.ideal = float(self.time.sum())
+        self.fwd_end = float(self.time[:nf].sum())
+        self.cands = [j for j in range(len(tensors)) if saved[j]]
+        c = self.cands
+        self.size = np.array([tensors[j].size_bytes for j in c], dtype=float)
+        self.p = np.array([producer[j] for j in c], dtype=np.int64)
+        self.lf = np.array([lfu[j] for j in c], dtype=np.int64)
+        self.fb = np.array([fbu[j] for j in c], dtype=np.int64)
+        self.lu = np.array([last[j] for j in c], dtype=np.int64)
+        # L_i: non-saved roots over their life, saved roots outside their gap
+        delta = np.zeros(n + 1)
+        for j in range(len(tensors)):
+            if is_root[j] and not saved[j]:
+                delta[producer[j]] += tensors[j].size_bytes
+                delta[last[j] + 1] -= tensors[j].size_bytes
+        gap = np.zeros(n + 1)
+        for s, p, lf, fb, lu in zip(self.size, self.p, self.lf, self.fb, self.lu):
+            delta[p] += s
+            delta[lf + 1] -= s
+            delta[fb] += s
+            delta[lu + 1] -= s
+            gap[lf + 1] += s
+            gap[fb] -= s
+        self.floor = np.cumsum(delta)[:n]
+        self.keep_all = self.floor + np.cumsum(gap)[:n]
+        # static chains: the ops recomputing each candidate must re-run (None: impossible)
+        self.chain: list[tuple[int, ...] | None] = []
+        for j in c:
+            if not tensors[j].recomputable:
+                self.chain.append(None)
+                continue
+            run: set[int] = set()
+            stack = [producer[j]]
+            ok = True
+            while stack and ok:
+                o = stack.pop()
+                if o in run:
+                    continue
+                run.add(o)
+                for x in in_roots[o]:
+                    if saved[x] or producer[x] >= nf:
+                        continue
+                    if not tensors[x].recomputable:
+                        ok = False
+                        break
+                    stack.append(producer[x])
+            self.chain.append(tuple(sorted(run)) if ok else None)
+
+
+def _facts(prof: Profile) -> _Facts:
+    f = prof.__dict__.get("_slackswap_bound_facts")
+    if f is None:
+        f = _Facts(prof)
+        prof.__dict__["_slackswap_bound_facts"] = f    # profiles are immutable: cache is safe
+    return f
+
+
+def sound_bound(prof: Profile, hw: HardwareSpec, budget_bytes: int,
+                time_limit_s: float | None = None) -> Bound:
+    """The LP bound of the module docstring (cached per profile, hardware and budget).
+
+    With `time_limit_s` the LP may stop unsolved: then `retention` is None and the message
+    says so (an unfinished LP proves nothing)."""
+    key = (tuple(sorted(hw.to_dict().items())), int(budget_bytes))
+    cache = prof.__dict__.setdefault("_slackswap_bounds", {})
+    if key in cache:
+        return cache[key]
+    t0 = time.perf_counter()
+    facts = _facts(prof)
+    limit = None if time_limit_s is None else max(0.1, time_limit_s - (time.perf_counter() - t0))
+    out = run_quietly(_solve, dict(f=facts, hw=hw, B=int(budget_bytes), time_limit_s=limit),
+                      limit)
+    if out is None:
+        return Bound(True, None, None, facts.ideal, time.perf_counter() - t0, 0,
+                     f"sound bound not computed within its time ({time_limit_s:.1f} s)")
+    if out.retention is not None or not out.fits:
+        cache[key] = out
+    return out
+
+
+def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = None) -> Bound:
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    t0 = time.perf_counter()
+    n, nf, nc = f.n, f.nf, len(f.cands)
+    over = np.nonzero(f.keep_all > B)[0]
+    if len(over) == 0:
+        return Bound(True, 0.0, 1.0, f.ideal, time.perf_counter() - t0, 0,
+                     "everything fits: no overhead needed")
+    if f.floor.max(initial=0) > B:
+        return Bound(False, None, None, f.ideal, time.perf_counter() - t0, 0,
+                     "no plan fits: the memory every plan needs exceeds the budget")
+    scale = float(max(B, 1))                      # bytes in units of the budget
+    size = f.size / scale
+    bw_d_raw = hw.d2h_bytes_per_s * 1e-6 / scale  # budget units per us
+    bw_h_raw = hw.h2d_bytes_per_s * 1e-6 / scale
+    lat = max(0.0, float(hw.copy_latency_us))
+    # effective bandwidths: copies of at most `smax` bytes each pay the latency per copy
+    smax_all = float(size.max(initial=0.0))
+
+    def eff(bw: float, smax: float) -> float:
+        return bw if smax <= 0 or lat <= 0 else 1.0 / (1.0 / bw + lat / smax)
+    smax_row = {int(i): float(size[(f.lf < i) & (f.fb > i)].max(initial=0.0)) for i in over}
+    bw_h_all = eff(bw_h_raw, smax_all)
+    cap = (B - f.floor) / scale                   # room left at each op
+    fwd_rows = over[over < nf]
+    bwd_rows = over[over >= nf]
+    # sampled j's for (c) and the positions of (d): first backward uses after each row
+    fb_pos = np.unique(f.fb)
+    pairs: list[tuple[int, int]] = []
+    for i in bwd_rows:
+        k0 = int(np.searchsorted(fb_pos, i, side="right"))
+        steps, s = [], 0
+        while len(steps) < PAIRS_PER_ROW and k0 + s < len(fb_pos):
+            steps.append(k0 + s)
+            s = 2 * s + 1 if s else 1
+        pairs.extend((int(i), int(fb_pos[k])) for k in steps)
+    # sampled q's for (b'): production positions before each forward row
+    p_pos = np.unique(f.p)
+    tails: list[tuple[int, int]] = []
+    for i in over:
+        k0 = int(np.searchsorted(p_pos, min(i, nf), side="left")) - 1
+        steps, s = [], 0
+        while len(steps) < PAIRS_PER_ROW and k0 - s >= 0:
+            steps.append(k0 - s)
+            s = 2 * s + 1 if s else 1
+        tails.extend((int(p_pos[k]), int(i)) for k in steps)
+    P = np.unique(np.r_[over, fb_pos[fb_pos >= nf], [j for _, j in pairs],
+                        [q for q, _ in tails], [nf - 1]])
+    P = P.astype(np.int64)
+    nP = len(P)
+    ops_used = sorted({o for ch in f.chain if ch for o in ch})
+    ypos = {o: q for q, o in enumerate(ops_used)}
+    ny = len(ops_used)
+    # columns: k, w, r (nc each), y (ny), R, Zt, KI, KO, WI, WO, Z, WP (nP each)
+    ik, iw, ir, iy = 0, nc, 2 * nc, 3 * nc
+    iR, iZt = 3 * nc + ny, 3 * nc + ny + 1
+    iKI = iZt + 1
+    iKO, iWI, iWO, iZ = iKI + nP, iKI + 2 * nP, iKI + 3 * nP, iKI + 4 * nP
+    iWP = iKI + 5 * nP
+    N = iKI + 6 * nP
+    R, C, V, lo, hi = [], [], [], [], []
+    nrow = 0
+
+    def row(cols, vals, lb, ub):
+        nonlocal nrow
+        R.extend([nrow] * len(cols))
+        C.extend(cols)
+        V.extend(vals)
+        lo.append(lb)
+        hi.append(ub)
+        nrow += 1
+
+    for c in range(nc):                           # k + w + r = 1
+        row([ik + c, iw + c, ir + c], [1.0, 1.0, 1.0], 1.0, 1.0)
+    for c, ch in enumerate(f.chain):              # y_o >= r_c
+        for o in ch or ():
+            row([iy + ypos[o], ir + c], [1.0, -1.0], 0.0, np.inf)
+    row([iR] + [iy + q for q in range(ny)], [1.0] + [-float(f.time[o]) for o in ops_used],
+        0.0, np.inf)                              # R >= recompute time
+    for q in range(1, nP):                        # stall before op P[q]: non-decreasing
+        row([iZ + q, iZ + q - 1], [1.0, -1.0], 0.0, np.inf)
+    row([iZt, iZ + nP - 1], [1.0, -1.0], 0.0, np.inf)
+    # cumulative sums at positions P: opened (lf + 1 <= q) and closed (fb <= q) gaps
+    for base, first, key in ((iKI, ik, f.lf + 1), (iKO, ik, f.fb), (iWI, iw, f.lf + 1),
+                             (iWO, iw, f.fb), (iWP, iw, f.p + 1)):
+        bucket = np.searchsorted(P, key, side="left")     # first position q >= key
+        members: list[list[int]] = [[] for _ in range(nP)]
+        for c, b in enumerate(bucket):
+            if b < nP:
+                members[b].append(c)
+        for q in range(nP):
+            cols = [base + q] + ([base + q - 1] if q else []) + [first + c for c in members[q]]
+            vals = [1.0] + ([-1.0] if q else []) + [-size[c] for c in members[q]]
+            row(cols, vals, 0.0, 0.0)
+    at = {int(q): k for k, q in enumerate(P)}
+    for i in over:                                # (a)
+        q = at[int(i)]
+        row([iKI + q, iKO + q], [1.0, -1.0], -np.inf, cap[i])
+    for i in over:                                # (b)
+        q = at[int(i)]
+        rec = [iR] if i >= nf else []
+        bw_d = eff(bw_d_raw, smax_row[int(i)])
+        row([iKI + q, iKO + q, iWI + q, iWO + q, iZ + q] + rec,
+            [1.0, -1.0, 1.0, -1.0, -bw_d] + [-bw_d] * len(rec), -np.inf,
+            cap[i] + bw_d * f.t_start[i])
+    by_p = np.argsort(f.p, kind="stable")
+    p_sorted = f.p[by_p]
+    for q_op, i in tails:                         # (b')
+        qq, qi = at[q_op], at[i]
+        rec = [iR] if i >= nf else []
+        bw_d = eff(bw_d_raw, smax_row[i])
+        gap_i = (f.lf < i) & (f.fb > i)
+        direct = np.nonzero(gap_i & (f.p >= q_op))[0]
+        other = np.nonzero(~gap_i & (f.p < q_op))[0]
+        if len(direct) <= len(other) + 5:       # sum over the gap's tensors made from q on
+            cols, vals = [iw + int(c) for c in direct], [float(size[c]) for c in direct]
+        else:                                   # ... or gap total - made before q + not in gap
+            cols = [iKI + qi, iKO + qi, iWI + qi, iWO + qi, iWP + qq] + [iw + int(c) for c in other]
+            vals = [1.0, -1.0, 1.0, -1.0, -1.0] + [float(size[c]) for c in other]
+            cols, vals = cols[2:], vals[2:]
+        row([iKI + qi, iKO + qi, iZ + qi, iZ + qq] + rec + cols,
+            [1.0, -1.0, -bw_d, bw_d] + [-bw_d] * len(rec) + vals, -np.inf,
+            cap[i] + bw_d * (f.t_start[i] - f.t_start[q_op]))
+    for i, j in pairs:                            # (c)
+        qi, qj = at[i], at[j]
+        bw_h = eff(bw_h_raw, smax_row[i])
+        row([iKI + qi, iKO + qi, iWO + qj, iWO + qi, iZ + qj, iZ + qi, iR],
+            [1.0, -1.0, 1.0, -1.0, -bw_h, bw_h, -bw_h],
+            -np.inf, cap[i] + bw_h * (f.t_start[j] - f.t_start[i]))
+    qf = at[nf - 1]
+    bw_h = bw_h_all
+    for j in P[P >= nf]:                          # (d)
+        q = at[int(j)]
+        row([iWO + q, iZ + q, iZ + qf, iR], [1.0, -bw_h, bw_h, -bw_h], -np.inf,
+            bw_h * (f.t_start[j] - f.fwd_end))
+    A = coo_matrix((V, (R, C)), shape=(nrow, N)).tocsr()
+    ub = np.full(N, np.inf)
+    ub[:3 * nc + ny] = 1.0
+    for c, ch in enumerate(f.chain):
+        if ch is None:
+            ub[ir + c] = 0.0
+    cost = np.zeros(N)
+    cost[iR] = cost[iZt] = 1.0
+    A_ub_rows = np.isfinite(np.array(hi)) & ~np.isfinite(np.array(lo))
+    eq = np.array(lo) == np.array(hi)
+    ge = ~A_ub_rows & ~eq                         # lo <= row (hi = inf)
+    lo_a, hi_a = np.array(lo), np.array(hi)
+    A_ub = _vstack(A[A_ub_rows], -A[ge])
+    b_ub = np.r_[hi_a[A_ub_rows], -lo_a[ge]]
+    options = {} if time_limit_s is None else {"time_limit": max(0.1, float(time_limit_s))}
+    with quiet_fds():
+        res = linprog(cost, A_ub=A_ub, b_ub=b_ub, A_eq=A[eq], b_eq=hi_a[eq],
+                      bounds=np.c_[np.zeros(N), ub], method="highs", options=options)
+    solve_s = time.perf_counter() - t0
+    if res.status == 2:
+        return Bound(False, None, None, f.ideal, solve_s, nrow,
+                     "no plan fits: the relaxation is infeasible")
+    if res.status != 0:
+        return Bound(True, None, None, f.ideal, solve_s, nrow,
+                     f"sound bound not computed: the LP stopped ({res.message})")
+    s = max(0.0, float(res.fun) - SAFETY * f.ideal)
+    ret = 1.0 if f.ideal + s <= 0 else f.ideal / (f.ideal + s)
+    return Bound(True, s, ret, f.ideal, solve_s, nrow,
+                 f"sound bound: overhead >= {s:.1f} us, retention <= {ret:.4f} "
+                 f"(LP: {nc} tensors, {nrow} rows, {solve_s:.1f} s)")
+
+
+def _vstack(a, b):
+    from scipy.sparse import vstack
+    return vstack([a, b]).tocsr()
