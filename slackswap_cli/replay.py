@@ -88,6 +88,15 @@ class _Ref:
         self.rec, self.out = rec, out
 
 
+class _Ext:
+    """A tensor argument from outside the recorded forward that is neither a parameter nor
+    one of the call's inputs (a wrapper's view of a block's input, say): held weakly."""
+    __slots__ = ("ref",)
+
+    def __init__(self, x: torch.Tensor):
+        self.ref = weakref.ref(x)
+
+
 class _Record:
     __slots__ = ("func", "args", "kwargs", "outs", "versions", "op", "in_locs")
 
@@ -128,12 +137,15 @@ class PlanRun:
         self.rerun_ops = 0
         self.device = None
         self.recording = True       # off while a hook of ours runs (its copies are not the model's)
-        self.modules: list[str] = []
+        self.modules: list[list] = [["", True]]    # [module path, in its forward body?]
+        self.inputs: set[int] = set()              # ids of the call's own tensors (held)
         self.kept_refs: list = []                  # what autograd holds as it is (weak)
         self.external: set = set()                 # storages the forward read but did not make
 
     # -- forward: recording and alignment ------------------------------------------------
-    def record(self, func, args, kwargs, out) -> None:
+    def record(self, func, args, kwargs, out, alias: bool = False) -> None:
+        """Record one aten call of the forward. `alias`: a wrapper hook's view of a recorded
+        value (FSDP2 views a block's input): not the model's op, but the same value to it."""
         k = len(self.records)
         leaves, _ = pytree.tree_flatten(out)
         outs = [weakref.ref(x) if isinstance(x, torch.Tensor) else None for x in leaves]
@@ -152,6 +164,8 @@ class PlanRun:
                     return _Ref(*loc)
                 if x.device.type != "meta":
                     self.external.add(rt.storage_key(x))   # a parameter, buffer or input
+                if not isinstance(x, torch.nn.Parameter) and id(x) not in self.inputs:
+                    return _Ext(x)     # held weakly: a replay may not rely on it
             return x
         rargs = pytree.tree_map(ref, args)
         rkwargs = pytree.tree_map(ref, kwargs)
@@ -160,7 +174,7 @@ class PlanRun:
         reads_act = any(self._activation(loc) for loc in in_locs)
         known = {t for t in (self.tid_of.get(loc) for loc in in_locs)
                  if t is not None and self.root(t) not in self.p.non_activation}
-        op = self._align(func, leaves, reads_act, known)
+        op = None if alias else self._align(func, leaves, reads_act, known)
         self.records.append(_Record(func, rargs, rkwargs, outs, versions, op, in_locs))
         self.reads_act.append(reads_act)
         for j, x in enumerate(leaves):
@@ -168,6 +182,9 @@ class PlanRun:
                 if self.device is None and x.device.type != "meta":
                     self.device = x.device
                 self.where[x] = (k, j)       # an in-place op's output: its newest value
+        if alias and in_locs and in_locs[0] in self.tid_of and leaves \
+                and isinstance(leaves[0], torch.Tensor):
+            self.tid_of[(k, 0)] = self.tid_of[in_locs[0]]
         if op is not None:
             self.rec_of_op[op] = k
             tids = self.table["ops"][op][3]
@@ -198,7 +215,7 @@ class PlanRun:
         ops = self.table["ops"]
         name = str(func)
         first = next((list(x.shape) for x in leaves if isinstance(x, torch.Tensor)), None)
-        module = self.modules[-1] if self.modules else ""
+        module = self.modules[-1][0]
         end = min(len(ops), self.ptr + WINDOW)
         for i in range(self.ptr, end):
             o = ops[i]
@@ -210,12 +227,26 @@ class PlanRun:
         return None
 
     # module paths, as the profile's trace attributes ops (the innermost module running)
+    # Which module runs, as the profile's trace attributes ops (the innermost module), and
+    # whether in its forward body or in its hooks: a global pre-hook (called before every
+    # module's own pre-hooks) enters a module's hooks; our own pre-hook, kept last in each
+    # module's pre-hooks, enters its body; our own forward hook, kept last, leaves it. Ops in
+    # hooks (FSDP2's unshard and reshard, a wrapper's input casts) are not the model's: they
+    # are not recorded, and their results are outside values to the ops that read them.
     def _enter(self, mod, args) -> None:
-        self.modules.append(self.p.names.get(id(mod), self.modules[-1] if self.modules else ""))
+        name = self.p.names.get(id(mod))
+        self.modules.append([self.modules[-1][0] if name is None else name, False])
 
-    def _exit(self, mod, args, out) -> None:
-        if self.modules:
+    def _body(self) -> None:
+        if len(self.modules) > 1:
+            self.modules[-1][1] = True
+
+    def _leave(self) -> None:
+        if len(self.modules) > 1:
             self.modules.pop()
+
+    def in_body(self) -> bool:
+        return self.modules[-1][1]
 
     def root(self, tid: int) -> int:
         return self.table["root"].get(tid, tid)
@@ -272,6 +303,8 @@ class PlanRun:
         rec = self.records[k]
         if _is_random(rec) or not all(self._known(loc) for loc in rec.in_locs):
             return False               # random, or reads a value the profile does not know
+        if any(isinstance(a, _Ext) for a in pytree.tree_leaves((rec.args, rec.kwargs))):
+            return False               # reads an outside value nobody promises to keep
         got = {self.root(self.tid_of[loc]) for loc in rec.in_locs}
         return (got - self.p.non_activation) <= set(self.p.op_inputs.get(p, ()))
 
@@ -388,9 +421,20 @@ class PlanRun:
 
     def _replay(self, k: int, local: dict) -> None:
         rec = self.records[k]
-        res = lambda a: self._resolve((a.rec, a.out), local) if isinstance(a, _Ref) else a  # noqa: E731
-        args = pytree.tree_map(res, rec.args, is_leaf=lambda a: isinstance(a, _Ref))
-        kwargs = pytree.tree_map(res, rec.kwargs, is_leaf=lambda a: isinstance(a, _Ref))
+        def res(a):
+            if isinstance(a, _Ref):
+                return self._resolve((a.rec, a.out), local)
+            if isinstance(a, _Ext):
+                x = a.ref()
+                if x is None:
+                    raise RuntimeError(f"slackswap: replaying {rec.func} needs a value from "
+                                       "outside the model's forward that is gone; this is a "
+                                       "bug in slackswap, please report it")
+                return x
+            return a
+        leaf = lambda a: isinstance(a, (_Ref, _Ext))  # noqa: E731
+        args = pytree.tree_map(res, rec.args, is_leaf=leaf)
+        kwargs = pytree.tree_map(res, rec.kwargs, is_leaf=leaf)
         if _is_random(rec):
             raise RuntimeError(f"slackswap: a recompute chain would re-run the random op "
                                f"{rec.func}; this is a bug in slackswap, please report it")
@@ -480,9 +524,26 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.run.recording:
-            self.run.record(func, args, kwargs, out)
+        run = self.run
+        if run.recording:
+            if run.in_body():
+                run.record(func, args, kwargs, out)
+            elif _aliases_input(func) and args and isinstance(args[0], torch.Tensor) \
+                    and args[0] in run.where:
+                run.record(func, args, kwargs, out, alias=True)   # a hook's view of a value
         return out
+
+
+def _body_hook(mod, args) -> None:
+    run = getattr(_STATE, "run", None)
+    if run is not None:
+        run._body()
+
+
+def _leave_hook(mod, args, out) -> None:
+    run = getattr(_STATE, "run", None)
+    if run is not None:
+        run._leave()
 
 
 class _Patched:
@@ -494,6 +555,7 @@ class _Patched:
         self.had_instance_forward = had_instance_forward
         self.last_run: PlanRun | None = None
         self.warned = False
+        self.module_hooks: dict[int, tuple] = {}
         self.names = {id(m): name for name, m in model.named_modules()}
         self.op_inputs = table["op_inputs"]
         self.non_activation = set(table["non_activation"])
@@ -517,10 +579,13 @@ class _Patched:
         run = PlanRun(self)
         prev = getattr(_STATE, "run", None)
         _STATE.run = run
-        from torch.nn.modules.module import (register_module_forward_hook,
-                                             register_module_forward_pre_hook)
-        hooks = [register_module_forward_pre_hook(run._enter),
-                 register_module_forward_hook(run._exit)]
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        run.inputs = {id(x) for x in pytree.tree_leaves((args, kwargs))
+                      if isinstance(x, torch.Tensor)}
+        run.held_inputs = [x for x in pytree.tree_leaves((args, kwargs))
+                           if isinstance(x, torch.Tensor)]
+        self._last_hooks()
+        hooks = [register_module_forward_pre_hook(run._enter)]
         try:
             with _Recorder(run), torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
                 out = self.original_forward(*args, **kwargs)
@@ -531,6 +596,28 @@ class _Patched:
         self.last_run = run
         self._check_alignment(run)
         return out
+
+    def _last_hooks(self) -> None:
+        """Keep our body-entry pre-hook and body-exit forward hook last on every submodule
+        (a wrapper such as FSDP2 may have added its own since)."""
+        for mod in self.model.modules():
+            if mod is self.model:
+                continue
+            mine = self.module_hooks.get(id(mod))
+            if mine is not None and next(reversed(mod._forward_pre_hooks), None) == mine[0].id \
+                    and next(reversed(mod._forward_hooks), None) == mine[1].id:
+                continue
+            if mine is not None:
+                for h in mine:
+                    h.remove()
+            self.module_hooks[id(mod)] = (mod.register_forward_pre_hook(_body_hook),
+                                          mod.register_forward_hook(_leave_hook, always_call=True))
+
+    def remove_hooks(self) -> None:
+        for hooks in self.module_hooks.values():
+            for h in hooks:
+                h.remove()
+        self.module_hooks.clear()
 
     def _check_alignment(self, run: PlanRun) -> None:
         """Say once, on stderr, when most of the profile's ops did not line up: the plan then
@@ -588,6 +675,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state = getattr(model.__dict__.get("forward"), "__slackswap__", None)
     if state is None:
         raise _error("this model is not patched by slackswap", "nothing to undo")
+    state.remove_hooks()
     if state.had_instance_forward:
         model.forward = state.original_forward
     else:
