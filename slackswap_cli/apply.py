@@ -167,6 +167,7 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
         "input_constants": [repr(c) for c in joint.input_constants],
         "autocast": profile.workload.get("autocast"),
         "target_device": profile.env.get("target_device"),
+        "hardware": plan.hardware,
         "budget_bytes": plan.budget_bytes,
         "budget_fraction": plan.budget_fraction,
         "planner": plan.planner,

@@ -108,9 +108,10 @@ class _Record:
 class PlanRun:
     """One training step's recorded forward and the state its backward needs."""
 
-    def __init__(self, patched: "_Patched"):
+    def __init__(self, patched: "_Patched", plan: "_Table"):
         self.p = patched
-        t = patched.table
+        self.t = plan
+        t = plan.table
         self.table = t
         self.records: list[_Record] = []
         self.reads_act: list[bool] = []            # per record: does it read activations?
@@ -121,11 +122,10 @@ class PlanRun:
         self.ptr = 0                               # next expected forward op
         self.unmatched = 0
         self.pinned: dict[int, torch.Tensor] = {}   # root -> tensor held for a chain
-        self.pin_uses: dict[int, int] = {}
         self.handles: dict[int, Any] = {}          # swapped root -> runtime.Handle
         self.fetched: dict[int, torch.Tensor] = {}  # swapped root -> device bytes, back
         self.made: dict[int, torch.Tensor] = {}     # recompute root -> tensor a chain made
-        self.made_uses = dict(patched.made_uses)    # recompute root -> later chains reading it
+        self.chain_uses = dict(plan.chain_uses)     # root -> chains still to read it
         self.metas: dict[int, tuple] = {}          # swapped root -> how to view its bytes
         self.packs: dict[int, int] = {}            # root -> saved references not yet unpacked
         self.usable: dict[int, bool] = {}         # recompute root -> its chain verified
@@ -173,7 +173,7 @@ class PlanRun:
         # to parameters only (a wrapper's all-gather and views of weights)?
         reads_act = any(self._activation(loc) for loc in in_locs)
         known = {t for t in (self.tid_of.get(loc) for loc in in_locs)
-                 if t is not None and self.root(t) not in self.p.non_activation}
+                 if t is not None and self.root(t) not in self.t.non_activation}
         op = None if alias else self._align(func, leaves, reads_act, known)
         self.records.append(_Record(func, rargs, rkwargs, outs, versions, op, in_locs))
         self.reads_act.append(reads_act)
@@ -193,9 +193,8 @@ class PlanRun:
                     self.tid_of[(k, j)] = tid
                     self.loc_of_tid[tid] = (k, j)
                     r = self.root(tid)
-                    if r == tid and r in self.p.pin_roots:
+                    if r == tid and r in self.t.pin_roots:
                         self.pinned[r] = leaves[j]
-                        self.pin_uses[r] = self.p.pin_roots[r]
                     if r == tid and self.table["action"].get(r) == "swap":
                         x = leaves[j]
                         self.metas[r] = (x.dtype, tuple(x.shape), tuple(x.stride()),
@@ -204,7 +203,7 @@ class PlanRun:
     def _activation(self, loc: tuple[int, int]) -> bool:
         tid = self.tid_of.get(loc)
         if tid is not None:
-            return self.root(tid) not in self.p.non_activation
+            return self.root(tid) not in self.t.non_activation
         return self.reads_act[loc[0]]
 
     def _align(self, func, leaves, reads_act: bool, known: set) -> int | None:
@@ -306,7 +305,7 @@ class PlanRun:
         if any(isinstance(a, _Ext) for a in pytree.tree_leaves((rec.args, rec.kwargs))):
             return False               # reads an outside value nobody promises to keep
         got = {self.root(self.tid_of[loc]) for loc in rec.in_locs}
-        return (got - self.p.non_activation) <= set(self.p.op_inputs.get(p, ()))
+        return (got - self.t.non_activation) <= set(self.t.op_inputs.get(p, ()))
 
     def _known(self, loc: tuple[int, int]) -> bool:
         """Is `loc` a value of the profile, and, if a view or in-place alias, derived from one
@@ -319,7 +318,7 @@ class PlanRun:
             return True
         src = rec.args[0] if rec.args else None
         if not isinstance(src, _Ref):
-            return self.root(tid) in self.p.non_activation or not rec.in_locs
+            return self.root(tid) in self.t.non_activation or not rec.in_locs
         return (self._known((src.rec, src.out))
                 and self.root(self.tid_of[(src.rec, src.out)]) == self.root(tid))
 
@@ -375,7 +374,7 @@ class PlanRun:
     def _release(self, r: int) -> None:
         """Drop our reference to a made or fetched root once autograd took all its saved
         references and no later chain reads it (then it lives as long as autograd holds it)."""
-        if self.packs.get(r, 0) <= 0 and self.made_uses.get(r, 0) <= 0:
+        if self.packs.get(r, 0) <= 0 and self.chain_uses.get(r, 0) <= 0:
             self.made.pop(r, None)
             self.fetched.pop(r, None)
 
@@ -409,14 +408,10 @@ class PlanRun:
             tid = self.tid_of.get((k, j))
             if tid is not None and self.table["made_by"].get(tid) == owner:
                 self.made[tid] = t
-        for r in self.p.chain_pins.get(owner, ()):
-            n = self.pin_uses.get(r, 1) - 1
-            self.pin_uses[r] = n
-            if n <= 0:
-                self.pinned.pop(r, None)
         for r in self.table["chain_inputs"].get(owner, ()):
-            if r in self.made_uses:
-                self.made_uses[r] -= 1
+            self.chain_uses[r] = self.chain_uses.get(r, 0) - 1
+            if self.chain_uses[r] <= 0:
+                self.pinned.pop(r, None)
                 self._release(r)
 
     def _replay(self, k: int, local: dict) -> None:
@@ -546,10 +541,34 @@ def _leave_hook(mod, args, out) -> None:
         run._leave()
 
 
-class _Patched:
-    """What `patch` attaches to a model: the table and the derived lookups."""
+class _Table:
+    """One plan's table (`chains.runtime_table`) and the lookups derived from it."""
 
-    def __init__(self, model, meta: dict, table: dict, original_forward, had_instance_forward):
+    def __init__(self, table: dict):
+        self.table = table
+        self.op_inputs = table["op_inputs"]
+        self.non_activation = set(table["non_activation"])
+        # roots chains read: `chain_uses` counts the chains that read each one. Kept (and
+        # not yet offloaded) ones are held from production (`pin_roots`) until those chains
+        # ran; recomputed or fetched ones stay after autograd took them until then too.
+        self.chain_uses: dict[int, int] = {}
+        for ins in table["chain_inputs"].values():
+            for r in ins:
+                self.chain_uses[r] = self.chain_uses.get(r, 0) + 1
+        self.pin_roots = {r for r in self.chain_uses if table["action"].get(r) != "recompute"}
+
+
+def _signature(args, kwargs) -> tuple:
+    """Shapes and dtypes of a call's tensors, in order: what a plan is made for."""
+    return tuple((tuple(x.shape), str(x.dtype).removeprefix("torch."))
+                 for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor))
+
+
+class _Patched:
+    """What `patch` attaches to a model: its plans (one per input signature) and state."""
+
+    def __init__(self, model, meta: dict, table: dict, original_forward, had_instance_forward,
+                 replan: bool = True):
         self.model, self.meta, self.table = model, meta, table
         self.original_forward = original_forward
         self.had_instance_forward = had_instance_forward
@@ -557,26 +576,42 @@ class _Patched:
         self.warned = False
         self.module_hooks: dict[int, tuple] = {}
         self.names = {id(m): name for name, m in model.named_modules()}
-        self.op_inputs = table["op_inputs"]
-        self.non_activation = set(table["non_activation"])
-        # kept (or not yet offloaded) roots a chain reads: held from production until the
-        # chains that read them ran; recompute roots a later chain reads: held until then
-        self.pin_roots: dict[int, int] = {}
-        self.chain_pins: dict[int, list[int]] = {}
-        self.made_uses: dict[int, int] = {}
-        for owner, ins in table["chain_inputs"].items():
-            for r in ins:
-                if table["action"].get(r) == "recompute":
-                    self.made_uses[r] = self.made_uses.get(r, 0) + 1
-                else:
-                    self.pin_roots[r] = self.pin_roots.get(r, 0) + 1
-                    self.chain_pins.setdefault(owner, []).append(r)
+        self.replan = replan
+        profiled = tuple((tuple(shape), dtype.removeprefix("torch."))
+                         for shape, dtype in meta.get("input_tensors", []))
+        self.plans: dict[tuple, _Table | None] = {profiled: _Table(table)}
+        self.default = self.plans[profiled]
+
+    def plan_for(self, args, kwargs) -> "_Table":
+        """The plan for this call's input shapes: the profiled one, or one made for these
+        shapes the first time they are seen (said once on stderr), cached."""
+        sig = _signature(args, kwargs)
+        if sig in self.plans:
+            return self.plans[sig] or self.default
+        plan = None
+        if self.replan:
+            import sys
+            import time
+            from .trace.replan import replan_table
+            t0 = time.perf_counter()
+            try:
+                table, what = replan_table(self.model, self.original_forward, args, kwargs,
+                                           self.meta)
+                plan = _Table(table)
+                print(f"slackswap: new input shapes {_shapes(sig)}: planned for them in "
+                      f"{time.perf_counter() - t0:.1f} s ({what})", file=sys.stderr)
+            except Exception as exc:  # noqa: BLE001 - the step still runs, with the old plan
+                print(f"slackswap: new input shapes {_shapes(sig)}: could not plan for them "
+                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                      "running with the profiled plan", file=sys.stderr)
+        self.plans[sig] = plan
+        return plan or self.default
 
     def forward(self, *args, **kwargs):
         if not (self.model.training and torch.is_grad_enabled()) or \
                 getattr(_STATE, "run", None) is not None:
             return self.original_forward(*args, **kwargs)
-        run = PlanRun(self)
+        run = PlanRun(self, self.plan_for(args, kwargs))
         prev = getattr(_STATE, "run", None)
         _STATE.run = run
         from torch.nn.modules.module import register_module_forward_pre_hook
@@ -623,7 +658,7 @@ class _Patched:
         """Say once, on stderr, when most of the profile's ops did not line up: the plan then
         saves little (correctness is not at stake: unmatched values are kept as eager keeps
         them)."""
-        n = len(self.table["ops"])
+        n = len(run.table["ops"])
         matched = len(run.rec_of_op)
         if n and matched < ALIGN_WARN * n and not self.warned:
             self.warned = True
@@ -633,18 +668,23 @@ class _Patched:
                   "for those alone. Re-profile for this setup to get all of it.", file=sys.stderr)
 
 
-def patch(model: torch.nn.Module, meta: dict, table: dict) -> torch.nn.Module:
-    """Patch `model` in place to run `table`'s plan in training; returns `model`."""
+def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = True
+          ) -> torch.nn.Module:
+    """Patch `model` in place to run `table`'s plan in training; returns `model`.
+
+    `replan`: on input shapes other than the profiled ones, trace the model at those shapes
+    with fake tensors and plan for them (same planner, hardware and budget fraction), once per
+    shape; with False the profiled plan is used (and lines up where it can)."""
     inner = _unwrap(model)
     if inner is not model:
-        patch(inner, meta, table)     # the wrapper calls it: its forward runs the plan
+        patch(inner, meta, table, replan=replan)   # the wrapper calls it: it runs the plan
         return model
     if is_patched(model):
         raise _error("this model is already patched by slackswap",
                      "call slackswap's unpatch(model) first to patch it with another plan")
     had = "forward" in model.__dict__
     original = model.forward
-    state = _Patched(model, meta, table, original, had)
+    state = _Patched(model, meta, table, original, had, replan=replan)
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
@@ -685,6 +725,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_patched(model: torch.nn.Module) -> bool:
     return getattr(model.__dict__.get("forward"), "__slackswap__", None) is not None
+
+
+def _shapes(sig: tuple) -> str:
+    return ", ".join("x".join(map(str, shape)) or "scalar" for shape, _ in sig)
 
 
 def _error(message: str, hint: str):

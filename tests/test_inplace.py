@@ -224,13 +224,36 @@ def test_autocast_profile_patched_model_trains_like_eager_under_autocast(files, 
     assert run.rerun_ops > 0 and len(run.rec_of_op) > 0.9 * len(mod.TABLE["ops"])
 
 
-def test_another_input_shape_runs_correctly_and_says_the_plan_did_not_line_up(files, tmp_path,
-                                                                              capfd):
+def test_another_input_shape_is_planned_for_once_and_trains_exactly(files, tmp_path, capfd):
+    """The last short batch: a new shape is traced with fake tensors and planned for (said
+    once on stderr), cached; the profiled shape keeps its plan; results stay exact."""
+    args = {"dropout": 0.0}
+    mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.4, args=args)
+    from slackswap_cli.trace.workload import load_workload as load
+    small = {**args, "batch": 3}
+    eager, work = load(str(files["tiny_gpt"]), args=small), load(str(files["tiny_gpt"]), args=small)
+    model = mod.patch(work.model)
+    want, _, _ = train(eager.model, eager, steps=2)
+    got, _, _ = train(model, work, steps=2)
+    assert got == want
+    run = run_of(model)
+    assert len(run.rec_of_op) == len(run.table["ops"]) - 3       # all but autograd's detaches
+    assert run.table is not mod.TABLE and (run.rerun_ops > 0 or run.metas)
+    err = capfd.readouterr().err
+    assert err.count("new input shapes") == 1 and "planned for them" in err
+    assert "lined up" not in err
+    base = load(str(files["tiny_gpt"]), args=args)
+    model(*base.inputs)                                   # the profiled shape: its own plan
+    assert run_of(model).table is mod.TABLE
+
+
+def test_without_replanning_another_shape_runs_unplanned_and_says_so(files, tmp_path, capfd):
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.4)
+    from slackswap_cli import replay
     from slackswap_cli.trace.workload import load_workload as load
     eager = load(str(files["tiny_gpt"]), args={"batch": 3})
     work = load(str(files["tiny_gpt"]), args={"batch": 3})
-    model = mod.patch(work.model)
+    model = replay.patch(work.model, mod.META, mod.TABLE, replan=False)
     want, _, _ = train(eager.model, eager, steps=2)
     got, _, _ = train(model, work, steps=2)
     assert got == want
@@ -248,3 +271,20 @@ def test_a_compiled_model_is_refused_and_a_ddp_wrapper_patches_its_module(files,
     assert "forward" in work.model.__dict__
     mod.unpatch(dp)
     assert "forward" not in work.model.__dict__
+
+
+def test_hf_model_at_a_shorter_sequence_is_replanned_and_exact(files, tmp_path):
+    """Dynamic padding: a shorter sequence than profiled. The re-plan's chains read swapped
+    values fetched by earlier chains (held until every chain that reads them ran)."""
+    mod, _ = patched_module(tmp_path, files, "gpt2", 0.4)
+    eager, work = twin(files, "gpt2")
+    mod.patch(work.model)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for m in (eager.model, work.model):
+        torch.manual_seed(0)
+        m(input_ids=ids, labels=ids).loss.backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    run = run_of(work.model)
+    assert run.table is not mod.TABLE and run.rerun_ops > 0

@@ -1,0 +1,108 @@
+"""Plan again for input shapes the profile was not made at (the last short batch, dynamic
+padding), from inside a patched model.
+
+The live model is traced at the new shapes through a fake copy (its parameters and buffers as
+FakeTensors: nothing is allocated, nothing of the real model is touched), the graph is costed
+with the plan's hardware roofline, and the plan's planner is run at the plan's budget fraction
+of the new keep-all peak (or its byte budget, when it was given in bytes). The result is the
+table the in-place runtime follows (`chains.runtime_table`).
+
+Left out: measured op times are not carried over (a re-plan is roofline-costed), and a model
+already sharded by FSDP2 cannot be copied, so it keeps the profiled plan.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import InputError, TraceError
+
+__all__ = ["replan_table"]
+
+
+def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: dict
+                 ) -> tuple[dict, str]:
+    """(table, a line saying what was planned) for `model` called with `args`/`kwargs`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..chains import runtime_table
+    from ..hardware import HardwareSpec
+    from ..planners import make_plan
+    from .graph_profile import joint_to_profile
+    from .joint import capture_joint
+
+    if args and kwargs:
+        raise InputError("the call mixes positional and keyword tensors",
+                         hint="call the model with one kind to let slackswap re-plan")
+    inputs = dict(kwargs) if kwargs else tuple(args)
+    hw_dict = meta.get("hardware")
+    if not hw_dict:
+        raise InputError("the patched module does not record its plan's hardware",
+                         hint="regenerate it with `slackswap apply`")
+    hw = HardwareSpec.from_dict(hw_dict)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with torch.random.fork_rng(devices=_cuda_devices()):
+        shadow = _fake_copy(model, mode)
+        fake_inputs = pytree.tree_map(
+            lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
+        loss_fn = None
+        try:
+            joint = capture_joint(shadow, fake_inputs, None, autocast=meta.get("autocast"),
+                                  target_device=meta.get("target_device"))
+        except TraceError:
+            loss_fn = _workload_loss_fn(meta)  # the output is no loss: the workload's loss_fn
+            joint = capture_joint(shadow, fake_inputs, loss_fn, autocast=meta.get("autocast"),
+                                  target_device=meta.get("target_device"))
+    env = {"torch_version": torch.__version__, "device": "fake", "hardware": hw.to_dict(),
+           "target_device": meta.get("target_device") or meta.get("device_type")}
+    prof = joint_to_profile(joint, workload={"name": meta.get("workload", {}).get("name", "")},
+                            env=env, hardware=hw, time_source="roofline")
+    peak = prof.summary["peak_activation_bytes"]
+    fraction = meta.get("budget_fraction")
+    budget = int(fraction * peak) if fraction else int(meta["budget_bytes"])
+    planner = meta.get("planner") or "slackswap"
+    if planner == "optimal":         # a MILP takes a minute: not inside a training step
+        planner = "slackswap"
+    plan = make_plan(planner, prof, hw, budget, fraction)
+    what = (f"{planner} at {fraction:g} of the keep-all peak" if fraction
+            else f"{planner} at {budget} bytes")
+    what += f", predicted retention {plan.predicted.retention:.1%}"
+    if not plan.feasible:
+        what += ", no plan fits: the closest one runs"
+    return runtime_table(prof, plan.decisions), what
+
+
+def _fake_copy(model: torch.nn.Module, mode) -> torch.nn.Module:
+    """A copy of `model` whose parameters and buffers are FakeTensors, its forward its class's
+    own (the patched forward stays with the real model)."""
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        fake = mode.from_tensor(t)
+        memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) \
+            if isinstance(t, torch.nn.Parameter) else fake
+    forward = model.__dict__.pop("forward", None)
+    try:
+        shadow = copy.deepcopy(model, memo)
+    finally:
+        if forward is not None:
+            model.forward = forward
+    return shadow
+
+
+def _workload_loss_fn(meta: dict):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .workload import load_workload
+    w = meta.get("workload") or {}
+    if not w.get("path"):
+        raise InputError("the model's output is no loss and the workload is unknown",
+                         hint="regenerate the patched module with `slackswap apply`")
+    work = load_workload(w["path"], w.get("entry", "workload"), w.get("args") or {},
+                         fake_mode=FakeTensorMode())
+    return work.loss_fn
+
+
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
