@@ -40,7 +40,7 @@ def _worker(rank, world, port, patched_path, workload_path, mode, out_dir):
         for label in ("plain", "patched"):
             work = load_workload(workload_path)        # same seed: same weights on every rank
             model = work.model
-            if label == "patched":
+            if label == "patched" and mode != "fsdp_first":
                 load_patched(patched_path).patch(model)
             blocks = getattr(model, "blocks", None) or model.model.layers
             if mode == "ddp":
@@ -52,6 +52,8 @@ def _worker(rank, world, port, patched_path, workload_path, mode, out_dir):
                     fully_shard(b)
                 fully_shard(model)
                 wrapped = model
+            if label == "patched" and mode == "fsdp_first":
+                load_patched(patched_path).patch(model)   # a model sharded before patching
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             losses = []
             torch.manual_seed(100 + rank)              # each rank its own data and dropout
@@ -85,7 +87,7 @@ def _run(tmp_path, files, name, frac, mode):
     prof = profiled(files, name)
     peak = prof.summary["peak_activation_bytes"]
     from slackswap_cli.planners import make_plan
-    plan = make_plan("recompute-only" if mode == "fsdp" else "slackswap", prof, HW,
+    plan = make_plan("recompute-only" if mode.startswith("fsdp") else "slackswap", prof, HW,
                      int(peak * frac), frac)
     patched = tmp_path / f"{name}_patched.py"
     patched.write_text(apply_plan(plan, prof))
@@ -110,9 +112,11 @@ def test_ddp_trains_the_patched_model_exactly(files, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny_gpt", "llama"])
-def test_fsdp2_trains_the_patched_model_exactly(name, files, tmp_path):
-    ranks = _run(tmp_path, files, name, 0.4, "fsdp")
+@pytest.mark.parametrize("name,mode", [("tiny_gpt", "fsdp"), ("llama", "fsdp"),
+                                       ("tiny_gpt", "fsdp_first")])
+def test_fsdp2_trains_the_patched_model_exactly(name, mode, files, tmp_path):
+    """`patch` then `fully_shard` (as for activation checkpointing), or the other way round."""
+    ranks = _run(tmp_path, files, name, 0.4, mode)
     r = ranks[0]["patched"]
     assert r["rerun"] > 0                              # recompute chains ran under FSDP2
     # FSDP2's own ops in its hooks (all-gather copies, views of weights and of block inputs)
