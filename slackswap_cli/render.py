@@ -696,6 +696,15 @@ def verify_view(report) -> Group:
                      f"({fmt_bytes(get('swapped_bytes_per_step'))} copied per step), "
                      f"{get('recomputed')} recomputed"),
             ("budget", fmt_bytes(get("budget_bytes")) if get("budget_bytes") else "-")]
+    ip = get("inplace")
+    if ip:
+        rows.insert(3, ("in place", Text(
+            f"patch(model): loss {ip['max_loss_rel_diff']:.2g}, gradients "
+            f"{ip['max_grad_rel_diff']:.2g} max rel. difference; {ip['ops_lined_up']} of "
+            f"{ip['profile_forward_ops']} ops lined up, {ip['ops_rerun']} re-run, "
+            f"{fmt_bytes(ip['held_bytes_after_forward'])} held after forward",
+            style="green" if ip["max_loss_rel_diff"] <= get("loss_tolerance")
+            and ip["max_grad_rel_diff"] <= get("grad_tolerance") else "red")))
     checks = _kv_table("", rows)
     t = Table(title_justify="left")
     t.add_column("")

@@ -83,6 +83,8 @@ class VerifyReport:
     # in the simulator's schedule and in the patched module's run
     predicted_recompute_ops: int | None = None
     measured_recompute_ops: int = 0
+    # the in-place patch (`patch(model)`, what training runs) against eager, same steps
+    inplace: dict | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -404,6 +406,64 @@ def check_fits(meta: dict, device: str) -> None:
                  "holds the full one")
 
 
+def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol: float,
+                    grad_tol: float) -> dict:
+    """`steps` SGD steps of a fresh eager model and of a fresh one patched in place, from the
+    same seed: the largest loss and gradient differences, how much of the profile lined up,
+    ops re-run and bytes held for backward after forward (CPU: storages, as `held_device_bytes`)."""
+    import torch
+
+    from .trace.joint import loss_from_output, split_inputs
+    from .trace.workload import load_workload
+    models = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        models.append(load_workload(path, entry, args, device=dev))
+    eager, work = models
+    work.model.load_state_dict(eager.model.state_dict())
+    mod.patch(work.model)
+    opts = [torch.optim.SGD(w.model.parameters(), lr=1e-3) for w in models]
+    max_loss = max_grad = 0.0
+    for k in range(steps):
+        losses, grads = [], []
+        for w, opt in zip(models, opts):
+            w.model.train()
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(seed + 1 + k)
+            a, kw = split_inputs(w.inputs)
+            loss = loss_from_output(w.model(*a, **kw), w.inputs, w.loss_fn)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad for n, p in w.model.named_parameters()})
+            with torch.no_grad():
+                opt.step()
+        max_loss = max(max_loss, _rel(*losses))
+        max_grad = max([max_grad, *(_rel(g, grads[1][n]) for n, g in grads[0].items())])
+    run = work.model.forward.__slackswap__.last_run
+    reasons = []
+    if max_loss > loss_tol or max_grad > grad_tol:
+        reasons.append(f"the model patched in place differs from eager: loss by {max_loss:.2e}, "
+                       f"gradients by {max_grad:.2e} (relative)")
+    return {"max_loss_rel_diff": max_loss, "max_grad_rel_diff": max_grad,
+            "ops_lined_up": len(run.rec_of_op), "profile_forward_ops": len(run.table["ops"]),
+            "ops_rerun": run.rerun_ops, "roots_swapped": len(run.metas),
+            "held_bytes_after_forward": _held_after_forward(work, run),
+            "reasons": reasons}
+
+
+def _held_after_forward(work, run) -> int:
+    """Bytes the last in-place step held for backward right after its forward (re-measured
+    on one more forward, then dropped)."""
+    import torch
+
+    from .trace.joint import loss_from_output, split_inputs
+    a, kw = split_inputs(work.inputs)
+    loss = loss_from_output(work.model(*a, **kw), work.inputs, work.loss_fn)
+    held = work.model.forward.__slackswap__.last_run.held_device_bytes()
+    del loss
+    return int(held)
+
+
 def _warmup(model, run) -> None:
     """One untimed step; weights, buffers, gradients and the RNG are put back afterwards."""
     import torch
@@ -602,7 +662,9 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
                      "measured_bytes": r.measured_bytes, "predicted_bytes": None,
                      "predicted_device_bytes": None} for r in ms.rows]
 
-    reasons = []
+    inplace = _check_in_place(mod, path, entry, args, dev, seed, steps, loss_tol, grad_tol)
+
+    reasons = list(inplace.pop("reasons"))
     if max_loss > loss_tol:
         reasons.append(f"loss differs by {max_loss:.2e} (relative), tolerance {loss_tol:g}")
     if max_grad > grad_tol:
@@ -655,4 +717,5 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
                              else ""),
         predicted_recompute_ops=pred_rec_ops,
         measured_recompute_ops=sum(1 for x in ms.rows if x.recompute
-                                   and (profile is None or not _is_view_op(profile, x.op))))
+                                   and (profile is None or not _is_view_op(profile, x.op))),
+        inplace=inplace)

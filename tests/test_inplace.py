@@ -288,3 +288,23 @@ def test_hf_model_at_a_shorter_sequence_is_replanned_and_exact(files, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     run = run_of(work.model)
     assert run.table is not mod.TABLE and run.rerun_ops > 0
+
+
+def test_verify_checks_the_in_place_patch_too(files, tmp_path):
+    """`verify` also trains the model patched in place against eager; with a `fake:cpu`
+    profile (random ops as a CPU draws them) every op lines up and the in-place step holds
+    what the written-out step holds."""
+    from slackswap_cli.planners import make_plan
+    from slackswap_cli.trace import profile_workload
+    from slackswap_cli.verify import verify
+    prof = profile_workload(str(files["tiny_gpt"]), device="fake:cpu", hardware=HW)
+    peak = prof.summary["peak_activation_bytes"]
+    plan = make_plan("slackswap", prof, HW, int(peak * 0.4), 0.4)
+    path = tmp_path / "v.py"
+    path.write_text(apply_plan(plan, prof))
+    r = verify(str(path), steps=2, check_trace=False)
+    assert r.passed, r.reasons
+    ip = r.inplace
+    assert ip["max_loss_rel_diff"] == 0 and ip["max_grad_rel_diff"] == 0
+    assert ip["ops_lined_up"] == ip["profile_forward_ops"] - 3   # all but autograd's detaches
+    assert ip["held_bytes_after_forward"] == r.patched_peak_bytes
