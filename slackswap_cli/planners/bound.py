@@ -81,6 +81,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..chains import candidate_chain
+from ..chains import tables as chain_tables
 from ..hardware import HardwareSpec
 from ..schema import Profile
 
@@ -193,30 +195,9 @@ class _Facts:
     def __init__(self, prof: Profile):
         ops, tensors = prof.ops, prof.tensors
         n, nf = len(ops), prof.n_forward
-        root = [t.id if t.alias_of is None else t.alias_of for t in tensors]
-        is_root = [t.kind == "activation" and t.alias_of is None and t.producer is not None
-                   for t in tensors]
-        producer = [-1 if t.producer is None else t.producer for t in tensors]
-        in_roots = []
-        for o in ops:
-            seen: list[int] = []
-            for j in o.inputs:
-                r = root[j]
-                if is_root[r] and r not in seen:
-                    seen.append(r)
-            in_roots.append(seen)
-        last = list(producer)
-        lfu = list(producer)
-        fbu = [-1] * len(tensors)
-        for i, rs in enumerate(in_roots):
-            for r in rs:
-                last[r] = i
-                if i < nf:
-                    lfu[r] = i
-                elif fbu[r] < 0:
-                    fbu[r] = i
-        saved = [is_root[j] and tensors[j].saved and 0 <= producer[j] < nf and fbu[j] >= 0
-                 for j in range(len(tensors))]
+        tab = chain_tables(prof)          # the simulator's own root tables
+        is_root, producer, saved = tab.is_root, tab.producer, tab.saved
+        last, lfu, fbu = tab.last_use, tab.last_fwd_use, tab.first_bwd_use
         self.n, self.nf = n, nf
         self.time = np.array([float(o.time_us) for o in ops])
         self.t_start = np.concatenate([[0.0], np.cumsum(self.time)[:-1]]) if n else np.zeros(0)
@@ -248,25 +229,8 @@ class _Facts:
         # static chains: the ops recomputing each candidate must re-run (None: impossible)
         self.chain: list[tuple[int, ...] | None] = []
         for j in c:
-            if not tensors[j].recomputable:
-                self.chain.append(None)
-                continue
-            run: set[int] = set()
-            stack = [producer[j]]
-            ok = True
-            while stack and ok:
-                o = stack.pop()
-                if o in run:
-                    continue
-                run.add(o)
-                for x in in_roots[o]:
-                    if saved[x] or producer[x] >= nf:
-                        continue
-                    if not tensors[x].recomputable:
-                        ok = False
-                        break
-                    stack.append(producer[x])
-            self.chain.append(tuple(sorted(run)) if ok else None)
+            ch = candidate_chain(tab, j)
+            self.chain.append(None if ch is None else tuple(sorted(ch.ops)))
 
 
 def _facts(prof: Profile) -> _Facts:
