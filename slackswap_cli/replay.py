@@ -558,10 +558,12 @@ class _Table:
         self.pin_roots = {r for r in self.chain_uses if table["action"].get(r) != "recompute"}
 
 
-def _signature(args, kwargs) -> tuple:
-    """Shapes and dtypes of a call's tensors, in order: what a plan is made for."""
-    return tuple((tuple(x.shape), str(x.dtype).removeprefix("torch."))
-                 for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor))
+def _signature(device_type: str, args, kwargs) -> tuple:
+    """The device type, then shapes and dtypes of a call's tensors in order: what a plan is
+    made for (another device runs other kernels: a fake CPU profile's plan on a GPU)."""
+    return (device_type, *((tuple(x.shape), str(x.dtype).removeprefix("torch."))
+                           for x in pytree.tree_leaves((args, kwargs))
+                           if isinstance(x, torch.Tensor)))
 
 
 class _Patched:
@@ -577,15 +579,17 @@ class _Patched:
         self.module_hooks: dict[int, tuple] = {}
         self.names = {id(m): name for name, m in model.named_modules()}
         self.replan = replan
-        profiled = tuple((tuple(shape), dtype.removeprefix("torch."))
-                         for shape, dtype in meta.get("input_tensors", []))
+        profiled = (meta.get("device_type", "cpu"),
+                    *((tuple(shape), dtype.removeprefix("torch."))
+                      for shape, dtype in meta.get("input_tensors", [])))
         self.plans: dict[tuple, _Table | None] = {profiled: _Table(table)}
         self.default = self.plans[profiled]
 
     def plan_for(self, args, kwargs) -> "_Table":
         """The plan for this call's input shapes: the profiled one, or one made for these
         shapes the first time they are seen (said once on stderr), cached."""
-        sig = _signature(args, kwargs)
+        ref = next(self.model.parameters(), None)
+        sig = _signature(ref.device.type if ref is not None else "cpu", args, kwargs)
         if sig in self.plans:
             return self.plans[sig] or self.default
         plan = None
@@ -598,10 +602,10 @@ class _Patched:
                 table, what = replan_table(self.model, self.original_forward, args, kwargs,
                                            self.meta)
                 plan = _Table(table)
-                print(f"slackswap: new input shapes {_shapes(sig)}: planned for them in "
+                print(f"slackswap: new inputs {_shapes(sig)}: planned for them in "
                       f"{time.perf_counter() - t0:.1f} s ({what})", file=sys.stderr)
             except Exception as exc:  # noqa: BLE001 - the step still runs, with the old plan
-                print(f"slackswap: new input shapes {_shapes(sig)}: could not plan for them "
+                print(f"slackswap: new inputs {_shapes(sig)}: could not plan for them "
                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
                       "running with the profiled plan", file=sys.stderr)
         self.plans[sig] = plan
@@ -728,7 +732,8 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 def _shapes(sig: tuple) -> str:
-    return ", ".join("x".join(map(str, shape)) or "scalar" for shape, _ in sig)
+    return ", ".join("x".join(map(str, shape)) or "scalar" for shape, _ in sig[1:]) \
+        + f" on {sig[0]}"
 
 
 def _error(message: str, hint: str):

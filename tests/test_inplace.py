@@ -240,7 +240,7 @@ def test_another_input_shape_is_planned_for_once_and_trains_exactly(files, tmp_p
     assert len(run.rec_of_op) == len(run.table["ops"]) - 3       # all but autograd's detaches
     assert run.table is not mod.TABLE and (run.rerun_ops > 0 or run.metas)
     err = capfd.readouterr().err
-    assert err.count("new input shapes") == 1 and "planned for them" in err
+    assert err.count("new inputs 3x32, 3x32 on cpu") == 1 and "planned for them" in err
     assert "lined up" not in err
     base = load(str(files["tiny_gpt"]), args=args)
     model(*base.inputs)                                   # the profiled shape: its own plan

@@ -1,8 +1,10 @@
 """Plan again for input shapes the profile was not made at (the last short batch, dynamic
-padding), from inside a patched model.
+padding), or for another device than the one its tensors were on (a `--device fake` profile
+made on a CPU-only machine, used on a GPU), from inside a patched model.
 
 The live model is traced at the new shapes through a fake copy (its parameters and buffers as
-FakeTensors: nothing is allocated, nothing of the real model is touched), the graph is costed
+FakeTensors on their own device: nothing is allocated, nothing of the real model is touched,
+and a GPU's kernels are the ones traced on a GPU), the graph is costed
 with the plan's hardware roofline, and the plan's planner is run at the plan's budget fraction
 of the new keep-all peak (or its byte budget, when it was given in bytes). The result is the
 table the in-place runtime follows (`chains.runtime_table`).
