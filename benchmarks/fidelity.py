@@ -12,8 +12,6 @@ on the `a100-pcie4` roofline, plans it with `slackswap`, applies the plan, and r
 - `measured_peak_bytes`: the patched step's measured activation peak, and their ratio;
 - `worst_divergence`: the op where the run held the most more than predicted, and the live
   tensors there that the profile says were already dead;
-- each row twice: the module as `apply` emits it, and with the store's keeps of roots that
-  backward never takes removed (see `release_unused_kept_roots`);
 - the eager step's measured peak against the profile's keep-all peak;
 - on CUDA: measured vs predicted step time.
 
@@ -25,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import sys
 import tempfile
 import time
@@ -59,23 +56,7 @@ BUDGETS = (0.3, 0.5, 0.7)
 HW = PRESETS["a100-pcie4"]
 
 
-def release_unused_kept_roots(source: str) -> str:
-    """Drop `_s.keep(root)` of roots the backward step never takes (it takes their views).
-
-    `apply` currently keeps such a root in the step's store, which holds its storage until the
-    step ends, long after the profile says it is dead: the measured excess of the "as
-    emitted" rows. The root's kept views hold the storage as long as backward needs it, so
-    without the root's own keep the module does what the simulator assumes. A module that
-    has no such keep is returned unchanged.
-    """
-    for n in re.findall(r"_s\.keep\('(\w+)'", source):
-        if f"_s.take('{n}')" not in source:
-            source = re.sub(rf"\n\s+_s\.keep\('{n}', {n}\)[^\n]*", "", source)
-    return source
-
-
-def run_one(name: str, fraction: float, prof, tmp: Path, device: str,
-            release: bool = False) -> dict:
+def run_one(name: str, fraction: float, prof, tmp: Path, device: str) -> dict:
     from slackswap_cli.verify import verify
     path, _ = MODELS[name]
     peak = prof.summary["peak_activation_bytes"]
@@ -84,13 +65,11 @@ def run_one(name: str, fraction: float, prof, tmp: Path, device: str,
     prof_path = tmp / f"{name}.profile.json"
     plan = dataclasses.replace(plan, profile_path=str(prof_path), model_path=str(path))
     patched = tmp / f"{name}_{fraction}.py"
-    source = apply_plan(plan, prof)
-    patched.write_text(release_unused_kept_roots(source) if release else source)
+    patched.write_text(apply_plan(plan, prof))
     t0 = time.perf_counter()
     r = verify(str(patched), steps=3, check_trace=False, plan=plan)
     row = {
         "model": name, "budget_fraction": fraction, "budget_bytes": budget,
-        "module": "kept roots released" if release else "as emitted",
         "feasible": plan.feasible, "keep_all_peak_bytes": peak,
         "predicted_peak_bytes": r.predicted_peak_bytes,
         "predicted_device_peak_bytes": r.predicted_device_peak_bytes,
@@ -121,13 +100,13 @@ def run_one(name: str, fraction: float, prof, tmp: Path, device: str,
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | budget | module | feasible | predicted (plan) | "
+    lines = ["| model | budget | feasible | predicted (plan) | "
              "predicted (device copies) | measured | measured / predicted | measured / budget | "
              "worst excess at | ops re-run: predicted / measured | eager measured / keep-all |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['budget_fraction']} | {r.get('module', '')} | "
+            lines.append(f"| {r['model']} | {r['budget_fraction']} | "
                          f"error: {r['error'][:80]} | | | | | | | | |")
             continue
         w = r["worst_divergence"] or {}
@@ -137,7 +116,7 @@ def table(rows: list[dict]) -> str:
         eager = (f"{r['eager_measured_peak_bytes'] / r['eager_predicted_peak_bytes']:.3f}"
                  if r["eager_predicted_peak_bytes"] else "-")
         lines.append(
-            f"| {r['model']} | {r['budget_fraction']} | {r['module']} | "
+            f"| {r['model']} | {r['budget_fraction']} | "
             f"{'yes' if r['feasible'] else 'no'} | "
             f"{r['predicted_peak_bytes'] / 1024:.1f} KiB | "
             f"{r['predicted_device_peak_bytes'] / 1024:.1f} KiB | "
@@ -165,15 +144,13 @@ def main(argv=None) -> int:
             prof = profile_workload(str(path), args=dict(args), device="fake", hardware=HW)
             write_atomic(tmp / f"{name}.profile.json", dumps(prof.to_dict()))
             for b in (float(x) for x in a.budgets.split(",")):
-                for release in (False, True):
-                    try:
-                        row = run_one(name, b, prof, tmp, device, release)
-                    except Exception as exc:  # noqa: BLE001 - a failed row is reported, not hidden
-                        row = {"model": name, "budget_fraction": b,
-                               "module": "kept roots released" if release else "as emitted",
-                               "error": f"{type(exc).__name__}: {exc}"}
-                    rows.append(row)
-                    print(table([row]).splitlines()[-1], flush=True)
+                try:
+                    row = run_one(name, b, prof, tmp, device)
+                except Exception as exc:  # noqa: BLE001 - a failed row is reported, not hidden
+                    row = {"model": name, "budget_fraction": b,
+                           "error": f"{type(exc).__name__}: {exc}"}
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "torch": torch.__version__, "hardware": HW.name,
@@ -185,9 +162,7 @@ def main(argv=None) -> int:
           "buffers, gradients out), measured op by op with `slackswap_cli/trace/memtrace.py`. "
           "`predicted (device copies)` re-simulates the plan with copies as this device makes "
           "them (CPU: synchronous), the like-for-like figure; `predicted (plan)` is the plan's "
-          "own (copies over a100-pcie4 PCIe). `module`: the patched module as `apply` emits "
-          "it, and the same with `_s.keep` of roots backward never takes removed "
-          "(`release_unused_kept_roots`: what the simulator assumes). `ops re-run`: "
+          "own (copies over a100-pcie4 PCIe). `ops re-run`: "
           "recompute tasks in the simulator's schedule vs recompute calls the patched module "
           "made.\n\n" + table(rows) + "\n")
     write_atomic(out / "fidelity.md", md.encode())

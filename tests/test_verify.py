@@ -25,19 +25,11 @@ def _fidelity_module():
     return mod
 
 
-def release_unused_kept_roots(source: str) -> str:
-    """`apply` keeps roots whose views are what backward takes, and the store holds them to
-    the end of the step (test_kept_roots_never_taken_are_held_past_their_last_use); see
-    benchmarks/fidelity.py. A no-op once `apply` stops doing so."""
-    return _fidelity_module().release_unused_kept_roots(source)
-
-
-def patched_file(prof, fraction, directory, name, release=True):
+def patched_file(prof, fraction, directory, name):
     peak = prof.summary["peak_activation_bytes"]
     plan = make_plan("slackswap", prof, HW, int(peak * fraction), fraction)
-    source = apply_plan(plan, prof)
     path = Path(directory) / name
-    path.write_text(release_unused_kept_roots(source) if release else source)
+    path.write_text(apply_plan(plan, prof))
     return path, plan
 
 
@@ -157,7 +149,7 @@ def test_no_kept_root_is_held_past_its_last_use(tiny_profile, tmp_path):
     instead, and the store held it until the step ended. Now every kept value is taken, and
     verify finds nothing held past its last use."""
     prof = tiny_profile
-    path, plan = patched_file(prof, 0.5, tmp_path, "raw.py", release=False)
+    path, plan = patched_file(prof, 0.5, tmp_path, "raw.py")
     src = path.read_text()
     kept = re.findall(r"_s\.keep\('(\w+)'", src)
     assert kept and all(f"_s.take('{n}')" in src for n in kept)
@@ -231,17 +223,13 @@ def test_measured_peak_within_5_percent_of_predicted(name, tmp_path):
         p, plan = patched_file(prof, fraction, tmp_path, f"{name}_{fraction}.py")
         r = verify(str(p), check_trace=False, warmup=False, plan=plan, profile=prof)
         assert r.max_loss_rel_diff <= r.loss_tolerance, (name, fraction)
-        # every op of the profile ran once, in order, and lines up with its simulated task
-        # (recompute chains may differ: see the report's recompute op counts)
+        # every op of the profile ran once, in order, and lines up with its simulated task,
+        # and backward re-ran exactly the ops the simulator's chains hold
         original = [x for x in r.timeline if x["op"] is not None and not x["recompute"]
                     and x["predicted_device_bytes"] is not None]
         assert len(original) == len(prof.ops), (name, fraction)
+        assert r.measured_recompute_ops == r.predicted_recompute_ops, (name, fraction)
         ratio = r.measured_peak_bytes / r.predicted_device_peak_bytes
+        assert 0.95 <= ratio <= 1.05, (name, fraction, ratio, r.worst_divergence)
         if plan.feasible:
-            assert 0.95 <= ratio <= 1.05, (name, fraction, ratio, r.worst_divergence)
             assert r.measured_peak_bytes <= 1.05 * plan.budget_bytes, (name, fraction)
-        else:
-            # an infeasible plan's recompute chains run into values the simulator holds until
-            # their own last reader, where the patched module drops them after the chain
-            # (and recomputes them again): the simulator is then an upper bound
-            assert ratio <= 1.05, (name, fraction, ratio, r.worst_divergence)
