@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -122,11 +121,13 @@ class PlanRun:
         self.ptr = 0                               # next expected forward op
         self.unmatched = 0
         self.pinned: dict[int, torch.Tensor] = {}   # root -> tensor held for a chain
-        self.handles: dict[int, Any] = {}          # swapped root -> runtime.Handle
-        self.fetched: dict[int, torch.Tensor] = {}  # swapped root -> device bytes, back
+        self.by_storage: dict[tuple, _Swap] = {}     # storage key -> its swap (this forward)
+        self.root_swap: dict[int, _Swap] = {}       # swapped root -> the swap of its storage
+        self.swaps: list[_Swap] = []
         self.made: dict[int, torch.Tensor] = {}     # recompute root -> tensor a chain made
         self.chain_uses = dict(plan.chain_uses)     # root -> chains still to read it
         self.metas: dict[int, tuple] = {}          # swapped root -> how to view its bytes
+        self.root_storage: dict[int, tuple] = {}   # swapped root -> (storage key, weak ref)
         self.packs: dict[int, int] = {}            # root -> saved references not yet unpacked
         self.usable: dict[int, bool] = {}         # recompute root -> its chain verified
         self.deferred: dict[int, set[int]] = {}     # chain -> roots autograd let go of
@@ -199,6 +200,7 @@ class PlanRun:
                         x = leaves[j]
                         self.metas[r] = (x.dtype, tuple(x.shape), tuple(x.stride()),
                                          x.storage_offset())
+                        self.root_storage[r] = _storage_id(x)
 
     def _activation(self, loc: tuple[int, int]) -> bool:
         tid = self.tid_of.get(loc)
@@ -267,13 +269,25 @@ class PlanRun:
             return x
         r = self.root(tid)
         act = self.table["action"].get(r)
+        if act == "swap" and r in self.t.mutated:
+            act = None    # written in place after it was made: a copy now could miss writes
         if act == "swap":
-            h = self.handles.get(r)
-            if h is None and r not in self.fetched:
-                self.handles[r] = rt.offload(_bytes_of(x))
+            # one copy per storage (a root and its views), found by the storage itself: an
+            # address alone may be a new tensor's, once a swapped one's memory was freed
+            key, ref = _storage_id(x)
+            sw = self.by_storage.get(key)
+            if sw is None or sw.ref.expired() or sw.version != x._version:
+                # (a storage written since its copy, say a buffer filled step by step, is
+                # copied again: a copy serves only the contents it saw)
+                sw = self.by_storage[key] = _Swap(ref, rt.offload(_bytes_of(x)), x._version)
+                self.swaps.append(sw)
+            mine = self.root_storage.get(r)
+            if mine is not None and mine[0] == key and not mine[1].expired():
+                self.root_swap[r] = sw
                 self.pinned.pop(r, None)      # the host copy serves a chain that reads it
+            sw.packs += 1
             self.packs[r] = self.packs.get(r, 0) + 1
-            return ("swap", r, x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+            return ("swap", r, sw, x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
         if act == "recompute" and self._usable(r):
             self.packs[r] = self.packs.get(r, 0) + 1
             self.deferred.setdefault(self.table["made_by"][r], set()).add(r)
@@ -329,7 +343,8 @@ class PlanRun:
         Parameters, buffers and inputs are not counted; each storage counts once."""
         seen, total = set(), 0
         tensors = [r() for r in self.kept_refs]
-        tensors += [*self.pinned.values(), *self.made.values(), *self.fetched.values()]
+        tensors += [*self.pinned.values(), *self.made.values(),
+                    *(sw.dev for sw in self.swaps if sw.dev is not None)]
         for t in tensors:
             if t is None or t.device.type == "meta":
                 continue
@@ -337,8 +352,9 @@ class PlanRun:
             if key not in seen and key not in self.external:
                 seen.add(key)
                 total += rt.storage_bytes(t)
-        for h in self.handles.values():
-            if h.d2h_done is not None and not h.d2h_done.query():
+        for sw in self.swaps:
+            h = sw.handle
+            if h is not None and h.d2h_done is not None and not h.d2h_done.query():
                 total += h.nbytes
         return total
 
@@ -352,8 +368,12 @@ class PlanRun:
             self.progress = first
         self._issue_prefetches()
         if kind == "swap":
-            _, _, dtype, shape, stride, offset = packed
-            out = _view_of(self._fetch(r), dtype, shape, stride, offset)
+            _, _, sw, dtype, shape, stride, offset = packed
+            out = _view_of(sw.fetch(), dtype, shape, stride, offset)
+            sw.packs -= 1
+            if sw.packs <= 0 and self.chain_uses.get(r, 0) <= 0:
+                sw.dev = None                 # autograd holds what it took
+
         else:
             _, _, loc = packed
             owner = self.table["made_by"][r]
@@ -376,22 +396,18 @@ class PlanRun:
         references and no later chain reads it (then it lives as long as autograd holds it)."""
         if self.packs.get(r, 0) <= 0 and self.chain_uses.get(r, 0) <= 0:
             self.made.pop(r, None)
-            self.fetched.pop(r, None)
+            sw = self.root_swap.get(r)
+            if sw is not None and sw.packs <= 0:
+                sw.dev = None
 
     def _issue_prefetches(self) -> None:
         order, pf = self.prefetch_order, self.table["prefetch_at"]
         while self.next_prefetch < len(order) and pf[order[self.next_prefetch]] <= self.progress:
             r = order[self.next_prefetch]
             self.next_prefetch += 1
-            h = self.handles.get(r)
-            if h is not None:
-                rt.prefetch(h)
-
-    def _fetch(self, r: int) -> torch.Tensor:
-        dev = self.fetched.get(r)
-        if dev is None:
-            dev = self.fetched[r] = rt.wait(self.handles.pop(r))
-        return dev
+            sw = self.root_swap.get(r)
+            if sw is not None and sw.handle is not None:
+                rt.prefetch(sw.handle)
 
     # -- chains ----------------------------------------------------------------------------
     def _run_chain(self, owner: int) -> None:
@@ -456,8 +472,8 @@ class PlanRun:
         x = ref() if ref is not None else None
         if x is not None and x._version == rec.versions[j]:
             return x                      # still alive (held by autograd or pinned), unchanged
-        if tid is not None and tid in self.metas and (tid in self.handles or tid in self.fetched):
-            out = local[loc] = _view_of(self._fetch(tid), *self.metas[tid])
+        if tid is not None and tid in self.metas and tid in self.root_swap:
+            out = local[loc] = _view_of(self.root_swap[tid].fetch(), *self.metas[tid])
             return out
         if _aliases_input(rec.func):
             if _writes_first(rec.func):
@@ -472,6 +488,34 @@ class PlanRun:
             f"slackswap: backward needs output {j} of {rec.func} (recorded op {k}, profile "
             f"tensor {tid}), which the plan neither kept "
             "nor can recompute here; this is a bug in slackswap, please report it")
+
+
+class _Swap:
+    """One storage copied to host memory: its copy (`handle`) until fetched back, then the
+    device bytes (`dev`) while anything may still read them; `packs`: saved references to it
+    autograd has not taken yet."""
+    __slots__ = ("ref", "handle", "dev", "packs", "version")
+
+    def __init__(self, ref, handle, version: int):
+        self.ref, self.handle, self.dev, self.packs = ref, handle, None, 0
+        self.version = version
+
+    def fetch(self) -> torch.Tensor:
+        if self.dev is None:
+            if self.handle is None:
+                raise RuntimeError("slackswap: a swapped tensor was read after its last use; "
+                                   "this is a bug in slackswap, please report it")
+            self.dev = rt.wait(self.handle)
+            self.handle = None
+        return self.dev
+
+
+def _storage_id(x: torch.Tensor) -> tuple:
+    """(address key, weak reference) of x's storage: the key finds it, the reference tells
+    whether it is still the same storage."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    s = x.untyped_storage()
+    return (x.device.type, x.device.index, s.data_ptr()), StorageWeakRef(s)
 
 
 def _bytes_of(x: torch.Tensor) -> torch.Tensor:
@@ -548,6 +592,7 @@ class _Table:
         self.table = table
         self.op_inputs = table["op_inputs"]
         self.non_activation = set(table["non_activation"])
+        self.mutated = set(table.get("mutated", ()))
         # roots chains read: `chain_uses` counts the chains that read each one. Kept (and
         # not yet offloaded) ones are held from production (`pin_roots`) until those chains
         # ran; recomputed or fetched ones stay after autograd took them until then too.

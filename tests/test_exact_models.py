@@ -146,6 +146,9 @@ def check_exact(tmp_path, prof, plan, name="patched.py", memory=True):
     assert r.max_loss_rel_diff <= r.loss_tolerance, r.reasons
     assert r.max_grad_rel_diff <= r.grad_tolerance, (r.worst_grad_param, r.reasons)
     assert r.max_buffer_rel_diff <= r.grad_tolerance, r.reasons
+    # and the model patched in place (what training runs) against eager
+    assert r.inplace["max_loss_rel_diff"] <= r.loss_tolerance, r.inplace
+    assert r.inplace["max_grad_rel_diff"] <= r.grad_tolerance, r.inplace
     if memory:
         assert r.passed, r.reasons
     return r
