@@ -34,7 +34,7 @@ import math
 import re
 
 from .errors import InfeasibleError, InputError
-from .schema import Profile
+from .schema import Action, Profile
 from .units import fmt_bytes
 
 _UNITS = {
@@ -178,13 +178,13 @@ def repair_to_fit(profile: Profile, decisions, budget_bytes: int) -> list:
     check_budget(budget_bytes, profile)
     by_tensor = {d.tensor: d for d in decisions}
     order = sorted((t for t in profile.saved_activations
-                    if by_tensor.get(t.id, Decision(t.id, "keep")).action != "swap"),
+                    if by_tensor.get(t.id, Decision(t.id, Action.KEEP)).action != Action.SWAP),
                    key=lambda t: (-t.size_bytes, t.id))
 
     def swapped(k: int) -> list:
         turn = {t.id for t in order[:k]}
-        out = [Decision(d.tensor, "swap") if d.tensor in turn else d for d in decisions]
-        out += [Decision(t, "swap") for t in turn - set(by_tensor)]
+        out = [Decision(d.tensor, Action.SWAP) if d.tensor in turn else d for d in decisions]
+        out += [Decision(t, Action.SWAP) for t in turn - set(by_tensor)]
         return out
 
     lo, hi = 0, len(order)             # invariant: prefix lo does not fit, prefix hi does

@@ -360,9 +360,10 @@ def plan(
 def _plan_summary(p, path: Path) -> dict:
     """What a script wants from `plan --json`: where the plan is and what it predicts; the
     file holds the whole plan (every decision and the schedule)."""
-    counts = {a: 0 for a in ("keep", "swap", "recompute")}
+    from .schema import Action
+    counts = {a.value: 0 for a in Action}
     for d in p.decisions:
-        counts[d.action] = counts.get(d.action, 0) + 1
+        counts[str(d.action)] = counts.get(str(d.action), 0) + 1
     return {"plan": str(path), "planner": p.planner, "feasible": p.feasible,
             "hardware": p.hardware.get("name"), "budget_bytes": p.budget_bytes,
             "budget_fraction": p.budget_fraction, "actions": counts,

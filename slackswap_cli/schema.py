@@ -28,6 +28,7 @@ every id refers to something that exists; writing is atomic (temp file, then ren
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import math
 import os
@@ -48,7 +49,17 @@ PLAN_VERSION = 1
 
 PHASES = ("forward", "backward")
 KINDS = ("activation", "input", "parameter", "buffer", "gradient")
-ACTIONS = ("keep", "swap", "recompute")
+
+
+class Action(enum.StrEnum):
+    """What a plan does with one saved activation root. A `str`: `Action.SWAP == "swap"`, it
+    serialises as "swap", and plans loaded from JSON (plain strings) compare equal to it."""
+    KEEP = "keep"              # resident from its producer to its last reader
+    SWAP = "swap"              # copied to host after forward, fetched back for backward
+    RECOMPUTE = "recompute"    # freed after forward, its producer re-run in backward
+
+
+ACTIONS = tuple(Action)
 TIME_SOURCES = ("measured", "roofline")
 
 
@@ -179,7 +190,7 @@ def op_fingerprint(ops: Iterable[Op], tensors: Iterable[Tensor]) -> str:
 @dataclass(frozen=True)
 class Decision:
     tensor: int                      # saved activation root id
-    action: str                      # "keep" | "swap" | "recompute"
+    action: str                      # an Action: "keep" | "swap" | "recompute"
     prefetch_at: int | None = None   # swap only: backward op id at whose start the prefetch may be
                                      # issued at the earliest (None: as early as memory allows)
 
@@ -554,7 +565,7 @@ def validate_plan(plan: Plan, source: str = "plan") -> None:
         seen.add(d.tensor)
         _require(d.prefetch_at is None or _int_in(d.prefetch_at, 0, MAX_COUNT), source,
                  f"tensor {d.tensor} has prefetch_at {d.prefetch_at!r}, not an op id")
-        _require(d.prefetch_at is None or d.action == "swap", source,
+        _require(d.prefetch_at is None or d.action == Action.SWAP, source,
                  f"tensor {d.tensor} has prefetch_at but action {d.action!r}; only a swap prefetches")
     for i, e in enumerate(plan.schedule):
         _require(e.kind in ("offload", "prefetch", "recompute"), source,
