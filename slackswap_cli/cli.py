@@ -311,9 +311,8 @@ def plan(
     """Decide keep / swap / recompute for every saved activation, simulate, write the plan."""
     try:
         from .budget import first_feasible_budget, floor_message
-        from .planners import get_planner, make_plan
+        from .planners import get_planner, plan_and_simulate
         from .schema import save
-        from .simulate import simulate
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
         get_planner(planner)
         # below the floor no plan fits, but the planner's closest plan is still written
@@ -322,10 +321,10 @@ def plan(
         _check_output_path(target, "-o", [profile_path, hardware])
         options = {"time_limit_s": time_limit} if planner == "optimal" else {}
         with _working(f"planning with {planner}", as_json):
-            result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction, **options)
+            result, sim = plan_and_simulate(planner, prof, hw, budget_bytes, fraction,
+                                            record=True, **options)
         result = _with_paths(result, profile_path, prof)
         save(result, target)
-        sim = simulate(prof, result.decisions, hw, budget_bytes)
         reach = None
         if not result.feasible and below is None and planner != "optimal":
             reach = first_feasible_budget(prof, hw, planner)   # optimal: a MILP per step
@@ -342,10 +341,9 @@ def plan(
         if below is not None:
             _error_lines(f"{below[0]}; {wrote}", below[1])
         else:
-            from .budget import keep_all_peak_bytes
             from .simulate import budget_floor_bytes
             from .units import fmt_bytes
-            peak, floor = keep_all_peak_bytes(prof), budget_floor_bytes(prof)
+            peak, floor = prof.keep_all_peak_bytes, budget_floor_bytes(prof)
             fits = ("" if reach is None else
                     f"; planner {planner} first fits at {fmt_bytes(reach)}"
                     + (f" ({reach / peak:.3f})" if peak else ""))
@@ -432,7 +430,7 @@ def compare(
         return
     from .render import compare_table
     out.print(compare_table(rows, budget_bytes, hardware=hw.name,
-                            keep_all_bytes=prof.summary.get("peak_activation_bytes")))
+                            keep_all_bytes=prof.keep_all_peak_bytes))
     for row in rows:   # say why a planner does not fit, in its own words
         if not row["feasible"] and row["notes"]:
             from rich.table import Table

@@ -126,10 +126,7 @@ def profile_views(profile: Profile, top: int = 10) -> list:
     bwd_us = sum(o.time_us for o in ops[nf:])
     saved = profile.saved_activations
     saved_bytes = sum(t.size_bytes for t in saved)
-    peak = profile.summary.get("peak_activation_bytes")
-    if peak is None:
-        from .profile_build import keep_all_peak_bytes
-        peak = keep_all_peak_bytes(profile)
+    peak = profile.keep_all_peak_bytes
     sources: dict[str, int] = {}
     for o in ops:
         sources[o.time_source] = sources.get(o.time_source, 0) + 1
@@ -419,7 +416,7 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
     reason = getattr(result, "reason", None)
     hwd = plan.hardware or {}
     budget = plan.budget_bytes
-    keep_all = profile.summary.get("peak_activation_bytes")
+    keep_all = profile.keep_all_peak_bytes
     budget_txt = fmt_bytes(budget)
     if plan.budget_fraction is not None:
         budget_txt += f" ({plan.budget_fraction:g} of the keep-all peak"

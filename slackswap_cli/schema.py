@@ -148,6 +148,14 @@ class Profile:
                  and t.producer is not None]
         return tuple(sorted(cands, key=lambda t: (t.producer, t.id)))
 
+    @cached_property
+    def keep_all_peak_bytes(self) -> int:
+        """The activation peak of the step when nothing is evicted: what a budget fraction is a
+        fraction of (`summary["peak_activation_bytes"]` records it; loading checks they agree).
+        Derived from the ops and tensors (`profile_build.live_bytes_per_op`)."""
+        from .profile_build import live_bytes_per_op
+        return max(live_bytes_per_op(self), default=0)
+
     def first_backward_use(self, tensor_id: int) -> int | None:
         """First backward op reading the root `tensor_id` or any alias of it."""
         uses = [c for tid in (tensor_id, *self.aliases.get(tensor_id, ()))
@@ -511,8 +519,7 @@ def _validate_summary(prof: Profile, source: str) -> None:
             _require(ok(v), source, f"summary.{key} is {v!r:.60}, expected {what}")
     peak = prof.summary.get("peak_activation_bytes")
     if peak is not None:
-        from .profile_build import keep_all_peak_bytes
-        derived = keep_all_peak_bytes(prof)
+        derived = prof.keep_all_peak_bytes
         _require(peak == derived, source,
                  f"summary.peak_activation_bytes is {peak}, but the ops and tensors give {derived}")
 

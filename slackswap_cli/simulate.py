@@ -16,7 +16,7 @@ never run at once: one waits for the other.
 (an alias counts through its root; inputs, parameters, buffers and gradients are outside it).
 An op allocates its output roots when it starts and frees the roots whose last reader it is
 when it ends; views allocate nothing. With every decision "keep" and no budget the simulated
-peak equals `profile_build.keep_all_peak_bytes` and the step takes exactly `ideal_us`.
+peak equals `Profile.keep_all_peak_bytes` and the step takes exactly `ideal_us`.
 
 **Decisions** (per saved activation root; an unmentioned one is kept):
 
