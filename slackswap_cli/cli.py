@@ -223,11 +223,11 @@ def profile(
             warnings.append(f"--hardware {hardware} is not used: --device {device} measures op "
                             "times (the roofline costs only --device fake and ONNX profiles)")
         if model.suffix.lower() == ".onnx":
-            from .onnx_import import profile_onnx
+            from .onnx_import import parse_input_shapes, profile_onnx
             if autocast:
                 raise InputError("--autocast applies to workload files only",
                                  hint="an ONNX graph's dtypes are the ones it was exported with")
-            shapes = _parse_input_shapes(input_shape)
+            shapes = parse_input_shapes(input_shape)
             prof, warnings = profile_onnx(str(model), hw, input_shapes=shapes or None)
         else:
             if input_shape:
@@ -261,22 +261,6 @@ class _nullcontext:
 
     def __exit__(self, *exc):
         return False
-
-
-def _parse_input_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {}
-    for item in items:
-        name, sep, dims = item.partition("=")
-        try:
-            if not sep or not name:
-                raise ValueError
-            shapes[name] = tuple(int(d) for d in dims.lower().split("x"))
-            if not all(d > 0 for d in shapes[name]):
-                raise ValueError
-        except ValueError:
-            raise InputError(f"bad --input-shape '{item}'",
-                             hint="write it as name=1x3x224x224") from None
-    return shapes
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,7 +445,7 @@ def simulate(
     try:
         from .hardware import HardwareSpec, load_hardware
         from .profile_build import recost
-        from .schema import dumps, load_plan, write_atomic
+        from .schema import load_plan
         from .simulate import simulate as run_sim
         p = load_plan(plan_path)
         prof = _plan_profile(p, profile_path)
@@ -472,8 +456,8 @@ def simulate(
                                [plan_path, profile_path or p.profile_path, hardware])
         result = run_sim(prof, p.decisions, hw, p.budget_bytes, record=trace is not None or not as_json)
         if trace is not None:
-            from .chrome_trace import to_chrome_trace
-            write_atomic(trace, dumps(to_chrome_trace(result, prof, p.budget_bytes)))
+            from .chrome_trace import write_chrome_trace
+            write_chrome_trace(trace, result, prof, p.budget_bytes)
     except SlackswapError as exc:
         _fail(exc)
     if as_json:

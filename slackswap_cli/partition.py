@@ -229,7 +229,7 @@ class _Graph:
 
 
 def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan: Plan,
-               placeholder_names: list[str], device_type: str) -> StepCode:
+              device_type: str) -> StepCode:
     g = _Graph(gm, phase, profile, plan)
     for n in g.nodes:
         if n.name in RESERVED:
@@ -566,7 +566,8 @@ def _insert_frees(stmts: list[Stmt], keep: set[str]) -> None:
         live |= set(st.uses)
 
 
-def render(stmts: list[Stmt], indent: str = "    ") -> str:
+def source_lines(stmts: list[Stmt], indent: str = "    ") -> str:
+    """The statements as indented Python source, one a line, comments beside."""
     lines = []
     for st in stmts:
         lines.append(f"{indent}{st.code}" + (f"  # {st.comment}" if st.comment else ""))

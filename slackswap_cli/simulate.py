@@ -85,7 +85,7 @@ from collections import deque
 from itertools import accumulate
 from operator import sub
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from . import schema
 from .chains import ACTION_CODES as _CODES, KEEP, NOT_SAVED, RECOMPUTE, SWAP, Tables, lay_out
