@@ -532,7 +532,7 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
             if with_layer:
                 tb.add_row(*r)
             else:   # the action column already names the action: the reason alone
-                tb.add_row(*r[:1], *r[2:4], re.sub(r"^(keep|swap|recompute): ", "", r[4]))
+                tb.add_row(*r[:1], *r[2:4], re.sub(f"^({'|'.join(Action)}): ", "", r[4]))
         return tb
 
     # 80 columns: the reason matters more than the layer (the tensor's name hints at it)
