@@ -445,6 +445,11 @@ def _no_room(profile: schema.Profile, prog: _Program, tab: Tables, t: int, mem: 
             f"({fmt_bytes(mem)} of {fmt_bytes(budget)} in use)")
 
 
+def _stall(cause: str, start: float, end: float, op: int) -> TimelineEvent:
+    """Compute waited from `start` to `end` before op `op`, for `cause`."""
+    return TimelineEvent("compute", f"stall ({cause})", "stall", start, end, op, None, cause)
+
+
 def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
              budget_bytes: int | None = None, *, record: bool = True) -> SimResult:
     """Simulate one training step of `profile` under `decisions` on `hw`.
@@ -520,9 +525,7 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
             if missing < 0 and mem + a <= budget:
                 if wait_cause is not None:
                     if record and now > wait_from:
-                        events.append(TimelineEvent("compute", f"stall ({wait_cause})", "stall",
-                                                    wait_from, now, task_owner[t], None,
-                                                    wait_cause))
+                        events.append(_stall(wait_cause, wait_from, now, task_owner[t]))
                     wait_cause = None
                 mem += a
                 if mem > peak:
@@ -582,9 +585,7 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
                 continue
             if cause != wait_cause:
                 if wait_cause is not None and record and now > wait_from:
-                    events.append(TimelineEvent("compute", f"stall ({wait_cause})", "stall",
-                                                wait_from, now, task_owner[t], None,
-                                                wait_cause))
+                    events.append(_stall(wait_cause, wait_from, now, task_owner[t]))
                 wait_cause = cause
                 wait_from = now
             if cause == MEMORY_FULL:
