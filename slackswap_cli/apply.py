@@ -140,14 +140,13 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     import torch.utils._pytree as pytree
 
     from .chains import runtime_table
-    from .partition import partition, render
+    from .partition import partition, source_lines
 
     params = dict(work.model.named_parameters())
     buffers = dict(work.model.named_buffers())
     ref = next(iter(params.values()))
     device_type = ref.device.type
-    step = partition(joint.gm, joint.phase, profile, plan,
-                     [n.name for n in joint.placeholders()], device_type)
+    step = partition(joint.gm, joint.phase, profile, plan, device_type)
     tensors = [n.meta.get("val") for n in joint.placeholders()]
     n_p, n_b = len(joint.param_names), len(joint.buffer_names)
     input_vals = tensors[n_p + n_b:-1]
@@ -241,12 +240,12 @@ TABLE = {pprint.pformat(runtime_table(profile, plan.decisions), width=100, compa
 
 def forward_step({fwd_args}):
     """Forward and loss; keeps, offloads or drops each saved activation as the plan says."""
-{render(step.forward)}
+{source_lines(step.forward)}
 
 
 def backward_step({bwd_args}):
     """Backward; takes kept tensors, waits for swapped ones, recomputes the rest before use."""
-{render(step.backward)}
+{source_lines(step.backward)}
 
 
 def patch(model):

@@ -3,8 +3,8 @@
 A budget caps *activation memory* (see `schema`): the bytes of live activation roots at every
 moment of the step. It is given either
 
-- as a **fraction** of the profile's keep-everything peak (`profile.summary
-  ["peak_activation_bytes"]`): `0.5` means "half the activation memory the step needs when
+- as a **fraction** of the profile's keep-everything peak (`Profile.keep_all_peak_bytes`):
+  `0.5` means "half the activation memory the step needs when
   nothing is evicted". A fraction is a plain number in (0, 1]; `1` keeps everything. Numbers
   above 1 are refused: a budget above the keep-all peak buys nothing, and "1.5" is more likely
   a typo for "1.5GB" than a wish. A percentage works too: `50%` is `0.5`.
@@ -34,7 +34,7 @@ import math
 import re
 
 from .errors import InfeasibleError, InputError
-from .schema import Profile
+from .schema import Action, Profile
 from .units import fmt_bytes
 
 _UNITS = {
@@ -46,15 +46,6 @@ _UNITS = {
 _BUDGET_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
 _HINT = ("pass a fraction of the keep-all activation peak in (0, 1] (e.g. 0.5) "
          "or a size (e.g. 20GiB, 512MiB, 20GB, 1.5e9)")
-
-
-def keep_all_peak_bytes(profile: Profile) -> int:
-    """The unconstrained activation peak that fractions refer to."""
-    peak = profile.summary.get("peak_activation_bytes")
-    if peak is None:  # a hand-built profile without a summary: derive it
-        from .profile_build import keep_all_peak_bytes as derive
-        peak = derive(profile)
-    return int(peak)
 
 
 def parse_budget(text: str | float | int, profile: Profile) -> tuple[int, float | None]:
@@ -78,7 +69,7 @@ def parse_budget(text: str | float | int, profile: Profile) -> tuple[int, float 
     if number <= 0:
         raise InputError(f"budget {raw!r} must be positive", hint=_HINT)
     if unit == "" and number <= 1.0:
-        peak = keep_all_peak_bytes(profile)
+        peak = profile.keep_all_peak_bytes
         return int(math.floor(number * peak)), number
     if unit == "" and "." in m.group(1) and "e" not in m.group(1).lower() and number < 1024:
         # "1.5" or "2.0": a fraction above 1, almost certainly not a byte count
@@ -110,7 +101,7 @@ def floor_message(budget_bytes: int, profile: Profile) -> tuple[str, str] | None
     floor = budget_floor_bytes(profile)
     if budget_bytes >= floor:
         return None
-    peak = keep_all_peak_bytes(profile)
+    peak = profile.keep_all_peak_bytes
     frac = f" ({floor / peak:.3f} of the keep-all peak)" if peak else ""
     return (f"budget {fmt_bytes(budget_bytes)} is below the floor {fmt_bytes(floor)}{frac}: "
             "memory that no plan can free",
@@ -137,7 +128,7 @@ def first_feasible_budget(profile: Profile, hw, planner: str, *, hi: int | None 
             return False
 
     lo = budget_floor_bytes(profile)
-    hi = keep_all_peak_bytes(profile) if hi is None else int(hi)
+    hi = profile.keep_all_peak_bytes if hi is None else int(hi)
     if not fits(hi):
         return None
     if fits(lo):
@@ -178,13 +169,13 @@ def repair_to_fit(profile: Profile, decisions, budget_bytes: int) -> list:
     check_budget(budget_bytes, profile)
     by_tensor = {d.tensor: d for d in decisions}
     order = sorted((t for t in profile.saved_activations
-                    if by_tensor.get(t.id, Decision(t.id, "keep")).action != "swap"),
+                    if by_tensor.get(t.id, Decision(t.id, Action.KEEP)).action != Action.SWAP),
                    key=lambda t: (-t.size_bytes, t.id))
 
     def swapped(k: int) -> list:
         turn = {t.id for t in order[:k]}
-        out = [Decision(d.tensor, "swap") if d.tensor in turn else d for d in decisions]
-        out += [Decision(t, "swap") for t in turn - set(by_tensor)]
+        out = [Decision(d.tensor, Action.SWAP) if d.tensor in turn else d for d in decisions]
+        out += [Decision(t, Action.SWAP) for t in turn - set(by_tensor)]
         return out
 
     lo, hi = 0, len(order)             # invariant: prefix lo does not fit, prefix hi does

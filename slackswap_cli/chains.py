@@ -40,9 +40,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import InputError
+from .schema import Action
 
-KEEP, SWAP, RECOMPUTE, NOT_SAVED = 0, 1, 2, 3
-ACTION_CODES = {"keep": KEEP, "swap": SWAP, "recompute": RECOMPUTE}
+# Int codes of the actions for the hot loops (the simulator's, the layout's); the one place
+# they are derived from `schema.Action`. NOT_SAVED marks a root that takes no decision.
+ACTION_CODES: dict[str, int] = {a: i for i, a in enumerate(Action)}
+ACTION_OF_CODE: tuple[Action, ...] = tuple(Action)
+KEEP, SWAP, RECOMPUTE = (ACTION_CODES[a] for a in (Action.KEEP, Action.SWAP, Action.RECOMPUTE))
+NOT_SAVED = len(ACTION_CODES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,7 +360,7 @@ def runtime_table(prof, decisions) -> dict:
     pin_at: dict[int, int] = {}
     for d in decisions:
         action[d.tensor] = ACTION_CODES[d.action]
-        if d.action == "swap" and d.prefetch_at is not None:
+        if d.action == Action.SWAP and d.prefetch_at is not None:
             pin_at[d.tensor] = d.prefetch_at
     lay = lay_out(prof, tab, action)
     nf = tab.n_fwd
@@ -393,7 +398,7 @@ def runtime_table(prof, decisions) -> dict:
         "root": {t.id: t.alias_of for t in prof.tensors if t.alias_of is not None},
         "non_activation": [t.id for t in prof.tensors
                            if t.kind != "activation" and t.alias_of is None],
-        "action": {r: ("swap" if action[r] == SWAP else "recompute")
+        "action": {r: ACTION_OF_CODE[action[r]].value      # plain strings: pformat-ed
                    for r in tab.saved_roots if action[r] in (SWAP, RECOMPUTE)},
         "chains": {k: list(v) for k, v in chains.items()},
         "made_by": made_by,

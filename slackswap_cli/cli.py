@@ -223,11 +223,11 @@ def profile(
             warnings.append(f"--hardware {hardware} is not used: --device {device} measures op "
                             "times (the roofline costs only --device fake and ONNX profiles)")
         if model.suffix.lower() == ".onnx":
-            from .onnx_import import profile_onnx
+            from .onnx_import import parse_input_shapes, profile_onnx
             if autocast:
                 raise InputError("--autocast applies to workload files only",
                                  hint="an ONNX graph's dtypes are the ones it was exported with")
-            shapes = _parse_input_shapes(input_shape)
+            shapes = parse_input_shapes(input_shape)
             prof, warnings = profile_onnx(str(model), hw, input_shapes=shapes or None)
         else:
             if input_shape:
@@ -261,22 +261,6 @@ class _nullcontext:
 
     def __exit__(self, *exc):
         return False
-
-
-def _parse_input_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {}
-    for item in items:
-        name, sep, dims = item.partition("=")
-        try:
-            if not sep or not name:
-                raise ValueError
-            shapes[name] = tuple(int(d) for d in dims.lower().split("x"))
-            if not all(d > 0 for d in shapes[name]):
-                raise ValueError
-        except ValueError:
-            raise InputError(f"bad --input-shape '{item}'",
-                             hint="write it as name=1x3x224x224") from None
-    return shapes
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,9 +297,8 @@ def plan(
     started = time.perf_counter()
     try:
         from .budget import first_feasible_budget, floor_message
-        from .planners import get_planner, make_plan
+        from .planners import get_planner, plan_and_simulate
         from .schema import save
-        from .simulate import simulate
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
         get_planner(planner)
         # below the floor no plan fits, but the planner's closest plan is still written
@@ -326,10 +309,10 @@ def plan(
         left = max(1.0, time_limit - (time.perf_counter() - started))
         options = {"time_limit_s": left} if planner == "optimal" else {}
         with _working(f"planning with {planner}", as_json):
-            result = make_plan(planner, prof, hw, budget_bytes, budget_fraction=fraction, **options)
+            result, sim = plan_and_simulate(planner, prof, hw, budget_bytes, fraction,
+                                            record=True, **options)
         result = _with_paths(result, profile_path, prof)
         save(result, target)
-        sim = simulate(prof, result.decisions, hw, budget_bytes)
         reach = None
         if not result.feasible and below is None and planner != "optimal":
             reach = first_feasible_budget(prof, hw, planner)   # optimal: a MILP per step
@@ -349,10 +332,9 @@ def plan(
         if below is not None:
             _error_lines(f"{below[0]}; {wrote}", below[1])
         else:
-            from .budget import keep_all_peak_bytes
             from .simulate import budget_floor_bytes
             from .units import fmt_bytes
-            peak, floor = keep_all_peak_bytes(prof), budget_floor_bytes(prof)
+            peak, floor = prof.keep_all_peak_bytes, budget_floor_bytes(prof)
             fits = ("" if reach is None else
                     f"; planner {planner} first fits at {fmt_bytes(reach)}"
                     + (f" ({reach / peak:.3f})" if peak else ""))
@@ -367,9 +349,10 @@ def plan(
 def _plan_summary(p, path: Path) -> dict:
     """What a script wants from `plan --json`: where the plan is and what it predicts; the
     file holds the whole plan (every decision and the schedule)."""
-    counts = {a: 0 for a in ("keep", "swap", "recompute")}
+    from .schema import Action
+    counts = {a.value: 0 for a in Action}
     for d in p.decisions:
-        counts[d.action] = counts.get(d.action, 0) + 1
+        counts[str(d.action)] = counts.get(str(d.action), 0) + 1
     return {"plan": str(path), "planner": p.planner, "feasible": p.feasible,
             "hardware": p.hardware.get("name"), "budget_bytes": p.budget_bytes,
             "budget_fraction": p.budget_fraction, "actions": counts,
@@ -448,7 +431,7 @@ def compare(
         return
     from .render import compare_table
     out.print(compare_table(rows, budget_bytes, hardware=hw.name,
-                            keep_all_bytes=prof.summary.get("peak_activation_bytes")))
+                            keep_all_bytes=prof.keep_all_peak_bytes))
     for row in rows:   # say why a planner does not fit, in its own words
         if not row["feasible"] and row["notes"]:
             from rich.table import Table
@@ -479,7 +462,7 @@ def simulate(
     try:
         from .hardware import HardwareSpec, load_hardware
         from .profile_build import recost
-        from .schema import dumps, load_plan, write_atomic
+        from .schema import load_plan
         from .simulate import simulate as run_sim
         p = load_plan(plan_path)
         prof = _plan_profile(p, profile_path)
@@ -490,8 +473,8 @@ def simulate(
                                [plan_path, profile_path or p.profile_path, hardware])
         result = run_sim(prof, p.decisions, hw, p.budget_bytes, record=trace is not None or not as_json)
         if trace is not None:
-            from .chrome_trace import to_chrome_trace
-            write_atomic(trace, dumps(to_chrome_trace(result, prof, p.budget_bytes)))
+            from .chrome_trace import write_chrome_trace
+            write_chrome_trace(trace, result, prof, p.budget_bytes)
     except SlackswapError as exc:
         _fail(exc)
     if as_json:

@@ -2,7 +2,8 @@
 
 Every error carries a message (what went wrong, naming the file, tensor or option) and a hint
 (what the user can do about it). Exit codes: 2 bad input, 3 the model could not be traced or
-run, 4 no plan fits the budget, 5 `verify` found a mismatch.
+run, 4 no plan fits the budget; `verify` exits 5 when it finds a mismatch (a finding, not an
+error: cli.py says so itself).
 """
 from __future__ import annotations
 
@@ -41,9 +42,3 @@ class InfeasibleError(SlackswapError):
     """No plan keeps activation memory under the budget."""
 
     exit_code = 4
-
-
-class VerifyError(SlackswapError):
-    """The patched step differs from the original beyond tolerance, or overshoots its budget."""
-
-    exit_code = 5

@@ -33,9 +33,6 @@ from dataclasses import dataclass
 from math import prod
 from typing import Callable
 
-Ref = tuple[str, int]   # ("in", i) | ("out", i) | ("extra", k)
-
-
 @dataclass(frozen=True)
 class NodeView:
     """One node with static shapes: what a rule may look at."""

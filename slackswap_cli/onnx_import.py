@@ -75,7 +75,8 @@ _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Sum", "Max", "Min", "Where"}
 
 
 def parse_input_shapes(specs: Iterable[str] | None) -> dict[str, tuple[int, ...]]:
-    """`["input_ids=2x128", "mask=2x128"]` -> `{"input_ids": (2, 128), "mask": (2, 128)}`."""
+    """`["input_ids=2x128", "mask=2x128"]` -> `{"input_ids": (2, 128), "mask": (2, 128)}`
+    (`profile --input-shape`; the name is what comes before the last "=")."""
     out: dict[str, tuple[int, ...]] = {}
     for spec in specs or ():
         name, sep, dims = spec.rpartition("=")

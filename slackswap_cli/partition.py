@@ -41,7 +41,7 @@ import torch.fx as fx
 from .chains import ACTION_CODES, Layout, lay_out
 from .chains import tables as chain_tables
 from .errors import InputError
-from .schema import Plan, Profile
+from .schema import Action, Plan, Profile
 
 RESERVED = {"torch", "aten", "rt", "_s", "_device", "None", "float"}
 
@@ -218,7 +218,7 @@ class _Graph:
         r = self.root_tid(n)
         if r is None or r not in self.candidates:
             return None
-        return self.action.get(r, "keep")
+        return self.action.get(r, Action.KEEP)
 
     def root_node(self, n: fx.Node) -> fx.Node | None:
         r = self.root_tid(n)
@@ -229,7 +229,7 @@ class _Graph:
 
 
 def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan: Plan,
-               placeholder_names: list[str], device_type: str) -> StepCode:
+              device_type: str) -> StepCode:
     g = _Graph(gm, phase, profile, plan)
     for n in g.nodes:
         if n.name in RESERVED:
@@ -260,18 +260,18 @@ def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan:
     for name, n in bneed.items():
         act = g.group_action(n)
         root = g.root_node(n)
-        if act == "swap":
+        if act == Action.SWAP:
             if root is None or root.name not in fwd_set:
                 raise PlanApplyError(f"the plan swaps {name}, whose storage root is not a forward value")
             swap_roots[root.name] = root
-        elif act == "recompute":
+        elif act == Action.RECOMPUTE:
             pass
         else:
             kept[name] = n
-            if act == "keep" and root is not None and root.name in fwd_set:
+            if act == Action.KEEP and root is not None and root.name in fwd_set:
                 kept[root.name] = root  # views of a kept root re-derive from it (same storage)
     for tid, act in g.action.items():
-        if act == "recompute" and not profile.tensors[tid].recomputable:
+        if act == Action.RECOMPUTE and not profile.tensors[tid].recomputable:
             raise PlanApplyError(f"the plan recomputes {profile.tensors[tid].name}, which is not "
                                  "recomputable (a random op's result or mutated in place)",
                                  hint="re-run `slackswap plan`; planners never recompute these")
@@ -523,7 +523,7 @@ def _prefetch_points(g: _Graph, plan: Plan, swap_roots: dict[str, fx.Node],
     issue: dict[str, int] = {}
     tid_to_root = {g.root_tid(r): r.name for r in swap_roots.values()}
     for d in plan.decisions:
-        if d.action == "swap" and d.prefetch_at is not None and d.tensor in tid_to_root:
+        if d.action == Action.SWAP and d.prefetch_at is not None and d.tensor in tid_to_root:
             op = name_of_op.get(d.prefetch_at)
             if op in bpos:
                 issue[tid_to_root[d.tensor]] = bpos[op]
@@ -566,7 +566,8 @@ def _insert_frees(stmts: list[Stmt], keep: set[str]) -> None:
         live |= set(st.uses)
 
 
-def render(stmts: list[Stmt], indent: str = "    ") -> str:
+def source_lines(stmts: list[Stmt], indent: str = "    ") -> str:
+    """The statements as indented Python source, one a line, comments beside."""
     lines = []
     for st in stmts:
         lines.append(f"{indent}{st.code}" + (f"  # {st.comment}" if st.comment else ""))

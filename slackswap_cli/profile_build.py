@@ -123,7 +123,7 @@ class ProfileBuilder:
             "forward_us": sum(o.time_us for o in ops if o.phase == "forward"),
             "backward_us": sum(o.time_us for o in ops if o.phase == "backward"),
             "saved_bytes": sum(t.size_bytes for t in prof.saved_activations),
-            "peak_activation_bytes": keep_all_peak_bytes(prof),
+            "peak_activation_bytes": prof.keep_all_peak_bytes,
             "n_ops": len(ops),
             "n_saved": len(prof.saved_activations),
             **(summary_extra or {}),
@@ -148,10 +148,6 @@ def live_bytes_per_op(prof: Profile) -> list[int]:
         live += delta[i]
         out.append(live)
     return out
-
-
-def keep_all_peak_bytes(prof: Profile) -> int:
-    return max(live_bytes_per_op(prof), default=0)
 
 
 def recost(prof: Profile, hw) -> Profile:

@@ -4,11 +4,9 @@ Every function here takes data and returns renderables (tables, text); none prin
 so `cli.py` decides where output goes and tests render into a recording console. This is the
 only module besides `cli.py` that imports Rich.
 
-**Layers.** A model of 48 identical blocks should read as one row, not 48. Module paths name
-the blocks with an index (`transformer.h.3.mlp`, `model.layers.3.self_attn`,
-`bert.encoder.layer.11.output`): `layer_container` finds the numbered container with the most
-distinct indices (`transformer.h`), `layer_of` maps a module path to its block
-(`transformer.h.3`) or, outside the blocks, to a short prefix (`transformer.wte`, `lm_head`).
+**Layers.** A model of 48 identical blocks should read as one row, not 48. `layers` finds the
+repeated blocks from the module paths (`transformer.h.3.mlp` is in block `transformer.h.3`;
+outside the blocks, a short prefix such as `transformer.wte` or `lm_head` names the row).
 Consecutive blocks with the same structure (op count, saved bytes) and times within 25%
 (measured times jitter) collapse into one row,
 `transformer.h.0-47 (x48)`, showing per-block values.
@@ -16,7 +14,7 @@ Consecutive blocks with the same structure (op count, saved bytes) and times wit
 from __future__ import annotations
 
 import re
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from rich import box
 from rich.console import Group
@@ -25,10 +23,10 @@ from rich.table import Table
 from rich.text import Text
 
 from .hardware import HardwareSpec
-from .schema import Plan, Predicted, Profile
+from .layers import layer_index, op_layers
+from .schema import Action, Plan, Predicted, Profile
 from .units import fmt_bytes, fmt_us  # noqa: F401 - re-exported for the views' callers
 
-UNATTRIBUTED = "(unattributed)"
 _BLOCKS = " ▁▂▃▄▅▆▇█"
 
 
@@ -62,47 +60,8 @@ def _short_target(target: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# layers
+# layers (found by `layers`)
 # --------------------------------------------------------------------------------------------
-def layer_container(modules: Iterable[str]) -> str | None:
-    """The numbered container of the repeated blocks: the module-path prefix followed by an
-    index that takes the most distinct values ("transformer.h" for "transformer.h.3.mlp")."""
-    indices: dict[str, set[str]] = {}
-    for m in set(modules):
-        parts = m.split(".") if m else []
-        for k, part in enumerate(parts):
-            if part.isdigit():
-                indices.setdefault(".".join(parts[:k]), set()).add(part)
-                break   # the outermost numbered container only
-    if not indices:
-        return None
-    best = max(indices, key=lambda c: (len(indices[c]), -len(c)))
-    return best if len(indices[best]) >= 2 else None
-
-
-def layer_of(module: str, container: str | None) -> str:
-    """The block a module path belongs to (see the module docstring)."""
-    if not module:
-        return UNATTRIBUTED
-    parts = module.split(".")
-    if container is not None:
-        cparts = container.split(".") if container else []
-        n = len(cparts)
-        if parts[:n] == cparts and len(parts) > n and parts[n].isdigit():
-            return ".".join(parts[:n + 1])
-        return ".".join(parts[:max(1, n)])
-    return parts[0]
-
-
-def _layer_index(name: str, container: str | None) -> int | None:
-    if container is None:
-        return None
-    prefix = f"{container}." if container else ""
-    if name.startswith(prefix) and name[len(prefix):].isdigit():
-        return int(name[len(prefix):])
-    return None
-
-
 def _close(a: float, b: float, tol: float = 0.25) -> bool:
     return abs(a - b) <= tol * max(abs(a), abs(b), 1e-9)
 
@@ -127,7 +86,7 @@ def _collapse(rows: list[tuple[str, tuple]], container: str | None,
         run.clear()
 
     for name, vals in rows:
-        idx = _layer_index(name, container)
+        idx = layer_index(name, container)
         if idx is not None and run and idx == run[-1][0] + 1 and same(run[0][1], vals):
             run.append((idx, vals))
             continue
@@ -138,18 +97,6 @@ def _collapse(rows: list[tuple[str, tuple]], container: str | None,
             out.append((name, 1, vals))
     flush()
     return out
-
-
-def _op_layers(profile: Profile) -> tuple[list[str], str | None]:
-    container = layer_container(op.module for op in profile.ops)
-    cache: dict[str, str] = {}
-    out = []
-    for op in profile.ops:
-        lay = cache.get(op.module)
-        if lay is None:
-            lay = cache[op.module] = layer_of(op.module, container)
-        out.append(lay)
-    return out, container
 
 
 def _ordered_layers(profile: Profile, layers: list[str]) -> list[str]:
@@ -179,10 +126,7 @@ def profile_views(profile: Profile, top: int = 10) -> list:
     bwd_us = sum(o.time_us for o in ops[nf:])
     saved = profile.saved_activations
     saved_bytes = sum(t.size_bytes for t in saved)
-    peak = profile.summary.get("peak_activation_bytes")
-    if peak is None:
-        from .profile_build import keep_all_peak_bytes
-        peak = keep_all_peak_bytes(profile)
+    peak = profile.keep_all_peak_bytes
     sources: dict[str, int] = {}
     for o in ops:
         sources[o.time_source] = sources.get(o.time_source, 0) + 1
@@ -211,7 +155,7 @@ def profile_views(profile: Profile, top: int = 10) -> list:
         ("fingerprint", profile.fingerprint),
     ])
 
-    layers, container = _op_layers(profile)
+    layers, container = op_layers(profile)
     stats: dict[str, list] = {name: [0.0, 0.0, 0, 0, 0] for name in _ordered_layers(profile,
                                                                                        layers)}
     for o in ops:
@@ -398,14 +342,14 @@ def _why(action: str, t, rc_us: float, copy_us: float, late_us: float | None,
     plan fits with it resident; only an infeasible plan's keeps are explained by their cost."""
     mib = t.size_bytes / 2**20
     per_mib = f"{fmt_us(rc_us / mib)} per MiB" if mib else "empty"
-    if action == "swap":
+    if action == Action.SWAP:
         hidden = ("copy hidden" if late_us is not None and late_us <= 0 else
                   f"prefetch late by {fmt_us(late_us)}" if late_us is not None else
                   f"{fmt_us(copy_us)} copy each way")
         if not t.recomputable:
             return f"swap: random op output, cannot recompute; {hidden}"
         return f"swap: {fmt_us(rc_us)} to recompute, {hidden}"
-    if action == "recompute":
+    if action == Action.RECOMPUTE:
         return f"recompute: {fmt_us(rc_us)} ({per_mib}) vs {fmt_us(copy_us)} copy"
     if not t.recomputable:
         return f"keep: random op output (cannot recompute), {fmt_us(copy_us)} copy"
@@ -472,7 +416,7 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
     reason = getattr(result, "reason", None)
     hwd = plan.hardware or {}
     budget = plan.budget_bytes
-    keep_all = profile.summary.get("peak_activation_bytes")
+    keep_all = profile.keep_all_peak_bytes
     budget_txt = fmt_bytes(budget)
     if plan.budget_fraction is not None:
         budget_txt += f" ({plan.budget_fraction:g} of the keep-all peak"
@@ -520,21 +464,21 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
 
     actions = plan.actions()
     saved = profile.saved_activations
-    act_of = {t.id: actions.get(t.id, "keep") for t in saved}
+    act_of = {t.id: Action(actions.get(t.id, Action.KEEP)) for t in saved}
     total = sum(t.size_bytes for t in saved) or 1
     per_action = Table(title="Bytes per action", title_justify="left")
     for col in ("action", "tensors", "bytes", "share"):
         per_action.add_column(col, justify="left" if col == "action" else "right")
-    for a in ("keep", "swap", "recompute"):
+    for a in Action:
         ts = [t for t in saved if act_of[t.id] == a]
         b = sum(t.size_bytes for t in ts)
         per_action.add_row(a, str(len(ts)), fmt_bytes(b), fmt_pct(b / total))
 
-    layers, container = _op_layers(profile)
+    layers, container = op_layers(profile)
     order = _ordered_layers(profile, layers)
     per = {name: [0, 0, 0, 0, 0, 0] for name in order}
     for t in saved:
-        k = ("keep", "swap", "recompute").index(act_of[t.id])
+        k = list(Action).index(act_of[t.id])
         s = per[layers[t.producer]]
         s[2 * k] += 1
         s[2 * k + 1] += t.size_bytes
@@ -545,7 +489,7 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
                                if any(n > 1 for _, n, _ in merged) else ""),
                       title_justify="left")
     per_layer.add_column("layer")
-    for a in ("keep", "swap", "recompute"):
+    for a in Action:
         per_layer.add_column(a, justify="right")
     for label, _, v in merged:
         per_layer.add_row(label, *(f"{int(v[2 * k])}  {fmt_bytes(v[2 * k + 1])}" if v[2 * k]
@@ -565,7 +509,7 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
                 if fb is not None and fb in op_start:
                     late[e.tensor] = e.end_us - op_start[fb]
     title = f"Largest saved activations and their action (top {min(top, len(saved))})"
-    styles = {"keep": "green", "swap": "cyan", "recompute": "yellow"}
+    styles = {Action.KEEP: "green", Action.SWAP: "cyan", Action.RECOMPUTE: "yellow"}
     rows_b = []
     for t in sorted(saved, key=lambda t: (-t.size_bytes, t.id))[:top]:
         a = act_of[t.id]
@@ -588,7 +532,7 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
             if with_layer:
                 tb.add_row(*r)
             else:   # the action column already names the action: the reason alone
-                tb.add_row(*r[:1], *r[2:4], re.sub(r"^(keep|swap|recompute): ", "", r[4]))
+                tb.add_row(*r[:1], *r[2:4], re.sub(f"^({'|'.join(Action)}): ", "", r[4]))
         return tb
 
     # 80 columns: the reason matters more than the layer (the tensor's name hints at it)

@@ -297,9 +297,6 @@ class StepStore:
                 total += h.nbytes  # record_stream holds the device memory until the copy ends
         return total
 
-    def host_bytes(self) -> int:
-        return sum(h.nbytes for h in self.swapped.values() if h.host is not None)
-
 
 # --------------------------------------------------------------------------------------------
 # The patched module

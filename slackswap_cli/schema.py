@@ -28,6 +28,7 @@ every id refers to something that exists; writing is atomic (temp file, then ren
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import math
 import os
@@ -48,7 +49,17 @@ PLAN_VERSION = 1
 
 PHASES = ("forward", "backward")
 KINDS = ("activation", "input", "parameter", "buffer", "gradient")
-ACTIONS = ("keep", "swap", "recompute")
+
+
+class Action(enum.StrEnum):
+    """What a plan does with one saved activation root. A `str`: `Action.SWAP == "swap"`, it
+    serialises as "swap", and plans loaded from JSON (plain strings) compare equal to it."""
+    KEEP = "keep"              # resident from its producer to its last reader
+    SWAP = "swap"              # copied to host after forward, fetched back for backward
+    RECOMPUTE = "recompute"    # freed after forward, its producer re-run in backward
+
+
+ACTIONS = tuple(Action)
 TIME_SOURCES = ("measured", "roofline")
 
 
@@ -137,6 +148,14 @@ class Profile:
                  and t.producer is not None]
         return tuple(sorted(cands, key=lambda t: (t.producer, t.id)))
 
+    @cached_property
+    def keep_all_peak_bytes(self) -> int:
+        """The activation peak of the step when nothing is evicted: what a budget fraction is a
+        fraction of (`summary["peak_activation_bytes"]` records it; loading checks they agree).
+        Derived from the ops and tensors (`profile_build.live_bytes_per_op`)."""
+        from .profile_build import live_bytes_per_op
+        return max(live_bytes_per_op(self), default=0)
+
     def first_backward_use(self, tensor_id: int) -> int | None:
         """First backward op reading the root `tensor_id` or any alias of it."""
         uses = [c for tid in (tensor_id, *self.aliases.get(tensor_id, ()))
@@ -179,7 +198,7 @@ def op_fingerprint(ops: Iterable[Op], tensors: Iterable[Tensor]) -> str:
 @dataclass(frozen=True)
 class Decision:
     tensor: int                      # saved activation root id
-    action: str                      # "keep" | "swap" | "recompute"
+    action: str                      # an Action: "keep" | "swap" | "recompute"
     prefetch_at: int | None = None   # swap only: backward op id at whose start the prefetch may be
                                      # issued at the earliest (None: as early as memory allows)
 
@@ -500,8 +519,7 @@ def _validate_summary(prof: Profile, source: str) -> None:
             _require(ok(v), source, f"summary.{key} is {v!r:.60}, expected {what}")
     peak = prof.summary.get("peak_activation_bytes")
     if peak is not None:
-        from .profile_build import keep_all_peak_bytes
-        derived = keep_all_peak_bytes(prof)
+        derived = prof.keep_all_peak_bytes
         _require(peak == derived, source,
                  f"summary.peak_activation_bytes is {peak}, but the ops and tensors give {derived}")
 
@@ -554,7 +572,7 @@ def validate_plan(plan: Plan, source: str = "plan") -> None:
         seen.add(d.tensor)
         _require(d.prefetch_at is None or _int_in(d.prefetch_at, 0, MAX_COUNT), source,
                  f"tensor {d.tensor} has prefetch_at {d.prefetch_at!r}, not an op id")
-        _require(d.prefetch_at is None or d.action == "swap", source,
+        _require(d.prefetch_at is None or d.action == Action.SWAP, source,
                  f"tensor {d.tensor} has prefetch_at but action {d.action!r}; only a swap prefetches")
     for i, e in enumerate(plan.schedule):
         _require(e.kind in ("offload", "prefetch", "recompute"), source,

@@ -16,7 +16,7 @@ never run at once: one waits for the other.
 (an alias counts through its root; inputs, parameters, buffers and gradients are outside it).
 An op allocates its output roots when it starts and frees the roots whose last reader it is
 when it ends; views allocate nothing. With every decision "keep" and no budget the simulated
-peak equals `profile_build.keep_all_peak_bytes` and the step takes exactly `ideal_us`.
+peak equals `Profile.keep_all_peak_bytes` and the step takes exactly `ideal_us`.
 
 **Decisions** (per saved activation root; an unmentioned one is kept):
 
@@ -85,7 +85,7 @@ from collections import deque
 from itertools import accumulate
 from operator import sub
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from . import schema
 from .chains import ACTION_CODES as _CODES, KEEP, NOT_SAVED, RECOMPUTE, SWAP, Tables, lay_out
@@ -372,6 +372,84 @@ def recompute_chains(profile: schema.Profile, decisions) -> dict[int, tuple[int,
 # --------------------------------------------------------------------------------------------
 # The event loop
 # --------------------------------------------------------------------------------------------
+class _CopyEngine:
+    """One copy direction (D2H or H2D): the copy in flight, if any, and how far it got.
+
+    A copy's duration depends on whether the other direction is busy (`hw.copy_us(...,
+    contended)`). When that changes mid-copy, `retime` banks the progress made at the old rate
+    (`done`, a fraction) and runs the rest at the new one, so `end` is always the finish time
+    under the current contention.
+    """
+
+    __slots__ = ("x", "start", "end", "done", "since", "dur", "dur_free", "dur_shared")
+
+    def __init__(self):
+        self.x = -1              # the tensor being copied, -1 when idle
+        self.end = _INF
+        self.start = self.done = self.since = self.dur = self.dur_free = self.dur_shared = 0.0
+
+    def begin(self, x: int, now: float, dur_free: float, dur_shared: float, shared: bool):
+        self.x = x
+        self.dur_free, self.dur_shared = dur_free, dur_shared
+        self.dur = dur_shared if shared else dur_free
+        self.done = 0.0
+        self.start = self.since = now
+        self.end = now + self.dur
+
+    def retime(self, now: float, shared: bool) -> None:
+        """The other direction started (`shared`) or stopped: re-time the copy in flight."""
+        if self.x >= 0 and self.dur_shared != self.dur_free:
+            self.done += (now - self.since) / self.dur
+            self.since = now
+            self.dur = self.dur_shared if shared else self.dur_free
+            self.end = now + max(0.0, 1.0 - self.done) * self.dur
+
+    def finish(self) -> int:
+        x = self.x
+        self.x = -1
+        self.end = _INF
+        return x
+
+
+def _prefetch_gates(prog: _Program, tab: Tables, prefetch_at: dict[int, int],
+                    budget_bytes: int | None) -> tuple[list[int], list[int]]:
+    """For each queued prefetch, the first compute task at which it may be issued: by memory
+    (`_earliest_issue`, none without a budget) and by its `prefetch_at` pin."""
+    nf, queue = tab.n_fwd, prog.queue
+    nq = len(queue)
+    if budget_bytes is None or not nq:
+        earliest = [nf] * nq
+    else:
+        earliest = _earliest_issue(prog, tab.size, float(budget_bytes), nf)
+    pinned = [nf] * nq
+    if prefetch_at:
+        op_task: dict[int, int] = {}   # a pin means "not before compute reaches this op's chain"
+        for t in range(nf, len(prog.task_op)):
+            op_task.setdefault(prog.task_owner[t], t)
+        for qi, x in enumerate(queue):
+            pa = prefetch_at.get(x)
+            if pa is not None:
+                pinned[qi] = min(op_task[pa], prog.need_task[x])
+    return earliest, pinned
+
+
+def _no_room(profile: schema.Profile, prog: _Program, tab: Tables, t: int, mem: int,
+             budget: float, arrived: set[int]) -> str:
+    """Why task t can never start: the bytes it needs against what the budget leaves."""
+    ops, op, owner = profile.ops, prog.task_op[t], prog.task_owner[t]
+    want = prog.alloc[t] + sum(tab.size[x] for x in prog.need.get(t, ()) if x not in arrived)
+    what = (f"op {op} ({ops[op].name})" if owner == op else
+            f"recomputing op {op} ({ops[op].name}) for op {owner}")
+    return (f"{what} needs {fmt_bytes(want)} more activation memory but the "
+            f"budget leaves {fmt_bytes(max(0.0, budget - mem))} "
+            f"({fmt_bytes(mem)} of {fmt_bytes(budget)} in use)")
+
+
+def _stall(cause: str, start: float, end: float, op: int) -> TimelineEvent:
+    """Compute waited from `start` to `end` before op `op`, for `cause`."""
+    return TimelineEvent("compute", f"stall ({cause})", "stall", start, end, op, None, cause)
+
+
 def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
              budget_bytes: int | None = None, *, record: bool = True) -> SimResult:
     """Simulate one training step of `profile` under `decisions` on `hw`.
@@ -396,20 +474,7 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
     budget = _INF if budget_bytes is None else float(budget_bytes)
     queue = prog.queue
     nq = len(queue)
-    if budget_bytes is None or not nq:
-        earliest = [nf] * nq
-    else:
-        earliest = _earliest_issue(prog, size, budget, nf)
-    need_task = prog.need_task
-    pa_task = [nf] * nq
-    if prefetch_at:
-        op_task = {}        # a pin means "not before compute reaches this op's chain"
-        for t in range(nf, N):
-            op_task.setdefault(task_owner[t], t)
-        for qi, x in enumerate(queue):
-            pa = prefetch_at.get(x)
-            if pa is not None:
-                pa_task[qi] = min(op_task[pa], need_task[x])
+    earliest, pa_task = _prefetch_gates(prog, tab, prefetch_at, budget_bytes)
     duplex = hw.duplex
     copy_us = hw.copy_us
 
@@ -422,12 +487,7 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
     mem = 0
     peak = 0
     dq: deque[int] = deque()
-    d_x = -1
-    d_p = d_t = d_D = d_Du = d_Dc = d_start = 0.0
-    d_end = _INF
-    h_x = -1
-    h_p = h_t = h_D = h_Du = h_Dc = h_start = 0.0
-    h_end = _INF
+    d2h, h2d = _CopyEngine(), _CopyEngine()
     h_issue = -1
     qi = 0
     off_done: set[int] = set()
@@ -465,9 +525,7 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
             if missing < 0 and mem + a <= budget:
                 if wait_cause is not None:
                     if record and now > wait_from:
-                        events.append(TimelineEvent("compute", f"stall ({wait_cause})", "stall",
-                                                    wait_from, now, task_owner[t], None,
-                                                    wait_cause))
+                        events.append(_stall(wait_cause, wait_from, now, task_owner[t]))
                     wait_cause = None
                 mem += a
                 if mem > peak:
@@ -478,27 +536,17 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
                 comp_start = now
                 comp_end = now + dur[t]
         # -- D2H: next offload -----------------------------------------------------------------
-        if d_x < 0 and dq and (duplex or h_x < 0):
-            d_x = dq.popleft()
-            s = size[d_x]
-            d_Du = copy_us(s, "d2h", False)
-            d_Dc = copy_us(s, "d2h", True)
-            d_D = d_Dc if h_x >= 0 else d_Du
-            d_p = 0.0
-            d_t = d_start = now
-            d_end = now + d_D
-            if h_x >= 0 and h_Dc != h_Du:     # the running prefetch slows down from now on
-                h_p += (now - h_t) / h_D
-                h_t = now
-                h_D = h_Dc
-                h_end = now + max(0.0, 1.0 - h_p) * h_D
+        if dq and d2h.x < 0 and (duplex or h2d.x < 0):
+            x = dq.popleft()
+            s = size[x]
+            d2h.begin(x, now, copy_us(s, "d2h", False), copy_us(s, "d2h", True), h2d.x >= 0)
+            h2d.retime(now, True)          # a running prefetch slows down from now on
         # -- H2D: next prefetch, when its offload is done and memory allows ------------------
-        if h_x < 0 and qi < nq and (duplex or d_x < 0):
+        if qi < nq and h2d.x < 0 and (duplex or d2h.x < 0):
             x = queue[qi]
             s = size[x]
             if (x in off_done and t >= earliest[qi] and t >= pa_task[qi]
                     and mem + s <= budget):
-                h_x = x
                 qi += 1
                 h_issue = task_owner[t] if t < N else task_owner[-1]
                 mem += s
@@ -506,18 +554,11 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
                     peak = mem
                 if record:
                     memory.append((now, mem))
-                h_Du = copy_us(s, "h2d", False)
-                h_Dc = copy_us(s, "h2d", True)
-                h_D = h_Dc if d_x >= 0 else h_Du
-                h_p = 0.0
-                h_t = h_start = now
-                h_end = now + h_D
-                if d_x >= 0 and d_Dc != d_Du:
-                    d_p += (now - d_t) / d_D
-                    d_t = now
-                    d_D = d_Dc
-                    d_end = now + max(0.0, 1.0 - d_p) * d_D
+                h2d.begin(x, now, copy_us(s, "h2d", False), copy_us(s, "h2d", True),
+                          d2h.x >= 0)
+                d2h.retime(now, True)
         # -- advance to the next event ---------------------------------------------------------
+        d_end, h_end = d2h.end, h2d.end
         nxt = comp_end
         if d_end < nxt:
             nxt = d_end
@@ -529,19 +570,13 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
             # compute waits: why?
             cause = MEMORY_FULL
             if missing >= 0:
-                blocked_by_memory = (h_x < 0 and qi < nq and queue[qi] == missing
+                blocked_by_memory = (h2d.x < 0 and qi < nq and queue[qi] == missing
                                      and missing in off_done and mem + size[missing] > budget)
                 if not blocked_by_memory:
                     cause = LATE_PREFETCH
             if nxt == _INF:
                 # nothing in flight can free memory: the plan cannot fit
-                op = task_op[t]
-                want = alloc[t] + sum(size[x] for x in need.get(t, ()) if x not in arrived)
-                what = (f"op {op} ({ops[op].name})" if task_owner[t] == op else
-                        f"recomputing op {op} ({ops[op].name}) for op {task_owner[t]}")
-                reason = (f"{what} needs {fmt_bytes(want)} more activation memory but the "
-                          f"budget leaves {fmt_bytes(max(0.0, budget - mem))} "
-                          f"({fmt_bytes(mem)} of {fmt_bytes(budget)} in use)")
+                reason = _no_room(profile, prog, tab, t, mem, budget, arrived)
                 feasible = False
                 budget = _INF
                 if wait_cause is None:
@@ -550,9 +585,7 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
                 continue
             if cause != wait_cause:
                 if wait_cause is not None and record and now > wait_from:
-                    events.append(TimelineEvent("compute", f"stall ({wait_cause})", "stall",
-                                                wait_from, now, task_owner[t], None,
-                                                wait_cause))
+                    events.append(_stall(wait_cause, wait_from, now, task_owner[t]))
                 wait_cause = cause
                 wait_from = now
             if cause == MEMORY_FULL:
@@ -562,39 +595,29 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
         now = nxt
         # -- completions -----------------------------------------------------------------------
         if h_end == now:
-            x = h_x
+            start = h2d.start
+            x = h2d.finish()
             arrived.add(x)
             prefetched_bytes += size[x]
-            sched.append(("prefetch", x, h_issue, h_start, now))
+            sched.append(("prefetch", x, h_issue, start, now))
             if record:
                 events.append(TimelineEvent("h2d", f"prefetch {tensors[x].name}", "prefetch",
-                                            h_start, now, h_issue, x, None))
-            h_x = -1
-            h_end = _INF
-            if d_x >= 0 and d_Dc != d_Du:     # the running offload speeds up again
-                d_p += (now - d_t) / d_D
-                d_t = now
-                d_D = d_Du
-                d_end = now + max(0.0, 1.0 - d_p) * d_D
-        if d_end == now:
-            x = d_x
+                                            start, now, h_issue, x, None))
+            d2h.retime(now, False)         # the running offload speeds up again
+        if d2h.end == now:                 # (as re-timed just now)
+            start = d2h.start
+            x = d2h.finish()
             off_done.add(x)
             swapped_bytes += size[x]
-            sched.append(("offload", x, producer[x], d_start, now))
+            sched.append(("offload", x, producer[x], start, now))
             if record:
                 events.append(TimelineEvent("d2h", f"offload {tensors[x].name}", "offload",
-                                            d_start, now, producer[x], x, None))
+                                            start, now, producer[x], x, None))
             if x in fwd_over:
                 mem -= size[x]
                 if record:
                     memory.append((now, mem))
-            d_x = -1
-            d_end = _INF
-            if h_x >= 0 and h_Dc != h_Du:
-                h_p += (now - h_t) / h_D
-                h_t = now
-                h_D = h_Du
-                h_end = now + max(0.0, 1.0 - h_p) * h_D
+            h2d.retime(now, False)
         if comp_end == now:
             op = task_op[t]
             is_rec = has_rec and t >= nf and task_owner[t] != op

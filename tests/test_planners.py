@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.planners import PLANNERS, make_plan, planner_names, run_planner
-from slackswap_cli.planners.common import build_model, layer_of_ops
+from slackswap_cli.layers import op_layer_indices
+from slackswap_cli.planners.common import build_model
 from slackswap_cli.profile_build import ProfileBuilder
 from slackswap_cli.simulate import budget_floor_bytes, simulate
 from slackswap_cli.synthetic import chain_profile
@@ -129,12 +130,12 @@ def test_only_tensors_live_at_over_budget_moments_are_evicted():
 def test_checkpoint_layers_finds_blocks_from_module_paths():
     b = ProfileBuilder()
     x = b.add_tensor("x", "input", (1,), "float32", size_bytes=4)
-    mods = ["transformer.h.3.mlp", "bert.encoder.layer.12.attention", "model.layers.0",
-            "lm_head", ""]
+    mods = ["transformer.h.3.mlp", "transformer.h.12.attn", "transformer.h.0", "lm_head", "",
+            "transformer.h.3.mlp.experts.1"]
     for i, mod in enumerate(mods):
         t = b.add_tensor(f"t{i}", "activation", (1,), "uint8", size_bytes=1)
         b.add_op(f"op{i}", "aten.relu.default", "forward", (x,), (t,), module=mod)
-    assert layer_of_ops(b.build()) == [3, 12, 0, None, None]
+    assert op_layer_indices(b.build()) == [3, 12, 0, None, None, 3]
 
 
 def test_checkpoint_layers_recomputes_inside_blocks_only():

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from slackswap_cli.hardware import PRESETS
-from slackswap_cli.profile_build import ProfileBuilder, keep_all_peak_bytes, live_bytes_per_op, recost
+from slackswap_cli.profile_build import ProfileBuilder, live_bytes_per_op, recost
 from slackswap_cli.synthetic import chain_profile
 
 
@@ -13,7 +13,7 @@ def test_keep_all_liveness_by_hand():
     # b2: a0+a1+a2 (loss died at its producer's end: nobody reads it), b1: a0+a1, b0: a0
     p = chain_profile(3, act_bytes=[100, 200, 400])
     assert live_bytes_per_op(p) == [100, 300, 700, 704, 700, 300, 100]
-    assert keep_all_peak_bytes(p) == 704 == p.summary["peak_activation_bytes"]
+    assert p.keep_all_peak_bytes == 704 == p.summary["peak_activation_bytes"]
 
 
 def test_alias_counts_once_and_extends_its_root():

@@ -5,7 +5,8 @@ from rich.console import Console
 
 from slackswap_cli import render, schema
 from slackswap_cli.hardware import HardwareSpec
-from slackswap_cli.render import fmt_bytes, fmt_us, layer_container, layer_of
+from slackswap_cli.layers import UNATTRIBUTED, layer_container, layer_of
+from slackswap_cli.render import fmt_bytes, fmt_us
 from slackswap_cli.simulate import simulate
 from slackswap_cli.synthetic import chain_profile
 
@@ -41,7 +42,7 @@ def test_layer_detection():
     assert layer_of("transformer.h.1.mlp.c_fc", c) == "transformer.h.1"
     assert layer_of("transformer.wte", c) == "transformer.wte"
     assert layer_of("lm_head", c) == "lm_head"
-    assert layer_of("", c) == render.UNATTRIBUTED
+    assert layer_of("", c) == UNATTRIBUTED
     # the container with the most indices wins over a numbered submodule inside a block
     mods = [f"model.layers.{i}.mlp.experts.{e}" for i in range(4) for e in range(2)]
     assert layer_container(mods) == "model.layers"

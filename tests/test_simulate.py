@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from slackswap_cli import schema
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import HardwareSpec
-from slackswap_cli.profile_build import ProfileBuilder, keep_all_peak_bytes
+from slackswap_cli.profile_build import ProfileBuilder
 from slackswap_cli.simulate import (SimResult, budget_floor_bytes, ideal_us, min_peak_bytes,
                                     recompute_chains, simulate)
 from slackswap_cli.synthetic import chain_profile
@@ -74,7 +74,7 @@ def test_chain_keep_all_hand_peak_and_retention():
     # forward 5 x 100, backward 5 x 200; at the loss op a0..a4 and the 4-byte loss are live
     assert r.predicted.step_us == 1500.0
     assert r.predicted.retention == 1.0
-    assert r.predicted.peak_bytes == 5 * MB + 4 == keep_all_peak_bytes(p)
+    assert r.predicted.peak_bytes == 5 * MB + 4 == p.keep_all_peak_bytes
     assert r.predicted.stall_us == 0.0 and r.predicted.recompute_us == 0.0
     assert [e.name for e in r.events if e.engine == "compute"] == [
         "f0", "f1", "f2", "f3", "f4", "loss", "b4", "b3", "b2", "b1", "b0"]
@@ -274,7 +274,7 @@ def test_alias_of_saved_tensor_counted_once():
     p = b.build()
     assert [t.id for t in p.saved_activations] == [A]
     r = simulate(p, {}, HW)
-    assert r.predicted.peak_bytes == MB == keep_all_peak_bytes(p)
+    assert r.predicted.peak_bytes == MB == p.keep_all_peak_bytes
     # recomputing A re-runs f0 before b (which reads A through V)
     r = simulate(p, {A: "recompute"}, HW)
     assert r.predicted.recompute_us == 100.0 and r.predicted.peak_bytes == MB
@@ -390,20 +390,20 @@ def check_invariants(p, r: SimResult, budget):
 @given(p=random_profiles(), data=st.data())
 def test_random_plans_respect_the_budget(p, data):
     keep = simulate(p, {}, HW)
-    assert keep.predicted.peak_bytes == keep_all_peak_bytes(p)
+    assert keep.predicted.peak_bytes == p.keep_all_peak_bytes
     assert keep.predicted.retention == 1.0 and keep.predicted.step_us == ideal_us(p)
     check_invariants(p, keep, None)
 
     cands = p.saved_activations
     floor = budget_floor_bytes(p)
-    assert floor <= keep_all_peak_bytes(p)
+    assert floor <= p.keep_all_peak_bytes
     swap_all = simulate(p, {t.id: "swap" for t in cands}, HW, floor)
     assert swap_all.feasible, swap_all.reason
     check_invariants(p, swap_all, floor)
 
     acts = {t.id: data.draw(st.sampled_from(["keep", "swap", "recompute"] if t.recomputable
                                             else ["keep", "swap"])) for t in cands}
-    budget = data.draw(st.one_of(st.none(), st.integers(floor, keep_all_peak_bytes(p) + 1)))
+    budget = data.draw(st.one_of(st.none(), st.integers(floor, p.keep_all_peak_bytes + 1)))
     try:
         r = simulate(p, acts, HW, budget)
     except InputError as exc:          # a chain through an unsaved random op's output
@@ -572,7 +572,7 @@ def test_layered_profiles_invariants(seed):
     import random
     rng = random.Random(seed)
     p = layered_profile(3, 40, seed=seed)
-    peak = keep_all_peak_bytes(p)
+    peak = p.keep_all_peak_bytes
     floor = budget_floor_bytes(p)
     r = simulate(p, {}, HW)
     assert r.predicted.peak_bytes == peak and r.predicted.retention == 1.0

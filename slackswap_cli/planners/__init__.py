@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 from ..errors import InputError
 from ..hardware import HardwareSpec
 from ..schema import Decision, Plan, Profile
+
+if TYPE_CHECKING:
+    from ..simulate import SimResult
 
 
 @dataclass
@@ -28,9 +31,6 @@ class PlannerOutput:
 
 
 PlannerFn = Callable[[Profile, HardwareSpec, int], Union[list[Decision], PlannerOutput]]
-
-DEFAULT_PLANNER = "slackswap"
-
 
 from . import baselines, optimal, slackswap  # noqa: E402  (they import PlannerOutput)
 
@@ -85,15 +85,24 @@ def make_plan(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
     `feasible` is the simulator's verdict. An infeasible plan is still returned (the CLI writes
     it with `feasible: false` and exits 4); its notes say why.
     """
+    return plan_and_simulate(name, profile, hw, budget_bytes, budget_fraction, **options)[0]
+
+
+def plan_and_simulate(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
+                      budget_fraction: float | None = None, *, record: bool = False,
+                      **options) -> tuple[Plan, SimResult]:
+    """`make_plan`, and the simulation the Plan was filled from (with its timeline when
+    `record`, for the views that show it), so a caller does not simulate the plan again."""
     from ..simulate import simulate
 
     decisions, notes, solve_ms = run_planner(name, profile, hw, budget_bytes, **options)
-    res = simulate(profile, decisions, hw, budget_bytes, record=False)
+    res = simulate(profile, decisions, hw, budget_bytes, record=record)
     notes = tuple(notes)
     if not res.feasible and res.reason:
         notes = notes + (f"simulator: {res.reason}",)
-    return Plan(profile_fingerprint=profile.fingerprint, planner=name, hardware=hw.to_dict(),
+    plan = Plan(profile_fingerprint=profile.fingerprint, planner=name, hardware=hw.to_dict(),
                 budget_bytes=int(budget_bytes), budget_fraction=budget_fraction,
                 feasible=bool(res.feasible), decisions=tuple(decisions),
                 schedule=tuple(res.schedule), predicted=res.predicted, solve_ms=solve_ms,
                 notes=notes)
+    return plan, res

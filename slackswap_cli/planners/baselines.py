@@ -7,7 +7,7 @@
 - `swap-all`: offload every saved activation and bring it back before use, like CPU-offload
   hooks (`torch.autograd.graph.save_on_cpu`); prefetches as early as memory allows.
 - `checkpoint-layers`: `torch.utils.checkpoint` on every k-th repeated block (found from module
-  paths such as `transformer.h.3`, `bert.encoder.layer.3`, `model.layers.3`): in a checkpointed
+  paths such as `transformer.h.3` by `layers`, as the terminal views group them): in a checkpointed
   block every saved tensor produced inside it is recomputed, except what later blocks read (the
   next block's input) and random ops' outputs; k is the largest step that fits the budget in
   the static model (k = 1 checkpoints every block).
@@ -18,8 +18,9 @@ import numpy as np
 
 from ..hardware import HardwareSpec
 from ..schema import Decision, Profile
-from .common import KEEP, RECOMPUTE, SWAP, State, build_chains, build_model, layer_of_ops, \
-    memory, recompute_until_fits
+from ..layers import op_layer_indices
+from .common import KEEP, RECOMPUTE, SWAP, State, build_chains, build_model, memory, \
+    recompute_until_fits
 
 
 def recompute_only(profile: Profile, hw: HardwareSpec, budget_bytes: int):
@@ -42,7 +43,7 @@ def swap_all(profile: Profile, hw: HardwareSpec, budget_bytes: int):
 def checkpoint_layers(profile: Profile, hw: HardwareSpec, budget_bytes: int):
     from . import PlannerOutput
     m = build_model(profile, hw)
-    layers = layer_of_ops(profile)
+    layers = op_layer_indices(profile)
     blocks = sorted({x for x in layers if x is not None})
     if not blocks:
         return PlannerOutput([Decision(tensor=t, action=KEEP) for t in m.cands],

@@ -37,18 +37,21 @@ recomputed first and then kept), so they cost no extra time, but an evicted one 
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..chains import candidate_chain
+from ..chains import ACTION_CODES, candidate_chain
+from ..chains import KEEP as KEEP_CODE
+from ..chains import RECOMPUTE as RECOMPUTE_CODE
+from ..chains import SWAP as SWAP_CODE
 from ..chains import tables as chain_tables
 from ..hardware import HardwareSpec
+from ..layers import op_layer_indices
 from ..profile_build import live_bytes_per_op
-from ..schema import Decision, Profile
+from ..schema import Action, Decision, Profile
 
-KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
+KEEP, SWAP, RECOMPUTE = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 INF = float("inf")
 
 
@@ -108,29 +111,10 @@ def build_model(prof: Profile, hw: HardwareSpec) -> Model:
     np.add.at(delta, lf + 1, -size)
     np.add.at(delta, fb, size)
     base = live + np.cumsum(delta)[:n]
-    layers = layer_of_ops(prof)
+    layers = op_layer_indices(prof)
     layer = [layers[prof.tensors[t].producer] for t in cands]
     return Model(prof, hw, n, nf, op_us, t_start, t_end, cands, index, size, p, lf, fb, lu, rec,
                  d2h, h2d, live, base, layer)
-
-
-# --------------------------------------------------------------------------------------------
-# Repeated layers
-# --------------------------------------------------------------------------------------------
-_LAYER_RE = re.compile(r"(?:^|\.)(?:h|layer|layers|blocks|block|encoder\.layer|decoder\.layers)\.(\d+)(?:\.|$)")
-
-
-def layer_of_ops(prof: Profile) -> list[int | None]:
-    """Index of the repeated block each op belongs to ("transformer.h.3.mlp" -> 3), or None.
-
-    The first `<container>.<number>` in the module path wins, where the container is one of the
-    usual names of a block list (h, layer, layers, blocks, block).
-    """
-    out: list[int | None] = []
-    for op in prof.ops:
-        m = _LAYER_RE.search(op.module or "")
-        out.append(int(m.group(1)) if m else None)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,14 +186,14 @@ class State:
     needed if it were evicted.
     """
 
-    def __init__(self, m: Model, actions: list[str] | None = None, chains: Chains | None = None):
+    def __init__(self, m: Model, actions: list[Action] | None = None,
+                 chains: Chains | None = None):
         self.m = m
         self.ch = chains if chains is not None else build_chains(m)
         self.actions = list(actions) if actions else [KEEP] * len(m.cands)
         self.cost = self.ch.cost
         self.extra_bytes = self.ch.extra_bytes
-        codes = {KEEP: 0, SWAP: 1, RECOMPUTE: 2}
-        self.code = np.array([codes[a] for a in self.actions], dtype=np.int8)
+        self.code = np.array([ACTION_CODES[a] for a in self.actions], dtype=np.int8)
         self.sib_rec = np.zeros(len(m.cands), dtype=np.int64)   # recomputed siblings
         for c, a in enumerate(self.actions):
             if a == RECOMPUTE:
@@ -246,7 +230,7 @@ class State:
                     if self.actions[x] == RECOMPUTE:
                         stack.append((x, t))
 
-    def set(self, c: int, action: str, refresh: bool = True,
+    def set(self, c: int, action: Action, refresh: bool = True,
             need_before: np.ndarray | None = None) -> None:
         """Change c's action. Leaving "recompute" moves inputs' needs later: `refresh=False`
         defers that (needs stay early, which only overstates memory) and `need_before`
@@ -255,7 +239,7 @@ class State:
         if old == action:
             return
         self.actions[c] = action
-        self.code[c] = {KEEP: 0, SWAP: 1, RECOMPUTE: 2}[action]
+        self.code[c] = ACTION_CODES[action]
         if RECOMPUTE in (old, action):
             d = 1 if action == RECOMPUTE else -1
             for x in self.ch.siblings[c]:
@@ -382,10 +366,10 @@ def memory(m: Model, state: State, sched: CopySchedule | None = None) -> np.ndar
         np.add.at(delta, start[mask], size[mask])
         np.add.at(delta, stop[mask], -size[mask])
 
-    add(code == 0, lo, fb)                          # kept: the whole gap
-    ev = code != 0
+    add(code == KEEP_CODE, lo, fb)                  # kept: the whole gap
+    ev = code != KEEP_CODE
     add(ev, need, fb)                               # evicted, back early for a chain
-    sw = np.nonzero(code == 1)[0]
+    sw = np.nonzero(code == SWAP_CODE)[0]
     if len(sw):
         if sched is None:
             sched = copy_schedule(m, sw.tolist(), need)
@@ -399,7 +383,7 @@ def memory(m: Model, state: State, sched: CopySchedule | None = None) -> np.ndar
             np.add.at(delta, start[ok], size[sw][ok])
             np.add.at(delta, stop[ok], -size[sw][ok])
     temps_at: dict[int, set[int]] = {}
-    for c in np.nonzero(code == 2)[0]:              # recompute: chain temporaries, a moment
+    for c in np.nonzero(code == RECOMPUTE_CODE)[0]: # recompute: chain temporaries, a moment
         if state.ch.temps[c] and lo[c] < need[c]:
             temps_at.setdefault(int(need[c]), set()).update(state.ch.temps[c])
     tensors = m.prof.tensors
@@ -473,7 +457,7 @@ def recompute_until_fits(m: Model, state: State, budget_bytes: int,
         # target the tightest over-budget op: the least coverable bytes beyond its excess
         # (an op that only a few tensors can relieve goes first, so cheap picks elsewhere do
         # not use up the options it needs)
-        free_ok = (state.code == 0) & allow & finite
+        free_ok = (state.code == KEEP_CODE) & allow & finite
         lo = m.lf[free_ok] + 1
         hi = state.need[free_ok]
         ok = hi > lo

@@ -5,7 +5,8 @@
     cost every op                       roofline of a hardware preset (fake), or timed (measure.py)
     build the profile (graph_profile.py) kinds, aliases, random ops, FLOPs, bytes, liveness
 
-This package is the only place (with apply's runtime) that imports torch.
+Torch is imported here and by the modules that run or check a plan (`apply`, `partition`,
+`runtime`, `replay`, `verify`); the planning core never imports it (tests/test_torch_free.py).
 """
 from __future__ import annotations
 

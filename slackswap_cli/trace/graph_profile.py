@@ -146,35 +146,77 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
     if storage_keys is None:
         storage_keys = storage_keys_from_fake(joint)
     nodes = list(joint.gm.graph.nodes)
-
-    # getitem nodes name the outputs of multi-output ops
-    picked: dict[tuple[str, int], list[fx.Node]] = {}
+    g = _GraphProfile(joint, nodes, storage_keys, storage_sizes or {})
+    g.add_leaves()
+    source = "measured" if op_times_us is not None else time_source
+    n_calls = sum(1 for n in nodes if n.op == "call_function")
+    done = 0
     for node in nodes:
-        if node.op == "call_function" and node.target is operator.getitem \
-                and isinstance(node.args[0], fx.Node):
-            picked.setdefault((node.args[0].name, int(node.args[1])), []).append(node)
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        done += 1
+        if progress is not None and done % 5000 == 0:
+            progress(f"building profile: {done}/{n_calls} nodes")
+        inputs, outputs, flops, nbytes = g.add_results(node)
+        if op_times_us is not None:
+            time_us = float(op_times_us.get(node.name, 0.0))
+        else:
+            time_us = hardware.roofline_us(flops, nbytes)
+        g.b.add_op(node.name, target_name(node.target), joint.phase.get(node.name, "forward"),
+                   inputs, outputs, module=joint.module.get(node.name, ""), flops=flops,
+                   bytes=nbytes, time_us=time_us, time_source=source)
+    g.mark_gradients()
+    g.mark_recomputable()
+    b = g.b
+    extra = {"n_tensors": len(b.tensors),
+             "flops": sum(o.flops for o in b.ops),
+             "time_source": source,
+             "checkpoints_inlined": joint.checkpoints_inlined,
+             **(summary_extra or {})}
+    return b.build(workload=workload, env=env, summary_extra=extra)
 
-    b = ProfileBuilder()
-    tid_of: dict[str, int] = {}          # node name (getitems included) -> tensor id
-    root_of_key: dict[int, int] = {}     # storage key -> root tensor id (the first owner)
-    key_of_root: dict[int, int] = {}     # root tensor id -> storage key
-    mutated_roots: set[int] = set()
-    random_roots: set[int] = set()
-    tensor_vals: list[torch.Tensor] = []  # meta val of each tensor id (for byte counts)
 
-    def add_tensor(name: str, kind: str, val: torch.Tensor, alias_of: int | None,
+class _GraphProfile:
+    """The profile of a joint graph while it is being built: tensors by node name, storage
+    roots, and what makes a root non-recomputable (see the module docstring)."""
+
+    def __init__(self, joint: JointGraph, nodes: list[fx.Node], storage_keys: dict[str, int],
+                 storage_sizes: dict[str, int]):
+        self.joint, self.nodes = joint, nodes
+        self.storage_keys, self.storage_sizes = storage_keys, storage_sizes
+        self.b = ProfileBuilder()
+        self.tid_of: dict[str, int] = {}          # node name (getitems included) -> tensor id
+        self.root_of_key: dict[int, int] = {}     # storage key -> root tensor id (first owner)
+        self.key_of_root: dict[int, int] = {}     # root tensor id -> storage key
+        self.mutated_roots: set[int] = set()
+        self.random_roots: set[int] = set()
+        self.tensor_vals: list[torch.Tensor] = []  # meta val of each tensor id (byte counts)
+        # getitem nodes name the outputs of multi-output ops
+        self.picked: dict[tuple[str, int], list[fx.Node]] = {}
+        for node in nodes:
+            if node.op == "call_function" and node.target is operator.getitem \
+                    and isinstance(node.args[0], fx.Node):
+                self.picked.setdefault((node.args[0].name, int(node.args[1])), []).append(node)
+
+    def root(self, t: int) -> int:
+        r = self.b.tensors[t].alias_of
+        return t if r is None else r
+
+    def add_tensor(self, name: str, kind: str, val: torch.Tensor, alias_of: int | None,
                    key_name: str, siblings: tuple[int, ...] = ()) -> int:
-        # storage identity, when known, decides; the schema's alias_of is the fallback
-        key = storage_keys.get(key_name)
+        """A tensor; storage identity, when known, decides its root, the schema's `alias_of`
+        is the fallback."""
+        b = self.b
+        key = self.storage_keys.get(key_name)
         declared = alias_of
         if declared is not None and b.tensors[declared].alias_of is not None:
             declared = b.tensors[declared].alias_of
         shared_with_sibling = False
         if key is not None:
-            if declared is not None and key_of_root.get(declared) == key:
+            if declared is not None and self.key_of_root.get(declared) == key:
                 alias_of = declared           # the schema and the storage agree
             else:
-                alias_of = root_of_key.get(key)
+                alias_of = self.root_of_key.get(key)
                 if declared is None and alias_of in siblings:
                     # a fresh output sharing storage with another output of the same op: meta
                     # kernels do this where real kernels do not (see the module docstring)
@@ -185,42 +227,36 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
             size = tensor_nbytes(val)
         else:
             size = max(storage_nbytes(val), tensor_nbytes(val),
-                       (storage_sizes or {}).get(key_name, 0))
+                       self.storage_sizes.get(key_name, 0))
         tid = b.add_tensor(name, kind, tuple(val.shape), dtype_name(val.dtype), size_bytes=size,
                            alias_of=alias_of)
         if key is not None and alias_of is None:
-            key_of_root[tid] = key
-            root_of_key.setdefault(key, tid)
-        tensor_vals.append(val)
+            self.key_of_root[tid] = key
+            self.root_of_key.setdefault(key, tid)
+        self.tensor_vals.append(val)
         return tid
 
-    kinds = iter(joint.placeholder_kinds())
-    for node in nodes:
-        if node.op == "placeholder":
-            kind = next(kinds)
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                tid_of[node.name] = add_tensor(node.name, "input" if kind == "tangent" else kind,
-                                               val, None, node.name)
-        elif node.op == "get_attr":
-            val = node.meta.get("val")
-            if val is None:
-                val = getattr(joint.gm, str(node.target), None)
-            if isinstance(val, torch.Tensor):
-                tid_of[node.name] = add_tensor(node.name, "buffer", val, None, node.name)
+    def add_leaves(self) -> None:
+        """Placeholders (parameters, buffers, inputs; the tangent is an input) and constants."""
+        kinds = iter(self.joint.placeholder_kinds())
+        for node in self.nodes:
+            if node.op == "placeholder":
+                kind = next(kinds)
+                val = node.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    self.tid_of[node.name] = self.add_tensor(
+                        node.name, "input" if kind == "tangent" else kind, val, None, node.name)
+            elif node.op == "get_attr":
+                val = node.meta.get("val")
+                if val is None:
+                    val = getattr(self.joint.gm, str(node.target), None)
+                if isinstance(val, torch.Tensor):
+                    self.tid_of[node.name] = self.add_tensor(node.name, "buffer", val, None,
+                                                             node.name)
 
-    # which op results the step returns as gradients
-    out_node = next(n for n in reversed(nodes) if n.op == "output")
-    returned = [n for n in pytree.tree_leaves(list(out_node.args[0])[1:]) if isinstance(n, fx.Node)]
-
-    n_calls = sum(1 for n in nodes if n.op == "call_function")
-    done = 0
-    for node in nodes:
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
-        done += 1
-        if progress is not None and done % 5000 == 0:
-            progress(f"building profile: {done}/{n_calls} nodes")
+    def add_results(self, node: fx.Node) -> tuple[list[int], list[int], int, int]:
+        """The tensors op `node` produces; returns (inputs, outputs, flops, bytes) of the op."""
+        b, tid_of = self.b, self.tid_of
         val = node.meta.get("val")
         multi = isinstance(val, (tuple, list))
         vals = list(val) if multi else [val]
@@ -234,14 +270,14 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
             if not isinstance(v, torch.Tensor):
                 continue
             if multi:
-                readers = picked.get((node.name, i), [])
+                readers = self.picked.get((node.name, i), [])
                 name = readers[0].name if readers else f"{node.name}.{i}"
                 key_name = f"{node.name}.{i}"
             else:
                 readers, name, key_name = [], node.name, node.name
             src = aliased.get(i)
             alias_of = tid_of.get(src.name) if src is not None else None
-            tid = add_tensor(name, "activation", v, alias_of, key_name, tuple(outputs))
+            tid = self.add_tensor(name, "activation", v, alias_of, key_name, tuple(outputs))
             tid_of[name] = tid
             for r in readers:
                 tid_of[r.name] = tid
@@ -250,70 +286,71 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
             if root is None or (src is not None and any(w is src for w in written)):
                 writes.append(tid)  # a fresh tensor, or an in-place write into its input
             if random:
-                random_roots.add(tid if root is None else root)
+                self.random_roots.add(tid if root is None else root)
         for w in written:
             if w.name in tid_of:
-                t = tid_of[w.name]
-                mutated_roots.add(t if b.tensors[t].alias_of is None else b.tensors[t].alias_of)
-        # bytes: each distinct input read once (a view reads no more than its root holds), each
-        # non-view output written once; views move nothing, allocation alone writes nothing
-        pname = _packet_name(node.target)
-        if (outputs and not writes) or pname in ALLOCATING_ONLY:
-            nbytes, flops = 0, 0
-        else:
-            nbytes = 0
-            for t in inputs:
-                root = b.tensors[t].alias_of
-                own = tensor_nbytes(tensor_vals[t])
-                nbytes += own if root is None else min(own, b.tensors[root].size_bytes)
-            for t in writes:
-                nbytes += tensor_nbytes(tensor_vals[t])
-            flops = node_flops(node)
-        if op_times_us is not None:
-            time_us = float(op_times_us.get(node.name, 0.0))
-        else:
-            time_us = hardware.roofline_us(flops, nbytes)
-        b.add_op(node.name, target_name(node.target), joint.phase.get(node.name, "forward"),
-                 inputs, outputs, module=joint.module.get(node.name, ""), flops=flops,
-                 bytes=nbytes, time_us=time_us,
-                 time_source="measured" if op_times_us is not None else time_source)
+                self.mutated_roots.add(self.root(tid_of[w.name]))
+        flops, nbytes = self._cost(node, inputs, outputs, writes)
+        return inputs, outputs, flops, nbytes
 
-    # returned gradients (and their roots, when backward produced them) leave activation memory
-    for n in returned:
-        t = tid_of.get(n.name)
-        if t is None:
-            continue
-        root = b.tensors[t].alias_of
-        for x in (t, root):
-            if x is not None and b.tensors[x].kind == "activation" \
-                    and b.tensors[x].producer is not None \
-                    and b.ops[b.tensors[x].producer].phase == "backward":
-                b.tensors[x].kind = "gradient"
-    # An output nothing reads, of a backward op whose other results are returned gradients, is
-    # a gradient too: when a meta kernel returns one tensor for two gradients (see the module
-    # docstring), the traced step returns that tensor twice and leaves its twin unread, but
-    # only on the first trace in a process (FakeTensor's dispatch cache builds fresh outputs
-    # later). The kind must not depend on which trace this was.
-    read = {t for op in b.ops for t in op.inputs} | {t.alias_of for t in b.tensors}
-    for op in b.ops:
-        if op.phase != "backward" or not any(b.tensors[t].kind == "gradient" for t in op.outputs):
-            continue
-        for t in op.outputs:
-            x = b.tensors[t]
-            if x.kind == "activation" and x.alias_of is None and t not in read:
-                x.kind = "gradient"
-    for t in mutated_roots | random_roots:
-        b.tensors[t].recomputable = False
-    # an alias is recomputable exactly when its root is (it is re-derived from the root)
-    for t in b.tensors:
-        if t.alias_of is not None:
-            t.recomputable = t.recomputable and b.tensors[t.alias_of].recomputable
-    extra = {"n_tensors": len(b.tensors),
-             "flops": sum(o.flops for o in b.ops),
-             "time_source": "measured" if op_times_us is not None else time_source,
-             "checkpoints_inlined": joint.checkpoints_inlined,
-             **(summary_extra or {})}
-    return b.build(workload=workload, env=env, summary_extra=extra)
+    def _cost(self, node: fx.Node, inputs: list[int], outputs: list[int],
+              writes: list[int]) -> tuple[int, int]:
+        """(flops, bytes): each distinct input read once (a view reads no more than its root
+        holds), each non-view output written once; views move nothing, allocation alone
+        writes nothing."""
+        b = self.b
+        if (outputs and not writes) or _packet_name(node.target) in ALLOCATING_ONLY:
+            return 0, 0
+        nbytes = 0
+        for t in inputs:
+            root = b.tensors[t].alias_of
+            own = tensor_nbytes(self.tensor_vals[t])
+            nbytes += own if root is None else min(own, b.tensors[root].size_bytes)
+        for t in writes:
+            nbytes += tensor_nbytes(self.tensor_vals[t])
+        return node_flops(node), nbytes
+
+    def mark_gradients(self) -> None:
+        """Returned gradients (and their roots, when backward produced them) leave activation
+        memory."""
+        b = self.b
+        out_node = next(n for n in reversed(self.nodes) if n.op == "output")
+        returned = [n for n in pytree.tree_leaves(list(out_node.args[0])[1:])
+                    if isinstance(n, fx.Node)]
+        for n in returned:
+            t = self.tid_of.get(n.name)
+            if t is None:
+                continue
+            root = b.tensors[t].alias_of
+            for x in (t, root):
+                if x is not None and b.tensors[x].kind == "activation" \
+                        and b.tensors[x].producer is not None \
+                        and b.ops[b.tensors[x].producer].phase == "backward":
+                    b.tensors[x].kind = "gradient"
+        # An output nothing reads, of a backward op whose other results are returned gradients,
+        # is a gradient too: when a meta kernel returns one tensor for two gradients (see the
+        # module docstring), the traced step returns that tensor twice and leaves its twin
+        # unread, but only on the first trace in a process (FakeTensor's dispatch cache builds
+        # fresh outputs later). The kind must not depend on which trace this was.
+        read = {t for op in b.ops for t in op.inputs} | {t.alias_of for t in b.tensors}
+        for op in b.ops:
+            if op.phase != "backward" or not any(b.tensors[t].kind == "gradient"
+                                                 for t in op.outputs):
+                continue
+            for t in op.outputs:
+                x = b.tensors[t]
+                if x.kind == "activation" and x.alias_of is None and t not in read:
+                    x.kind = "gradient"
+
+    def mark_recomputable(self) -> None:
+        """Roots mutated in place or made by random ops cannot be recomputed; an alias is
+        recomputable exactly when its root is (it is re-derived from the root)."""
+        b = self.b
+        for t in self.mutated_roots | self.random_roots:
+            b.tensors[t].recomputable = False
+        for t in b.tensors:
+            if t.alias_of is not None:
+                t.recomputable = t.recomputable and b.tensors[t.alias_of].recomputable
 
 
 def first_difference(expected: Profile, got: Profile) -> str:

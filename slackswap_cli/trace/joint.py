@@ -30,7 +30,7 @@ recompute would draw fresh dropout masks. Any other `set_rng_state` inside a ste
 random numbers is refused (`_watch_rng_restores`). `loss_fn(output, inputs)` gets the inputs
 in the form the workload gave them (`workload_inputs`).
 
-The model and inputs may be real tensors (`mode="real"`: the graph can be run and timed) or
+The model and inputs may be real tensors (the graph can then be run and timed: `measure`) or
 FakeTensors created under a FakeTensorMode (nothing is allocated; costs come from a roofline).
 """
 from __future__ import annotations
@@ -166,15 +166,6 @@ class _ModuleTracker:
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
-
-    def module_of_index(self, index: int) -> str:
-        """Module active when the node at position `index` was created."""
-        current = ""
-        for count, name in self.events:
-            if count > index:
-                break
-            current = name
-        return current
 
 
 def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None = None, *,

@@ -122,9 +122,6 @@ class MemTracker(TorchDispatchMode):
             st.ref = None   # StorageWeakRef holds a weak count: let it go
 
     # -- reading -----------------------------------------------------------------------------
-    def alive_keys(self) -> set[int]:
-        return set(self._live)
-
     def exclude(self, tensors: Iterable[torch.Tensor]) -> int:
         """Take the storages of `tensors` (gradients, say) off the timeline; returns how many."""
         keys = {k[0] for t in tensors if isinstance(t, torch.Tensor)

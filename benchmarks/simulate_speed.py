@@ -1,0 +1,78 @@
+"""How long one `simulate` call takes: the planners call it many times, so it must stay fast.
+
+For each sample profile, plans the step with `slackswap` at a budget fraction (default 0.5 of
+the keep-all peak, on `a100-pcie4`), then times `simulate` on that plan, without the timeline
+(`record=False`, as the planners call it) and with it (`record=True`, as `plan` and `show`
+do). Reports the median and the fastest of `--repeats` calls; writes
+benchmarks/results/simulate_speed.json.
+
+    python benchmarks/simulate_speed.py [--profiles a.json ...] [--budget 0.5] [--repeats 30]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from slackswap_cli.hardware import load_hardware  # noqa: E402
+from slackswap_cli.planners import run_planner  # noqa: E402
+from slackswap_cli.schema import load_profile  # noqa: E402
+from slackswap_cli.simulate import simulate  # noqa: E402
+
+SAMPLES = ["sample_profiles/bert-large.json", "sample_profiles/gpt2-xl.json",
+           "sample_profiles/llama-7b.json"]
+
+
+def time_calls(fn, repeats: int) -> dict:
+    fn()   # warm the per-profile tables
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profiles", nargs="+", default=[str(ROOT / p) for p in SAMPLES])
+    ap.add_argument("--budget", type=float, default=0.5)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    hw = load_hardware("a100-pcie4")
+    rows = []
+    for path in args.profiles:
+        prof = load_profile(path)
+        budget = int(prof.keep_all_peak_bytes * args.budget)
+        decisions, _, _ = run_planner("slackswap", prof, hw, budget)
+        row = {"profile": Path(path).stem, "n_ops": len(prof.ops),
+               "n_saved": len(prof.saved_activations), "budget_fraction": args.budget}
+        for record in (False, True):
+            key = "record" if record else "no_record"
+            row[key] = time_calls(lambda: simulate(prof, decisions, hw, budget, record=record),
+                                  args.repeats)
+        rows.append(row)
+        print(f"{row['profile']:12s} {row['n_ops']:5d} ops  record=False "
+              f"{row['no_record']['median_ms']:7.2f} ms (min {row['no_record']['min_ms']:.2f})"
+              f"  record=True {row['record']['median_ms']:7.2f} ms "
+              f"(min {row['record']['min_ms']:.2f})", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simulate_speed.json").write_text(json.dumps(
+        {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+         "repeats": args.repeats, "results": rows}, indent=2) + "\n")
+    print(f"wrote {out / 'simulate_speed.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
