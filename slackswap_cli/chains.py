@@ -326,6 +326,16 @@ def candidate_chain(tab: Tables, r: int) -> CandidateChain | None:
     return CandidateChain((p, *sorted(run - {p})), tuple(inputs), tuple(temps))
 
 
+def _last_writes(prof) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in prof.tensors:
+        p = t.producer
+        if t.alias_of is not None and p is not None and p < prof.n_forward \
+                and _writes_in_place(prof.ops[p].target):
+            out[t.alias_of] = max(out.get(t.alias_of, -1), p)
+    return out
+
+
 def _writes_in_place(target: str) -> bool:
     """`aten.add_.Tensor` and the like (aten names its in-place variants with a trailing _)."""
     parts = target.split(".")
@@ -351,7 +361,8 @@ def runtime_table(prof, decisions) -> dict:
     - `needs`: recompute root -> the ops of its chain it depends on (all before it);
     - `bwd_use`: saved root -> its first backward reader (how far backward has got);
     - `non_activation`: parameters, buffers and inputs (roots outside activation memory);
-    - `mutated`: roots an in-place op writes into after they are made (aten's trailing `_`);
+    - `last_write`: root -> the last forward op that writes into it in place (aten's trailing
+      `_`), for roots written after they are made;
     - `first_use`: swapped root -> the backward op that first needs it (a chain or a reader);
     - `prefetch_at`: swapped root -> the backward op from which its copy back may be issued.
     """
@@ -406,9 +417,7 @@ def runtime_table(prof, decisions) -> dict:
         "op_inputs": op_inputs,
         "needs": needs,
         "bwd_use": {r: tab.first_bwd_use[r] for r in tab.saved_roots},
-        "mutated": sorted({t.alias_of for t in prof.tensors if t.alias_of is not None
-                           and t.producer is not None
-                           and _writes_in_place(prof.ops[t.producer].target)}),
+        "last_write": _last_writes(prof),
         "first_use": first_use,
         "prefetch_at": {r: min(pin_at.get(r, nf), first_use.get(r, nf)) for r in first_use},
     }

@@ -269,8 +269,9 @@ class PlanRun:
             return x
         r = self.root(tid)
         act = self.table["action"].get(r)
-        if act == "swap" and r in self.t.mutated:
-            act = None    # written in place after it was made: a copy now could miss writes
+        if act == "swap" and self.t.last_write.get(r, -1) >= self.ptr:
+            act = None    # still to be written in place (a GRU cell's gates): a copy made
+            #               now would miss those writes, so it is kept as eager keeps it
         if act == "swap":
             # one copy per storage (a root and its views), found by the storage itself: an
             # address alone may be a new tensor's, once a swapped one's memory was freed
@@ -592,7 +593,7 @@ class _Table:
         self.table = table
         self.op_inputs = table["op_inputs"]
         self.non_activation = set(table["non_activation"])
-        self.mutated = set(table.get("mutated", ()))
+        self.last_write = {int(k): v for k, v in table.get("last_write", {}).items()}
         # roots chains read: `chain_uses` counts the chains that read each one. Kept (and
         # not yet offloaded) ones are held from production (`pin_roots`) until those chains
         # ran; recomputed or fetched ones stay after autograd took them until then too.

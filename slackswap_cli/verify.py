@@ -324,7 +324,6 @@ def measure_eager_step(model, run) -> int:
 
 
 def _rel(a, b) -> float:
-    import torch
     if a is None and b is None:
         return 0.0
     if a is None or b is None:
@@ -407,7 +406,7 @@ def check_fits(meta: dict, device: str) -> None:
 
 
 def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol: float,
-                    grad_tol: float) -> dict:
+                    grad_tol: float) -> dict:  # noqa: PLR0913
     """`steps` SGD steps of a fresh eager model and of a fresh one patched in place, from the
     same seed: the largest loss and gradient differences, how much of the profile lined up,
     ops re-run and bytes held for backward after forward (CPU: storages, as `held_device_bytes`)."""
@@ -454,8 +453,6 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
 def _held_after_forward(work, run) -> int:
     """Bytes the last in-place step held for backward right after its forward (re-measured
     on one more forward, then dropped)."""
-    import torch
-
     from .trace.joint import loss_from_output, split_inputs
     a, kw = split_inputs(work.inputs)
     loss = loss_from_output(work.model(*a, **kw), work.inputs, work.loss_fn)

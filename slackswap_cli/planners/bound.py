@@ -269,7 +269,7 @@ def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = Non
     from scipy.sparse import coo_matrix
 
     t0 = time.perf_counter()
-    n, nf, nc = f.n, f.nf, len(f.cands)
+    nf, nc = f.nf, len(f.cands)
     over = np.nonzero(f.keep_all > B)[0]
     if len(over) == 0:
         return Bound(True, 0.0, 1.0, f.ideal, time.perf_counter() - t0, 0,
@@ -290,7 +290,6 @@ def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = Non
     smax_row = {int(i): float(size[(f.lf < i) & (f.fb > i)].max(initial=0.0)) for i in over}
     bw_h_all = eff(bw_h_raw, smax_all)
     cap = (B - f.floor) / scale                   # room left at each op
-    fwd_rows = over[over < nf]
     bwd_rows = over[over >= nf]
     # sampled j's for (c) and the positions of (d): first backward uses after each row
     fb_pos = np.unique(f.fb)
@@ -371,8 +370,6 @@ def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = Non
         row([iKI + q, iKO + q, iWI + q, iWO + q, iZ + q] + rec,
             [1.0, -1.0, 1.0, -1.0, -bw_d] + [-bw_d] * len(rec), -np.inf,
             cap[i] + bw_d * f.t_start[i])
-    by_p = np.argsort(f.p, kind="stable")
-    p_sorted = f.p[by_p]
     for q_op, i in tails:                         # (b')
         qq, qi = at[q_op], at[i]
         rec = [iR] if i >= nf else []

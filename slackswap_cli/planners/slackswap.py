@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..hardware import HardwareSpec
-from ..schema import Decision, Profile
+from ..schema import Profile
 from ..units import fmt_us
 from .common import (KEEP, RECOMPUTE, SWAP, Model, SlackLedger, State, build_model,
                      copy_schedule, memory, recompute_until_fits)
