@@ -167,6 +167,7 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
         "autocast": profile.workload.get("autocast"),
         "target_device": profile.env.get("target_device"),
         "hardware": plan.hardware,
+        "keep_all_peak_bytes": profile.keep_all_peak_bytes,
         "budget_bytes": plan.budget_bytes,
         "budget_fraction": plan.budget_fraction,
         "planner": plan.planner,

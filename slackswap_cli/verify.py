@@ -391,7 +391,8 @@ def check_fits(meta: dict, device: str) -> None:
     budget = int(meta.get("budget_bytes") or 0)
     fraction = meta.get("budget_fraction")
     peak = int((meta.get("predicted") or {}).get("peak_bytes") or 0)
-    keep_all = budget / fraction if fraction else max(budget, peak)
+    keep_all = meta.get("keep_all_peak_bytes") or (budget / fraction if fraction
+                                                   else max(budget, peak))
     need = int(4 * param_bytes + keep_all)
     free = _available_bytes(device)
     if free is not None and need > free:
@@ -688,8 +689,9 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
                        f"{fmt_bytes(budget)}" + why)
     pred = meta.get("predicted", {})
     fraction = meta.get("budget_fraction")
-    keep_all = (int(profile.summary.get("peak_activation_bytes", 0)) if profile is not None
-                else int(round(budget / fraction)) if fraction else 0)
+    keep_all = (profile.keep_all_peak_bytes if profile is not None
+                else int(meta.get("keep_all_peak_bytes") or 0)
+                or (int(round(budget / fraction)) if fraction else 0))
     return VerifyReport(
         patched=str(patched_path), workload=str(path), device=device, steps=steps,
         losses_original=losses_o, losses_patched=losses_p, max_loss_rel_diff=max_loss,
