@@ -22,7 +22,8 @@ import pprint
 from pathlib import Path
 from typing import Any
 
-from .errors import FingerprintMismatch, InputError, TraceError
+from .errors import FingerprintMismatch, InputError
+from .trace.retrace import joint_fingerprint, trace_fake
 from .schema import Plan, Profile
 
 GENERATOR_VERSION = 1
@@ -38,41 +39,6 @@ def plan_fingerprint(plan: Plan) -> str:
         if ev.kind == "prefetch":
             h.update(f"p{ev.tensor}@{ev.issue_op};".encode())
     return h.hexdigest()[:16]
-
-
-def trace_fake(path: str, entry: str, args: dict | None, device: str | None, real: bool = False,
-               *, autocast: str | None = None, target_device: str | None = None):
-    """(joint graph, workload) of the workload at `path`, traced with fake tensors when possible.
-
-    Fake tensors allocate nothing, so a model too large for this machine can still be applied.
-    A workload that builds part of its model outside `workload()` cannot be faked; it is then
-    loaded and traced for real. `autocast` and `target_device` are the profile's (its trace
-    ran under that autocast, and took the random ops of that device).
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .trace.joint import capture_joint
-    from .trace.workload import load_workload
-    dev = None if device is None or device == "cpu" or device.startswith("fake") else device
-    work = None
-    if not real:
-        try:
-            work = load_workload(path, entry, args, fake_mode=FakeTensorMode(), device=dev)
-        except TraceError:
-            work = None
-    if work is None:
-        work = load_workload(path, entry, args, device=dev)
-    joint = capture_joint(work.model, work.inputs, work.loss_fn, autocast=autocast,
-                          target_device=target_device)
-    return joint, work
-
-
-def joint_fingerprint(joint) -> str:
-    """The profile fingerprint of a joint graph (times do not enter it, so any preset will do)."""
-    from .hardware import PRESETS
-    from .trace.graph_profile import joint_to_profile
-    prof = joint_to_profile(joint, workload={}, env={}, hardware=PRESETS["a100-pcie4"])
-    return prof.fingerprint
 
 
 def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,

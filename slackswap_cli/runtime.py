@@ -414,7 +414,7 @@ class PatchedStep(torch.nn.Module):
     def _check_trace_inner(self) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from .apply import joint_fingerprint
+        from .trace.retrace import joint_fingerprint
         from .trace.joint import capture_joint
         from .trace.workload import load_workload
         w = self.meta["workload"]

@@ -141,7 +141,8 @@ def code_chains(prof, source: str) -> dict[int, tuple[int, ...]]:
 
 @pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "bert", "llama", "cnn"])
 def test_generated_backward_reruns_exactly_the_simulated_chains(name, files):
-    from slackswap_cli.apply import emit_module, trace_fake
+    from slackswap_cli.apply import emit_module
+    from slackswap_cli.trace.retrace import trace_fake
     prof = profiled(files, name)
     peak = prof.summary["peak_activation_bytes"]
     joint, work = trace_fake(str(files[name]), "workload", {}, None)
@@ -165,7 +166,8 @@ def test_a_chain_that_needs_a_swapped_value_early_fetches_it(files, tmp_path):
     """The case the three old copies disagreed on: a swapped tensor that another tensor's
     chain reads before its own first use is fetched for that chain, in code as simulated,
     and gradients stay exact."""
-    from slackswap_cli.apply import emit_module, trace_fake
+    from slackswap_cli.apply import emit_module
+    from slackswap_cli.trace.retrace import trace_fake
     from tests.test_apply import hand_plan
     prof = profiled(files, "mlp")
     # forward: addmm (fc1) -> gelu -> addmm_1 (fc2) -> pow -> mean. Recompute gelu: its chain

@@ -1,0 +1,45 @@
+"""Trace a workload again (with fake tensors when possible) and fingerprint the result: what
+`apply` checks a workload against its profile with, and what the whole-step module
+(`runtime.PatchedStep`) checks a user's model against."""
+from __future__ import annotations
+
+from ..errors import TraceError
+
+__all__ = ["trace_fake", "joint_fingerprint"]
+
+
+def trace_fake(path: str, entry: str, args: dict | None, device: str | None, real: bool = False,
+               *, autocast: str | None = None, target_device: str | None = None):
+    """(joint graph, workload) of the workload at `path`, traced with fake tensors when possible.
+
+    Fake tensors allocate nothing, so a model too large for this machine can still be applied.
+    A workload that builds part of its model outside `workload()` cannot be faked; it is then
+    loaded and traced for real. `autocast` and `target_device` are the profile's (its trace
+    ran under that autocast, and took the random ops of that device).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .joint import capture_joint
+    from .workload import load_workload
+    dev = None if device is None or device == "cpu" or device.startswith("fake") else device
+    work = None
+    if not real:
+        try:
+            work = load_workload(path, entry, args, fake_mode=FakeTensorMode(), device=dev)
+        except TraceError:
+            work = None
+    if work is None:
+        work = load_workload(path, entry, args, device=dev)
+    joint = capture_joint(work.model, work.inputs, work.loss_fn, autocast=autocast,
+                          target_device=target_device)
+    return joint, work
+
+
+def joint_fingerprint(joint) -> str:
+    """The profile fingerprint of a joint graph: op targets and tensors, which times do not
+    enter (so the graph is costed with zero times, no roofline needed)."""
+    from .graph_profile import joint_to_profile
+    times = {n.name: 0.0 for n in joint.gm.graph.nodes if n.op == "call_function"}
+    prof = joint_to_profile(joint, workload={}, env={}, op_times_us=times,
+                            time_source="measured")
+    return prof.fingerprint
