@@ -215,15 +215,16 @@ def backward_step({bwd_args}):
 {source_lines(step.backward)}
 
 
-def patch(model):
+def patch(model, strict=False):
     """Patch `model` in place so its training forward runs the plan; returns `model` itself.
 
     In train mode with grad enabled, `model(...)` returns what it returned before and its
     backward keeps, swaps and recomputes as planned; in eval mode or under no_grad it is the
     original forward. Module hooks, DDP and optimizers see the same model. `unpatch(model)`
-    restores it.
+    restores it. Other input shapes (or another device) are planned for on the fly, once
+    each; `strict=True` refuses them instead.
     """
-    return replay.patch(model, META, TABLE)
+    return replay.patch(model, META, TABLE, strict=strict)
 
 
 def unpatch(model):

@@ -616,7 +616,7 @@ class _Patched:
     """What `patch` attaches to a model: its plans (one per input signature) and state."""
 
     def __init__(self, model, meta: dict, table: dict, original_forward, had_instance_forward,
-                 replan: bool = True):
+                 replan: bool = True, strict: bool = False):
         self.model, self.meta, self.table = model, meta, table
         self.original_forward = original_forward
         self.had_instance_forward = had_instance_forward
@@ -625,6 +625,7 @@ class _Patched:
         self.module_hooks: dict[int, tuple] = {}
         self.names = {id(m): name for name, m in model.named_modules()}
         self.replan = replan
+        self.strict = strict
         profiled = (meta.get("device_type", "cpu"),
                     *((tuple(shape), dtype.removeprefix("torch."))
                       for shape, dtype in meta.get("input_tensors", [])))
@@ -638,6 +639,14 @@ class _Patched:
         sig = _signature(ref.device.type if ref is not None else "cpu", args, kwargs)
         if sig in self.plans:
             return self.plans[sig] or self.default
+        if self.strict:
+            from .errors import FingerprintMismatch
+            profiled = next(iter(self.plans))
+            raise FingerprintMismatch(
+                f"the model was called with {_shapes(sig)}, the plan was made for "
+                f"{_shapes(profiled)} (patched with strict=True)",
+                hint="re-profile at these shapes, or patch without strict=True to plan for "
+                     "them on the fly")
         plan = None
         if self.replan:
             import sys
@@ -718,23 +727,24 @@ class _Patched:
                   "for those alone. Re-profile for this setup to get all of it.", file=sys.stderr)
 
 
-def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = True
-          ) -> torch.nn.Module:
+def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = True,
+          strict: bool = False) -> torch.nn.Module:
     """Patch `model` in place to run `table`'s plan in training; returns `model`.
 
     `replan`: on input shapes other than the profiled ones, trace the model at those shapes
     with fake tensors and plan for them (same planner, hardware and budget fraction), once per
-    shape; with False the profiled plan is used (and lines up where it can)."""
+    shape; with False the profiled plan is used (and lines up where it can). `strict`: refuse
+    (FingerprintMismatch) any call at shapes or on a device other than the profiled ones."""
     inner = _unwrap(model)
     if inner is not model:
-        patch(inner, meta, table, replan=replan)   # the wrapper calls it: it runs the plan
+        patch(inner, meta, table, replan=replan, strict=strict)   # the wrapper calls it
         return model
     if is_patched(model):
         raise _error("this model is already patched by slackswap",
                      "call slackswap's unpatch(model) first to patch it with another plan")
     had = "forward" in model.__dict__
     original = model.forward
-    state = _Patched(model, meta, table, original, had, replan=replan)
+    state = _Patched(model, meta, table, original, had, replan=replan, strict=strict)
 
     @functools.wraps(original)
     def forward(*args, **kwargs):

@@ -308,3 +308,15 @@ def test_verify_checks_the_in_place_patch_too(files, tmp_path):
     assert ip["max_loss_rel_diff"] == 0 and ip["max_grad_rel_diff"] == 0
     assert ip["ops_lined_up"] == ip["profile_forward_ops"] - 3   # all but autograd's detaches
     assert ip["held_bytes_after_forward"] == r.patched_peak_bytes
+
+
+def test_strict_refuses_other_shapes(files, tmp_path):
+    from slackswap_cli.errors import FingerprintMismatch
+    from slackswap_cli.trace.workload import load_workload as load
+    mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.4)
+    work = load(str(files["tiny_gpt"]), args={"batch": 3})
+    model = mod.patch(work.model, strict=True)
+    with pytest.raises(FingerprintMismatch, match="3x32, 3x32 on cpu"):
+        model(*work.inputs)
+    model.eval()
+    model(*work.inputs)                        # evaluation never needs the plan
