@@ -227,7 +227,6 @@ class PlanRun:
         self.unmatched += 1
         return None
 
-    # module paths, as the profile's trace attributes ops (the innermost module running)
     # Which module runs, as the profile's trace attributes ops (the innermost module), and
     # whether in its forward body or in its hooks: a global pre-hook (called before every
     # module's own pre-hooks) enters a module's hooks; our own pre-hook, kept last in each
