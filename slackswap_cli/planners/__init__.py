@@ -13,26 +13,19 @@ numbers. Planners never print; they explain themselves in `notes`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Union
 
 from ..errors import InputError
 from ..hardware import HardwareSpec
 from ..schema import Decision, Plan, Profile
+from . import baselines, optimal, slackswap
+from .common import PlannerOutput
 
 if TYPE_CHECKING:
     from ..simulate import SimResult
 
 
-@dataclass
-class PlannerOutput:
-    decisions: list[Decision]
-    notes: tuple[str, ...] = ()
-
-
 PlannerFn = Callable[[Profile, HardwareSpec, int], Union[list[Decision], PlannerOutput]]
-
-from . import baselines, optimal, slackswap  # noqa: E402  (they import PlannerOutput)
 
 PLANNERS: dict[str, PlannerFn] = {
     "slackswap": slackswap.plan,

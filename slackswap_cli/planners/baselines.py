@@ -19,12 +19,11 @@ import numpy as np
 from ..hardware import HardwareSpec
 from ..schema import Decision, Profile
 from ..layers import op_layer_indices
-from .common import KEEP, RECOMPUTE, SWAP, State, build_chains, build_model, memory, \
-    recompute_until_fits
+from .common import (KEEP, RECOMPUTE, SWAP, PlannerOutput, State, build_chains, build_model,
+                     memory, recompute_until_fits)
 
 
 def recompute_only(profile: Profile, hw: HardwareSpec, budget_bytes: int):
-    from . import PlannerOutput
     m = build_model(profile, hw)
     state = State(m)
     mem, fits = recompute_until_fits(m, state, budget_bytes, m.live_keep.astype(np.int64))
@@ -41,7 +40,6 @@ def swap_all(profile: Profile, hw: HardwareSpec, budget_bytes: int):
 
 
 def checkpoint_layers(profile: Profile, hw: HardwareSpec, budget_bytes: int):
-    from . import PlannerOutput
     m = build_model(profile, hw)
     layers = op_layer_indices(profile)
     blocks = sorted({x for x in layers if x is not None})

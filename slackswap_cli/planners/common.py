@@ -56,6 +56,13 @@ INF = float("inf")
 
 
 @dataclass
+class PlannerOutput:
+    """What a planner returns: a decision per candidate, and notes for the user."""
+    decisions: list[Decision]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
 class Model:
     """Static arrays of one profile on one hardware (see the module docstring)."""
     prof: Profile

@@ -45,8 +45,8 @@ import numpy as np
 from ..hardware import HardwareSpec
 from ..schema import Profile
 from .bound import run_quietly, sound_bound
-from .common import KEEP, RECOMPUTE, SWAP, Model, State, build_chains, build_model, memory, \
-    recompute_until_fits
+from .common import KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, State, build_chains, build_model, \
+    memory, recompute_until_fits
 
 DEFAULT_TIME_LIMIT_S = 60.0
 PREFETCH_MARGIN = 0.10
@@ -313,7 +313,6 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     the search (the notes say which). Profiles with more than `untie_limit` candidates tie identical blocks into
     `groups` groups (see the module docstring).
     """
-    from . import PlannerOutput
     from .slackswap import plan as slackswap_plan, prefetch_points
     t0 = time.perf_counter()
     deadline = t0 + float(time_limit_s)

@@ -33,7 +33,7 @@ import numpy as np
 from ..hardware import HardwareSpec
 from ..schema import Profile
 from ..units import fmt_us
-from .common import (KEEP, RECOMPUTE, SWAP, Model, SlackLedger, State, build_model,
+from .common import (KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, SlackLedger, State, build_model,
                      copy_schedule, memory, recompute_until_fits)
 
 PREFETCH_MARGIN = 0.10   # issue prefetches 10% of their copy time ahead of the just-in-time point
@@ -297,7 +297,6 @@ REPAIRS = ((1.05, False), (1.0, False), (0.97, False), (0.97, True), (0.85, Fals
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
     """The `slackswap` planner: (profile, hardware, budget) -> decisions and notes."""
     from ..simulate import simulate
-    from . import PlannerOutput
     m = build_model(profile, hw)
     ideal = m.ideal_us
     best = None
