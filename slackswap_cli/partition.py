@@ -41,15 +41,11 @@ import torch.fx as fx
 from .chains import ACTION_CODES, Layout, lay_out
 from .chains import tables as chain_tables
 from .errors import InputError
+from .trace.aten import aliases_input, returns_view, written_positions
 from .schema import Action, Plan, Profile
 
 RESERVED = {"torch", "aten", "rt", "_s", "_device", "None", "float"}
 
-# Ops that update BatchNorm running statistics in place without declaring it in their schema:
-# target packet name -> positions of the mutated arguments.
-_HIDDEN_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4),
-                  "miopen_batch_norm": (3, 4), "_native_batch_norm_legit": (3, 4),
-                  "_batch_norm_with_update": (3, 4)}
 
 
 class PlanApplyError(InputError):
@@ -145,27 +141,10 @@ def written_args(node: fx.Node) -> list[int]:
     return written_positions(node.target, node.args, lambda a: isinstance(a, fx.Node))
 
 
-def written_positions(target, args, is_tensor) -> list[int]:
-    """`written_args` for any call: `args` as the op gets them, `is_tensor(arg)` telling which
-    are tensors (graph nodes in a graph, tensors in a recorded eager call)."""
-    schema = getattr(target, "_schema", None)
-    out = []
-    if schema is not None:
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write and i < len(args):
-                out.append(i)
-    packet = getattr(getattr(target, "overloadpacket", None), "__name__", "")
-    if packet in _HIDDEN_WRITES:
-        training = args[5] if len(args) > 5 else True
-        if training:
-            out += [i for i in _HIDDEN_WRITES[packet] if i < len(args) and is_tensor(args[i])]
-    return out
-
-
 def is_inplace(node: fx.Node) -> bool:
     """An op whose result is its first argument, written in place (`relu_`, `bernoulli_`)."""
     return (isinstance(node.target, torch._ops.OpOverload) and 0 in written_args(node)
-            and node.target._schema.returns and node.target._schema.returns[0].alias_info is not None)
+            and aliases_input(node.target))
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,9 +321,7 @@ def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan:
 def _is_view(n: fx.Node) -> bool:
     if not isinstance(n.target, torch._ops.OpOverload):
         return n.target is operator.getitem
-    rets = n.target._schema.returns
-    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write \
-        or n.target.overloadpacket.__name__ in ("_unsafe_view", "_reshape_alias")
+    return returns_view(n.target)
 
 
 def _define(n: fx.Node, g: _Graph, device_type: str, clone_args: tuple[int, ...] = ()) -> Stmt:

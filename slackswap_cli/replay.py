@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import runtime as rt
-from .partition import written_positions
+from .trace.aten import aliases_input, writes_first, written_positions, written_returns
 
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
 
@@ -52,31 +52,6 @@ _STATE = threading.local()
 def _is_random(rec: "_Record") -> bool:
     from .trace.costs import is_random_call
     return is_random_call(rec.func, rec.args, rec.kwargs)
-
-
-def _aliases_input(func) -> bool:
-    """A view or in-place op: its first output shares an input's storage (as the profile
-    counts aliases: the schema's, plus the views it does not declare)."""
-    from .trace.graph_profile import UNDECLARED_VIEWS
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    return (schema.returns[0].alias_info is not None
-            or func.overloadpacket.__name__ in UNDECLARED_VIEWS)
-
-
-@functools.lru_cache(maxsize=None)
-def _written_returns(func) -> frozenset:
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return frozenset()
-    return frozenset(j for j, r in enumerate(schema.returns)
-                     if r.alias_info is not None and r.alias_info.is_write)
-
-
-def _writes_first(func) -> bool:
-    info = func._schema.returns[0].alias_info
-    return info is not None and info.is_write
 
 
 class _Ref:
@@ -152,7 +127,7 @@ class PlanRun:
         outs = [weakref.ref(x) if isinstance(x, torch.Tensor) else None for x in leaves]
         # an in-place op's output has its version bumped after this mode returns (by the
         # ADInplaceOrView kernel above it): record the version it will have
-        bump = _written_returns(func)
+        bump = written_returns(func)
         versions = [x._version + (j in bump) if isinstance(x, torch.Tensor) else 0
                     for j, x in enumerate(leaves)]
         in_locs = []
@@ -328,7 +303,7 @@ class PlanRun:
         if tid is None:
             return False
         rec = self.records[loc[0]]
-        if not _aliases_input(rec.func):
+        if not aliases_input(rec.func):
             return True
         src = rec.args[0] if rec.args else None
         if not isinstance(src, _Ref):
@@ -475,8 +450,8 @@ class PlanRun:
         if tid is not None and tid in self.metas and tid in self.root_swap:
             out = local[loc] = _view_of(self.root_swap[tid].fetch(), *self.metas[tid])
             return out
-        if _aliases_input(rec.func):
-            if _writes_first(rec.func):
+        if aliases_input(rec.func):
+            if writes_first(rec.func):
                 src = rec.args[0]      # in place: its effect is already in the data
                 out = self._resolve((src.rec, src.out), local)
             else:
@@ -567,7 +542,7 @@ class _Recorder(TorchDispatchMode):
         if run.recording:
             if run.in_body():
                 run.record(func, args, kwargs, out)
-            elif _aliases_input(func) and args and isinstance(args[0], torch.Tensor) \
+            elif aliases_input(func) and args and isinstance(args[0], torch.Tensor) \
                     and args[0] in run.where:
                 run.record(func, args, kwargs, out, alias=True)   # a hook's view of a value
         return out

@@ -49,11 +49,10 @@ import torch.utils._pytree as pytree
 from ..errors import InputError
 from ..profile_build import ProfileBuilder
 from ..schema import Profile
+from .aten import UNDECLARED_VIEWS
 from .costs import is_random_op, node_flops, storage_nbytes, tensor_nbytes
 from .joint import JointGraph
 
-# Views the schema does not declare as aliasing (autograd-invisible views), by overload packet.
-UNDECLARED_VIEWS = {"_unsafe_view", "_reshape_alias", "_reshape_copy_alias"}
 # Ops that allocate without writing a byte (their roofline cost is zero).
 ALLOCATING_ONLY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                    "empty_permuted"}

@@ -1,0 +1,78 @@
+"""What slackswap needs to know about aten ops' aliasing and writes: one place, used by the
+profile (`graph_profile`), the written-out step (`partition`) and the in-place patch (`replay`).
+
+- a *view* returns an alias of its input without writing it: the schema says so
+  (`view`, `t`, `split`, `detach`, ...), or it is one of the views the schema does not declare
+  (`UNDECLARED_VIEWS`);
+- an *in-place* op writes an argument and returns it (`relu_`, `bernoulli_`): the schema's
+  `a!`; BatchNorm in training also writes its running statistics without declaring it
+  (`HIDDEN_WRITES`), which a re-run must send to a throwaway copy.
+"""
+from __future__ import annotations
+
+import functools
+
+# Views the schema does not declare as aliasing (autograd-invisible views), by overload packet.
+UNDECLARED_VIEWS = {"_unsafe_view", "_reshape_alias", "_reshape_copy_alias"}
+# Ops that update BatchNorm running statistics in place without declaring it in their schema:
+# overload packet name -> positions of the mutated arguments.
+HIDDEN_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4),
+                 "miopen_batch_norm": (3, 4), "_native_batch_norm_legit": (3, 4),
+                 "_batch_norm_with_update": (3, 4)}
+
+
+def packet_name(target) -> str:
+    packet = getattr(target, "overloadpacket", None)
+    return packet.__name__ if packet is not None else ""
+
+
+def _first_return_alias(target):
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return None
+    return schema.returns[0].alias_info
+
+
+def returns_view(target) -> bool:
+    """The op's first result is a view of an input (declared or not), not an in-place write."""
+    info = _first_return_alias(target)
+    return (info is not None and not info.is_write) or packet_name(target) in UNDECLARED_VIEWS
+
+
+def writes_first(target) -> bool:
+    """The op writes an argument in place and returns it."""
+    info = _first_return_alias(target)
+    return info is not None and info.is_write
+
+
+def aliases_input(target) -> bool:
+    """A view or an in-place op: its first result shares an input's storage."""
+    return _first_return_alias(target) is not None or packet_name(target) in UNDECLARED_VIEWS
+
+
+@functools.lru_cache(maxsize=None)
+def written_returns(target) -> frozenset:
+    """Positions of results that are arguments written in place."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return frozenset()
+    return frozenset(j for j, r in enumerate(schema.returns)
+                     if r.alias_info is not None and r.alias_info.is_write)
+
+
+def written_positions(target, args, is_tensor) -> list[int]:
+    """Positions of the arguments a call writes in place (schema `a!`, plus BatchNorm's hidden
+    writes in training): `args` as the op gets them, `is_tensor(arg)` telling which are
+    tensors (graph nodes in a graph, tensors in a recorded eager call)."""
+    schema = getattr(target, "_schema", None)
+    out = []
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write and i < len(args):
+                out.append(i)
+    packet = packet_name(target)
+    if packet in HIDDEN_WRITES:
+        training = args[5] if len(args) > 5 else True
+        if training:
+            out += [i for i in HIDDEN_WRITES[packet] if i < len(args) and is_tensor(args[i])]
+    return out
