@@ -130,14 +130,19 @@ def transformer_profile(arch: str = "gpt2", layers: int = 4, hidden: int = 256, 
         att_flops = 4 * batch * seq * seq * hidden * causal
         op(f"attn_{li}", "aten._scaled_dot_product_flash_attention.default", "forward", att_in,
            (o, lse), f"{mod}.attn", att_flops)
+        def drop(k: int, src: int, where: str, li: int = li):
+            """Dropout `k` of layer `li` (output, mask), or `src` itself without dropout."""
+            if not dropout:
+                return src, None
+            out = act(f"drop{k}_{li}", hidden, rec=False)
+            m = act(f"mask{k}_{li}", hidden, "bool", rec=False)
+            op(f"drop{k}_{li}", "aten.native_dropout.default", "forward", (src,), (out, m), where)
+            return out, m
+
         pr = act(f"proj_{li}", hidden)
         op(f"proj_{li}", "aten.addmm.default", "forward", (o, w["wo"]), (pr,), f"{mod}.attn.c_proj",
            2 * n_tok * hidden * hidden, hidden * hidden * bf)
-        if dropout:
-            pd, mask = act(f"drop1_{li}", hidden, rec=False), act(f"mask1_{li}", hidden, "bool", rec=False)
-            op(f"drop1_{li}", "aten.native_dropout.default", "forward", (pr,), (pd, mask), f"{mod}.attn.dropout")
-        else:
-            pd, mask = pr, None
+        pd, mask = drop(1, pr, f"{mod}.attn.dropout")
         x2 = act(f"res1_{li}", hidden)
         op(f"res1_{li}", "aten.add.Tensor", "forward", (x, pd), (x2,), mod)
         h2, mu2, rs2 = act(f"ln2_{li}", hidden), act(f"mu2_{li}", 1, "float32"), act(f"rs2_{li}", 1, "float32")
@@ -157,11 +162,7 @@ def transformer_profile(arch: str = "gpt2", layers: int = 4, hidden: int = 256, 
         v = act(f"fc2_{li}", hidden)
         op(f"fc2_{li}", "aten.addmm.default", "forward", (g, w["w2"]), (v,), f"{mod}.mlp.c_proj",
            2 * n_tok * hidden * ffn, hidden * ffn * bf)
-        if dropout:
-            vd, mask2 = act(f"drop2_{li}", hidden, rec=False), act(f"mask2_{li}", hidden, "bool", rec=False)
-            op(f"drop2_{li}", "aten.native_dropout.default", "forward", (v,), (vd, mask2), f"{mod}.mlp.dropout")
-        else:
-            vd, mask2 = v, None
+        vd, mask2 = drop(2, v, f"{mod}.mlp.dropout")
         x3 = act(f"res2_{li}", hidden)
         op(f"res2_{li}", "aten.add.Tensor", "forward", (x2, vd), (x3,), mod)
         saved_per_layer.append(dict(mod=mod, w=w, x=x, h1=h1, mu1=mu1, rs1=rs1, qkv=qkv,
