@@ -30,6 +30,18 @@ from .units import fmt_bytes, fmt_us  # noqa: F401 - re-exported for the views' 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
 
 
+def _bar_cell(level: float, over: bool, on_budget_row: bool) -> tuple[str, str | None]:
+    """(character, style) of one chart cell: a full or partial bar (`level` of the cell
+    filled; red over the budget), the budget line, or blank."""
+    if level >= 1:
+        return "█", "red" if over else "cyan"
+    if level > 0:
+        return _BLOCKS[max(1, int(level * 8))], "red" if over else "cyan"
+    if on_budget_row:
+        return "─", "yellow"
+    return " ", None
+
+
 # --------------------------------------------------------------------------------------------
 # formatting
 # --------------------------------------------------------------------------------------------
@@ -287,15 +299,8 @@ def memory_chart(memory: Sequence[tuple[float, int]], budget_bytes: int | None,
         text.append("│", style="dim")
         for v in cols:
             level = v / scale * height - row       # how much of this cell the bar fills
-            over = budget_bytes is not None and v > budget_bytes
-            if level >= 1:
-                text.append("█", style="red" if over else "cyan")
-            elif level > 0:
-                text.append(_BLOCKS[max(1, int(level * 8))], style="red" if over else "cyan")
-            elif row == budget_row:
-                text.append("─", style="yellow")
-            else:
-                text.append(" ")
+            text.append(*_bar_cell(level, budget_bytes is not None and v > budget_bytes,
+                                   row == budget_row))
         text.append("\n")
     axis = ["─"] * width
     bwd_col = None
@@ -702,14 +707,8 @@ def two_curve_chart(measured: Sequence[int], predicted: Sequence[int | None],
             over = budget_bytes is not None and m > budget_bytes * 1.05
             if prow == row:
                 text.append("•", style="bold magenta")
-            elif level >= 1:
-                text.append("█", style="red" if over else "cyan")
-            elif level > 0:
-                text.append(_BLOCKS[max(1, int(level * 8))], style="red" if over else "cyan")
-            elif row == budget_row:
-                text.append("─", style="yellow")
             else:
-                text.append(" ")
+                text.append(*_bar_cell(level, over, row == budget_row))
         text.append("\n")
     text.append(" " * lw + " └" + "─" * width + "\n", style="dim")
     text.append(" " * (lw + 2) + "op 1" + f"op {n}".rjust(width - 4), style="dim")
