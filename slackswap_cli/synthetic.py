@@ -182,11 +182,16 @@ def transformer_profile(arch: str = "gpt2", layers: int = 4, hidden: int = 256, 
         def gw(nm):
             return b.add_tensor(f"{nm}_grad{li}", "gradient", (1,), "bfloat16",
                                 size_bytes=b.tensors[w[nm]].size_bytes)
-        if dropout:
-            gv = act(f"gdrop2_{li}", hidden)
-            op(f"gdrop2_{li}", "aten.native_dropout_backward.default", "backward", (gx, s["mask2"]), (gv,), f"{mod}.mlp.dropout")
-        else:
-            gv = gx
+        def gdrop(k: int, grad: int, mask, where: str, li: int = li):
+            """Backward of dropout `k` of layer `li`, or `grad` itself without dropout."""
+            if not dropout:
+                return grad
+            out = act(f"gdrop{k}_{li}", hidden)
+            op(f"gdrop{k}_{li}", "aten.native_dropout_backward.default", "backward",
+               (grad, mask), (out,), where)
+            return out
+
+        gv = gdrop(2, gx, s["mask2"], f"{mod}.mlp.dropout")
         gg = act(f"gfc2_{li}", ffn)
         op(f"gfc2_{li}", "aten.mm.default", "backward", (gv, s["g"]), (gg, gw("w2")), f"{mod}.mlp.c_proj",
            4 * n_tok * hidden * ffn, hidden * ffn * bf)
@@ -199,11 +204,7 @@ def transformer_profile(arch: str = "gpt2", layers: int = 4, hidden: int = 256, 
         gx2 = act(f"gln2_{li}", hidden)
         op(f"gln2_{li}", "aten.native_layer_norm_backward.default", "backward",
            (gh2, gx, s["x2"], s["mu2"], s["rs2"]), (gx2,), f"{mod}.ln_2")
-        if dropout:
-            gp = act(f"gdrop1_{li}", hidden)
-            op(f"gdrop1_{li}", "aten.native_dropout_backward.default", "backward", (gx2, s["mask"]), (gp,), f"{mod}.attn.dropout")
-        else:
-            gp = gx2
+        gp = gdrop(1, gx2, s["mask"], f"{mod}.attn.dropout")
         go = act(f"gproj_{li}", hidden)
         op(f"gproj_{li}", "aten.mm.default", "backward", (gp, s["o"]), (go, gw("wo")), f"{mod}.attn.c_proj",
            4 * n_tok * hidden * hidden, hidden * hidden * bf)
