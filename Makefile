@@ -40,6 +40,7 @@ samples: install
 bench: install
 	$(PY) benchmarks/profile_speed.py
 	$(PY) benchmarks/simulate_speed.py
+	$(PY) benchmarks/plan_speed.py
 	$(PY) benchmarks/paper_table.py
 
 clean:
