@@ -1,32 +1,39 @@
 """Patch a model in place: the plan runs inside the model's own forward and autograd's backward.
 
-`patch(model, table)` replaces `model.forward` (an instance attribute, so `unpatch` restores
-the class's) with a wrapper. In eval mode or with grad disabled the wrapper calls the original
-forward and does nothing else. In training it runs the original forward under two things:
+`patch(model, meta, table)` replaces `model.forward` (an instance attribute, so `unpatch`
+restores the class's) with a wrapper. In eval mode or with grad disabled the wrapper calls the
+original forward and does nothing else. In training it runs the original forward under two
+things:
 
-- **a recorder** (a `TorchDispatchMode`): every aten op the forward runs is recorded (its
-  function, its arguments with produced tensors replaced by references, weak references to its
-  outputs) and aligned with the profile's forward ops (`table["ops"]`, from
-  `chains.runtime_table`): an op matches the next expected op with the same target and output
-  shape, looking a bounded window ahead, so ops the profile does not have (a mask built another
-  way in eager, a wrapper's own ops) are simply left unplanned;
+- **a recorder** (a `TorchDispatchMode`): every aten op the model's forward bodies run is
+  recorded (its function, its arguments with produced tensors replaced by references, weak
+  references to its outputs and their versions) and aligned with the profile's forward ops
+  (`table["ops"]`, from `chains.runtime_table`): an op matches the next expected op, within a
+  bounded window, with the same target, first output shape and module path that reads
+  activations when the profile's does and no profile value it does not. Ops in module hooks
+  (FSDP2's unshard and reshard, a wrapper's casts) are not recorded, except a hook's view of a
+  recorded value; ops the profile does not have (a mask built another way in eager) stay
+  unplanned.
 - **saved-tensor hooks**: when autograd saves a tensor for backward, the plan's action for its
   storage root decides what autograd holds instead. *keep*: the tensor. *swap*: a handle to a
-  host copy of the root's whole storage (`runtime.offload`, on a side stream on CUDA), brought
-  back once (`runtime.prefetch`/`wait`) and shared by every view saved of it; copies back are
-  issued ahead of need as backward progresses (the plan's prefetch points). *recompute*: a
-  reference; on first use in backward the root's chain (`table["chains"]`, which is
-  `chains.lay_out`'s: the simulator's) is replayed from the recorded ops, and the roots it
-  makes stay until autograd has taken them.
+  host copy of the tensor's whole storage (`runtime.offload`, on a side stream on CUDA), one
+  per storage, brought back once (`runtime.prefetch`/`wait`) and shared by every view saved of
+  it; copies back are issued ahead of need as backward progresses (the plan's prefetch
+  points). A root that an in-place op still has to write is kept, not copied. *recompute*: a
+  reference; on first use in backward the ops the root needs of its chain (`table["chains"]`,
+  `chains.lay_out`'s: the simulator's) are replayed from the records, chains laid out earlier
+  first, and the roots they make stay until autograd and later chains have taken them.
 
-Correctness never depends on the alignment being right: a chain replays the very functions
-and arguments the forward ran, on the same values (kept tensors are held, swapped ones come
-back bit for bit, views are re-derived), under `no_grad` with autocast off (the recorded ops
-already carry every cast). A chain is only used when every op in it was matched and reads the
-roots the profile says it reads; otherwise its tensors are kept as eager autograd keeps them.
-Random ops are never replayed, and neither is an op whose input was written in place since.
+Correctness never depends on the alignment being right: a replay runs the very functions and
+arguments the forward ran, on the same values (kept tensors are held, swapped ones come back
+bit for bit, views are re-derived), under `no_grad` with autocast off (the recorded ops already
+carry every cast), with side-effect writes (BatchNorm statistics) sent to copies. A root is
+recomputed only when every op it depends on was matched, reads the roots the profile says and
+is not random; otherwise it is kept as eager autograd keeps it.
 
-Memory follows the plan only as far as the alignment holds; `verify` measures it.
+Each input signature (device type, shapes and dtypes) gets its own plan: the profiled one, or
+one made on the fly (`trace/replan.py`), or, with `strict`, a refusal. Memory follows the plan
+as far as the alignment holds; `verify` measures it.
 """
 from __future__ import annotations
 
