@@ -269,11 +269,12 @@ class PlanRun:
                 self.pinned.pop(r, None)      # the host copy serves a chain that reads it
             sw.packs += 1
             self.packs[r] = self.packs.get(r, 0) + 1
-            return ("swap", r, sw, x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+            return [False, "swap", r, sw, x.dtype, tuple(x.shape), tuple(x.stride()),
+                    x.storage_offset()]
         if act == "recompute" and self._usable(r):
             self.packs[r] = self.packs.get(r, 0) + 1
             self.deferred.setdefault(self.table["made_by"][r], set()).add(r)
-            return ("recompute", r, loc)
+            return [False, "recompute", r, loc]
         self.kept_refs.append(weakref.ref(x))
         return x
 
@@ -344,20 +345,28 @@ class PlanRun:
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        kind, r = packed[0], packed[1]
+        if packed[0]:
+            from .errors import InputError
+            raise InputError("a second backward through a step whose saved tensors slackswap "
+                             "swapped or recomputed: they were handed to the first one "
+                             "(backward(retain_graph=True) twice, or double backward)",
+                             hint="run one backward per forward, or unpatch(model) for this "
+                                  "step")
+        packed[0] = True                      # a saved tensor is handed out once
+        kind, r = packed[1], packed[2]
         first = self.table["bwd_use"].get(r)
         if first is not None and first > self.progress:
             self.progress = first
         self._issue_prefetches()
         if kind == "swap":
-            _, _, sw, dtype, shape, stride, offset = packed
+            _, _, _, sw, dtype, shape, stride, offset = packed
             out = _view_of(sw.fetch(), dtype, shape, stride, offset)
             sw.packs -= 1
             if sw.packs <= 0 and self.chain_uses.get(r, 0) <= 0:
                 sw.dev = None                 # autograd holds what it took
 
         else:
-            _, _, loc = packed
+            _, _, _, loc = packed
             owner = self.table["made_by"][r]
             if owner not in self.done_chains:
                 # autograd unpacks a node's saved tensors in its own order: chains laid out

@@ -320,3 +320,14 @@ def test_strict_refuses_other_shapes(files, tmp_path):
         model(*work.inputs)
     model.eval()
     model(*work.inputs)                        # evaluation never needs the plan
+
+
+def test_a_second_backward_is_a_clear_error_not_wrong_gradients(files, tmp_path):
+    mod, plan = patched_module(tmp_path, files, "tiny_gpt", 0.4)
+    assert any(d.action != "keep" for d in plan.decisions)
+    work = load_workload(str(files["tiny_gpt"]))
+    model = mod.patch(work.model)
+    loss = model(*work.inputs)
+    loss.backward(retain_graph=True)
+    with pytest.raises(InputError, match="second backward"):
+        loss.backward()
