@@ -197,6 +197,14 @@ class Layout:
         return {k: tuple(v) for k, v in out.items()}
 
 
+def action_codes(tab: Tables, decisions) -> list[int]:
+    """One action code per tensor for a plan's (already checked) decisions."""
+    action = list(tab.default_action)
+    for d in decisions:
+        action[d.tensor] = ACTION_CODES[d.action]
+    return action
+
+
 def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
     """Lay out the compute tasks of `action` (one code per tensor, see `ACTION_CODES`)."""
     nf, n_ops = tab.n_fwd, tab.n_ops
@@ -367,12 +375,9 @@ def runtime_table(prof, decisions) -> dict:
     - `prefetch_at`: swapped root -> the backward op from which its copy back may be issued.
     """
     tab = tables(prof)
-    action = list(tab.default_action)
-    pin_at: dict[int, int] = {}
-    for d in decisions:
-        action[d.tensor] = ACTION_CODES[d.action]
-        if d.action == Action.SWAP and d.prefetch_at is not None:
-            pin_at[d.tensor] = d.prefetch_at
+    action = action_codes(tab, decisions)
+    pin_at = {d.tensor: d.prefetch_at for d in decisions
+              if d.action == Action.SWAP and d.prefetch_at is not None}
     lay = lay_out(prof, tab, action)
     nf = tab.n_fwd
     chains = lay.chains(nf)

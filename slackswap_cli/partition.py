@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .chains import ACTION_CODES, Layout, lay_out
+from .chains import Layout, action_codes, lay_out
 from .chains import tables as chain_tables
 from .errors import InputError
 from .trace.aten import aliases_input, returns_view, written_positions
@@ -357,10 +357,7 @@ def _constant(gm: fx.GraphModule, target: str, name: str) -> str:
 def _layout(profile: Profile, plan: Plan) -> Layout:
     """The plan's compute layout (`chains.lay_out`): the backward the simulator ran."""
     tab = chain_tables(profile)
-    action = list(tab.default_action)
-    for d in plan.decisions:
-        action[d.tensor] = ACTION_CODES[d.action]
-    return lay_out(profile, tab, action)
+    return lay_out(profile, tab, action_codes(tab, plan.decisions))
 
 
 class _BackwardEmitter:
@@ -389,6 +386,9 @@ class _BackwardEmitter:
         for r, t in lay.made:
             made.setdefault(lay.task_owner[t], set()).add(r)
         self._made = made
+        # roots of the values taken from the store: they outlive any chain that reads them
+        self._kept_roots = {g.profile.root(t) for t in (g.tid.get(n) for n in kept)
+                            if t is not None}
 
     def chain(self, owner: int, ops: tuple[int, ...]) -> None:
         g = self.g
@@ -419,7 +419,7 @@ class _BackwardEmitter:
             for r in out_roots & made:
                 self.recomputed_roots.add(g.profile.tensors[r].name)
         # the chain's temporaries die with it (the layout frees them): forget their names
-        stay = made | {g.profile.root(t) for t in (g.tid.get(n) for n in self.kept) if t is not None}
+        stay = made | self._kept_roots
         for name in self._chain_defs:
             r = g.root_tid(g.by_name[name])
             if r is None or r not in stay:

@@ -424,6 +424,7 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
     mod.patch(work.model)
     opts = [torch.optim.SGD(w.model.parameters(), lr=1e-3) for w in models]
     max_loss = max_grad = 0.0
+    held = 0
     for k in range(steps):
         losses, grads = [], []
         for w, opt in zip(models, opts):
@@ -432,6 +433,8 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
             torch.manual_seed(seed + 1 + k)
             a, kw = split_inputs(w.inputs)
             loss = loss_from_output(w.model(*a, **kw), w.inputs, w.loss_fn)
+            if w is work:      # what the step holds for backward, measured before it runs
+                held = work.model.forward.__slackswap__.last_run.held_device_bytes()
             loss.backward()
             losses.append(loss.detach())
             grads.append({n: p.grad for n, p in w.model.named_parameters()})
@@ -447,19 +450,8 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
     return {"max_loss_rel_diff": max_loss, "max_grad_rel_diff": max_grad,
             "ops_lined_up": len(run.rec_of_op), "profile_forward_ops": len(run.table["ops"]),
             "ops_rerun": run.rerun_ops, "roots_swapped": len(run.metas),
-            "held_bytes_after_forward": _held_after_forward(work, run),
+            "held_bytes_after_forward": held,
             "reasons": reasons}
-
-
-def _held_after_forward(work, run) -> int:
-    """Bytes the last in-place step held for backward right after its forward (re-measured
-    on one more forward, then dropped)."""
-    from .trace.joint import loss_from_output, split_inputs
-    a, kw = split_inputs(work.inputs)
-    loss = loss_from_output(work.model(*a, **kw), work.inputs, work.loss_fn)
-    held = work.model.forward.__slackswap__.last_run.held_device_bytes()
-    del loss
-    return int(held)
 
 
 def _warmup(model, run) -> None:
