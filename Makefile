@@ -36,6 +36,7 @@ samples: install
 	$(VENV)/bin/slackswap profile examples/bert_large.py --device fake --hardware a100-pcie4 -o sample_profiles/bert-large.json
 	$(VENV)/bin/slackswap profile examples/gpt2_xl.py --device fake --hardware a100-pcie4 -o sample_profiles/gpt2-xl.json
 	$(VENV)/bin/slackswap profile examples/llama_7b.py --device fake --hardware a100-pcie4 -o sample_profiles/llama-7b.json
+	$(VENV)/bin/slackswap profile examples/resnet50.py --device fake --hardware a100-pcie4 -o sample_profiles/resnet50.json
 
 bench: install
 	$(PY) benchmarks/profile_speed.py

@@ -35,7 +35,7 @@ from slackswap_cli.profile_build import recost  # noqa: E402
 from slackswap_cli.schema import dumps, load_profile, write_atomic  # noqa: E402
 
 SAMPLES = ["sample_profiles/bert-large.json", "sample_profiles/gpt2-xl.json",
-           "sample_profiles/llama-7b.json"]
+           "sample_profiles/llama-7b.json", "sample_profiles/resnet50.json"]
 
 
 def run_case(prof, hw, fraction: float, optimal_s: float, search_s: float,

@@ -1,6 +1,6 @@
 """Reproduce the reference paper's table: retention of every planner on the sample profiles.
 
-For each profile (default: sample_profiles/bert-large.json, gpt2-xl.json, llama-7b.json) this
+For each profile (default: sample_profiles/bert-large.json, gpt2-xl.json, llama-7b.json, resnet50.json) this
 plans the step with every registered planner at budgets 0.3, 0.5 and 0.7 of the keep-all
 activation peak on `a100-pcie4` (the published figures are at 0.5), computes the sound bound
 (`slackswap_cli/planners/bound.py`: no plan the simulator accepts has a higher retention), then
@@ -37,7 +37,7 @@ from slackswap_cli.synthetic import SYNTHETIC_SHAPES, synthetic_sample  # noqa: 
 # Published retention at half the activation peak, A100 + PCIe 4.0 (docs/design.md §1).
 PUBLISHED = {"bert-large": 0.963, "gpt2-xl": 0.976, "llama-7b": 0.996}
 SAMPLES = ["sample_profiles/bert-large.json", "sample_profiles/gpt2-xl.json",
-           "sample_profiles/llama-7b.json"]
+           "sample_profiles/llama-7b.json", "sample_profiles/resnet50.json"]
 SWEEP = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 
 # --------------------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ recompute ops (chain temporaries included); one `ScheduleEvent` per offload, pre
 recompute op. `events` and `memory` (the timeline) are filled only with `record=True`.
 
 **Static helpers.** `budget_floor_bytes` (no plan fits below it), `min_peak_bytes` (the least
-peak of one plan; the plan is feasible exactly when it fits the budget) and `recompute_chains`
+peak of one plan; the plan is feasible exactly when it fits the budget), `static_costs` (that
+peak and the plan's recompute time, the least overhead it can have) and `recompute_chains`
 (what each backward op re-runs) need no timing and cost one pass over the task sequence.
 
 **Speed.** Planners call `simulate` many times, so per-profile tables are cached on the
@@ -358,6 +359,27 @@ def min_peak_bytes(profile: schema.Profile, decisions) -> int:
     return max(_Program(profile, tab, action).req(), default=0)
 
 
+@dataclass(frozen=True)
+class StaticCosts:
+    """What one static pass says about a plan (no timing)."""
+    recompute_us: float        # time of every op its chains re-run
+    peak_bytes: int            # `min_peak_bytes`
+    forward_req: list          # least memory during each forward op (as `min_peak_bytes`)
+
+
+def static_costs(profile: schema.Profile, decisions) -> StaticCosts:
+    """`StaticCosts` of `decisions`. A stall-free simulation of the plan takes exactly
+    `ideal_us + recompute_us`; no simulation of it is faster."""
+    tab = _tables(profile)
+    action, _ = _parse_decisions(profile, tab, decisions)
+    prog = _Program(profile, tab, action)
+    time, nf = tab.time, tab.n_fwd
+    rec = sum(time[op] for op, owner in zip(prog.task_op[nf:], prog.task_owner[nf:])
+              if op != owner)
+    req = prog.req()
+    return StaticCosts(rec, max(req, default=0), req[:nf])
+
+
 def recompute_chains(profile: schema.Profile, decisions) -> dict[int, tuple[int, ...]]:
     """For each backward op preceded by recomputation: the ops re-run before it, in order.
 
@@ -411,6 +433,24 @@ class _CopyEngine:
         return x
 
 
+def _issue_point(task_owner: list[int], t: int, N: int, mid_task: bool) -> int:
+    """The backward op recorded as a prefetch's issue point (the schedule's `issue_op`, where
+    the patched module issues the copy: right before that op's recompute chain). Issued at the
+    start of an op's first task (or while compute waits there), that op; issued in the middle
+    of a task or of a chain, the next op. The module then issues it no earlier than the
+    simulator did (so it holds the copy's memory no longer than simulated), except where
+    compute waited at that op for memory or copies: it issues it when compute gets there."""
+    if t >= N:
+        return task_owner[-1]
+    owner = task_owner[t]
+    if not mid_task and (t == 0 or task_owner[t - 1] != owner):
+        return owner
+    k = t + 1
+    while k < N and task_owner[k] == owner:
+        k += 1
+    return task_owner[k] if k < N else owner
+
+
 def _prefetch_gates(prog: _Program, tab: Tables, prefetch_at: dict[int, int],
                     budget_bytes: int | None) -> tuple[list[int], list[int]]:
     """For each queued prefetch, the first compute task at which it may be issued: by memory
@@ -451,12 +491,16 @@ def _stall(cause: str, start: float, end: float, op: int) -> TimelineEvent:
 
 
 def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
-             budget_bytes: int | None = None, *, record: bool = True) -> SimResult:
+             budget_bytes: int | None = None, *, record: bool = True,
+             give_up_stall_us: float | None = None) -> SimResult | None:
     """Simulate one training step of `profile` under `decisions` on `hw`.
 
     `decisions`: a mapping tensor id -> "keep"|"swap"|"recompute", or Decision objects (which
     may carry `prefetch_at`); saved activations not mentioned are kept. `budget_bytes=None`
     means unlimited memory. With `record=False` the timeline (`events`, `memory`) is skipped.
+    With `give_up_stall_us` the simulation returns None as soon as compute has stalled longer
+    than that, or the plan turns out not to fit (for a search that only wants plans better
+    than one it has: stalls only add to the step).
     """
     if budget_bytes is not None and not budget_bytes >= 0:
         raise InputError(f"budget {budget_bytes!r} is not a non-negative number of bytes",
@@ -548,7 +592,7 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
             if (x in off_done and t >= earliest[qi] and t >= pa_task[qi]
                     and mem + s <= budget):
                 qi += 1
-                h_issue = task_owner[t] if t < N else task_owner[-1]
+                h_issue = _issue_point(task_owner, t, N, comp_busy and comp_start < now)
                 mem += s
                 if mem > peak:
                     peak = mem
@@ -576,6 +620,8 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
                     cause = LATE_PREFETCH
             if nxt == _INF:
                 # nothing in flight can free memory: the plan cannot fit
+                if give_up_stall_us is not None:
+                    return None
                 reason = _no_room(profile, prog, tab, t, mem, budget, arrived)
                 feasible = False
                 budget = _INF
@@ -592,6 +638,8 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
                 stall_mem += nxt - now
             else:
                 stall_late += nxt - now
+            if give_up_stall_us is not None and stall_mem + stall_late > give_up_stall_us:
+                return None
         now = nxt
         # -- completions -----------------------------------------------------------------------
         if h_end == now:

@@ -593,3 +593,44 @@ def test_layered_profiles_invariants(seed):
         assert r.feasible == (min_peak_bytes(p, acts) <= budget), r.reason
         unlimited = simulate(p, acts, HW, None, record=False)
         assert unlimited.feasible
+
+
+def test_prefetch_issue_point_is_never_before_the_simulated_issue():
+    # the schedule's issue_op is where the patched module issues the copy (right before that
+    # op's chain): compute reaches it no earlier than the simulator issued the copy, unless
+    # compute stalled right there (then the module issues it at the stall's start)
+    import random
+
+    from slackswap_cli.synthetic import random_profile
+    from tests.test_bound import _hw, _random_decisions
+    checked = moved = 0
+    for seed in range(80):
+        rng = random.Random(seed)
+        prof = random_profile(seed)
+        hw = _hw(rng)
+        budget = int(prof.summary["peak_activation_bytes"] * rng.uniform(0.5, 0.9))
+        try:
+            res = simulate(prof, _random_decisions(prof, rng), hw, budget, record=True)
+        except InputError:
+            continue
+        reach, first_start, stalled = {}, {}, set()
+        prev_end = 0.0
+        for e in res.events:
+            if e.engine != "compute":
+                continue
+            if e.kind == "stall":
+                stalled.add(e.op)
+                continue
+            owner = e.op if e.kind == "op" else int(e.cause.split()[2])
+            if owner not in reach:
+                reach[owner], first_start[owner] = prev_end, e.start_us
+            prev_end = e.end_us
+        for ev in res.schedule:
+            if ev.kind != "prefetch" or ev.issue_op < prof.n_forward:
+                continue
+            checked += 1
+            x = ev.issue_op
+            assert reach[x] >= ev.start_us - 1e-6 or (
+                x in stalled and ev.start_us <= first_start[x] + 1e-6), (seed, ev)
+            moved += reach[x] > ev.start_us + 1e-6
+    assert checked > 100 and moved > 5

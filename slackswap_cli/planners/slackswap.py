@@ -24,7 +24,8 @@ an offload still running when memory ran out) become recomputes and the greedy f
 costs; failing that, the plan is made again with prefetches pinned just in time and with less
 of the slack trusted. A plan without swaps is always tried as well (so slackswap never loses to
 recomputing alone), and when no plan fits, swapping everything (the least memory any plan
-needs); the best plan the simulator saw is returned.
+needs). The best plan the simulator saw is then polished (`polish`): moves of one or two
+decisions the simulator judges better, within a fixed allowance of work.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from ..schema import Profile
 from ..units import fmt_us
 from .common import (KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, SlackLedger, State, build_model,
                      copy_schedule, memory, recompute_until_fits)
+from .polish import polish
 
 PREFETCH_MARGIN = 0.10   # issue prefetches 10% of their copy time ahead of the just-in-time point
 UPGRADE_TRIES = 40       # recomputes the upgrade pass tries to turn into swaps
@@ -331,11 +333,15 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
         # every budget at or above the floor, compute waiting for copies where it must)
         consider(State(m, [SWAP] * len(m.cands)), True, "swap-all", False)
     _, state, decisions, fits, safety, pin, res = best
-    notes = [f"{sum(a == SWAP for a in state.actions)} swapped, "
-             f"{sum(a == RECOMPUTE for a in state.actions)} recomputed "
-             f"({fmt_us(state.recompute_us())} of recompute in the static model)"]
+    polished = polish(profile, hw, budget_bytes, decisions, res)
+    decisions = list(polished.decisions)
+    notes = [f"{sum(d.action == SWAP for d in decisions)} swapped, "
+             f"{sum(d.action == RECOMPUTE for d in decisions)} recomputed"
+             + ("" if polished.moves else
+                f" ({fmt_us(state.recompute_us())} of recompute in the static model)")]
     if safety == "swap-all":
-        notes.append("no other plan fitted in simulation: every saved activation swapped")
+        notes.append("no other plan fitted in simulation: every saved activation swapped"
+                     + (", then polished" if polished.moves else ""))
     elif safety is None:
         notes.append("recomputing alone beat every plan with swaps in simulation")
     elif getattr(state, "stall_fixed", 0):
@@ -344,6 +350,10 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
     elif safety != REPAIRS[0][0] or pin:
         notes.append(f"repaired after simulation: {100 * safety:.0f}% of the slack trusted"
                      + (", prefetches pinned just in time" if pin else ""))
+    if polished.moves:
+        gain = polished.result.predicted.retention - res.predicted.retention
+        notes.append(f"polished in simulation: {polished.moves} moves, "
+                     f"+{100 * gain:.2f} points of retention")
     if not fits:
         notes.append("the static model found no plan under the budget; best effort")
     return PlannerOutput(decisions, tuple(notes))

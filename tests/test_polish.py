@@ -1,0 +1,96 @@
+"""The polish pass of `slackswap` and the simulator helpers it stands on: `static_costs`
+(recompute time and least peak of a plan, no timing) and `simulate(give_up_stall_us=...)`."""
+import random
+
+from slackswap_cli.errors import InputError
+from slackswap_cli.planners import run_planner
+from slackswap_cli.planners.polish import polish
+from slackswap_cli.schema import Decision
+from slackswap_cli.simulate import min_peak_bytes, simulate, static_costs
+from slackswap_cli.synthetic import random_profile
+from tests.test_bound import _hw, _random_decisions
+
+
+def _instances(n: int):
+    for seed in range(n):
+        rng = random.Random(seed)
+        prof = random_profile(seed)
+        hw = _hw(rng)
+        peak = prof.summary["peak_activation_bytes"]
+        yield seed, rng, prof, hw, int(peak * rng.uniform(0.4, 0.9))
+
+
+def test_static_costs_agree_with_the_simulator_on_random_plans():
+    checked = stall_free = 0
+    for seed, rng, prof, hw, budget in _instances(60):
+        for _ in range(5):
+            dec = _random_decisions(prof, rng)
+            try:
+                sc = static_costs(prof, dec)
+            except InputError:
+                continue
+            res = simulate(prof, dec, hw, None, record=False)
+            checked += 1
+            assert abs(sc.recompute_us - res.predicted.recompute_us) <= 1e-6 * res.predicted.ideal_us
+            assert sc.peak_bytes == min_peak_bytes(prof, dec)
+            assert max(sc.forward_req, default=0) <= sc.peak_bytes
+            assert len(sc.forward_req) == prof.n_forward
+            if res.predicted.stall_us == 0:
+                stall_free += 1
+                assert abs(res.predicted.step_us - res.predicted.ideal_us - sc.recompute_us) \
+                    <= 1e-6 * res.predicted.ideal_us
+    assert checked > 200 and stall_free > 50
+
+
+def test_give_up_stall_returns_none_exactly_when_the_plan_stalls_longer_or_does_not_fit():
+    gave_up = kept = 0
+    for seed, rng, prof, hw, budget in _instances(60):
+        dec = _random_decisions(prof, rng)
+        try:
+            full = simulate(prof, dec, hw, budget, record=False)
+        except InputError:
+            continue
+        limit = rng.choice([0.0, 10.0, 100.0, 1000.0])
+        res = simulate(prof, dec, hw, budget, record=False, give_up_stall_us=limit)
+        if not full.feasible or full.predicted.stall_us > limit:
+            assert res is None
+            gave_up += 1
+        else:
+            assert res is not None and res.predicted == full.predicted
+            kept += 1
+    assert gave_up > 5 and kept > 5
+
+
+def test_polish_never_loses_and_reports_what_the_simulator_says():
+    gained = 0
+    for seed, rng, prof, hw, budget in _instances(80):
+        try:
+            dec = run_planner("recompute-only", prof, hw, budget)[0]
+            start = simulate(prof, dec, hw, budget, record=False)
+        except InputError:
+            continue
+        out = polish(prof, hw, budget, dec, start)
+        again = simulate(prof, list(out.decisions), hw, budget, record=False)
+        assert again.predicted == out.result.predicted          # what it reports is true
+        if not start.feasible:
+            assert out.moves == 0 and out.result is start
+            continue
+        assert again.feasible
+        assert again.predicted.retention >= start.predicted.retention
+        assert (out.moves > 0) == (again.predicted.retention > start.predicted.retention)
+        gained += out.moves > 0
+        assert polish(prof, hw, budget, dec, start).decisions == out.decisions  # deterministic
+    assert gained > 10       # recompute-only plans leave slack that swaps can use
+
+
+def test_polish_respects_its_work_allowance():
+    seed, rng, prof, hw, budget = next(i for i in _instances(40) if i[0] == 19)
+    dec = [Decision(t.id, "recompute" if t.recomputable else "swap")
+           for t in prof.saved_activations]
+    start = simulate(prof, dec, hw, budget, record=False)
+    assert start.feasible
+    full = polish(prof, hw, budget, dec, start)
+    assert full.simulated > 10 and full.moves > 0
+    assert polish(prof, hw, budget, dec, start, work_ops=0).moves == 0
+    small = polish(prof, hw, budget, dec, start, work_ops=5 * len(prof.ops))
+    assert small.simulated <= 5 and small.simulated + small.laid_out // 4 <= 6
