@@ -64,8 +64,10 @@ memory and is ignored.
   it back early and holds it to its last use: `e_{c,i} = 1`, adding `size_c` to the memory
   of every row at i) or is made after i starts by a chain that re-runs its whole static chain
   (its non-saved inputs are dead in backward: chain temporaries live only inside their
-  chain). So `v_{o,i} >= r_c - e_{c,i}` for every op o of c's static chain, and
-  `A_i >= sum_o time_o v_{o,i}` (each op counted once: a loosening).
+  chain). So `v_{o,i} >= r_c - e_{c,i}` for every op o of c's static chain, `e_{c,i} <= r_c`,
+  and `A_i >= sum_o time_o v_{o,i}` (each op counted once: a loosening). An op in the chain of
+  only one such root is folded into that root's term (`time_o (r_c - e_{c,i})`, the same
+  LP with fewer rows).
 - Latency: a copy takes `latency + bytes / bw` or longer (contention and half duplex only slow
   it), and the engines run one copy at a time, so copies of F bytes in all, none larger than
   `smax`, take at least `F / smax * latency + F / bw`: in (b)-(d) `bw` is the effective
@@ -353,9 +355,13 @@ def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = Non
         future = [c for c in range(nc) if f.fb[c] > i and f.chain[c]]
         e_cols.append((int(i), [(c, N + k) for k, c in enumerate(future)]))
         N += len(future)
-        ops_i = sorted({o for c in future for o in f.chain[c]})
-        v_cols.append({o: N + k for k, o in enumerate(ops_i)})
-        N += len(ops_i)
+        users: dict[int, int] = {}
+        for c in future:
+            for o in f.chain[c]:
+                users[o] = users.get(o, 0) + 1
+        shared = sorted(o for o, n in users.items() if n > 1)
+        v_cols.append({o: N + k for k, o in enumerate(shared)})
+        N += len(shared)
     early = {i: dict(cols) for i, cols in e_cols}           # i -> c -> e column
     R, C, V, lo, hi = [], [], [], [], []
     nrow = 0
@@ -394,11 +400,19 @@ def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = Non
     at = {int(q): k for k, q in enumerate(P)}
     for i, cols in e_cols:                        # (e): v_{o,i} >= r_c - e_{c,i}, A_i
         vi = v_cols[Q.index(i)]
+        cc, vv = [after[i]] + list(vi.values()), [1.0] + [-float(f.time[o]) for o in vi]
         for c, ec in cols:
+            own = 0.0                             # ops in c's chain alone: v_o = r_c - e_c
             for o in f.chain[c]:
-                row([vi[o], ir + c, ec], [1.0, -1.0, 1.0], 0.0, np.inf)
-        row([after[i]] + list(vi.values()), [1.0] + [-float(f.time[o]) for o in vi],
-            0.0, np.inf)
+                if o in vi:
+                    row([vi[o], ir + c, ec], [1.0, -1.0, 1.0], 0.0, np.inf)
+                else:
+                    own += float(f.time[o])
+            if own > 0:
+                cc += [ir + c, ec]
+                vv += [-own, own]
+            row([ir + c, ec], [1.0, -1.0], 0.0, np.inf)    # e_{c,i} <= r_c
+        row(cc, vv, 0.0, np.inf)
 
     def early_mem(i: int) -> tuple[list[int], list[float]]:
         cols = early.get(int(i), {})
