@@ -20,8 +20,9 @@ recompute time (exact, from `chains.lay_out`, about a fifth of a simulation) is 
 the current plan's overhead cannot help and is not simulated.
 
 **Allowance.** Work is counted in op-visits (a simulation costs the profile's op count, a
-layout a fifth of it) and capped at `work_ops`: the pass is deterministic (no clock) and its
-time grows with the profile no faster than a fixed number of simulations. Prefetch pins of
+static pass a quarter of it) and capped at `work_ops` (default: `WORK_OPS`, or
+`MIN_SIMULATIONS` simulations' worth on a small profile): the pass is deterministic (no
+clock), and on large profiles its time stays about constant. Prefetch pins of
 unchanged swaps are kept; a new swap has none.
 """
 from __future__ import annotations
@@ -37,6 +38,9 @@ from ..hardware import HardwareSpec
 from ..schema import Action, Decision, Profile
 
 KEEP, SWAP, RECOMPUTE = Action.KEEP, Action.SWAP, Action.RECOMPUTE
+WORK_OPS = 300_000        # default allowance in op-visits: about 0.4 s on the Llama-7B sample
+MIN_SIMULATIONS = 1_000   # ... but at least this many simulations' worth on a profile of
+SMALL_OPS = 1_000         # at most this many ops (a simulation there takes under a millisecond)
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ def _chain_time(tab, r: int) -> float | None:
 
 
 def polish(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions, result,
-           work_ops: int = 400_000, pairs: int = 3, batch_size: int = 24,
+           work_ops: int | None = None, pairs: int = 3, batch_size: int = 24,
            min_gain: float = 1e-9) -> PolishResult:
     """Improve `decisions` (whose simulation is `result`) move by move; a plan that does not
     fit is returned as it is."""
@@ -63,6 +67,8 @@ def polish(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions, result
         return PolishResult(tuple(decisions), result, 0, 0, 0)
     tab = chain_tables(prof)
     n_ops = max(1, tab.n_ops)
+    if work_ops is None:
+        work_ops = max(WORK_OPS, MIN_SIMULATIONS * n_ops) if n_ops <= SMALL_OPS else WORK_OPS
     cur = {d.tensor: d for d in decisions}
     ids = list(tab.saved_roots)
     for t in ids:
