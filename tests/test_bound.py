@@ -176,3 +176,25 @@ def test_bound_and_local_search_run_with_torch_blocked():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ok")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", ["0.3", "0.5", "0.7"])
+def test_slackswap_is_a_local_optimum_on_resnet50(fraction):
+    # ResNet-50 (the shipped sample): a 1- and 2-move local search from slackswap's plan finds
+    # nothing better (before slackswap's polish it found +0.27 / +0.21 / 0 points), and the
+    # plan stays under the sound bound
+    from pathlib import Path
+    from slackswap_cli.budget import parse_budget
+    from slackswap_cli.hardware import PRESETS
+    from slackswap_cli.profile_build import recost
+    from slackswap_cli.schema import load_profile
+    hw = PRESETS["a100-pcie4"]
+    path = Path(__file__).resolve().parents[1] / "sample_profiles" / "resnet50.json"
+    prof = recost(load_profile(path), hw)
+    budget, _ = parse_budget(fraction, prof)
+    start = run_planner("slackswap", prof, hw, budget)[0]
+    res = improve(prof, hw, budget, start, two_moves=True, max_passes=3, time_limit_s=120.0)
+    assert res.start_retention is not None and res.evaluated > 300
+    assert res.retention <= res.start_retention + TOL, (fraction, res.moves)
+    assert res.start_retention <= sound_bound(prof, hw, budget).retention + TOL
