@@ -24,8 +24,9 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   repaired in the static model of `common` (extra recompute where memory still exceeds the
   budget) and the simulator judges it; notes give the MILP's objective, its proven lower bound
   (on this model, not on the simulator: a plan can beat it) and gap. When the MILP has no
-  answer in time, or slackswap's plan simulates better than the repaired MILP plan, slackswap's
-  plan is returned (the notes say so), so `optimal` never simulates below `slackswap`. The
+  answer in time, or the fallback planner's plan (slackswap's: the registry in `planners`
+  passes it) simulates better than the repaired MILP plan, that plan is returned (the notes
+  say so), so `optimal` never simulates below `slackswap`. The
   bound that holds for every plan the simulator accepts is `bound.sound_bound`, an LP
   relaxation of the simulator's rules; `plan` computes it first and reports it in the notes
   ("sound bound: ...").
@@ -34,28 +35,76 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
 `untie_limit` candidates, candidates at the same position of identical blocks share one
 variable within a group of consecutive blocks (the last two blocks each form their own group,
 the rest split into up to `groups` chunks). The bound is then the bound of this tied model.
+
+Limits and tuning are the fields of `OptimalSettings`.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
 from ..hardware import HardwareSpec
 from ..schema import Profile
 from .bound import run_quietly, sound_bound
-from .common import KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, State, build_chains, build_model, \
-    memory, recompute_until_fits
+from .common import KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, State, StaticSettings, \
+    build_chains, build_model, memory, prefetch_points, recompute_until_fits
 
-DEFAULT_TIME_LIMIT_S = 60.0
-PREFETCH_MARGIN = 0.10
-NODE_LIMIT = 20_000          # a deterministic cap on the search (the time limit is not)
-BOUND_SHARE = 0.3            # at most this share of the time limit goes to the sound bound
-RESERVE_S = 2.0              # kept back for the repair, prefetch points and the simulation
-SOFT_SHARE = 0.7             # HiGHS's own time limit, as a share of the MILP's time: HiGHS
-                             # checks it only now and then, so the solve also runs in a child
-                             # process that is stopped at the full time
+
+@dataclass(frozen=True)
+class OptimalSettings(StaticSettings):
+    """The `optimal` planner's limits and tuning (and `StaticSettings`': `max_tries` for the
+    repair, `prefetch_margin` for the memory windows and the prefetch points)."""
+
+    time_limit_s: float = 60.0
+    """Seconds the whole planner may take: sound bound, fallback plan, MILP, repair."""
+
+    node_limit: int | None = 20_000
+    """Branch-and-bound nodes HiGHS may explore: a deterministic cap on the search (the time
+    limit is not). None: no cap."""
+
+    untie_limit: int = 900
+    """Profiles with more candidates than this tie identical blocks (module docstring)."""
+
+    groups: int = 6
+    """Groups of consecutive tied blocks, besides the last two blocks (each its own group)."""
+
+    bound_share: float = 0.3
+    """At most this share of the time limit goes to the sound bound."""
+
+    reserve_s: float = 2.0
+    """Seconds kept back for the repair, the prefetch points and the simulations (at least;
+    see `reserve_share`)."""
+
+    reserve_share: float = 0.08
+    """Share of the time limit kept back when that is more than `reserve_s`."""
+
+    soft_share: float = 0.7
+    """HiGHS's own time limit, as a share of the MILP's time: HiGHS checks it only now and
+    then, so the solve also runs in a child process that is stopped at the full time."""
+
+    mip_rel_gap: float = 1e-4
+    """HiGHS stops when its incumbent is proven within this relative gap."""
+
+    max_slack_rows: int = 300
+    """Positions sampled for each direction's slack rows (evenly, when there are more)."""
+
+    def _check_ranges(self) -> None:
+        super()._check_ranges()
+        self._require(self.time_limit_s > 0, "time_limit_s", "above 0")
+        self._require(self.node_limit is None or self.node_limit >= 1, "node_limit",
+                      "at least 1, or None")
+        self._require(self.untie_limit >= 0, "untie_limit", "at least 0")
+        self._require(self.groups >= 1, "groups", "at least 1")
+        for name in ("bound_share", "reserve_share"):
+            self._require(0 <= getattr(self, name) < 1, name, "at least 0 and below 1")
+        self._require(self.reserve_s >= 0, "reserve_s", "at least 0")
+        self._require(0 < self.soft_share <= 1, "soft_share", "above 0 and at most 1")
+        self._require(0 <= self.mip_rel_gap < 1, "mip_rel_gap", "at least 0 and below 1")
+        self._require(self.max_slack_rows >= 2, "max_slack_rows", "at least 2")
 
 
 class _Stopped:
@@ -68,13 +117,13 @@ class _Stopped:
         self.message = message
 
 
-def _windows(m: Model):
+def _windows(m: Model, prefetch_margin: float):
     """Offload-tail end and prefetch-head start (op ids) of each candidate, no queueing."""
     c_all = np.arange(len(m.cands))
     done_t = m.t_end[m.p] + m.d2h_us
     tail_end = np.searchsorted(m.t_end, done_t - 1e-9, side="left") + 1   # exclusive
     tail_end = np.maximum(tail_end, m.lf + 1)
-    start_t = m.t_start[m.fb] - m.h2d_us * (1 + PREFETCH_MARGIN)
+    start_t = m.t_start[m.fb] - m.h2d_us * (1 + prefetch_margin)
     head = np.searchsorted(m.t_end, start_t, side="right")
     head = np.maximum(head, m.nf)
     tail_end = np.minimum(tail_end, m.fb)
@@ -122,12 +171,12 @@ def _groups(m: Model, untie_limit: int, groups: int) -> tuple[np.ndarray, int, s
     return var, nv, f"tied: {len(tied_layers)} identical blocks in {len(chunks)} groups"
 
 
-def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-          untie_limit: int = 900, groups: int = 6, node_limit: int | None = NODE_LIMIT,
+def solve(m: Model, budget_bytes: int, settings: OptimalSettings = OptimalSettings(),
           fork: bool = True):
-    """Build and solve the MILP within `time_limit_s` (building included). Returns (actions,
-    notes). With `fork`, HiGHS runs in a child process stopped at the limit (`run_quietly`);
-    without, in this process (silenced), stopped only by its own time limit."""
+    """Build and solve the MILP within `settings.time_limit_s` (building included). Returns
+    (actions, notes). With `fork`, HiGHS runs in a child process stopped at the limit
+    (`run_quietly`); without, in this process (silenced), stopped only by its own time
+    limit."""
     t_build = time.perf_counter()
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
@@ -136,9 +185,9 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
     notes: list[str] = []
     if n == 0 or int(m.live_keep.max(initial=0)) <= budget_bytes:
         return [KEEP] * n, ["everything fits: nothing to solve"]
-    var, nv, how = _groups(m, untie_limit, groups)
+    var, nv, how = _groups(m, settings.untie_limit, settings.groups)
     notes.append(f"MILP {how}")
-    tail_end, head, _ = _windows(m)
+    tail_end, head, _ = _windows(m, settings.prefetch_margin)
     ch = build_chains(m)
     rec_ok = np.isfinite(ch.cost)
     chain_us = np.where(rec_ok, ch.cost, 0.0)
@@ -226,8 +275,8 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
                      np.full(len(sel), -np.inf), budget_bytes - m.live_keep[sel].astype(float))
     # slack rows (sub-sampled to at most 300 positions each)
     pos_f = np.unique(m.p[m.p < m.nf])
-    if len(pos_f) > 300:
-        pos_f = pos_f[np.linspace(0, len(pos_f) - 1, 300).astype(int)]
+    if len(pos_f) > settings.max_slack_rows:
+        pos_f = pos_f[np.linspace(0, len(pos_f) - 1, settings.max_slack_rows).astype(int)]
     if len(pos_f):
         r_i, c_i, v_i = [], [], []
         for c in range(n):
@@ -238,8 +287,8 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
         add_rows(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
                  np.full(L, -np.inf), m.forward_end_us - m.t_end[pos_f])
     pos_b = np.unique(m.fb)
-    if len(pos_b) > 300:
-        pos_b = pos_b[np.linspace(0, len(pos_b) - 1, 300).astype(int)]
+    if len(pos_b) > settings.max_slack_rows:
+        pos_b = pos_b[np.linspace(0, len(pos_b) - 1, settings.max_slack_rows).astype(int)]
     if len(pos_b):
         r_i, c_i, v_i = [], [], []
         for c in range(n):
@@ -257,11 +306,11 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
     integrality[ieF] = integrality[ieB] = 0
     integrality[iy:iy + ny] = 0     # y is integral at any optimum (it only pays)
     t0 = time.perf_counter()
-    left = float(time_limit_s) - (t0 - t_build)
-    options = {"time_limit": max(0.1, SOFT_SHARE * left), "mip_rel_gap": 1e-4,
-               "disp": False, "random_seed": 0, "threads": 1}
-    if node_limit is not None:
-        options["node_limit"] = int(node_limit)
+    left = float(settings.time_limit_s) - (t0 - t_build)
+    options = {"time_limit": max(0.1, settings.soft_share * left),
+               "mip_rel_gap": settings.mip_rel_gap, "disp": False, "random_seed": 0, "threads": 1}
+    if settings.node_limit is not None:
+        options["node_limit"] = int(settings.node_limit)
     constraint = LinearConstraint(A, np.concatenate(lo_b), np.concatenate(hi_b))
     res = run_quietly(milp, dict(c=cost, constraints=[constraint], integrality=integrality,
                                  bounds=Bounds(np.zeros(N), ub), options=options),
@@ -301,35 +350,34 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
 
 
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
-         time_limit_s: float = DEFAULT_TIME_LIMIT_S, untie_limit: int = 900, groups: int = 6,
-         node_limit: int | None = NODE_LIMIT):
+         settings: OptimalSettings = OptimalSettings(), *, fallback: Callable):
     """The `optimal` planner: solve the MILP, repair what the static model still finds over,
-    and return it unless slackswap's plan simulates better (then that, said in the notes).
+    and return it unless the `fallback` planner's plan (the registry passes slackswap's)
+    simulates better (then that, said in the notes).
 
-    `time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
-    `BOUND_SHARE` of it), slackswap's plan, the MILP (what is left, less a reserve for the
+    `settings.time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
+    `bound_share` of it), the fallback's plan, the MILP (what is left, less a reserve for the
     repair and the simulations after it). HiGHS runs with a fixed seed on one thread, so two
     runs give the same plan unless the time limit, rather than the gap or `node_limit`, ends
-    the search (the notes say which). Profiles with more than `untie_limit` candidates tie identical blocks into
-    `groups` groups (see the module docstring).
+    the search (the notes say which). Profiles with more than `untie_limit` candidates tie
+    identical blocks into `groups` groups (see the module docstring).
     """
-    from .slackswap import plan as slackswap_plan, prefetch_points
+    s = settings
     t0 = time.perf_counter()
-    deadline = t0 + float(time_limit_s)
+    deadline = t0 + float(s.time_limit_s)
     m = build_model(profile, hw)
     notes: list[str] = []
     b = sound_bound(profile, hw, budget_bytes,
-                    time_limit_s=max(0.5, BOUND_SHARE * (deadline - time.perf_counter())))
+                    time_limit_s=max(0.5, s.bound_share * (deadline - time.perf_counter())))
     notes.append(b.message)
-    # slackswap's plan (simulator-checked) is the fallback and the plan to beat
-    fallback = slackswap_plan(profile, hw, budget_bytes)
-    fallback_dec = list(getattr(fallback, "decisions", fallback))
-    reserve = max(RESERVE_S, 0.08 * time_limit_s)
+    # the fallback's plan (simulator-checked) is the fallback and the plan to beat
+    fallback_out = fallback(profile, hw, budget_bytes)
+    fallback_dec = list(getattr(fallback_out, "decisions", fallback_out))
+    reserve = max(s.reserve_s, s.reserve_share * s.time_limit_s)
     milp_s = max(0.5, deadline - time.perf_counter() - reserve)
     # the whole solve (building the MILP included) runs in a child stopped at milp_s
-    out = run_quietly(solve, dict(m=m, budget_bytes=budget_bytes, time_limit_s=milp_s,
-                                  untie_limit=untie_limit, groups=groups,
-                                  node_limit=node_limit, fork=False), milp_s)
+    out = run_quietly(solve, dict(m=m, budget_bytes=budget_bytes,
+                                  settings=replace(s, time_limit_s=milp_s), fork=False), milp_s)
     actions, more = out if out is not None else (
         None, [f"MILP stopped after its time ({milp_s:.1f} s) with no answer"])
     notes.extend(more)
@@ -342,10 +390,10 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
             state.set(c, KEEP)
     mem = memory(m, state)
     if mem.max(initial=0) > budget_bytes:
-        _, fits = recompute_until_fits(m, state, budget_bytes, mem)
+        _, fits = recompute_until_fits(m, state, budget_bytes, mem, max_tries=s.max_tries)
         notes.append("repaired the MILP plan with extra recompute where the static model "
                      "(with copy queueing) still exceeded the budget")
-    mine = state.decisions(prefetch_points(m, state))
+    mine = state.decisions(prefetch_points(m, state, s.prefetch_margin))
     # an incumbent cut short by the time limit can be poor: the simulator picks
     if _judge(profile, fallback_dec, hw, budget_bytes) > _judge(profile, mine, hw, budget_bytes):
         notes.append("slackswap's plan simulates better than the MILP's: using it")
