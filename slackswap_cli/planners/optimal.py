@@ -171,71 +171,110 @@ def _groups(m: Model, untie_limit: int, groups: int) -> tuple[np.ndarray, int, s
     return var, nv, f"tied: {len(tied_layers)} identical blocks in {len(chunks)} groups"
 
 
-def solve(m: Model, budget_bytes: int, settings: OptimalSettings = OptimalSettings(),
-          fork: bool = True):
-    """Build and solve the MILP within `settings.time_limit_s` (building included). Returns
-    (actions, notes). With `fork`, HiGHS runs in a child process stopped at the limit
-    (`run_quietly`); without, in this process (silenced), stopped only by its own time
-    limit."""
-    t_build = time.perf_counter()
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
+class _Layout:
+    """The MILP's variables: [w (nv), r (nv), y (ny), eF, eB] (module docstring).
 
-    n = len(m.cands)
-    notes: list[str] = []
-    if n == 0 or int(m.live_keep.max(initial=0)) <= budget_bytes:
-        return [KEEP] * n, ["everything fits: nothing to solve"]
-    var, nv, how = _groups(m, settings.untie_limit, settings.groups)
-    notes.append(f"MILP {how}")
-    tail_end, head, _ = _windows(m, settings.prefetch_margin)
-    ch = build_chains(m)
-    rec_ok = np.isfinite(ch.cost)
-    chain_us = np.where(rec_ok, ch.cost, 0.0)
-    extra = ch.extra_bytes
-    # one re-run of a multi-output producer makes all its outputs: its time is paid once,
-    # through a variable y >= r of every sibling (keyed by the variable of the first sibling)
-    lead = [min([c, *ch.siblings[c]]) for c in range(n)]
-    ykeys = sorted({int(var[lead[c]]) for c in range(n) if rec_ok[c]})
-    ypos = {k: j for j, k in enumerate(ykeys)}
-    ny = len(ykeys)
-    # variable layout: [w (nv), r (nv), y (ny), eF, eB]
-    N = 2 * nv + ny + 2
-    iw, ir, iy, ieF, ieB = 0, nv, 2 * nv, 2 * nv + ny, 2 * nv + ny + 1
-    cost = np.zeros(N)
-    for c in range(n):
-        if rec_ok[c] and lead[c] == c:
-            cost[iy + ypos[int(var[c])]] += chain_us[c]
-    cost[ieF] = cost[ieB] = 1.0
-    ub = np.ones(N)
-    ub[ieF] = ub[ieB] = np.inf
-    r_all_ok = np.ones(nv, dtype=bool)
-    np.logical_and.at(r_all_ok, var, rec_ok)
-    ub[ir:ir + nv] = r_all_ok.astype(float)   # a tied group recomputes only if all members can
-    rows, cols, vals, lo_b, hi_b = [], [], [], [], []
-    nrow = 0
+    `var[c]`: the variable index of candidate c (tied candidates share one); `ypos[k]`: the
+    producer-run variable of the variable k of a multi-output op's first output (`lead`).
+    """
 
-    def add_rows(r_idx, c_idx, v, lo, hi):
-        nonlocal nrow
-        rows.append(np.asarray(r_idx) + nrow)
-        cols.append(np.asarray(c_idx))
-        vals.append(np.asarray(v, dtype=float))
-        lo_b.append(np.asarray(lo, dtype=float))
-        hi_b.append(np.asarray(hi, dtype=float))
-        nrow += len(lo)
+    def __init__(self, m: Model, ch, var: np.ndarray, nv: int):
+        n = len(m.cands)
+        self.var, self.nv = var, nv
+        self.rec_ok = np.isfinite(ch.cost)
+        # one re-run of a multi-output producer makes all its outputs: its time is paid once,
+        # through a variable y >= r of every sibling (keyed by the variable of the first sibling)
+        self.lead = [min([c, *ch.siblings[c]]) for c in range(n)]
+        ykeys = sorted({int(var[self.lead[c]]) for c in range(n) if self.rec_ok[c]})
+        self.ypos = {k: j for j, k in enumerate(ykeys)}
+        self.ny = ny = len(ykeys)
+        self.N = 2 * nv + ny + 2
+        self.iw, self.ir, self.iy = 0, nv, 2 * nv
+        self.ieF, self.ieB = 2 * nv + ny, 2 * nv + ny + 1
 
-    # y_lead >= r_c for every recomputable candidate c
-    pairs = sorted({(ypos[int(var[lead[c]])], int(var[c])) for c in range(n) if rec_ok[c]})
+    def objective(self, ch) -> np.ndarray:
+        """Recompute time (once per producer run) plus the exposed copy time of each FIFO."""
+        cost = np.zeros(self.N)
+        chain_us = np.where(self.rec_ok, ch.cost, 0.0)
+        for c in range(len(self.lead)):
+            if self.rec_ok[c] and self.lead[c] == c:
+                cost[self.iy + self.ypos[int(self.var[c])]] += chain_us[c]
+        cost[self.ieF] = cost[self.ieB] = 1.0
+        return cost
+
+    def upper_bounds(self) -> np.ndarray:
+        ub = np.ones(self.N)
+        ub[self.ieF] = ub[self.ieB] = np.inf
+        r_all_ok = np.ones(self.nv, dtype=bool)
+        np.logical_and.at(r_all_ok, self.var, self.rec_ok)
+        ub[self.ir:self.ir + self.nv] = r_all_ok.astype(float)   # a tied group recomputes
+        return ub                                                 # only if all members can
+
+    def integrality(self) -> np.ndarray:
+        integrality = np.ones(self.N)
+        integrality[self.ieF] = integrality[self.ieB] = 0
+        integrality[self.iy:self.iy + self.ny] = 0   # y is integral at any optimum (it only pays)
+        return integrality
+
+    def actions(self, x: np.ndarray) -> list:
+        """Each candidate's action in a (rounded) solution."""
+        out = []
+        for c in range(len(self.lead)):
+            if x[self.iw + self.var[c]]:
+                out.append(SWAP)
+            elif x[self.ir + self.var[c]] and self.rec_ok[c]:
+                out.append(RECOMPUTE)
+            else:
+                out.append(KEEP)
+        return out
+
+
+class _Rows:
+    """Constraint rows `lo <= A x <= hi`, added in blocks as COO triplets."""
+
+    def __init__(self):
+        self.rows, self.cols, self.vals, self.lo, self.hi = [], [], [], [], []
+        self.n = 0
+
+    def add(self, r_idx, c_idx, v, lo, hi) -> None:
+        self.rows.append(np.asarray(r_idx) + self.n)
+        self.cols.append(np.asarray(c_idx))
+        self.vals.append(np.asarray(v, dtype=float))
+        self.lo.append(np.asarray(lo, dtype=float))
+        self.hi.append(np.asarray(hi, dtype=float))
+        self.n += len(lo)
+
+    def constraint(self, n_vars: int):
+        from scipy.optimize import LinearConstraint
+        from scipy.sparse import coo_matrix
+        A = coo_matrix((np.concatenate(self.vals),
+                        (np.concatenate(self.rows), np.concatenate(self.cols))),
+                       shape=(self.n, n_vars)).tocsr()
+        return LinearConstraint(A, np.concatenate(self.lo), np.concatenate(self.hi))
+
+
+def _choice_rows(rows: _Rows, lay: _Layout) -> None:
+    """y_lead >= r_c for every recomputable candidate c, and w + r <= 1."""
+    var, n = lay.var, len(lay.lead)
+    pairs = sorted({(lay.ypos[int(var[lay.lead[c]])], int(var[c]))
+                    for c in range(n) if lay.rec_ok[c]})
     if pairs:
         py = np.array([a for a, _ in pairs])
         pr = np.array([b for _, b in pairs])
         idx = np.arange(len(pairs))
-        add_rows(np.r_[idx, idx], np.r_[iy + py, ir + pr],
+        rows.add(np.r_[idx, idx], np.r_[lay.iy + py, lay.ir + pr],
                  np.r_[np.ones(len(pairs)), -np.ones(len(pairs))],
                  np.zeros(len(pairs)), np.full(len(pairs), np.inf))
-    # w + r <= 1
-    add_rows(np.r_[np.arange(nv), np.arange(nv)], np.r_[iw + np.arange(nv), ir + np.arange(nv)],
+    nv = lay.nv
+    rows.add(np.r_[np.arange(nv), np.arange(nv)],
+             np.r_[lay.iw + np.arange(nv), lay.ir + np.arange(nv)],
              np.ones(2 * nv), np.zeros(nv), np.ones(nv))
-    # memory rows: live_keep[i] - sum(savings) <= B at representative over-budget ops
+
+
+def _memory_ops(m: Model, budget_bytes: int, tail_end: np.ndarray,
+                head: np.ndarray) -> np.ndarray:
+    """The ops that get a memory row: between consecutive events (a gap, tail or head
+    starting or ending), the over-budget op with the most keep-all memory (it dominates)."""
     over = m.live_keep > budget_bytes
     events = np.unique(np.r_[0, m.lf + 1, m.fb, m.fb + 1, tail_end, head, m.nf])
     events = events[(events >= 0) & (events < m.n)]
@@ -246,107 +285,146 @@ def solve(m: Model, budget_bytes: int, settings: OptimalSettings = OptimalSettin
         end = events[stop_ok + 1] if stop_ok + 1 < len(events) else m.n
         seg = np.where(over[start:end], m.live_keep[start:end], -1)
         sel.append(start + int(np.argmax(seg)))
-    sel = np.array(sorted(set(sel)), dtype=np.int64)
-    if len(sel):
-        r_i, c_i, v_i = [], [], []
-        lo_gap, hi_gap = m.lf + 1, m.fb
-        for c in range(n):
-            s = float(m.size[c])
-            a = np.searchsorted(sel, lo_gap[c])
-            b = np.searchsorted(sel, hi_gap[c])
-            if b > a:
-                rr = np.arange(a, b)
-                r_i.append(rr); c_i.append(np.full(b - a, ir + var[c])); v_i.append(np.full(b - a, -s))
-                # swap saves its size outside the tail and the head
-                ta = np.searchsorted(sel, tail_end[c])
-                hb = np.searchsorted(sel, head[c])
-                lo_s, hi_s = max(a, ta), min(b, hb)
-                if hi_s > lo_s:
-                    rr = np.arange(lo_s, hi_s)
-                    r_i.append(rr); c_i.append(np.full(hi_s - lo_s, iw + var[c]))
-                    v_i.append(np.full(hi_s - lo_s, -s))
-            if extra[c]:
-                j = np.searchsorted(sel, m.fb[c])
-                if j < len(sel) and sel[j] == m.fb[c]:
-                    r_i.append(np.array([j])); c_i.append(np.array([ir + var[c]]))
-                    v_i.append(np.array([float(extra[c])]))
-        if r_i:
-            add_rows(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
-                     np.full(len(sel), -np.inf), budget_bytes - m.live_keep[sel].astype(float))
-    # slack rows (sub-sampled to at most 300 positions each)
-    pos_f = np.unique(m.p[m.p < m.nf])
-    if len(pos_f) > settings.max_slack_rows:
-        pos_f = pos_f[np.linspace(0, len(pos_f) - 1, settings.max_slack_rows).astype(int)]
+    return np.array(sorted(set(sel)), dtype=np.int64)
+
+
+def _memory_rows(rows: _Rows, m: Model, budget_bytes: int, lay: _Layout, sel: np.ndarray,
+                 tail_end: np.ndarray, head: np.ndarray, extra: np.ndarray) -> None:
+    """live_keep[i] - savings <= budget at each op of `sel`: a recompute saves its size over
+    its gap (its chain's temporaries cost `extra` at its first backward use), a swap its size
+    outside the offload tail and the prefetch head."""
+    if not len(sel):
+        return
+    r_i, c_i, v_i = [], [], []
+    iw, ir, var = lay.iw, lay.ir, lay.var
+    lo_gap, hi_gap = m.lf + 1, m.fb
+    for c in range(len(m.cands)):
+        s = float(m.size[c])
+        a = np.searchsorted(sel, lo_gap[c])
+        b = np.searchsorted(sel, hi_gap[c])
+        if b > a:
+            r_i.append(np.arange(a, b))
+            c_i.append(np.full(b - a, ir + var[c]))
+            v_i.append(np.full(b - a, -s))
+            lo_s = max(a, np.searchsorted(sel, tail_end[c]))
+            hi_s = min(b, np.searchsorted(sel, head[c]))
+            if hi_s > lo_s:
+                r_i.append(np.arange(lo_s, hi_s))
+                c_i.append(np.full(hi_s - lo_s, iw + var[c]))
+                v_i.append(np.full(hi_s - lo_s, -s))
+        if extra[c]:
+            j = np.searchsorted(sel, m.fb[c])
+            if j < len(sel) and sel[j] == m.fb[c]:
+                r_i.append(np.array([j]))
+                c_i.append(np.array([ir + var[c]]))
+                v_i.append(np.array([float(extra[c])]))
+    if r_i:
+        rows.add(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
+                 np.full(len(sel), -np.inf), budget_bytes - m.live_keep[sel].astype(float))
+
+
+def _sampled(pos: np.ndarray, max_rows: int) -> np.ndarray:
+    if len(pos) > max_rows:
+        return pos[np.linspace(0, len(pos) - 1, max_rows).astype(int)]
+    return pos
+
+
+def _slack_rows(rows: _Rows, m: Model, lay: _Layout, max_rows: int) -> None:
+    """The FIFOs' exposed time: eF bounds how far the D2H copies of everything produced from
+    op j on exceed the forward time left after j; eB how far the H2D copies needed by
+    backward op j exceed the backward time before j (at most `max_rows` positions each)."""
+    n, iw, var = len(m.cands), lay.iw, lay.var
+    pos_f = _sampled(np.unique(m.p[m.p < m.nf]), max_rows)
     if len(pos_f):
+        L = len(pos_f)
         r_i, c_i, v_i = [], [], []
         for c in range(n):
             k = np.searchsorted(pos_f, m.p[c], side="right")  # rows j with pos_f[j] <= p_c
-            r_i.append(np.arange(k)); c_i.append(np.full(k, iw + var[c])); v_i.append(np.full(k, m.d2h_us[c]))
-        L = len(pos_f)
-        r_i.append(np.arange(L)); c_i.append(np.full(L, ieF)); v_i.append(-np.ones(L))
-        add_rows(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
+            r_i.append(np.arange(k))
+            c_i.append(np.full(k, iw + var[c]))
+            v_i.append(np.full(k, m.d2h_us[c]))
+        r_i.append(np.arange(L)); c_i.append(np.full(L, lay.ieF)); v_i.append(-np.ones(L))
+        rows.add(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
                  np.full(L, -np.inf), m.forward_end_us - m.t_end[pos_f])
-    pos_b = np.unique(m.fb)
-    if len(pos_b) > settings.max_slack_rows:
-        pos_b = pos_b[np.linspace(0, len(pos_b) - 1, settings.max_slack_rows).astype(int)]
+    pos_b = _sampled(np.unique(m.fb), max_rows)
     if len(pos_b):
+        L = len(pos_b)
         r_i, c_i, v_i = [], [], []
         for c in range(n):
             k = np.searchsorted(pos_b, m.fb[c], side="left")   # rows j with pos_b[j] >= fb_c
-            L = len(pos_b)
-            r_i.append(np.arange(k, L)); c_i.append(np.full(L - k, iw + var[c]))
+            r_i.append(np.arange(k, L))
+            c_i.append(np.full(L - k, iw + var[c]))
             v_i.append(np.full(L - k, m.h2d_us[c]))
-        L = len(pos_b)
-        r_i.append(np.arange(L)); c_i.append(np.full(L, ieB)); v_i.append(-np.ones(L))
-        add_rows(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
+        r_i.append(np.arange(L)); c_i.append(np.full(L, lay.ieB)); v_i.append(-np.ones(L))
+        rows.add(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
                  np.full(L, -np.inf), m.t_start[pos_b] - m.forward_end_us)
-    A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                   shape=(nrow, N)).tocsr()
-    integrality = np.ones(N)
-    integrality[ieF] = integrality[ieB] = 0
-    integrality[iy:iy + ny] = 0     # y is integral at any optimum (it only pays)
-    t0 = time.perf_counter()
-    left = float(settings.time_limit_s) - (t0 - t_build)
+
+
+def _run_highs(lay: _Layout, cost: np.ndarray, constraint, left: float,
+               settings: OptimalSettings, fork: bool):
+    """HiGHS on the MILP, with `left` seconds (see `solve`); `_Stopped` when stopped."""
+    from scipy.optimize import Bounds, milp
     options = {"time_limit": max(0.1, settings.soft_share * left),
                "mip_rel_gap": settings.mip_rel_gap, "disp": False, "random_seed": 0, "threads": 1}
     if settings.node_limit is not None:
         options["node_limit"] = int(settings.node_limit)
-    constraint = LinearConstraint(A, np.concatenate(lo_b), np.concatenate(hi_b))
-    res = run_quietly(milp, dict(c=cost, constraints=[constraint], integrality=integrality,
-                                 bounds=Bounds(np.zeros(N), ub), options=options),
+    res = run_quietly(milp, dict(c=cost, constraints=[constraint],
+                                 integrality=lay.integrality(),
+                                 bounds=Bounds(np.zeros(lay.N), lay.upper_bounds()),
+                                 options=options),
                       max(0.1, left) if fork else None)
-    if res is None:
-        res = _Stopped(f"stopped after the time limit ({left:.1f} s)")
-    solve_s = time.perf_counter() - t0
-    notes.append(f"MILP: {nv} choices x 2 binaries, {ny} producer runs, {len(sel)} memory rows, "
-                 f"{A.nnz} nonzeros; HiGHS {solve_s:.1f} s, status: {res.message}")
+    return res if res is not None else _Stopped(f"stopped after the time limit ({left:.1f} s)")
+
+
+def _bound_note(m: Model, res) -> str | None:
+    """The MILP's objective and proven lower bound as notes (None: no finite bound)."""
     bound = getattr(res, "mip_dual_bound", None)
+    if bound is None or not np.isfinite(bound):
+        return None
+    ideal = m.ideal_us
+    at_most = (f"retention at most {ideal / (ideal + max(bound, 0.0)):.4f} in this model "
+               "(not a bound on plans)")
     if res.x is None:
-        if bound is not None and np.isfinite(bound):
-            ideal = m.ideal_us
-            notes.append(f"MILP proven lower bound {bound:.1f} us of overhead: retention at most "
-                         f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model "
-                     "(not a bound on plans)")
-        notes.append("MILP found no solution in time")
-        return None, notes
-    x = np.round(res.x).astype(int)
+        return f"MILP proven lower bound {bound:.1f} us of overhead: {at_most}"
     obj = float(res.fun)
-    if bound is not None and np.isfinite(bound):
-        gap = (obj - bound) / obj if obj > 0 else 0.0
-        ideal = m.ideal_us
-        notes.append(f"MILP objective {obj:.1f} us of overhead, proven lower bound {bound:.1f} us "
-                     f"(gap {100 * gap:.2f}%): retention at most "
-                     f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model "
-                     "(not a bound on plans)")
-    actions = []
-    for c in range(n):
-        if x[iw + var[c]]:
-            actions.append(SWAP)
-        elif x[ir + var[c]] and rec_ok[c]:
-            actions.append(RECOMPUTE)
-        else:
-            actions.append(KEEP)
-    return actions, notes
+    gap = (obj - bound) / obj if obj > 0 else 0.0
+    return (f"MILP objective {obj:.1f} us of overhead, proven lower bound {bound:.1f} us "
+            f"(gap {100 * gap:.2f}%): {at_most}")
+
+
+def solve(m: Model, budget_bytes: int, settings: OptimalSettings = OptimalSettings(),
+          fork: bool = True):
+    """Build and solve the MILP within `settings.time_limit_s` (building included). Returns
+    (actions, notes); actions is None when HiGHS found no solution. With `fork`, HiGHS runs
+    in a child process stopped at the limit (`run_quietly`); without, in this process
+    (silenced), stopped only by its own time limit."""
+    t_build = time.perf_counter()
+    n = len(m.cands)
+    if n == 0 or int(m.live_keep.max(initial=0)) <= budget_bytes:
+        return [KEEP] * n, ["everything fits: nothing to solve"]
+    var, nv, how = _groups(m, settings.untie_limit, settings.groups)
+    tail_end, head, _ = _windows(m, settings.prefetch_margin)
+    ch = build_chains(m)
+    lay = _Layout(m, ch, var, nv)
+    rows = _Rows()
+    _choice_rows(rows, lay)
+    sel = _memory_ops(m, budget_bytes, tail_end, head)
+    _memory_rows(rows, m, budget_bytes, lay, sel, tail_end, head, ch.extra_bytes)
+    _slack_rows(rows, m, lay, settings.max_slack_rows)
+    constraint = rows.constraint(lay.N)
+    t0 = time.perf_counter()
+    left = float(settings.time_limit_s) - (t0 - t_build)
+    res = _run_highs(lay, lay.objective(ch), constraint, left, settings, fork)
+    notes = [f"MILP {how}",
+             f"MILP: {nv} choices x 2 binaries, {lay.ny} producer runs, {len(sel)} memory rows, "
+             f"{constraint.A.nnz} nonzeros; HiGHS {time.perf_counter() - t0:.1f} s, "
+             f"status: {res.message}"]
+    bound_note = _bound_note(m, res)
+    if res.x is None:
+        notes += [bound_note] if bound_note else []
+        return None, notes + ["MILP found no solution in time"]
+    notes += [bound_note] if bound_note else []
+    return lay.actions(np.round(res.x).astype(int)), notes
 
 
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
