@@ -56,7 +56,8 @@ class SlackswapSettings(StaticSettings):
     """Greedy steps each exchange try may take to free the bytes elsewhere."""
 
     slack_safety: float = 0.97
-    """Share of the copy slack the `SlackLedger` trusts when `plan_static` is not told."""
+    """Share of the copy slack the `SlackLedger` trusts when `plan_static` is given none (the
+    planner gives each of `repairs` its own; its plan without swaps never asks the ledger)."""
 
     repairs: tuple[tuple[float, bool], ...] = (
         (1.05, False), (1.0, False), (0.97, False), (0.97, True), (0.85, False), (0.7, False))
