@@ -30,16 +30,57 @@ from .units import fmt_bytes, fmt_us  # noqa: F401 - re-exported for the views' 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
 
 
-def _bar_cell(level: float, over: bool, on_budget_row: bool) -> tuple[str, str | None]:
-    """(character, style) of one chart cell: a full or partial bar (`level` of the cell
-    filled; red over the budget), the budget line, or blank."""
-    if level >= 1:
-        return "█", "red" if over else "cyan"
-    if level > 0:
-        return _BLOCKS[max(1, int(level * 8))], "red" if over else "cyan"
-    if on_budget_row:
-        return "─", "yellow"
-    return " ", None
+def bar_chart(cols: Sequence[int], peak: int, budget_bytes: int | None, height: int, *,
+              axis: str, under: str, dense_labels: bool = True,
+              dots: Sequence[int | None] | None = None, over_factor: float = 1.0) -> Text:
+    """The terminal bar chart of the plan's memory view and of verify's: one bar per value of
+    `cols`, `height` rows high, scaled to the larger of `peak` and the budget.
+
+    A bar is red where its value is above `over_factor` x the budget (cyan otherwise), each cell
+    a full or partial block; the budget is a yellow line; `dots` (one per column, None: none)
+    are drawn as a magenta • in the row of their value, over the bar. The y axis is labelled at
+    0, the budget and the top (`dense_labels`: every other row from the top, and the budget's
+    label clears its neighbours'); under the chart, `axis` (one character a column) and the
+    line `under`.
+    """
+    scale = max(peak, budget_bytes or 0) or 1
+    budget_row = (min(height - 1, int(budget_bytes / scale * height - 1e-9))
+                  if budget_bytes else None)
+    # a row is labelled with the value at its top edge
+    labels = {row: fmt_bytes(scale * (row + 1) / height)
+              for row in range(height - 1, 0, -2 if dense_labels else -height)}
+    labels[0] = "0"
+    if budget_row is not None:
+        labels[budget_row] = f"budget {fmt_bytes(budget_bytes)}"
+        if dense_labels:                    # keep the budget label clear of its neighbours
+            labels.pop(budget_row + 1, None)
+            if budget_row > 0:
+                labels.pop(budget_row - 1, None)
+    lw = max(len(v) for v in labels.values())
+    dot_rows = [None if p is None else min(height - 1, int(p / scale * height - 1e-9))
+                for p in (dots if dots is not None else [None] * len(cols))]
+    text = Text()
+    for row in range(height - 1, -1, -1):
+        text.append(f"{labels.get(row, ''):>{lw}} ", style="dim")
+        text.append("│", style="dim")
+        for v, dot_row in zip(cols, dot_rows):
+            if dot_row == row:
+                text.append("•", style="bold magenta")
+                continue
+            level = v / scale * height - row       # how much of this cell the bar fills
+            over = budget_bytes is not None and v > budget_bytes * over_factor
+            if level >= 1:
+                text.append("█", "red" if over else "cyan")
+            elif level > 0:
+                text.append(_BLOCKS[max(1, int(level * 8))], "red" if over else "cyan")
+            elif row == budget_row:
+                text.append("─", "yellow")
+            else:
+                text.append(" ", None)
+        text.append("\n")
+    text.append(" " * lw + " └" + axis + "\n", style="dim")
+    text.append(" " * (lw + 2) + under, style="dim")
+    return text
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,35 +320,11 @@ def memory_chart(memory: Sequence[tuple[float, int]], budget_bytes: int | None,
             k += 1
         cols[c] = m
     peak = max(max(cols), max(m for _, m in pts))
-    scale = max(peak, budget_bytes or 0) or 1
-    budget_row = None
-    if budget_bytes:
-        budget_row = min(height - 1, int(budget_bytes / scale * height - 1e-9))
-    # a row is labelled with the value at its top edge; every other row, so labels stay apart
-    labels = {row: fmt_bytes(scale * (row + 1) / height)
-              for row in range(height - 1, 0, -2)}
-    labels[0] = "0"
-    if budget_row is not None:
-        labels[budget_row] = f"budget {fmt_bytes(budget_bytes)}"
-        labels.pop(budget_row + 1, None)    # keep the budget label clear of its neighbours
-        if budget_row > 0:
-            labels.pop(budget_row - 1, None)
-    lw = max(len(v) for v in labels.values())
-    text = Text()
-    for row in range(height - 1, -1, -1):
-        text.append(f"{labels.get(row, ''):>{lw}} ", style="dim")
-        text.append("│", style="dim")
-        for v in cols:
-            level = v / scale * height - row       # how much of this cell the bar fills
-            text.append(*_bar_cell(level, budget_bytes is not None and v > budget_bytes,
-                                   row == budget_row))
-        text.append("\n")
     axis = ["─"] * width
     bwd_col = None
     if backward_us is not None and 0 <= backward_us <= end:
         bwd_col = min(width - 1, int(backward_us / end * width))
         axis[bwd_col] = "┴"
-    text.append(" " * lw + " └" + "".join(axis) + "\n", style="dim")
     right = fmt_us(end)
     under = list("0" + right.rjust(width - 1))
     if bwd_col is not None:
@@ -317,8 +334,7 @@ def memory_chart(memory: Sequence[tuple[float, int]], budget_bytes: int | None,
             mark, at = "backward ^", bwd_col - len(mark) + 1
         if at is not None and at > 1:
             under[at:at + len(mark)] = mark
-    text.append(" " * (lw + 2) + "".join(under), style="dim")
-    return text
+    return bar_chart(cols, peak, budget_bytes, height, axis="".join(axis), under="".join(under))
 
 
 class MemoryChart:
@@ -690,29 +706,9 @@ def two_curve_chart(measured: Sequence[int], predicted: Sequence[int | None],
         ps = [p for p in predicted[lo:hi] if p is not None]
         cols_p.append(max(ps) if ps else None)
     peak = max(max(cols_m), max((p for p in cols_p if p is not None), default=0))
-    scale = max(peak, budget_bytes or 0) or 1
-    budget_row = (min(height - 1, int(budget_bytes / scale * height - 1e-9))
-                  if budget_bytes else None)
-    labels = {height - 1: fmt_bytes(scale), 0: "0"}
-    if budget_row is not None:
-        labels[budget_row] = f"budget {fmt_bytes(budget_bytes)}"
-    lw = max(len(v) for v in labels.values())
-    text = Text()
-    for row in range(height - 1, -1, -1):
-        text.append(f"{labels.get(row, ''):>{lw}} ", style="dim")
-        text.append("│", style="dim")
-        for m, p in zip(cols_m, cols_p):
-            level = m / scale * height - row
-            prow = None if p is None else min(height - 1, int(p / scale * height - 1e-9))
-            over = budget_bytes is not None and m > budget_bytes * 1.05
-            if prow == row:
-                text.append("•", style="bold magenta")
-            else:
-                text.append(*_bar_cell(level, over, row == budget_row))
-        text.append("\n")
-    text.append(" " * lw + " └" + "─" * width + "\n", style="dim")
-    text.append(" " * (lw + 2) + "op 1" + f"op {n}".rjust(width - 4), style="dim")
-    return text
+    return bar_chart(cols_m, peak, budget_bytes, height, axis="─" * width,
+                     under="op 1" + f"op {n}".rjust(width - 4), dense_labels=False,
+                     dots=cols_p, over_factor=1.05)
 
 
 def verify_memory_view(report) -> Group:

@@ -470,27 +470,71 @@ def _warmup(model, run) -> None:
         torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def verify(patched_path: str, model_path: str | None = None, entry: str | None = None,
-           args: dict | None = None, steps: int = 1, seed: int = 0,
-           check_trace: bool = True, warmup: bool = True, plan=None,
-           profile=None) -> VerifyReport:
-    """Run the original and the patched training step `steps` times and compare them.
+@dataclass
+class _Pair:
+    """The original and the patched model of one verify run, ready to step."""
+    mod: object                  # the patched module (apply's output), loaded
+    meta: dict
+    path: str                    # the workload
+    entry: str
+    args: dict
+    device: str
+    dev: object                  # load_workload's device (None: CPU)
+    orig: object                 # the workloads (model, inputs, loss_fn)
+    work: object
+    patched: object              # mod.step_module(work.model)
+    o_call: tuple                # (args, kwargs) of each model's inputs
+    p_call: tuple
+    opt_o: object
+    opt_p: object
+    loss_tol: float
+    grad_tol: float
 
-    `warmup` first runs one untimed step of each and restores weights, buffers and RNG state,
-    so step times do not include one-off costs (allocator growth, kernel selection).
-    `plan`: the Plan the module was made from (default: found next to the module by
-    `find_plan`) and `profile` its profile (default: the one the plan records); with them,
-    the measured memory timeline is aligned with the simulator's.
-    """
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def run_original(self):
+        from .trace.joint import loss_from_output
+        a, kw = self.o_call
+        return loss_from_output(self.orig.model(*a, **kw), self.orig.inputs, self.orig.loss_fn)
+
+    def run_patched(self):
+        a, kw = self.p_call
+        return self.patched(*a, **kw)
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize()
+
+    def start(self) -> int:
+        """Synchronise and open a measurement: the allocated bytes it starts from (CUDA)."""
+        self.sync()
+        if not self.cuda:
+            return 0
+        import torch
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    def peak(self, base: int, model, held_bytes: int) -> int:
+        """After the step: CUDA peak over it less gradients, or the CPU bytes held for backward."""
+        if not self.cuda:
+            return held_bytes
+        import torch
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                    if p.grad is not None)
+        return torch.cuda.max_memory_allocated() - base - grads
+
+
+def _load_pair(patched_path: str, model_path: str | None, entry: str | None,
+               args: dict | None, seed: int, check_trace: bool) -> _Pair:
+    """Load the patched module and two copies of its workload from the same weights."""
     import torch
-    import torch.utils._pytree as pytree
 
     from .apply import load_patched
-    from .trace.joint import loss_from_output, split_inputs
+    from .trace.joint import split_inputs
     from .trace.workload import load_workload
-
-    if steps < 1:
-        raise InputError(f"steps must be at least 1, got {steps}")
     mod = load_patched(patched_path)
     meta = mod.META
     w = meta["workload"]
@@ -512,100 +556,104 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
     orig.model.train()
     work.model.train()
     patched = mod.step_module(work.model, check_trace=check_trace)
-
-    p_args, p_kwargs = split_inputs(work.inputs)
-    o_args, o_kwargs = split_inputs(orig.inputs)
-    params_o = dict(orig.model.named_parameters())
-    params_p = dict(work.model.named_parameters())
-    ref = next(iter(params_o.values()))
+    p_call = split_inputs(work.inputs)
+    o_call = split_inputs(orig.inputs)
+    ref = next(iter(dict(orig.model.named_parameters()).values()))
     loss_tol, grad_tol = _tolerances(ref.dtype)
     opt_o = torch.optim.SGD(orig.model.parameters(), lr=1e-3)
     opt_p = torch.optim.SGD(work.model.parameters(), lr=1e-3)
-    cuda = device == "cuda"
+    return _Pair(mod, meta, path, entry, args, device, dev, orig, work, patched, o_call, p_call,
+                 opt_o, opt_p, loss_tol, grad_tol)
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
 
-    def grad_bytes(model):
-        return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                   if p.grad is not None)
+@dataclass
+class _Compared:
+    """What the compared steps found, step by step and at worst."""
+    losses_o: list = field(default_factory=list)
+    losses_p: list = field(default_factory=list)
+    peaks_o: list = field(default_factory=list)
+    peaks_p: list = field(default_factory=list)
+    times_o: list = field(default_factory=list)
+    times_p: list = field(default_factory=list)
+    max_loss: float = 0.0
+    max_grad: float = 0.0
+    worst_param: str = ""
+    max_buf: float = 0.0
+    offloaded: int = 0
 
-    if warmup:
-        _warmup(orig.model, lambda: loss_from_output(orig.model(*o_args, **o_kwargs), orig.inputs,
-                                                     orig.loss_fn))
-        _warmup(work.model, lambda: patched(*p_args, **p_kwargs))
 
-    losses_o, losses_p = [], []
-    max_loss = max_grad = max_buf = 0.0
-    worst_param = ""
-    peaks_o, peaks_p, times_o, times_p = [], [], [], []
-    offloaded = 0
+def _step_original(s: _Pair, seed: int, out: _Compared):
+    """One step of the original model, timed; its loss (memory: into `out`)."""
+    import torch
+    import torch.utils._pytree as pytree
+    orig = s.orig
+    s.opt_o.zero_grad(set_to_none=True)
+    exclude_o = [*orig.model.parameters(), *orig.model.buffers(),
+                 *[x for x in pytree.tree_leaves(orig.inputs) if isinstance(x, torch.Tensor)]]
+    base = s.start()
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    loss_o, held_o = saved_bytes_original(orig.model, orig.inputs, s.run_original, exclude_o)
+    loss_o.backward()
+    s.sync()
+    out.times_o.append((time.perf_counter() - t0) * 1e3)
+    out.peaks_o.append(s.peak(base, orig.model, held_o))
+    return loss_o
 
-    def start() -> int:
-        """Synchronise and open a measurement: the allocated bytes it starts from (CUDA)."""
-        sync()
-        if not cuda:
-            return 0
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
 
-    def peak(base: int, model, held_bytes: int) -> int:
-        """After the step: CUDA peak over it less gradients, or the CPU bytes held for backward."""
-        if not cuda:
-            return held_bytes
-        return torch.cuda.max_memory_allocated() - base - grad_bytes(model)
+def _step_patched(s: _Pair, seed: int, out: _Compared):
+    """One step of the patched step module, timed; its loss (memory, copies: into `out`)."""
+    import torch
+    s.opt_p.zero_grad(set_to_none=True)
+    base = s.start()
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    loss_p = s.run_patched()
+    held_p = s.patched.held_bytes_after_forward
+    store = s.patched.last_store() if s.patched.last_store is not None else None
+    out.offloaded = store.offloaded_bytes if store is not None else 0
+    loss_p.backward()
+    s.sync()
+    out.times_p.append((time.perf_counter() - t0) * 1e3)
+    out.peaks_p.append(s.peak(base, s.work.model, held_p))
+    return loss_p
 
+
+def _compare(s: _Pair, loss_o, loss_p, out: _Compared) -> None:
+    """Losses, gradients and buffers of the two models after one step (worst into `out`)."""
+    import torch
+    out.losses_o.append(float(loss_o.detach()))
+    out.losses_p.append(float(loss_p.detach()))
+    out.max_loss = max(out.max_loss, _rel(loss_o, loss_p))
+    params_p = dict(s.work.model.named_parameters())
+    for name, p in s.orig.model.named_parameters():
+        d = _rel(p.grad, params_p[name].grad)
+        if d > out.max_grad:
+            out.max_grad, out.worst_param = d, name
+    for (name, b), (_, b2) in zip(s.orig.model.named_buffers(), s.work.model.named_buffers()):
+        if b.is_floating_point():
+            out.max_buf = max(out.max_buf, _rel(b, b2))
+        elif not torch.equal(b, b2):
+            out.max_buf = max(out.max_buf, float("inf"))
+
+
+def _compare_steps(s: _Pair, steps: int, seed: int) -> _Compared:
+    """`steps` SGD steps of both models from the same RNG state, compared after each."""
+    import torch
+    out = _Compared()
     for k in range(steps):
-        # ---- original ----------------------------------------------------------------------
-        opt_o.zero_grad(set_to_none=True)
-        exclude_o = [*orig.model.parameters(), *orig.model.buffers(),
-                     *[x for x in pytree.tree_leaves(orig.inputs) if isinstance(x, torch.Tensor)]]
-        base = start()
-        torch.manual_seed(seed + 1 + k)
-        t0 = time.perf_counter()
-
-        def run_o():
-            return loss_from_output(orig.model(*o_args, **o_kwargs), orig.inputs, orig.loss_fn)
-
-        loss_o, held_o = saved_bytes_original(orig.model, orig.inputs, run_o, exclude_o)
-        loss_o.backward()
-        sync()
-        times_o.append((time.perf_counter() - t0) * 1e3)
-        peaks_o.append(peak(base, orig.model, held_o))
-        # ---- patched -----------------------------------------------------------------------
-        opt_p.zero_grad(set_to_none=True)
-        base = start()
-        torch.manual_seed(seed + 1 + k)
-        t0 = time.perf_counter()
-        loss_p = patched(*p_args, **p_kwargs)
-        held_p = patched.held_bytes_after_forward
-        store = patched.last_store() if patched.last_store is not None else None
-        offloaded = store.offloaded_bytes if store is not None else 0
-        loss_p.backward()
-        sync()
-        times_p.append((time.perf_counter() - t0) * 1e3)
-        peaks_p.append(peak(base, work.model, held_p))
-        # ---- compare -----------------------------------------------------------------------
-        losses_o.append(float(loss_o.detach()))
-        losses_p.append(float(loss_p.detach()))
-        max_loss = max(max_loss, _rel(loss_o, loss_p))
-        for name, p in params_o.items():
-            d = _rel(p.grad, params_p[name].grad)
-            if d > max_grad:
-                max_grad, worst_param = d, name
-        for (name, b), (_, b2) in zip(orig.model.named_buffers(), work.model.named_buffers()):
-            if b.is_floating_point():
-                max_buf = max(max_buf, _rel(b, b2))
-            elif not torch.equal(b, b2):
-                max_buf = max(max_buf, float("inf"))
+        loss_o = _step_original(s, seed + 1 + k, out)
+        loss_p = _step_patched(s, seed + 1 + k, out)
+        _compare(s, loss_o, loss_p, out)
         with torch.no_grad():
-            opt_o.step()
-            opt_p.step()
+            s.opt_o.step()
+            s.opt_p.step()
+    return out
 
-    # ---- memory over time: one more step of each, under the memory tracker ----------------
-    from .hardware import HardwareSpec
-    from .profile_build import recost
+
+def _plan_and_profile(patched_path: str, meta: dict, plan, profile):
+    """The Plan the module was made from and its profile, where they are found and match the
+    module (else None): the simulator's timeline needs both."""
     from .schema import load_profile
     if plan is None:
         plan = find_plan(patched_path, meta)
@@ -616,97 +664,157 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
                                 or profile.fingerprint != meta.get("profile_fingerprint")
                                 or plan.profile_fingerprint != profile.fingerprint):
         profile = None
-    opt_p.zero_grad(set_to_none=True)
-    opt_o.zero_grad(set_to_none=True)
-    torch.manual_seed(seed + 1 + steps)
-    ms = measure_patched_step(mod, patched, p_args, p_kwargs, profile)
-    torch.manual_seed(seed + 1 + steps)
-    peak_orig = measure_eager_step(orig.model, lambda: loss_from_output(
-        orig.model(*o_args, **o_kwargs), orig.inputs, orig.loss_fn))
-    timeline: list[dict] = []
-    worst = None
-    device_peak = None
-    matched = n_tasks = 0
-    pred_rec_ops = None
-    if profile is not None:
-        hw = HardwareSpec.from_dict(plan.hardware, "plan hardware")
-        prof = recost(profile, hw)
-        pred_plan, _ = predicted_timeline(prof, plan, hw, plan.budget_bytes)
-        if cuda:
-            pred_dev, device_peak = pred_plan, plan.predicted.peak_bytes
-        else:
-            pred_dev, device_peak = predicted_timeline(prof, plan, synchronous_copies(hw), None,
-                                                       issue_at_schedule=True)
-        on_plan, _ = align(pred_plan, ms.rows)
-        on_dev, matched = align(pred_dev, ms.rows)
-        n_tasks = len(pred_dev)
-        pred_rec_ops = sum(1 for op, rec, _ in pred_dev if rec and not _is_view_op(profile, op))
-        for r, a, b in zip(ms.rows, on_plan, on_dev):
-            r.predicted_bytes = b
-            timeline.append({"op": r.op, "name": r.name, "recompute": r.recompute,
-                             "measured_bytes": r.measured_bytes, "predicted_bytes": a,
-                             "predicted_device_bytes": b})
-        worst = worst_divergence(ms, profile)
+    return plan, profile
+
+
+@dataclass
+class _Timeline:
+    """The measured memory timeline, aligned with the simulator's where a profile was found."""
+    rows: list = field(default_factory=list)
+    worst: dict | None = None
+    device_peak: int | None = None
+    matched: int = 0
+    n_tasks: int = 0
+    pred_rec_ops: int | None = None
+
+
+def _timeline(ms: MeasuredStep, plan, profile, cuda: bool) -> _Timeline:
+    """Each measured row with the plan's predicted bytes and this device's (CPU: synchronous
+    copies), when the profile is known; the measured bytes alone otherwise."""
+    from .hardware import HardwareSpec
+    from .profile_build import recost
+    if profile is None:
+        return _Timeline(rows=[{"op": r.op, "name": r.name, "recompute": r.recompute,
+                                "measured_bytes": r.measured_bytes, "predicted_bytes": None,
+                                "predicted_device_bytes": None} for r in ms.rows])
+    hw = HardwareSpec.from_dict(plan.hardware, "plan hardware")
+    prof = recost(profile, hw)
+    pred_plan, _ = predicted_timeline(prof, plan, hw, plan.budget_bytes)
+    if cuda:
+        pred_dev, device_peak = pred_plan, plan.predicted.peak_bytes
     else:
-        timeline = [{"op": r.op, "name": r.name, "recompute": r.recompute,
-                     "measured_bytes": r.measured_bytes, "predicted_bytes": None,
-                     "predicted_device_bytes": None} for r in ms.rows]
+        pred_dev, device_peak = predicted_timeline(prof, plan, synchronous_copies(hw), None,
+                                                   issue_at_schedule=True)
+    on_plan, _ = align(pred_plan, ms.rows)
+    on_dev, matched = align(pred_dev, ms.rows)
+    out = _Timeline(device_peak=device_peak, matched=matched, n_tasks=len(pred_dev))
+    out.pred_rec_ops = sum(1 for op, rec, _ in pred_dev if rec and not _is_view_op(profile, op))
+    for r, a, b in zip(ms.rows, on_plan, on_dev):
+        r.predicted_bytes = b
+        out.rows.append({"op": r.op, "name": r.name, "recompute": r.recompute,
+                         "measured_bytes": r.measured_bytes, "predicted_bytes": a,
+                         "predicted_device_bytes": b})
+    out.worst = worst_divergence(ms, profile)
+    return out
 
-    inplace = _check_in_place(mod, path, entry, args, dev, seed, steps, loss_tol, grad_tol)
 
-    reasons = list(inplace.pop("reasons"))
-    if max_loss > loss_tol:
-        reasons.append(f"loss differs by {max_loss:.2e} (relative), tolerance {loss_tol:g}")
-    if max_grad > grad_tol:
-        reasons.append(f"gradient of {worst_param} differs by {max_grad:.2e} (relative), tolerance {grad_tol:g}")
-    if max_buf > grad_tol:
-        reasons.append(f"buffers differ by {max_buf:.2e} (relative), tolerance {grad_tol:g}")
-    budget = int(meta.get("budget_bytes") or 0)
-    metric = ("cuda max_memory_allocated above the step's start, gradients subtracted" if cuda
-              else "bytes held for backward at the end of forward (cpu)")
-    peak_p = max(peaks_p)
-    if budget > 0 and ms.peak_bytes > budget * (1 + MEMORY_TOLERANCE):
-        at = ms.rows[ms.peak_row].statement.split("#")[0].strip() if ms.rows else "?"
-        why = ""
-        if worst is not None:
-            held = [t for t in worst["live_tensors"] if t.get("held_past_last_use")]
-            names = ", ".join(f"{t['tensor']} ({fmt_bytes(t['bytes'])}, dead after op "
-                              f"{t['profile_last_use']} {t['profile_last_use_name']})"
-                              for t in held[:4])
-            why = (f"; largest excess over the simulator: {fmt_bytes(worst['excess_bytes'])} at "
-                   f"op {worst['op']} ({worst['name']})"
-                   + (f", held past their last use: {names}" if names else ""))
-        reasons.append(f"measured activation peak {fmt_bytes(ms.peak_bytes)} ({ms.peak_bytes} "
-                       f"bytes) at `{at[:80]}` is more than 5% above the plan's budget of "
-                       f"{fmt_bytes(budget)}" + why)
+def _value_reasons(s: _Pair, c: _Compared) -> list[str]:
+    reasons = []
+    if c.max_loss > s.loss_tol:
+        reasons.append(f"loss differs by {c.max_loss:.2e} (relative), tolerance {s.loss_tol:g}")
+    if c.max_grad > s.grad_tol:
+        reasons.append(f"gradient of {c.worst_param} differs by {c.max_grad:.2e} (relative), "
+                       f"tolerance {s.grad_tol:g}")
+    if c.max_buf > s.grad_tol:
+        reasons.append(f"buffers differ by {c.max_buf:.2e} (relative), tolerance {s.grad_tol:g}")
+    return reasons
+
+
+def _memory_reason(ms: MeasuredStep, budget: int, worst: dict | None) -> str | None:
+    """Why the measured peak fails the budget (None: it does not), naming the statement and
+    the tensors held past their last use where the simulator's timeline says so."""
+    if not (budget > 0 and ms.peak_bytes > budget * (1 + MEMORY_TOLERANCE)):
+        return None
+    at = ms.rows[ms.peak_row].statement.split("#")[0].strip() if ms.rows else "?"
+    why = ""
+    if worst is not None:
+        held = [t for t in worst["live_tensors"] if t.get("held_past_last_use")]
+        names = ", ".join(f"{t['tensor']} ({fmt_bytes(t['bytes'])}, dead after op "
+                          f"{t['profile_last_use']} {t['profile_last_use_name']})"
+                          for t in held[:4])
+        why = (f"; largest excess over the simulator: {fmt_bytes(worst['excess_bytes'])} at "
+               f"op {worst['op']} ({worst['name']})"
+               + (f", held past their last use: {names}" if names else ""))
+    return (f"measured activation peak {fmt_bytes(ms.peak_bytes)} ({ms.peak_bytes} "
+            f"bytes) at `{at[:80]}` is more than 5% above the plan's budget of "
+            f"{fmt_bytes(budget)}" + why)
+
+
+def verify(patched_path: str, model_path: str | None = None, entry: str | None = None,
+           args: dict | None = None, steps: int = 1, seed: int = 0,
+           check_trace: bool = True, warmup: bool = True, plan=None,
+           profile=None) -> VerifyReport:
+    """Run the original and the patched training step `steps` times and compare them.
+
+    `warmup` first runs one untimed step of each and restores weights, buffers and RNG state,
+    so step times do not include one-off costs (allocator growth, kernel selection).
+    `plan`: the Plan the module was made from (default: found next to the module by
+    `find_plan`) and `profile` its profile (default: the one the plan records); with them,
+    the measured memory timeline is aligned with the simulator's.
+    """
+    import torch
+
+    if steps < 1:
+        raise InputError(f"steps must be at least 1, got {steps}")
+    s = _load_pair(patched_path, model_path, entry, args, seed, check_trace)
+    if warmup:
+        _warmup(s.orig.model, s.run_original)
+        _warmup(s.work.model, s.run_patched)
+    c = _compare_steps(s, steps, seed)
+    # memory over time: one more step of each, under the memory tracker
+    plan, profile = _plan_and_profile(patched_path, s.meta, plan, profile)
+    s.opt_p.zero_grad(set_to_none=True)
+    s.opt_o.zero_grad(set_to_none=True)
+    torch.manual_seed(seed + 1 + steps)
+    ms = measure_patched_step(s.mod, s.patched, *s.p_call, profile)
+    torch.manual_seed(seed + 1 + steps)
+    peak_orig = measure_eager_step(s.orig.model, s.run_original)
+    tl = _timeline(ms, plan, profile, s.cuda)
+    inplace = _check_in_place(s.mod, s.path, s.entry, s.args, s.dev, seed, steps, s.loss_tol,
+                              s.grad_tol)
+    reasons = list(inplace.pop("reasons")) + _value_reasons(s, c)
+    budget = int(s.meta.get("budget_bytes") or 0)
+    memory = _memory_reason(ms, budget, tl.worst)
+    reasons += [memory] if memory else []
+    return _report(s, c, ms, tl, plan, profile, steps, budget, peak_orig, inplace, reasons,
+                   patched_path)
+
+
+def _report(s: _Pair, c: _Compared, ms: MeasuredStep, tl: _Timeline, plan, profile, steps: int,
+            budget: int, peak_orig: int, inplace: dict, reasons: list[str],
+            patched_path: str) -> VerifyReport:  # noqa: PLR0913
+    meta = s.meta
     pred = meta.get("predicted", {})
     fraction = meta.get("budget_fraction")
     keep_all = (profile.keep_all_peak_bytes if profile is not None
                 else int(meta.get("keep_all_peak_bytes") or 0)
                 or (int(round(budget / fraction)) if fraction else 0))
+    metric = ("cuda max_memory_allocated above the step's start, gradients subtracted" if s.cuda
+              else "bytes held for backward at the end of forward (cpu)")
     return VerifyReport(
-        patched=str(patched_path), workload=str(path), device=device, steps=steps,
-        losses_original=losses_o, losses_patched=losses_p, max_loss_rel_diff=max_loss,
-        max_grad_rel_diff=max_grad, worst_grad_param=worst_param, max_buffer_rel_diff=max_buf,
-        loss_tolerance=loss_tol, grad_tolerance=grad_tol, memory_metric=metric,
-        original_peak_bytes=int(max(peaks_o)), patched_peak_bytes=int(peak_p),
-        budget_bytes=budget, predicted_peak_bytes=int(pred.get("peak_bytes", 0)),
-        original_step_ms=min(times_o), patched_step_ms=min(times_p),
-        predicted_step_us=float(pred.get("step_us", 0.0)), swapped_bytes_per_step=int(offloaded),
-        kept=len(meta.get("kept", ())), swapped=len(meta.get("swapped", ())),
-        recomputed=len(meta.get("recomputed", ())), passed=not reasons, reasons=reasons,
-        measured_peak_bytes=int(ms.peak_bytes),
+        patched=str(patched_path), workload=str(s.path), device=s.device, steps=steps,
+        losses_original=c.losses_o, losses_patched=c.losses_p, max_loss_rel_diff=c.max_loss,
+        max_grad_rel_diff=c.max_grad, worst_grad_param=c.worst_param,
+        max_buffer_rel_diff=c.max_buf, loss_tolerance=s.loss_tol, grad_tolerance=s.grad_tol,
+        memory_metric=metric, original_peak_bytes=int(max(c.peaks_o)),
+        patched_peak_bytes=int(max(c.peaks_p)), budget_bytes=budget,
+        predicted_peak_bytes=int(pred.get("peak_bytes", 0)),
+        original_step_ms=min(c.times_o), patched_step_ms=min(c.times_p),
+        predicted_step_us=float(pred.get("step_us", 0.0)),
+        swapped_bytes_per_step=int(c.offloaded), kept=len(meta.get("kept", ())),
+        swapped=len(meta.get("swapped", ())), recomputed=len(meta.get("recomputed", ())),
+        passed=not reasons, reasons=reasons, measured_peak_bytes=int(ms.peak_bytes),
         measured_peak_at=(ms.rows[ms.peak_row].statement.split("#")[0].strip()
                           if ms.rows else ""),
         measured_original_peak_bytes=int(peak_orig), predicted_original_peak_bytes=keep_all,
-        predicted_device_peak_bytes=None if device_peak is None else int(device_peak),
-        plan_found=profile is not None, timeline_matched=matched, timeline_tasks=n_tasks,
-        timeline=timeline, worst_divergence=worst,
-        extra_step_ms=[p - o for o, p in zip(times_o, times_p)],
+        predicted_device_peak_bytes=None if tl.device_peak is None else int(tl.device_peak),
+        plan_found=profile is not None, timeline_matched=tl.matched, timeline_tasks=tl.n_tasks,
+        timeline=tl.rows, worst_divergence=tl.worst,
+        extra_step_ms=[p - o for o, p in zip(c.times_o, c.times_p)],
         predicted_recompute_us=(plan.predicted.recompute_us if plan is not None else None),
         profile_time_source=(profile.summary.get("time_source", "") if profile is not None
                              else ""),
-        predicted_recompute_ops=pred_rec_ops,
+        predicted_recompute_ops=tl.pred_rec_ops,
         measured_recompute_ops=sum(1 for x in ms.rows if x.recompute
                                    and (profile is None or not _is_view_op(profile, x.op))),
         inplace=inplace)

@@ -2,7 +2,7 @@
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.planners import make_plan
 from slackswap_cli.planners.common import build_model
-from slackswap_cli.planners.optimal import solve
+from slackswap_cli.planners.optimal import OptimalSettings, solve
 from slackswap_cli.synthetic import chain_profile
 
 MB = 1_000_000
@@ -21,7 +21,7 @@ def test_knapsack_picks_the_cheapest_pair_by_hand():
     p = chain_profile(5, act_bytes=MB, fwd_us=[50.0, 10.0, 30.0, 20.0, 40.0])
     budget = 3 * MB + 4
     m = build_model(p, HW)
-    actions, notes = solve(m, budget, time_limit_s=10)
+    actions, notes = solve(m, budget, OptimalSettings(time_limit_s=10))
     assert actions == ["keep", "recompute", "recompute", "keep", "keep"]
     assert any("proven lower bound 40.0 us (gap 0.00%)" in n for n in notes)
     plan = make_plan("optimal", p, HW, budget)

@@ -3,6 +3,8 @@
 Test hardware: copies move 1e10 bytes/s with no latency (1 MB takes 100 us each way); compute
 times are given per op, so every expected action can be worked out by hand.
 """
+import re
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -243,8 +245,49 @@ def test_planner_options_are_checked():
     budget = p.summary["peak_activation_bytes"]
     plan = make_plan("optimal", p, HW, budget, time_limit_s=5.0)
     assert plan.feasible
-    with pytest.raises(InputError, match="takes no option time_limit_s"):
+    with pytest.raises(InputError, match="takes no option time_limit_s") as exc:
         make_plan("slackswap", p, HW, budget, time_limit_s=5.0)
+    assert "exchange_tries" in exc.value.hint and "max_tries" in exc.value.hint
+    with pytest.raises(InputError, match="takes no option max_tries") as exc:
+        make_plan("recompute-only", p, HW, budget, max_tries=3)
+    assert exc.value.hint == "its options: none"
+
+
+@pytest.mark.parametrize("planner, option, message", [
+    ("optimal", {"time_limit_s": "5"}, "time_limit_s='5' is not a number"),
+    ("optimal", {"node_limit": 2.5}, "node_limit=2.5 is not an integer or None"),
+    ("optimal", {"groups": True}, "groups=True is not an integer"),
+    ("optimal", {"time_limit_s": 0}, "time_limit_s=0 is out of range: it must be above 0"),
+    ("optimal", {"soft_share": 1.5}, "soft_share=1.5 is out of range"),
+    ("slackswap", {"repairs": ((1.0, "no"),)}, "is not a tuple of"),
+    ("slackswap", {"repairs": ()}, "repairs=() is out of range"),
+    ("slackswap", {"max_tries": 0}, "max_tries=0 is out of range: it must be at least 1"),
+])
+def test_planner_option_values_are_checked(planner, option, message):
+    p = chain_profile(3, act_bytes=MB)
+    with pytest.raises(InputError, match=re.escape(message)):
+        run_planner(planner, p, HW, p.summary["peak_activation_bytes"], **option)
+
+
+def test_planner_settings_reach_the_planner():
+    # the options are the planner's settings: a repair list whose only try pins prefetches
+    # just in time gives pinned swaps (the default's first try pins none), said in the notes
+    from slackswap_cli.hardware import PRESETS
+    from slackswap_cli.synthetic import transformer_profile
+    p, hw = transformer_profile(), PRESETS["a100-pcie4"]
+    budget = int(0.5 * p.keep_all_peak_bytes)
+    pinned = make_plan("slackswap", p, hw, budget, repairs=((0.97, True),), polish_work_ops=0)
+    swaps = [d for d in pinned.decisions if d.action == "swap"]
+    assert swaps and all(d.prefetch_at is not None for d in swaps)
+    assert any("prefetches pinned just in time" in n for n in pinned.notes)
+    default = make_plan("slackswap", p, hw, budget)
+    assert all(d.prefetch_at is None for d in default.decisions)
+    same = make_plan("slackswap", p, hw, budget, max_tries=8, prefetch_margin=0.10)
+    assert same.decisions == default.decisions
+    # the polish allowance: off, the plan is the repairs' best; on, never worse
+    unpolished = make_plan("slackswap", p, hw, budget, polish_work_ops=0)
+    assert not any("polished" in n for n in unpolished.notes)
+    assert default.predicted.retention >= unpolished.predicted.retention
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,18 +1,21 @@
 """The planners and their registry: (profile, hardware, budget) -> a Plan the simulator judged.
 
 Every planner is a function `fn(profile, hw, budget_bytes)` returning either a list of
-`schema.Decision` (one per saved activation root) or a `PlannerOutput` (decisions plus notes).
+`schema.Decision` (one per saved activation root) or a `PlannerOutput` (decisions plus notes);
+a planner with tuning takes its settings (a frozen dataclass, `SETTINGS`) as a fourth argument.
 `make_plan` runs one by name, times it, simulates its decisions and fills in a `schema.Plan`:
 whether it fits (the simulator's verdict, not the planner's), the schedule and the predicted
 numbers. Planners never print; they explain themselves in `notes`.
 
 - `slackswap` (default): swap what the copy slack hides, recompute the rest (slackswap.py).
-- `optimal`: a MILP over the same choices, solved by HiGHS with a time limit (optimal.py).
-- `recompute-only`, `swap-all`, `checkpoint-layers`: baselines (baselines.py).
+- `optimal`: a MILP over the same choices, solved by HiGHS with a time limit (optimal.py);
+  slackswap's plan is its fallback and the plan to beat, passed in here.
+- `recompute-only`, `swap-all`, `checkpoint-layers`: baselines (baselines.py), no settings.
 """
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Callable, Union
 
 from ..errors import InputError
@@ -20,19 +23,26 @@ from ..hardware import HardwareSpec
 from ..schema import Decision, Plan, Profile
 from . import baselines, optimal, slackswap
 from .common import PlannerOutput
+from .settings import Settings, from_options
 
 if TYPE_CHECKING:
     from ..simulate import SimResult
 
 
-PlannerFn = Callable[[Profile, HardwareSpec, int], Union[list[Decision], PlannerOutput]]
+PlannerFn = Callable[..., Union[list[Decision], PlannerOutput]]
 
 PLANNERS: dict[str, PlannerFn] = {
     "slackswap": slackswap.plan,
-    "optimal": optimal.plan,
+    "optimal": partial(optimal.plan, fallback=slackswap.plan),
     "recompute-only": baselines.recompute_only,
     "swap-all": baselines.swap_all,
     "checkpoint-layers": baselines.checkpoint_layers,
+}
+
+# the settings dataclass of each planner that has tuning: its fields are the planner's options
+SETTINGS: dict[str, type[Settings]] = {
+    "slackswap": slackswap.SlackswapSettings,
+    "optimal": optimal.OptimalSettings,
 }
 
 
@@ -51,19 +61,15 @@ def run_planner(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int
                 **options) -> tuple[list[Decision], tuple[str, ...], float]:
     """(decisions, notes, solve_ms) of planner `name`, without simulating.
 
-    `options` go to the planner as keyword arguments (e.g. `time_limit_s` for `optimal`); an
-    option the planner does not take is an InputError.
+    `options` set fields of the planner's settings (`SETTINGS`, e.g. `time_limit_s` for
+    `optimal`); an option it has no field for, or a value of the wrong type or out of range, is
+    an InputError.
     """
     fn = get_planner(name)
-    if options:
-        import inspect
-        accepted = set(inspect.signature(fn).parameters) - {"profile", "hw", "budget_bytes"}
-        unknown = sorted(set(options) - accepted)
-        if unknown:
-            raise InputError(f"planner '{name}' takes no option {', '.join(unknown)}",
-                             hint=f"its options: {', '.join(sorted(accepted)) or 'none'}")
+    settings = from_options(name, SETTINGS.get(name), options)
     t0 = time.perf_counter()
-    out = fn(profile, hw, int(budget_bytes), **options)
+    out = (fn(profile, hw, int(budget_bytes)) if settings is None
+           else fn(profile, hw, int(budget_bytes), settings))
     solve_ms = (time.perf_counter() - t0) * 1e3
     if isinstance(out, PlannerOutput):
         return list(out.decisions), tuple(out.notes), solve_ms

@@ -50,9 +50,30 @@ from ..hardware import HardwareSpec
 from ..layers import op_layer_indices
 from ..profile_build import live_bytes_per_op
 from ..schema import Action, Decision, Profile
+from .settings import Settings
 
 KEEP, SWAP, RECOMPUTE = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 INF = float("inf")
+
+
+@dataclass(frozen=True)
+class StaticSettings(Settings):
+    """Tuning of the tools every planner shares here: the recompute greedy and the copy
+    schedule. `SlackswapSettings` and `OptimalSettings` extend it (so `max_tries=...` is an
+    option of either planner)."""
+
+    max_tries: int = 8
+    """Candidates `recompute_until_fits` tries at each step, cheapest per byte first, before it
+    takes the first one whose chain pulls evicted inputs back into a new overflow."""
+
+    prefetch_margin: float = 0.10
+    """Prefetches are pinned this share of their copy time before the just-in-time point
+    (`prefetch_points`; optimal's memory windows assume the same), to absorb what the static
+    picture leaves out: stalls elsewhere, the duplex derate."""
+
+    def _check_ranges(self) -> None:
+        self._require(self.max_tries >= 1, "max_tries", "at least 1")
+        self._require(0 <= self.prefetch_margin <= 10, "prefetch_margin", "between 0 and 10")
 
 
 @dataclass
@@ -329,10 +350,20 @@ def copy_schedule(m: Model, swaps: list[int], need: np.ndarray | None = None,
     return CopySchedule(done_op, pf_op, late_d2h + late_h2d)
 
 
-class SlackLedger:
-    """The two slack conditions of the module docstring, kept incrementally."""
+def prefetch_points(m: Model, state: State, margin: float) -> dict[int, int]:
+    """Candidate -> op at which its prefetch is pinned (`Decision.prefetch_at`): the
+    just-in-time point of `copy_schedule`, `margin` of the copy time earlier."""
+    swaps = [c for c, a in enumerate(state.actions) if a == SWAP]
+    if not swaps:
+        return {}
+    return copy_schedule(m, swaps, state.need, margin=margin).prefetch_op
 
-    def __init__(self, m: Model, safety: float = 0.97):
+
+class SlackLedger:
+    """The two slack conditions of the module docstring, kept incrementally; `safety` is the
+    share of the slack trusted."""
+
+    def __init__(self, m: Model, safety: float):
         self.m = m
         nf, n = m.nf, m.n
         self.safety = safety
@@ -402,11 +433,8 @@ def memory(m: Model, state: State, sched: CopySchedule | None = None) -> np.ndar
 
 
 # --------------------------------------------------------------------------------------------
-# The recompute greedy shared by slackswap and recompute-only
+# The recompute greedy shared by slackswap, optimal's repair and recompute-only
 # --------------------------------------------------------------------------------------------
-MAX_TRIES = 8
-
-
 def _apply_recompute(m: Model, state: State, c: int, mem: np.ndarray,
                      temps_seen: dict[int, set[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Recompute c; return the updated memory and the ops where evicted inputs came back early."""
@@ -435,14 +463,15 @@ def _note_temps(m: Model, state: State, c: int, temps_seen: dict[int, set[int]])
 
 def recompute_until_fits(m: Model, state: State, budget_bytes: int,
                          mem: np.ndarray, allow: np.ndarray | None = None,
-                         max_steps: int | None = None) -> tuple[np.ndarray, bool]:
+                         max_steps: int | None = None,
+                         max_tries: int = StaticSettings.max_tries) -> tuple[np.ndarray, bool]:
     """Recompute kept candidates, cheapest per byte first, where memory exceeds the budget.
 
     Repeatedly takes the op where memory most exceeds the budget and, among kept candidates live
     across it (and `allow`), recomputes the one with the least added recompute time per byte.
     Only tensors live at an over-budget moment are evicted. Memory is updated incrementally
     (the freed gap, the chain's temporaries, inputs the chain pulls back early) and recomputed
-    exactly every so often. Returns (memory, fits).
+    exactly every so often. `max_tries`: `StaticSettings.max_tries`. Returns (memory, fits).
     """
     mem = mem.copy()
     allow = np.ones(len(m.cands), dtype=bool) if allow is None else allow
@@ -484,12 +513,12 @@ def recompute_until_fits(m: Model, state: State, budget_bytes: int,
         # cost per byte of the excess it removes: near the end a small tensor that just covers
         # the excess beats a big one that is cheaper per byte but frees more than needed
         per_byte = state.marginal_costs(idx) / np.maximum(np.minimum(m.size[idx], excess[i]), 1)
-        if len(idx) > MAX_TRIES:
-            top = np.argpartition(per_byte, MAX_TRIES - 1)[:MAX_TRIES]
+        if len(idx) > max_tries:
+            top = np.argpartition(per_byte, max_tries - 1)[:max_tries]
             idx, per_byte = idx[top], per_byte[top]
         order = idx[np.lexsort((idx, per_byte))]
         fallback = None
-        for c in order[:MAX_TRIES]:
+        for c in order[:max_tries]:
             c = int(c)
             need_before = state.need.copy()
             new_mem, pulled = _apply_recompute(m, state, c, mem, temps_seen)

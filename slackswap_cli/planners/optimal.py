@@ -24,8 +24,9 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   repaired in the static model of `common` (extra recompute where memory still exceeds the
   budget) and the simulator judges it; notes give the MILP's objective, its proven lower bound
   (on this model, not on the simulator: a plan can beat it) and gap. When the MILP has no
-  answer in time, or slackswap's plan simulates better than the repaired MILP plan, slackswap's
-  plan is returned (the notes say so), so `optimal` never simulates below `slackswap`. The
+  answer in time, or the fallback planner's plan (slackswap's: the registry in `planners`
+  passes it) simulates better than the repaired MILP plan, that plan is returned (the notes
+  say so), so `optimal` never simulates below `slackswap`. The
   bound that holds for every plan the simulator accepts is `bound.sound_bound`, an LP
   relaxation of the simulator's rules; `plan` computes it first and reports it in the notes
   ("sound bound: ...").
@@ -34,28 +35,76 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
 `untie_limit` candidates, candidates at the same position of identical blocks share one
 variable within a group of consecutive blocks (the last two blocks each form their own group,
 the rest split into up to `groups` chunks). The bound is then the bound of this tied model.
+
+Limits and tuning are the fields of `OptimalSettings`.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
 from ..hardware import HardwareSpec
 from ..schema import Profile
 from .bound import run_quietly, sound_bound
-from .common import KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, State, build_chains, build_model, \
-    memory, recompute_until_fits
+from .common import KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, State, StaticSettings, \
+    build_chains, build_model, memory, prefetch_points, recompute_until_fits
 
-DEFAULT_TIME_LIMIT_S = 60.0
-PREFETCH_MARGIN = 0.10
-NODE_LIMIT = 20_000          # a deterministic cap on the search (the time limit is not)
-BOUND_SHARE = 0.3            # at most this share of the time limit goes to the sound bound
-RESERVE_S = 2.0              # kept back for the repair, prefetch points and the simulation
-SOFT_SHARE = 0.7             # HiGHS's own time limit, as a share of the MILP's time: HiGHS
-                             # checks it only now and then, so the solve also runs in a child
-                             # process that is stopped at the full time
+
+@dataclass(frozen=True)
+class OptimalSettings(StaticSettings):
+    """The `optimal` planner's limits and tuning (and `StaticSettings`': `max_tries` for the
+    repair, `prefetch_margin` for the memory windows and the prefetch points)."""
+
+    time_limit_s: float = 60.0
+    """Seconds the whole planner may take: sound bound, fallback plan, MILP, repair."""
+
+    node_limit: int | None = 20_000
+    """Branch-and-bound nodes HiGHS may explore: a deterministic cap on the search (the time
+    limit is not). None: no cap."""
+
+    untie_limit: int = 900
+    """Profiles with more candidates than this tie identical blocks (module docstring)."""
+
+    groups: int = 6
+    """Groups of consecutive tied blocks, besides the last two blocks (each its own group)."""
+
+    bound_share: float = 0.3
+    """At most this share of the time limit goes to the sound bound."""
+
+    reserve_s: float = 2.0
+    """Seconds kept back for the repair, the prefetch points and the simulations (at least;
+    see `reserve_share`)."""
+
+    reserve_share: float = 0.08
+    """Share of the time limit kept back when that is more than `reserve_s`."""
+
+    soft_share: float = 0.7
+    """HiGHS's own time limit, as a share of the MILP's time: HiGHS checks it only now and
+    then, so the solve also runs in a child process that is stopped at the full time."""
+
+    mip_rel_gap: float = 1e-4
+    """HiGHS stops when its incumbent is proven within this relative gap."""
+
+    max_slack_rows: int = 300
+    """Positions sampled for each direction's slack rows (evenly, when there are more)."""
+
+    def _check_ranges(self) -> None:
+        super()._check_ranges()
+        self._require(self.time_limit_s > 0, "time_limit_s", "above 0")
+        self._require(self.node_limit is None or self.node_limit >= 1, "node_limit",
+                      "at least 1, or None")
+        self._require(self.untie_limit >= 0, "untie_limit", "at least 0")
+        self._require(self.groups >= 1, "groups", "at least 1")
+        for name in ("bound_share", "reserve_share"):
+            self._require(0 <= getattr(self, name) < 1, name, "at least 0 and below 1")
+        self._require(self.reserve_s >= 0, "reserve_s", "at least 0")
+        self._require(0 < self.soft_share <= 1, "soft_share", "above 0 and at most 1")
+        self._require(0 <= self.mip_rel_gap < 1, "mip_rel_gap", "at least 0 and below 1")
+        self._require(self.max_slack_rows >= 2, "max_slack_rows", "at least 2")
 
 
 class _Stopped:
@@ -68,13 +117,13 @@ class _Stopped:
         self.message = message
 
 
-def _windows(m: Model):
+def _windows(m: Model, prefetch_margin: float):
     """Offload-tail end and prefetch-head start (op ids) of each candidate, no queueing."""
     c_all = np.arange(len(m.cands))
     done_t = m.t_end[m.p] + m.d2h_us
     tail_end = np.searchsorted(m.t_end, done_t - 1e-9, side="left") + 1   # exclusive
     tail_end = np.maximum(tail_end, m.lf + 1)
-    start_t = m.t_start[m.fb] - m.h2d_us * (1 + PREFETCH_MARGIN)
+    start_t = m.t_start[m.fb] - m.h2d_us * (1 + prefetch_margin)
     head = np.searchsorted(m.t_end, start_t, side="right")
     head = np.maximum(head, m.nf)
     tail_end = np.minimum(tail_end, m.fb)
@@ -122,71 +171,110 @@ def _groups(m: Model, untie_limit: int, groups: int) -> tuple[np.ndarray, int, s
     return var, nv, f"tied: {len(tied_layers)} identical blocks in {len(chunks)} groups"
 
 
-def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-          untie_limit: int = 900, groups: int = 6, node_limit: int | None = NODE_LIMIT,
-          fork: bool = True):
-    """Build and solve the MILP within `time_limit_s` (building included). Returns (actions,
-    notes). With `fork`, HiGHS runs in a child process stopped at the limit (`run_quietly`);
-    without, in this process (silenced), stopped only by its own time limit."""
-    t_build = time.perf_counter()
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
+class _Layout:
+    """The MILP's variables: [w (nv), r (nv), y (ny), eF, eB] (module docstring).
 
-    n = len(m.cands)
-    notes: list[str] = []
-    if n == 0 or int(m.live_keep.max(initial=0)) <= budget_bytes:
-        return [KEEP] * n, ["everything fits: nothing to solve"]
-    var, nv, how = _groups(m, untie_limit, groups)
-    notes.append(f"MILP {how}")
-    tail_end, head, _ = _windows(m)
-    ch = build_chains(m)
-    rec_ok = np.isfinite(ch.cost)
-    chain_us = np.where(rec_ok, ch.cost, 0.0)
-    extra = ch.extra_bytes
-    # one re-run of a multi-output producer makes all its outputs: its time is paid once,
-    # through a variable y >= r of every sibling (keyed by the variable of the first sibling)
-    lead = [min([c, *ch.siblings[c]]) for c in range(n)]
-    ykeys = sorted({int(var[lead[c]]) for c in range(n) if rec_ok[c]})
-    ypos = {k: j for j, k in enumerate(ykeys)}
-    ny = len(ykeys)
-    # variable layout: [w (nv), r (nv), y (ny), eF, eB]
-    N = 2 * nv + ny + 2
-    iw, ir, iy, ieF, ieB = 0, nv, 2 * nv, 2 * nv + ny, 2 * nv + ny + 1
-    cost = np.zeros(N)
-    for c in range(n):
-        if rec_ok[c] and lead[c] == c:
-            cost[iy + ypos[int(var[c])]] += chain_us[c]
-    cost[ieF] = cost[ieB] = 1.0
-    ub = np.ones(N)
-    ub[ieF] = ub[ieB] = np.inf
-    r_all_ok = np.ones(nv, dtype=bool)
-    np.logical_and.at(r_all_ok, var, rec_ok)
-    ub[ir:ir + nv] = r_all_ok.astype(float)   # a tied group recomputes only if all members can
-    rows, cols, vals, lo_b, hi_b = [], [], [], [], []
-    nrow = 0
+    `var[c]`: the variable index of candidate c (tied candidates share one); `ypos[k]`: the
+    producer-run variable of the variable k of a multi-output op's first output (`lead`).
+    """
 
-    def add_rows(r_idx, c_idx, v, lo, hi):
-        nonlocal nrow
-        rows.append(np.asarray(r_idx) + nrow)
-        cols.append(np.asarray(c_idx))
-        vals.append(np.asarray(v, dtype=float))
-        lo_b.append(np.asarray(lo, dtype=float))
-        hi_b.append(np.asarray(hi, dtype=float))
-        nrow += len(lo)
+    def __init__(self, m: Model, ch, var: np.ndarray, nv: int):
+        n = len(m.cands)
+        self.var, self.nv = var, nv
+        self.rec_ok = np.isfinite(ch.cost)
+        # one re-run of a multi-output producer makes all its outputs: its time is paid once,
+        # through a variable y >= r of every sibling (keyed by the variable of the first sibling)
+        self.lead = [min([c, *ch.siblings[c]]) for c in range(n)]
+        ykeys = sorted({int(var[self.lead[c]]) for c in range(n) if self.rec_ok[c]})
+        self.ypos = {k: j for j, k in enumerate(ykeys)}
+        self.ny = ny = len(ykeys)
+        self.N = 2 * nv + ny + 2
+        self.iw, self.ir, self.iy = 0, nv, 2 * nv
+        self.ieF, self.ieB = 2 * nv + ny, 2 * nv + ny + 1
 
-    # y_lead >= r_c for every recomputable candidate c
-    pairs = sorted({(ypos[int(var[lead[c]])], int(var[c])) for c in range(n) if rec_ok[c]})
+    def objective(self, ch) -> np.ndarray:
+        """Recompute time (once per producer run) plus the exposed copy time of each FIFO."""
+        cost = np.zeros(self.N)
+        chain_us = np.where(self.rec_ok, ch.cost, 0.0)
+        for c in range(len(self.lead)):
+            if self.rec_ok[c] and self.lead[c] == c:
+                cost[self.iy + self.ypos[int(self.var[c])]] += chain_us[c]
+        cost[self.ieF] = cost[self.ieB] = 1.0
+        return cost
+
+    def upper_bounds(self) -> np.ndarray:
+        ub = np.ones(self.N)
+        ub[self.ieF] = ub[self.ieB] = np.inf
+        r_all_ok = np.ones(self.nv, dtype=bool)
+        np.logical_and.at(r_all_ok, self.var, self.rec_ok)
+        ub[self.ir:self.ir + self.nv] = r_all_ok.astype(float)   # a tied group recomputes
+        return ub                                                 # only if all members can
+
+    def integrality(self) -> np.ndarray:
+        integrality = np.ones(self.N)
+        integrality[self.ieF] = integrality[self.ieB] = 0
+        integrality[self.iy:self.iy + self.ny] = 0   # y is integral at any optimum (it only pays)
+        return integrality
+
+    def actions(self, x: np.ndarray) -> list:
+        """Each candidate's action in a (rounded) solution."""
+        out = []
+        for c in range(len(self.lead)):
+            if x[self.iw + self.var[c]]:
+                out.append(SWAP)
+            elif x[self.ir + self.var[c]] and self.rec_ok[c]:
+                out.append(RECOMPUTE)
+            else:
+                out.append(KEEP)
+        return out
+
+
+class _Rows:
+    """Constraint rows `lo <= A x <= hi`, added in blocks as COO triplets."""
+
+    def __init__(self):
+        self.rows, self.cols, self.vals, self.lo, self.hi = [], [], [], [], []
+        self.n = 0
+
+    def add(self, r_idx, c_idx, v, lo, hi) -> None:
+        self.rows.append(np.asarray(r_idx) + self.n)
+        self.cols.append(np.asarray(c_idx))
+        self.vals.append(np.asarray(v, dtype=float))
+        self.lo.append(np.asarray(lo, dtype=float))
+        self.hi.append(np.asarray(hi, dtype=float))
+        self.n += len(lo)
+
+    def constraint(self, n_vars: int):
+        from scipy.optimize import LinearConstraint
+        from scipy.sparse import coo_matrix
+        A = coo_matrix((np.concatenate(self.vals),
+                        (np.concatenate(self.rows), np.concatenate(self.cols))),
+                       shape=(self.n, n_vars)).tocsr()
+        return LinearConstraint(A, np.concatenate(self.lo), np.concatenate(self.hi))
+
+
+def _choice_rows(rows: _Rows, lay: _Layout) -> None:
+    """y_lead >= r_c for every recomputable candidate c, and w + r <= 1."""
+    var, n = lay.var, len(lay.lead)
+    pairs = sorted({(lay.ypos[int(var[lay.lead[c]])], int(var[c]))
+                    for c in range(n) if lay.rec_ok[c]})
     if pairs:
         py = np.array([a for a, _ in pairs])
         pr = np.array([b for _, b in pairs])
         idx = np.arange(len(pairs))
-        add_rows(np.r_[idx, idx], np.r_[iy + py, ir + pr],
+        rows.add(np.r_[idx, idx], np.r_[lay.iy + py, lay.ir + pr],
                  np.r_[np.ones(len(pairs)), -np.ones(len(pairs))],
                  np.zeros(len(pairs)), np.full(len(pairs), np.inf))
-    # w + r <= 1
-    add_rows(np.r_[np.arange(nv), np.arange(nv)], np.r_[iw + np.arange(nv), ir + np.arange(nv)],
+    nv = lay.nv
+    rows.add(np.r_[np.arange(nv), np.arange(nv)],
+             np.r_[lay.iw + np.arange(nv), lay.ir + np.arange(nv)],
              np.ones(2 * nv), np.zeros(nv), np.ones(nv))
-    # memory rows: live_keep[i] - sum(savings) <= B at representative over-budget ops
+
+
+def _memory_ops(m: Model, budget_bytes: int, tail_end: np.ndarray,
+                head: np.ndarray) -> np.ndarray:
+    """The ops that get a memory row: between consecutive events (a gap, tail or head
+    starting or ending), the over-budget op with the most keep-all memory (it dominates)."""
     over = m.live_keep > budget_bytes
     events = np.unique(np.r_[0, m.lf + 1, m.fb, m.fb + 1, tail_end, head, m.nf])
     events = events[(events >= 0) & (events < m.n)]
@@ -197,139 +285,177 @@ def solve(m: Model, budget_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_
         end = events[stop_ok + 1] if stop_ok + 1 < len(events) else m.n
         seg = np.where(over[start:end], m.live_keep[start:end], -1)
         sel.append(start + int(np.argmax(seg)))
-    sel = np.array(sorted(set(sel)), dtype=np.int64)
-    if len(sel):
-        r_i, c_i, v_i = [], [], []
-        lo_gap, hi_gap = m.lf + 1, m.fb
-        for c in range(n):
-            s = float(m.size[c])
-            a = np.searchsorted(sel, lo_gap[c])
-            b = np.searchsorted(sel, hi_gap[c])
-            if b > a:
-                rr = np.arange(a, b)
-                r_i.append(rr); c_i.append(np.full(b - a, ir + var[c])); v_i.append(np.full(b - a, -s))
-                # swap saves its size outside the tail and the head
-                ta = np.searchsorted(sel, tail_end[c])
-                hb = np.searchsorted(sel, head[c])
-                lo_s, hi_s = max(a, ta), min(b, hb)
-                if hi_s > lo_s:
-                    rr = np.arange(lo_s, hi_s)
-                    r_i.append(rr); c_i.append(np.full(hi_s - lo_s, iw + var[c]))
-                    v_i.append(np.full(hi_s - lo_s, -s))
-            if extra[c]:
-                j = np.searchsorted(sel, m.fb[c])
-                if j < len(sel) and sel[j] == m.fb[c]:
-                    r_i.append(np.array([j])); c_i.append(np.array([ir + var[c]]))
-                    v_i.append(np.array([float(extra[c])]))
-        if r_i:
-            add_rows(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
-                     np.full(len(sel), -np.inf), budget_bytes - m.live_keep[sel].astype(float))
-    # slack rows (sub-sampled to at most 300 positions each)
-    pos_f = np.unique(m.p[m.p < m.nf])
-    if len(pos_f) > 300:
-        pos_f = pos_f[np.linspace(0, len(pos_f) - 1, 300).astype(int)]
+    return np.array(sorted(set(sel)), dtype=np.int64)
+
+
+def _memory_rows(rows: _Rows, m: Model, budget_bytes: int, lay: _Layout, sel: np.ndarray,
+                 tail_end: np.ndarray, head: np.ndarray, extra: np.ndarray) -> None:
+    """live_keep[i] - savings <= budget at each op of `sel`: a recompute saves its size over
+    its gap (its chain's temporaries cost `extra` at its first backward use), a swap its size
+    outside the offload tail and the prefetch head."""
+    if not len(sel):
+        return
+    r_i, c_i, v_i = [], [], []
+    iw, ir, var = lay.iw, lay.ir, lay.var
+    lo_gap, hi_gap = m.lf + 1, m.fb
+    for c in range(len(m.cands)):
+        s = float(m.size[c])
+        a = np.searchsorted(sel, lo_gap[c])
+        b = np.searchsorted(sel, hi_gap[c])
+        if b > a:
+            r_i.append(np.arange(a, b))
+            c_i.append(np.full(b - a, ir + var[c]))
+            v_i.append(np.full(b - a, -s))
+            lo_s = max(a, np.searchsorted(sel, tail_end[c]))
+            hi_s = min(b, np.searchsorted(sel, head[c]))
+            if hi_s > lo_s:
+                r_i.append(np.arange(lo_s, hi_s))
+                c_i.append(np.full(hi_s - lo_s, iw + var[c]))
+                v_i.append(np.full(hi_s - lo_s, -s))
+        if extra[c]:
+            j = np.searchsorted(sel, m.fb[c])
+            if j < len(sel) and sel[j] == m.fb[c]:
+                r_i.append(np.array([j]))
+                c_i.append(np.array([ir + var[c]]))
+                v_i.append(np.array([float(extra[c])]))
+    if r_i:
+        rows.add(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
+                 np.full(len(sel), -np.inf), budget_bytes - m.live_keep[sel].astype(float))
+
+
+def _sampled(pos: np.ndarray, max_rows: int) -> np.ndarray:
+    if len(pos) > max_rows:
+        return pos[np.linspace(0, len(pos) - 1, max_rows).astype(int)]
+    return pos
+
+
+def _slack_rows(rows: _Rows, m: Model, lay: _Layout, max_rows: int) -> None:
+    """The FIFOs' exposed time: eF bounds how far the D2H copies of everything produced from
+    op j on exceed the forward time left after j; eB how far the H2D copies needed by
+    backward op j exceed the backward time before j (at most `max_rows` positions each)."""
+    n, iw, var = len(m.cands), lay.iw, lay.var
+    pos_f = _sampled(np.unique(m.p[m.p < m.nf]), max_rows)
     if len(pos_f):
+        L = len(pos_f)
         r_i, c_i, v_i = [], [], []
         for c in range(n):
             k = np.searchsorted(pos_f, m.p[c], side="right")  # rows j with pos_f[j] <= p_c
-            r_i.append(np.arange(k)); c_i.append(np.full(k, iw + var[c])); v_i.append(np.full(k, m.d2h_us[c]))
-        L = len(pos_f)
-        r_i.append(np.arange(L)); c_i.append(np.full(L, ieF)); v_i.append(-np.ones(L))
-        add_rows(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
+            r_i.append(np.arange(k))
+            c_i.append(np.full(k, iw + var[c]))
+            v_i.append(np.full(k, m.d2h_us[c]))
+        r_i.append(np.arange(L)); c_i.append(np.full(L, lay.ieF)); v_i.append(-np.ones(L))
+        rows.add(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
                  np.full(L, -np.inf), m.forward_end_us - m.t_end[pos_f])
-    pos_b = np.unique(m.fb)
-    if len(pos_b) > 300:
-        pos_b = pos_b[np.linspace(0, len(pos_b) - 1, 300).astype(int)]
+    pos_b = _sampled(np.unique(m.fb), max_rows)
     if len(pos_b):
+        L = len(pos_b)
         r_i, c_i, v_i = [], [], []
         for c in range(n):
             k = np.searchsorted(pos_b, m.fb[c], side="left")   # rows j with pos_b[j] >= fb_c
-            L = len(pos_b)
-            r_i.append(np.arange(k, L)); c_i.append(np.full(L - k, iw + var[c]))
+            r_i.append(np.arange(k, L))
+            c_i.append(np.full(L - k, iw + var[c]))
             v_i.append(np.full(L - k, m.h2d_us[c]))
-        L = len(pos_b)
-        r_i.append(np.arange(L)); c_i.append(np.full(L, ieB)); v_i.append(-np.ones(L))
-        add_rows(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
+        r_i.append(np.arange(L)); c_i.append(np.full(L, lay.ieB)); v_i.append(-np.ones(L))
+        rows.add(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
                  np.full(L, -np.inf), m.t_start[pos_b] - m.forward_end_us)
-    A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                   shape=(nrow, N)).tocsr()
-    integrality = np.ones(N)
-    integrality[ieF] = integrality[ieB] = 0
-    integrality[iy:iy + ny] = 0     # y is integral at any optimum (it only pays)
-    t0 = time.perf_counter()
-    left = float(time_limit_s) - (t0 - t_build)
-    options = {"time_limit": max(0.1, SOFT_SHARE * left), "mip_rel_gap": 1e-4,
-               "disp": False, "random_seed": 0, "threads": 1}
-    if node_limit is not None:
-        options["node_limit"] = int(node_limit)
-    constraint = LinearConstraint(A, np.concatenate(lo_b), np.concatenate(hi_b))
-    res = run_quietly(milp, dict(c=cost, constraints=[constraint], integrality=integrality,
-                                 bounds=Bounds(np.zeros(N), ub), options=options),
+
+
+def _run_highs(lay: _Layout, cost: np.ndarray, constraint, left: float,
+               settings: OptimalSettings, fork: bool):
+    """HiGHS on the MILP, with `left` seconds (see `solve`); `_Stopped` when stopped."""
+    from scipy.optimize import Bounds, milp
+    options = {"time_limit": max(0.1, settings.soft_share * left),
+               "mip_rel_gap": settings.mip_rel_gap, "disp": False, "random_seed": 0, "threads": 1}
+    if settings.node_limit is not None:
+        options["node_limit"] = int(settings.node_limit)
+    res = run_quietly(milp, dict(c=cost, constraints=[constraint],
+                                 integrality=lay.integrality(),
+                                 bounds=Bounds(np.zeros(lay.N), lay.upper_bounds()),
+                                 options=options),
                       max(0.1, left) if fork else None)
-    if res is None:
-        res = _Stopped(f"stopped after the time limit ({left:.1f} s)")
-    solve_s = time.perf_counter() - t0
-    notes.append(f"MILP: {nv} choices x 2 binaries, {ny} producer runs, {len(sel)} memory rows, "
-                 f"{A.nnz} nonzeros; HiGHS {solve_s:.1f} s, status: {res.message}")
+    return res if res is not None else _Stopped(f"stopped after the time limit ({left:.1f} s)")
+
+
+def _bound_note(m: Model, res) -> str | None:
+    """The MILP's objective and proven lower bound as notes (None: no finite bound)."""
     bound = getattr(res, "mip_dual_bound", None)
+    if bound is None or not np.isfinite(bound):
+        return None
+    ideal = m.ideal_us
+    at_most = (f"retention at most {ideal / (ideal + max(bound, 0.0)):.4f} in this model "
+               "(not a bound on plans)")
     if res.x is None:
-        if bound is not None and np.isfinite(bound):
-            ideal = m.ideal_us
-            notes.append(f"MILP proven lower bound {bound:.1f} us of overhead: retention at most "
-                         f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model "
-                     "(not a bound on plans)")
-        notes.append("MILP found no solution in time")
-        return None, notes
-    x = np.round(res.x).astype(int)
+        return f"MILP proven lower bound {bound:.1f} us of overhead: {at_most}"
     obj = float(res.fun)
-    if bound is not None and np.isfinite(bound):
-        gap = (obj - bound) / obj if obj > 0 else 0.0
-        ideal = m.ideal_us
-        notes.append(f"MILP objective {obj:.1f} us of overhead, proven lower bound {bound:.1f} us "
-                     f"(gap {100 * gap:.2f}%): retention at most "
-                     f"{ideal / (ideal + max(bound, 0.0)):.4f} in this model "
-                     "(not a bound on plans)")
-    actions = []
-    for c in range(n):
-        if x[iw + var[c]]:
-            actions.append(SWAP)
-        elif x[ir + var[c]] and rec_ok[c]:
-            actions.append(RECOMPUTE)
-        else:
-            actions.append(KEEP)
-    return actions, notes
+    gap = (obj - bound) / obj if obj > 0 else 0.0
+    return (f"MILP objective {obj:.1f} us of overhead, proven lower bound {bound:.1f} us "
+            f"(gap {100 * gap:.2f}%): {at_most}")
+
+
+def solve(m: Model, budget_bytes: int, settings: OptimalSettings = OptimalSettings(),
+          fork: bool = True):
+    """Build and solve the MILP within `settings.time_limit_s` (building included). Returns
+    (actions, notes); actions is None when HiGHS found no solution. With `fork`, HiGHS runs
+    in a child process stopped at the limit (`run_quietly`); without, in this process
+    (silenced), stopped only by its own time limit."""
+    t_build = time.perf_counter()
+    n = len(m.cands)
+    if n == 0 or int(m.live_keep.max(initial=0)) <= budget_bytes:
+        return [KEEP] * n, ["everything fits: nothing to solve"]
+    var, nv, how = _groups(m, settings.untie_limit, settings.groups)
+    tail_end, head, _ = _windows(m, settings.prefetch_margin)
+    ch = build_chains(m)
+    lay = _Layout(m, ch, var, nv)
+    rows = _Rows()
+    _choice_rows(rows, lay)
+    sel = _memory_ops(m, budget_bytes, tail_end, head)
+    _memory_rows(rows, m, budget_bytes, lay, sel, tail_end, head, ch.extra_bytes)
+    _slack_rows(rows, m, lay, settings.max_slack_rows)
+    constraint = rows.constraint(lay.N)
+    t0 = time.perf_counter()
+    left = float(settings.time_limit_s) - (t0 - t_build)
+    res = _run_highs(lay, lay.objective(ch), constraint, left, settings, fork)
+    notes = [f"MILP {how}",
+             f"MILP: {nv} choices x 2 binaries, {lay.ny} producer runs, {len(sel)} memory rows, "
+             f"{constraint.A.nnz} nonzeros; HiGHS {time.perf_counter() - t0:.1f} s, "
+             f"status: {res.message}"]
+    bound_note = _bound_note(m, res)
+    if res.x is None:
+        notes += [bound_note] if bound_note else []
+        return None, notes + ["MILP found no solution in time"]
+    notes += [bound_note] if bound_note else []
+    return lay.actions(np.round(res.x).astype(int)), notes
 
 
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
-         time_limit_s: float = DEFAULT_TIME_LIMIT_S, untie_limit: int = 900, groups: int = 6,
-         node_limit: int | None = NODE_LIMIT):
+         settings: OptimalSettings = OptimalSettings(), *, fallback: Callable):
     """The `optimal` planner: solve the MILP, repair what the static model still finds over,
-    and return it unless slackswap's plan simulates better (then that, said in the notes).
+    and return it unless the `fallback` planner's plan (the registry passes slackswap's)
+    simulates better (then that, said in the notes).
 
-    `time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
-    `BOUND_SHARE` of it), slackswap's plan, the MILP (what is left, less a reserve for the
+    `settings.time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
+    `bound_share` of it), the fallback's plan, the MILP (what is left, less a reserve for the
     repair and the simulations after it). HiGHS runs with a fixed seed on one thread, so two
     runs give the same plan unless the time limit, rather than the gap or `node_limit`, ends
-    the search (the notes say which). Profiles with more than `untie_limit` candidates tie identical blocks into
-    `groups` groups (see the module docstring).
+    the search (the notes say which). Profiles with more than `untie_limit` candidates tie
+    identical blocks into `groups` groups (see the module docstring).
     """
-    from .slackswap import plan as slackswap_plan, prefetch_points
+    s = settings
     t0 = time.perf_counter()
-    deadline = t0 + float(time_limit_s)
+    deadline = t0 + float(s.time_limit_s)
     m = build_model(profile, hw)
     notes: list[str] = []
     b = sound_bound(profile, hw, budget_bytes,
-                    time_limit_s=max(0.5, BOUND_SHARE * (deadline - time.perf_counter())))
+                    time_limit_s=max(0.5, s.bound_share * (deadline - time.perf_counter())))
     notes.append(b.message)
-    # slackswap's plan (simulator-checked) is the fallback and the plan to beat
-    fallback = slackswap_plan(profile, hw, budget_bytes)
-    fallback_dec = list(getattr(fallback, "decisions", fallback))
-    reserve = max(RESERVE_S, 0.08 * time_limit_s)
+    # the fallback's plan (simulator-checked) is the fallback and the plan to beat
+    fallback_out = fallback(profile, hw, budget_bytes)
+    fallback_dec = list(getattr(fallback_out, "decisions", fallback_out))
+    reserve = max(s.reserve_s, s.reserve_share * s.time_limit_s)
     milp_s = max(0.5, deadline - time.perf_counter() - reserve)
     # the whole solve (building the MILP included) runs in a child stopped at milp_s
-    out = run_quietly(solve, dict(m=m, budget_bytes=budget_bytes, time_limit_s=milp_s,
-                                  untie_limit=untie_limit, groups=groups,
-                                  node_limit=node_limit, fork=False), milp_s)
+    out = run_quietly(solve, dict(m=m, budget_bytes=budget_bytes,
+                                  settings=replace(s, time_limit_s=milp_s), fork=False), milp_s)
     actions, more = out if out is not None else (
         None, [f"MILP stopped after its time ({milp_s:.1f} s) with no answer"])
     notes.extend(more)
@@ -342,10 +468,10 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
             state.set(c, KEEP)
     mem = memory(m, state)
     if mem.max(initial=0) > budget_bytes:
-        _, fits = recompute_until_fits(m, state, budget_bytes, mem)
+        _, fits = recompute_until_fits(m, state, budget_bytes, mem, max_tries=s.max_tries)
         notes.append("repaired the MILP plan with extra recompute where the static model "
                      "(with copy queueing) still exceeded the budget")
-    mine = state.decisions(prefetch_points(m, state))
+    mine = state.decisions(prefetch_points(m, state, s.prefetch_margin))
     # an incumbent cut short by the time limit can be poor: the simulator picks
     if _judge(profile, fallback_dec, hw, budget_bytes) > _judge(profile, mine, hw, budget_bytes):
         notes.append("slackswap's plan simulates better than the MILP's: using it")

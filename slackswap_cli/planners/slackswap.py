@@ -29,19 +29,60 @@ decisions the simulator judges better, within a fixed allowance of work.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..hardware import HardwareSpec
 from ..schema import Profile
 from ..units import fmt_us
-from .common import (KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, SlackLedger, State, build_model,
-                     copy_schedule, memory, recompute_until_fits)
+from .common import (KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, SlackLedger, State,
+                     StaticSettings, build_model, copy_schedule, memory, prefetch_points,
+                     recompute_until_fits)
 from .polish import polish
 
-PREFETCH_MARGIN = 0.10   # issue prefetches 10% of their copy time ahead of the just-in-time point
-UPGRADE_TRIES = 40       # recomputes the upgrade pass tries to turn into swaps
-EXCHANGE_TRIES = 8       # recomputes the exchange pass tries to undo (bounds planning time)
-EXCHANGE_STEPS = 40      # greedy steps each try may take to free the bytes elsewhere
+
+@dataclass(frozen=True)
+class SlackswapSettings(StaticSettings):
+    """The `slackswap` planner's tuning (and `StaticSettings`': `max_tries`,
+    `prefetch_margin`). The tries bound planning time; the defaults are what the tests and
+    benchmarks ran with."""
+
+    upgrade_tries: int = 40
+    """Recomputes the upgrade pass (pass 4) tries to turn into swaps."""
+
+    exchange_tries: int = 8
+    """Recomputes the exchange pass (pass 4) tries to undo, dearest first."""
+
+    exchange_steps: int = 40
+    """Greedy steps each exchange try may take to free the bytes elsewhere."""
+
+    slack_safety: float = 0.97
+    """Share of the copy slack the `SlackLedger` trusts when `plan_static` is given none (the
+    planner gives each of `repairs` its own; its plan without swaps never asks the ledger)."""
+
+    repairs: tuple[tuple[float, bool], ...] = (
+        (1.05, False), (1.0, False), (0.97, False), (0.97, True), (0.85, False), (0.7, False))
+    """(slack trusted, prefetches pinned just in time) of each plan tried, in order. The first
+    trusts 5% more slack than the static ledger grants (its D2H deadline, the end of forward,
+    is earlier than the moments memory is short); if the simulator shows a stall or an
+    overshoot, the next trust less (the static model leaves out queueing behind stalls and the
+    duplex derate)."""
+
+    polish_work_ops: int | None = None
+    """The polish pass's allowance in op-visits (`polish.polish`); None: its default (about
+    0.4 s on the Llama-7B sample); 0 turns the polish off."""
+
+    def _check_ranges(self) -> None:
+        super()._check_ranges()
+        self._require(self.polish_work_ops is None or self.polish_work_ops >= 0,
+                      "polish_work_ops", "at least 0, or None")
+        for name in ("upgrade_tries", "exchange_tries", "exchange_steps"):
+            self._require(getattr(self, name) >= 0, name, "at least 0")
+        self._require(0 < self.slack_safety <= 10, "slack_safety", "above 0 and at most 10")
+        self._require(len(self.repairs) > 0 and all(0 < t <= 10 for t, _ in self.repairs),
+                      "repairs", "at least one (slack trusted, pinned) pair, each share of "
+                      "slack trusted above 0 and at most 10")
 
 
 def _over_mask_useful(m: Model, mem: np.ndarray, budget_bytes: int) -> np.ndarray:
@@ -56,10 +97,12 @@ def _swaps(state: State) -> list[int]:
     return [c for c, a in enumerate(state.actions) if a == SWAP]
 
 
-def plan_static(m: Model, budget_bytes: int, use_swap: bool = True,
-                slack_safety: float = 0.97,
+def plan_static(m: Model, budget_bytes: int, s: SlackswapSettings, use_swap: bool = True,
+                slack_safety: float | None = None,
                 price_per_byte: float | None = None) -> tuple[State, np.ndarray, bool]:
     """Passes 1-4. Returns (state, static memory, fits in the static model).
+
+    `slack_safety`: the share of the slack trusted (default `s.slack_safety`).
 
     `price_per_byte`: the recompute time per byte of the dearest tensor a plan without swaps
     recomputes. A swap that avoids a dearer recompute, or frees a tensor that cannot be
@@ -72,7 +115,7 @@ def plan_static(m: Model, budget_bytes: int, use_swap: bool = True,
     if mem.max(initial=0) <= budget_bytes:
         return state, mem, True
     useful = _over_mask_useful(m, mem, budget_bytes)
-    ledger = SlackLedger(m, safety=slack_safety)
+    ledger = SlackLedger(m, safety=s.slack_safety if slack_safety is None else slack_safety)
     if use_swap:
         per_byte = np.where(np.isfinite(state.cost), state.cost / np.maximum(m.size, 1), np.inf)
         if price_per_byte is not None:
@@ -83,26 +126,26 @@ def plan_static(m: Model, budget_bytes: int, use_swap: bool = True,
                 ledger.add(c, state.need[c])
                 state.set(int(c), SWAP)
     mem = memory(m, state)
-    mem, fits = recompute_until_fits(m, state, budget_bytes, mem)
+    mem, fits = recompute_until_fits(m, state, budget_bytes, mem, max_tries=s.max_tries)
     if not fits and use_swap:
         # swaps still in flight at the worst moment: recompute them instead
-        mem, fits = _unswap_in_flight(m, state, budget_bytes)
+        mem, fits = _unswap_in_flight(m, state, budget_bytes, s)
     if not fits and use_swap:
         # what recompute cannot free (random ops' outputs): swap it even if the copy shows
-        mem, fits = _force_swaps(m, state, budget_bytes)
+        mem, fits = _force_swaps(m, state, budget_bytes, s)
     for _ in range(3):
         changed = _trim(m, state, budget_bytes)
         if use_swap:
-            changed |= _upgrade_to_swap(m, state, budget_bytes, ledger)
+            changed |= _upgrade_to_swap(m, state, budget_bytes, ledger, s)
         if not changed:
             break
     if fits:
-        _exchange(m, state, budget_bytes, EXCHANGE_TRIES)
+        _exchange(m, state, budget_bytes, s)
     mem = memory(m, state)
     return state, mem, bool(mem.max(initial=0) <= budget_bytes)
 
 
-def _exchange(m: Model, state: State, budget_bytes: int, max_tries: int) -> None:
+def _exchange(m: Model, state: State, budget_bytes: int, s: SlackswapSettings) -> None:
     """Undo the dearest recomputes one at a time and let the greedy free the bytes elsewhere;
     keep the change when the total recompute time drops (the greedy's early picks are not
     always the best ones: one cheap eviction can force a dear one later)."""
@@ -110,14 +153,14 @@ def _exchange(m: Model, state: State, budget_bytes: int, max_tries: int) -> None
     rec = sorted((c for c, a in enumerate(state.actions) if a == RECOMPUTE),
                  key=lambda c: -state.cost[c])
     allow = np.ones(len(m.cands), dtype=bool)
-    for c in rec[:max_tries]:
+    for c in rec[:s.exchange_tries]:
         if state.actions[c] != RECOMPUTE:
             continue
         snapshot = list(state.actions)
         state.set(c, KEEP)
         allow[c] = False
         _, fits = recompute_until_fits(m, state, budget_bytes, memory(m, state), allow=allow,
-                                       max_steps=EXCHANGE_STEPS)
+                                       max_steps=s.exchange_steps, max_tries=s.max_tries)
         allow[c] = True
         if fits:
             _trim(m, state, budget_bytes)
@@ -128,7 +171,8 @@ def _exchange(m: Model, state: State, budget_bytes: int, max_tries: int) -> None
             state.__init__(m, snapshot, state.ch)
 
 
-def _unswap_in_flight(m: Model, state: State, budget_bytes: int) -> tuple[np.ndarray, bool]:
+def _unswap_in_flight(m: Model, state: State, budget_bytes: int,
+                      s: SlackswapSettings) -> tuple[np.ndarray, bool]:
     """Where memory is over only because swapped tensors are still being offloaded or already
     being fetched back, recompute those (cheapest per byte first), then let the greedy go on."""
     for _ in range(len(m.cands)):
@@ -147,14 +191,16 @@ def _unswap_in_flight(m: Model, state: State, budget_bytes: int) -> tuple[np.nda
             return mem, False
         c = min(hit, key=lambda c: (state.cost[c] / max(int(m.size[c]), 1), c))
         state.set(c, RECOMPUTE)
-        mem, fits = recompute_until_fits(m, state, budget_bytes, memory(m, state))
+        mem, fits = recompute_until_fits(m, state, budget_bytes, memory(m, state),
+                                         max_tries=s.max_tries)
         if fits:
             return mem, True
     mem = memory(m, state)
     return mem, bool(mem.max(initial=0) <= budget_bytes)
 
 
-def _force_swaps(m: Model, state: State, budget_bytes: int) -> tuple[np.ndarray, bool]:
+def _force_swaps(m: Model, state: State, budget_bytes: int,
+                 s: SlackswapSettings) -> tuple[np.ndarray, bool]:
     for _ in range(len(m.cands)):
         mem = memory(m, state)
         i = int(np.argmax(mem))
@@ -167,7 +213,8 @@ def _force_swaps(m: Model, state: State, budget_bytes: int) -> tuple[np.ndarray,
         idx = np.nonzero(cover)[0]
         c = int(idx[np.argmax(m.size[idx])])  # the biggest frees most per copy latency
         state.set(c, SWAP)
-        mem, fits = recompute_until_fits(m, state, budget_bytes, memory(m, state))
+        mem, fits = recompute_until_fits(m, state, budget_bytes, memory(m, state),
+                                         max_tries=s.max_tries)
         if fits:
             return mem, True
     mem = memory(m, state)
@@ -214,7 +261,8 @@ def _trim(m: Model, state: State, budget_bytes: int) -> bool:
     return changed
 
 
-def _upgrade_to_swap(m: Model, state: State, budget_bytes: int, ledger: SlackLedger) -> bool:
+def _upgrade_to_swap(m: Model, state: State, budget_bytes: int, ledger: SlackLedger,
+                     s: SlackswapSettings) -> bool:
     """Recomputes that fit the slack left over become swaps, if memory still holds."""
     ledger.__init__(m, safety=ledger.safety)
     for c in _swaps(state):
@@ -224,7 +272,7 @@ def _upgrade_to_swap(m: Model, state: State, budget_bytes: int, ledger: SlackLed
     rec.sort(key=lambda c: -state.cost[c] / max(int(m.size[c]), 1))
     tries = 0
     for c in rec:
-        if tries >= UPGRADE_TRIES:
+        if tries >= s.upgrade_tries:
             break
         if not ledger.fits(c, state.need[c]):
             continue
@@ -243,7 +291,7 @@ def _upgrade_to_swap(m: Model, state: State, budget_bytes: int, ledger: SlackLed
 
 
 def _fix_stalls(m: Model, state: State, profile: Profile, hw: HardwareSpec,
-                budget_bytes: int) -> State | None:
+                budget_bytes: int, s: SlackswapSettings) -> State | None:
     """Where the simulator shows compute waiting, stop swapping what it waited for.
 
     A late prefetch at op i: the swapped tensors needed at i are recomputed (or kept, when they
@@ -272,7 +320,8 @@ def _fix_stalls(m: Model, state: State, profile: Profile, hw: HardwareSpec,
         return None
     for c in hit:
         fixed.set(c, RECOMPUTE if np.isfinite(fixed.cost[c]) else KEEP)
-    mem, fits = recompute_until_fits(m, fixed, budget_bytes, memory(m, fixed))
+    mem, fits = recompute_until_fits(m, fixed, budget_bytes, memory(m, fixed),
+                                     max_tries=s.max_tries)
     if not fits:
         return None
     _trim(m, fixed, budget_bytes)
@@ -280,32 +329,23 @@ def _fix_stalls(m: Model, state: State, profile: Profile, hw: HardwareSpec,
     return fixed
 
 
-def prefetch_points(m: Model, state: State) -> dict[int, int]:
-    swaps = _swaps(state)
-    if not swaps:
-        return {}
-    return copy_schedule(m, swaps, state.need, margin=PREFETCH_MARGIN).prefetch_op
+def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
+         settings: SlackswapSettings = SlackswapSettings()):
+    """The `slackswap` planner: (profile, hardware, budget) -> decisions and notes.
 
-
-# Slack trusted, and whether prefetches are pinned just in time, in the order tried. The first
-# try trusts 5% more slack than the static ledger grants (its D2H deadline, the end of forward,
-# is earlier than the moments memory is short); if the simulator shows a stall or an overshoot,
-# the next tries trust less (the static model leaves out queueing behind stalls and the duplex
-# derate). A plan without swaps is always tried too, so slackswap never loses to recomputing
-# alone. The best plan the simulator saw is kept.
-REPAIRS = ((1.05, False), (1.0, False), (0.97, False), (0.97, True), (0.85, False), (0.7, False))
-
-
-def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
-    """The `slackswap` planner: (profile, hardware, budget) -> decisions and notes."""
+    It tries `settings.repairs` in order, and a plan without swaps too (so slackswap never
+    loses to recomputing alone); the best plan the simulator saw is kept.
+    """
     from ..simulate import simulate
+    s = settings
     m = build_model(profile, hw)
     ideal = m.ideal_us
     best = None
 
     def consider(state, fits, safety, pin):
         nonlocal best
-        decisions = state.decisions(prefetch_points(m, state) if pin else None)
+        decisions = state.decisions(prefetch_points(m, state, s.prefetch_margin) if pin
+                                    else None)
         res = simulate(profile, decisions, hw, budget_bytes, record=False)
         key = (res.feasible, res.predicted.retention)
         if best is None or key > best[0]:
@@ -314,18 +354,18 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
 
     price = None
     if int(m.live_keep.max(initial=0)) > budget_bytes:
-        state, _, fits = plan_static(m, budget_bytes, use_swap=False)
+        state, _, fits = plan_static(m, budget_bytes, s, use_swap=False)
         consider(state, fits, None, False)
         rec = [c for c, a in enumerate(state.actions) if a == RECOMPUTE]
         if rec:
             price = max(float(state.cost[c]) / max(int(m.size[c]), 1) for c in rec)
-    for k, (safety, pin) in enumerate(REPAIRS):
-        state, _, fits = plan_static(m, budget_bytes, slack_safety=safety,
+    for k, (safety, pin) in enumerate(s.repairs):
+        state, _, fits = plan_static(m, budget_bytes, s, slack_safety=safety,
                                      price_per_byte=price)
         if consider(state, fits, safety, pin):
             break
         if k == 0:   # fix the stalls where the simulator shows them, then judge again
-            fixed = _fix_stalls(m, state, profile, hw, budget_bytes)
+            fixed = _fix_stalls(m, state, profile, hw, budget_bytes, s)
             if fixed is not None and consider(fixed, True, safety, pin):
                 break
     if not best[0][0]:
@@ -333,8 +373,14 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
         # every budget at or above the floor, compute waiting for copies where it must)
         consider(State(m, [SWAP] * len(m.cands)), True, "swap-all", False)
     _, state, decisions, fits, safety, pin, res = best
-    polished = polish(profile, hw, budget_bytes, decisions, res)
+    polished = polish(profile, hw, budget_bytes, decisions, res,
+                      work_ops=settings.polish_work_ops)
     decisions = list(polished.decisions)
+    return PlannerOutput(decisions, _notes(state, decisions, fits, safety, pin, res, polished, s))
+
+
+def _notes(state, decisions, fits, safety, pin, res, polished, s) -> tuple[str, ...]:
+    """What the plan's notes say: its counts, the repair that made it, the polish."""
     notes = [f"{sum(d.action == SWAP for d in decisions)} swapped, "
              f"{sum(d.action == RECOMPUTE for d in decisions)} recomputed"
              + ("" if polished.moves else
@@ -347,7 +393,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
     elif getattr(state, "stall_fixed", 0):
         notes.append(f"repaired after simulation: {state.stall_fixed} stalling swaps "
                      "recomputed or kept")
-    elif safety != REPAIRS[0][0] or pin:
+    elif safety != s.repairs[0][0] or pin:
         notes.append(f"repaired after simulation: {100 * safety:.0f}% of the slack trusted"
                      + (", prefetches pinned just in time" if pin else ""))
     if polished.moves:
@@ -356,4 +402,4 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int):
                      f"+{100 * gain:.2f} points of retention")
     if not fits:
         notes.append("the static model found no plan under the budget; best effort")
-    return PlannerOutput(decisions, tuple(notes))
+    return tuple(notes)
