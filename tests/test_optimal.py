@@ -1,4 +1,6 @@
 """The MILP planner on an instance whose optimum is known by hand."""
+import pytest
+
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.planners import make_plan
 from slackswap_cli.planners.common import build_model
@@ -21,11 +23,15 @@ def test_knapsack_picks_the_cheapest_pair_by_hand():
     p = chain_profile(5, act_bytes=MB, fwd_us=[50.0, 10.0, 30.0, 20.0, 40.0])
     budget = 3 * MB + 4
     m = build_model(p, HW)
-    actions, notes = solve(m, budget, OptimalSettings(time_limit_s=10))
+    actions, notes, objective = solve(m, budget, OptimalSettings(time_limit_s=10))
     assert actions == ["keep", "recompute", "recompute", "keep", "keep"]
     assert any("proven lower bound 40.0 us (gap 0.00%)" in n for n in notes)
+    assert objective == pytest.approx(40.0)
     plan = make_plan("optimal", p, HW, budget)
     assert plan.feasible
+    # here the MILP's model is exact: its plan simulates at its objective
+    assert any("simulates at 40.0 us of overhead, its objective says 40.0 us (+0.00%)" in n
+               for n in plan.notes), plan.notes
     assert plan.predicted.recompute_us == 40.0
     assert plan.predicted.peak_bytes <= budget
     # slackswap's greedy finds the same plan here
@@ -35,7 +41,8 @@ def test_knapsack_picks_the_cheapest_pair_by_hand():
 
 def test_everything_fits_needs_no_solve():
     p = chain_profile(3, act_bytes=MB)
-    actions, notes = solve(build_model(p, HW), p.summary["peak_activation_bytes"])
+    actions, notes, objective = solve(build_model(p, HW), p.summary["peak_activation_bytes"])
+    assert objective == 0.0
     assert actions == ["keep"] * 3 and "nothing to solve" in notes[0]
 
 
