@@ -284,217 +284,274 @@ def sound_bound(prof: Profile, hw: HardwareSpec, budget_bytes: int,
 
 
 def _solve(f: _Facts, hw: HardwareSpec, B: int, time_limit_s: float | None = None) -> Bound:
-    from scipy.optimize import linprog
-    from scipy.sparse import coo_matrix
-
     t0 = time.perf_counter()
-    nf, nc = f.nf, len(f.cands)
-    over = np.nonzero(f.keep_all > B)[0]
-    if len(over) == 0:
+    if not (f.keep_all > B).any():
         return Bound(True, 0.0, 1.0, f.ideal, time.perf_counter() - t0, 0,
                      "everything fits: no overhead needed")
     if f.floor.max(initial=0) > B:
         return Bound(False, None, None, f.ideal, time.perf_counter() - t0, 0,
                      "no plan fits: the memory every plan needs exceeds the budget")
-    scale = float(max(B, 1))                      # bytes in units of the budget
-    size = f.size / scale
-    bw_d_raw = hw.d2h_bytes_per_s * 1e-6 / scale  # budget units per us
-    bw_h_raw = hw.h2d_bytes_per_s * 1e-6 / scale
-    lat = max(0.0, float(hw.copy_latency_us))
-    # effective bandwidths: copies of at most `smax` bytes each pay the latency per copy
-    smax_all = float(size.max(initial=0.0))
-
-    def eff(bw: float, smax: float) -> float:
-        return bw if smax <= 0 or lat <= 0 else 1.0 / (1.0 / bw + lat / smax)
-    smax_row = {int(i): float(size[(f.lf < i) & (f.fb > i)].max(initial=0.0)) for i in over}
-    bw_h_all = eff(bw_h_raw, smax_all)
-    cap = (B - f.floor) / scale                   # room left at each op
-    bwd_rows = over[over >= nf]
-    # sampled j's for (c) and the positions of (d): first backward uses after each row
-    fb_pos = np.unique(f.fb)
-    pairs: list[tuple[int, int]] = []
-    for i in bwd_rows:
-        k0 = int(np.searchsorted(fb_pos, i, side="right"))
-        steps, s = [], 0
-        while len(steps) < PAIRS_PER_ROW and k0 + s < len(fb_pos):
-            steps.append(k0 + s)
-            s = 2 * s + 1 if s else 1
-        pairs.extend((int(i), int(fb_pos[k])) for k in steps)
-    # sampled q's for (b'): production positions before each forward row
-    p_pos = np.unique(f.p)
-    tails: list[tuple[int, int]] = []
-    for i in over:
-        k0 = int(np.searchsorted(p_pos, min(i, nf), side="left")) - 1
-        steps, s = [], 0
-        while len(steps) < PAIRS_PER_ROW and k0 - s >= 0:
-            steps.append(k0 - s)
-            s = 2 * s + 1 if s else 1
-        tails.extend((int(p_pos[k]), int(i)) for k in steps)
-    P = np.unique(np.r_[over, fb_pos[fb_pos >= nf], [j for _, j in pairs],
-                        [q for q, _ in tails], [nf - 1]])
-    P = P.astype(np.int64)
-    nP = len(P)
-    ops_used = sorted({o for ch in f.chain if ch for o in ch})
-    ypos = {o: q for q, o in enumerate(ops_used)}
-    ny = len(ops_used)
-    # columns: k, w, r (nc each), y (ny), R, Zt, KI, KO, WI, WO, Z, WP (nP each)
-    ik, iw, ir, iy = 0, nc, 2 * nc, 3 * nc
-    iR, iZt = 3 * nc + ny, 3 * nc + ny + 1
-    iKI = iZt + 1
-    iKO, iWI, iWO, iZ = iKI + nP, iKI + 2 * nP, iKI + 3 * nP, iKI + 4 * nP
-    iWP = iKI + 5 * nP
-    N = iKI + 6 * nP
-    # (e) recompute after backward position i: positions refined, their A_i, e_{c,i}, v_{o,i}
-    Q = _refined_positions(P, over, nf)
-    iA = N
-    N += len(Q)
-    after: dict[int, int] = {int(i): iA + k for k, i in enumerate(Q)}
-    e_cols: list[tuple[int, list[tuple[int, int]]]] = []   # per refined i: [(c, column)]
-    v_cols: list[dict[int, int]] = []                       # per refined i: op -> column
-    for i in Q:
-        future = [c for c in range(nc) if f.fb[c] > i and f.chain[c]]
-        e_cols.append((int(i), [(c, N + k) for k, c in enumerate(future)]))
-        N += len(future)
-        users: dict[int, int] = {}
-        for c in future:
-            for o in f.chain[c]:
-                users[o] = users.get(o, 0) + 1
-        shared = sorted(o for o, n in users.items() if n > 1)
-        v_cols.append({o: N + k for k, o in enumerate(shared)})
-        N += len(shared)
-    early = {i: dict(cols) for i, cols in e_cols}           # i -> c -> e column
-    R, C, V, lo, hi = [], [], [], [], []
-    nrow = 0
-
-    def row(cols, vals, lb, ub):
-        nonlocal nrow
-        R.extend([nrow] * len(cols))
-        C.extend(cols)
-        V.extend(vals)
-        lo.append(lb)
-        hi.append(ub)
-        nrow += 1
-
-    for c in range(nc):                           # k + w + r = 1
-        row([ik + c, iw + c, ir + c], [1.0, 1.0, 1.0], 1.0, 1.0)
-    for c, ch in enumerate(f.chain):              # y_o >= r_c
-        for o in ch or ():
-            row([iy + ypos[o], ir + c], [1.0, -1.0], 0.0, np.inf)
-    row([iR] + [iy + q for q in range(ny)], [1.0] + [-float(f.time[o]) for o in ops_used],
-        0.0, np.inf)                              # R >= recompute time
-    for q in range(1, nP):                        # stall before op P[q]: non-decreasing
-        row([iZ + q, iZ + q - 1], [1.0, -1.0], 0.0, np.inf)
-    row([iZt, iZ + nP - 1], [1.0, -1.0], 0.0, np.inf)
-    # cumulative sums at positions P: opened (lf + 1 <= q) and closed (fb <= q) gaps
-    for base, first, key in ((iKI, ik, f.lf + 1), (iKO, ik, f.fb), (iWI, iw, f.lf + 1),
-                             (iWO, iw, f.fb), (iWP, iw, f.p + 1)):
-        bucket = np.searchsorted(P, key, side="left")     # first position q >= key
-        members: list[list[int]] = [[] for _ in range(nP)]
-        for c, b in enumerate(bucket):
-            if b < nP:
-                members[b].append(c)
-        for q in range(nP):
-            cols = [base + q] + ([base + q - 1] if q else []) + [first + c for c in members[q]]
-            vals = [1.0] + ([-1.0] if q else []) + [-size[c] for c in members[q]]
-            row(cols, vals, 0.0, 0.0)
-    at = {int(q): k for k, q in enumerate(P)}
-    for i, cols in e_cols:                        # (e): v_{o,i} >= r_c - e_{c,i}, A_i
-        vi = v_cols[Q.index(i)]
-        cc, vv = [after[i]] + list(vi.values()), [1.0] + [-float(f.time[o]) for o in vi]
-        for c, ec in cols:
-            own = 0.0                             # ops in c's chain alone: v_o = r_c - e_c
-            for o in f.chain[c]:
-                if o in vi:
-                    row([vi[o], ir + c, ec], [1.0, -1.0, 1.0], 0.0, np.inf)
-                else:
-                    own += float(f.time[o])
-            if own > 0:
-                cc += [ir + c, ec]
-                vv += [-own, own]
-            row([ir + c, ec], [1.0, -1.0], 0.0, np.inf)    # e_{c,i} <= r_c
-        row(cc, vv, 0.0, np.inf)
-
-    def early_mem(i: int) -> tuple[list[int], list[float]]:
-        cols = early.get(int(i), {})
-        return list(cols.values()), [float(size[c]) for c in cols]
-
-    for i in over:                                # (a)
-        q = at[int(i)]
-        ec, ev = early_mem(i)
-        row([iKI + q, iKO + q] + ec, [1.0, -1.0] + ev, -np.inf, cap[i])
-    for i in over:                                # (b)
-        q = at[int(i)]
-        bw_d = eff(bw_d_raw, smax_row[int(i)])
-        rc, rv = _recompute_before(i, nf, iR, after, bw_d)
-        ec, ev = early_mem(i)
-        row([iKI + q, iKO + q, iWI + q, iWO + q, iZ + q] + rc + ec,
-            [1.0, -1.0, 1.0, -1.0, -bw_d] + rv + ev, -np.inf,
-            cap[i] + bw_d * f.t_start[i])
-    for q_op, i in tails:                         # (b')
-        qq, qi = at[q_op], at[i]
-        bw_d = eff(bw_d_raw, smax_row[i])
-        rc, rv = _recompute_before(i, nf, iR, after, bw_d)
-        ec, ev = early_mem(i)
-        gap_i = (f.lf < i) & (f.fb > i)
-        direct = np.nonzero(gap_i & (f.p >= q_op))[0]
-        other = np.nonzero(~gap_i & (f.p < q_op))[0]
-        if len(direct) <= len(other) + 5:       # sum over the gap's tensors made from q on
-            cols, vals = [iw + int(c) for c in direct], [float(size[c]) for c in direct]
-        else:                                   # ... or gap total - made before q + not in gap
-            cols = [iKI + qi, iKO + qi, iWI + qi, iWO + qi, iWP + qq] + [iw + int(c) for c in other]
-            vals = [1.0, -1.0, 1.0, -1.0, -1.0] + [float(size[c]) for c in other]
-            cols, vals = cols[2:], vals[2:]
-        row([iKI + qi, iKO + qi, iZ + qi, iZ + qq] + rc + ec + cols,
-            [1.0, -1.0, -bw_d, bw_d] + rv + ev + vals, -np.inf,
-            cap[i] + bw_d * (f.t_start[i] - f.t_start[q_op]))
-    for i, j in pairs:                            # (c)
-        qi, qj = at[i], at[j]
-        bw_h = eff(bw_h_raw, smax_row[i])
-        rc, rv = _recompute_before(j, nf, iR, after, bw_h)
-        ec, ev = early_mem(i)
-        row([iKI + qi, iKO + qi, iWO + qj, iWO + qi, iZ + qj, iZ + qi] + rc + ec,
-            [1.0, -1.0, 1.0, -1.0, -bw_h, bw_h] + rv + ev,
-            -np.inf, cap[i] + bw_h * (f.t_start[j] - f.t_start[i]))
-    qf = at[nf - 1]
-    bw_h = bw_h_all
-    for j in P[P >= nf]:                          # (d)
-        q = at[int(j)]
-        rc, rv = _recompute_before(j, nf, iR, after, bw_h)
-        row([iWO + q, iZ + q, iZ + qf] + rc, [1.0, -bw_h, bw_h] + rv, -np.inf,
-            bw_h * (f.t_start[j] - f.fwd_end))
-    A = coo_matrix((V, (R, C)), shape=(nrow, N)).tocsr()
-    ub = np.full(N, np.inf)
-    ub[:3 * nc + ny] = 1.0
-    for i, cols in e_cols:                        # e and v in [0, 1]
-        ub[[ec for _, ec in cols]] = 1.0
-        ub[list(v_cols[Q.index(i)].values())] = 1.0
-    for c, ch in enumerate(f.chain):
-        if ch is None:
-            ub[ir + c] = 0.0
-    cost = np.zeros(N)
-    cost[iR] = cost[iZt] = 1.0
-    A_ub_rows = np.isfinite(np.array(hi)) & ~np.isfinite(np.array(lo))
-    eq = np.array(lo) == np.array(hi)
-    ge = ~A_ub_rows & ~eq                         # lo <= row (hi = inf)
-    lo_a, hi_a = np.array(lo), np.array(hi)
-    A_ub = _vstack(A[A_ub_rows], -A[ge])
-    b_ub = np.r_[hi_a[A_ub_rows], -lo_a[ge]]
-    options = {} if time_limit_s is None else {"time_limit": max(0.1, float(time_limit_s))}
-    with quiet_fds():
-        res = linprog(cost, A_ub=A_ub, b_ub=b_ub, A_eq=A[eq], b_eq=hi_a[eq],
-                      bounds=np.c_[np.zeros(N), ub], method="highs", options=options)
+    lp = _LP(f, hw, B)
+    lp.choice_rows()
+    lp.cumulative_rows()
+    lp.recompute_to_come_rows()
+    lp.offload_rows()
+    lp.fetch_rows()
+    res = lp.solve(time_limit_s)
     solve_s = time.perf_counter() - t0
     if res.status == 2:
-        return Bound(False, None, None, f.ideal, solve_s, nrow,
+        return Bound(False, None, None, f.ideal, solve_s, lp.nrow,
                      "no plan fits: the relaxation is infeasible")
     if res.status != 0:
-        return Bound(True, None, None, f.ideal, solve_s, nrow,
+        return Bound(True, None, None, f.ideal, solve_s, lp.nrow,
                      f"sound bound not computed: the LP stopped ({res.message})")
     s = max(0.0, float(res.fun) - SAFETY * f.ideal)
     ret = 1.0 if f.ideal + s <= 0 else f.ideal / (f.ideal + s)
-    return Bound(True, s, ret, f.ideal, solve_s, nrow,
+    return Bound(True, s, ret, f.ideal, solve_s, lp.nrow,
                  f"sound bound: overhead >= {s:.1f} us, retention <= {ret:.4f} "
-                 f"(LP: {nc} tensors, {nrow} rows, {solve_s:.1f} s)")
+                 f"(LP: {len(f.cands)} tensors, {lp.nrow} rows, {solve_s:.1f} s)")
+
+
+def _geometric(k0: int, step: int, n: int) -> list[int]:
+    """Up to PAIRS_PER_ROW indices from k0 in direction `step` (+1/-1), at 0, 1, 3, 7, ...
+    steps away, within [0, n)."""
+    out, s = [], 0
+    while len(out) < PAIRS_PER_ROW and 0 <= k0 + step * s < n:
+        out.append(k0 + step * s)
+        s = 2 * s + 1 if s else 1
+    return out
+
+
+class _LP:
+    """The LP of the module docstring: positions, columns, and one method per family of rows.
+
+    Bytes are in units of the budget. Columns: k, w, r (one per candidate), y (one per op some
+    static chain re-runs), R, Zt, and per position of P the cumulative sums KI, KO, WI, WO, WP
+    and the stall Z; then per refined position i of rows (e) A_i, e_{c,i} per candidate still
+    ahead, v_{o,i} per op shared by their chains.
+    """
+
+    def __init__(self, f: _Facts, hw: HardwareSpec, B: int):
+        self.f, nf, nc = f, f.nf, len(f.cands)
+        self.over = over = np.nonzero(f.keep_all > B)[0]
+        scale = float(max(B, 1))
+        self.size = size = f.size / scale
+        self.bw_d_raw = hw.d2h_bytes_per_s * 1e-6 / scale   # budget units per us
+        self.bw_h_raw = hw.h2d_bytes_per_s * 1e-6 / scale
+        self.lat = max(0.0, float(hw.copy_latency_us))
+        self.smax_row = {int(i): float(size[(f.lf < i) & (f.fb > i)].max(initial=0.0))
+                         for i in over}
+        self.bw_h_all = self.eff(self.bw_h_raw, float(size.max(initial=0.0)))
+        self.cap = (B - f.floor) / scale                     # room left at each op
+        # sampled j's for (c) and the positions of (d): first backward uses after each row
+        fb_pos = np.unique(f.fb)
+        self.pairs = [(int(i), int(fb_pos[k])) for i in over[over >= nf]
+                      for k in _geometric(int(np.searchsorted(fb_pos, i, side="right")), 1,
+                                          len(fb_pos))]
+        # sampled q's for (b'): production positions before each row
+        p_pos = np.unique(f.p)
+        self.tails = [(int(p_pos[k]), int(i)) for i in over
+                      for k in _geometric(int(np.searchsorted(p_pos, min(i, nf), side="left"))
+                                          - 1, -1, len(p_pos))]
+        P = np.unique(np.r_[over, fb_pos[fb_pos >= nf], [j for _, j in self.pairs],
+                            [q for q, _ in self.tails], [nf - 1]]).astype(np.int64)
+        self.P, self.at = P, {int(q): k for k, q in enumerate(P)}
+        self.ops_used = sorted({o for ch in f.chain if ch for o in ch})
+        self._columns(nc, len(self.ops_used), len(P))
+        self.R, self.C, self.V, self.lo, self.hi = [], [], [], [], []
+        self.nrow = 0
+
+    def _columns(self, nc: int, ny: int, nP: int) -> None:
+        f = self.f
+        self.ik, self.iw, self.ir, self.iy = 0, nc, 2 * nc, 3 * nc
+        self.iR, self.iZt = 3 * nc + ny, 3 * nc + ny + 1
+        self.iKI = self.iZt + 1
+        self.iKO, self.iWI, self.iWO = self.iKI + nP, self.iKI + 2 * nP, self.iKI + 3 * nP
+        self.iZ, self.iWP = self.iKI + 4 * nP, self.iKI + 5 * nP
+        N = self.iKI + 6 * nP
+        self.Q = _refined_positions(self.P, self.over, f.nf)
+        self.after = {int(i): N + k for k, i in enumerate(self.Q)}
+        N += len(self.Q)
+        self.e_cols: list[tuple[int, list[tuple[int, int]]]] = []   # i -> [(c, column)]
+        self.v_cols: list[dict[int, int]] = []                       # i -> {op: column}
+        for i in self.Q:
+            future = [c for c in range(nc) if f.fb[c] > i and f.chain[c]]
+            self.e_cols.append((int(i), [(c, N + k) for k, c in enumerate(future)]))
+            N += len(future)
+            users: dict[int, int] = {}
+            for c in future:
+                for o in f.chain[c]:
+                    users[o] = users.get(o, 0) + 1
+            shared = sorted(o for o, n in users.items() if n > 1)
+            self.v_cols.append({o: N + k for k, o in enumerate(shared)})
+            N += len(shared)
+        self.early = {i: dict(cols) for i, cols in self.e_cols}   # i -> c -> e column
+        self.N = N
+
+    def eff(self, bw: float, smax: float) -> float:
+        """Effective bandwidth: copies of at most `smax` each pay the latency per copy."""
+        return bw if smax <= 0 or self.lat <= 0 else 1.0 / (1.0 / bw + self.lat / smax)
+
+    def row(self, cols, vals, lb, ub) -> None:
+        self.R.extend([self.nrow] * len(cols))
+        self.C.extend(cols)
+        self.V.extend(vals)
+        self.lo.append(lb)
+        self.hi.append(ub)
+        self.nrow += 1
+
+    def choice_rows(self) -> None:
+        """k + w + r = 1; y_o >= r_c over c's static chain; R >= recompute time; Z rises."""
+        f, row, nc = self.f, self.row, len(self.f.cands)
+        ik, iw, ir, iy, iR, iZ = self.ik, self.iw, self.ir, self.iy, self.iR, self.iZ
+        ypos = {o: q for q, o in enumerate(self.ops_used)}
+        for c in range(nc):
+            row([ik + c, iw + c, ir + c], [1.0, 1.0, 1.0], 1.0, 1.0)
+        for c, ch in enumerate(f.chain):
+            for o in ch or ():
+                row([iy + ypos[o], ir + c], [1.0, -1.0], 0.0, np.inf)
+        row([iR] + [iy + q for q in range(len(self.ops_used))],
+            [1.0] + [-float(f.time[o]) for o in self.ops_used], 0.0, np.inf)
+        nP = len(self.P)
+        for q in range(1, nP):                    # stall before op P[q]: non-decreasing
+            row([iZ + q, iZ + q - 1], [1.0, -1.0], 0.0, np.inf)
+        row([self.iZt, iZ + nP - 1], [1.0, -1.0], 0.0, np.inf)
+
+    def cumulative_rows(self) -> None:
+        """Cumulative sums at positions P: opened (lf + 1 <= q) and closed (fb <= q) gaps,
+        kept and swapped, and swapped roots produced before q (WP)."""
+        f, P, size, nP = self.f, self.P, self.size, len(self.P)
+        for base, first, key in ((self.iKI, self.ik, f.lf + 1), (self.iKO, self.ik, f.fb),
+                                 (self.iWI, self.iw, f.lf + 1), (self.iWO, self.iw, f.fb),
+                                 (self.iWP, self.iw, f.p + 1)):
+            bucket = np.searchsorted(P, key, side="left")     # first position q >= key
+            members: list[list[int]] = [[] for _ in range(nP)]
+            for c, b in enumerate(bucket):
+                if b < nP:
+                    members[b].append(c)
+            for q in range(nP):
+                cols = [base + q] + ([base + q - 1] if q else []) + [first + c for c in members[q]]
+                vals = [1.0] + ([-1.0] if q else []) + [-size[c] for c in members[q]]
+                self.row(cols, vals, 0.0, 0.0)
+
+    def recompute_to_come_rows(self) -> None:
+        """(e): v_{o,i} >= r_c - e_{c,i}, e_{c,i} <= r_c, A_i >= sum_o time_o v_{o,i}."""
+        f, ir, row = self.f, self.ir, self.row
+        for (i, cols), vi in zip(self.e_cols, self.v_cols):
+            cc = [self.after[i]] + list(vi.values())
+            vv = [1.0] + [-float(f.time[o]) for o in vi]
+            for c, ec in cols:
+                own = 0.0                         # ops in c's chain alone: v_o = r_c - e_c
+                for o in f.chain[c]:
+                    if o in vi:
+                        row([vi[o], ir + c, ec], [1.0, -1.0, 1.0], 0.0, np.inf)
+                    else:
+                        own += float(f.time[o])
+                if own > 0:
+                    cc += [ir + c, ec]
+                    vv += [-own, own]
+                row([ir + c, ec], [1.0, -1.0], 0.0, np.inf)
+            row(cc, vv, 0.0, np.inf)
+
+    def early_mem(self, i: int) -> tuple[list[int], list[float]]:
+        """Recomputed roots brought back before refined position i: their bytes at i."""
+        cols = self.early.get(int(i), {})
+        return list(cols.values()), [float(self.size[c]) for c in cols]
+
+    def recompute_before(self, i: int, bw: float) -> tuple[list[int], list[float]]:
+        """`-bw * (recompute run before op i starts)`: nothing in forward, `R - A_i` at a
+        refined position, `R` elsewhere."""
+        if i < self.f.nf:
+            return [], []
+        if int(i) in self.after:
+            return [self.iR, self.after[int(i)]], [-bw, bw]
+        return [self.iR], [-bw]
+
+    def offload_rows(self) -> None:
+        """(a) memory with swaps gone, (b) offloads limited by D2H since time 0, (b') since a
+        sampled producer position q."""
+        f, at, cap = self.f, self.at, self.cap
+        iKI, iKO, iWI, iWO, iZ = self.iKI, self.iKO, self.iWI, self.iWO, self.iZ
+        for i in self.over:
+            q = at[int(i)]
+            ec, ev = self.early_mem(i)
+            self.row([iKI + q, iKO + q] + ec, [1.0, -1.0] + ev, -np.inf, cap[i])
+        for i in self.over:
+            q = at[int(i)]
+            bw_d = self.eff(self.bw_d_raw, self.smax_row[int(i)])
+            rc, rv = self.recompute_before(i, bw_d)
+            ec, ev = self.early_mem(i)
+            self.row([iKI + q, iKO + q, iWI + q, iWO + q, iZ + q] + rc + ec,
+                     [1.0, -1.0, 1.0, -1.0, -bw_d] + rv + ev, -np.inf,
+                     cap[i] + bw_d * f.t_start[i])
+        for q_op, i in self.tails:
+            qq, qi = at[q_op], at[i]
+            bw_d = self.eff(self.bw_d_raw, self.smax_row[i])
+            rc, rv = self.recompute_before(i, bw_d)
+            ec, ev = self.early_mem(i)
+            cols, vals = self._made_from(q_op, i, qq, qi)
+            self.row([iKI + qi, iKO + qi, iZ + qi, iZ + qq] + rc + ec + cols,
+                     [1.0, -1.0, -bw_d, bw_d] + rv + ev + vals, -np.inf,
+                     cap[i] + bw_d * (f.t_start[i] - f.t_start[q_op]))
+
+    def _made_from(self, q_op: int, i: int, qq: int, qi: int):
+        """Swapped bytes in i's gap produced from q on: directly, or as the gap's total less
+        what was made before q, whichever has fewer terms."""
+        f, size, iw = self.f, self.size, self.iw
+        gap_i = (f.lf < i) & (f.fb > i)
+        direct = np.nonzero(gap_i & (f.p >= q_op))[0]
+        other = np.nonzero(~gap_i & (f.p < q_op))[0]
+        if len(direct) <= len(other) + 5:
+            return [iw + int(c) for c in direct], [float(size[c]) for c in direct]
+        cols = [self.iWI + qi, self.iWO + qi, self.iWP + qq] + [iw + int(c) for c in other]
+        return cols, [1.0, -1.0, -1.0] + [float(size[c]) for c in other]
+
+    def fetch_rows(self) -> None:
+        """(c) a prefetch not issued at i is copied between i and its need j; (d) everything
+        fetched by j was copied after forward ended."""
+        f, at, cap = self.f, self.at, self.cap
+        iKI, iKO, iWO, iZ = self.iKI, self.iKO, self.iWO, self.iZ
+        for i, j in self.pairs:
+            qi, qj = at[i], at[j]
+            bw_h = self.eff(self.bw_h_raw, self.smax_row[i])
+            rc, rv = self.recompute_before(j, bw_h)
+            ec, ev = self.early_mem(i)
+            self.row([iKI + qi, iKO + qi, iWO + qj, iWO + qi, iZ + qj, iZ + qi] + rc + ec,
+                     [1.0, -1.0, 1.0, -1.0, -bw_h, bw_h] + rv + ev,
+                     -np.inf, cap[i] + bw_h * (f.t_start[j] - f.t_start[i]))
+        qf, bw_h = at[f.nf - 1], self.bw_h_all
+        for j in self.P[self.P >= f.nf]:
+            q = at[int(j)]
+            rc, rv = self.recompute_before(j, bw_h)
+            self.row([iWO + q, iZ + q, iZ + qf] + rc, [1.0, -bw_h, bw_h] + rv, -np.inf,
+                     bw_h * (f.t_start[j] - f.fwd_end))
+
+    def solve(self, time_limit_s: float | None):
+        """Minimise R + Zt with scipy's HiGHS (deterministic)."""
+        from scipy.optimize import linprog
+        from scipy.sparse import coo_matrix
+        f, N, nc = self.f, self.N, len(self.f.cands)
+        A = coo_matrix((self.V, (self.R, self.C)), shape=(self.nrow, N)).tocsr()
+        ub = np.full(N, np.inf)
+        ub[:3 * nc + len(self.ops_used)] = 1.0
+        for _, cols in self.e_cols:               # e in [0, 1]; v is at most 1 at the optimum
+            ub[[ec for _, ec in cols]] = 1.0
+        for vi in self.v_cols:
+            ub[list(vi.values())] = 1.0
+        for c, ch in enumerate(f.chain):
+            if ch is None:
+                ub[self.ir + c] = 0.0
+        cost = np.zeros(N)
+        cost[self.iR] = cost[self.iZt] = 1.0
+        lo_a, hi_a = np.array(self.lo), np.array(self.hi)
+        le = np.isfinite(hi_a) & ~np.isfinite(lo_a)
+        eq = lo_a == hi_a
+        ge = ~le & ~eq                            # lo <= row (hi = inf)
+        options = {} if time_limit_s is None else {"time_limit": max(0.1, float(time_limit_s))}
+        with quiet_fds():
+            return linprog(cost, A_ub=_vstack(A[le], -A[ge]), b_ub=np.r_[hi_a[le], -lo_a[ge]],
+                           A_eq=A[eq], b_eq=hi_a[eq], bounds=np.c_[np.zeros(N), ub],
+                           method="highs", options=options)
 
 
 def _refined_positions(P, over, nf: int) -> list[int]:
@@ -507,17 +564,6 @@ def _refined_positions(P, over, nf: int) -> list[int]:
         out.append(bwd[s])
         s = s + 1 if s < 8 else 2 * s
     return out
-
-
-def _recompute_before(i: int, nf: int, iR: int, after: dict[int, int],
-                      bw: float) -> tuple[list[int], list[float]]:
-    """Columns and coefficients of `-bw * (recompute run before op i starts)`: nothing in
-    forward, `R - A_i` at a refined position, `R` elsewhere."""
-    if i < nf:
-        return [], []
-    if int(i) in after:
-        return [iR, after[int(i)]], [-bw, bw]
-    return [iR], [-bw]
 
 
 def _vstack(a, b):
