@@ -62,45 +62,73 @@ def polish(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions, result
            min_gain: float = 1e-9) -> PolishResult:
     """Improve `decisions` (whose simulation is `result`) move by move; a plan that does not
     fit is returned as it is."""
-    from ..simulate import simulate, static_costs
     if not result.feasible:
         return PolishResult(tuple(decisions), result, 0, 0, 0)
-    tab = chain_tables(prof)
-    n_ops = max(1, tab.n_ops)
-    if work_ops is None:
-        work_ops = max(WORK_OPS, MIN_SIMULATIONS * n_ops) if n_ops <= SMALL_OPS else WORK_OPS
-    cur = {d.tensor: d for d in decisions}
-    ids = list(tab.saved_roots)
-    for t in ids:
-        cur.setdefault(t, Decision(t, KEEP))
-    cost = {t: _chain_time(tab, t) for t in ids}
-    size = tab.size
-    lfu, nf = tab.last_fwd_use, tab.n_fwd
-    ideal = result.predicted.ideal_us
-    best_res, best = result, result.predicted.retention
-    spent = moves = simulated = laid_out = 0
+    p = _Polisher(prof, hw, budget_bytes, decisions, result, work_ops, pairs, min_gain)
+    improved = True
+    while improved and p.spent < p.work_ops:
+        improved = False
+        F = p.forward_memory()
+        todo = p.moves()
+        for b in range(0, len(todo), batch_size):
+            if p.spent >= p.work_ops:
+                break
+            if p.try_batch(todo[b:b + batch_size], F):
+                improved = True
+                break
+    return PolishResult(tuple(p.cur[t] for t in sorted(p.cur)), p.best_res, p.moves_taken,
+                        p.simulated, p.laid_out)
 
-    def fits_forward(change, F) -> bool:
+
+class _Polisher:
+    """The search's state: the current plan and its simulation, and the work spent."""
+
+    def __init__(self, prof, hw, budget_bytes, decisions, result, work_ops, pairs, min_gain):
+        self.prof, self.hw, self.budget = prof, hw, budget_bytes
+        self.tab = tab = chain_tables(prof)
+        self.n_ops = n_ops = max(1, tab.n_ops)
+        if work_ops is None:
+            work_ops = max(WORK_OPS, MIN_SIMULATIONS * n_ops) if n_ops <= SMALL_OPS else WORK_OPS
+        self.work_ops, self.pairs, self.min_gain = work_ops, pairs, min_gain
+        self.cur = {d.tensor: d for d in decisions}
+        self.ids = list(tab.saved_roots)
+        for t in self.ids:
+            self.cur.setdefault(t, Decision(t, KEEP))
+        self.cost = {t: _chain_time(tab, t) for t in self.ids}
+        self.ideal = result.predicted.ideal_us
+        self.best_res, self.best = result, result.predicted.retention
+        self.spent = self.moves_taken = self.simulated = self.laid_out = 0
+
+    def forward_memory(self) -> np.ndarray:
+        """The current plan's least memory during each forward op (one static pass)."""
+        from ..simulate import static_costs
+        self.spent += self.n_ops // 4
+        return np.asarray(static_costs(self.prof, list(self.cur.values())).forward_req,
+                          dtype=np.int64)
+
+    def fits_forward(self, change, F) -> bool:
         """Keeping a recomputed r adds its bytes to every forward op after its last forward
         reader, recomputing a kept k takes them off: a necessary condition, checked on the
         current plan's forward memory `F` before any static pass."""
+        lfu, size = self.tab.last_fwd_use, self.tab.size
         add = [t for t, a in change.items() if a == KEEP]
         if not add:
             return True
         lo = min(lfu[t] for t in add) + 1
-        if lo >= nf:
+        if lo >= self.tab.n_fwd:
             return True
         seg = F[lo:].copy()
         for t, a in change.items():
             if a == KEEP:
                 seg[max(0, lfu[t] + 1 - lo):] += size[t]
-            elif a == RECOMPUTE and cur[t].action == KEEP:
+            elif a == RECOMPUTE and self.cur[t].action == KEEP:
                 seg[max(0, lfu[t] + 1 - lo):] -= size[t]
-        return float(seg.max()) <= budget_bytes
+        return float(seg.max()) <= self.budget
 
-    def moves_from(plan):
+    def moves(self) -> list[dict]:
         """This pass's moves, the largest static saving first."""
-        by = {a: [t for t in ids if plan[t].action == a] for a in (KEEP, SWAP, RECOMPUTE)}
+        cost, size, pairs = self.cost, self.tab.size, self.pairs
+        by = {a: [t for t in self.ids if self.cur[t].action == a] for a in (KEEP, SWAP, RECOMPUTE)}
         out = []
         for r in by[RECOMPUTE]:
             out += [(cost[r], {r: SWAP}), (cost[r], {r: KEEP})]
@@ -110,7 +138,7 @@ def polish(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions, result
             near = sorted((k for k in by[KEEP] if cost[k] is not None and size[k] >= size[r]),
                           key=lambda k: (size[k] - size[r], k))
             out += [(cost[r] - cost[k], {r: KEEP, k: RECOMPUTE}) for k in near[:pairs]]
-        if best_res.predicted.stall_us > 0:
+        if self.best_res.predicted.stall_us > 0:
             for s in by[SWAP]:
                 if cost[s] is not None:
                     out.append((-cost[s], {s: RECOMPUTE}))
@@ -118,56 +146,53 @@ def polish(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions, result
         out.sort(key=lambda x: (-x[0], sorted(x[1].items())))
         return [change for _, change in out]
 
-    def try_batch(batch, F) -> bool:
+    def try_batch(self, batch, F) -> bool:
         """Static pass on each move of `batch`, then simulate the survivors, least recompute
         first; take the first that the simulator judges better."""
-        nonlocal spent, laid_out, simulated, cur, best, best_res, moves
         ranked = []
         for k, change in enumerate(batch):
-            if spent >= work_ops:
+            if self.spent >= self.work_ops:
                 break
-            if not fits_forward(change, F):
+            if not self.fits_forward(change, F):
                 continue
-            trial = dict(cur)
+            trial = dict(self.cur)
             for t, a in change.items():
                 trial[t] = Decision(t, a)
-            spent += n_ops // 4
-            laid_out += 1
-            try:
-                sc = static_costs(prof, list(trial.values()))
-            except InputError:
-                continue
-            overhead = best_res.predicted.step_us - ideal
-            if sc.peak_bytes <= budget_bytes and sc.recompute_us < overhead - min_gain * ideal:
-                ranked.append((sc.recompute_us, k, trial))
+            rec = self._static_recompute(trial)
+            if rec is not None:
+                ranked.append((rec, k, trial))
         ranked.sort(key=lambda x: (x[0], x[1]))
-        for rec, _, trial in ranked:
-            if spent >= work_ops or ideal / (ideal + rec) <= best + min_gain:
-                break
-            spent += n_ops
-            simulated += 1
-            # a better plan stalls less than its recompute leaves room for
-            room = best_res.predicted.step_us - ideal - rec - min_gain * ideal
-            res = simulate(prof, list(trial.values()), hw, budget_bytes, record=False,
-                           give_up_stall_us=room)
-            if res is not None and res.feasible and res.predicted.retention > best + min_gain:
-                cur, best, best_res = trial, res.predicted.retention, res
-                moves += 1
-                return True
-        return False
+        return any(self._judge(rec, trial) for rec, _, trial in ranked
+                   if self.spent < self.work_ops)
 
-    improved = True
-    while improved and spent < work_ops:
-        improved = False
-        here = static_costs(prof, list(cur.values()))
-        spent += n_ops // 4
-        F = np.asarray(here.forward_req, dtype=np.int64)
-        todo = moves_from(cur)
-        for b in range(0, len(todo), batch_size):
-            if spent >= work_ops:
-                break
-            if try_batch(todo[b:b + batch_size], F):
-                improved = True
-                break
-    return PolishResult(tuple(cur[t] for t in sorted(cur)), best_res, moves, simulated,
-                        laid_out)
+    def _static_recompute(self, trial) -> float | None:
+        """The trial's recompute time when it fits and could beat the current plan."""
+        from ..simulate import static_costs
+        self.spent += self.n_ops // 4
+        self.laid_out += 1
+        try:
+            sc = static_costs(self.prof, list(trial.values()))
+        except InputError:
+            return None
+        overhead = self.best_res.predicted.step_us - self.ideal
+        if sc.peak_bytes <= self.budget and sc.recompute_us < overhead - self.min_gain * self.ideal:
+            return sc.recompute_us
+        return None
+
+    def _judge(self, rec: float, trial) -> bool:
+        """Simulate the trial (giving up once its stalls leave it no better); take it if it
+        is better."""
+        from ..simulate import simulate
+        ideal, gain = self.ideal, self.min_gain
+        if ideal / (ideal + rec) <= self.best + gain:
+            return False
+        self.spent += self.n_ops
+        self.simulated += 1
+        room = self.best_res.predicted.step_us - ideal - rec - gain * ideal
+        res = simulate(self.prof, list(trial.values()), self.hw, self.budget, record=False,
+                       give_up_stall_us=room)
+        if res is None or not res.feasible or res.predicted.retention <= self.best + gain:
+            return False
+        self.cur, self.best, self.best_res = trial, res.predicted.retention, res
+        self.moves_taken += 1
+        return True
