@@ -78,12 +78,15 @@ Rows (e) are what make the bound tight on transformers: without them the LP lets
 offloads still queued at the end of forward run during all of backward's recompute, even at
 the first backward op (BERT-Large at 0.5: 94.02% without, 93.37% with).
 
-**Where it is loose.** The D2H engine copies in production order, one at a time: a large
-early offload delays every later one. The LP only limits bytes per time window, so it may
-count a late root as gone while the engine is still busy with an early one (the relaxed plan
-of ResNet-50 at 0.5 stalls 1.8 ms in simulation for this reason); and each row may assume a
-different set of finished copies. Rows for every window start tighten it by 0.04 points on
-ResNet-50 at 4x the rows, so the sampled windows stay.
+**Where it is loose.** On the ResNet-50 sample it stays 0.23-0.40 points above slackswap's
+plans (which a 1- and 2-move local search cannot improve). Tried, at 0.5: integer decisions
+(a MILP over the same rows: 93.71% at best, against 93.73%), rows at every window start
+(93.70%, 4x the rows), and rows with the D2H queue's order (a root is copied only after
+every swapped root queued before it, copies of roots forward still reads take engine time
+too) at every over-budget op (93.70%, 30x the rows). What the LP still leaves out: chain
+temporaries and chains pulling inputs back early (ResNet's conv-BN-ReLU chains allocate
+temporaries as large as the tensors they recompute), the duplex derate, and that each row
+may assume its own set of finished copies.
 
 Rows are only written at ops whose keep-all memory is over the budget (elsewhere they hold
 for every plan), and any subset of rows is still a relaxation. Sums over gaps use cumulative
