@@ -76,7 +76,9 @@ peak and the plan's recompute time, the least overhead it can have) and `recompu
 (what each backward op re-runs) need no timing and cost one pass over the task sequence.
 
 **Speed.** Planners call `simulate` many times, so per-profile tables are cached on the
-profile object, and the event loop runs on plain lists and ints.
+profile object, and the event loop runs on plain lists and ints, in one function on purpose:
+its state lives in local variables (only the copy engines are small objects, and what builds
+the recorded timeline and the result is outside the loop).
 """
 from __future__ import annotations
 
@@ -649,8 +651,7 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
             prefetched_bytes += size[x]
             sched.append(("prefetch", x, h_issue, start, now))
             if record:
-                events.append(TimelineEvent("h2d", f"prefetch {tensors[x].name}", "prefetch",
-                                            start, now, h_issue, x, None))
+                events.append(_copy_event("h2d", tensors[x].name, x, start, now, h_issue))
             d2h.retime(now, False)         # the running offload speeds up again
         if d2h.end == now:                 # (as re-timed just now)
             start = d2h.start
@@ -659,8 +660,7 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
             swapped_bytes += size[x]
             sched.append(("offload", x, producer[x], start, now))
             if record:
-                events.append(TimelineEvent("d2h", f"offload {tensors[x].name}", "offload",
-                                            start, now, producer[x], x, None))
+                events.append(_copy_event("d2h", tensors[x].name, x, start, now, producer[x]))
             if x in fwd_over:
                 mem -= size[x]
                 if record:
@@ -673,15 +673,8 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
                 recompute_us += dur[t]
                 sched.append(("recompute", prog.rec_root[t], task_owner[t], comp_start, now))
             if record:
-                if is_rec:
-                    events.append(TimelineEvent("compute", f"recompute {ops[op].name}",
-                                                "recompute", comp_start, now, op,
-                                                prog.rec_root[t],
-                                                f"for op {task_owner[t]} "
-                                                f"({ops[task_owner[t]].name})"))
-                else:
-                    events.append(TimelineEvent("compute", ops[op].name, "op", comp_start, now,
-                                                op, None, None))
+                events.append(_compute_event(ops, op, task_owner[t], is_rec, prog.rec_root[t]
+                                             if is_rec else None, comp_start, now))
             f = free[t]
             if special[t]:
                 rl = release.get(t)
@@ -703,18 +696,36 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
             comp_end = _INF
 
     step = now if N else 0.0
-    ideal = tab.ideal_us
-    retention = 1.0 if step <= 0 else min(1.0, ideal / step)
+    predicted = _predicted(step, tab.ideal_us, peak, stall_mem, stall_late, recompute_us,
+                           swapped_bytes, prefetched_bytes, prog.rec_bytes)
+    schedule = tuple(schema.ScheduleEvent(k, x, i, s, e) for k, x, i, s, e in sched)
+    return SimResult(feasible=feasible, reason=reason, predicted=predicted, schedule=schedule,
+                     events=tuple(events), memory=tuple(memory))
+
+
+def _predicted(step, ideal, peak, stall_mem, stall_late, recompute_us, swapped, prefetched,
+               recomputed) -> schema.Predicted:
     by_cause = {}
     if stall_mem > 0:
         by_cause[MEMORY_FULL] = stall_mem
     if stall_late > 0:
         by_cause[LATE_PREFETCH] = stall_late
-    predicted = schema.Predicted(
-        step_us=step, ideal_us=ideal, retention=retention, peak_bytes=int(peak),
-        stall_us=stall_mem + stall_late, recompute_us=recompute_us,
-        swapped_bytes=swapped_bytes, prefetched_bytes=prefetched_bytes,
-        recomputed_bytes=prog.rec_bytes, stall_by_cause=by_cause)
-    schedule = tuple(schema.ScheduleEvent(k, x, i, s, e) for k, x, i, s, e in sched)
-    return SimResult(feasible=feasible, reason=reason, predicted=predicted, schedule=schedule,
-                     events=tuple(events), memory=tuple(memory))
+    return schema.Predicted(
+        step_us=step, ideal_us=ideal, retention=1.0 if step <= 0 else min(1.0, ideal / step),
+        peak_bytes=int(peak), stall_us=stall_mem + stall_late, recompute_us=recompute_us,
+        swapped_bytes=swapped, prefetched_bytes=prefetched, recomputed_bytes=recomputed,
+        stall_by_cause=by_cause)
+
+
+def _copy_event(engine: str, name: str, x: int, start: float, end: float,
+                op: int) -> TimelineEvent:
+    kind = "prefetch" if engine == "h2d" else "offload"
+    return TimelineEvent(engine, f"{kind} {name}", kind, start, end, op, x, None)
+
+
+def _compute_event(ops, op: int, owner: int, is_rec: bool, root, start: float,
+                   end: float) -> TimelineEvent:
+    if is_rec:
+        return TimelineEvent("compute", f"recompute {ops[op].name}", "recompute", start, end,
+                             op, root, f"for op {owner} ({ops[owner].name})")
+    return TimelineEvent("compute", ops[op].name, "op", start, end, op, None, None)
