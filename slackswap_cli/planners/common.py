@@ -58,8 +58,8 @@ INF = float("inf")
 
 @dataclass(frozen=True)
 class StaticSettings(Settings):
-    """Tuning of the tools every planner shares here: the recompute greedy and the copy
-    schedule. `SlackswapSettings` and `OptimalSettings` extend it (so `max_tries=...` is an
+    """Tuning of the tools every planner shares here: the recompute greedy, the copy
+    schedule and the polish. `SlackswapSettings` and `OptimalSettings` extend it (so `max_tries=...` is an
     option of either planner)."""
 
     max_tries: int = 8
@@ -71,9 +71,15 @@ class StaticSettings(Settings):
     (`prefetch_points`; optimal's memory windows assume the same), to absorb what the static
     picture leaves out: stalls elsewhere, the duplex derate."""
 
+    polish_work_ops: int | None = None
+    """The allowance of the last pass, `polish.polish` (moves judged by the simulator), in
+    op-visits; None: its default (about 0.4 s on the Llama-7B sample); 0 turns it off."""
+
     def _check_ranges(self) -> None:
         self._require(self.max_tries >= 1, "max_tries", "at least 1")
         self._require(0 <= self.prefetch_margin <= 10, "prefetch_margin", "between 0 and 10")
+        self._require(self.polish_work_ops is None or self.polish_work_ops >= 0,
+                      "polish_work_ops", "at least 0, or None")
 
 
 @dataclass

@@ -26,10 +26,11 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   (on this model, not on the simulator: a plan can beat it) and gap, and how far the
   simulation of the MILP's own plan is from its objective (the model's error on that plan:
   about 0.01% on the transformer samples at 0.5, several percent where the plan needed
-  repair). When the MILP has no
-  answer in time, or the fallback planner's plan (slackswap's: the registry in `planners`
-  passes it) simulates better than the repaired MILP plan, that plan is returned (the notes
-  say so), so `optimal` never simulates below `slackswap`. The
+  repair). The MILP's plan then gets slackswap's last pass, `polish` (moves of one or two
+  decisions the simulator judges better). When the MILP has no answer in time, or the
+  fallback planner's plan (slackswap's: the registry in `planners` passes it) simulates
+  better than the repaired and polished MILP plan, that plan is returned (the notes say so),
+  so `optimal` never simulates below `slackswap`. The
   bound that holds for every plan the simulator accepts is `bound.sound_bound`, an LP
   relaxation of the simulator's rules; `plan` computes it first and reports it in the notes
   ("sound bound: ...").
@@ -55,6 +56,7 @@ from ..schema import Profile
 from .bound import run_quietly, sound_bound
 from .common import KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, State, StaticSettings, \
     build_chains, build_model, memory, prefetch_points, recompute_until_fits
+from .polish import polish
 
 
 @dataclass(frozen=True)
@@ -477,10 +479,17 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
         notes.append("repaired the MILP plan with extra recompute where the static model "
                      "(with copy queueing) still exceeded the budget")
     mine = state.decisions(prefetch_points(m, state, s.prefetch_margin))
-    judged = _judge(profile, mine, hw, budget_bytes)
-    notes.append(_agreement(objective, judged, m.ideal_us))
+    res = _simulate(profile, mine, hw, budget_bytes)
+    notes.append(_agreement(objective, _key(res), m.ideal_us))
+    # the simulator's polish (as slackswap's last pass), then the better of the two plans
+    polished = polish(profile, hw, budget_bytes, mine, res, work_ops=s.polish_work_ops)
+    if polished.moves:
+        gain = polished.result.predicted.retention - res.predicted.retention
+        notes.append(f"polished the MILP's plan in simulation: {polished.moves} moves, "
+                     f"+{100 * gain:.2f} points of retention")
+        mine, res = list(polished.decisions), polished.result
     # an incumbent cut short by the time limit can be poor: the simulator picks
-    if _judge(profile, fallback_dec, hw, budget_bytes) > judged:
+    if _key(_simulate(profile, fallback_dec, hw, budget_bytes)) > _key(res):
         notes.append("slackswap's plan simulates better than the MILP's: using it")
         return PlannerOutput(fallback_dec, tuple(notes))
     return PlannerOutput(mine, tuple(notes))
@@ -499,7 +508,10 @@ def _agreement(objective: float | None, judged: tuple[bool, float], ideal: float
             f"{objective:.1f} us ({100 * off:+.2f}%)")
 
 
-def _judge(profile, decisions, hw, budget_bytes) -> tuple[bool, float]:
+def _simulate(profile, decisions, hw, budget_bytes):
     from ..simulate import simulate
-    res = simulate(profile, decisions, hw, budget_bytes, record=False)
+    return simulate(profile, decisions, hw, budget_bytes, record=False)
+
+
+def _key(res) -> tuple[bool, float]:
     return (res.feasible, res.predicted.retention)

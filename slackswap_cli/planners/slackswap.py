@@ -69,14 +69,8 @@ class SlackswapSettings(StaticSettings):
     overshoot, the next trust less (the static model leaves out queueing behind stalls and the
     duplex derate)."""
 
-    polish_work_ops: int | None = None
-    """The polish pass's allowance in op-visits (`polish.polish`); None: its default (about
-    0.4 s on the Llama-7B sample); 0 turns the polish off."""
-
     def _check_ranges(self) -> None:
         super()._check_ranges()
-        self._require(self.polish_work_ops is None or self.polish_work_ops >= 0,
-                      "polish_work_ops", "at least 0, or None")
         for name in ("upgrade_tries", "exchange_tries", "exchange_steps"):
             self._require(getattr(self, name) >= 0, name, "at least 0")
         self._require(0 < self.slack_safety <= 10, "slack_safety", "above 0 and at most 10")
