@@ -356,9 +356,7 @@ def min_peak_bytes(profile: schema.Profile, decisions) -> int:
     rather than exceed the budget, and prefetches only take memory that no later task needs.
     It costs one static pass (no timing), so a planner can test feasibility cheaply.
     """
-    tab = _tables(profile)
-    action, _ = _parse_decisions(profile, tab, decisions)
-    return max(_Program(profile, tab, action).req(), default=0)
+    return static_costs(profile, decisions).peak_bytes
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from slackswap_cli.errors import InputError
 from slackswap_cli.planners import run_planner
 from slackswap_cli.planners.polish import polish
 from slackswap_cli.schema import Decision
-from slackswap_cli.simulate import min_peak_bytes, simulate, static_costs
+from slackswap_cli.simulate import simulate, static_costs
 from slackswap_cli.synthetic import random_profile
 from tests.test_bound import _hw, _random_decisions
 
@@ -32,7 +32,10 @@ def test_static_costs_agree_with_the_simulator_on_random_plans():
             res = simulate(prof, dec, hw, None, record=False)
             checked += 1
             assert abs(sc.recompute_us - res.predicted.recompute_us) <= 1e-6 * res.predicted.ideal_us
-            assert sc.peak_bytes == min_peak_bytes(prof, dec)
+            # the least peak: the plan fits a budget of exactly that, and not one byte less
+            assert simulate(prof, dec, hw, sc.peak_bytes, record=False).feasible
+            if sc.peak_bytes > 0:
+                assert not simulate(prof, dec, hw, sc.peak_bytes - 1, record=False).feasible
             assert max(sc.forward_req, default=0) <= sc.peak_bytes
             assert len(sc.forward_req) == prof.n_forward
             if res.predicted.stall_us == 0:

@@ -484,9 +484,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     # the simulator's polish (as slackswap's last pass), then the better of the two plans
     polished = polish(profile, hw, budget_bytes, mine, res, work_ops=s.polish_work_ops)
     if polished.moves:
-        gain = polished.result.predicted.retention - res.predicted.retention
-        notes.append(f"polished the MILP's plan in simulation: {polished.moves} moves, "
-                     f"+{100 * gain:.2f} points of retention")
+        notes.append(polished.note(res, "the MILP's plan "))
         mine, res = list(polished.decisions), polished.result
     # an incumbent cut short by the time limit can be poor: the simulator picks
     if _key(_simulate(profile, fallback_dec, hw, budget_bytes)) > _key(res):

@@ -391,9 +391,7 @@ def _notes(state, decisions, fits, safety, pin, res, polished, s) -> tuple[str, 
         notes.append(f"repaired after simulation: {100 * safety:.0f}% of the slack trusted"
                      + (", prefetches pinned just in time" if pin else ""))
     if polished.moves:
-        gain = polished.result.predicted.retention - res.predicted.retention
-        notes.append(f"polished in simulation: {polished.moves} moves, "
-                     f"+{100 * gain:.2f} points of retention")
+        notes.append(polished.note(res))
     if not fits:
         notes.append("the static model found no plan under the budget; best effort")
     return tuple(notes)
