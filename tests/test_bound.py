@@ -198,3 +198,30 @@ def test_slackswap_is_a_local_optimum_on_resnet50(fraction):
     assert res.start_retention is not None and res.evaluated > 300
     assert res.retention <= res.start_retention + TOL, (fraction, res.moves)
     assert res.start_retention <= sound_bound(prof, hw, budget).retention + TOL
+
+
+def test_under_a_time_limit_a_coarse_bound_stands_in_for_an_unfinished_one(monkeypatch):
+    # the coarse LP (no rows (e)) is still a bound: it never lies under the full one, and when
+    # the full LP does not finish in its time the coarse one is returned, said in its message
+    from slackswap_cli.planners import bound
+    prof = random_profile(11)
+    hw = _hw(random.Random(11))
+    budget = int(budget_floor_bytes(prof) + 0.3 * (prof.summary["peak_activation_bytes"]
+                                                    - budget_floor_bytes(prof)))
+    full = bound._solve(bound._facts(prof), hw, budget)
+    coarse = bound._solve(bound._facts(prof), hw, budget, refined_rows=0)
+    assert full.retention is not None and coarse.retention >= full.retention - TOL
+    # both finish: the full bound, cached
+    assert bound.sound_bound(prof, hw, budget, time_limit_s=30.0).retention == full.retention
+    # the full LP stops unsolved: the coarse bound stands in (not cached)
+    prof2 = random_profile(11)
+    real = bound._solve
+
+    def stopped(f, hw, B, time_limit_s=None, refined_rows=None):
+        if refined_rows == 0:
+            return real(f, hw, B, time_limit_s, refined_rows)
+        return bound.Bound(True, None, None, f.ideal, 0.0, 0, "sound bound not computed: stopped")
+    monkeypatch.setattr(bound, "_solve", stopped)
+    out = bound.sound_bound(prof2, hw, budget, time_limit_s=30.0)
+    assert out.retention == coarse.retention and "coarse LP" in out.message
+    assert not prof2.__dict__.get("_slackswap_bounds")
