@@ -16,8 +16,10 @@ when everything else is at hand):
 4. when the plan stalls: a swapped tensor is recomputed or kept.
 
 **Filter.** A plan's step is its ideal time plus recompute time plus stalls, so a move whose
-recompute time (exact, from `chains.lay_out`, about a fifth of a simulation) is not below
-the current plan's overhead cannot help and is not simulated.
+recompute time (exact, from `simulate.static_costs`: one static pass, about a quarter of a
+simulation) is not below the current plan's overhead, or whose least peak is over the
+budget, cannot help and is not simulated; a simulation gives up once its stalls leave no
+room to win.
 
 **Allowance.** Work is counted in op-visits (a simulation costs the profile's op count, a
 static pass a quarter of it) and capped at `work_ops` (default: `WORK_OPS`, or
