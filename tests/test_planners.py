@@ -262,6 +262,8 @@ def test_planner_options_are_checked():
     ("slackswap", {"repairs": ((1.0, "no"),)}, "is not a tuple of"),
     ("slackswap", {"repairs": ()}, "repairs=() is out of range"),
     ("slackswap", {"max_tries": 0}, "max_tries=0 is out of range: it must be at least 1"),
+    ("slackswap", {"price_quantiles": (1.0, 1.5)}, "price_quantiles=(1.0, 1.5) is out of range"),
+    ("slackswap", {"price_quantiles": ()}, "price_quantiles=() is out of range"),
 ])
 def test_planner_option_values_are_checked(planner, option, message):
     p = chain_profile(3, act_bytes=MB)
@@ -288,6 +290,24 @@ def test_planner_settings_reach_the_planner():
     unpolished = make_plan("slackswap", p, hw, budget, polish_work_ops=0)
     assert not any("polished" in n for n in unpolished.notes)
     assert default.predicted.retention >= unpolished.predicted.retention
+
+
+def test_price_ladder_finds_what_the_dearest_price_misses():
+    # GPT-2 XL at 0.5: pricing every swap at the dearest recompute of the plan without swaps
+    # fills the slack with masks, residuals and norm statistics; a lower price on the ladder
+    # swaps matmul outputs instead, and the simulator prefers that plan
+    from slackswap_cli.hardware import PRESETS
+    from slackswap_cli.schema import load_profile
+    from pathlib import Path
+    p = load_profile(Path(__file__).resolve().parents[1] / "sample_profiles" / "gpt2-xl.json")
+    hw = PRESETS["a100-pcie4"]
+    budget = int(0.5 * p.keep_all_peak_bytes)
+    one = make_plan("slackswap", p, hw, budget, price_quantiles=(1.0,), polish_work_ops=0)
+    ladder = make_plan("slackswap", p, hw, budget, polish_work_ops=0)
+    assert one.feasible and ladder.feasible
+    assert ladder.predicted.retention > one.predicted.retention + 5e-4
+    swapped = {d.tensor for d in ladder.decisions if d.action == "swap"}
+    assert swapped != {d.tensor for d in one.decisions if d.action == "swap"}
 
 
 # ---------------------------------------------------------------------------------------------

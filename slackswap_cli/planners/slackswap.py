@@ -19,7 +19,10 @@ result):
    undo the dearest recomputes one by one, letting the greedy free the bytes elsewhere, kept
    when the total recompute time drops.
 
-Then the simulator runs the plan. If compute stalls, the swaps it waited for (a late prefetch,
+What a swap saves per byte is the price of the bytes recompute would otherwise free; that price
+is not known before the plan is (swaps make the marginal recompute cheaper), so the first try
+makes a plan at each of a few prices (`SlackswapSettings.price_quantiles`) and the simulator
+picks. Then the simulator runs the plan. If compute stalls, the swaps it waited for (a late prefetch,
 an offload still running when memory ran out) become recomputes and the greedy frees what that
 costs; failing that, the plan is made again with prefetches pinned just in time and with less
 of the slack trusted. A plan without swaps is always tried as well (so slackswap never loses to
@@ -69,8 +72,19 @@ class SlackswapSettings(StaticSettings):
     overshoot, the next trust less (the static model leaves out queueing behind stalls and the
     duplex derate)."""
 
+    price_quantiles: tuple[float, ...] = (1.0, 0.9, 0.75, 0.5)
+    """The swap prices the first repair tries, as quantiles of the recompute cost per byte in
+    the plan without swaps (1.0: its dearest recompute). What a swap saves per byte is the
+    price of the last bytes recompute would otherwise free, and that price falls as swaps take
+    over: with swaps the marginal recompute is cheaper than the dearest one without. Each
+    price makes a plan; the simulator picks, and the repairs after the first go on with the
+    price that won."""
+
     def _check_ranges(self) -> None:
         super()._check_ranges()
+        self._require(len(self.price_quantiles) > 0
+                      and all(0 <= q <= 1 for q in self.price_quantiles),
+                      "price_quantiles", "at least one quantile, each between 0 and 1")
         for name in ("upgrade_tries", "exchange_tries", "exchange_steps"):
             self._require(getattr(self, name) >= 0, name, "at least 0")
         self._require(0 < self.slack_safety <= 10, "slack_safety", "above 0 and at most 10")
@@ -346,22 +360,32 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
             best = (key, state, decisions, fits, safety, pin, res)
         return res.feasible and res.predicted.stall_us <= 1e-6 * ideal
 
-    price = None
+    prices: list[float | None] = [None]
     if int(m.live_keep.max(initial=0)) > budget_bytes:
         state, _, fits = plan_static(m, budget_bytes, s, use_swap=False)
         consider(state, fits, None, False)
         rec = [c for c, a in enumerate(state.actions) if a == RECOMPUTE]
         if rec:
-            price = max(float(state.cost[c]) / max(int(m.size[c]), 1) for c in rec)
+            per_byte = np.sort([float(state.cost[c]) / max(int(m.size[c]), 1) for c in rec])
+            prices = list(dict.fromkeys(
+                float(per_byte[int(round(q * (len(per_byte) - 1)))])
+                for q in s.price_quantiles))
     for k, (safety, pin) in enumerate(s.repairs):
-        state, _, fits = plan_static(m, budget_bytes, s, slack_safety=safety,
-                                     price_per_byte=price)
-        if consider(state, fits, safety, pin):
+        clean = False
+        for price in (prices if k == 0 else [best_price]):
+            state, _, fits = plan_static(m, budget_bytes, s, slack_safety=safety,
+                                         price_per_byte=price)
+            state.price = price
+            if consider(state, fits, safety, pin):
+                clean = True
+            elif k == 0:   # fix the stalls where the simulator shows them, then judge again
+                fixed = _fix_stalls(m, state, profile, hw, budget_bytes, s)
+                if fixed is not None:
+                    fixed.price = price
+                    clean |= consider(fixed, True, safety, pin)
+        if clean:
             break
-        if k == 0:   # fix the stalls where the simulator shows them, then judge again
-            fixed = _fix_stalls(m, state, profile, hw, budget_bytes, s)
-            if fixed is not None and consider(fixed, True, safety, pin):
-                break
+        best_price = getattr(best[1], "price", prices[0])
     if not best[0][0]:
         # nothing fits yet: swapping everything needs the least memory of any plan (it meets
         # every budget at or above the floor, compute waiting for copies where it must)
