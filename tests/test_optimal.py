@@ -53,3 +53,28 @@ def test_tied_blocks_share_variables_and_still_fit():
     plan = make_plan("optimal", p, HW, budget, untie_limit=0, groups=2, time_limit_s=10)
     assert any("tied: 8 identical blocks in 4 groups" in n for n in plan.notes)
     assert plan.feasible and plan.predicted.peak_bytes <= budget
+
+
+def test_queued_windows_by_hand():
+    # Five 1 MB layers of 50 us: f0..f4 end at 50..250 us, loss (0 us), b4..b0 take 100 us
+    # each (end at 350..750). D2H 100 us per tensor, H2D 200 us.
+    from slackswap_cli.planners.optimal import _queued_windows, _windows
+    hw = HardwareSpec(name="q", peak_flops_per_s=1e12, matmul_efficiency=1.0,
+                      hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
+                      h2d_bytes_per_s=5e9, d2h_bytes_per_s=1e10, copy_latency_us=0.0,
+                      duplex=True, duplex_derate=0.5)
+    m = build_model(chain_profile(5, act_bytes=MB, fwd_us=50.0), hw)
+    assert list(m.t_end[:7]) == [50, 100, 150, 200, 250, 250, 350]
+    tail, head = _windows(m, 0.0)[:2]
+    # alone, a1's offload runs 100-200 us: its tail ends after f3 (op 3)
+    assert tail[1] == 4
+    qt, qh = _queued_windows(m, [0, 1], 0.0)
+    # a0 offloads 50-150 us; a1 waits for it: 150-250 us, its tail ends after f4 (op 4)
+    assert qt[0] == tail[0] == 3 and qt[1] == 5
+    # a2, not swapped: were it, its copy would wait behind a1's, 250-350 us, ending in b4
+    assert qt[2] == 7 and tail[2] == 5
+    # prefetches, latest need first: a0 (needed by b0 at 650 us) 450-650; a1 (b1 at 550 us)
+    # must end before a0's starts: 250-450, so its head starts at b4 (op 6), not at op 7
+    assert head[1] == 7 and qh[1] == 6 and qh[0] == head[0] == 8
+    # a window never ends before it starts; windows only widen
+    assert (qh >= qt).all() and (qt >= tail).all()

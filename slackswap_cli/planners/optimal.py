@@ -7,7 +7,7 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   hits a value nobody kept have `r_c = 0`.
 - **Memory at every op that can exceed the budget**, in the static picture of `common`:
   keep-all bytes minus, for a swap, its size over its gap except the offload tail and the
-  just-in-time prefetch head (each as long as its own copy, no queueing), and for a recompute,
+  just-in-time prefetch head, and for a recompute,
   its size over its gap plus the chain's temporaries at its first backward use. Ops where
   the keep-all memory is under the budget are skipped; of ops with identical coefficients only
   the one with the most memory is kept (that row dominates the others).
@@ -19,14 +19,19 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   direction bounds the excess of the D2H copies of everything produced from op j on over the
   forward time left after j, and of the H2D copies needed by backward op j over the backward
   time before it (the FIFO's delay).
-- **Not modelled**: stalls that shift later ops, queueing delays in the memory windows, the
-  duplex derate, and chains pulling evicted inputs back early (their memory). The plan is
-  repaired in the static model of `common` (extra recompute where memory still exceeds the
-  budget) and the simulator judges it; notes give the MILP's objective, its proven lower bound
-  (on this model, not on the simulator: a plan can beat it) and gap, and how far the
-  simulation of the MILP's own plan is from its objective (the model's error on that plan:
-  about 0.01% on the transformer samples at 0.5, several percent where the plan needed
-  repair). The MILP's plan then gets slackswap's last pass, `polish` (moves of one or two
+- **Queueing in the windows.** A swap's offload tail and prefetch head are as long as its
+  copy waits in the FIFOs behind the fallback plan's swaps (`_queued_windows`: slackswap's
+  plan is made first). When the MILP's plan still overflows in the static model because its
+  own copies queue longer, the windows are widened to its queue and the MILP solved again
+  (`_solve_in_rounds`, while time is left; windows only widen).
+- **Not modelled**: stalls that shift later ops, the duplex derate, the delay a swap adds to
+  the copies queued behind it, and chains pulling evicted inputs back early (their memory).
+  A plan that still overflows is repaired in the static model of `common` (extra recompute)
+  and the simulator judges it; notes give the MILP's objective, its proven lower bound (on
+  this model, not on the simulator: a plan can beat it) and gap, and how far the simulation
+  of the MILP's own plan is from its objective (the model's error on that plan: 0.00% on
+  the four samples at 0.3/0.5/0.7 where the MILP found a plan in 30 s, see
+  `benchmarks/results/local_search.md`). The MILP's plan then gets slackswap's last pass, `polish` (moves of one or two
   decisions the simulator judges better). When the MILP has no answer in time, or the
   fallback planner's plan (slackswap's: the registry in `planners` passes it) simulates
   better than the repaired and polished MILP plan, that plan is returned (the notes say so),
@@ -95,6 +100,13 @@ class OptimalSettings(StaticSettings):
     mip_rel_gap: float = 1e-4
     """HiGHS stops when its incumbent is proven within this relative gap."""
 
+    max_rounds: int = 3
+    """MILP solves at most: a round after the first widens the memory windows of the last
+    plan's swaps to their queued copies (`_solve_in_rounds`)."""
+
+    first_round_share: float = 1.0
+    """Share of the MILP's time the first round may take when later rounds may follow."""
+
     max_slack_rows: int = 300
     """Positions sampled for each direction's slack rows (evenly, when there are more)."""
 
@@ -111,6 +123,9 @@ class OptimalSettings(StaticSettings):
         self._require(0 < self.soft_share <= 1, "soft_share", "above 0 and at most 1")
         self._require(0 <= self.mip_rel_gap < 1, "mip_rel_gap", "at least 0 and below 1")
         self._require(self.max_slack_rows >= 2, "max_slack_rows", "at least 2")
+        self._require(self.max_rounds >= 1, "max_rounds", "at least 1")
+        self._require(0 < self.first_round_share <= 1, "first_round_share",
+                      "above 0 and at most 1")
 
 
 class _Stopped:
@@ -399,18 +414,19 @@ def _bound_note(m: Model, res) -> str | None:
 
 
 def solve(m: Model, budget_bytes: int, settings: OptimalSettings = OptimalSettings(),
-          fork: bool = True):
+          fork: bool = True, windows: tuple[np.ndarray, np.ndarray] | None = None):
     """Build and solve the MILP within `settings.time_limit_s` (building included). Returns
     (actions, notes, objective in us of overhead); actions and objective are None when HiGHS
     found no solution. With `fork`, HiGHS runs
     in a child process stopped at the limit (`run_quietly`); without, in this process
-    (silenced), stopped only by its own time limit."""
+    (silenced), stopped only by its own time limit. `windows`: (offload-tail end,
+    prefetch-head start) of each candidate, instead of `_windows`' (no queueing)."""
     t_build = time.perf_counter()
     n = len(m.cands)
     if n == 0 or int(m.live_keep.max(initial=0)) <= budget_bytes:
         return [KEEP] * n, ["everything fits: nothing to solve"], 0.0
     var, nv, how = _groups(m, settings.untie_limit, settings.groups)
-    tail_end, head, _ = _windows(m, settings.prefetch_margin)
+    tail_end, head = windows if windows is not None else _windows(m, settings.prefetch_margin)[:2]
     ch = build_chains(m)
     lay = _Layout(m, ch, var, nv)
     rows = _Rows()
@@ -459,20 +475,13 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     fallback_out = fallback(profile, hw, budget_bytes)
     fallback_dec = list(getattr(fallback_out, "decisions", fallback_out))
     reserve = max(s.reserve_s, s.reserve_share * s.time_limit_s)
-    milp_s = max(0.5, deadline - time.perf_counter() - reserve)
-    # the whole solve (building the MILP included) runs in a child stopped at milp_s
-    out = run_quietly(solve, dict(m=m, budget_bytes=budget_bytes,
-                                  settings=replace(s, time_limit_s=milp_s), fork=False), milp_s)
-    actions, more, objective = out if out is not None else (
-        None, [f"MILP stopped after its time ({milp_s:.1f} s) with no answer"], None)
-    notes.extend(more)
+    index = {t: c for c, t in enumerate(m.cands)}
+    seed = [index[d.tensor] for d in fallback_dec if d.action == SWAP and d.tensor in index]
+    actions, objective, state = _solve_in_rounds(m, budget_bytes, s, deadline - reserve, notes,
+                                                 seed)
     if actions is None:
         notes.append("using slackswap's plan instead")
         return PlannerOutput(fallback_dec, tuple(notes))
-    state = State(m, actions)
-    for c, a in enumerate(actions):     # a chain the MILP could not see through
-        if a == RECOMPUTE and not np.isfinite(state.cost[c]):
-            state.set(c, KEEP)
     mem = memory(m, state)
     if mem.max(initial=0) > budget_bytes:
         _, fits = recompute_until_fits(m, state, budget_bytes, mem, max_tries=s.max_tries)
@@ -491,6 +500,95 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
         notes.append("slackswap's plan simulates better than the MILP's: using it")
         return PlannerOutput(fallback_dec, tuple(notes))
     return PlannerOutput(mine, tuple(notes))
+
+
+def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: float,
+                     notes: list[str], seed_swaps: list[int]):
+    """The MILP, solved again while its plan overflows in the static model because its copies
+    queue: each round widens the memory windows of the plan's swaps to where the FIFOs put
+    them (offload tails end when the queued copy does, prefetch heads start when the queued
+    copy must), so the next plan pays for that memory. Windows only widen, so the rounds end;
+    the first round has `first_round_share` of the time, each later one what is left. The
+    first round's windows already queue behind `seed_swaps` (the fallback plan's swaps).
+    Returns (actions, objective, static State) of the last round that found a plan."""
+    tail_end, head, _ = _windows(m, s.prefetch_margin)
+    if seed_swaps:
+        t_q, h_q = _queued_windows(m, seed_swaps, s.prefetch_margin)
+        tail_end = np.maximum(tail_end, t_q)
+        head = np.maximum(np.minimum(head, h_q), tail_end)
+    best = (None, None, None)
+    for k in range(s.max_rounds):
+        left = until - time.perf_counter()
+        if k and left < 1.0:
+            notes.append("no time left for another round with the copies' queueing")
+            break
+        milp_s = max(0.5, left * (s.first_round_share if k + 1 < s.max_rounds and k == 0
+                                  else 1.0))
+        # the whole solve (building the MILP included) runs in a child stopped at milp_s
+        out = run_quietly(solve, dict(m=m, budget_bytes=budget_bytes,
+                                      settings=replace(s, time_limit_s=milp_s), fork=False,
+                                      windows=(tail_end, head)), milp_s)
+        actions, more, objective = out if out is not None else (
+            None, [f"MILP stopped after its time ({milp_s:.1f} s) with no answer"], None)
+        notes.extend(f"round {k + 1}: {n}" if k else n for n in more)
+        if actions is None:
+            break
+        state = State(m, actions)
+        for c, a in enumerate(actions):     # a chain the MILP could not see through
+            if a == RECOMPUTE and not np.isfinite(state.cost[c]):
+                state.set(c, KEEP)
+        best = (actions, objective, state)
+        if memory(m, state).max(initial=0) <= budget_bytes:
+            break
+        t_new, h_new = _queued_windows(m, [c for c, a in enumerate(state.actions) if a == SWAP],
+                                       s.prefetch_margin)
+        wider = (t_new > tail_end) | (h_new < head)
+        widened = int(wider.sum())
+        tail_end = np.maximum(tail_end, t_new)
+        head = np.maximum(np.minimum(head, h_new), tail_end)
+        if not widened:
+            break
+        notes.append(f"round {k + 1}'s plan overflows with its copies queued: the memory "
+                     f"windows of {widened} candidates widened to that queue")
+    return best
+
+
+def _queued_windows(m: Model, swaps: list[int], margin: float):
+    """Each candidate's (offload-tail end, prefetch-head start) were it swapped along with
+    `swaps`: its D2H copy waits behind the swaps produced up to its producer (FIFO), its H2D
+    copy must end before the swaps needed after it start (just in time, latest first; the
+    prefetch `margin` as in `_windows`). For the swaps themselves this is `copy_schedule`'s
+    queue; for the others it leaves out the delay they would add to later copies."""
+    n = len(m.cands)
+    if not swaps:
+        return _windows(m, margin)[:2]
+    sw = np.array(sorted(swaps, key=lambda c: (m.p[c], c)), dtype=np.int64)
+    ready, d = m.t_end[m.p[sw]], m.d2h_us[sw]
+    csum = np.cumsum(d)
+    done = np.maximum.accumulate(ready - (csum - d)) + csum
+    k = np.searchsorted(m.p[sw], m.p, side="right") - 1          # last swap produced <= p_c
+    in_plan = np.zeros(n, dtype=bool)
+    in_plan[sw] = True
+    before = np.where(k >= 0, done[np.maximum(k, 0)], -np.inf)
+    # a swap of the plan waits behind those produced before it only (done already has it)
+    pos = {int(c): i for i, c in enumerate(sw)}
+    for c in sw:
+        i = pos[int(c)]
+        before[c] = done[i - 1] if i > 0 else -np.inf
+    done_c = np.maximum(m.t_end[m.p], before) + m.d2h_us
+    tail_end = np.searchsorted(m.t_end, done_c - 1e-9, side="right") + 1
+    tail_end = np.minimum(np.maximum(tail_end, m.lf + 1), m.fb)
+    # H2D: latest need first; start_k = min(deadline_k, start_{k-1}) - h_k
+    sb = np.array(sorted(swaps, key=lambda c: (-m.fb[c], -c)), dtype=np.int64)
+    h = m.h2d_us[sb] * (1.0 + margin)
+    hs = np.cumsum(h)
+    starts = np.minimum.accumulate(m.t_start[m.fb[sb]] + hs - h) - hs
+    later = np.searchsorted(-m.fb[sb], -m.fb, side="left")       # swaps needed after fb_c
+    after = np.where(later > 0, starts[np.maximum(later - 1, 0)], np.inf)
+    start_c = np.minimum(m.t_start[m.fb], after) - m.h2d_us * (1.0 + margin)
+    head = np.searchsorted(m.t_end, np.maximum(start_c, m.forward_end_us), side="right")
+    head = np.minimum(np.maximum(head, m.nf), m.fb)
+    return tail_end, np.maximum(head, tail_end)
 
 
 def _agreement(objective: float | None, judged: tuple[bool, float], ideal: float) -> str:
