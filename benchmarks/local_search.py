@@ -18,6 +18,7 @@ plan, every candidate judged by the simulator. Writes
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,7 @@ def run_case(prof, hw, fraction: float, optimal_s: float, search_s: float,
         row[name] = {"retention": plan.predicted.retention, "feasible": plan.feasible,
                      "solve_ms": plan.solve_ms, "plan_and_simulate_s": wall,
                      "notes": list(plan.notes)}
+    row["optimal"]["model_error"] = model_error(row["optimal"]["notes"])
     row["search"] = {}
     for name, plan in plans.items():
         res = improve(prof, hw, budget, list(plan.decisions), two_moves=two_moves,
@@ -68,6 +70,21 @@ def run_case(prof, hw, fraction: float, optimal_s: float, search_s: float,
     return row
 
 
+AGREEMENT = re.compile(r"the MILP's plan simulates at ([0-9.]+) us of overhead, its objective "
+                       r"says ([0-9.]+) us")
+
+
+def model_error(notes) -> float | None:
+    """(simulated - objective) / objective on the MILP's own plan, from optimal's note on it
+    (None: the MILP found no plan, or it has no overhead)."""
+    for n in notes:
+        hit = AGREEMENT.search(n)
+        if hit:
+            sim, obj = float(hit.group(1)), float(hit.group(2))
+            return (sim - obj) / obj if obj > 0 else (0.0 if sim == 0 else None)
+    return None
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.2f}%"
 
@@ -78,10 +95,13 @@ def render(results: dict) -> str:
              "`slackswap_cli/planners/bound.py`, which no plan the simulator accepts beats. "
              "*search*: the best plan a first-improvement 1- and 2-move local search found "
              f"from slackswap's and optimal's plans ({results['search_time_limit_s']:g} s "
-             f"each at most). optimal: {results['optimal_time_limit_s']:g} s limit.", "",
+             f"each at most). optimal: {results['optimal_time_limit_s']:g} s limit. "
+             "*MILP error*: how far the simulation of the MILP's own plan (before polish) is "
+             "from the MILP's objective.", "",
              "| workload | budget | slackswap | optimal | sound bound | search | "
-             "slackswap time | optimal time | bound time | search moves (ss / opt) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "slackswap time | optimal time | bound time | search moves (ss / opt) | "
+             "MILP error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in results["profiles"]:
         for r in e["rows"]:
             ss, op = r["slackswap"], r["optimal"]
@@ -93,8 +113,12 @@ def render(results: dict) -> str:
                 f"{_pct(r['bound']['retention'])} | {_pct(r['best_search'])} | "
                 f"{ss['plan_and_simulate_s']:.2f} s | {op['plan_and_simulate_s']:.1f} s | "
                 f"{r['bound']['solve_s']:.1f} s | {s['slackswap']['moves']} / "
-                f"{s['optimal']['moves']} |")
+                f"{s['optimal']['moves']} | {_err(op.get('model_error'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _err(x) -> str:
+    return "-" if x is None else f"{100 * x:+.2f}%"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,10 @@ when everything else is at hand):
 recompute time (exact, from `simulate.static_costs`: one static pass, about 0.4 of a
 simulation) is not below the current plan's overhead, or whose least peak is over the
 budget, cannot help and is not simulated; a simulation gives up once its stalls leave no
-room to win.
+room to win. A recompute that becomes a swap skips the static pass (its recompute time only
+drops; the simulator judges its copies and memory). Moves alike (`_Polisher.signature`: the
+same actions on tensors of the same size and times, as in repeated layers) wait for a second
+sweep of the pass once the simulator refused one of them.
 
 **Allowance.** Work is counted in op-visits (a simulation costs the profile's op count, a
 static pass `STATIC_SHARE` of it) and capped at `work_ops` (default: `WORK_OPS`, or
@@ -192,7 +195,9 @@ class _Polisher:
             trial = dict(self.cur)
             for t, a in change.items():
                 trial[t] = Decision(t, a)
-            rec = self._static_recompute(trial)
+            rec = self._swap_instead(change)
+            if rec is None:
+                rec = self._static_recompute(trial)
             if rec is not None:
                 ranked.append((rec, k, trial, change))
         ranked.sort(key=lambda x: (x[0], x[1]))
@@ -210,6 +215,17 @@ class _Polisher:
             if won is False:
                 self.failed.add(sig)
         return False
+
+    def _swap_instead(self, change) -> float | None:
+        """A recompute that becomes a swap needs no static pass to be worth simulating: its
+        recompute time drops (by about its chain's time, the estimate returned) and the
+        simulator judges its memory. None for any other move."""
+        if len(change) != 1:
+            return None
+        (t, a), = change.items()
+        if a != SWAP or self.cur[t].action != RECOMPUTE or self.cost[t] is None:
+            return None
+        return max(0.0, self.best_res.predicted.recompute_us - self.cost[t])
 
     def _static_recompute(self, trial) -> float | None:
         """The trial's recompute time when it fits and could beat the current plan."""
