@@ -121,3 +121,13 @@ def test_polish_finds_the_one_swap_a_layer_can_hide_on_gpt2_xl():
     name = {t.id: t.name for t in p.tensors}
     assert {name[t]: str(a) for t, a in changed.items()} == {"getitem_8": "swap"}
     assert out.result.predicted.retention > res.predicted.retention + 1e-4
+
+
+def test_polish_leaves_a_plan_at_the_ideal_step_alone():
+    seed, rng, prof, hw, budget = next(_instances(1))
+    keep = [Decision(t.id, "keep") for t in prof.saved_activations]
+    peak = prof.summary["peak_activation_bytes"]
+    res = simulate(prof, keep, hw, peak, record=False)
+    assert res.feasible and res.predicted.retention == 1.0
+    out = polish(prof, hw, peak, keep, res)
+    assert out.moves == out.simulated == out.laid_out == 0 and out.decisions == tuple(keep)

@@ -2,9 +2,10 @@
 
 The static model the planners reason with leaves things out (copy queueing, chains that share
 ops, swaps the ledger placed where a cheaper tensor would have done), so a plan it calls best
-can often be improved by changing one or two decisions. This pass tries such changes and
-keeps each that the simulator judges better (feasible, higher retention), first improvement,
-until a pass finds nothing or the work allowance is spent.
+can often be improved by changing one or two decisions. This pass tries such changes in order
+and takes each that the simulator judges better (feasible, higher retention) as it goes on
+down the list (a local search's first improvement); passes repeat until one finds nothing or
+the work allowance is spent. A plan already at the ideal step is left as it is.
 
 **Moves**, from the most promising (static chain time, the ops recomputing a tensor re-runs
 when everything else is at hand):
@@ -77,8 +78,9 @@ def polish(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions, result
            min_gain: float = 1e-9) -> PolishResult:
     """Improve `decisions` (whose simulation is `result`) move by move; a plan that does not
     fit is returned as it is."""
-    if not result.feasible:
-        return PolishResult(tuple(decisions), result, 0, 0, 0)
+    pred = result.predicted
+    if not result.feasible or pred.step_us - pred.ideal_us <= min_gain * pred.ideal_us:
+        return PolishResult(tuple(decisions), result, 0, 0, 0)     # nothing to gain
     p = _Polisher(prof, hw, budget_bytes, decisions, result, work_ops, pairs, min_gain)
     improved = True
     while improved and p.spent < p.work_ops:
@@ -90,10 +92,8 @@ def polish(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions, result
                 if p.spent >= p.work_ops:
                     break
                 if p.try_batch(todo[b:b + batch_size], F, defer):
-                    improved = True
-                    break
-            if improved:
-                break
+                    improved = True             # go on down the list from the new plan
+                    F = p.forward_memory()
             todo = p.deferred
     return PolishResult(tuple(p.cur[t] for t in sorted(p.cur)), p.best_res, p.moves_taken,
                         p.simulated, p.laid_out)
@@ -187,6 +187,8 @@ class _Polisher:
         for k, change in enumerate(batch):
             if self.spent >= self.work_ops:
                 break
+            if any(self.cur[t].action == a for t, a in change.items()):
+                continue                # stale: a move taken since changed it
             if not self.fits_forward(change, F):
                 continue
             if defer and self.signature(change) in self.failed:
