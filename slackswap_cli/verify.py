@@ -103,6 +103,7 @@ class TimelineRow:
     predicted_bytes: int | None
     measured_bytes: int
     statement: str = ""
+    target: str = ""           # the aten call this row measured (a statement may make several)
 
 
 def find_plan(patched_path: str, meta: dict):
@@ -221,7 +222,7 @@ def measure_patched_step(mod, patched, p_args, p_kwargs, profile=None) -> Measur
         op = op_id.get(name) if m else None
         rec = phase == "backward" and op is not None and op < n_fwd
         sample_rows[s.index] = len(rows)
-        rows.append(TimelineRow(op, name, rec, None, v, stmt))
+        rows.append(TimelineRow(op, name, rec, None, v, stmt, s.target))
     peak_row = max(range(len(rows)), key=lambda i: rows[i].measured_bytes, default=0)
     peak = rows[peak_row].measured_bytes if rows else 0
     return MeasuredStep(rows, peak, peak_row, tracker, sample_rows)
@@ -303,6 +304,16 @@ def worst_divergence(ms: MeasuredStep, profile) -> dict | None:
     return {"op": r.op, "name": r.name, "recompute": r.recompute, "statement": r.statement,
             "measured_bytes": r.measured_bytes, "predicted_bytes": r.predicted_bytes,
             "excess_bytes": r.measured_bytes - r.predicted_bytes, "live_tensors": tensors}
+
+
+def _recompute_calls(rows, profile) -> int:
+    """Ops re-run in backward: calls of a forward op's own function in a recompute statement
+    (a statement's other calls, such as the clones that keep BatchNorm's running statistics
+    from being updated twice, are not re-runs; nor are ops that only make views)."""
+    if profile is None:
+        return sum(1 for x in rows if x.recompute)
+    return sum(1 for x in rows if x.recompute and not _is_view_op(profile, x.op)
+               and (not x.target or x.target == profile.ops[x.op].target))
 
 
 def _is_view_op(profile, op: int) -> bool:
@@ -815,6 +826,5 @@ def _report(s: _Pair, c: _Compared, ms: MeasuredStep, tl: _Timeline, plan, profi
         profile_time_source=(profile.summary.get("time_source", "") if profile is not None
                              else ""),
         predicted_recompute_ops=tl.pred_rec_ops,
-        measured_recompute_ops=sum(1 for x in ms.rows if x.recompute
-                                   and (profile is None or not _is_view_op(profile, x.op))),
+        measured_recompute_ops=_recompute_calls(ms.rows, profile),
         inplace=inplace)
