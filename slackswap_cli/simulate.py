@@ -53,8 +53,9 @@ it) fits under the budget until its use; it also needs the current memory to hav
 reservation is what keeps a greedy "grab memory early" rule from deadlocking. A
 `Decision.prefetch_at` (a backward op id) means "not before compute reaches that op", that is
 the first task of its recompute chain if it has one (the patched module issues the copy there
-too); one later than the tensor's first need is moved to the need. Being FIFO, a held-back prefetch holds back
-the ones behind it.
+too); one later than the tensor's first need is moved to the first task of the op whose
+tasks first read it (its chain, if the first reader is a recompute), where the patched module
+issues it too. Being FIFO, a held-back prefetch holds back the ones behind it.
 
 **Stalls.** Before a compute task starts, the prefetches it needs must have arrived (else it
 waits: cause `late_prefetch`, or `memory_full` when the prefetch itself waits for memory) and
@@ -464,12 +465,16 @@ def _prefetch_gates(prog: _Program, tab: Tables, prefetch_at: dict[int, int],
     pinned = [nf] * nq
     if prefetch_at:
         op_task: dict[int, int] = {}   # a pin means "not before compute reaches this op's chain"
+                                       # (op -> its first task)
         for t in range(nf, len(prog.task_op)):
             op_task.setdefault(prog.task_owner[t], t)
         for qi, x in enumerate(queue):
             pa = prefetch_at.get(x)
             if pa is not None:
-                pinned[qi] = min(op_task[pa], prog.need_task[x])
+                # ... and at the latest before the chain of the op whose tasks first read it
+                # (where the patched module issues a pin that comes after the first use)
+                need = prog.need_task[x]
+                pinned[qi] = min(op_task[pa], op_task.get(prog.task_owner[need], need), need)
     return earliest, pinned
 
 
