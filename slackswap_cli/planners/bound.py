@@ -79,9 +79,9 @@ offloads still queued at the end of forward run during all of backward's recompu
 the first backward op (BERT-Large at 0.5: 94.02% without, 93.37% with).
 
 **Where it is loose.** On the ResNet-50 sample it stays 0.06-0.21 points above slackswap's
-plans, and 0.16 above the best plan found at 0.5 (`optimal`'s, 93.57%). Tried, at 0.5: integer decisions
-(a MILP over the same rows: 93.71% at best, against 93.73%), rows at every window start
-(93.70%, 4x the rows), and rows with the D2H queue's order (a root is copied only after
+plans, and 0.16 above the best plan found at 0.5 (`optimal`'s, 93.57%). Tried, at 0.5:
+integer decisions (a MILP over the same rows: 93.71% at best, against 93.73%), rows at every
+window start (93.70%, 4x the rows), and rows with the D2H queue's order (a root is copied only after
 every swapped root queued before it, copies of roots forward still reads take engine time
 too) at every over-budget op (93.70%, 30x the rows). What the LP still leaves out: chain
 temporaries and chains pulling inputs back early (ResNet's conv-BN-ReLU chains allocate

@@ -29,9 +29,12 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   A plan that still overflows is repaired in the static model of `common` (extra recompute)
   and the simulator judges it; notes give the MILP's objective, its proven lower bound (on
   this model, not on the simulator: a plan can beat it) and gap, and how far the simulation
-  of the MILP's own plan is from its objective (the model's error on that plan: 0.00% on
-  the four samples at 0.3/0.5/0.7 where the MILP found a plan in 30 s, see
-  `benchmarks/results/local_search.md`). The MILP's plan then gets slackswap's last pass, `polish` (moves of one or two
+  of the MILP's own plan is from its objective (the model's error on that plan: 0.00% in 10
+  of the 12 sample runs of `benchmarks/results/local_search.md`, -0.04% and -0.27% in the
+  other two; where it is off, the model charges more than the simulator, such as offloads
+  running past the end of forward, which the simulator hides when nothing waits on them).
+  The MILP's plan then gets
+  slackswap's last pass, `polish` (moves of one or two
   decisions the simulator judges better). When the MILP has no answer in time, or the
   fallback planner's plan (slackswap's: the registry in `planners` passes it) simulates
   better than the repaired and polished MILP plan, that plan is returned (the notes say so),
@@ -104,9 +107,6 @@ class OptimalSettings(StaticSettings):
     """MILP solves at most: a round after the first widens the memory windows of the last
     plan's swaps to their queued copies (`_solve_in_rounds`)."""
 
-    first_round_share: float = 1.0
-    """Share of the MILP's time the first round may take when later rounds may follow."""
-
     max_slack_rows: int = 300
     """Positions sampled for each direction's slack rows (evenly, when there are more)."""
 
@@ -124,8 +124,6 @@ class OptimalSettings(StaticSettings):
         self._require(0 <= self.mip_rel_gap < 1, "mip_rel_gap", "at least 0 and below 1")
         self._require(self.max_slack_rows >= 2, "max_slack_rows", "at least 2")
         self._require(self.max_rounds >= 1, "max_rounds", "at least 1")
-        self._require(0 < self.first_round_share <= 1, "first_round_share",
-                      "above 0 and at most 1")
 
 
 class _Stopped:
@@ -508,8 +506,9 @@ def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: flo
     queue: each round widens the memory windows of the plan's swaps to where the FIFOs put
     them (offload tails end when the queued copy does, prefetch heads start when the queued
     copy must), so the next plan pays for that memory. Windows only widen, so the rounds end;
-    the first round has `first_round_share` of the time, each later one what is left. The
-    first round's windows already queue behind `seed_swaps` (the fallback plan's swaps).
+    each round may take the time left (a later round runs only when an earlier one finished
+    early). The first round's windows already queue behind `seed_swaps` (the fallback
+    plan's swaps).
     Returns (actions, objective, static State) of the last round that found a plan."""
     tail_end, head, _ = _windows(m, s.prefetch_margin)
     if seed_swaps:
@@ -522,8 +521,7 @@ def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: flo
         if k and left < 1.0:
             notes.append("no time left for another round with the copies' queueing")
             break
-        milp_s = max(0.5, left * (s.first_round_share if k + 1 < s.max_rounds and k == 0
-                                  else 1.0))
+        milp_s = max(0.5, left)
         # the whole solve (building the MILP included) runs in a child stopped at milp_s
         out = run_quietly(solve, dict(m=m, budget_bytes=budget_bytes,
                                       settings=replace(s, time_limit_s=milp_s), fork=False,
@@ -559,7 +557,6 @@ def _queued_windows(m: Model, swaps: list[int], margin: float):
     copy must end before the swaps needed after it start (just in time, latest first; the
     prefetch `margin` as in `_windows`). For the swaps themselves this is `copy_schedule`'s
     queue; for the others it leaves out the delay they would add to later copies."""
-    n = len(m.cands)
     if not swaps:
         return _windows(m, margin)[:2]
     sw = np.array(sorted(swaps, key=lambda c: (m.p[c], c)), dtype=np.int64)
@@ -567,14 +564,9 @@ def _queued_windows(m: Model, swaps: list[int], margin: float):
     csum = np.cumsum(d)
     done = np.maximum.accumulate(ready - (csum - d)) + csum
     k = np.searchsorted(m.p[sw], m.p, side="right") - 1          # last swap produced <= p_c
-    in_plan = np.zeros(n, dtype=bool)
-    in_plan[sw] = True
     before = np.where(k >= 0, done[np.maximum(k, 0)], -np.inf)
     # a swap of the plan waits behind those produced before it only (done already has it)
-    pos = {int(c): i for i, c in enumerate(sw)}
-    for c in sw:
-        i = pos[int(c)]
-        before[c] = done[i - 1] if i > 0 else -np.inf
+    before[sw] = np.r_[-np.inf, done[:-1]]
     done_c = np.maximum(m.t_end[m.p], before) + m.d2h_us
     tail_end = np.searchsorted(m.t_end, done_c - 1e-9, side="right") + 1
     tail_end = np.minimum(np.maximum(tail_end, m.lf + 1), m.fb)

@@ -22,13 +22,13 @@ result):
 What a swap saves per byte is the price of the bytes recompute would otherwise free; that price
 is not known before the plan is (swaps make the marginal recompute cheaper), so the first try
 makes a plan at each of a few prices (`SlackswapSettings.price_quantiles`) and the simulator
-picks. Then the simulator runs the plan. If compute stalls, the swaps it waited for (a late prefetch,
-an offload still running when memory ran out) become recomputes and the greedy frees what that
-costs; failing that, the plan is made again with prefetches pinned just in time and with less
-of the slack trusted. A plan without swaps is always tried as well (so slackswap never loses to
-recomputing alone), and when no plan fits, swapping everything (the least memory any plan
-needs). The best plan the simulator saw is then polished (`polish`): moves of one or two
-decisions the simulator judges better, within a fixed allowance of work.
+picks. Then the simulator runs the plan. If compute stalls, the swaps it waited for (a late
+prefetch, an offload still running when memory ran out) become recomputes and the greedy frees
+what that costs; failing that, the plan is made again with prefetches pinned just in time and
+with less of the slack trusted. A plan without swaps is always tried as well (so slackswap
+never loses to recomputing alone), and when no plan fits, swapping everything (the least memory
+any plan needs). The best plan the simulator saw is then polished (`polish`): moves of one or
+two decisions the simulator judges better, within a fixed allowance of work.
 """
 from __future__ import annotations
 
