@@ -79,6 +79,10 @@ def _worker(rank, world, port, patched_path, workload_path, mode, out_dir):
                               "lined_up": len(run.rec_of_op) if run else 0,
                               "profile_ops": len(run.table["ops"]) if run else 0}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        # both ranks done before either tears gloo down: a rank that destroys the group while
+        # the other still has FSDP2's last collectives in flight aborts it ("terminate called
+        # without an active exception", SIGABRT; seen once in CI on the llama-fsdp case)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
