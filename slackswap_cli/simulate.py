@@ -474,7 +474,7 @@ def _prefetch_gates(prog: _Program, tab: Tables, prefetch_at: dict[int, int],
                 # ... and at the latest before the chain of the op whose tasks first read it
                 # (where the patched module issues a pin that comes after the first use)
                 need = prog.need_task[x]
-                pinned[qi] = min(op_task[pa], op_task.get(prog.task_owner[need], need), need)
+                pinned[qi] = min(op_task[pa], op_task[prog.task_owner[need]])
     return earliest, pinned
 
 

@@ -321,6 +321,28 @@ class CopySchedule:
     exposed_us: float                    # copy time the FIFOs could not hide (estimate)
 
 
+def d2h_fifo(m: Model, swaps) -> tuple[np.ndarray, np.ndarray]:
+    """(swaps in production order, the time each one's D2H copy is done): one FIFO, a copy
+    starting when its producer ends or the copy ahead of it is done."""
+    sw = np.array(sorted(swaps, key=lambda c: (m.p[c], c)), dtype=np.int64)
+    # done_k = max(ready_k, done_{k-1}) + d_k, i.e. a running max of prefix sums
+    ready, d = m.t_end[m.p[sw]], m.d2h_us[sw]
+    csum = np.cumsum(d)
+    return sw, np.maximum.accumulate(ready - (csum - d)) + csum
+
+
+def h2d_just_in_time(m: Model, swaps, need: np.ndarray,
+                     margin: float) -> tuple[np.ndarray, np.ndarray]:
+    """(swaps latest need first, the time each one's H2D copy starts): one FIFO filled just in
+    time, each copy (`margin` of it longer) ending when its tensor is needed or the copy after
+    it starts, whichever is earlier."""
+    sb = np.array(sorted(swaps, key=lambda c: (-need[c], -c)), dtype=np.int64)
+    h = m.h2d_us[sb] * (1.0 + margin)
+    hs = np.cumsum(h)
+    # start_k = min(deadline_k, start_{k-1}) - h_k = min_{j<=k}(deadline_j + hs_j - h_j) - hs_k
+    return sb, np.minimum.accumulate(m.t_start[need[sb]] + hs - h) - hs
+
+
 def copy_schedule(m: Model, swaps: list[int], need: np.ndarray | None = None,
                   margin: float = 0.0) -> CopySchedule:
     """FIFO D2H in production order, just-in-time H2D in order of need, on the ideal timeline.
@@ -331,24 +353,13 @@ def copy_schedule(m: Model, swaps: list[int], need: np.ndarray | None = None,
     need = m.fb if need is None else need
     if not swaps:
         return CopySchedule({}, {}, 0.0)
-    sw = np.array(sorted(swaps, key=lambda c: (m.p[c], c)), dtype=np.int64)
-    # D2H FIFO: done_k = max(ready_k, done_{k-1}) + d_k, i.e. a running max of prefix sums
-    ready = m.t_end[m.p[sw]]
-    d = m.d2h_us[sw]
-    csum = np.cumsum(d)
-    done = np.maximum.accumulate(ready - (csum - d)) + csum
+    sw, done = d2h_fifo(m, swaps)
     done_ops = np.searchsorted(m.t_end, done - 1e-9, side="right")
     done_ops = np.maximum(np.minimum(done_ops, m.n - 1), m.lf[sw])
     done_op = dict(zip(sw.tolist(), done_ops.tolist()))
     late_d2h = max(0.0, float(done[-1]) - m.forward_end_us)
-    # H2D just in time, latest first: start_k = min(deadline_k, start_{k+1}) - h_k
     t_b0 = m.forward_end_us
-    sb = np.array(sorted(swaps, key=lambda c: (-need[c], -c)), dtype=np.int64)
-    h = m.h2d_us[sb] * (1.0 + margin)
-    deadline = m.t_start[need[sb]]
-    hs = np.cumsum(h)
-    # start_k = min_{j<=k}(deadline_j + hs_j - h_j) - hs_k
-    starts = np.minimum.accumulate(deadline + hs - h) - hs
+    sb, starts = h2d_just_in_time(m, swaps, need, margin)
     pf_ops = np.searchsorted(m.t_end, np.maximum(starts, t_b0), side="right")
     pf_ops = np.maximum(np.minimum(pf_ops, m.n - 1), m.nf)
     pf_op = dict(zip(sb.tolist(), pf_ops.tolist()))

@@ -63,7 +63,8 @@ from ..hardware import HardwareSpec
 from ..schema import Profile
 from .bound import run_quietly, sound_bound
 from .common import KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, State, StaticSettings, \
-    build_chains, build_model, memory, prefetch_points, recompute_until_fits
+    build_chains, build_model, d2h_fifo, h2d_just_in_time, memory, prefetch_points, \
+    recompute_until_fits
 from .polish import polish
 
 
@@ -559,10 +560,7 @@ def _queued_windows(m: Model, swaps: list[int], margin: float):
     queue; for the others it leaves out the delay they would add to later copies."""
     if not swaps:
         return _windows(m, margin)[:2]
-    sw = np.array(sorted(swaps, key=lambda c: (m.p[c], c)), dtype=np.int64)
-    ready, d = m.t_end[m.p[sw]], m.d2h_us[sw]
-    csum = np.cumsum(d)
-    done = np.maximum.accumulate(ready - (csum - d)) + csum
+    sw, done = d2h_fifo(m, swaps)
     k = np.searchsorted(m.p[sw], m.p, side="right") - 1          # last swap produced <= p_c
     before = np.where(k >= 0, done[np.maximum(k, 0)], -np.inf)
     # a swap of the plan waits behind those produced before it only (done already has it)
@@ -570,11 +568,8 @@ def _queued_windows(m: Model, swaps: list[int], margin: float):
     done_c = np.maximum(m.t_end[m.p], before) + m.d2h_us
     tail_end = np.searchsorted(m.t_end, done_c - 1e-9, side="right") + 1
     tail_end = np.minimum(np.maximum(tail_end, m.lf + 1), m.fb)
-    # H2D: latest need first; start_k = min(deadline_k, start_{k-1}) - h_k
-    sb = np.array(sorted(swaps, key=lambda c: (-m.fb[c], -c)), dtype=np.int64)
-    h = m.h2d_us[sb] * (1.0 + margin)
-    hs = np.cumsum(h)
-    starts = np.minimum.accumulate(m.t_start[m.fb[sb]] + hs - h) - hs
+    # H2D: a copy ends before the copies of the swaps needed after it start
+    sb, starts = h2d_just_in_time(m, swaps, m.fb, margin)
     later = np.searchsorted(-m.fb[sb], -m.fb, side="left")       # swaps needed after fb_c
     after = np.where(later > 0, starts[np.maximum(later - 1, 0)], np.inf)
     start_c = np.minimum(m.t_start[m.fb], after) - m.h2d_us * (1.0 + margin)

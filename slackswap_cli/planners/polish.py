@@ -191,7 +191,8 @@ class _Polisher:
                 continue                # stale: a move taken since changed it
             if not self.fits_forward(change, F):
                 continue
-            if defer and self.signature(change) in self.failed:
+            sig = self.signature(change)
+            if defer and sig in self.failed:
                 self.deferred.append(change)
                 continue
             trial = dict(self.cur)
@@ -201,13 +202,12 @@ class _Polisher:
             if rec is None:
                 rec = self._static_recompute(trial)
             if rec is not None:
-                ranked.append((rec, k, trial, change))
+                ranked.append((rec, k, trial, change, sig))
         ranked.sort(key=lambda x: (x[0], x[1]))
-        for rec, _, trial, change in ranked:
+        for rec, _, trial, change, sig in ranked:
             if self.spent >= self.work_ops:
                 break
-            sig = self.signature(change)
-            if defer and sig in self.failed:
+            if defer and sig in self.failed:     # refused since this batch was ranked
                 self.deferred.append(change)
                 continue
             won = self._judge(rec, trial)

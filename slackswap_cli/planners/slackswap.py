@@ -350,14 +350,14 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     ideal = m.ideal_us
     best = None
 
-    def consider(state, fits, safety, pin):
+    def consider(state, fits, safety, pin, price=None):
         nonlocal best
         decisions = state.decisions(prefetch_points(m, state, s.prefetch_margin) if pin
                                     else None)
         res = simulate(profile, decisions, hw, budget_bytes, record=False)
         key = (res.feasible, res.predicted.retention)
         if best is None or key > best[0]:
-            best = (key, state, decisions, fits, safety, pin, res)
+            best = (key, state, decisions, fits, safety, pin, res, price)
         return res.feasible and res.predicted.stall_us <= 1e-6 * ideal
 
     prices: list[float | None] = [None]
@@ -375,22 +375,20 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
         for price in (prices if k == 0 else [best_price]):
             state, _, fits = plan_static(m, budget_bytes, s, slack_safety=safety,
                                          price_per_byte=price)
-            state.price = price
-            if consider(state, fits, safety, pin):
+            if consider(state, fits, safety, pin, price):
                 clean = True
             elif k == 0:   # fix the stalls where the simulator shows them, then judge again
                 fixed = _fix_stalls(m, state, profile, hw, budget_bytes, s)
                 if fixed is not None:
-                    fixed.price = price
-                    clean |= consider(fixed, True, safety, pin)
+                    clean |= consider(fixed, True, safety, pin, price)
         if clean:
             break
-        best_price = getattr(best[1], "price", prices[0])
+        best_price = best[7] if best[7] is not None else prices[0]
     if not best[0][0]:
         # nothing fits yet: swapping everything needs the least memory of any plan (it meets
         # every budget at or above the floor, compute waiting for copies where it must)
         consider(State(m, [SWAP] * len(m.cands)), True, "swap-all", False)
-    _, state, decisions, fits, safety, pin, res = best
+    _, state, decisions, fits, safety, pin, res, _ = best
     polished = polish(profile, hw, budget_bytes, decisions, res,
                       work_ops=settings.polish_work_ops)
     decisions = list(polished.decisions)
