@@ -131,3 +131,31 @@ def test_polish_leaves_a_plan_at_the_ideal_step_alone():
     assert res.feasible and res.predicted.retention == 1.0
     out = polish(prof, hw, peak, keep, res)
     assert out.moves == out.simulated == out.laid_out == 0 and out.decisions == tuple(keep)
+
+
+def test_polish_recomputes_one_kept_tensor_instead_of_two_dearer_recomputes():
+    # a0 (2 MiB, chain 100 us) is kept; a1 and a2 (1 MiB each, chains 60 us) are recomputed.
+    # Their gaps lie inside a0's, so recomputing a0 and keeping both frees the same bytes
+    # where memory is full and saves 20 us. No one-for-one exchange helps (each 60 us chain is
+    # cheaper than a0's 100 us) and copies are too slow to hide, so only the one-for-many
+    # move finds it.
+    from slackswap_cli.hardware import HardwareSpec
+    from slackswap_cli.synthetic import chain_profile
+    mib = 1 << 20
+    prof = chain_profile(n=6, act_bytes=[2 * mib] + [mib] * 5, fwd_us=[100] + [60] * 5)
+    hw = HardwareSpec(name="slow-copies", peak_flops_per_s=1e12, matmul_efficiency=1.0,
+                      hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
+                      h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6, copy_latency_us=0.0,
+                      duplex=True, duplex_derate=1.0)
+    budget = prof.keep_all_peak_bytes - 2 * mib
+    ids = {t.name: t.id for t in prof.saved_activations}
+    acts = {"a0": "keep", "a1": "recompute", "a2": "recompute", "a3": "keep", "a4": "keep",
+            "a5": "keep"}
+    dec = [Decision(ids[n], a) for n, a in acts.items()]
+    start = simulate(prof, dec, hw, budget, record=False)
+    assert start.feasible and start.predicted.recompute_us == 120.0
+    out = polish(prof, hw, budget, dec, start)
+    got = {n: str(a) for n, a in zip(acts, (next(d.action for d in out.decisions
+                                                  if d.tensor == ids[n]) for n in acts))}
+    assert got == {**{n: "keep" for n in acts}, "a0": "recompute"}
+    assert out.result.feasible and out.result.predicted.recompute_us == 100.0

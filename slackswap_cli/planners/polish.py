@@ -14,7 +14,10 @@ when everything else is at hand):
    with a cheaper chain is recomputed instead (the copy time s used goes to r);
 3. *exchange with a kept tensor*: r is kept and a kept k of at least r's size with a cheaper
    chain is recomputed instead;
-4. when the plan stalls: a swapped tensor is recomputed or kept.
+4. *one kept for several recomputes*: a kept k is recomputed and the recomputes whose gaps lie
+   inside its gap, up to its size, are kept, when their chains cost more together than k's
+   (no one of them need be dearer than k, which move 3 requires);
+5. when the plan stalls: a swapped tensor is recomputed or kept.
 
 **Filter.** A plan's step is its ideal time plus recompute time plus stalls, so a move whose
 recompute time (exact, from `simulate.static_costs`: one static pass, about 0.4 of a
@@ -171,6 +174,7 @@ class _Polisher:
             near = sorted((k for k in by[KEEP] if cost[k] is not None and size[k] >= size[r]),
                           key=lambda k: (size[k] - size[r], k))
             out += [(cost[r] - cost[k], {r: KEEP, k: RECOMPUTE}) for k in near[:pairs]]
+        out += self._one_for_many(by[KEEP], by[RECOMPUTE])
         if self.best_res.predicted.stall_us > 0:
             for s in by[SWAP]:
                 if cost[s] is not None:
@@ -178,6 +182,30 @@ class _Polisher:
                 out.append((0.0, {s: KEEP}))
         out.sort(key=lambda x: (-x[0], sorted(x[1].items())))
         return [change for _, change in out]
+
+    def _one_for_many(self, kept, recomputed) -> list[tuple[float, dict]]:
+        """*One kept tensor for several recomputes*: k is recomputed and the recomputed
+        tensors whose gaps lie inside k's gap (dearest per byte first, while their sizes add up
+        to at most k's) are kept, when their chains cost more than k's together. Where memory
+        was full k frees at least what they take back, so the exchange stays level; move 3
+        exchanges one for one and misses it when no single recompute is dearer than k."""
+        cost, size = self.cost, self.tab.size
+        lfu, fbu = self.tab.last_fwd_use, self.tab.first_bwd_use
+        rs = sorted((r for r in recomputed if cost[r] is not None),
+                    key=lambda r: (-cost[r] / max(size[r], 1), r))
+        out = []
+        for k in kept:
+            if cost[k] is None:
+                continue
+            room, gain, take = size[k], -cost[k], {}
+            for r in rs:
+                if size[r] <= room and lfu[k] <= lfu[r] and fbu[r] <= fbu[k]:
+                    take[r] = KEEP
+                    room -= size[r]
+                    gain += cost[r]
+            if len(take) >= 2 and gain > 0:
+                out.append((gain, {k: RECOMPUTE, **take}))
+        return out
 
     def try_batch(self, batch, F, defer: bool) -> bool:
         """Static pass on each move of `batch`, then simulate the survivors, least recompute
