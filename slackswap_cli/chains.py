@@ -101,6 +101,11 @@ class Tables:
         self.bwd_saved_in = [()] * nf + [tuple(r for r in in_roots[i] if saved[r])
                                          for i in range(nf, n_ops)]
         self.bwd_readers = [i for i in range(nf, n_ops) if self.bwd_saved_in[i]]
+        readers_of: dict[int, list[int]] = {}
+        for i in self.bwd_readers:
+            for r in self.bwd_saved_in[i]:
+                readers_of.setdefault(r, []).append(i)
+        self.bwd_readers_of = readers_of   # saved root -> backward ops that read it
         # bytes every plan allocates at each op's start / frees at its end: values that are
         # not saved activations (forward transients, backward values)
         base_alloc = [0] * n_ops
@@ -230,7 +235,12 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
     bwd_saved_in = tab.bwd_saved_in
     nxt = nf                           # next backward op not yet laid out
     T = nf                             # == len(task_op)
-    for i in tab.bwd_readers:          # backward ops that read saved activations
+    # only backward ops that read an evicted root get a chain or a fetch; the others run as
+    # they are, like ops that read no saved activation
+    readers_of = tab.bwd_readers_of
+    evicted_readers = sorted({i for x in tab.saved_roots if action[x] in (SWAP, RECOMPUTE)
+                              for i in readers_of.get(x, ())})
+    for i in evicted_readers:
         if i > nxt:                    # ops in between read none: they run as they are
             task_op.extend(range(nxt, i))
             task_owner.extend(range(nxt, i))

@@ -112,6 +112,7 @@ class Model:
     live_keep: np.ndarray            # keep-all live bytes per op
     base: np.ndarray                 # floor memory per op (every candidate evicted)
     layer: list[int | None] = field(default_factory=list)   # repeated-block index of each candidate
+    chains: "Chains | None" = field(default=None, repr=False)  # `build_chains`' result, once made
 
     @property
     def forward_end_us(self) -> float:
@@ -181,7 +182,10 @@ class Chains:
 
 
 def build_chains(m: Model) -> Chains:
-    """Every candidate's chain under the static view (`chains.candidate_chain`)."""
+    """Every candidate's chain under the static view (`chains.candidate_chain`). Made once
+    per model and kept on it (read-only: nothing changes a chain once it is made)."""
+    if m.chains is not None:
+        return m.chains
     prof = m.prof
     tab = chain_tables(prof)
     n = len(m.cands)
@@ -205,7 +209,8 @@ def build_chains(m: Model) -> Chains:
         # inputs already back when c is needed (their first backward use came first) add nothing
         ins = (m.index[x] for x in ch.inputs)
         inputs[c] = sorted(x for x in ins if not (m.fb[x] <= m.fb[c] <= m.lu[x]))
-    return Chains(cost, inputs, extra, temps, chain_ops, siblings)
+    m.chains = Chains(cost, inputs, extra, temps, chain_ops, siblings)
+    return m.chains
 
 
 # --------------------------------------------------------------------------------------------
