@@ -29,10 +29,12 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   A plan that still overflows is repaired in the static model of `common` (extra recompute)
   and the simulator judges it; notes give the MILP's objective, its proven lower bound (on
   this model, not on the simulator: a plan can beat it) and gap, and how far the simulation
-  of the MILP's own plan is from its objective (the model's error on that plan: 0.00% in 10
-  of the 12 sample runs of `benchmarks/results/local_search.md`, -0.04% and -0.27% in the
-  other two; where it is off, the model charges more than the simulator, such as offloads
-  running past the end of forward, which the simulator hides when nothing waits on them).
+  of the MILP's own plan is from its objective (the model's error on that plan: 0.00% in 9
+  of the 12 sample runs of `benchmarks/results/local_search.md`, -0.04% on BERT-Large 0.7,
+  -0.27% on Llama-7B 0.3 at the model's optimum, -1.70% on a time-limited GPT-2 XL 0.3 plan;
+  where it is off, the model charges more than the simulator: on Llama-7B 0.3, 125 us for
+  offloads running past the end of forward (`eF`), which the simulator hides because nothing
+  waits on them).
   The MILP's plan then gets
   slackswap's last pass, `polish` (moves of one or two
   decisions the simulator judges better). When the MILP has no answer in time, or the
