@@ -33,6 +33,7 @@ two decisions the simulator judges better, within a fixed allowance of work.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -301,12 +302,13 @@ def _upgrade_to_swap(m: Model, state: State, budget_bytes: int, ledger: SlackLed
 
 
 def _fix_stalls(m: Model, state: State, profile: Profile, hw: HardwareSpec,
-                budget_bytes: int, s: SlackswapSettings) -> State | None:
+                budget_bytes: int, s: SlackswapSettings) -> tuple[State, int] | None:
     """Where the simulator shows compute waiting, stop swapping what it waited for.
 
     A late prefetch at op i: the swapped tensors needed at i are recomputed (or kept, when they
     cannot be). Memory full at op i: the swapped tensors whose offload was still running then
-    are. The greedy then frees whatever memory that costs. None when nothing stalled.
+    are. The greedy then frees whatever memory that costs. Returns the repaired state and how
+    many swaps it changed; None when nothing stalled.
     """
     from ..simulate import simulate
     res = simulate(profile, state.decisions(), hw, budget_bytes, record=True)
@@ -335,8 +337,20 @@ def _fix_stalls(m: Model, state: State, profile: Profile, hw: HardwareSpec,
     if not fits:
         return None
     _trim(m, fixed, budget_bytes)
-    fixed.stall_fixed = len(hit)
-    return fixed
+    return fixed, len(hit)
+
+
+class _Tried(NamedTuple):
+    """A plan `plan` tried, with the simulator's verdict (`key`: feasible, then retention)."""
+    key: tuple[bool, float]
+    state: State
+    decisions: list
+    fits: bool                  # fits in the static model
+    safety: float | str | None  # the slack trusted (None: no swaps; "swap-all": the fallback)
+    pin: bool                   # prefetches pinned just in time
+    res: object                 # its SimResult
+    price: float | None         # the swap price it was made at
+    stall_fixed: int = 0        # stalling swaps `_fix_stalls` changed
 
 
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
@@ -352,14 +366,14 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     ideal = m.ideal_us
     best = None
 
-    def consider(state, fits, safety, pin, price=None):
+    def consider(state, fits, safety, pin, price=None, stall_fixed=0):
         nonlocal best
         decisions = state.decisions(prefetch_points(m, state, s.prefetch_margin) if pin
                                     else None)
         res = simulate(profile, decisions, hw, budget_bytes, record=False)
         key = (res.feasible, res.predicted.retention)
-        if best is None or key > best[0]:
-            best = (key, state, decisions, fits, safety, pin, res, price)
+        if best is None or key > best.key:
+            best = _Tried(key, state, decisions, fits, safety, pin, res, price, stall_fixed)
         return res.feasible and res.predicted.stall_us <= 1e-6 * ideal
 
     prices: list[float | None] = [None]
@@ -382,23 +396,23 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
             elif k == 0:   # fix the stalls where the simulator shows them, then judge again
                 fixed = _fix_stalls(m, state, profile, hw, budget_bytes, s)
                 if fixed is not None:
-                    clean |= consider(fixed, True, safety, pin, price)
+                    clean |= consider(fixed[0], True, safety, pin, price, fixed[1])
         if clean:
             break
-        best_price = best[7] if best[7] is not None else prices[0]
-    if not best[0][0]:
+        best_price = best.price if best.price is not None else prices[0]
+    if not best.key[0]:
         # nothing fits yet: swapping everything needs the least memory of any plan (it meets
         # every budget at or above the floor, compute waiting for copies where it must)
         consider(State(m, [SWAP] * len(m.cands)), True, "swap-all", False)
-    _, state, decisions, fits, safety, pin, res, _ = best
-    polished = polish(profile, hw, budget_bytes, decisions, res,
+    polished = polish(profile, hw, budget_bytes, best.decisions, best.res,
                       work_ops=settings.polish_work_ops)
     decisions = list(polished.decisions)
-    return PlannerOutput(decisions, _notes(state, decisions, fits, safety, pin, res, polished, s))
+    return PlannerOutput(decisions, _notes(best, decisions, polished, s))
 
 
-def _notes(state, decisions, fits, safety, pin, res, polished, s) -> tuple[str, ...]:
+def _notes(best: _Tried, decisions, polished, s) -> tuple[str, ...]:
     """What the plan's notes say: its counts, the repair that made it, the polish."""
+    state, fits, safety, pin, res = best.state, best.fits, best.safety, best.pin, best.res
     notes = [f"{sum(d.action == SWAP for d in decisions)} swapped, "
              f"{sum(d.action == RECOMPUTE for d in decisions)} recomputed"
              + ("" if polished.moves else
@@ -408,8 +422,8 @@ def _notes(state, decisions, fits, safety, pin, res, polished, s) -> tuple[str, 
                      + (", then polished" if polished.moves else ""))
     elif safety is None:
         notes.append("recomputing alone beat every plan with swaps in simulation")
-    elif getattr(state, "stall_fixed", 0):
-        notes.append(f"repaired after simulation: {state.stall_fixed} stalling swaps "
+    elif best.stall_fixed:
+        notes.append(f"repaired after simulation: {best.stall_fixed} stalling swaps "
                      "recomputed or kept")
     elif safety != s.repairs[0][0] or pin:
         notes.append(f"repaired after simulation: {100 * safety:.0f}% of the slack trusted"
