@@ -22,6 +22,7 @@ from ..errors import InputError
 from ..hardware import HardwareSpec
 from ..schema import Decision, Profile
 from ..simulate import simulate
+from .polish import neighbourhood
 
 
 @dataclass(frozen=True)
@@ -64,21 +65,7 @@ def improve(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions,
         return list(out.values())
 
     def candidates():
-        for tid in ids:
-            for act in ("keep", "swap", "recompute"):
-                if act != cur[tid].action and (act != "recompute" or recomputable[tid]):
-                    yield {tid: act}
-        if two_moves:
-            by_size = sorted(ids, key=lambda t: (size[t], t))
-            for k, a in enumerate(by_size):
-                for b in by_size[k + 1:k + 1 + pair_window]:
-                    aa, ab = cur[a].action, cur[b].action
-                    if aa == ab:
-                        continue
-                    if (ab == "recompute" and not recomputable[a]) or \
-                            (aa == "recompute" and not recomputable[b]):
-                        continue
-                    yield {a: ab, b: aa}
+        return neighbourhood(cur, size, recomputable, two_moves, pair_window)
 
     passes = 0
     out_of_time = False
