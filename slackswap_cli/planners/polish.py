@@ -158,6 +158,14 @@ class _Polisher:
         self.failed: set = set()   # signatures of moves the simulator refused since the last win
         self.deferred: list = []   # this pass's moves like a refused one
 
+    def trial(self, change) -> dict:
+        """The current plan with `change` (tensor id -> new action) made; a changed tensor
+        loses its prefetch pin."""
+        out = dict(self.cur)
+        for t, a in change.items():
+            out[t] = Decision(t, a)
+        return out
+
     def signature(self, change) -> frozenset:
         """What makes two moves alike: per tensor changed, its new action, its size, its
         producer's time and its chain's time. The repeated layers of a model give many moves
@@ -257,9 +265,7 @@ class _Polisher:
             if defer and sig in self.failed:
                 self.deferred.append(change)
                 continue
-            trial = dict(self.cur)
-            for t, a in change.items():
-                trial[t] = Decision(t, a)
+            trial = self.trial(change)
             rec = self._swap_instead(change)
             if rec is None:
                 rec = self._static_recompute(trial)
@@ -297,9 +303,7 @@ class _Polisher:
                     return
                 if any(self.cur[t].action == a for t, a in change.items()):
                     continue                # stale: a move taken since changed it
-                trial = dict(self.cur)
-                for t, a in change.items():
-                    trial[t] = Decision(t, a)
+                trial = self.trial(change)
                 self.spent += self.n_ops
                 self.simulated += 1
                 pred = self.best_res.predicted
