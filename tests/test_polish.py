@@ -177,3 +177,33 @@ def test_with_allowance_to_spare_the_polish_ends_at_a_local_optimum():
     res = improve(prof, hw, budget, list(plan.decisions), max_passes=1, time_limit_s=60)
     assert res.moves == 0 and res.evaluated > 100
     assert res.start_retention == plan.predicted.retention
+
+
+def test_where_compute_waits_for_memory_the_polish_tries_swapping_the_biggest_kept_tensors():
+    # four 100 us layers, 1 MiB each, copies at 1 MiB per 250 us, budget one tensor under the
+    # peak. a1 (a dropout output: it cannot be recomputed) is swapped: its offload runs
+    # 200-450 us, so f3 waits for memory from 300 to 450 us (150 us). Kept tensors live across
+    # f3 are a0 and a2; swapping a0 as well frees 1 MiB when its offload ends at
+    # 100 + 250 = 350 us: the wait drops to 50 us and the step from 2150 to 2050 us.
+    from slackswap_cli.hardware import HardwareSpec
+    from slackswap_cli.planners.polish import SWAP, _Polisher
+    from slackswap_cli.synthetic import chain_profile
+    mib = 1 << 20
+    prof = chain_profile(n=4, act_bytes=mib, fwd_us=100, bwd_us=400, random_layers=[1])
+    bw = mib / 250e-6
+    hw = HardwareSpec(name="slow-copies", peak_flops_per_s=1e12, matmul_efficiency=1.0,
+                      hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
+                      h2d_bytes_per_s=bw, d2h_bytes_per_s=bw, copy_latency_us=0.0,
+                      duplex=True, duplex_derate=1.0)
+    budget = prof.keep_all_peak_bytes - mib
+    ids = {t.name: t.id for t in prof.saved_activations}
+    dec = [Decision(ids[n], "swap" if n == "a1" else "keep") for n in ("a0", "a1", "a2", "a3")]
+    start = simulate(prof, dec, hw, budget)
+    assert start.feasible and start.predicted.step_us == 2150.0
+    assert start.predicted.stall_by_cause == {"memory_full": 150.0}
+    p = _Polisher(prof, hw, budget, dec, start, None, 3, 1e-9)
+    assert p.swap_where_memory_waits() == [(150.0, {ids["a0"]: SWAP}),
+                                                (150.0, {ids["a2"]: SWAP})]
+    out = polish(prof, hw, budget, dec, start)
+    assert out.result.feasible and out.result.predicted.step_us <= 2050.0
+    assert next(d.action for d in out.decisions if d.tensor == ids["a0"]) == "swap"
