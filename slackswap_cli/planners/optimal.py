@@ -1,4 +1,4 @@
-"""`optimal`: the same choices as a mixed-integer program, solved by HiGHS (scipy.optimize.milp).
+"""`optimal`: the same choices as a mixed-integer program, solved by HiGHS (highspy).
 
 It exists to measure how far `slackswap` is from the best plan. What it models, exactly:
 
@@ -24,17 +24,23 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   plan is made first). When the MILP's plan still overflows in the static model because its
   own copies queue longer, the windows are widened to its queue and the MILP solved again
   (`_solve_in_rounds`, while time is left; windows only widen).
+- **Spill the simulator hides.** `eF` charges offloads that run past the end of forward,
+  although the simulator pays for them only when memory or a prefetch waits on them. When a
+  round's plan fits the static model, spills past forward's end and simulates without any
+  stall, the next round does not charge that much spill (`free_spill_us`), its windows widen
+  to that plan's queue, and HiGHS starts from that plan (a MIP start, so the round ends no
+  worse than it in the model). On Llama-7B at 0.3 the first round charges 125 us for a spill
+  nothing waits on (its objective 0.27% above the simulation); the second round's optimum is
+  the same plan at its simulated cost (0.00%).
 - **Not modelled**: stalls that shift later ops, the duplex derate, the delay a swap adds to
   the copies queued behind it, and chains pulling evicted inputs back early (their memory).
   A plan that still overflows is repaired in the static model of `common` (extra recompute)
   and the simulator judges it; notes give the MILP's objective, its proven lower bound (on
   this model, not on the simulator: a plan can beat it) and gap, and how far the simulation
-  of the MILP's own plan is from its objective (the model's error on that plan: 0.00% in 9
-  of the 12 sample runs of `benchmarks/results/local_search.md`, -0.04% on BERT-Large 0.7,
-  -0.27% on Llama-7B 0.3 at the model's optimum, -1.70% on a time-limited GPT-2 XL 0.3 plan;
-  where it is off, the model charges more than the simulator: on Llama-7B 0.3, 125 us for
-  offloads running past the end of forward (`eF`), which the simulator hides because nothing
-  waits on them).
+  of the MILP's own plan is from its objective (the model's error on that plan: 0.00% in
+  the 11 sample runs of `benchmarks/results/local_search.md` where the MILP has a plan within
+  30 s; an earlier time-limited GPT-2 XL 0.3 plan was at -1.70%, a spill charged whose round
+  after had no time to run).
   The MILP's plan then gets
   slackswap's last pass, `polish` (moves of one or two
   decisions the simulator judges better). When the MILP has no answer in time, or the
@@ -112,6 +118,10 @@ class OptimalSettings(StaticSettings):
 
     max_slack_rows: int = 300
     """Positions sampled for each direction's slack rows (evenly, when there are more)."""
+
+    start_from_fallback: bool = False
+    """Give HiGHS the fallback planner's plan as its first incumbent (a MIP start). Later
+    rounds always start from the round before's plan."""
 
     def _check_ranges(self) -> None:
         super()._check_ranges()
@@ -238,6 +248,25 @@ class _Layout:
         integrality[self.iy:self.iy + self.ny] = 0   # y is integral at any optimum (it only pays)
         return integrality
 
+    def values(self, actions: list) -> np.ndarray:
+        """The integer variables of a plan (a MIP start); in a tied group the first
+        candidate's action stands for the group."""
+        x = np.zeros(self.N)
+        done = set()
+        for c, a in enumerate(actions):
+            k = int(self.var[c])
+            if k in done:
+                continue
+            done.add(k)
+            if a == SWAP:
+                x[self.iw + k] = 1.0
+            elif a == RECOMPUTE and self.rec_ok[c]:
+                x[self.ir + k] = 1.0
+        for c in range(len(self.lead)):
+            if self.rec_ok[c] and x[self.ir + self.var[c]]:
+                x[self.iy + self.ypos[int(self.var[self.lead[c]])]] = 1.0
+        return x
+
     def actions(self, x: np.ndarray) -> list:
         """Each candidate's action in a (rounded) solution."""
         out = []
@@ -351,7 +380,8 @@ def _sampled(pos: np.ndarray, max_rows: int) -> np.ndarray:
     return pos
 
 
-def _slack_rows(rows: _Rows, m: Model, lay: _Layout, max_rows: int) -> None:
+def _slack_rows(rows: _Rows, m: Model, lay: _Layout, max_rows: int,
+                free_spill_us: float = 0.0) -> None:
     """The FIFOs' exposed time: eF bounds how far the D2H copies of everything produced from
     op j on exceed the forward time left after j; eB how far the H2D copies needed by
     backward op j exceed the backward time before j (at most `max_rows` positions each)."""
@@ -367,7 +397,7 @@ def _slack_rows(rows: _Rows, m: Model, lay: _Layout, max_rows: int) -> None:
             v_i.append(np.full(k, m.d2h_us[c]))
         r_i.append(np.arange(L)); c_i.append(np.full(L, lay.ieF)); v_i.append(-np.ones(L))
         rows.add(np.concatenate(r_i), np.concatenate(c_i), np.concatenate(v_i),
-                 np.full(L, -np.inf), m.forward_end_us - m.t_end[pos_f])
+                 np.full(L, -np.inf), m.forward_end_us + free_spill_us - m.t_end[pos_f])
     pos_b = _sampled(np.unique(m.fb), max_rows)
     if len(pos_b):
         L = len(pos_b)
@@ -382,20 +412,62 @@ def _slack_rows(rows: _Rows, m: Model, lay: _Layout, max_rows: int) -> None:
                  np.full(L, -np.inf), m.t_start[pos_b] - m.forward_end_us)
 
 
+class _Solved:
+    """What `_run_highs` returns (scipy.optimize.milp's fields that `solve` reads)."""
+
+    def __init__(self, x, fun, mip_dual_bound, message):
+        self.x, self.fun, self.mip_dual_bound, self.message = x, fun, mip_dual_bound, message
+
+
 def _run_highs(lay: _Layout, cost: np.ndarray, constraint, left: float,
-               settings: OptimalSettings, fork: bool):
-    """HiGHS on the MILP, with `left` seconds (see `solve`); `_Stopped` when stopped."""
-    from scipy.optimize import Bounds, milp
-    options = {"time_limit": max(0.1, settings.soft_share * left),
-               "mip_rel_gap": settings.mip_rel_gap, "disp": False, "random_seed": 0, "threads": 1}
-    if settings.node_limit is not None:
-        options["node_limit"] = int(settings.node_limit)
-    res = run_quietly(milp, dict(c=cost, constraints=[constraint],
-                                 integrality=lay.integrality(),
-                                 bounds=Bounds(np.zeros(lay.N), lay.upper_bounds()),
-                                 options=options),
+               settings: OptimalSettings, fork: bool, start: np.ndarray | None = None):
+    """HiGHS (highspy) on the MILP, with `left` seconds (see `solve`); `_Stopped` when stopped.
+    `start`: the integer variables' values of a plan HiGHS begins from (a MIP start: it
+    completes the continuous ones itself, and ignores a start its model refuses)."""
+    res = run_quietly(_highs, dict(lay=lay, cost=cost, constraint=constraint,
+                                   time_limit=max(0.1, settings.soft_share * left),
+                                   settings=settings, start=start),
                       max(0.1, left) if fork else None)
     return res if res is not None else _Stopped(f"stopped after the time limit ({left:.1f} s)")
+
+
+def _highs(lay: _Layout, cost: np.ndarray, constraint, time_limit: float,
+           settings: OptimalSettings, start: np.ndarray | None) -> _Solved:
+    import highspy
+    A = constraint.A.tocsr()
+    inf = highspy.kHighsInf
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = lay.N, A.shape[0]
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.zeros(lay.N)
+    lp.col_upper_ = np.clip(lay.upper_bounds(), None, inf)
+    lp.row_lower_ = np.clip(constraint.lb, -inf, None)
+    lp.row_upper_ = np.clip(constraint.ub, None, inf)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = lay.N, A.shape[0]
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = A.indptr, A.indices, A.data
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                       for i in lay.integrality()]
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("mip_rel_gap", float(settings.mip_rel_gap))
+    h.setOptionValue("random_seed", 0)
+    h.setOptionValue("threads", 1)
+    if settings.node_limit is not None:
+        h.setOptionValue("mip_max_nodes", int(settings.node_limit))
+    h.passModel(lp)
+    if start is not None:
+        idx = np.nonzero(lay.integrality())[0].astype(np.int32)
+        h.setSolution(len(idx), idx, np.asarray(start, dtype=np.float64)[idx])
+    h.run()
+    status = h.getModelStatus()
+    info = h.getInfo()
+    message = f"{h.modelStatusToString(status)}"
+    has_x = info.primal_solution_status == 2        # a feasible solution
+    x = np.asarray(h.getSolution().col_value) if has_x else None
+    fun = float(info.objective_function_value) if has_x else None
+    return _Solved(x, fun, float(info.mip_dual_bound), message)
 
 
 def _bound_note(m: Model, res) -> str | None:
@@ -415,7 +487,8 @@ def _bound_note(m: Model, res) -> str | None:
 
 
 def solve(m: Model, budget_bytes: int, settings: OptimalSettings = OptimalSettings(),
-          fork: bool = True, windows: tuple[np.ndarray, np.ndarray] | None = None):
+          fork: bool = True, windows: tuple[np.ndarray, np.ndarray] | None = None,
+          free_spill_us: float = 0.0, start: list | None = None):
     """Build and solve the MILP within `settings.time_limit_s` (building included). Returns
     (actions, notes, objective in us of overhead); actions and objective are None when HiGHS
     found no solution. With `fork`, HiGHS runs
@@ -434,11 +507,12 @@ def solve(m: Model, budget_bytes: int, settings: OptimalSettings = OptimalSettin
     _choice_rows(rows, lay)
     sel = _memory_ops(m, budget_bytes, tail_end, head)
     _memory_rows(rows, m, budget_bytes, lay, sel, tail_end, head, ch.extra_bytes)
-    _slack_rows(rows, m, lay, settings.max_slack_rows)
+    _slack_rows(rows, m, lay, settings.max_slack_rows, free_spill_us)
     constraint = rows.constraint(lay.N)
     t0 = time.perf_counter()
     left = float(settings.time_limit_s) - (t0 - t_build)
-    res = _run_highs(lay, lay.objective(ch), constraint, left, settings, fork)
+    res = _run_highs(lay, lay.objective(ch), constraint, left, settings, fork,
+                     None if start is None else lay.values(start))
     notes = [f"MILP {how}",
              f"MILP: {nv} choices x 2 binaries, {lay.ny} producer runs, {len(sel)} memory rows, "
              f"{constraint.A.nnz} nonzeros; HiGHS {time.perf_counter() - t0:.1f} s, "
@@ -478,8 +552,12 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     reserve = max(s.reserve_s, s.reserve_share * s.time_limit_s)
     index = {t: c for c, t in enumerate(m.cands)}
     seed = [index[d.tensor] for d in fallback_dec if d.action == SWAP and d.tensor in index]
+    seed_actions = [KEEP] * len(m.cands)
+    for d in fallback_dec:
+        if d.tensor in index:
+            seed_actions[index[d.tensor]] = d.action
     actions, objective, state = _solve_in_rounds(m, budget_bytes, s, deadline - reserve, notes,
-                                                 seed)
+                                                 seed, seed_actions)
     if actions is None:
         notes.append("using slackswap's plan instead")
         return PlannerOutput(fallback_dec, tuple(notes))
@@ -504,7 +582,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
 
 
 def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: float,
-                     notes: list[str], seed_swaps: list[int]):
+                     notes: list[str], seed_swaps: list[int], seed_actions: list | None = None):
     """The MILP, solved again while its plan overflows in the static model because its copies
     queue: each round widens the memory windows of the plan's swaps to where the FIFOs put
     them (offload tails end when the queued copy does, prefetch heads start when the queued
@@ -519,6 +597,9 @@ def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: flo
         tail_end = np.maximum(tail_end, t_q)
         head = np.maximum(np.minimum(head, h_q), tail_end)
     best = (None, None, None)
+    free = 0.0
+    spilled = None      # (round result, its simulation) when the next round spills freely
+    start = seed_actions if s.start_from_fallback else None
     for k in range(s.max_rounds):
         left = until - time.perf_counter()
         if k and left < 1.0:
@@ -528,7 +609,8 @@ def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: flo
         # the whole solve (building the MILP included) runs in a child stopped at milp_s
         out = run_quietly(solve, dict(m=m, budget_bytes=budget_bytes,
                                       settings=replace(s, time_limit_s=milp_s), fork=False,
-                                      windows=(tail_end, head)), milp_s)
+                                      windows=(tail_end, head), free_spill_us=free,
+                                      start=start), milp_s)
         actions, more, objective = out if out is not None else (
             None, [f"MILP stopped after its time ({milp_s:.1f} s) with no answer"], None)
         notes.extend(f"round {k + 1}: {n}" if k else n for n in more)
@@ -538,20 +620,54 @@ def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: flo
         for c, a in enumerate(actions):     # a chain the MILP could not see through
             if a == RECOMPUTE and not np.isfinite(state.cost[c]):
                 state.set(c, KEEP)
-        best = (actions, objective, state)
-        if memory(m, state).max(initial=0) <= budget_bytes:
+        swaps = [c for c, a in enumerate(state.actions) if a == SWAP]
+        fits = memory(m, state).max(initial=0) <= budget_bytes
+        judged = _judge(m, state, budget_bytes, s) if fits and (free or swaps) else None
+        if spilled is not None and (judged is None or judged[:2] < spilled[1][:2]):
+            notes.append(f"round {k + 1}'s plan simulates worse than round {k}'s: keeping "
+                         f"round {k}'s")
             break
-        t_new, h_new = _queued_windows(m, [c for c, a in enumerate(state.actions) if a == SWAP],
-                                       s.prefetch_margin)
+        best = (actions, objective, state)
+        start = list(state.actions)
+        if fits:
+            spill = _harmless_spill(m, swaps, judged)
+            if spill is None or spill <= free + 1e-6 or k + 1 >= s.max_rounds:
+                break
+            free, spilled = spill, (best, judged)
+        t_new, h_new = _queued_windows(m, swaps, s.prefetch_margin)
         wider = (t_new > tail_end) | (h_new < head)
         widened = int(wider.sum())
         tail_end = np.maximum(tail_end, t_new)
         head = np.maximum(np.minimum(head, h_new), tail_end)
-        if not widened:
+        if fits:
+            notes.append(f"round {k + 1}'s offloads run {free:.1f} us past the end of forward "
+                         "and its simulation waits for none of them: the next round does not "
+                         f"charge that spill (memory windows of {widened} candidates widened "
+                         "to its copies' queue)")
+        elif widened:
+            notes.append(f"round {k + 1}'s plan overflows with its copies queued: the memory "
+                         f"windows of {widened} candidates widened to that queue")
+        else:
             break
-        notes.append(f"round {k + 1}'s plan overflows with its copies queued: the memory "
-                     f"windows of {widened} candidates widened to that queue")
     return best
+
+
+def _judge(m: Model, state: State, budget_bytes: int, s: OptimalSettings) -> tuple:
+    """The simulation of a static plan: (feasible, retention, no stall)."""
+    res = _simulate(m.prof, state.decisions(prefetch_points(m, state, s.prefetch_margin)),
+                    m.hw, budget_bytes)
+    return (res.feasible, res.predicted.retention, res.predicted.stall_us <= 0)
+
+
+def _harmless_spill(m: Model, swaps: list[int], judged: tuple | None) -> float | None:
+    """How far the plan's offloads run past the end of forward in the static FIFO, when its
+    simulation (`judged`) fits and shows no stall at all, so nothing waited on them; None
+    otherwise."""
+    if not swaps or judged is None or not (judged[0] and judged[2]):
+        return None
+    _, done = d2h_fifo(m, swaps)
+    spill = float(done.max()) - m.forward_end_us
+    return spill if spill > 0 else None
 
 
 def _queued_windows(m: Model, swaps: list[int], margin: float):
