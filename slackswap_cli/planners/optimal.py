@@ -467,7 +467,10 @@ def _highs(lay: _Layout, cost: np.ndarray, constraint, time_limit: float,
     has_x = info.primal_solution_status == 2        # a feasible solution
     x = np.asarray(h.getSolution().col_value) if has_x else None
     fun = float(info.objective_function_value) if has_x else None
-    return _Solved(x, fun, float(info.mip_dual_bound), message)
+    bound = float(info.mip_dual_bound)
+    if not has_x and not bound > 0:
+        bound = None        # stopped before its first LP: only the trivial bound 0
+    return _Solved(x, fun, bound, message)
 
 
 def _bound_note(m: Model, res) -> str | None:
