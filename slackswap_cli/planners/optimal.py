@@ -592,8 +592,11 @@ def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: flo
     copy must), so the next plan pays for that memory. Windows only widen, so the rounds end;
     each round may take the time left (a later round runs only when an earlier one finished
     early). The first round's windows already queue behind `seed_swaps` (the fallback
-    plan's swaps).
-    Returns (actions, objective, static State) of the last round that found a plan."""
+    plan's swaps), and it starts from `seed_actions` with `start_from_fallback`.
+    A round whose plan fits but whose offloads run past the end of forward while its
+    simulation shows no stall leads to one more round that leaves that spill uncharged,
+    starts from that plan and is kept only if it simulates no worse (module docstring).
+    Returns (actions, objective, static State) of the round kept."""
     tail_end, head, _ = _windows(m, s.prefetch_margin)
     if seed_swaps:
         t_q, h_q = _queued_windows(m, seed_swaps, s.prefetch_margin)
@@ -601,7 +604,7 @@ def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: flo
         head = np.maximum(np.minimum(head, h_q), tail_end)
     best = (None, None, None)
     free = 0.0
-    spilled = None      # (round result, its simulation) when the next round spills freely
+    spilled = None      # the simulation of the plan whose spill the next round leaves free
     start = seed_actions if s.start_from_fallback else None
     for k in range(s.max_rounds):
         left = until - time.perf_counter()
@@ -626,7 +629,7 @@ def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: flo
         swaps = [c for c, a in enumerate(state.actions) if a == SWAP]
         fits = memory(m, state).max(initial=0) <= budget_bytes
         judged = _judge(m, state, budget_bytes, s) if fits and (free or swaps) else None
-        if spilled is not None and (judged is None or judged[:2] < spilled[1][:2]):
+        if spilled is not None and (judged is None or judged[:2] < spilled[:2]):
             notes.append(f"round {k + 1}'s plan simulates worse than round {k}'s: keeping "
                          f"round {k}'s")
             break
@@ -636,7 +639,7 @@ def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: flo
             spill = _harmless_spill(m, swaps, judged)
             if spill is None or spill <= free + 1e-6 or k + 1 >= s.max_rounds:
                 break
-            free, spilled = spill, (best, judged)
+            free, spilled = spill, judged
         t_new, h_new = _queued_windows(m, swaps, s.prefetch_margin)
         wider = (t_new > tail_end) | (h_new < head)
         widened = int(wider.sum())

@@ -254,18 +254,13 @@ class _Polisher:
                 out.append((gain, {k: RECOMPUTE, **take}))
         return out
 
-    def memory_wait(self) -> float:
-        """How long the current plan waits for memory in all (us)."""
-        from ..simulate import MEMORY_FULL
-        return self.best_res.predicted.stall_by_cause.get(MEMORY_FULL, 0.0)
-
     def swap_where_memory_waits(self) -> list[tuple[float, dict]]:
         """*Swap where compute waits for memory*: at each op before which the current plan
         waits for memory (one recorded simulation), the `pairs` biggest kept tensors live
         across it become swaps, ranked by that wait (the most they can save): their bytes can
         leave during the wait instead of staying until backward."""
         from ..simulate import MEMORY_FULL, simulate
-        if not self.memory_wait():
+        if not self.best_res.predicted.stall_by_cause.get(MEMORY_FULL):
             return []
         self.spent += self.n_ops
         res = simulate(self.prof, list(self.cur.values()), self.hw, self.budget)
