@@ -64,15 +64,12 @@ def improve(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions,
             out[tid] = Decision(tid, act)
         return list(out.values())
 
-    def candidates():
-        return neighbourhood(cur, size, recomputable, two_moves, pair_window)
-
     passes = 0
     out_of_time = False
     while passes < max_passes and not out_of_time:
         passes += 1
         improved = False
-        for change in list(candidates()):
+        for change in list(neighbourhood(cur, size, recomputable, two_moves, pair_window)):
             if time.perf_counter() - t0 > time_limit_s:
                 out_of_time = True
                 break

@@ -554,11 +554,11 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     fallback_dec = list(getattr(fallback_out, "decisions", fallback_out))
     reserve = max(s.reserve_s, s.reserve_share * s.time_limit_s)
     index = {t: c for c, t in enumerate(m.cands)}
-    seed = [index[d.tensor] for d in fallback_dec if d.action == SWAP and d.tensor in index]
     seed_actions = [KEEP] * len(m.cands)
     for d in fallback_dec:
         if d.tensor in index:
             seed_actions[index[d.tensor]] = d.action
+    seed = [c for c, a in enumerate(seed_actions) if a == SWAP]
     actions, objective, state = _solve_in_rounds(m, budget_bytes, s, deadline - reserve, notes,
                                                  seed, seed_actions)
     if actions is None:
