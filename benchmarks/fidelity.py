@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 
 import orjson  # noqa: E402
 
-from slackswap_cli.apply import apply_plan  # noqa: E402
+from slackswap_cli.run.emit import apply_plan  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.planners import make_plan  # noqa: E402
 from slackswap_cli.schema import dumps, write_atomic  # noqa: E402
@@ -57,7 +57,7 @@ HW = PRESETS["a100-pcie4"]
 
 
 def run_one(name: str, fraction: float, prof, tmp: Path, device: str) -> dict:
-    from slackswap_cli.verify import verify
+    from slackswap_cli.run.verify import verify
     path, _ = MODELS[name]
     peak = prof.summary["peak_activation_bytes"]
     budget = int(peak * fraction)
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                                                      option=orjson.OPT_INDENT_2))
     md = (f"# Memory fidelity: simulator vs measured ({device}, torch {torch.__version__})\n\n"
           "Activation memory = live activation storages (views once; parameters, inputs, "
-          "buffers, gradients out), measured op by op with `slackswap_cli/trace/memtrace.py`. "
+          "buffers, gradients out), measured op by op with `slackswap_cli/run/memtrace.py`. "
           "`predicted (device copies)` re-simulates the plan with copies as this device makes "
           "them (CPU: synchronous), the like-for-like figure; `predicted (plan)` is the plan's "
           "own (copies over a100-pcie4 PCIe). `ops re-run`: "

@@ -47,13 +47,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from slackswap_cli.apply import apply_plan  # noqa: E402
+from slackswap_cli.run.emit import apply_plan  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.planners import make_plan  # noqa: E402
 from slackswap_cli.trace import profile_workload  # noqa: E402
 from slackswap_cli.trace.joint import loss_from_output, split_inputs  # noqa: E402
 from slackswap_cli.trace.workload import load_workload  # noqa: E402
-from slackswap_cli.verify import saved_bytes_original, verify  # noqa: E402
+from slackswap_cli.run.verify import saved_bytes_original, verify  # noqa: E402
 
 WORKLOAD = ROOT / "examples" / "tiny_gpt.py"
 GPT2_MEDIUM = {"n_layer": 24, "d_model": 1024, "n_head": 16, "seq": 1024, "batch": 2,
@@ -170,7 +170,7 @@ def measure_step(model, run, cuda: bool, steps: int, seed: int) -> dict:
 # --------------------------------------------------------------------------------------------
 def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps: int, seed: int,
                 method: str, fsdp: bool = False) -> list[dict]:
-    from slackswap_cli.apply import load_patched
+    from slackswap_cli.run.emit import load_patched
     device = "cuda" if cuda else None
     peak = int(prof.summary["peak_activation_bytes"])
     rows = []

@@ -29,7 +29,7 @@ def step_ms(model, work, steps: int = 15, warmup: int = 3) -> float:
 
 
 def main() -> int:
-    from slackswap_cli.apply import apply_plan, load_patched
+    from slackswap_cli.run.emit import apply_plan, load_patched
     from slackswap_cli.hardware import PRESETS
     from slackswap_cli.planners import make_plan
     from slackswap_cli.trace import profile_workload

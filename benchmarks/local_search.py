@@ -3,7 +3,7 @@ sound bound.
 
 For each profile and budget this runs `slackswap` and `optimal` (timed), computes the sound
 bound (`slackswap_cli/planners/bound.py`: no plan the simulator accepts beats it), then runs a
-first-improvement local search (`slackswap_cli/planners/local_search.py`: 1-moves, flip one
+first-improvement local search (`slackswap_testkit/local_search.py`: 1-moves, flip one
 decision; 2-moves, exchange the actions of two tensors of similar size) from each planner's
 plan, every candidate judged by the simulator. Writes
 
@@ -31,7 +31,7 @@ from slackswap_cli.budget import parse_budget  # noqa: E402
 from slackswap_cli.hardware import load_hardware  # noqa: E402
 from slackswap_cli.planners import make_plan  # noqa: E402
 from slackswap_cli.planners.bound import sound_bound  # noqa: E402
-from slackswap_cli.planners.local_search import improve  # noqa: E402
+from slackswap_testkit.local_search import improve  # noqa: E402
 from slackswap_cli.profile_build import recost  # noqa: E402
 from slackswap_cli.schema import dumps, load_profile, write_atomic  # noqa: E402
 

@@ -16,7 +16,7 @@ sweeps the budget from 0.1 to 1.0 with the heuristic planners, and writes
                                      [--synthetic]
 
 `--synthetic` (or a missing sample profile) uses transformer-shaped synthetic profiles built
-by `slackswap_cli.synthetic.transformer_profile`, so the benchmark runs before the traced
+by `slackswap_testkit.synthetic.transformer_profile`, so the benchmark runs before the traced
 samples exist. Those are stand-ins, not the paper's workloads: the table says which was used.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 
 from slackswap_cli.hardware import HardwareSpec, load_hardware  # noqa: E402
 from slackswap_cli.schema import Profile  # noqa: E402
-from slackswap_cli.synthetic import SYNTHETIC_SHAPES, synthetic_sample  # noqa: E402
+from slackswap_testkit.synthetic import SYNTHETIC_SHAPES, synthetic_sample  # noqa: E402
 
 # Published retention at half the activation peak, A100 + PCIe 4.0 (docs/design.md §1).
 PUBLISHED = {"bert-large": 0.963, "gpt2-xl": 0.976, "llama-7b": 0.996}

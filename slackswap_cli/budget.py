@@ -24,9 +24,8 @@ peak (a kept tensor is resident longer than a swapped one; a recomputed one as l
 inputs its recompute reads). A heuristic planner may still miss a budget just above the floor:
 
 - `first_feasible_budget` finds the smallest budget (by bisection) at which a given planner's
-  own plan fits, for an error message that says what that planner can reach;
-- `repair_to_fit` turns any plan into one that fits a budget at or above the floor, by
-  swapping the tensors it keeps or recomputes, largest first, as few as the simulator needs.
+  own plan fits, for an error message that says what that planner can reach (the tests'
+  `slackswap_testkit.repair.repair_to_fit` turns any plan into one that fits).
 """
 from __future__ import annotations
 
@@ -124,7 +123,7 @@ def first_feasible_budget(profile: Profile, hw, planner: str, *, hi: int | None 
     def fits(budget: int) -> bool:
         try:
             return make_plan(planner, profile, hw, budget, **options).feasible
-        except InputError:   # the simulator refused the plan (see `repair_to_fit`)
+        except InputError:   # the simulator refused the plan (a chain through a random op's unsaved output)
             return False
 
     lo = budget_floor_bytes(profile)
@@ -142,52 +141,3 @@ def first_feasible_budget(profile: Profile, hw, planner: str, *, hi: int | None 
         else:
             lo = mid
     return hi
-
-
-def repair_to_fit(profile: Profile, decisions, budget_bytes: int) -> list:
-    """`decisions` changed as little as found so that the plan fits `budget_bytes`.
-
-    Returns the decisions unchanged when they fit. Otherwise the saved activations they keep
-    or recompute are turned into swaps, largest first: the shortest prefix of that order that
-    fits (bisection; swapping all of them is the swap-everything plan, which fits every budget
-    at or above the floor). Decisions the simulator cannot carry out (a recompute chain that
-    needs a random op's output backward does not save) do not fit either, and are repaired the
-    same way. Raises `InfeasibleError` below the floor.
-    """
-    from .schema import Decision
-    from .simulate import budget_floor_bytes, min_peak_bytes
-
-    def fits(ds: list) -> bool:
-        try:
-            return min_peak_bytes(profile, ds) <= budget_bytes
-        except InputError:   # a recompute chain through a random op's unsaved output
-            return False
-
-    decisions = list(decisions)
-    if fits(decisions):
-        return decisions
-    check_budget(budget_bytes, profile)
-    by_tensor = {d.tensor: d for d in decisions}
-    order = sorted((t for t in profile.saved_activations
-                    if by_tensor.get(t.id, Decision(t.id, Action.KEEP)).action != Action.SWAP),
-                   key=lambda t: (-t.size_bytes, t.id))
-
-    def swapped(k: int) -> list:
-        turn = {t.id for t in order[:k]}
-        out = [Decision(d.tensor, Action.SWAP) if d.tensor in turn else d for d in decisions]
-        out += [Decision(t, Action.SWAP) for t in turn - set(by_tensor)]
-        return out
-
-    lo, hi = 0, len(order)             # invariant: prefix lo does not fit, prefix hi does
-    if not fits(swapped(hi)):   # pragma: no cover - the floor is exact
-        raise InfeasibleError(
-            f"swapping every saved activation does not fit {fmt_bytes(budget_bytes)} "
-            f"(floor {fmt_bytes(budget_floor_bytes(profile))})",
-            hint="this is a bug: the floor should be the swap-everything plan's peak")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(swapped(mid)):
-            hi = mid
-        else:
-            lo = mid
-    return swapped(hi)

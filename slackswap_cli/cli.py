@@ -223,7 +223,7 @@ def profile(
             warnings.append(f"--hardware {hardware} is not used: --device {device} measures op "
                             "times (the roofline costs only --device fake and ONNX profiles)")
         if model.suffix.lower() == ".onnx":
-            from .onnx_import import parse_input_shapes, profile_onnx
+            from .onnx.importer import parse_input_shapes, profile_onnx
             if autocast:
                 raise InputError("--autocast applies to workload files only",
                                  hint="an ONNX graph's dtypes are the ones it was exported with")
@@ -564,7 +564,7 @@ def apply(
 ) -> None:
     """Emit a patched training module that carries the plan out on the real model."""
     try:
-        from .apply import apply_plan
+        from .run.emit import apply_plan
         from .schema import load_plan, write_atomic
         if output.suffix != ".py":
             raise InputError(f"output {output} does not end in .py",
@@ -609,7 +609,7 @@ def verify(
 ) -> None:
     """Run original and patched for N steps: losses and gradients equal, memory (op by op, against the simulator) and time measured."""
     try:
-        from .verify import verify as run_verify
+        from .run.verify import verify as run_verify
         plan_obj = None
         if plan is not None:
             from .schema import load_plan

@@ -132,24 +132,6 @@ class ProfileBuilder:
                        ops=ops, tensors=tensors)
 
 
-def live_bytes_per_op(prof: Profile) -> list[int]:
-    """Activation bytes live while each op runs, when every tensor is kept.
-
-    A root counts from its producer op (inclusive: the op writes it) to `Profile.last_use`
-    (inclusive: the op reads it).
-    """
-    delta = [0] * (len(prof.ops) + 1)
-    for root, last in prof.last_use.items():
-        t = prof.tensors[root]
-        delta[t.producer] += t.size_bytes
-        delta[last + 1] -= t.size_bytes
-    live, out = 0, []
-    for i in range(len(prof.ops)):
-        live += delta[i]
-        out.append(live)
-    return out
-
-
 def recost(prof: Profile, hw) -> Profile:
     """The same step costed on other hardware: every roofline op re-timed with `hw`.
 

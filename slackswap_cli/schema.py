@@ -149,12 +149,26 @@ class Profile:
         return tuple(sorted(cands, key=lambda t: (t.producer, t.id)))
 
     @cached_property
+    def live_bytes_per_op(self) -> tuple[int, ...]:
+        """Activation bytes live while each op runs, when every tensor is kept (the keep-all
+        liveness; the simulator's is the same rule under a plan). A root counts from its
+        producer op (inclusive: the op writes it) to `last_use` (inclusive: the op reads it)."""
+        delta = [0] * (len(self.ops) + 1)
+        for root, last in self.last_use.items():
+            t = self.tensors[root]
+            delta[t.producer] += t.size_bytes
+            delta[last + 1] -= t.size_bytes
+        live, out = 0, []
+        for i in range(len(self.ops)):
+            live += delta[i]
+            out.append(live)
+        return tuple(out)
+
+    @cached_property
     def keep_all_peak_bytes(self) -> int:
         """The activation peak of the step when nothing is evicted: what a budget fraction is a
-        fraction of (`summary["peak_activation_bytes"]` records it; loading checks they agree).
-        Derived from the ops and tensors (`profile_build.live_bytes_per_op`)."""
-        from .profile_build import live_bytes_per_op
-        return max(live_bytes_per_op(self), default=0)
+        fraction of (`summary["peak_activation_bytes"]` records it; loading checks they agree)."""
+        return max(self.live_bytes_per_op, default=0)
 
     def first_backward_use(self, tensor_id: int) -> int | None:
         """First backward op reading the root `tensor_id` or any alias of it."""

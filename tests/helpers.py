@@ -24,3 +24,37 @@ def run_torch_blocked(code: str, timeout: int = 120) -> subprocess.CompletedProc
               " if sys.modules[m] is not None}\n")
     return subprocess.run([sys.executable, "-c", body], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def hand_hw(**overrides):
+    """The tests' hand-computable hardware: 1 TFLOP/s, 1 TB/s HBM, 10 GB/s copies each way
+    (1 MB in 100 us), no copy latency, duplex at half speed, unlimited memory; `overrides`
+    replace fields (e.g. `name="slow", h2d_bytes_per_s=1e8`)."""
+    from slackswap_cli.hardware import HardwareSpec
+    base = dict(name="test", peak_flops_per_s=1e12, matmul_efficiency=1.0,
+                hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
+                h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10, copy_latency_us=0.0,
+                duplex=True, duplex_derate=0.5)
+    return HardwareSpec(**{**base, **overrides})
+
+
+def random_hw(rng):
+    """Random copy bandwidths, latency and duplex behaviour (the property tests' hardware)."""
+    bw = rng.choice([2e9, 5e9, 1e10, 3e10, 1e11])
+    return hand_hw(name="random", h2d_bytes_per_s=bw * rng.uniform(0.7, 1.3),
+                   d2h_bytes_per_s=bw * rng.uniform(0.7, 1.3),
+                   copy_latency_us=rng.choice([0.0, 2.0, 10.0]),
+                   duplex=rng.random() < 0.7, duplex_derate=rng.uniform(0.5, 1.0))
+
+
+def random_decisions(prof, rng):
+    """A random valid plan: keep / swap (sometimes pinned) / recompute where allowed."""
+    from slackswap_cli.schema import Decision
+    bwd = range(prof.n_forward, len(prof.ops))
+    out = []
+    for t in prof.saved_activations:
+        acts = ["keep", "swap"] + (["recompute"] if t.recomputable else [])
+        a = rng.choice(acts)
+        pin = rng.choice(bwd) if a == "swap" and rng.random() < 0.3 else None
+        out.append(Decision(t.id, a, pin))
+    return out

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slackswap_cli.apply import apply_plan, load_patched
+from slackswap_cli.run.emit import apply_plan, load_patched
 from slackswap_cli.errors import FingerprintMismatch, InputError
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
@@ -23,127 +23,8 @@ from slackswap_cli.schema import Decision, Plan, Predicted
 from slackswap_cli.simulate import budget_floor_bytes
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.workload import load_workload
-from slackswap_cli.verify import verify
-
-HW = PRESETS["a100-pcie4"]
-ROOT = Path(__file__).resolve().parents[1]
-
-HF_GPT2 = '''
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel
-def workload(batch=2, seq=16):
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=seq,
-                     bos_token_id=0, eos_token_id=0, use_cache=False)
-    ids = torch.randint(0, 128, (batch, seq))
-    return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
-'''
-HF_BERT = '''
-import torch
-from transformers import BertConfig, BertForMaskedLM
-def workload(batch=2, seq=16):
-    torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                     intermediate_size=64, vocab_size=128, max_position_embeddings=seq,
-                     hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-    ids = torch.randint(0, 128, (batch, seq))
-    return BertForMaskedLM(cfg), {"input_ids": ids, "labels": ids}
-'''
-HF_LLAMA = '''
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-def workload(batch=2, seq=16):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=64, vocab_size=128,
-                      max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
-                      pad_token_id=0, use_cache=False)
-    ids = torch.randint(0, 128, (batch, seq))
-    return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
-'''
-CNN = '''
-import torch, torch.nn as nn, torch.nn.functional as F
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(8, 10))
-    def forward(self, x, y):
-        return F.cross_entropy(self.body(x), y)
-def workload(batch=4):
-    torch.manual_seed(0)
-    return Net(), (torch.randn(batch, 3, 16, 16), torch.randint(0, 10, (batch,)))
-'''
-MLP = '''
-import torch, torch.nn as nn, torch.nn.functional as F
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
-    def forward(self, x):
-        return self.fc2(F.ACT(self.fc1(x))).pow(2).mean()
-def workload():
-    torch.manual_seed(0)
-    return MLP(), (torch.randn(4, 16),)
-'''
-SOURCES = {"gpt2": HF_GPT2, "bert": HF_BERT, "llama": HF_LLAMA, "cnn": CNN,
-           "mlp": MLP.replace("ACT", "gelu")}
-_PROFILES: dict = {}
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("workloads")
-    out = {"tiny_gpt": ROOT / "examples" / "tiny_gpt.py"}
-    for name, src in SOURCES.items():
-        (d / f"{name}.py").write_text(src)
-        out[name] = d / f"{name}.py"
-    return out
-
-
-def profiled(files, name):
-    if name not in _PROFILES:
-        _PROFILES[name] = profile_workload(str(files[name]), device="fake", hardware=HW)
-    return _PROFILES[name]
-
-
-def plan_at(prof, budget_bytes):
-    peak = prof.summary["peak_activation_bytes"]
-    return make_plan("slackswap", prof, HW, int(budget_bytes), budget_bytes / peak)
-
-
-def smallest_feasible(prof, hi):
-    """Bisect the budget between the simulator's floor and a feasible budget `hi`."""
-    lo = budget_floor_bytes(prof)
-    best = plan_at(prof, hi)
-    assert best.feasible
-    for _ in range(6):
-        mid = (lo + hi) // 2
-        p = plan_at(prof, mid)
-        if p.feasible:
-            best, hi = p, mid
-        else:
-            lo = mid
-    return best
-
-
-def hand_plan(prof, actions: dict[str, str]) -> Plan:
-    """A plan deciding by tensor name (everything else kept), no schedule, zero predictions."""
-    ids = {t.name: t.id for t in prof.tensors}
-    decisions = tuple(Decision(t.id, actions.get(t.name, "keep")) for t in prof.saved_activations)
-    assert set(actions) <= {prof.tensors[d.tensor].name for d in decisions}, ids
-    return Plan(profile_fingerprint=prof.fingerprint, planner="hand", hardware=HW.to_dict(),
-                budget_bytes=0, budget_fraction=None, feasible=True, decisions=decisions,
-                schedule=(), predicted=Predicted(0, 0, 0, 0, 0, 0, 0, 0, 0))
-
-
-def write_patched(tmp_path, plan, prof, name="patched.py", **kw):
-    path = tmp_path / name
-    path.write_text(apply_plan(plan, prof, **kw))
-    return path
-
+from slackswap_cli.run.verify import verify
+from workloads import HW, MLP, ROOT, SOURCES, hand_plan, plan_at, profiled, smallest_feasible, write_patched  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "bert", "llama", "cnn"])
@@ -257,7 +138,7 @@ def test_emitted_file_imports_only_torch_and_the_runtimes(files, tmp_path):
             imported |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported |= {f"{node.module}.{a.name}" for a in node.names}
-    assert imported == {"torch", "slackswap_cli.runtime", "slackswap_cli.replay"}
+    assert imported == {"torch", "slackswap_cli.run.step", "slackswap_cli.run.inplace"}
     assert prof.fingerprint in src
     assert "_s.offload('gelu', gelu)" in src and "_s.wait('gelu')" in src
     assert "recompute" in src

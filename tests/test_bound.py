@@ -4,38 +4,18 @@ import random
 
 import pytest
 
+from helpers import random_decisions, random_hw, hand_hw
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.planners import planner_names, run_planner
 from slackswap_cli.planners.bound import sound_bound
-from slackswap_cli.planners.local_search import improve
+from slackswap_testkit.local_search import improve
 from slackswap_cli.schema import Decision
 from slackswap_cli.simulate import budget_floor_bytes, simulate
-from slackswap_cli.synthetic import chain_profile, random_profile
+from slackswap_testkit.synthetic import chain_profile, random_profile
 
 MB = 1_000_000
 TOL = 1e-9
-
-
-def _hw(rng: random.Random) -> HardwareSpec:
-    bw = rng.choice([2e9, 5e9, 1e10, 3e10, 1e11])
-    return HardwareSpec(name="random", peak_flops_per_s=1e12, matmul_efficiency=1.0,
-                        hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
-                        h2d_bytes_per_s=bw * rng.uniform(0.7, 1.3),
-                        d2h_bytes_per_s=bw * rng.uniform(0.7, 1.3),
-                        copy_latency_us=rng.choice([0.0, 2.0, 10.0]),
-                        duplex=rng.random() < 0.7, duplex_derate=rng.uniform(0.5, 1.0))
-
-
-def _random_decisions(prof, rng: random.Random) -> list[Decision]:
-    bwd = range(prof.n_forward, len(prof.ops))
-    out = []
-    for t in prof.saved_activations:
-        acts = ["keep", "swap"] + (["recompute"] if t.recomputable else [])
-        a = rng.choice(acts)
-        pin = rng.choice(bwd) if a == "swap" and rng.random() < 0.3 else None
-        out.append(Decision(t.id, a, pin))
-    return out
 
 
 def _retention(prof, decisions, hw, budget):
@@ -50,13 +30,13 @@ def _retention(prof, decisions, hw, budget):
 def _check_instance(seed: int, n_random: int, with_optimal: bool, search: bool):
     rng = random.Random(seed)
     prof = random_profile(seed)
-    hw = _hw(rng)
+    hw = random_hw(rng)
     floor = budget_floor_bytes(prof)
     peak = prof.summary["peak_activation_bytes"]
     budget = int(floor + rng.random() ** 2 * (peak - floor))
     bound = sound_bound(prof, hw, budget)
     assert bound.fits, bound.message            # at or above the floor some plan fits
-    plans = [_random_decisions(prof, rng) for _ in range(n_random)]
+    plans = [random_decisions(prof, rng) for _ in range(n_random)]
     for name in planner_names():
         if name == "optimal" and not with_optimal:
             continue
@@ -97,10 +77,7 @@ def test_no_plan_beats_the_bound_random_profiles_with_search():
 
 def test_bound_is_exact_on_the_knapsack_by_hand():
     # test_optimal's instance: swaps never hide, best is recompute a1 + a2 = 40 us
-    hw = HardwareSpec(name="test", peak_flops_per_s=1e12, matmul_efficiency=1.0,
-                      hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
-                      h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, copy_latency_us=0.0,
-                      duplex=True, duplex_derate=0.5)
+    hw = hand_hw(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
     p = chain_profile(5, act_bytes=MB, fwd_us=[50.0, 10.0, 30.0, 20.0, 40.0])
     b = sound_bound(p, hw, 3 * MB + 4)
     # the LP may recompute fractions: at least the fractional knapsack, at most the 40 us
@@ -109,10 +86,7 @@ def test_bound_is_exact_on_the_knapsack_by_hand():
 
 
 def test_bound_everything_fits_and_below_the_floor():
-    hw = HardwareSpec(name="t", peak_flops_per_s=1e12, matmul_efficiency=1.0,
-                      hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
-                      h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, copy_latency_us=0.0,
-                      duplex=True, duplex_derate=1.0)
+    hw = hand_hw(name="t", h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, duplex_derate=1.0)
     p = chain_profile(4, act_bytes=MB)
     assert sound_bound(p, hw, p.summary["peak_activation_bytes"]).retention == 1.0
     low = sound_bound(p, hw, budget_floor_bytes(p) - 1)
@@ -121,10 +95,7 @@ def test_bound_everything_fits_and_below_the_floor():
 
 def test_bound_counts_hidden_swaps_as_free():
     # copies 10x faster than compute: every eviction hides, the bound allows retention 1
-    hw = HardwareSpec(name="fast", peak_flops_per_s=1e12, matmul_efficiency=1.0,
-                      hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
-                      h2d_bytes_per_s=1e11, d2h_bytes_per_s=1e11, copy_latency_us=0.0,
-                      duplex=True, duplex_derate=1.0)
+    hw = hand_hw(name="fast", h2d_bytes_per_s=1e11, d2h_bytes_per_s=1e11, duplex_derate=1.0)
     p = chain_profile(6, act_bytes=MB, fwd_us=100.0)
     budget = 3 * MB + 4
     assert sound_bound(p, hw, budget).retention == 1.0
@@ -167,8 +138,8 @@ def test_bound_and_local_search_run_with_torch_blocked():
     import sys
     code = ("import sys\nsys.modules['torch'] = None\n"
             "from slackswap_cli.planners.bound import sound_bound\n"
-            "from slackswap_cli.planners.local_search import improve\n"
-            "from slackswap_cli.synthetic import random_profile, transformer_profile\n"
+            "from slackswap_testkit.local_search import improve\n"
+            "from slackswap_testkit.synthetic import random_profile, transformer_profile\n"
             "from slackswap_cli.hardware import PRESETS\n"
             "p = random_profile(3)\n"
             "b = sound_bound(p, PRESETS['a100-pcie4'], p.summary['peak_activation_bytes'] // 2)\n"
@@ -205,7 +176,7 @@ def test_under_a_time_limit_a_coarse_bound_stands_in_for_an_unfinished_one(monke
     # the full LP does not finish in its time the coarse one is returned, said in its message
     from slackswap_cli.planners import bound
     prof = random_profile(11)
-    hw = _hw(random.Random(11))
+    hw = random_hw(random.Random(11))
     budget = int(budget_floor_bytes(prof) + 0.3 * (prof.summary["peak_activation_bytes"]
                                                     - budget_floor_bytes(prof)))
     full = bound._solve(bound._facts(prof), hw, budget)

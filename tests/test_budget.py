@@ -5,7 +5,7 @@ from slackswap_cli.budget import check_budget, parse_budget
 from slackswap_cli.units import fmt_bytes, fmt_us
 from slackswap_cli.errors import InfeasibleError, InputError
 from slackswap_cli.simulate import budget_floor_bytes
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 
 
 @pytest.fixture(scope="module")

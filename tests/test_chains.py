@@ -15,7 +15,7 @@ from slackswap_cli import chains
 from slackswap_cli.chains import RECOMPUTE, SWAP, lay_out, tables
 from slackswap_cli.errors import InputError
 from slackswap_cli.simulate import recompute_chains
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 
 
 def _ids(prof):
@@ -106,7 +106,7 @@ def test_impossible_chain_is_an_input_error():
 # --------------------------------------------------------------------------------------------
 torch = pytest.importorskip("torch")
 
-from tests.test_apply import files, plan_at, profiled  # noqa: E402,F401  (files: a fixture)
+from workloads import hand_plan, plan_at, profiled  # noqa: E402
 
 
 def _backward_body(source: str) -> list[str]:
@@ -141,7 +141,7 @@ def code_chains(prof, source: str) -> dict[int, tuple[int, ...]]:
 
 @pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "bert", "llama", "cnn"])
 def test_generated_backward_reruns_exactly_the_simulated_chains(name, files):
-    from slackswap_cli.apply import emit_module
+    from slackswap_cli.run.emit import emit_module
     from slackswap_cli.trace.retrace import trace_fake
     prof = profiled(files, name)
     peak = prof.summary["peak_activation_bytes"]
@@ -166,9 +166,8 @@ def test_a_chain_that_needs_a_swapped_value_early_fetches_it(files, tmp_path):
     """The case the three old copies disagreed on: a swapped tensor that another tensor's
     chain reads before its own first use is fetched for that chain, in code as simulated,
     and gradients stay exact."""
-    from slackswap_cli.apply import emit_module
+    from slackswap_cli.run.emit import emit_module
     from slackswap_cli.trace.retrace import trace_fake
-    from tests.test_apply import hand_plan
     prof = profiled(files, "mlp")
     # forward: addmm (fc1) -> gelu -> addmm_1 (fc2) -> pow -> mean. Recompute gelu: its chain
     # reads addmm, which is swapped and whose own first backward use (gelu_backward) comes later
@@ -183,7 +182,7 @@ def test_a_chain_that_needs_a_swapped_value_early_fetches_it(files, tmp_path):
     assert code_chains(prof, src) == recompute_chains(prof, plan.decisions)
     path = tmp_path / "p.py"
     path.write_text(src)
-    from slackswap_cli.verify import verify
+    from slackswap_cli.run.verify import verify
     r = verify(str(path), steps=1, check_trace=False)
     assert r.passed, r.reasons
     assert r.max_grad_rel_diff == 0.0

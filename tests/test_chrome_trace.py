@@ -6,7 +6,7 @@ from slackswap_cli.chrome_trace import MEMORY_COUNTER, TRACKS, to_chrome_trace, 
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.simulate import simulate
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 
 HW = PRESETS["a100-pcie4"]
 

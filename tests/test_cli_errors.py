@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from slackswap_cli import schema
 from slackswap_cli.cli import app
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 from helpers import assert_clean_error
 
 runner = CliRunner()

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from slackswap_cli import schema
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 
 SCRIPT = Path(sys.executable).parent / "slackswap"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_gpt.py"

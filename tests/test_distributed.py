@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slackswap_cli.apply import apply_plan
-from tests.test_apply import HW, SOURCES, files, profiled  # noqa: F401  (files: a fixture)
+from slackswap_cli.run.emit import apply_plan
+from workloads import HW, SOURCES, profiled
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
@@ -33,7 +33,7 @@ def _worker(rank, world, port, patched_path, workload_path, mode, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from slackswap_cli.apply import load_patched
+        from slackswap_cli.run.emit import load_patched
         from slackswap_cli.trace.joint import loss_from_output, split_inputs
         from slackswap_cli.trace.workload import load_workload
         results = {}

@@ -18,15 +18,16 @@ import pytest
 from typer.testing import CliRunner
 
 from slackswap_cli import schema
-from slackswap_cli.apply import apply_plan
-from slackswap_cli.budget import first_feasible_budget, repair_to_fit
+from slackswap_cli.run.emit import apply_plan
+from slackswap_cli.budget import first_feasible_budget
+from slackswap_testkit.repair import repair_to_fit
 from slackswap_cli.cli import app
 from slackswap_cli.errors import TraceError
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
 from slackswap_cli.simulate import budget_floor_bytes, min_peak_bytes, simulate
 from slackswap_cli.trace import profile_workload
-from slackswap_cli.verify import verify
+from slackswap_cli.run.verify import verify
 
 HW = PRESETS["a100-pcie4"]
 
@@ -287,7 +288,7 @@ def test_a_fingerprint_mismatch_names_the_first_differing_op(files):
 def test_an_undefined_output_is_no_activation_whatever_the_plan_says():
     import torch
 
-    from slackswap_cli.runtime import StepStore
+    from slackswap_cli.run.swap import StepStore
     store = StepStore()
     store.keep("kept", None)
     store.offload("swapped", None)

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from slackswap_cli.budget import first_feasible_budget, repair_to_fit
+from slackswap_cli.budget import first_feasible_budget
+from slackswap_testkit.repair import repair_to_fit
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan, planner_names, run_planner
@@ -130,7 +131,7 @@ def test_first_feasible_budget_is_one_where_the_planner_fits(p):
 
 def test_repair_refuses_a_budget_below_the_floor():
     from slackswap_cli.errors import InfeasibleError
-    from slackswap_cli.synthetic import chain_profile
+    from slackswap_testkit.synthetic import chain_profile
     p = chain_profile(3, act_bytes=1 << 20)
     with pytest.raises(InfeasibleError, match="below the floor"):
         repair_to_fit(p, [], budget_floor_bytes(p) - 1)

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from slackswap_cli import schema
 from slackswap_cli.cli import app
 from slackswap_cli.hardware import PRESETS
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 
 runner = CliRunner()
 SECONDS_PER_MUTANT = 10   # generous on a loaded machine; a hang is hours

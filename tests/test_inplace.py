@@ -10,11 +10,11 @@ budget falls. The model object is the same, returns what it returned (a Hugging 
 import pytest
 import torch
 
-from slackswap_cli.apply import apply_plan, load_patched
+from slackswap_cli.run.emit import apply_plan, load_patched
 from slackswap_cli.errors import InputError
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
-from tests.test_apply import HW, files, profiled  # noqa: F401  (files: a fixture)
+from workloads import HW, profiled
 
 
 _NO_DROPOUT: dict = {}
@@ -249,7 +249,7 @@ def test_another_input_shape_is_planned_for_once_and_trains_exactly(files, tmp_p
 
 def test_without_replanning_another_shape_runs_unplanned_and_says_so(files, tmp_path, capfd):
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.4)
-    from slackswap_cli import replay
+    from slackswap_cli.run import inplace as replay
     from slackswap_cli.trace.workload import load_workload as load
     eager = load(str(files["tiny_gpt"]), args={"batch": 3})
     work = load(str(files["tiny_gpt"]), args={"batch": 3})
@@ -296,7 +296,7 @@ def test_verify_checks_the_in_place_patch_too(files, tmp_path):
     what the written-out step holds."""
     from slackswap_cli.planners import make_plan
     from slackswap_cli.trace import profile_workload
-    from slackswap_cli.verify import verify
+    from slackswap_cli.run.verify import verify
     prof = profile_workload(str(files["tiny_gpt"]), device="fake:cpu", hardware=HW)
     peak = prof.summary["peak_activation_bytes"]
     plan = make_plan("slackswap", prof, HW, int(peak * 0.4), 0.4)

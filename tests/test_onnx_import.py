@@ -13,7 +13,7 @@ from onnx import TensorProto, helper  # noqa: E402
 
 from slackswap_cli.errors import FormatError, InputError  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
-from slackswap_cli.onnx_import import parse_input_shapes, profile_onnx  # noqa: E402
+from slackswap_cli.onnx.importer import parse_input_shapes, profile_onnx  # noqa: E402
 from helpers import run_torch_blocked  # noqa: E402
 
 HW = PRESETS["a100-pcie4"]
@@ -304,7 +304,7 @@ def test_parse_input_shapes():
 def test_importer_does_not_import_torch(tmp_path):
     path = _mlp(tmp_path)
     r = run_torch_blocked(f"""
-        from slackswap_cli.onnx_import import profile_onnx
+        from slackswap_cli.onnx.importer import profile_onnx
         from slackswap_cli.hardware import PRESETS
         prof, _ = profile_onnx(r"{path}", PRESETS["a100-pcie4"])
         print(prof.summary["saved_bytes"])

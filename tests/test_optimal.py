@@ -1,17 +1,14 @@
 """The MILP planner on an instance whose optimum is known by hand."""
 import pytest
 
-from slackswap_cli.hardware import HardwareSpec
+from helpers import hand_hw
 from slackswap_cli.planners import make_plan
 from slackswap_cli.planners.common import build_model
 from slackswap_cli.planners.optimal import OptimalSettings, solve
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 
 MB = 1_000_000
-HW = HardwareSpec(name="test", peak_flops_per_s=1e12, matmul_efficiency=1.0,
-                  hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
-                  h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, copy_latency_us=0.0,
-                  duplex=True, duplex_derate=0.5)   # 1 MB takes 1000 us: swaps never hide
+HW = hand_hw(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)   # 1 MB takes 1000 us: swaps never hide
 
 
 def test_knapsack_picks_the_cheapest_pair_by_hand():
@@ -59,10 +56,7 @@ def test_queued_windows_by_hand():
     # Five 1 MB layers of 50 us: f0..f4 end at 50..250 us, loss (0 us), b4..b0 take 100 us
     # each (end at 350..750). D2H 100 us per tensor, H2D 200 us.
     from slackswap_cli.planners.optimal import _queued_windows, _windows
-    hw = HardwareSpec(name="q", peak_flops_per_s=1e12, matmul_efficiency=1.0,
-                      hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
-                      h2d_bytes_per_s=5e9, d2h_bytes_per_s=1e10, copy_latency_us=0.0,
-                      duplex=True, duplex_derate=0.5)
+    hw = hand_hw(name="q", h2d_bytes_per_s=5e9)
     m = build_model(chain_profile(5, act_bytes=MB, fwd_us=50.0), hw)
     assert list(m.t_end[:7]) == [50, 100, 150, 200, 250, 250, 350]
     tail, head = _windows(m, 0.0)[:2]
@@ -94,10 +88,10 @@ def test_a_spill_the_simulator_hides_is_not_charged_in_the_next_round():
     # for none of them (0 us of overhead). The next round does not charge that spill and
     # starts from that plan: its objective is what the simulator says.
     import random
-    from slackswap_cli.synthetic import random_profile
-    from tests.test_bound import _hw
+    from slackswap_testkit.synthetic import random_profile
+    from helpers import random_hw
     prof = random_profile(5)
-    hw = _hw(random.Random(5))
+    hw = random_hw(random.Random(5))
     budget = int(0.8 * prof.keep_all_peak_bytes)
     one = make_plan("optimal", prof, hw, budget, time_limit_s=10, max_rounds=1)
     sim, obj = _model_error(one.notes)

@@ -11,7 +11,7 @@ import pytest
 from slackswap_cli import schema
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
-from slackswap_cli.synthetic import transformer_profile
+from slackswap_testkit.synthetic import transformer_profile
 
 EXE = Path(sys.executable).with_name("slackswap")
 

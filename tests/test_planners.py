@@ -9,20 +9,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import hand_hw
 from slackswap_cli.errors import InputError
-from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.planners import PLANNERS, make_plan, planner_names, run_planner
 from slackswap_cli.layers import op_layer_indices
 from slackswap_cli.planners.common import build_model
 from slackswap_cli.profile_build import ProfileBuilder
 from slackswap_cli.simulate import budget_floor_bytes, simulate
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 
 MB = 1_000_000
-HW = HardwareSpec(name="test", peak_flops_per_s=1e12, matmul_efficiency=1.0,
-                  hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
-                  h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10, copy_latency_us=0.0,
-                  duplex=True, duplex_derate=0.5)
+HW = hand_hw()
 FAST = ["slackswap", "recompute-only", "swap-all", "checkpoint-layers"]
 
 
@@ -275,7 +272,7 @@ def test_planner_settings_reach_the_planner():
     # the options are the planner's settings: a repair list whose only try pins prefetches
     # just in time gives pinned swaps (the default's first try pins none), said in the notes
     from slackswap_cli.hardware import PRESETS
-    from slackswap_cli.synthetic import transformer_profile
+    from slackswap_testkit.synthetic import transformer_profile
     p, hw = transformer_profile(), PRESETS["a100-pcie4"]
     budget = int(0.5 * p.keep_all_peak_bytes)
     pinned = make_plan("slackswap", p, hw, budget, repairs=((0.97, True),), polish_work_ops=0)
@@ -327,7 +324,7 @@ def _paper_table():
 def test_transformer_profile_every_planner_judged_by_the_simulator(arch):
     from slackswap_cli.hardware import PRESETS
     hw = PRESETS["a100-pcie4"]
-    from slackswap_cli.synthetic import transformer_profile
+    from slackswap_testkit.synthetic import transformer_profile
     p = transformer_profile(arch, layers=3, hidden=128, heads=4, batch=2,
                             seq=64, hw=hw)
     budget = p.summary["peak_activation_bytes"] // 2
@@ -348,7 +345,7 @@ def test_paper_table_runs_on_given_profiles(tmp_path):
     import orjson
     from slackswap_cli import schema
     from slackswap_cli.hardware import PRESETS
-    from slackswap_cli.synthetic import transformer_profile
+    from slackswap_testkit.synthetic import transformer_profile
     pt = _paper_table()
     prof = transformer_profile("gpt2", layers=2, hidden=64, heads=2, batch=1, seq=32,
                                hw=PRESETS["a100-pcie4"], name="tiny")

@@ -7,15 +7,15 @@ from slackswap_cli.planners import run_planner
 from slackswap_cli.planners.polish import STATIC_SHARE, polish
 from slackswap_cli.schema import Decision
 from slackswap_cli.simulate import simulate, static_costs
-from slackswap_cli.synthetic import random_profile
-from tests.test_bound import _hw, _random_decisions
+from slackswap_testkit.synthetic import random_profile
+from helpers import random_decisions, random_hw
 
 
 def _instances(n: int):
     for seed in range(n):
         rng = random.Random(seed)
         prof = random_profile(seed)
-        hw = _hw(rng)
+        hw = random_hw(rng)
         peak = prof.summary["peak_activation_bytes"]
         yield seed, rng, prof, hw, int(peak * rng.uniform(0.4, 0.9))
 
@@ -24,7 +24,7 @@ def test_static_costs_agree_with_the_simulator_on_random_plans():
     checked = stall_free = 0
     for seed, rng, prof, hw, budget in _instances(60):
         for _ in range(5):
-            dec = _random_decisions(prof, rng)
+            dec = random_decisions(prof, rng)
             try:
                 sc = static_costs(prof, dec)
             except InputError:
@@ -48,7 +48,7 @@ def test_static_costs_agree_with_the_simulator_on_random_plans():
 def test_give_up_stall_returns_none_exactly_when_the_plan_stalls_longer_or_does_not_fit():
     gave_up = kept = 0
     for seed, rng, prof, hw, budget in _instances(60):
-        dec = _random_decisions(prof, rng)
+        dec = random_decisions(prof, rng)
         try:
             full = simulate(prof, dec, hw, budget, record=False)
         except InputError:
@@ -140,7 +140,7 @@ def test_polish_recomputes_one_kept_tensor_instead_of_two_dearer_recomputes():
     # cheaper than a0's 100 us) and copies are too slow to hide, so only the one-for-many
     # move finds it.
     from slackswap_cli.hardware import HardwareSpec
-    from slackswap_cli.synthetic import chain_profile
+    from slackswap_testkit.synthetic import chain_profile
     mib = 1 << 20
     prof = chain_profile(n=6, act_bytes=[2 * mib] + [mib] * 5, fwd_us=[100] + [60] * 5)
     hw = HardwareSpec(name="slow-copies", peak_flops_per_s=1e12, matmul_efficiency=1.0,
@@ -167,8 +167,8 @@ def test_with_allowance_to_spare_the_polish_ends_at_a_local_optimum():
     # polish sweeps that neighbourhood itself: a local search from its plan finds nothing
     from slackswap_cli.hardware import PRESETS
     from slackswap_cli.planners import make_plan
-    from slackswap_cli.planners.local_search import improve
-    from slackswap_cli.synthetic import transformer_profile
+    from slackswap_testkit.local_search import improve
+    from slackswap_testkit.synthetic import transformer_profile
     hw = PRESETS["a100-pcie4"]
     prof = transformer_profile("gpt2", layers=3, hidden=128, heads=4, batch=2, seq=32)
     budget = int(0.3 * prof.keep_all_peak_bytes)
@@ -187,7 +187,7 @@ def test_where_compute_waits_for_memory_the_polish_tries_swapping_the_biggest_ke
     # 100 + 250 = 350 us: the wait drops to 50 us and the step from 2150 to 2050 us.
     from slackswap_cli.hardware import HardwareSpec
     from slackswap_cli.planners.polish import SWAP, _Polisher
-    from slackswap_cli.synthetic import chain_profile
+    from slackswap_testkit.synthetic import chain_profile
     mib = 1 << 20
     prof = chain_profile(n=4, act_bytes=mib, fwd_us=100, bwd_us=400, random_layers=[1])
     bw = mib / 250e-6

@@ -3,8 +3,8 @@ import dataclasses
 import pytest
 
 from slackswap_cli.hardware import PRESETS
-from slackswap_cli.profile_build import ProfileBuilder, live_bytes_per_op, recost
-from slackswap_cli.synthetic import chain_profile
+from slackswap_cli.profile_build import ProfileBuilder, recost
+from slackswap_testkit.synthetic import chain_profile
 
 
 def test_keep_all_liveness_by_hand():
@@ -12,7 +12,7 @@ def test_keep_all_liveness_by_hand():
     # live while each op runs: f0:a0, f1:a0+a1, f2:+a2, loss: 3 acts + loss scalar,
     # b2: a0+a1+a2 (loss died at its producer's end: nobody reads it), b1: a0+a1, b0: a0
     p = chain_profile(3, act_bytes=[100, 200, 400])
-    assert live_bytes_per_op(p) == [100, 300, 700, 704, 700, 300, 100]
+    assert list(p.live_bytes_per_op) == [100, 300, 700, 704, 700, 300, 100]
     assert p.keep_all_peak_bytes == 704 == p.summary["peak_activation_bytes"]
 
 
@@ -33,7 +33,7 @@ def test_alias_counts_once_and_extends_its_root():
     assert [t.id for t in p.saved_activations] == [a]
     assert p.last_use[a] == 3  # the view's backward reader keeps the root alive
     assert p.summary["saved_bytes"] == 1024
-    assert live_bytes_per_op(p) == [1024, 1024, 1028, 1024]
+    assert list(p.live_bytes_per_op) == [1024, 1024, 1028, 1024]
 
 
 def test_recost_retimes_roofline_ops_only():

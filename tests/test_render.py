@@ -8,7 +8,7 @@ from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.layers import UNATTRIBUTED, layer_container, layer_of
 from slackswap_cli.render import fmt_bytes, fmt_us
 from slackswap_cli.simulate import simulate
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 
 MiB = 1 << 20
 # 1 MiB copies in 100 us: 1 MiB / (MiB / 100 us)

@@ -4,7 +4,7 @@ import gc
 import pytest
 import torch
 
-from slackswap_cli import runtime as rt
+from slackswap_cli.run import swap as rt
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -3,7 +3,7 @@ import pytest
 
 from slackswap_cli import schema
 from slackswap_cli.errors import FormatError, InputError
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 
 
 def test_profile_roundtrip(tmp_path):

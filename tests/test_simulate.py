@@ -9,19 +9,17 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from helpers import hand_hw
 from slackswap_cli import schema
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.profile_build import ProfileBuilder
 from slackswap_cli.simulate import (SimResult, budget_floor_bytes, ideal_us, min_peak_bytes,
                                     recompute_chains, simulate)
-from slackswap_cli.synthetic import chain_profile
+from slackswap_testkit.synthetic import chain_profile
 
 MB = 1_000_000   # 100 us to copy on HW
-HW = HardwareSpec(name="test", peak_flops_per_s=1e12, matmul_efficiency=1.0,
-                  hbm_bytes_per_s=1e12, hbm_efficiency=1.0, memory_bytes=1 << 40,
-                  h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10, copy_latency_us=0.0,
-                  duplex=True, duplex_derate=0.5)
+HW = hand_hw()
 
 
 def ids(prof, *names):
@@ -601,16 +599,16 @@ def test_prefetch_issue_point_is_never_before_the_simulated_issue():
     # compute stalled right there (then the module issues it at the stall's start)
     import random
 
-    from slackswap_cli.synthetic import random_profile
-    from tests.test_bound import _hw, _random_decisions
+    from slackswap_testkit.synthetic import random_profile
+    from helpers import random_decisions, random_hw
     checked = moved = 0
     for seed in range(80):
         rng = random.Random(seed)
         prof = random_profile(seed)
-        hw = _hw(rng)
+        hw = random_hw(rng)
         budget = int(prof.summary["peak_activation_bytes"] * rng.uniform(0.5, 0.9))
         try:
-            res = simulate(prof, _random_decisions(prof, rng), hw, budget, record=True)
+            res = simulate(prof, random_decisions(prof, rng), hw, budget, record=True)
         except InputError:
             continue
         reach, first_start, stalled = {}, {}, set()

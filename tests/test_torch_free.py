@@ -6,10 +6,11 @@ from helpers import run_torch_blocked
 def test_core_imports_and_plans_with_torch_blocked(tmp_path):
     r = run_torch_blocked(f"""
         from slackswap_cli import schema, hardware, profile_build, simulate, budget, render, chrome_trace
-        from slackswap_cli import planners, units, synthetic, chains, layers
+        from slackswap_cli import planners, units, chains, layers
+        from slackswap_testkit import synthetic
         from slackswap_cli.cli import app
         from slackswap_cli.hardware import PRESETS
-        from slackswap_cli.synthetic import chain_profile
+        from slackswap_testkit.synthetic import chain_profile
         from typer.testing import CliRunner
         assert simulate.simulate(chain_profile(3), {{}}, PRESETS["a100-pcie4"]).predicted.retention == 1.0
         schema.save(chain_profile(4), r"{tmp_path}/p.json")
@@ -38,3 +39,57 @@ def test_torch_commands_without_torch_say_how_to_install_it(tmp_path):
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("ok")
+
+
+def _import_graph():
+    """Module -> the slackswap_cli modules it imports (deferred imports in functions too)."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "slackswap_cli"
+    names = {}
+    for f in root.rglob("*.py"):
+        parts = ("slackswap_cli",) + f.relative_to(root).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for mod, f in names.items():
+        pkg = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                for a in node.names:
+                    full = f"{target}.{a.name}"
+                    deps.add(full if full in names else target)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[mod] = {d for d in deps if d in names and d != mod}
+    return graph
+
+
+def test_no_import_cycles_and_the_core_never_imports_the_run_side():
+    graph = _import_graph()
+    assert "slackswap_cli.run.inplace" in graph and "slackswap_cli.schema" in graph
+    # a package's __init__ re-exporting its modules is not a cycle through them
+    edges = {m: {d for d in ds if not m.startswith(d + ".")} for m, ds in graph.items()}
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(edges[m]):
+            assert state.get(d) != "open", "import cycle: " + " -> ".join(stack[stack.index(d):] + [d])
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    front = ("slackswap_cli.run", "slackswap_cli.trace", "slackswap_cli.onnx", "slackswap_cli.cli")
+    for m, deps in graph.items():
+        if m.startswith(front):
+            continue
+        bad = {d for d in deps if d.startswith(front)}
+        assert not bad, f"core module {m} imports {sorted(bad)}"

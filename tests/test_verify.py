@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from slackswap_cli.apply import apply_plan
+from slackswap_cli.run.emit import apply_plan
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
 from slackswap_cli.trace import profile_workload
-from slackswap_cli.verify import verify
+from slackswap_cli.run.verify import verify
 
 HW = PRESETS["a100-pcie4"]
 ROOT = Path(__file__).resolve().parents[1]

@@ -48,7 +48,6 @@ from ..chains import SWAP as SWAP_CODE
 from ..chains import tables as chain_tables
 from ..hardware import HardwareSpec
 from ..layers import op_layer_indices
-from ..profile_build import live_bytes_per_op
 from ..schema import Action, Decision, Profile
 from .settings import Settings
 
@@ -140,7 +139,7 @@ def build_model(prof: Profile, hw: HardwareSpec) -> Model:
     rec = np.array([prof.tensors[t].recomputable for t in cands], dtype=bool)
     d2h = np.array([hw.copy_us(int(s), "d2h") for s in size], dtype=np.float64)
     h2d = np.array([hw.copy_us(int(s), "h2d") for s in size], dtype=np.float64)
-    live = np.array(live_bytes_per_op(prof), dtype=np.int64)
+    live = np.array(prof.live_bytes_per_op, dtype=np.int64)
     # floor: subtract every candidate's gap (a difference array keeps this O(n + candidates))
     delta = np.zeros(n + 1, dtype=np.int64)
     np.add.at(delta, lf + 1, -size)

@@ -5,8 +5,9 @@
     cost every op                       roofline of a hardware preset (fake), or timed (measure.py)
     build the profile (graph_profile.py) kinds, aliases, random ops, FLOPs, bytes, liveness
 
-Torch is imported here and by the modules that run or check a plan (`apply`, `partition`,
-`runtime`, `replay`, `verify`); the planning core never imports it (tests/test_torch_free.py).
+Torch is imported here and by the run side (`slackswap_cli/run/`: the emitted file, the
+in-place patch, the whole-step module, the swap engine, verify); the planning core never
+imports it (tests/test_torch_free.py).
 """
 from __future__ import annotations
 

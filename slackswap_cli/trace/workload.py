@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .. import Workload
+from ..workload_spec import Workload
 from ..errors import InputError, SlackswapError, TraceError
 from .fake_build import fake_build
 from .joint import autocast_name

@@ -21,7 +21,7 @@ loss, then backward; this module derives the missing two from the graph:
    The gradient seed (d loss / d loss) is an `input` tensor.
 5. **Backward ops**, one per forward node that leads to the loss and has an input that needs a
    gradient, in reverse order. Each reads the gradients of its outputs and the forward values its
-   `GradRule` (see `onnx_grad_rules`) says it saves, and writes the gradients of its inputs:
+   `GradRule` (see `grad_rules`) says it saves, and writes the gradients of its inputs:
    `activation` (transient) for activations, `gradient` for parameters. A value with several
    consumers gets one gradient buffer: the first backward op creates it, later ones accumulate
    into it (they read it). Model inputs and integer values never need gradients, so e.g. the
@@ -45,11 +45,11 @@ from math import prod
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .errors import FormatError, InputError
-from .hardware import HardwareSpec
-from .onnx_grad_rules import FUSED_ATEN, NodeView, rule_for, unknown_rule
-from .profile_build import ProfileBuilder
-from .schema import Profile
+from ..errors import FormatError, InputError
+from ..hardware import HardwareSpec
+from .grad_rules import FUSED_ATEN, NodeView, rule_for, unknown_rule
+from ..profile_build import ProfileBuilder
+from ..schema import Profile
 
 SHAPE_HINT = "export with static input shapes, or pass --input-shape name=1x3x224x224"
 

@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .chains import Layout, action_codes, lay_out
-from .chains import tables as chain_tables
-from .errors import InputError
-from .trace.aten import aliases_input, returns_view, written_positions
-from .schema import Action, Plan, Profile
+from ..chains import Layout, action_codes, lay_out
+from ..chains import tables as chain_tables
+from ..errors import InputError
+from ..trace.aten import aliases_input, returns_view, written_positions
+from ..schema import Action, Plan, Profile
 
 RESERVED = {"torch", "aten", "rt", "_s", "_device", "None", "float"}
 
@@ -132,7 +132,7 @@ def _uses(node: fx.Node) -> tuple[str, ...]:
 
 def is_random(node: fx.Node) -> bool:
     """Draws random numbers (dropout, bernoulli_, attention with dropout_p > 0): never re-run."""
-    from .trace.graph_profile import is_random_op
+    from ..trace.graph_profile import is_random_op
     return is_random_op(node)
 
 

@@ -32,8 +32,8 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
     from ..chains import runtime_table
     from ..hardware import HardwareSpec
     from ..planners import make_plan
-    from .graph_profile import joint_to_profile
-    from .joint import capture_joint
+    from ..trace.graph_profile import joint_to_profile
+    from ..trace.joint import capture_joint
 
     if args and kwargs:
         raise InputError("the call mixes positional and keyword tensors",
@@ -96,7 +96,7 @@ def _fake_copy(model: torch.nn.Module, mode) -> torch.nn.Module:
 def _workload_loss_fn(meta: dict):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .workload import load_workload
+    from ..trace.workload import load_workload
     w = meta.get("workload") or {}
     if not w.get("path"):
         raise InputError("the model's output is no loss and the workload is unknown",

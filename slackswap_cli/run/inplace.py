@@ -32,7 +32,7 @@ recomputed only when every op it depends on was matched, reads the roots the pro
 is not random; otherwise it is kept as eager autograd keeps it.
 
 Each input signature (device type, shapes and dtypes) gets its own plan: the profiled one, or
-one made on the fly (`trace/replan.py`), or, with `strict`, a refusal. Memory follows the plan
+one made on the fly (`run/replan.py`), or, with `strict`, a refusal. Memory follows the plan
 as far as the alignment holds; `verify` measures it.
 """
 from __future__ import annotations
@@ -46,8 +46,8 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from . import runtime as rt
-from .trace.aten import aliases_input, writes_first, written_positions, written_returns
+from . import swap as rt
+from ..trace.aten import aliases_input, writes_first, written_positions, written_returns
 
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
 
@@ -57,7 +57,7 @@ _STATE = threading.local()
 
 
 def _is_random(rec: "_Record") -> bool:
-    from .trace.costs import is_random_call
+    from ..trace.costs import is_random_call
     return is_random_call(rec.func, rec.args, rec.kwargs)
 
 
@@ -346,7 +346,7 @@ class PlanRun:
         if isinstance(packed, torch.Tensor):
             return packed
         if packed[0]:
-            from .errors import InputError
+            from ..errors import InputError
             raise InputError("a second backward through a step whose saved tensors slackswap "
                              "swapped or recomputed: they were handed to the first one "
                              "(backward(retain_graph=True) twice, or double backward)",
@@ -630,7 +630,7 @@ class _Patched:
         if sig in self.plans:
             return self.plans[sig] or self.default
         if self.strict:
-            from .errors import FingerprintMismatch
+            from ..errors import FingerprintMismatch
             profiled = next(iter(self.plans))
             raise FingerprintMismatch(
                 f"the model was called with {_shapes(sig)}, the plan was made for "
@@ -641,7 +641,7 @@ class _Patched:
         if self.replan:
             import sys
             import time
-            from .trace.replan import replan_table
+            from .replan import replan_table
             t0 = time.perf_counter()
             try:
                 table, what = replan_table(self.model, self.original_forward, args, kwargs,
@@ -783,5 +783,5 @@ def _shapes(sig: tuple) -> str:
 
 
 def _error(message: str, hint: str):
-    from .errors import InputError
+    from ..errors import InputError
     return InputError(message, hint=hint)

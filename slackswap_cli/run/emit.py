@@ -8,7 +8,7 @@ step (`partition`), and write both as plain Python calling aten ops, with the pl
 the file are the profile's tensor names (fx node names), so every line can be traced back to a
 tensor id of the profile and a decision of the plan.
 
-The emitted file imports only torch, `slackswap_cli.runtime` and `slackswap_cli.replay`.
+The emitted file imports only torch, `slackswap_cli.run.swap` and `slackswap_cli.run.inplace`.
 `patch(model)` patches the model in place (`replay`): the plan runs inside its own forward and
 autograd's backward, from the table of `chains.runtime_table`. `step_module(model)` returns a
 module sharing the model's parameters and buffers whose forward takes the workload's inputs and
@@ -22,9 +22,9 @@ import pprint
 from pathlib import Path
 from typing import Any
 
-from .errors import FingerprintMismatch, InputError
-from .trace.retrace import joint_fingerprint, trace_fake
-from .schema import Plan, Profile
+from ..errors import FingerprintMismatch, InputError
+from ..trace.retrace import joint_fingerprint, trace_fake
+from ..schema import Plan, Profile
 
 GENERATOR_VERSION = 1
 
@@ -75,8 +75,8 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
         joint, work = trace_fake(str(path), entry, args, device, real=True, **how)
         fp = joint_fingerprint(joint)
     if fp != profile.fingerprint:
-        from .hardware import PRESETS
-        from .trace.graph_profile import first_difference, joint_to_profile
+        from ..hardware import PRESETS
+        from ..trace.graph_profile import first_difference, joint_to_profile
         got = joint_to_profile(joint, workload={}, env={}, hardware=PRESETS["a100-pcie4"])
         raise FingerprintMismatch(
             f"{path} now traces to graph {fp}, but the profile was made from graph "
@@ -84,7 +84,7 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
             hint="the model, its inputs or torch changed: re-run `slackswap profile` and `slackswap plan`")
     workload_ref = {"path": str(Path(path).resolve()), "entry": entry, "args": args,
                     "name": profile.workload.get("name", Path(path).stem)}
-    from .partition import UnknownConstant
+    from .step_code import UnknownConstant
     try:
         return emit_module(joint, work, profile, plan, workload_ref=workload_ref,
                            trace_fingerprint=trace_fp)
@@ -105,8 +105,8 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     """
     import torch.utils._pytree as pytree
 
-    from .chains import runtime_table
-    from .partition import partition, source_lines
+    from ..chains import runtime_table
+    from .step_code import partition, source_lines
 
     params = dict(work.model.named_parameters())
     buffers = dict(work.model.named_buffers())
@@ -180,7 +180,7 @@ Use it in training (one line added):
     loss = model(*inputs)          # (or whatever the model returns) trains under the plan
     loss.backward(); optimizer.step()
 
-`patch` carries the plan out inside the model's own forward (slackswap_cli/replay.py) using
+`patch` carries the plan out inside the model's own forward (slackswap_cli/run/inplace.py) using
 TABLE below: ops that do not line up with the profile (another input shape, a wrapper's own
 ops) run as eager runs them, never with other values. `unpatch(model)` undoes it.
 
@@ -189,14 +189,14 @@ the plan written out as code, names = the profile's tensor names) as one autogra
 only the workload it was made for, and `slackswap verify` uses it to check the plan bit by bit.
 """
 import torch
-from slackswap_cli import replay
-from slackswap_cli import runtime as rt
+from slackswap_cli.run import inplace as replay
+from slackswap_cli.run import step as rt
 
 aten = torch.ops.aten
 
 META = {pprint.pformat(meta, width=100, sort_dicts=False)}
 
-# The plan as `patch` carries it out (see slackswap_cli/replay.py): the forward ops it
+# The plan as `patch` carries it out (see slackswap_cli/run/inplace.py): the forward ops it
 # aligns the model's with, each saved root's action, and the recompute chains (the simulator's).
 TABLE = {pprint.pformat(runtime_table(profile, plan.decisions), width=100, compact=True)}
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..errors import InputError
-from ..hardware import HardwareSpec
-from ..schema import Decision, Profile
-from ..simulate import simulate
-from .polish import neighbourhood
+from slackswap_cli.errors import InputError
+from slackswap_cli.hardware import HardwareSpec
+from slackswap_cli.schema import Decision, Profile
+from slackswap_cli.simulate import simulate
+from slackswap_cli.planners.polish import neighbourhood
 
 
 @dataclass(frozen=True)

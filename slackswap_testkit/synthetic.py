@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .hardware import PRESETS, HardwareSpec
-from .profile_build import ProfileBuilder
-from .schema import Profile
+from slackswap_cli.hardware import PRESETS, HardwareSpec
+from slackswap_cli.profile_build import ProfileBuilder
+from slackswap_cli.schema import Profile
 
 
 def chain_profile(n: int = 4, act_bytes: int | Sequence[int] = 1 << 20,

@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import InputError
-from .units import fmt_bytes
+from ..errors import InputError
+from ..units import fmt_bytes
 
 MEMORY_TOLERANCE = 0.05
 
@@ -109,9 +109,9 @@ class TimelineRow:
 def find_plan(patched_path: str, meta: dict):
     """The plan a patched module was made from: a `*.json` next to it (or in the current
     directory) whose decisions hash to the module's `plan_fingerprint`; None if none does."""
-    from .apply import plan_fingerprint
-    from .errors import SlackswapError
-    from .schema import load_plan
+    from .emit import plan_fingerprint
+    from ..errors import SlackswapError
+    from ..schema import load_plan
     want = meta.get("plan_fingerprint")
     dirs = [Path(patched_path).resolve().parent, Path.cwd()]
     for d in dict.fromkeys(dirs):
@@ -142,8 +142,8 @@ def predicted_timeline(profile, plan, hw, budget_bytes, *, issue_at_schedule: bo
     has an interval of its own (the schedule does not change by any measurable amount).
     `issue_at_schedule`: prefetches no earlier than where the plan's schedule issued them,
     which is where the patched module issues them."""
-    from .schema import Decision
-    from .simulate import simulate
+    from ..schema import Decision
+    from ..simulate import simulate
     ops = tuple(o if o.time_us > 0 else dataclasses.replace(o, time_us=1e-6) for o in profile.ops)
     prof = dataclasses.replace(profile, ops=ops)
     decisions = list(plan.decisions)
@@ -184,8 +184,8 @@ def measure_patched_step(mod, patched, p_args, p_kwargs, profile=None) -> Measur
     backward_step). Host buffers of the swap engine and calls outside the two steps
     (autograd's own bookkeeping) allocate no activation memory; the gradients the backward
     returns are taken off the timeline (the profile's `gradient` tensors)."""
-    from . import runtime
-    from .trace.memtrace import SKIP, MemTracker, caller_line
+    from . import swap as runtime
+    from .memtrace import SKIP, MemTracker, caller_line
     src = Path(mod.__file__).read_text().splitlines()
     codes = {mod.forward_step.__code__: "forward", mod.backward_step.__code__: "backward",
              runtime.HostPool.get.__code__: SKIP}
@@ -325,7 +325,7 @@ def _is_view_op(profile, op: int) -> bool:
 def measure_eager_step(model, run) -> int:
     """Activation peak of one eager training step (`run()` returns the loss): the same
     accounting, gradients left out."""
-    from .trace.memtrace import MemTracker
+    from .memtrace import MemTracker
     tracker = MemTracker()
     with tracker:
         run().backward()
@@ -355,7 +355,7 @@ def saved_bytes_original(model, inputs, run_step, exclude) -> tuple[object, int]
     """Run `run_step()` (the forward) under saved_tensors_hooks; bytes it saves for backward."""
     import torch
 
-    from .runtime import storage_bytes, storage_key
+    from .swap import storage_bytes, storage_key
     skip = {storage_key(t) for t in exclude}
     seen: dict = {}
 
@@ -424,8 +424,8 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
     ops re-run and bytes held for backward after forward (CPU: storages, as `held_device_bytes`)."""
     import torch
 
-    from .trace.joint import loss_from_output, split_inputs
-    from .trace.workload import load_workload
+    from ..trace.joint import loss_from_output, split_inputs
+    from ..trace.workload import load_workload
     models = []
     for _ in range(2):
         torch.manual_seed(seed)
@@ -506,7 +506,7 @@ class _Pair:
         return self.device == "cuda"
 
     def run_original(self):
-        from .trace.joint import loss_from_output
+        from ..trace.joint import loss_from_output
         a, kw = self.o_call
         return loss_from_output(self.orig.model(*a, **kw), self.orig.inputs, self.orig.loss_fn)
 
@@ -543,9 +543,9 @@ def _load_pair(patched_path: str, model_path: str | None, entry: str | None,
     """Load the patched module and two copies of its workload from the same weights."""
     import torch
 
-    from .apply import load_patched
-    from .trace.joint import split_inputs
-    from .trace.workload import load_workload
+    from .emit import load_patched
+    from ..trace.joint import split_inputs
+    from ..trace.workload import load_workload
     mod = load_patched(patched_path)
     meta = mod.META
     w = meta["workload"]
@@ -665,7 +665,7 @@ def _compare_steps(s: _Pair, steps: int, seed: int) -> _Compared:
 def _plan_and_profile(patched_path: str, meta: dict, plan, profile):
     """The Plan the module was made from and its profile, where they are found and match the
     module (else None): the simulator's timeline needs both."""
-    from .schema import load_profile
+    from ..schema import load_profile
     if plan is None:
         plan = find_plan(patched_path, meta)
     if plan is not None and profile is None and plan.profile_path \
@@ -692,8 +692,8 @@ class _Timeline:
 def _timeline(ms: MeasuredStep, plan, profile, cuda: bool) -> _Timeline:
     """Each measured row with the plan's predicted bytes and this device's (CPU: synchronous
     copies), when the profile is known; the measured bytes alone otherwise."""
-    from .hardware import HardwareSpec
-    from .profile_build import recost
+    from ..hardware import HardwareSpec
+    from ..profile_build import recost
     if profile is None:
         return _Timeline(rows=[{"op": r.op, "name": r.name, "recompute": r.recompute,
                                 "measured_bytes": r.measured_bytes, "predicted_bytes": None,
