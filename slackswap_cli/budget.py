@@ -80,6 +80,20 @@ def parse_budget(text: str | float | int, profile: Profile) -> tuple[int, float 
     return int(size), None
 
 
+def parse_size(text: str, option: str) -> int:
+    """A size in bytes for an option such as `--memory`: `80GiB`, `1.5e9`, `40GB` (the units
+    of budgets; a plain number is bytes). InputError naming `option` otherwise."""
+    m = _BUDGET_RE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS or not math.isfinite(float(m.group(1))):
+        raise InputError(f"cannot read {option} {text!r} as a size",
+                         hint=f"e.g. {option} 80GiB, {option} 40GB or {option} 1.5e9 (bytes)")
+    size = float(m.group(1)) * _UNITS[unit]
+    if size < 0:
+        raise InputError(f"{option} {text!r} is negative", hint=f"e.g. {option} 80GiB")
+    return int(size)
+
+
 def check_budget(budget_bytes: int, profile: Profile) -> None:
     """Raise `InfeasibleError` when no plan can keep activation memory under `budget_bytes`."""
     below = floor_message(budget_bytes, profile)

@@ -92,9 +92,19 @@ def plan_and_simulate(name: str, profile: Profile, hw: HardwareSpec, budget_byte
                       **options) -> tuple[Plan, SimResult]:
     """`make_plan`, and the simulation the Plan was filled from (with its timeline when
     `record`, for the views that show it), so a caller does not simulate the plan again."""
+    decisions, notes, solve_ms = run_planner(name, profile, hw, budget_bytes, **options)
+    return judge(name, profile, hw, budget_bytes, decisions, notes, solve_ms,
+                 budget_fraction, record=record)
+
+
+def judge(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
+          decisions: list[Decision], notes: tuple[str, ...] = (), solve_ms: float = 0.0,
+          budget_fraction: float | None = None, *, record: bool = False
+          ) -> tuple[Plan, SimResult]:
+    """Simulate `decisions` (made by `name`, a planner or a fixed rule such as `fit`'s
+    keep-everything) and fill in the Plan from the simulation."""
     from ..simulate import simulate
 
-    decisions, notes, solve_ms = run_planner(name, profile, hw, budget_bytes, **options)
     res = simulate(profile, decisions, hw, budget_bytes, record=record)
     notes = tuple(notes)
     if not res.feasible and res.reason:

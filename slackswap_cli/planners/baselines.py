@@ -10,7 +10,8 @@
   paths such as `transformer.h.3` by `layers`, as the terminal views group them): in a checkpointed
   block every saved tensor produced inside it is recomputed, except what later blocks read (the
   next block's input) and random ops' outputs; k is the largest step that fits the budget in
-  the static model (k = 1 checkpoints every block).
+  the static model (k = 1 checkpoints every block). `fit` runs it with `k=1` fixed: full
+  activation checkpointing, what users reach for when the model does not fit.
 """
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def swap_all(profile: Profile, hw: HardwareSpec, budget_bytes: int):
     return [Decision(tensor=t.id, action=SWAP) for t in profile.saved_activations]
 
 
-def checkpoint_layers(profile: Profile, hw: HardwareSpec, budget_bytes: int):
+def checkpoint_layers(profile: Profile, hw: HardwareSpec, budget_bytes: int, *,
+                      k: int | None = None):
+    """Checkpoint every k-th block: the largest k that fits the budget, or the given `k`."""
     m = build_model(profile, hw)
     layers = op_layer_indices(profile)
     blocks = sorted({x for x in layers if x is not None})
@@ -53,7 +56,7 @@ def checkpoint_layers(profile: Profile, hw: HardwareSpec, budget_bytes: int):
         readers = [o for x in (tid, *profile.aliases.get(tid, ()))
                    for o in profile.tensors[x].consumers if o < m.nf]
         crosses.append(any(layers[o] != block_of[c] for o in readers))
-    if int(m.live_keep.max(initial=0)) <= budget_bytes:
+    if k is None and int(m.live_keep.max(initial=0)) <= budget_bytes:
         return PlannerOutput([Decision(tensor=t, action=KEEP) for t in m.cands],
                              ("everything fits: no block checkpointed",))
     best = None
@@ -62,16 +65,15 @@ def checkpoint_layers(profile: Profile, hw: HardwareSpec, budget_bytes: int):
     ch = build_chains(m)
     inside = [np.isfinite(ch.cost[c]) and all(layers[o] == block_of[c] for o in ch.ops[c])
               for c in range(len(m.cands))]
-    for k in range(len(blocks), 0, -1):
-        chosen = set(blocks[::k])
+    for step in ([k] if k is not None else range(len(blocks), 0, -1)):
+        chosen = set(blocks[::step])
         actions = [RECOMPUTE if (block_of[c] in chosen and not crosses[c] and inside[c])
                    else KEEP for c in range(len(m.cands))]
         state = State(m, actions, ch)
         mem = memory(m, state)
+        best = (step, state)
         if int(mem.max(initial=0)) <= budget_bytes:
-            best = (k, state)
             break
-        best = (k, state)
     k, state = best
     n_ck = len(blocks[::k])
     fits = int(memory(m, state).max(initial=0)) <= budget_bytes

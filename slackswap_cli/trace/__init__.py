@@ -84,7 +84,8 @@ def _input_info(inputs) -> tuple[dict, dict]:
 
 def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
                      device: str = "auto", hardware=None, autocast: str | None = None,
-                     progress: Callable[[str], None] | None = None) -> Profile:
+                     progress: Callable[[str], None] | None = None,
+                     on_load: Callable | None = None) -> Profile:
     """Load the workload at `path`, trace one training step and return its profile.
 
     device: `fake` builds everything under FakeTensorMode and costs ops by the roofline of
@@ -95,7 +96,8 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     autocast: "bf16" / "fp16" traces forward and loss under `torch.autocast` (the workload's
     own `Workload(autocast=...)` when not given; both given must agree); recorded as
     `workload["autocast"]`, with `env["autocast_device_type"]` the autocast device type used.
-    `progress(line)` receives status lines (for stderr).
+    `progress(line)` receives status lines (for stderr). `on_load(work)` is called with the
+    loaded `Workload` before tracing (`fit` reads the parameters there; it may raise).
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -127,6 +129,8 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
         raise InputError(f"--autocast {autocast}, but the workload asks for autocast "
                          f"{work.autocast}", hint="give one of them, or make them agree")
     autocast = autocast or work.autocast
+    if on_load is not None:
+        on_load(work)
     say("tracing forward + loss + backward" + (f" under autocast {autocast}" if autocast else ""))
     joint = capture_joint(work.model, work.inputs, work.loss_fn, autocast=autocast,
                           target_device=target)

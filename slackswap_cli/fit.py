@@ -1,0 +1,329 @@
+"""`slackswap fit`: the whole device memory, and the batch size chosen with the plan.
+
+For each batch of a sweep the workload is profiled (the torch side hands over the profile and
+the facts of its parameters, `ModelFacts`), and here, without torch:
+
+- **static memory** (`static_memory`): what stays on the device whatever the plan does, as
+  torch allocates it:
+  - parameters: each storage once (tied weights, one Parameter or several views of one
+    storage, count once), in their own dtype;
+  - gradients: one per trainable Parameter, its dtype and size (`AccumulateGrad` allocates
+    `.grad` like the parameter);
+  - optimizer state (torch/optim/adam.py, sgd.py): Adam/AdamW keep `exp_avg` and
+    `exp_avg_sq` (`zeros_like(p)`: the parameter's dtype and size), plus `max_exp_avg_sq`
+    with amsgrad, and a `step` counter, a 0-dim float32 tensor per parameter that torch keeps
+    **on the CPU** unless `fused=True` or `capturable=True` (then on the parameter's device:
+    `step_on_device`); SGD with momentum keeps `momentum_buffer` (a clone of the gradient),
+    plain SGD nothing; frozen parameters (no grad) get no gradient and no state;
+  - buffers (BatchNorm statistics, rotary tables) and the batch's input tensors;
+  - **mixed precision** is counted as it is allocated: a model built in bf16 trains bf16
+    parameters, gradients and Adam state (what torch.optim does); a float32 model under
+    `torch.autocast` keeps float32 parameters, gradients and state (autocast casts
+    activations, which the profile holds). fp32 master weights kept beside bf16 parameters
+    (apex, DeepSpeed's bf16 optimizer) are not torch.optim's and are not counted: give them
+    room with `--reserve`;
+  - **sharding** (`shard` = FSDP2 / ZeRO-3 world size N): FSDP2 splits every parameter on
+    dim 0 into N chunks and pads each rank's chunk to the first (largest) one, so rank 0 holds
+    ceil(d0 / N) rows of parameters, gradients (views of the reduce-scatter output, padded
+    alike) and optimizer state: the figures are rank 0's, the largest. Around them, the
+    unsharded parameters of the largest block, twice (the block running and the next one
+    prefetched), and of the root (the parameters outside the repeated blocks, embeddings and
+    head, which FSDP2 keeps unsharded through the step). The unsharded gradients of one block
+    before their reduce-scatter are transient and left to the reserve.
+- **reserve** (`default_reserve`): memory kept free for the CUDA context, the allocator's
+  fragmentation and workspaces: 1 GiB plus 5% of the device by default.
+- the **activation budget** = device memory - static - reserve; the planner plans for it and
+  the simulator judges the plan: retention, step time, samples/s (and tokens/s when an input
+  has a sequence dimension: an integer input of shape (batch, seq, ...)).
+
+The same sweep is run for what a user would do otherwise (`BASELINES`): keep everything (the
+plain step: fits when its keep-all peak fits), full activation checkpointing
+(`checkpoint-layers` with every block checkpointed) and `recompute-only` (torch.compile's
+memory budget). The best row of each is the feasible one with the most samples/s.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import InputError, SlackswapError
+from .hardware import HardwareSpec
+from .schema import Action, Decision, Plan, Profile
+from .units import fmt_bytes
+
+GiB = 1024 ** 3
+
+# optimizer -> (state tensors per trainable parameter, each like the parameter; has a step counter)
+OPTIMIZERS: dict[str, tuple[int, bool]] = {
+    "adamw": (2, True), "adam": (2, True),
+    "adamw-amsgrad": (3, True), "adam-amsgrad": (3, True),
+    "sgd": (0, False), "sgd-momentum": (1, False), "none": (0, False),
+}
+STEP_BYTES = 4            # `step`: torch.tensor(0.0) in float32 (float64 only as default dtype)
+BASELINES = ("keep-all", "checkpoint-layers", "recompute-only")
+
+
+@dataclass(frozen=True)
+class ParamFact:
+    """One Parameter (each once): its elements, bytes per element, the size of its first
+    dimension (None for a 0-dim one), whether it trains, the bytes of its storage when it is
+    the first Parameter seen on that storage (else 0) and the repeated block it is in."""
+    numel: int
+    itemsize: int
+    dim0: int | None
+    trainable: bool
+    storage_bytes: int
+    block: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    params: tuple[ParamFact, ...]
+    buffers_bytes: int = 0
+    inputs_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    buffers_bytes: int
+    inputs_bytes: int
+    unsharded_bytes: int
+
+    @property
+    def total(self) -> int:
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes
+                + self.buffers_bytes + self.inputs_bytes + self.unsharded_bytes)
+
+
+def check_optimizer(name: str) -> str:
+    if name not in OPTIMIZERS:
+        raise InputError(f"unknown optimizer '{name}'",
+                         hint=f"optimizers: {', '.join(OPTIMIZERS)}")
+    return name
+
+
+def _shard_numel(p: ParamFact, shard: int) -> int:
+    """Elements of rank 0's padded FSDP2 chunk: ceil(d0 / N) rows (the whole of a 0-dim one)."""
+    if shard == 1 or not p.dim0:
+        return p.numel
+    return math.ceil(p.dim0 / shard) * (p.numel // p.dim0)
+
+
+def static_memory(facts: ModelFacts, optimizer: str = "adamw", *, shard: int = 1,
+                  step_on_device: bool = False) -> StaticMemory:
+    """The static memory of one rank (see the module docstring)."""
+    copies, has_step = OPTIMIZERS[check_optimizer(optimizer)]
+    if shard < 1:
+        raise InputError(f"--shard {shard} must be at least 1", hint="--shard 8 for 8 ranks")
+    if shard == 1:
+        params = sum(p.storage_bytes for p in facts.params)
+    else:
+        params = sum(_shard_numel(p, shard) * p.itemsize for p in facts.params)
+    trained = [p for p in facts.params if p.trainable]
+    grads = sum(_shard_numel(p, shard) * p.itemsize for p in trained)
+    steps = STEP_BYTES * len(trained) if has_step and step_on_device else 0
+    unsharded = 0
+    if shard > 1:
+        groups: dict[str | None, int] = {}
+        for p in facts.params:
+            groups[p.block] = groups.get(p.block, 0) + p.numel * p.itemsize
+        root = groups.pop(None, 0)
+        unsharded = root + 2 * max(groups.values(), default=0)
+    return StaticMemory(params_bytes=params, grads_bytes=grads,
+                        optimizer_bytes=copies * grads + steps,
+                        buffers_bytes=facts.buffers_bytes, inputs_bytes=facts.inputs_bytes,
+                        unsharded_bytes=unsharded)
+
+
+def default_reserve(memory_bytes: int) -> int:
+    """1 GiB (CUDA context, cuBLAS/cuDNN workspaces) plus 5% of the device (fragmentation)."""
+    return GiB + memory_bytes // 20
+
+
+def parse_batches(text: str) -> list[int]:
+    """`"1,2,4,8"` -> [1, 2, 4, 8]: positive integers, each once, in the order given."""
+    hint = "a comma-separated list of positive integers, e.g. --batch 1,2,4,8,16"
+    items = [x.strip() for x in str(text).split(",")]
+    if not any(items):
+        raise InputError("--batch is empty", hint=hint)
+    out: list[int] = []
+    for item in items:
+        if not item.lstrip("+").isdigit():
+            raise InputError(f"--batch {item!r} is not an integer", hint=hint)
+        value = int(item)
+        if value < 1:
+            raise InputError(f"--batch {item!r} is not positive", hint=hint)
+        if value not in out:
+            out.append(value)
+    return out
+
+
+def tokens_per_sample(profile: Profile, batch: int) -> int | None:
+    """The sequence length when an integer input is (batch, seq, ...) (token ids), else None."""
+    shapes = profile.workload.get("input_shapes") or {}
+    dtypes = profile.workload.get("input_dtypes") or {}
+    seqs = [s[1] for k, s in shapes.items()
+            if len(s) >= 2 and s[0] == batch and str(dtypes.get(k, "")).startswith(("int", "uint"))]
+    return max(seqs) if seqs else None
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    hardware: HardwareSpec
+    memory_bytes: int
+    reserve_bytes: int
+    optimizer: str = "adamw"
+    shard: int = 1
+    step_on_device: bool = False
+    planner: str = "slackswap"
+    planner_options: dict = field(default_factory=dict)
+
+
+@dataclass
+class FitResult:
+    rows: list[dict]
+    baselines: dict[str, list[dict]]
+    best_plan: Plan | None = None
+    best_profile: Profile | None = None
+
+    def to_json(self) -> dict:
+        return {"rows": self.rows, "best": best_row(self.rows),
+                "baselines": {name: {"rows": rows, "best": best_row(rows)}
+                              for name, rows in self.baselines.items()}}
+
+
+def best_row(rows: list[dict]) -> dict | None:
+    """The feasible row with the most samples/s (the smaller batch on a tie)."""
+    ok = [r for r in rows if r["feasible"]]
+    return max(ok, key=lambda r: (r["samples_per_s"], -r["batch"])) if ok else None
+
+
+def _plan(kind: str, prof: Profile, hw: HardwareSpec, budget: int, options: dict) -> Plan:
+    from .planners import baselines, judge, make_plan
+    if kind == "keep-all":
+        keep = [Decision(tensor=t.id, action=Action.KEEP) for t in prof.saved_activations]
+        return judge("keep-all", prof, hw, budget, keep)[0]
+    if kind == "checkpoint-layers":      # full activation checkpointing: every block
+        t0 = time.perf_counter()
+        out = baselines.checkpoint_layers(prof, hw, budget, k=1)
+        return judge(kind, prof, hw, budget, list(out.decisions), tuple(out.notes),
+                     (time.perf_counter() - t0) * 1e3)[0]
+    return make_plan(kind, prof, hw, budget, **options)
+
+
+def plan_row(kind: str, batch: int, prof: Profile, static: StaticMemory,
+             s: FitSettings) -> tuple[dict, Plan | None]:
+    """One row of the sweep: the budget left for activations, `kind`'s plan for it, and what
+    the simulator predicts (None fields where nothing fits)."""
+    from .simulate import budget_floor_bytes
+    budget = s.memory_bytes - static.total - s.reserve_bytes
+    row = _row_head(batch, kind, static, s)
+    row.update(budget_bytes=budget, keep_all_peak_bytes=prof.keep_all_peak_bytes)
+    if budget <= 0:
+        return _no(row, f"static memory and reserve exceed the device by {fmt_bytes(-budget)}"), None
+    floor = budget_floor_bytes(prof)
+    if floor > budget:
+        return _no(row, f"the activation floor {fmt_bytes(floor)} is above the budget "
+                        f"{fmt_bytes(budget)}"), None
+    if kind == "keep-all" and prof.keep_all_peak_bytes > budget:
+        return _no(row, f"the keep-all peak {fmt_bytes(prof.keep_all_peak_bytes)} is above "
+                        f"the budget {fmt_bytes(budget)}"), None
+    plan = _plan(kind, prof, s.hardware, budget, s.planner_options if kind == s.planner else {})
+    if not plan.feasible:
+        return _no(row, plan.notes[-1] if plan.notes else "the plan does not fit"), plan
+    p = plan.predicted
+    rate = batch / p.step_us * 1e6
+    seq = tokens_per_sample(prof, batch)
+    row.update(feasible=True, retention=p.retention, step_us=p.step_us, samples_per_s=rate,
+               tokens_per_s=rate * seq if seq else None, reason=None)
+    return row, plan
+
+
+def _row_head(batch: int, kind: str, static: StaticMemory | None, s: FitSettings) -> dict:
+    st = static
+    return {"batch": batch, "static_bytes": st.total if st else None,
+            "params_bytes": st.params_bytes if st else None,
+            "grads_bytes": st.grads_bytes if st else None,
+            "optimizer_bytes": st.optimizer_bytes if st else None,
+            "buffers_bytes": st.buffers_bytes if st else None,
+            "inputs_bytes": st.inputs_bytes if st else None,
+            "unsharded_bytes": st.unsharded_bytes if st else None,
+            "reserve_bytes": s.reserve_bytes, "budget_bytes": None, "keep_all_peak_bytes": None,
+            "planner": kind, "feasible": False, "retention": None, "step_us": None,
+            "samples_per_s": None, "tokens_per_s": None, "reason": None}
+
+
+def _no(row: dict, reason: str) -> dict:
+    row.update(feasible=False, reason=reason)
+    return row
+
+
+def check_static_fits(static: StaticMemory, s: FitSettings) -> None:
+    """InputError when parameters, gradients and optimizer state (with the reserve) leave no
+    room for activations: no batch can fit."""
+    over = static.total + s.reserve_bytes - s.memory_bytes
+    if over < 0:
+        return
+    raise InputError(
+        f"the static memory alone ({fmt_bytes(static.total)}: parameters "
+        f"{fmt_bytes(static.params_bytes)}, gradients {fmt_bytes(static.grads_bytes)}, "
+        f"optimizer state {fmt_bytes(static.optimizer_bytes)}) plus the reserve "
+        f"{fmt_bytes(s.reserve_bytes)} exceeds the device's {fmt_bytes(s.memory_bytes)} by "
+        f"{fmt_bytes(over)}",
+        hint=f"shard it across ranks with --shard N (FSDP2 / ZeRO-3: --shard "
+             f"{_shards_needed(static, s)} would leave room), use a lighter --optimizer "
+             "(sgd, none), or a device with more --memory")
+
+
+def _shards_needed(static: StaticMemory, s: FitSettings) -> int:
+    per = static.params_bytes + static.grads_bytes + static.optimizer_bytes
+    room = s.memory_bytes - s.reserve_bytes - static.buffers_bytes - static.inputs_bytes
+    return max(2, 2 ** math.ceil(math.log2(max(1.0, 2 * per / max(room, 1)))))
+
+
+ProfileAt = Callable[[int], tuple[Profile, ModelFacts]]
+
+
+def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
+          progress: Callable[[str], None] | None = None) -> FitResult:
+    """Profile each batch (`profile_at`), plan it with `s.planner` and every baseline.
+
+    A batch whose profile fails is a row with the reason, and the sweep goes on; the static
+    memory of the first profiled batch is checked (`check_static_fits`) before any planning.
+    """
+    say = progress or (lambda _line: None)
+    result = FitResult(rows=[], baselines={b: [] for b in BASELINES})
+    best = None
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        say(f"[{i + 1}/{len(batches)}] batch {batch}: profiling")
+        try:
+            prof, facts = profile_at(batch)
+        except InputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a batch whose trace fails is a row, not the end
+            why = exc.message if isinstance(exc, SlackswapError) else f"{type(exc).__name__}: {exc}"
+            reason = f"profiling failed: {why.splitlines()[0][:300] if why else ''}"
+            say(f"[{i + 1}/{len(batches)}] batch {batch}: {reason}")
+            for kind, rows in [(s.planner, result.rows), *result.baselines.items()]:
+                rows.append(_no(_row_head(batch, kind, None, s), reason))
+            continue
+        static = static_memory(facts, s.optimizer, shard=s.shard,
+                               step_on_device=s.step_on_device)
+        check_static_fits(static, s)
+        t1 = time.perf_counter()
+        row, plan = plan_row(s.planner, batch, prof, static, s)
+        result.rows.append(row)
+        for kind, rows in result.baselines.items():
+            rows.append(plan_row(kind, batch, prof, static, s)[0])
+        if row["feasible"] and (best is None or (row["samples_per_s"], -batch) > best):
+            best, result.best_plan, result.best_profile = (row["samples_per_s"], -batch), plan, prof
+        rate = f"{row['samples_per_s']:.2f} samples/s" if row["feasible"] else row["reason"]
+        say(f"[{i + 1}/{len(batches)}] batch {batch}: profiled in {t1 - t0:.1f} s, planned in "
+            f"{time.perf_counter() - t1:.1f} s: {rate}")
+    return result
