@@ -43,6 +43,7 @@ memory budget). The best row of each is the feasible one with the most samples/s
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -146,7 +147,7 @@ def default_reserve(memory_bytes: int) -> int:
 
 
 def parse_batches(text: str) -> list[int]:
-    """`"1,2,4,8"` -> [1, 2, 4, 8]: positive integers, each once, in the order given."""
+    """`"8,1,2,4"` -> [1, 2, 4, 8]: positive integers, each once, smallest first."""
     hint = "a comma-separated list of positive integers, e.g. --batch 1,2,4,8,16"
     items = [x.strip() for x in str(text).split(",")]
     if not any(items):
@@ -160,7 +161,7 @@ def parse_batches(text: str) -> list[int]:
             raise InputError(f"--batch {item!r} is not positive", hint=hint)
         if value not in out:
             out.append(value)
-    return out
+    return sorted(out)
 
 
 def tokens_per_sample(profile: Profile, batch: int) -> int | None:
@@ -216,10 +217,12 @@ def _plan(kind: str, prof: Profile, hw: HardwareSpec, budget: int, options: dict
     return make_plan(kind, prof, hw, budget, **options)
 
 
-def plan_row(kind: str, batch: int, prof: Profile, static: StaticMemory,
-             s: FitSettings) -> tuple[dict, Plan | None]:
-    """One row of the sweep: the budget left for activations, `kind`'s plan for it, and what
-    the simulator predicts (None fields where nothing fits)."""
+def plan_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: FitSettings,
+             plan_fn: Callable[[Profile, HardwareSpec, int], Plan] | None = None
+             ) -> tuple[dict, Plan | None]:
+    """One row of the sweep: the budget left for activations, `kind`'s plan for it (made by
+    `plan_fn(profile, hw, budget)` when given), and what the simulator predicts (None fields
+    where nothing fits)."""
     from .simulate import budget_floor_bytes
     budget = s.memory_bytes - static.total - s.reserve_bytes
     row = _row_head(batch, kind, static, s)
@@ -233,7 +236,8 @@ def plan_row(kind: str, batch: int, prof: Profile, static: StaticMemory,
     if kind == "keep-all" and prof.keep_all_peak_bytes > budget:
         return _no(row, f"the keep-all peak {fmt_bytes(prof.keep_all_peak_bytes)} is above "
                         f"the budget {fmt_bytes(budget)}"), None
-    plan = _plan(kind, prof, s.hardware, budget, s.planner_options if kind == s.planner else {})
+    plan = (plan_fn(prof, s.hardware, budget) if plan_fn else
+            _plan(kind, prof, s.hardware, budget, s.planner_options if kind == s.planner else {}))
     if not plan.feasible:
         return _no(row, plan.notes[-1] if plan.notes else "the plan does not fit"), plan
     p = plan.predicted
@@ -255,7 +259,7 @@ def _row_head(batch: int, kind: str, static: StaticMemory | None, s: FitSettings
             "unsharded_bytes": st.unsharded_bytes if st else None,
             "reserve_bytes": s.reserve_bytes, "budget_bytes": None, "keep_all_peak_bytes": None,
             "planner": kind, "feasible": False, "retention": None, "step_us": None,
-            "samples_per_s": None, "tokens_per_s": None, "reason": None}
+            "samples_per_s": None, "tokens_per_s": None, "reason": None, "derived_from": None}
 
 
 def _no(row: dict, reason: str) -> dict:
@@ -289,21 +293,47 @@ def _shards_needed(static: StaticMemory, s: FitSettings) -> int:
 ProfileAt = Callable[[int], tuple[Profile, ModelFacts]]
 
 
+def _derived(traced: list, batch: int, s: FitSettings, batch_arg: str | None):
+    """(profile, facts) at `batch` from the last two traced batches (profile_scale.derive), or
+    None where that is not exact or not asked for."""
+    from .profile_scale import _affine, derive
+    if batch_arg is None or len(traced) < 2:
+        return None
+    (a, pa, fa), (b, pb, fb) = traced[-2:]
+    inputs = _affine(fa.inputs_bytes, fb.inputs_bytes, a, b, batch)
+    if fa.params != fb.params or fa.buffers_bytes != fb.buffers_bytes or inputs is None:
+        return None
+    prof = derive(pa, a, pb, b, batch, s.hardware, batch_arg)
+    return None if prof is None else (prof, dataclasses.replace(fa, inputs_bytes=inputs))
+
+
 def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
-          progress: Callable[[str], None] | None = None) -> FitResult:
+          progress: Callable[[str], None] | None = None,
+          derive_batch_arg: str | None = None) -> FitResult:
     """Profile each batch (`profile_at`), plan it with `s.planner` and every baseline.
 
-    A batch whose profile fails is a row with the reason, and the sweep goes on; the static
-    memory of the first profiled batch is checked (`check_static_fits`) before any planning.
+    With `derive_batch_arg` (the workload argument that sets the batch), a batch after the
+    first two is derived from the last two traced ones where that is exact
+    (`profile_scale.derive`) and traced otherwise. A batch whose profile fails is a row with
+    the reason, and the sweep goes on; the static memory is checked (`check_static_fits`)
+    before any planning.
     """
     say = progress or (lambda _line: None)
     result = FitResult(rows=[], baselines={b: [] for b in BASELINES})
-    best = None
+    best, traced = None, []
     for i, batch in enumerate(batches):
         t0 = time.perf_counter()
-        say(f"[{i + 1}/{len(batches)}] batch {batch}: profiling")
+        got = _derived(traced, batch, s, derive_batch_arg)
+        if got is not None:
+            (prof, facts), how = got, f"derived from batches {traced[-2][0]} and {traced[-1][0]}"
+            say(f"[{i + 1}/{len(batches)}] batch {batch}: {how}")
+        else:
+            how = "profiled"
+            say(f"[{i + 1}/{len(batches)}] batch {batch}: profiling")
         try:
-            prof, facts = profile_at(batch)
+            if got is None:
+                prof, facts = profile_at(batch)
+                traced.append((batch, prof, facts))
         except InputError:
             raise
         except Exception as exc:  # noqa: BLE001 - a batch whose trace fails is a row, not the end
@@ -318,12 +348,13 @@ def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
         check_static_fits(static, s)
         t1 = time.perf_counter()
         row, plan = plan_row(s.planner, batch, prof, static, s)
-        result.rows.append(row)
+        derived = prof.summary.get("derived_from_batches")
+        result.rows.append(dict(row, derived_from=derived))
         for kind, rows in result.baselines.items():
-            rows.append(plan_row(kind, batch, prof, static, s)[0])
+            rows.append(dict(plan_row(kind, batch, prof, static, s)[0], derived_from=derived))
         if row["feasible"] and (best is None or (row["samples_per_s"], -batch) > best):
             best, result.best_plan, result.best_profile = (row["samples_per_s"], -batch), plan, prof
         rate = f"{row['samples_per_s']:.2f} samples/s" if row["feasible"] else row["reason"]
-        say(f"[{i + 1}/{len(batches)}] batch {batch}: profiled in {t1 - t0:.1f} s, planned in "
+        say(f"[{i + 1}/{len(batches)}] batch {batch}: {how} in {t1 - t0:.1f} s, planned in "
             f"{time.perf_counter() - t1:.1f} s: {rate}")
     return result

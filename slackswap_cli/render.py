@@ -1,8 +1,8 @@
 """Terminal views of profiles, plans and simulated steps, as Rich renderables.
 
 Every function here takes data and returns renderables (tables, text); none prints or exits,
-so `cli.py` decides where output goes and tests render into a recording console. This is the
-only module besides `cli.py` that imports Rich.
+so `cli.py` decides where output goes and tests render into a recording console. This and
+`render_fit.py` (the views of `fit`) are the only modules besides `cli.py` that import Rich.
 
 **Layers.** A model of 48 identical blocks should read as one row, not 48. `layers` finds the
 repeated blocks from the module paths (`transformer.h.3.mlp` is in block `transformer.h.3`;

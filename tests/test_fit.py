@@ -121,7 +121,7 @@ def test_bad_batch_lists(text):
     with pytest.raises(InputError) as e:
         parse_batches(text)
     assert e.value.hint
-    assert parse_batches("4, 1,4,16") == [4, 1, 16]
+    assert parse_batches("4, 1,4,16") == [1, 4, 16]
 
 
 ODD = '''
@@ -288,3 +288,73 @@ def test_checkpoint_layers_with_k1_checkpoints_every_block(files):
     out = baselines.checkpoint_layers(prof, HW, big, k=1)
     assert out.notes[0].startswith("checkpointed 2 of 2 blocks")
     assert any(d.action == "recompute" for d in out.decisions)
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "llama", "bert", "cnn"])
+def test_a_derived_profile_equals_the_direct_trace(files, name):
+    """Traced at 2 and 4, derived at 8 and 3: every op, tensor, input shape and summary figure
+    as a trace at that batch gives them (only the trace time differs)."""
+    from slackswap_cli.hardware import PRESETS
+    from slackswap_cli.profile_scale import derive
+    from slackswap_cli.trace import profile_workload
+    hw = PRESETS["h100-pcie5"]
+    at = {b: profile_workload(str(files[name]), args={"batch": b}, device="fake", hardware=hw)
+          for b in (2, 4, 8, 3)}
+    for x in (8, 3):
+        d = derive(at[2], 2, at[4], 4, x, hw)
+        assert d is not None
+        direct = at[x]
+        assert (d.fingerprint, d.ops, d.tensors, d.workload, d.env) == \
+            (direct.fingerprint, direct.ops, direct.tensors, direct.workload, direct.env)
+        skip = {"profile_s", "derived_from_batches"}
+        assert {k: v for k, v in d.summary.items() if k not in skip} == \
+            {k: v for k, v in direct.summary.items() if k not in skip}
+        assert d.summary["derived_from_batches"] == [2, 4]
+
+
+QUADRATIC = '''
+import torch, torch.nn as nn
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+    def forward(self, x):
+        h = self.fc(x)
+        return (h @ h.t()).relu().mean()      # (batch, batch): quadratic in the batch
+def workload(batch=2):
+    torch.manual_seed(0)
+    return Net(), (torch.randn(batch, 8),)
+'''
+
+
+def test_derivation_refuses_a_step_quadratic_in_the_batch_and_fit_traces_it(tmp_path):
+    from slackswap_cli.hardware import PRESETS
+    from slackswap_cli.profile_scale import derive
+    from slackswap_cli.trace import profile_workload
+    path = tmp_path / "quad.py"
+    path.write_text(QUADRATIC)
+    hw = PRESETS["a100-pcie4"]
+    pa, pb = (profile_workload(str(path), args={"batch": b}, device="fake", hardware=hw)
+              for b in (2, 4))
+    assert derive(pa, 2, pb, 4, 8, hw) is None
+    r = _fit([str(path), "--batch", "2,4,8", "--json", "-o", str(tmp_path / "q.plan.json")])
+    assert r.exit_code == 0, r.output + r.stderr
+    rows = orjson.loads(r.stdout)["rows"]
+    assert [x["derived_from"] for x in rows] == [None, None, None]
+    assert "batch 8: profiling" in r.stderr
+
+
+def test_fit_derives_after_two_traces_and_says_so(tmp_path):
+    r = _fit([str(ROOT / "examples" / "tiny_gpt.py"), "--batch", "2,4,8,16", "--json",
+              "-o", str(tmp_path / "t.plan.json")])
+    assert r.exit_code == 0, r.output + r.stderr
+    data = orjson.loads(r.stdout)
+    assert [x["derived_from"] for x in data["rows"]] == [None, None, [2, 4], [2, 4]]
+    assert "batch 16: derived from batches 2 and 4" in r.stderr
+    each = _fit([str(ROOT / "examples" / "tiny_gpt.py"), "--batch", "2,4,8,16", "--json",
+                 "--profile-each", "-o", str(tmp_path / "e.plan.json")])
+    rows_each = orjson.loads(each.stdout)["rows"]
+    assert [x["derived_from"] for x in rows_each] == [None] * 4
+    # the same rows either way (the derived profiles are the traced ones)
+    drop = lambda row: {k: v for k, v in row.items() if k != "derived_from"}   # noqa: E731
+    assert [drop(x) for x in data["rows"]] == [drop(x) for x in rows_each]
