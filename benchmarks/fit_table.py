@@ -1,7 +1,8 @@
 """Issue 22, item 4: the best `fit` row against the best row of every baseline and every other
 planner, on the four sample workloads, on a100-pcie4 with 40 GiB and h100-pcie5 with 80 GiB.
 
-Each (workload, batch) is profiled once with fake tensors (costed on h100-pcie5) and re-costed
+Each (workload, batch) is profiled once with fake tensors (costed on h100-pcie5; batches after
+the first two derived from the last two traced where exact, as `fit` does) and re-costed
 for a100-pcie4 (`profile_build.recost`, what `plan --hardware` does: the roofline re-timed from
 each op's FLOPs and bytes). Every row of every sweep is then planned by `fit.plan_row` in the
 same budget (device memory - static - reserve, AdamW): `fit`'s planner (slackswap), the
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from slackswap_cli.fit import (BASELINES, FitSettings, best_row, default_reserve,  # noqa: E402
                                plan_row, static_memory)
+from slackswap_cli.fit import profiles as fit_profiles  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.profile_build import recost  # noqa: E402
 from slackswap_cli.trace.static_memory import Profiler  # noqa: E402
@@ -77,11 +79,12 @@ def main() -> None:
             continue
         profiler = Profiler(str(ROOT / "examples" / f"{name}.py"), entry="workload", args={},
                             batch_arg="batch", device="fake", hardware=PRESETS["h100-pcie5"])
-        profiles = {}
-        for b in batches:
-            t0 = time.perf_counter()
-            profiles[b] = profiler(b)
-            print(f"{name} batch {b}: profiled in {time.perf_counter() - t0:.1f} s", flush=True)
+        profiles = {}     # traced, or derived where exact, as fit does
+        for b, prof, facts, how in fit_profiles(batches, profiler, PRESETS["h100-pcie5"],
+                                                "batch", lambda line: print(name, line, flush=True)):
+            if prof is None:
+                raise SystemExit(f"{name} batch {b}: {how}")
+            profiles[b] = (prof, facts)
         for hw_name, memory in DEVICES.items():
             s = settings(hw_name, memory, shard40 if memory == 40 * GiB else 1)
             costed = {b: (recost(p, s.hardware), f) for b, (p, f) in profiles.items()}
@@ -98,7 +101,7 @@ def main() -> None:
                 for k, r in best.items() if k != FIT)
             out["results"].append(entry)
             print(f"{name} on {hw_name}: " + ", ".join(
-                f"{k} {'-' if r is None else f'b{r['batch']} {r['samples_per_s']:.2f}'}"
+                f"{k} " + ("-" if r is None else f"b{r['batch']} {r['samples_per_s']:.2f}")
                 for k, r in best.items()), flush=True)
     out["wall_s"] = time.perf_counter() - t_all
     res = ROOT / "benchmarks" / "results"

@@ -47,7 +47,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from .errors import InputError, SlackswapError
 from .hardware import HardwareSpec
@@ -293,7 +293,7 @@ def _shards_needed(static: StaticMemory, s: FitSettings) -> int:
 ProfileAt = Callable[[int], tuple[Profile, ModelFacts]]
 
 
-def _derived(traced: list, batch: int, s: FitSettings, batch_arg: str | None):
+def _derived(traced: list, batch: int, hw: HardwareSpec, batch_arg: str | None):
     """(profile, facts) at `batch` from the last two traced batches (profile_scale.derive), or
     None where that is not exact or not asked for."""
     from .profile_scale import _affine, derive
@@ -303,45 +303,60 @@ def _derived(traced: list, batch: int, s: FitSettings, batch_arg: str | None):
     inputs = _affine(fa.inputs_bytes, fb.inputs_bytes, a, b, batch)
     if fa.params != fb.params or fa.buffers_bytes != fb.buffers_bytes or inputs is None:
         return None
-    prof = derive(pa, a, pb, b, batch, s.hardware, batch_arg)
+    prof = derive(pa, a, pb, b, batch, hw, batch_arg)
     return None if prof is None else (prof, dataclasses.replace(fa, inputs_bytes=inputs))
 
 
-def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
-          progress: Callable[[str], None] | None = None,
-          derive_batch_arg: str | None = None) -> FitResult:
-    """Profile each batch (`profile_at`), plan it with `s.planner` and every baseline.
-
-    With `derive_batch_arg` (the workload argument that sets the batch), a batch after the
-    first two is derived from the last two traced ones where that is exact
-    (`profile_scale.derive`) and traced otherwise. A batch whose profile fails is a row with
-    the reason, and the sweep goes on; the static memory is checked (`check_static_fits`)
-    before any planning.
-    """
+def profiles(batches: list[int], profile_at: ProfileAt, hw: HardwareSpec,
+             derive_batch_arg: str | None = None, progress: Callable[[str], None] | None = None
+             ) -> Iterator[tuple[int, Profile | None, ModelFacts | None, str]]:
+    """(batch, profile, facts, how) for each batch: traced by `profile_at`, or with
+    `derive_batch_arg` (the workload argument that sets the batch) derived from the last two
+    traced batches where that is exact (`profile_scale.derive`). A batch whose trace fails
+    yields (batch, None, None, the reason); an InputError ends the sweep."""
     say = progress or (lambda _line: None)
-    result = FitResult(rows=[], baselines={b: [] for b in BASELINES})
-    best, traced = None, []
+    traced: list = []
     for i, batch in enumerate(batches):
-        t0 = time.perf_counter()
-        got = _derived(traced, batch, s, derive_batch_arg)
+        tag = f"[{i + 1}/{len(batches)}] batch {batch}"
+        got = _derived(traced, batch, hw, derive_batch_arg)
         if got is not None:
-            (prof, facts), how = got, f"derived from batches {traced[-2][0]} and {traced[-1][0]}"
-            say(f"[{i + 1}/{len(batches)}] batch {batch}: {how}")
-        else:
-            how = "profiled"
-            say(f"[{i + 1}/{len(batches)}] batch {batch}: profiling")
+            how = f"derived from batches {traced[-2][0]} and {traced[-1][0]}"
+            say(f"{tag}: {how}")
+            yield batch, got[0], got[1], how
+            continue
+        say(f"{tag}: profiling")
         try:
-            if got is None:
-                prof, facts = profile_at(batch)
-                traced.append((batch, prof, facts))
+            prof, facts = profile_at(batch)
         except InputError:
             raise
         except Exception as exc:  # noqa: BLE001 - a batch whose trace fails is a row, not the end
             why = exc.message if isinstance(exc, SlackswapError) else f"{type(exc).__name__}: {exc}"
             reason = f"profiling failed: {why.splitlines()[0][:300] if why else ''}"
-            say(f"[{i + 1}/{len(batches)}] batch {batch}: {reason}")
+            say(f"{tag}: {reason}")
+            yield batch, None, None, reason
+            continue
+        traced.append((batch, prof, facts))
+        yield batch, prof, facts, "profiled"
+
+
+def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
+          progress: Callable[[str], None] | None = None,
+          derive_batch_arg: str | None = None) -> FitResult:
+    """Profile each batch (`profiles`), plan it with `s.planner` and every baseline.
+
+    A batch whose profile fails is a row with the reason, and the sweep goes on; the static
+    memory is checked (`check_static_fits`) before any planning.
+    """
+    say = progress or (lambda _line: None)
+    result = FitResult(rows=[], baselines={b: [] for b in BASELINES})
+    best = None
+    t0 = time.perf_counter()
+    for batch, prof, facts, how in profiles(batches, profile_at, s.hardware, derive_batch_arg,
+                                            say):
+        if prof is None:
             for kind, rows in [(s.planner, result.rows), *result.baselines.items()]:
-                rows.append(_no(_row_head(batch, kind, None, s), reason))
+                rows.append(_no(_row_head(batch, kind, None, s), how))
+            t0 = time.perf_counter()
             continue
         static = static_memory(facts, s.optimizer, shard=s.shard,
                                step_on_device=s.step_on_device)
@@ -355,6 +370,8 @@ def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
         if row["feasible"] and (best is None or (row["samples_per_s"], -batch) > best):
             best, result.best_plan, result.best_profile = (row["samples_per_s"], -batch), plan, prof
         rate = f"{row['samples_per_s']:.2f} samples/s" if row["feasible"] else row["reason"]
-        say(f"[{i + 1}/{len(batches)}] batch {batch}: {how} in {t1 - t0:.1f} s, planned in "
+        i = len(result.rows)
+        say(f"[{i}/{len(batches)}] batch {batch}: {how} in {t1 - t0:.1f} s, planned in "
             f"{time.perf_counter() - t1:.1f} s: {rate}")
+        t0 = time.perf_counter()
     return result

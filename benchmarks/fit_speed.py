@@ -1,0 +1,88 @@
+"""Issue 22, item 3: how long the whole `slackswap fit` takes.
+
+- Llama-7B-style (`examples/llama_7b.py`, seq 4096) on h100-pcie5, batch 1,2,4,8,16
+  (target: 90 s);
+- Llama-70B-style (`examples/llama_70b.py`) with `--shard 8`, batch 1,2,4 (target: 120 s).
+
+Each runs as the CLI in a subprocess (imports included); recorded: wall time, the child's CPU
+time (user + sys: on a shared machine the wall time depends on the other jobs, the CPU time
+much less), the load average around it, and the per-batch lines fit prints on stderr. The
+Llama-7B sweep runs twice: by default (batches after the first two derived from the last two
+traced where exact) and with `--profile-each` (every batch traced); the two JSON outputs must
+give the same rows, which checks the derived profiles against direct traces on this model.
+
+    python benchmarks/fit_speed.py            # writes benchmarks/results/fit_speed.json
+    python benchmarks/fit_speed.py --quick    # Llama-7B default mode only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {
+    "llama_7b": (["examples/llama_7b.py", "--hardware", "h100-pcie5", "--batch", "1,2,4,8,16"], 90.0),
+    "llama_7b --profile-each": (["examples/llama_7b.py", "--hardware", "h100-pcie5", "--batch",
+                                 "1,2,4,8,16", "--profile-each"], None),
+    "llama_70b --shard 8": (["examples/llama_70b.py", "--hardware", "h100-pcie5", "--shard", "8",
+                             "--batch", "1,2,4"], 120.0),
+}
+
+
+def run(args: list[str], out_dir: Path) -> dict:
+    exe = Path(sys.executable).with_name("slackswap")
+    cmd = [str(exe), "fit", *args, "--json", "-o", str(out_dir / "best.plan.json")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    data = json.loads(p.stdout)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"command": "slackswap fit " + " ".join(args), "wall_s": round(wall, 1),
+            "cpu_s": round(cpu, 1), "load_avg_1min_before": load0,
+            "load_avg_1min_after": os.getloadavg()[0],
+            "progress": [line for line in p.stderr.splitlines() if line.startswith("[")],
+            "best": data["best"], "rows": data["rows"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the Llama-7B default sweep only")
+    a = ap.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (args, target) in CASES.items():
+            if a.quick and name != "llama_7b":
+                continue
+            r = run(args, Path(tmp))
+            r["target_s"] = target
+            results[name] = r
+            print(f"{name}: {r['wall_s']} s wall, {r['cpu_s']} s CPU "
+                  f"(load {r['load_avg_1min_before']:.1f})", flush=True)
+            for line in r["progress"]:
+                print("   ", line, flush=True)
+    out = {"machine": {"cpus": os.cpu_count()}, "results": results}
+    if "llama_7b --profile-each" in results:
+        drop = lambda rows: [{k: v for k, v in x.items() if k != "derived_from"} for x in rows]  # noqa: E731
+        out["derived_rows_equal_traced_rows"] = (
+            drop(results["llama_7b"]["rows"]) == drop(results["llama_7b --profile-each"]["rows"]))
+        print("derived rows equal traced rows:", out["derived_rows_equal_traced_rows"])
+    for r in results.values():
+        r.pop("rows")
+    (ROOT / "benchmarks" / "results" / "fit_speed.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
