@@ -148,40 +148,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fsdp_worker(rank, world, port, path, out_dir):
+FSDP_CASES = [("odd", "adamw"), ("odd", "sgd-momentum"), ("llama", "adamw")]
+
+
+def _fsdp_worker(rank, world, port, paths, out_dir):
     import torch.distributed as dist
     sys.path.insert(0, str(ROOT))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from torch.distributed.fsdp import fully_shard
-        work = load_workload(path)
-        for b in work.model.blocks:
-            fully_shard(b)
-        fully_shard(work.model)
-        got = _one_step(work, "adamw")
+        got = {}
+        for name, opt_name in FSDP_CASES:
+            work = load_workload(paths[name])
+            blocks = getattr(work.model, "blocks", None) or work.model.model.layers
+            for b in blocks:
+                fully_shard(b)
+            fully_shard(work.model)
+            got[name, opt_name] = _one_step(work, opt_name)
         torch.save(got, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_per_rank_bytes_equal_the_sharded_figures(tmp_path):
-    """Dimensions of 9 and 3 rows over 2 ranks: FSDP2 pads rank 1's chunk to rank 0's."""
+def test_fsdp2_per_rank_bytes_equal_the_sharded_figures(tmp_path, files):
+    """Dimensions of 9 and 3 rows over 2 ranks: FSDP2 pads rank 1's chunk to rank 0's; the
+    Hugging Face Llama's dimensions split evenly."""
     path = tmp_path / "odd.py"
     path.write_text(ODD)
-    work = load_workload(path)
-    facts = model_facts(work.model, work.inputs)
-    torch.multiprocessing.spawn(_fsdp_worker, args=(2, _free_port(), str(path), str(tmp_path)),
+    paths = {"odd": str(path), "llama": str(files["llama"])}
+    torch.multiprocessing.spawn(_fsdp_worker, args=(2, _free_port(), paths, str(tmp_path)),
                                 nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    st = static_memory(facts, "adamw", shard=2, step_on_device=True)
-    assert (ranks[0]["params"], ranks[0]["grads"], ranks[0]["optimizer"]) == \
-        (st.params_bytes, st.grads_bytes, st.optimizer_bytes)
-    # rank 1: padded parameters and gradients alike; its optimizer state is its real chunk
-    assert (ranks[1]["params"], ranks[1]["grads"]) == (st.params_bytes, st.grads_bytes)
-    assert ranks[1]["optimizer"] < st.optimizer_bytes
-    assert st.params_bytes < static_memory(facts, "adamw").params_bytes
+    for name, opt_name in FSDP_CASES:
+        work = load_workload(paths[name])
+        facts = model_facts(work.model, work.inputs)
+        st = static_memory(facts, opt_name, shard=2, step_on_device=True)
+        r0, r1 = ranks[0][name, opt_name], ranks[1][name, opt_name]
+        assert (r0["params"], r0["grads"], r0["optimizer"]) == \
+            (st.params_bytes, st.grads_bytes, st.optimizer_bytes), (name, opt_name)
+        # rank 1: padded parameters and gradients alike; its optimizer state is its real chunk
+        assert (r1["params"], r1["grads"]) == (st.params_bytes, st.grads_bytes)
+        assert (r1["optimizer"] < st.optimizer_bytes) == (name == "odd")
+        assert st.params_bytes < static_memory(facts, opt_name).params_bytes
 
 
 def _fit(args):

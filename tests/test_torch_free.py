@@ -6,7 +6,7 @@ from helpers import run_torch_blocked
 def test_core_imports_and_plans_with_torch_blocked(tmp_path):
     r = run_torch_blocked(f"""
         from slackswap_cli import schema, hardware, profile_build, simulate, budget, render, chrome_trace
-        from slackswap_cli import planners, units, chains, layers, fit, render_fit
+        from slackswap_cli import planners, units, chains, layers, fit, render_fit, profile_scale
         from slackswap_testkit import synthetic
         from slackswap_cli.cli import app
         from slackswap_cli.hardware import PRESETS
