@@ -41,8 +41,7 @@ def fit_table(result: FitResult, title: str) -> object:
     # 80 columns: without the keep-all peak, the planner (the title names it) and the step
     narrow = [k for k, (c, _) in enumerate(cols) if c not in ("keep-all peak", "planner", "step")]
     return _Fit(_rows_table(title, cols, cells, fixed=("planner",)),
-                _rows_table(title + f", planner {result.rows[0]['planner']}" if result.rows else title,
-                            [cols[k] for k in narrow], [[c[k] for k in narrow] for c in cells],
+                _rows_table(title, [cols[k] for k in narrow], [[c[k] for k in narrow] for c in cells],
                             compact=True))
 
 
@@ -102,8 +101,8 @@ def rate_chart(result: FitResult, planner: str, height: int = 10, col: int = 8) 
 
 def fit_views(result: FitResult, *, planner: str, hardware: str, memory_bytes: int,
               optimizer: str, shard: int) -> list:
-    title = (f"fit on {hardware} ({fmt_bytes(memory_bytes)}), optimizer {optimizer}"
-             + (f", sharded over {shard} ranks (per rank)" if shard > 1 else ""))
+    title = (f"fit: {planner} on {hardware} ({fmt_bytes(memory_bytes)}), {optimizer}"
+             + (f", per rank of {shard}" if shard > 1 else ""))
     views: list = [fit_table(result, title)]
     reasons = [(r["batch"], r["reason"]) for r in result.rows if r["reason"]]
     if reasons:

@@ -237,7 +237,7 @@ def test_fit_tables_and_chart(tmp_path):
     r = _fit([str(ROOT / "examples" / "tiny_gpt.py"), "--batch", "1,2", "--optimizer", "sgd",
               "-o", str(tmp_path / "p.plan.json")])
     assert r.exit_code == 0, r.output + r.stderr
-    for text in ("fit on a100-pcie4", "Baselines", "samples/s against batch", "best: batch",
+    for text in ("fit: slackswap on a100-pcie4", "Baselines", "samples/s against batch", "best: batch",
                  "checkpoint-layers", "recompute-only", "keep-all", "wrote"):
         assert text in r.stdout, r.stdout
     assert "[2/2] batch 2" in r.stderr
