@@ -478,10 +478,10 @@ def _write_best(result, plan_target: Path, model: Path) -> Path:
     return prof_target
 
 
-@app.command(short_help="The largest and the fastest batch that fits the device, with its plan.",
+@app.command(short_help="Sweep batch sizes on the whole device; write the best plan.",
              epilog=_examples(
                  "slackswap fit model.py --hardware h100-pcie5 --batch 1,2,4,8,16",
-                 "slackswap fit examples/llama_70b.py --hardware h100-pcie5 --shard 8 --batch 1,2,4",
+                 "slackswap fit llama_70b.py --hardware h100-pcie5 --shard 8 --batch 1,2,4",
                  "slackswap fit model.py --hardware a100-pcie4 --memory 40GiB --batch 8,16 --json",
              ))
 def fit(

@@ -178,7 +178,7 @@ def test_help_lists_every_command_whole_and_shows_examples():
     r = runner.invoke(app, ["--help"], env={"COLUMNS": "80"})
     assert r.exit_code == 0
     commands = r.stdout.split("Commands:")[1].split("Exit codes")[0]
-    assert "..." not in commands and len(commands.strip().splitlines()) == 9
+    assert "..." not in commands and len(commands.strip().splitlines()) == 10
     assert all(len(line) <= 80 for line in r.stdout.splitlines())
     r = runner.invoke(app, ["profile", "--help"], env={"COLUMNS": "80"})
     assert "--arg KEY=VALUE" in r.stdout and "list[str]" not in r.stdout
