@@ -482,7 +482,7 @@ def _write_best(result, plan_target: Path, model: Path) -> Path:
              epilog=_examples(
                  "slackswap fit model.py --hardware h100-pcie5 --batch 1,2,4,8,16",
                  "slackswap fit llama_70b.py --hardware h100-pcie5 --shard 8 --batch 1,2,4",
-                 "slackswap fit model.py --hardware a100-pcie4 --memory 40GiB --batch 8,16 --json",
+                 "slackswap fit model.py --hardware a100-pcie4 --memory 40GiB --batch 8,16",
              ))
 def fit(
     model: Path = typer.Argument(..., metavar="MODEL", help="workload file (model.py with a workload() function)"),
