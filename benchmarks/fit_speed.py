@@ -60,7 +60,12 @@ def run(args: list[str], out_dir: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the Llama-7B default sweep only")
+    ap.add_argument("--md-only", action="store_true", help="rewrite the .md from the .json")
     a = ap.parse_args()
+    if a.md_only:
+        out = json.loads((ROOT / "benchmarks" / "results" / "fit_speed.json").read_text())
+        (ROOT / "benchmarks" / "results" / "fit_speed.md").write_text(markdown(out))
+        return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (args, target) in CASES.items():
@@ -82,6 +87,24 @@ def main() -> None:
     for r in results.values():
         r.pop("rows")
     (ROOT / "benchmarks" / "results" / "fit_speed.json").write_text(json.dumps(out, indent=1))
+    (ROOT / "benchmarks" / "results" / "fit_speed.md").write_text(markdown(out))
+
+
+def markdown(out: dict) -> str:
+    lines = ["| sweep | wall | CPU (user + sys) | target | load average (1 min) before / after | traced / derived |",
+             "|---|---|---|---|---|---|"]
+    for name, r in out["results"].items():
+        done = [x for x in r["progress"] if " in " in x]
+        derived = sum("derived from" in x for x in done)
+        target = f"{r['target_s']:.0f} s" if r["target_s"] else "-"
+        lines.append(f"| `{r['command']}` | {r['wall_s']:.0f} s | {r['cpu_s']:.0f} s | {target} | "
+                     f"{r['load_avg_1min_before']:.1f} / {r['load_avg_1min_after']:.1f} | "
+                     f"{len(done) - derived} / {derived} |")
+    if "derived_rows_equal_traced_rows" in out:
+        lines.append("")
+        lines.append("Derived and traced Llama-7B sweeps give identical rows: "
+                     f"{out['derived_rows_equal_traced_rows']}.")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
