@@ -296,11 +296,11 @@ ProfileAt = Callable[[int], tuple[Profile, ModelFacts]]
 def _derived(traced: list, batch: int, hw: HardwareSpec, batch_arg: str | None):
     """(profile, facts) at `batch` from the last two traced batches (profile_scale.derive), or
     None where that is not exact or not asked for."""
-    from .profile_scale import _affine, derive
+    from .profile_scale import affine, derive
     if batch_arg is None or len(traced) < 2:
         return None
     (a, pa, fa), (b, pb, fb) = traced[-2:]
-    inputs = _affine(fa.inputs_bytes, fb.inputs_bytes, a, b, batch)
+    inputs = affine(fa.inputs_bytes, fb.inputs_bytes, a, b, batch)
     if fa.params != fb.params or fa.buffers_bytes != fb.buffers_bytes or inputs is None:
         return None
     prof = derive(pa, a, pb, b, batch, hw, batch_arg)

@@ -30,7 +30,7 @@ from fractions import Fraction
 from .schema import Op, Profile, Tensor, op_fingerprint
 
 
-def _affine(va: int, vb: int, a: int, b: int, x: int) -> int | None:
+def affine(va: int, vb: int, a: int, b: int, x: int) -> int | None:
     """The value at x of the line through (a, va) and (b, vb), when it is a non-negative integer."""
     v = va + Fraction(vb - va, b - a) * (x - a)
     return int(v) if v.denominator == 1 and v >= 0 else None
@@ -44,7 +44,7 @@ def _shape(sa, sb, a: int, b: int, x: int) -> tuple[int, ...] | None:
         return None
     out = list(sa)
     for k in grow:
-        v = _affine(sa[k], sb[k], a, b, x)
+        v = affine(sa[k], sb[k], a, b, x)
         if v is None:
             return None
         out[k] = v
@@ -72,7 +72,7 @@ def derive(pa: Profile, a: int, pb: Profile, b: int, x: int, hw,
     for p, q in zip(pa.ops, pb.ops):
         if not _same_op(p, q):
             return None
-        flops, moved = _affine(p.flops, q.flops, a, b, x), _affine(p.bytes, q.bytes, a, b, x)
+        flops, moved = affine(p.flops, q.flops, a, b, x), affine(p.bytes, q.bytes, a, b, x)
         if flops is None or moved is None:
             return None
         ops.append(dataclasses.replace(p, flops=flops, bytes=moved,
@@ -81,7 +81,7 @@ def derive(pa: Profile, a: int, pb: Profile, b: int, x: int, hw,
     for t, u in zip(pa.tensors, pb.tensors):
         if not _same_tensor(t, u):
             return None
-        shape, size = _shape(t.shape, u.shape, a, b, x), _affine(t.size_bytes, u.size_bytes, a, b, x)
+        shape, size = _shape(t.shape, u.shape, a, b, x), affine(t.size_bytes, u.size_bytes, a, b, x)
         if shape is None or size is None:
             return None
         tensors.append(dataclasses.replace(t, shape=shape, size_bytes=size))
