@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slackswap-installed
 
-.PHONY: install demo test test-fast fuzz samples bench clean
+.PHONY: install demo test fuzz samples bench clean
 
 install: $(STAMP)
 
@@ -37,12 +37,18 @@ samples: install
 	$(VENV)/bin/slackswap profile examples/gpt2_xl.py --device fake --hardware a100-pcie4 -o sample_profiles/gpt2-xl.json
 	$(VENV)/bin/slackswap profile examples/llama_7b.py --device fake --hardware a100-pcie4 -o sample_profiles/llama-7b.json
 	$(VENV)/bin/slackswap profile examples/resnet50.py --device fake --hardware a100-pcie4 -o sample_profiles/resnet50.json
+	$(PY) -m slackswap_testkit.sample_paths sample_profiles/*.json
 
+# Every benchmark in benchmarks/, each writing its numbers to benchmarks/results/ (slow: paper_table
+# and local_search run the MILP with a time limit of up to a minute per case).
+# gpu_check.py needs a CUDA GPU: skipped, saying so, where there is none.
 bench: install
-	$(PY) benchmarks/profile_speed.py
-	$(PY) benchmarks/simulate_speed.py
-	$(PY) benchmarks/plan_speed.py
-	$(PY) benchmarks/paper_table.py
+	@set -e; for b in benchmarks/*.py; do \
+	  if [ "$$b" = benchmarks/gpu_check.py ] && ! $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
+	    echo "skipping $$b: needs a CUDA GPU (\`$(PY) $$b --dry-run\` runs it on the CPU with a tiny model)"; \
+	    continue; fi; \
+	  echo "== $(PY) $$b"; $(PY) $$b; \
+	done
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

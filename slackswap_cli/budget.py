@@ -34,13 +34,13 @@ import re
 
 from .errors import InfeasibleError, InputError
 from .schema import Action, Profile
-from .units import fmt_bytes
+from .units import GIB, KIB, MIB, TIB, fmt_bytes
 
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,   # bare letters: binary, like nvidia-smi
+    "kib": KIB, "mib": MIB, "gib": GIB, "tib": TIB,
+    "k": KIB, "m": MIB, "g": GIB, "t": TIB,   # bare letters: binary, like nvidia-smi
 }
 _BUDGET_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
 _HINT = ("pass a fraction of the keep-all activation peak in (0, 1] (e.g. 0.5) "

@@ -213,15 +213,12 @@ def action_codes(tab: Tables, decisions) -> list[int]:
 def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
     """Lay out the compute tasks of `action` (one code per tensor, see `ACTION_CODES`)."""
     nf, n_ops = tab.n_fwd, tab.n_ops
-    in_roots, out_roots = tab.in_roots, tab.out_roots
-    producer, size = tab.producer, tab.size
-    last_use = tab.last_use
+    producer, last_use = tab.producer, tab.last_use
     task_op = list(range(nf))
     task_owner = list(range(nf))
     op_task = list(range(nf)) + [-1] * (n_ops - nf)
     lay = Layout(task_op, task_owner, op_task)
-    need_task, made_at, temps, ext = lay.need_task, lay.made, lay.temps, lay.ext
-    chain_alloc, chain_root = lay.chain_alloc, lay.chain_root
+    need_task = lay.need_task
     mat: set[int] = set()              # swap/recompute roots resident in backward
 
     def resident(x: int, i: int) -> bool:
@@ -249,57 +246,8 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
         ins = bwd_saved_in[i]
         targets = [r for r in ins if action[r] == RECOMPUTE and r not in mat]
         if targets:
-            def at_hand(x: int, i: int = i) -> bool:
-                return (action[x] == KEEP or resident(x, i)
-                        or (action[x] == SWAP and x not in mat))
-            try:
-                run, produced = closure(tab, targets, at_hand)
-            except ChainImpossible as exc:
-                t, x = prof.tensors[targets[0]], exc.x
-                raise InputError(
-                    f"tensor {t.id} ({t.name}) cannot be recomputed: its chain needs tensor "
-                    f"{x} ({prof.tensors[x].name}), the output of random op {producer[x]} "
-                    f"({prof.ops[producer[x]].name}), which backward does not save",
-                    hint="keep or swap that tensor instead") from None
-            fetched: list[int] = []
-            last_reader: dict[int, int] = {}
-            made: list[int] = []
-            first_temp = len(temps)
-            for p in sorted(run):
-                task_op.append(p)
-                task_owner.append(i)
-                for x in in_roots[p]:
-                    if x in produced:
-                        last_reader[x] = T
-                    elif action[x] == SWAP and x not in mat:
-                        if x not in need_task:
-                            need_task[x] = T
-                            fetched.append(x)
-                    elif not resident(x, i):
-                        ext[x] = T                     # dead, not recomputable: held on
-                nbytes = 0
-                main = -1
-                for o in out_roots[p]:
-                    if o not in produced and resident(o, i):
-                        continue                       # already there: not made again
-                    nbytes += size[o]
-                    if action[o] == RECOMPUTE and o not in mat:
-                        made_at.append((o, T))
-                        made.append(o)
-                        if main < 0 or o in targets:
-                            main = o
-                    else:
-                        temps.append((o, T, T))        # end fixed below
-                        if main < 0:
-                            main = o
-                chain_alloc[T] = nbytes
-                chain_root[T] = main
-                T += 1
-            for k in range(first_temp, len(temps)):
-                o, start, _ = temps[k]
-                temps[k] = (o, start, max(start, last_reader.get(o, start)))
-            mat.update(fetched)
-            mat.update(made)
+            _insert_chain(prof, tab, action, lay, mat, resident, i, targets)
+            T = len(task_op)
         for r in ins:
             if action[r] == SWAP and r not in mat:
                 mat.add(r)
@@ -314,6 +262,76 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
         task_owner.extend(range(nxt, n_ops))
         op_task[nxt:] = range(T, T + n_ops - nxt)
     return lay
+
+
+def _chain_closure(prof, tab: Tables, action: list[int], mat: set[int], resident,
+                   i: int, targets: list[int]) -> tuple[set[int], set[int]]:
+    """`closure` for the chain before backward op `i`; a chain through a random op's output
+    that backward does not save is an InputError naming both."""
+    def at_hand(x: int) -> bool:
+        return (action[x] == KEEP or resident(x, i)
+                or (action[x] == SWAP and x not in mat))
+    try:
+        return closure(tab, targets, at_hand)
+    except ChainImpossible as exc:
+        t, x = prof.tensors[targets[0]], exc.x
+        p = tab.producer[x]
+        raise InputError(
+            f"tensor {t.id} ({t.name}) cannot be recomputed: its chain needs tensor "
+            f"{x} ({prof.tensors[x].name}), the output of random op {p} "
+            f"({prof.ops[p].name}), which backward does not save",
+            hint="keep or swap that tensor instead") from None
+
+
+def _insert_chain(prof, tab: Tables, action: list[int], lay: Layout, mat: set[int], resident,
+                  i: int, targets: list[int]) -> None:
+    """Append to `lay` the chain that re-produces `targets` before backward op `i`: its tasks,
+    the swapped roots it fetches early, the roots it makes, its temporaries and the kept
+    roots whose life it extends; the roots it makes resident join `mat`."""
+    in_roots, out_roots, size = tab.in_roots, tab.out_roots, tab.size
+    task_op, task_owner, temps = lay.task_op, lay.task_owner, lay.temps
+    need_task, made_at, ext = lay.need_task, lay.made, lay.ext
+    run, produced = _chain_closure(prof, tab, action, mat, resident, i, targets)
+    T = len(task_op)
+    fetched: list[int] = []
+    last_reader: dict[int, int] = {}
+    made: list[int] = []
+    first_temp = len(temps)
+    for p in sorted(run):
+        task_op.append(p)
+        task_owner.append(i)
+        for x in in_roots[p]:
+            if x in produced:
+                last_reader[x] = T
+            elif action[x] == SWAP and x not in mat:
+                if x not in need_task:
+                    need_task[x] = T
+                    fetched.append(x)
+            elif not resident(x, i):
+                ext[x] = T                     # dead, not recomputable: held on
+        nbytes = 0
+        main = -1
+        for o in out_roots[p]:
+            if o not in produced and resident(o, i):
+                continue                       # already there: not made again
+            nbytes += size[o]
+            if action[o] == RECOMPUTE and o not in mat:
+                made_at.append((o, T))
+                made.append(o)
+                if main < 0 or o in targets:
+                    main = o
+            else:
+                temps.append((o, T, T))        # end fixed below
+                if main < 0:
+                    main = o
+        lay.chain_alloc[T] = nbytes
+        lay.chain_root[T] = main
+        T += 1
+    for k in range(first_temp, len(temps)):
+        o, start, _ = temps[k]
+        temps[k] = (o, start, max(start, last_reader.get(o, start)))
+    mat.update(fetched)
+    mat.update(made)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 from .schema import Op, Profile, Tensor, op_fingerprint, validate_profile
 from .units import fmt_bytes
 
+# bytes per element of every dtype name a profile may hold (torch's names; the ONNX importer
+# maps ONNX's element types onto them): the one table of element sizes
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1,
     "complex64": 8, "complex128": 16,
 }
 

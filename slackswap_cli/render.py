@@ -25,7 +25,7 @@ from rich.text import Text
 from .hardware import HardwareSpec
 from .layers import layer_index, op_layers
 from .schema import Action, Plan, Predicted, Profile
-from .units import fmt_bytes, fmt_us  # noqa: F401 - re-exported for the views' callers
+from .units import GIB, MIB, fmt_bytes, fmt_us  # noqa: F401 - re-exported for the views' callers
 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
 
@@ -173,49 +173,59 @@ def _kv_table(title: str, rows: Sequence[tuple[str, str | Text]]) -> Table:
 
 def profile_views(profile: Profile, top: int = 10) -> list:
     """Totals, a per-layer table, and the largest saved activations."""
+    layers = op_layers(profile)
+    return [_profile_totals(profile), _profile_per_layer(profile, layers),
+            _biggest_saved(profile, layers[1], top)]
+
+
+def _profile_costs(profile: Profile) -> str:
+    """Where the op times come from: measured on a device, or a hardware roofline."""
     ops = profile.ops
-    nf = profile.n_forward
-    fwd_us = sum(o.time_us for o in ops[:nf])
-    bwd_us = sum(o.time_us for o in ops[nf:])
-    saved = profile.saved_activations
-    saved_bytes = sum(t.size_bytes for t in saved)
-    peak = profile.keep_all_peak_bytes
-    sources: dict[str, int] = {}
-    for o in ops:
-        sources[o.time_source] = sources.get(o.time_source, 0) + 1
     hw = profile.env.get("hardware")
     hw = hw.get("name") if isinstance(hw, dict) else hw
     device = profile.env.get("device_name") or profile.env.get("device")
     if all(o.time_source == "measured" for o in ops) and ops:
-        costs = f"op times measured on {device or '?'}"
-    elif hw:
-        costs = f"{hw} roofline" + (f"; traced with {device}" if device else "")
-    else:
-        costs = f"- (traced on {device})" if device else "-"
+        return f"op times measured on {device or '?'}"
+    if hw:
+        return f"{hw} roofline" + (f"; traced with {device}" if device else "")
+    return f"- (traced on {device})" if device else "-"
+
+
+def _profile_totals(profile: Profile) -> Table:
+    ops = profile.ops
+    nf = profile.n_forward
+    saved = profile.saved_activations
+    sources: dict[str, int] = {}
+    for o in ops:
+        sources[o.time_source] = sources.get(o.time_source, 0) + 1
     step_us, sum_us = (profile.summary.get("measured_step_us"),
                        profile.summary.get("op_sum_us"))
     wl = profile.workload.get("name") or profile.workload.get("path") or "?"
-    totals = _kv_table("Profile", [
+    return _kv_table("Profile", [
         ("workload", str(wl)),
         ("ops", f"{len(ops)} ({nf} forward, {len(ops) - nf} backward)"),
-        ("forward time", fmt_us(fwd_us)),
-        ("backward time", fmt_us(bwd_us)),
-        ("saved activations", f"{fmt_bytes(saved_bytes)} in {len(saved)} tensors"),
-        ("keep-all peak", fmt_bytes(peak)),
+        ("forward time", fmt_us(sum(o.time_us for o in ops[:nf]))),
+        ("backward time", fmt_us(sum(o.time_us for o in ops[nf:]))),
+        ("saved activations", f"{fmt_bytes(sum(t.size_bytes for t in saved))} in "
+                              f"{len(saved)} tensors"),
+        ("keep-all peak", fmt_bytes(profile.keep_all_peak_bytes)),
         ("time source", ", ".join(f"{k} ({v} ops)" for k, v in sorted(sources.items())) or "-"),
-        ("hardware", costs),
+        ("hardware", _profile_costs(profile)),
         *([("whole step", _step_check(step_us, sum_us))] if step_us and sum_us else []),
         ("fingerprint", profile.fingerprint),
     ])
 
-    layers, container = op_layers(profile)
+
+def _profile_per_layer(profile: Profile, op_layers_: tuple[list[str], str | None]) -> Table:
+    layers, container = op_layers_
+    nf = profile.n_forward
     stats: dict[str, list] = {name: [0.0, 0.0, 0, 0, 0] for name in _ordered_layers(profile,
                                                                                        layers)}
-    for o in ops:
+    for o in profile.ops:
         s = stats[layers[o.id]]
         s[0 if o.id < nf else 1] += o.time_us
         s[4] += 1
-    for t in saved:
+    for t in profile.saved_activations:
         s = stats[layers[t.producer]]
         s[2] += t.size_bytes
         s[3] += 1
@@ -226,36 +236,37 @@ def profile_views(profile: Profile, top: int = 10) -> list:
                                            if any(n > 1 for _, n, _ in merged) else ""),
                       title_justify="left")
     per_layer.add_column("layer")
-    per_layer.add_column("ops", justify="right")
-    per_layer.add_column("forward", justify="right")
-    per_layer.add_column("backward", justify="right")
-    per_layer.add_column("saved", justify="right")
-    per_layer.add_column("tensors", justify="right")
+    for col in ("ops", "forward", "backward", "saved", "tensors"):
+        per_layer.add_column(col, justify="right")
     for label, _, v in merged:
         per_layer.add_row(label, str(v[4]), fmt_us(v[0]), fmt_us(v[1]), fmt_bytes(v[2]),
                           str(v[3]))
+    return per_layer
 
+
+def _biggest_saved(profile: Profile, container: str | None, top: int) -> "_Fit":
+    ops = profile.ops
+    saved = profile.saved_activations
     title = f"Largest saved activations (top {min(top, len(saved))} of {len(saved)})"
     cols = (("tensor", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right"),
             ("producer", "left"), ("module", "left"), ("recompute", "right"),
             ("per MiB", "right"))
-    rows_b = []
+    rows = []
     for t in sorted(saved, key=lambda t: (-t.size_bytes, t.id))[:top]:
         op = ops[t.producer]
         rc = op.time_us
-        per_mib = rc / (t.size_bytes / 2**20) if t.size_bytes else None
-        rows_b.append((t.name, "x".join(map(str, t.shape)) or "()", t.dtype,
-                       fmt_bytes(t.size_bytes), _short_target(op.target), op.module or "-",
-                       fmt_us(rc) if t.recomputable else "no (random)",
-                       fmt_us(per_mib) if per_mib is not None and t.recomputable else "-"))
+        per_mib = rc / (t.size_bytes / MIB) if t.size_bytes else None
+        rows.append((t.name, "x".join(map(str, t.shape)) or "()", t.dtype,
+                     fmt_bytes(t.size_bytes), _short_target(op.target), op.module or "-",
+                     fmt_us(rc) if t.recomputable else "no (random)",
+                     fmt_us(per_mib) if per_mib is not None and t.recomputable else "-"))
     # narrow terminals: drop producer and dtype (the tensor's name and shape say most of it)
     # and shorten module paths inside the blocks (transformer.h.3.mlp -> h.3.mlp)
     narrow_keep = (0, 1, 3, 5, 6, 7)
     narrow_rows = [[_short_module(r[i], container) if i == 5 else r[i] for i in narrow_keep]
-                   for r in rows_b]
-    biggest = _Fit(_rows_table(title, cols, rows_b),
-                   _rows_table(title, [cols[i] for i in narrow_keep], narrow_rows, compact=True))
-    return [totals, per_layer, biggest]
+                   for r in rows]
+    return _Fit(_rows_table(title, cols, rows),
+                _rows_table(title, [cols[i] for i in narrow_keep], narrow_rows, compact=True))
 
 
 def _short_module(module: str, container: str | None) -> str:
@@ -361,7 +372,7 @@ def _why(action: str, t, rc_us: float, copy_us: float, late_us: float | None,
     it: nothing else could be done with it, it is idle too briefly between its last forward
     read and first backward read (`gap_ops` ops taking `gap_us`) for moving it to pay, or the
     plan fits with it resident; only an infeasible plan's keeps are explained by their cost."""
-    mib = t.size_bytes / 2**20
+    mib = t.size_bytes / MIB
     per_mib = f"{fmt_us(rc_us / mib)} per MiB" if mib else "empty"
     if action == Action.SWAP:
         hidden = ("copy hidden" if late_us is not None and late_us <= 0 else
@@ -434,18 +445,43 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
     belong to the original run."""
     pr: Predicted = result.predicted if result is not None else plan.predicted
     feasible = result.feasible if result is not None else plan.feasible
-    reason = getattr(result, "reason", None)
-    hwd = plan.hardware or {}
+    actions = plan.actions()
+    act_of = {t.id: Action(actions.get(t.id, Action.KEEP)) for t in profile.saved_activations}
+    layers = op_layers(profile)
+    return [_plan_summary(plan, profile, pr, feasible, getattr(result, "reason", None), planned),
+            _bytes_per_action(profile, act_of),
+            _actions_per_layer(profile, act_of, layers),
+            _biggest_with_action(plan, profile, result, act_of, layers[0], feasible, top),
+            _memory_over_step(profile, result, plan.budget_bytes, pr.step_us)]
+
+
+def _budget_text(plan: Plan, keep_all: int) -> str:
     budget = plan.budget_bytes
-    keep_all = profile.keep_all_peak_bytes
-    budget_txt = fmt_bytes(budget)
+    txt = fmt_bytes(budget)
     if plan.budget_fraction is not None:
-        budget_txt += f" ({plan.budget_fraction:g} of the keep-all peak"
-        budget_txt += f" {fmt_bytes(keep_all)})" if keep_all else ")"
+        txt += f" ({plan.budget_fraction:g} of the keep-all peak"
+        txt += f" {fmt_bytes(keep_all)})" if keep_all else ")"
     elif keep_all and budget and budget >= keep_all:
-        budget_txt += f" (above the keep-all peak {fmt_bytes(keep_all)}: nothing has to move)"
+        txt += f" (above the keep-all peak {fmt_bytes(keep_all)}: nothing has to move)"
     elif keep_all and budget:
-        budget_txt += f" ({budget / keep_all:.2g} of the keep-all peak {fmt_bytes(keep_all)})"
+        txt += f" ({budget / keep_all:.2g} of the keep-all peak {fmt_bytes(keep_all)})"
+    return txt
+
+
+def _hardware_text(hwd: dict, profile: Profile) -> str:
+    txt = str(hwd.get("name", "?"))
+    if any(o.time_source == "measured" for o in profile.ops):
+        # measured op times are the traced device's, whatever --hardware says: say so, or a
+        # what-if on a faster GPU reads as if compute had been re-costed there
+        where = profile.env.get("device_name") or profile.env.get("device") or "the traced device"
+        txt += f" (host link and copies); op times as measured on {where}"
+    return txt
+
+
+def _plan_summary(plan: Plan, profile: Profile, pr: Predicted, feasible: bool,
+                  reason: str | None, planned: Plan | None) -> Table:
+    """The "Plan" panel: planner, hardware, verdict, budget, and the simulator's figures."""
+    budget = plan.budget_bytes
     feas = Text("yes", style="green") if feasible else Text("NO", style="bold red")
     if not feasible and reason:
         feas.append(f": {reason}", style="red")
@@ -454,17 +490,11 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
         stall_txt += " (" + ", ".join(f"{k.replace('_', ' ')} {fmt_us(v)}"
                                       for k, v in sorted(pr.stall_by_cause.items())) + ")"
     slowdown = pr.step_us / pr.ideal_us - 1 if pr.ideal_us else 0.0
-    hw_txt = str(hwd.get("name", "?"))
-    if any(o.time_source == "measured" for o in profile.ops):
-        # measured op times are the traced device's, whatever --hardware says: say so, or a
-        # what-if on a faster GPU reads as if compute had been re-costed there
-        where = profile.env.get("device_name") or profile.env.get("device") or "the traced device"
-        hw_txt += f" (host link and copies); op times as measured on {where}"
     rows = [
         ("planner", plan.planner),
-        ("hardware", hw_txt),
+        ("hardware", _hardware_text(plan.hardware or {}, profile)),
         ("feasible", feas),
-        ("budget", budget_txt),
+        ("budget", _budget_text(plan, profile.keep_all_peak_bytes)),
         ("peak", f"{fmt_bytes(pr.peak_bytes)} ({fmt_pct(pr.peak_bytes / budget)} of budget)"
          if budget else fmt_bytes(pr.peak_bytes)),
         ("retention", Text(fmt_pct(pr.retention), style="bold")),
@@ -481,46 +511,48 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
         rows.extend(("note", note) for note in plan.notes)
     else:
         rows.append(("vs the plan", _change(planned, pr)))
-    summary = _kv_table("Plan", rows)
+    return _kv_table("Plan", rows)
 
-    actions = plan.actions()
+
+def _bytes_per_action(profile: Profile, act_of: dict[int, Action]) -> Table:
     saved = profile.saved_activations
-    act_of = {t.id: Action(actions.get(t.id, Action.KEEP)) for t in saved}
     total = sum(t.size_bytes for t in saved) or 1
-    per_action = Table(title="Bytes per action", title_justify="left")
+    table = Table(title="Bytes per action", title_justify="left")
     for col in ("action", "tensors", "bytes", "share"):
-        per_action.add_column(col, justify="left" if col == "action" else "right")
+        table.add_column(col, justify="left" if col == "action" else "right")
     for a in Action:
         ts = [t for t in saved if act_of[t.id] == a]
         b = sum(t.size_bytes for t in ts)
-        per_action.add_row(a, str(len(ts)), fmt_bytes(b), fmt_pct(b / total))
+        table.add_row(a, str(len(ts)), fmt_bytes(b), fmt_pct(b / total))
+    return table
 
-    layers, container = op_layers(profile)
-    order = _ordered_layers(profile, layers)
-    per = {name: [0, 0, 0, 0, 0, 0] for name in order}
-    for t in saved:
+
+def _actions_per_layer(profile: Profile, act_of: dict[int, Action],
+                       op_layers_: tuple[list[str], str | None]) -> Table:
+    layers, container = op_layers_
+    per = {name: [0, 0, 0, 0, 0, 0] for name in _ordered_layers(profile, layers)}
+    for t in profile.saved_activations:
         k = list(Action).index(act_of[t.id])
         s = per[layers[t.producer]]
         s[2 * k] += 1
         s[2 * k + 1] += t.size_bytes
-    rows_l = [(name, tuple(v)) for name, v in per.items() if any(v)]
-    merged = _collapse(rows_l, container, lambda a, b: a == b)
-    per_layer = Table(title="Actions per layer: tensors and bytes"
-                            + (" (collapsed rows show one block)"
-                               if any(n > 1 for _, n, _ in merged) else ""),
-                      title_justify="left")
-    per_layer.add_column("layer")
+    rows = [(name, tuple(v)) for name, v in per.items() if any(v)]
+    merged = _collapse(rows, container, lambda a, b: a == b)
+    table = Table(title="Actions per layer: tensors and bytes"
+                        + (" (collapsed rows show one block)"
+                           if any(n > 1 for _, n, _ in merged) else ""),
+                  title_justify="left")
+    table.add_column("layer")
     for a in Action:
-        per_layer.add_column(a, justify="right")
+        table.add_column(a, justify="right")
     for label, _, v in merged:
-        per_layer.add_row(label, *(f"{int(v[2 * k])}  {fmt_bytes(v[2 * k + 1])}" if v[2 * k]
-                                   else "-" for k in range(3)))
+        table.add_row(label, *(f"{int(v[2 * k])}  {fmt_bytes(v[2 * k + 1])}" if v[2 * k]
+                               else "-" for k in range(3)))
+    return table
 
-    hw = None
-    try:
-        hw = HardwareSpec.from_dict(dict(hwd)) if hwd else None
-    except Exception:   # a plan from elsewhere with odd hardware: explain without copy times
-        hw = None
+
+def _prefetch_lateness(profile: Profile, result) -> dict[int, float]:
+    """Per prefetched tensor, how long after its first backward reader started it arrived."""
     late: dict[int, float] = {}
     if result is not None and result.events:
         op_start = {e.op: e.start_us for e in result.events if e.kind == "op"}
@@ -529,17 +561,30 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
                 fb = profile.first_backward_use(e.tensor)
                 if fb is not None and fb in op_start:
                     late[e.tensor] = e.end_us - op_start[fb]
+    return late
+
+
+def _biggest_with_action(plan: Plan, profile: Profile, result, act_of: dict[int, Action],
+                         layers: list[str], feasible: bool, top: int) -> "_Fit":
+    """The largest saved activations, their action and why; narrower without the layer."""
+    hwd = plan.hardware or {}
+    try:
+        hw = HardwareSpec.from_dict(dict(hwd)) if hwd else None
+    except Exception:   # a plan from elsewhere with odd hardware: explain without copy times
+        hw = None
+    late = _prefetch_lateness(profile, result)
+    saved = profile.saved_activations
     title = f"Largest saved activations and their action (top {min(top, len(saved))})"
     styles = {Action.KEEP: "green", Action.SWAP: "cyan", Action.RECOMPUTE: "yellow"}
-    rows_b = []
+    rows = []
     for t in sorted(saved, key=lambda t: (-t.size_bytes, t.id))[:top]:
         a = act_of[t.id]
         rc = profile.ops[t.producer].time_us
         cp = hw.copy_us(t.size_bytes, "d2h") if hw else 0.0
-        rows_b.append((t.name, layers[t.producer], fmt_bytes(t.size_bytes),
-                       Text(a, style=styles[a]),
-                       _why(a, t, rc, cp, late.get(t.id), feasible=feasible,
-                            **_idle(profile, t.id))))
+        rows.append((t.name, layers[t.producer], fmt_bytes(t.size_bytes),
+                     Text(a, style=styles[a]),
+                     _why(a, t, rc, cp, late.get(t.id), feasible=feasible,
+                          **_idle(profile, t.id))))
 
     def table(with_layer: bool, compact: bool) -> Table:
         tb = Table(title=title, title_justify="left",
@@ -549,7 +594,7 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
                           ("action", "left"), ("why", "left")):
             if col != "layer" or with_layer:
                 tb.add_column(col, justify=just, no_wrap=col != "why")
-        for r in rows_b:
+        for r in rows:
             if with_layer:
                 tb.add_row(*r)
             else:   # the action column already names the action: the reason alone
@@ -557,16 +602,17 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
         return tb
 
     # 80 columns: the reason matters more than the layer (the tensor's name hints at it)
-    biggest = _Fit(table(True, False), table(False, True))
+    return _Fit(table(True, False), table(False, True))
 
-    chart_title = Text("Activation memory over the step", style="italic")
+
+def _memory_over_step(profile: Profile, result, budget: int, step_us: float) -> Group:
     bwd_us = None
     if result is not None and result.events:
         bwd_us = min((e.start_us for e in result.events if e.kind == "op" and e.op is not None
                       and e.op >= profile.n_forward), default=None)
-    chart = MemoryChart(result.memory if result is not None else (), budget, pr.step_us,
+    chart = MemoryChart(result.memory if result is not None else (), budget, step_us,
                         backward_us=bwd_us)
-    return [summary, per_action, per_layer, biggest, Group(chart_title, chart)]
+    return Group(Text("Activation memory over the step", style="italic"), chart)
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,7 +671,7 @@ def hardware_table(specs) -> Table:
         table.add_row(
             s.name, f"{s.peak_flops_per_s / 1e12:.0f}", f"{s.matmul_efficiency:.2f}",
             f"{s.hbm_bytes_per_s / 1e9:.0f}", f"{s.hbm_efficiency:.2f}",
-            f"{s.memory_bytes / 2**30:.0f}", f"{s.h2d_bytes_per_s / 1e9:.1f}",
+            f"{s.memory_bytes / GIB:.0f}", f"{s.h2d_bytes_per_s / 1e9:.1f}",
             f"{s.d2h_bytes_per_s / 1e9:.1f}", f"{s.copy_latency_us:.0f}",
             f"x{s.duplex_derate:.2f}" if s.duplex else "no")
     return table

@@ -77,9 +77,12 @@ peak and the plan's recompute time, the least overhead it can have) and `recompu
 (what each backward op re-runs) need no timing and cost one pass over the task sequence.
 
 **Speed.** Planners call `simulate` many times, so per-profile tables are cached on the
-profile object, and the event loop runs on plain lists and ints, in one function on purpose:
-its state lives in local variables (only the copy engines are small objects, and what builds
-the recorded timeline and the result is outside the loop).
+profile object, and the event loop (`_event_loop`) runs on plain lists and ints: what changes
+on every task (time, memory, the task and prefetch cursors) lives in its local variables, so
+it stays one function of about 100 lines on purpose. What happens once per copy or per wait
+(`_CopyEngine`, `_prefetch_done`, `_offload_done`, `_release_and_offload`, `_Waits`), the
+setup (`simulate`: decisions, the task program, the prefetch gates) and the result
+(`_Outcome`) are outside it.
 """
 from __future__ import annotations
 
@@ -411,9 +414,12 @@ class _CopyEngine:
         self.end = _INF
         self.start = self.done = self.since = self.dur = self.dur_free = self.dur_shared = 0.0
 
-    def begin(self, x: int, now: float, dur_free: float, dur_shared: float, shared: bool):
+    def begin(self, x: int, now: float, copy_us, nbytes: int, direction: str, shared: bool):
+        """Start copying root `x` (`nbytes`) at `now`; `copy_us` is `HardwareSpec.copy_us`,
+        `shared` whether the other direction is busy."""
         self.x = x
-        self.dur_free, self.dur_shared = dur_free, dur_shared
+        dur_free = self.dur_free = copy_us(nbytes, direction, False)
+        dur_shared = self.dur_shared = copy_us(nbytes, direction, True)
         self.dur = dur_shared if shared else dur_free
         self.done = 0.0
         self.start = self.since = now
@@ -513,100 +519,98 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
     tab = _tables(profile)
     action, prefetch_at = _parse_decisions(profile, tab, decisions)
     prog = _Program(profile, tab, action)
-    nf = tab.n_fwd
-    size, time, producer = tab.size, tab.time, tab.producer
-    task_op, task_owner = prog.task_op, prog.task_owner
-    alloc, free, release, offload, need = (prog.alloc, prog.free, prog.release, prog.offload,
-                                           prog.need)
-    N = len(task_op)
-    dur = [time[o] for o in task_op]
+    gates = _prefetch_gates(prog, tab, prefetch_at, budget_bytes)
+    out = _Outcome(record)
     budget = _INF if budget_bytes is None else float(budget_bytes)
-    queue = prog.queue
-    nq = len(queue)
-    earliest, pa_task = _prefetch_gates(prog, tab, prefetch_at, budget_bytes)
-    duplex = hw.duplex
-    copy_us = hw.copy_us
+    if not _event_loop(profile, tab, prog, hw, budget, gates, out, give_up_stall_us):
+        return None
+    return out.result(tab, prog)
 
-    # engine state
-    now = 0.0
-    t = 0
-    comp_busy = False
-    comp_end = _INF
-    comp_start = 0.0
-    mem = 0
-    peak = 0
-    dq: deque[int] = deque()
-    d2h, h2d = _CopyEngine(), _CopyEngine()
-    h_issue = -1
-    qi = 0
+
+class _Outcome:
+    """What the event loop hands over: the schedule, the timeline (with `record`), the stall,
+    copy and recompute totals, the step time, the peak and the verdict; `result()` makes the
+    SimResult."""
+
+    __slots__ = ("record", "sched", "events", "memory", "stall_mem", "stall_late",
+                 "swapped_bytes", "prefetched_bytes", "recompute_us", "feasible", "reason",
+                 "step", "peak")
+
+    def __init__(self, record: bool):
+        self.record = record
+        self.sched: list[tuple] = []
+        self.events: list[TimelineEvent] = []
+        self.memory: list[tuple[float, int]] = [(0.0, 0)] if record else []
+        self.stall_mem = self.stall_late = self.recompute_us = self.step = 0.0
+        self.swapped_bytes = self.prefetched_bytes = self.peak = 0
+        self.feasible = True
+        self.reason: str | None = None
+
+    def result(self, tab: Tables, prog: _Program) -> SimResult:
+        predicted = _predicted(self.step, tab.ideal_us, self.peak, self.stall_mem,
+                               self.stall_late, self.recompute_us, self.swapped_bytes,
+                               self.prefetched_bytes, prog.rec_bytes)
+        schedule = tuple(schema.ScheduleEvent(k, x, i, s, e) for k, x, i, s, e in self.sched)
+        return SimResult(feasible=self.feasible, reason=self.reason, predicted=predicted,
+                         schedule=schedule, events=tuple(self.events), memory=tuple(self.memory))
+
+
+def _event_loop(profile: schema.Profile, tab: Tables, prog: _Program, hw: HardwareSpec,
+                budget: float, gates: tuple[list[int], list[int]], out: _Outcome,
+                give_up: float | None) -> bool:
+    """Run the step's events in time order, filling `out`; False when it gave up (`give_up`:
+    compute stalled longer than that, or the plan cannot fit). The hot state is local."""
+    size, nf, tensors = tab.size, tab.n_fwd, profile.tensors
+    task_op, task_owner, alloc, free = prog.task_op, prog.task_owner, prog.alloc, prog.free
+    need, special, queue, rec_root = prog.need, prog.special, prog.queue, prog.rec_root
+    N, nq, has_rec, (earliest, pa_task) = len(task_op), len(queue), prog.n_rec > 0, gates
+    dur = [tab.time[o] for o in task_op]
+    duplex, copy_us, record = hw.duplex, hw.copy_us, out.record
+    sched, events, memory = out.sched, out.events, out.memory
+    d2h, h2d, dq = _CopyEngine(), _CopyEngine(), deque()
+    arrived: set[int] = set()
     off_done: set[int] = set()
     fwd_over: set[int] = set()
-    arrived: set[int] = set()
-    stall_mem = 0.0
-    stall_late = 0.0
-    swapped_bytes = 0
-    prefetched_bytes = 0
-    recompute_us = 0.0
-    feasible = True
-    reason = None
-    sched: list[tuple] = []
-    events: list[TimelineEvent] = []
-    memory: list[tuple[float, int]] = [(0.0, 0)] if record else []
-    wait_cause = None
-    wait_from = 0.0
-    ops = profile.ops
-    tensors = profile.tensors
-    special = prog.special
-    has_rec = prog.n_rec > 0
-
+    now = comp_start = recompute_us = 0.0
+    comp_end, t, qi, mem, peak, h_issue, comp_busy, waiting = _INF, 0, 0, 0, 0, -1, False, False
+    waits = _Waits(out)
     while True:
         # -- compute: start the next task if its prefetches are in and its memory fits -------
         if not comp_busy and t < N:
             missing = -1
-            if special[t]:
-                nd = need.get(t)
-                if nd is not None:
-                    for x in nd:
-                        if x not in arrived:
-                            missing = x
-                            break
+            if special[t] and t in need:
+                for x in need[t]:
+                    if x not in arrived:
+                        missing = x
+                        break
             a = alloc[t]
             if missing < 0 and mem + a <= budget:
-                if wait_cause is not None:
-                    if record and now > wait_from:
-                        events.append(_stall(wait_cause, wait_from, now, task_owner[t]))
-                    wait_cause = None
+                if waiting:
+                    waiting = waits.stop(now, task_owner[t])
                 mem += a
                 if mem > peak:
                     peak = mem
                 if record and a:
                     memory.append((now, mem))
-                comp_busy = True
-                comp_start = now
-                comp_end = now + dur[t]
-        # -- D2H: next offload -----------------------------------------------------------------
+                comp_busy, comp_start, comp_end = True, now, now + dur[t]
+        # -- D2H: next offload; H2D: next prefetch, when its offload is done and memory allows
         if dq and d2h.x < 0 and (duplex or h2d.x < 0):
             x = dq.popleft()
-            s = size[x]
-            d2h.begin(x, now, copy_us(s, "d2h", False), copy_us(s, "d2h", True), h2d.x >= 0)
+            d2h.begin(x, now, copy_us, size[x], "d2h", h2d.x >= 0)
             h2d.retime(now, True)          # a running prefetch slows down from now on
-        # -- H2D: next prefetch, when its offload is done and memory allows ------------------
-        if qi < nq and h2d.x < 0 and (duplex or d2h.x < 0):
+        if (qi < nq and h2d.x < 0 and (duplex or d2h.x < 0) and queue[qi] in off_done
+                and t >= earliest[qi] and t >= pa_task[qi] and mem + size[queue[qi]] <= budget):
             x = queue[qi]
-            s = size[x]
-            if (x in off_done and t >= earliest[qi] and t >= pa_task[qi]
-                    and mem + s <= budget):
-                qi += 1
-                h_issue = _issue_point(task_owner, t, N, comp_busy and comp_start < now)
-                mem += s
-                if mem > peak:
-                    peak = mem
-                if record:
-                    memory.append((now, mem))
-                h2d.begin(x, now, copy_us(s, "h2d", False), copy_us(s, "h2d", True),
-                          d2h.x >= 0)
-                d2h.retime(now, True)
-        # -- advance to the next event ---------------------------------------------------------
+            qi += 1
+            h_issue = _issue_point(task_owner, t, N, comp_busy and comp_start < now)
+            mem += size[x]
+            if mem > peak:
+                peak = mem
+            if record:
+                memory.append((now, mem))
+            h2d.begin(x, now, copy_us, size[x], "h2d", d2h.x >= 0)
+            d2h.retime(now, True)
+        # -- advance to the next event; compute waiting: why, and is there a way out? ------------
         d_end, h_end = d2h.end, h2d.end
         nxt = comp_end
         if d_end < nxt:
@@ -616,94 +620,135 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
         if not comp_busy:
             if t >= N:
                 break
-            # compute waits: why?
-            cause = MEMORY_FULL
-            if missing >= 0:
-                blocked_by_memory = (h2d.x < 0 and qi < nq and queue[qi] == missing
-                                     and missing in off_done and mem + size[missing] > budget)
-                if not blocked_by_memory:
-                    cause = LATE_PREFETCH
-            if nxt == _INF:
-                # nothing in flight can free memory: the plan cannot fit
-                if give_up_stall_us is not None:
-                    return None
-                reason = _no_room(profile, prog, tab, t, mem, budget, arrived)
-                feasible = False
-                budget = _INF
-                if wait_cause is None:
-                    wait_from = now
-                wait_cause = wait_cause or cause
+            cause = (LATE_PREFETCH if missing >= 0 and not (   # unless the prefetch waits for memory
+                h2d.x < 0 and qi < nq and queue[qi] == missing and missing in off_done
+                and mem + size[missing] > budget) else MEMORY_FULL)
+            if nxt == _INF:                # nothing in flight can free memory: it cannot fit
+                if give_up is not None:
+                    return False
+                out.feasible, out.reason = False, _no_room(profile, prog, tab, t, mem, budget, arrived)
+                budget, waiting = _INF, waits.hold(cause, now)
                 continue
-            if cause != wait_cause:
-                if wait_cause is not None and record and now > wait_from:
-                    events.append(_stall(wait_cause, wait_from, now, task_owner[t]))
-                wait_cause = cause
-                wait_from = now
-            if cause == MEMORY_FULL:
-                stall_mem += nxt - now
-            else:
-                stall_late += nxt - now
-            if give_up_stall_us is not None and stall_mem + stall_late > give_up_stall_us:
-                return None
+            if not waits.wait(cause, now, task_owner[t], nxt - now, give_up):
+                return False
+            waiting = True
         now = nxt
         # -- completions -----------------------------------------------------------------------
         if h_end == now:
-            start = h2d.start
-            x = h2d.finish()
-            arrived.add(x)
-            prefetched_bytes += size[x]
-            sched.append(("prefetch", x, h_issue, start, now))
-            if record:
-                events.append(_copy_event("h2d", tensors[x].name, x, start, now, h_issue))
-            d2h.retime(now, False)         # the running offload speeds up again
+            _prefetch_done(h2d, d2h, now, h_issue, arrived, size, tensors, out)
         if d2h.end == now:                 # (as re-timed just now)
-            start = d2h.start
-            x = d2h.finish()
-            off_done.add(x)
-            swapped_bytes += size[x]
-            sched.append(("offload", x, producer[x], start, now))
-            if record:
-                events.append(_copy_event("d2h", tensors[x].name, x, start, now, producer[x]))
-            if x in fwd_over:
-                mem -= size[x]
+            f = _offload_done(d2h, h2d, now, off_done, fwd_over, tab, tensors, out)
+            if f is not None:
+                mem -= f
                 if record:
                     memory.append((now, mem))
-            h2d.retime(now, False)
         if comp_end == now:
             op = task_op[t]
             is_rec = has_rec and t >= nf and task_owner[t] != op
             if is_rec:
                 recompute_us += dur[t]
-                sched.append(("recompute", prog.rec_root[t], task_owner[t], comp_start, now))
+                sched.append(("recompute", rec_root[t], task_owner[t], comp_start, now))
             if record:
-                events.append(_compute_event(ops, op, task_owner[t], is_rec, prog.rec_root[t]
-                                             if is_rec else None, comp_start, now))
+                events.append(_compute_event(profile.ops, op, task_owner[t], is_rec,
+                                             rec_root[t] if is_rec else None, comp_start, now))
             f = free[t]
             if special[t]:
-                rl = release.get(t)
-                if rl is not None:
-                    for x in rl:
-                        if x in off_done:
-                            f += size[x]
-                        else:
-                            fwd_over.add(x)
-                ol = offload.get(t)
-                if ol is not None:
-                    dq.extend(ol)
+                f += _release_and_offload(prog, t, off_done, fwd_over, size, dq)
             if f:
                 mem -= f
                 if record:
                     memory.append((now, mem))
-            t += 1
-            comp_busy = False
-            comp_end = _INF
+            t, comp_busy, comp_end = t + 1, False, _INF
+    out.step, out.peak, out.recompute_us = (now if N else 0.0), peak, recompute_us
+    return True
 
-    step = now if N else 0.0
-    predicted = _predicted(step, tab.ideal_us, peak, stall_mem, stall_late, recompute_us,
-                           swapped_bytes, prefetched_bytes, prog.rec_bytes)
-    schedule = tuple(schema.ScheduleEvent(k, x, i, s, e) for k, x, i, s, e in sched)
-    return SimResult(feasible=feasible, reason=reason, predicted=predicted, schedule=schedule,
-                     events=tuple(events), memory=tuple(memory))
+
+class _Waits:
+    """Compute waiting: since when and why; adds the stall time to `out` and, with `record`,
+    one stall event per wait."""
+
+    __slots__ = ("cause", "since", "out")
+
+    def __init__(self, out: _Outcome):
+        self.cause: str | None = None
+        self.since = 0.0
+        self.out = out
+
+    def stop(self, now: float, op: int) -> bool:
+        """Compute goes on (or waits for another cause) at `now`, before op `op`; False (no
+        longer waiting)."""
+        if self.out.record and now > self.since:
+            self.out.events.append(_stall(self.cause, self.since, now, op))
+        self.cause = None
+        return False
+
+    def hold(self, cause: str, now: float) -> bool:
+        """Compute waits from `now` (a wait already running keeps its start and cause);
+        True (waiting)."""
+        if self.cause is None:
+            self.cause, self.since = cause, now
+        return True
+
+    def wait(self, cause: str, now: float, op: int, us: float, give_up: float | None) -> bool:
+        """Compute waits `us` from `now` before op `op` for `cause`; False once the stalls
+        add up to more than `give_up`."""
+        if cause != self.cause:
+            if self.cause is not None:
+                self.stop(now, op)
+            self.cause, self.since = cause, now
+        out = self.out
+        if cause == MEMORY_FULL:
+            out.stall_mem += us
+        else:
+            out.stall_late += us
+        return give_up is None or out.stall_mem + out.stall_late <= give_up
+
+
+def _prefetch_done(h2d: _CopyEngine, d2h: _CopyEngine, now: float, h_issue: int,
+                   arrived: set[int], size: list[int], tensors, out: _Outcome) -> None:
+    start = h2d.start
+    x = h2d.finish()
+    arrived.add(x)
+    out.prefetched_bytes += size[x]
+    out.sched.append(("prefetch", x, h_issue, start, now))
+    if out.record:
+        out.events.append(_copy_event("h2d", tensors[x].name, x, start, now, h_issue))
+    d2h.retime(now, False)         # the running offload speeds up again
+
+
+def _offload_done(d2h: _CopyEngine, h2d: _CopyEngine, now: float, off_done: set[int],
+                  fwd_over: set[int], tab: Tables, tensors, out: _Outcome) -> int | None:
+    """Finish the offload in flight; the bytes it frees when forward is done reading the
+    root (None while forward still reads it)."""
+    start = d2h.start
+    x = d2h.finish()
+    off_done.add(x)
+    size, producer = tab.size, tab.producer
+    out.swapped_bytes += size[x]
+    out.sched.append(("offload", x, producer[x], start, now))
+    if out.record:
+        out.events.append(_copy_event("d2h", tensors[x].name, x, start, now, producer[x]))
+    h2d.retime(now, False)
+    return size[x] if x in fwd_over else None
+
+
+def _release_and_offload(prog: _Program, t: int, off_done: set[int], fwd_over: set[int],
+                         size: list[int], dq: deque) -> int:
+    """Task t ended: swapped roots forward no longer reads are freed when their offload is
+    done (else when it ends: `fwd_over`); offloads of roots it produced are queued. Returns
+    the bytes freed now."""
+    f = 0
+    rl = prog.release.get(t)
+    if rl is not None:
+        for x in rl:
+            if x in off_done:
+                f += size[x]
+            else:
+                fwd_over.add(x)
+    ol = prog.offload.get(t)
+    if ol is not None:
+        dq.extend(ol)
+    return f
 
 
 def _predicted(step, ideal, peak, stall_mem, stall_late, recompute_us, swapped, prefetched,

@@ -5,6 +5,9 @@ Durations given in microseconds: `12.3 us`, `1.23 ms`, `4.56 s`.
 """
 from __future__ import annotations
 
+# binary units: the one definition (budget parsing, the views)
+KIB, MIB, GIB, TIB = 2**10, 2**20, 2**30, 2**40
+
 
 def fmt_bytes(n: float | int | None) -> str:
     """Binary units with two decimals: 1.50 GiB, 12.00 MiB, 512 B."""

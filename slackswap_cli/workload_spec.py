@@ -3,6 +3,7 @@ import Workload` costs nothing)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -21,3 +22,22 @@ class Workload:
     inputs: Any
     loss_fn: Callable | None = None
     autocast: str | None = None
+
+
+def resolve_workload_path(path: str, near: str | None = None) -> str:
+    """Where the workload file a profile or plan records lies.
+
+    An absolute `path` is returned as it is. A relative one (the shipped sample profiles record
+    `examples/gpt2_xl.py`, relative to the repository root) is looked up in the current
+    directory, then in the folder of `near` (the profile's file) and each folder above it; the
+    first that holds it wins. When none does, `path` comes back unchanged, for the caller's
+    "does not exist" error.
+    """
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return str(p)
+    if near:
+        for folder in Path(near).resolve().parents:
+            if (folder / p).is_file():
+                return str(folder / p)
+    return str(p)

@@ -82,150 +82,168 @@ def transformer_profile(arch: str = "gpt2", layers: int = 4, hidden: int = 256, 
     recomputable), residual add, norm, MLP (GELU, or SwiGLU for llama), dropout, residual add;
     backward mirrors it, reading what forward saved and producing gradient transients.
     """
-    hw = hw or PRESETS["a100-pcie4"]
-    ffn = ffn or 4 * hidden
-    n_tok = batch * seq
-    bf = 2
-    b = ProfileBuilder()
+    st = _Step(arch, hidden, heads, ffn or 4 * hidden, batch, seq, hw or PRESETS["a100-pcie4"])
+    b = st.b
+    x_in = b.add_tensor("input_embeds", "input", (st.n_tok, hidden), "bfloat16")
+    prefix = {"bert": "bert.encoder.layer", "gpt2": "transformer.h", "llama": "model.layers"}[arch]
+    x = st.act("embed", hidden)
+    st.op("embed", "aten.embedding.default", "forward", (x_in,), (x,), "embed", 0)
+    saved_per_layer = []
+    for li in range(layers):
+        x, saved = _forward_block(st, li, f"{prefix}.{li}", x)
+        saved_per_layer.append(saved)
+    loss = b.add_tensor("loss", "activation", (), "float32")
+    st.op("loss", "aten.mean.default", "forward", (x,), (loss,), "loss")
+    gy = b.add_tensor("tangent", "input", (), "float32")
+    gx = st.act("grad_out", hidden)
+    st.op("loss_bwd", "aten.expand.default", "backward", (gy, x), (gx,), "loss")
+    for li in reversed(range(layers)):
+        gx = _backward_block(st, li, saved_per_layer[li], gx)
+    gemb = b.add_tensor("embed_grad", "gradient", (1,), "bfloat16")
+    st.op("embed_bwd", "aten.embedding_dense_backward.default", "backward", (gx,), (gemb,), "embed")
+    return b.build(workload={"name": name or f"synthetic-{arch}", "synthetic": True,
+                             "args": dict(arch=arch, layers=layers, hidden=hidden, heads=heads,
+                                          ffn=st.ffn, batch=batch, seq=seq)},
+                   env={"device": "synthetic", "hardware": st.hw.name})
 
-    def act(nm, cols, dtype="bfloat16", rec=True):
-        return b.add_tensor(nm, "activation", (n_tok, cols), dtype, recomputable=rec)
 
-    def op(nm, target, phase, ins, outs, mod, flops=0, extra_bytes=0):
+class _Step:
+    """The builder of one synthetic transformer step and its shapes: activations of
+    (tokens, cols), roofline-timed ops, parameters, dropout forward and backward."""
+
+    def __init__(self, arch: str, hidden: int, heads: int, ffn: int, batch: int, seq: int,
+                 hw: HardwareSpec):
+        self.arch, self.hidden, self.heads, self.ffn = arch, hidden, heads, ffn
+        self.batch, self.seq, self.n_tok, self.hw = batch, seq, batch * seq, hw
+        self.dropout = arch != "llama"
+        self.causal = 0.5 if arch != "bert" else 1.0
+        self.b = ProfileBuilder()
+
+    def act(self, nm, cols, dtype="bfloat16", rec=True):
+        return self.b.add_tensor(nm, "activation", (self.n_tok, cols), dtype, recomputable=rec)
+
+    def op(self, nm, target, phase, ins, outs, mod, flops=0, extra_bytes=0):
+        b = self.b
         moved = sum(b.tensors[t].size_bytes for t in (*ins, *outs)
                     if b.tensors[t].kind == "activation") + extra_bytes
         return b.add_op(nm, target, phase, ins, outs, module=mod, flops=int(flops), bytes=moved,
-                        time_us=hw.roofline_us(flops, moved))
+                        time_us=self.hw.roofline_us(flops, moved))
 
-    def param(nm, n_el):
-        return b.add_tensor(nm, "parameter", (n_el,), "bfloat16")
+    def param(self, nm, n_el):
+        return self.b.add_tensor(nm, "parameter", (n_el,), "bfloat16")
 
-    x_in = b.add_tensor("input_embeds", "input", (n_tok, hidden), "bfloat16")
-    prefix = {"bert": "bert.encoder.layer", "gpt2": "transformer.h", "llama": "model.layers"}[arch]
-    dropout = arch != "llama"
-    x = act("embed", hidden)
-    op("embed", "aten.embedding.default", "forward", (x_in,), (x,), "embed", 0)
-    saved_per_layer = []
-    for li in range(layers):
-        mod = f"{prefix}.{li}"
-        w = {k: param(f"{k}{li}", n) for k, n in (
-            ("wqkv", 3 * hidden * hidden), ("wo", hidden * hidden),
-            ("w1", hidden * ffn * (2 if arch == "llama" else 1)), ("w2", hidden * ffn))}
-        s = {}
-        s["x"] = x
-        h1, mu1, rs1 = act(f"ln1_{li}", hidden), act(f"mu1_{li}", 1, "float32"), act(f"rs1_{li}", 1, "float32")
-        op(f"ln1_{li}", "aten.native_layer_norm.default", "forward", (x,), (h1, mu1, rs1), f"{mod}.ln_1")
-        qkv = act(f"qkv_{li}", 3 * hidden)
-        op(f"qkv_{li}", "aten.addmm.default", "forward", (h1, w["wqkv"]), (qkv,), f"{mod}.attn.c_attn",
-           2 * n_tok * hidden * 3 * hidden, 3 * hidden * hidden * bf)
-        if arch == "llama":  # rotary embedding: q, k rotated copies
-            qk = act(f"rope_{li}", 2 * hidden)
-            op(f"rope_{li}", "aten.mul.Tensor", "forward", (qkv,), (qk,), f"{mod}.attn.rotary")
-            att_in = (qk, qkv)
-        else:
-            att_in = (qkv,)
-        o = act(f"attn_{li}", hidden)
-        lse = b.add_tensor(f"lse_{li}", "activation", (batch, heads, seq), "float32")
-        causal = 0.5 if arch != "bert" else 1.0
-        att_flops = 4 * batch * seq * seq * hidden * causal
-        op(f"attn_{li}", "aten._scaled_dot_product_flash_attention.default", "forward", att_in,
-           (o, lse), f"{mod}.attn", att_flops)
-        def drop(k: int, src: int, where: str, li: int = li):
-            """Dropout `k` of layer `li` (output, mask), or `src` itself without dropout."""
-            if not dropout:
-                return src, None
-            out = act(f"drop{k}_{li}", hidden, rec=False)
-            m = act(f"mask{k}_{li}", hidden, "bool", rec=False)
-            op(f"drop{k}_{li}", "aten.native_dropout.default", "forward", (src,), (out, m), where)
-            return out, m
+    def drop(self, k: int, src: int, where: str, li: int):
+        """Dropout `k` of layer `li` (output, mask), or `src` itself without dropout."""
+        if not self.dropout:
+            return src, None
+        out = self.act(f"drop{k}_{li}", self.hidden, rec=False)
+        m = self.act(f"mask{k}_{li}", self.hidden, "bool", rec=False)
+        self.op(f"drop{k}_{li}", "aten.native_dropout.default", "forward", (src,), (out, m), where)
+        return out, m
 
-        pr = act(f"proj_{li}", hidden)
-        op(f"proj_{li}", "aten.addmm.default", "forward", (o, w["wo"]), (pr,), f"{mod}.attn.c_proj",
-           2 * n_tok * hidden * hidden, hidden * hidden * bf)
-        pd, mask = drop(1, pr, f"{mod}.attn.dropout")
-        x2 = act(f"res1_{li}", hidden)
-        op(f"res1_{li}", "aten.add.Tensor", "forward", (x, pd), (x2,), mod)
-        h2, mu2, rs2 = act(f"ln2_{li}", hidden), act(f"mu2_{li}", 1, "float32"), act(f"rs2_{li}", 1, "float32")
-        op(f"ln2_{li}", "aten.native_layer_norm.default", "forward", (x2,), (h2, mu2, rs2), f"{mod}.ln_2")
-        if arch == "llama":
-            u = act(f"gateup_{li}", 2 * ffn)
-            op(f"gateup_{li}", "aten.mm.default", "forward", (h2, w["w1"]), (u,), f"{mod}.mlp.gate_up",
-               2 * n_tok * hidden * 2 * ffn, 2 * hidden * ffn * bf)
-            g = act(f"swiglu_{li}", ffn)
-            op(f"swiglu_{li}", "aten.mul.Tensor", "forward", (u,), (g,), f"{mod}.mlp.act")
-        else:
-            u = act(f"fc1_{li}", ffn)
-            op(f"fc1_{li}", "aten.addmm.default", "forward", (h2, w["w1"]), (u,), f"{mod}.mlp.c_fc",
-               2 * n_tok * hidden * ffn, hidden * ffn * bf)
-            g = act(f"gelu_{li}", ffn)
-            op(f"gelu_{li}", "aten.gelu.default", "forward", (u,), (g,), f"{mod}.mlp.act")
-        v = act(f"fc2_{li}", hidden)
-        op(f"fc2_{li}", "aten.addmm.default", "forward", (g, w["w2"]), (v,), f"{mod}.mlp.c_proj",
+    def gdrop(self, k: int, grad: int, mask, where: str, li: int):
+        """Backward of dropout `k` of layer `li`, or `grad` itself without dropout."""
+        if not self.dropout:
+            return grad
+        out = self.act(f"gdrop{k}_{li}", self.hidden)
+        self.op(f"gdrop{k}_{li}", "aten.native_dropout_backward.default", "backward",
+                (grad, mask), (out,), where)
+        return out
+
+
+def _forward_block(st: _Step, li: int, mod: str, x: int) -> tuple[int, dict]:
+    """Block `li` in forward from input `x`: (its output, what its backward reads)."""
+    arch, hidden, ffn, n_tok, bf = st.arch, st.hidden, st.ffn, st.n_tok, 2
+    act, op = st.act, st.op
+    w = {k: st.param(f"{k}{li}", n) for k, n in (
+        ("wqkv", 3 * hidden * hidden), ("wo", hidden * hidden),
+        ("w1", hidden * ffn * (2 if arch == "llama" else 1)), ("w2", hidden * ffn))}
+    h1, mu1, rs1 = act(f"ln1_{li}", hidden), act(f"mu1_{li}", 1, "float32"), act(f"rs1_{li}", 1, "float32")
+    op(f"ln1_{li}", "aten.native_layer_norm.default", "forward", (x,), (h1, mu1, rs1), f"{mod}.ln_1")
+    qkv = act(f"qkv_{li}", 3 * hidden)
+    op(f"qkv_{li}", "aten.addmm.default", "forward", (h1, w["wqkv"]), (qkv,), f"{mod}.attn.c_attn",
+       2 * n_tok * hidden * 3 * hidden, 3 * hidden * hidden * bf)
+    if arch == "llama":  # rotary embedding: q, k rotated copies
+        qk = act(f"rope_{li}", 2 * hidden)
+        op(f"rope_{li}", "aten.mul.Tensor", "forward", (qkv,), (qk,), f"{mod}.attn.rotary")
+        att_in = (qk, qkv)
+    else:
+        att_in = (qkv,)
+    o = act(f"attn_{li}", hidden)
+    lse = st.b.add_tensor(f"lse_{li}", "activation", (st.batch, st.heads, st.seq), "float32")
+    att_flops = 4 * st.batch * st.seq * st.seq * hidden * st.causal
+    op(f"attn_{li}", "aten._scaled_dot_product_flash_attention.default", "forward", att_in,
+       (o, lse), f"{mod}.attn", att_flops)
+    pr = act(f"proj_{li}", hidden)
+    op(f"proj_{li}", "aten.addmm.default", "forward", (o, w["wo"]), (pr,), f"{mod}.attn.c_proj",
+       2 * n_tok * hidden * hidden, hidden * hidden * bf)
+    pd, mask = st.drop(1, pr, f"{mod}.attn.dropout", li)
+    x2 = act(f"res1_{li}", hidden)
+    op(f"res1_{li}", "aten.add.Tensor", "forward", (x, pd), (x2,), mod)
+    h2, mu2, rs2 = act(f"ln2_{li}", hidden), act(f"mu2_{li}", 1, "float32"), act(f"rs2_{li}", 1, "float32")
+    op(f"ln2_{li}", "aten.native_layer_norm.default", "forward", (x2,), (h2, mu2, rs2), f"{mod}.ln_2")
+    if arch == "llama":
+        u = act(f"gateup_{li}", 2 * ffn)
+        op(f"gateup_{li}", "aten.mm.default", "forward", (h2, w["w1"]), (u,), f"{mod}.mlp.gate_up",
+           2 * n_tok * hidden * 2 * ffn, 2 * hidden * ffn * bf)
+        g = act(f"swiglu_{li}", ffn)
+        op(f"swiglu_{li}", "aten.mul.Tensor", "forward", (u,), (g,), f"{mod}.mlp.act")
+    else:
+        u = act(f"fc1_{li}", ffn)
+        op(f"fc1_{li}", "aten.addmm.default", "forward", (h2, w["w1"]), (u,), f"{mod}.mlp.c_fc",
            2 * n_tok * hidden * ffn, hidden * ffn * bf)
-        vd, mask2 = drop(2, v, f"{mod}.mlp.dropout")
-        x3 = act(f"res2_{li}", hidden)
-        op(f"res2_{li}", "aten.add.Tensor", "forward", (x2, vd), (x3,), mod)
-        saved_per_layer.append(dict(mod=mod, w=w, x=x, h1=h1, mu1=mu1, rs1=rs1, qkv=qkv,
-                                    qk=att_in[0] if arch == "llama" else None, o=o, lse=lse,
-                                    mask=mask, x2=x2, h2=h2, mu2=mu2, rs2=rs2, u=u, g=g,
-                                    mask2=mask2))
-        x = x3
-    loss = b.add_tensor("loss", "activation", (), "float32")
-    op("loss", "aten.mean.default", "forward", (x,), (loss,), "loss")
-    gy = b.add_tensor("tangent", "input", (), "float32")
-    gx = act("grad_out", hidden)
-    op("loss_bwd", "aten.expand.default", "backward", (gy, x), (gx,), "loss")
-    for li in reversed(range(layers)):
-        s = saved_per_layer[li]
-        mod, w = s["mod"], s["w"]
+        g = act(f"gelu_{li}", ffn)
+        op(f"gelu_{li}", "aten.gelu.default", "forward", (u,), (g,), f"{mod}.mlp.act")
+    v = act(f"fc2_{li}", hidden)
+    op(f"fc2_{li}", "aten.addmm.default", "forward", (g, w["w2"]), (v,), f"{mod}.mlp.c_proj",
+       2 * n_tok * hidden * ffn, hidden * ffn * bf)
+    vd, mask2 = st.drop(2, v, f"{mod}.mlp.dropout", li)
+    x3 = act(f"res2_{li}", hidden)
+    op(f"res2_{li}", "aten.add.Tensor", "forward", (x2, vd), (x3,), mod)
+    return x3, dict(mod=mod, w=w, x=x, h1=h1, mu1=mu1, rs1=rs1, qkv=qkv,
+                    qk=att_in[0] if arch == "llama" else None, o=o, lse=lse,
+                    mask=mask, x2=x2, h2=h2, mu2=mu2, rs2=rs2, u=u, g=g, mask2=mask2)
 
-        def gw(nm):
-            return b.add_tensor(f"{nm}_grad{li}", "gradient", (1,), "bfloat16",
-                                size_bytes=b.tensors[w[nm]].size_bytes)
-        def gdrop(k: int, grad: int, mask, where: str, li: int = li):
-            """Backward of dropout `k` of layer `li`, or `grad` itself without dropout."""
-            if not dropout:
-                return grad
-            out = act(f"gdrop{k}_{li}", hidden)
-            op(f"gdrop{k}_{li}", "aten.native_dropout_backward.default", "backward",
-               (grad, mask), (out,), where)
-            return out
 
-        gv = gdrop(2, gx, s["mask2"], f"{mod}.mlp.dropout")
-        gg = act(f"gfc2_{li}", ffn)
-        op(f"gfc2_{li}", "aten.mm.default", "backward", (gv, s["g"]), (gg, gw("w2")), f"{mod}.mlp.c_proj",
-           4 * n_tok * hidden * ffn, hidden * ffn * bf)
-        gu = act(f"gact_{li}", 2 * ffn if arch == "llama" else ffn)
-        op(f"gact_{li}", "aten.gelu_backward.default" if arch != "llama" else "aten.mul.Tensor",
-           "backward", (gg, s["u"]), (gu,), f"{mod}.mlp.act")
-        gh2 = act(f"gfc1_{li}", hidden)
-        op(f"gfc1_{li}", "aten.mm.default", "backward", (gu, s["h2"]), (gh2, gw("w1")), f"{mod}.mlp.c_fc",
-           4 * n_tok * hidden * ffn * (2 if arch == "llama" else 1), hidden * ffn * bf)
-        gx2 = act(f"gln2_{li}", hidden)
-        op(f"gln2_{li}", "aten.native_layer_norm_backward.default", "backward",
-           (gh2, gx, s["x2"], s["mu2"], s["rs2"]), (gx2,), f"{mod}.ln_2")
-        gp = gdrop(1, gx2, s["mask"], f"{mod}.attn.dropout")
-        go = act(f"gproj_{li}", hidden)
-        op(f"gproj_{li}", "aten.mm.default", "backward", (gp, s["o"]), (go, gw("wo")), f"{mod}.attn.c_proj",
-           4 * n_tok * hidden * hidden, hidden * hidden * bf)
-        gqkv = act(f"gattn_{li}", 3 * hidden)
-        att_ins = (go, s["qkv"], s["o"], s["lse"]) + ((s["qk"],) if s["qk"] is not None else ())
-        causal = 0.5 if arch != "bert" else 1.0
-        op(f"gattn_{li}", "aten._scaled_dot_product_flash_attention_backward.default", "backward",
-           att_ins, (gqkv,), f"{mod}.attn", 2.5 * 4 * batch * seq * seq * hidden * causal)
-        gh1 = act(f"gqkv_{li}", hidden)
-        op(f"gqkv_{li}", "aten.mm.default", "backward", (gqkv, s["h1"]), (gh1, gw("wqkv")), f"{mod}.attn.c_attn",
-           4 * n_tok * hidden * 3 * hidden, 3 * hidden * hidden * bf)
-        gxn = act(f"gln1_{li}", hidden)
-        op(f"gln1_{li}", "aten.native_layer_norm_backward.default", "backward",
-           (gh1, gx2, s["x"], s["mu1"], s["rs1"]), (gxn,), f"{mod}.ln_1")
-        gx = gxn
-    gemb = b.add_tensor("embed_grad", "gradient", (1,), "bfloat16")
-    op("embed_bwd", "aten.embedding_dense_backward.default", "backward", (gx,), (gemb,), "embed")
-    return b.build(workload={"name": name or f"synthetic-{arch}", "synthetic": True,
-                             "args": dict(arch=arch, layers=layers, hidden=hidden, heads=heads,
-                                          ffn=ffn, batch=batch, seq=seq)},
-                   env={"device": "synthetic", "hardware": hw.name})
+def _backward_block(st: _Step, li: int, s: dict, gx: int) -> int:
+    """Block `li` in backward from the incoming gradient `gx`, reading `s` (what its forward
+    saved); returns the gradient for the block below."""
+    arch, hidden, ffn, n_tok, bf = st.arch, st.hidden, st.ffn, st.n_tok, 2
+    act, op = st.act, st.op
+    mod, w = s["mod"], s["w"]
+
+    def gw(nm):
+        return st.b.add_tensor(f"{nm}_grad{li}", "gradient", (1,), "bfloat16",
+                               size_bytes=st.b.tensors[w[nm]].size_bytes)
+
+    gv = st.gdrop(2, gx, s["mask2"], f"{mod}.mlp.dropout", li)
+    gg = act(f"gfc2_{li}", ffn)
+    op(f"gfc2_{li}", "aten.mm.default", "backward", (gv, s["g"]), (gg, gw("w2")), f"{mod}.mlp.c_proj",
+       4 * n_tok * hidden * ffn, hidden * ffn * bf)
+    gu = act(f"gact_{li}", 2 * ffn if arch == "llama" else ffn)
+    op(f"gact_{li}", "aten.gelu_backward.default" if arch != "llama" else "aten.mul.Tensor",
+       "backward", (gg, s["u"]), (gu,), f"{mod}.mlp.act")
+    gh2 = act(f"gfc1_{li}", hidden)
+    op(f"gfc1_{li}", "aten.mm.default", "backward", (gu, s["h2"]), (gh2, gw("w1")), f"{mod}.mlp.c_fc",
+       4 * n_tok * hidden * ffn * (2 if arch == "llama" else 1), hidden * ffn * bf)
+    gx2 = act(f"gln2_{li}", hidden)
+    op(f"gln2_{li}", "aten.native_layer_norm_backward.default", "backward",
+       (gh2, gx, s["x2"], s["mu2"], s["rs2"]), (gx2,), f"{mod}.ln_2")
+    gp = st.gdrop(1, gx2, s["mask"], f"{mod}.attn.dropout", li)
+    go = act(f"gproj_{li}", hidden)
+    op(f"gproj_{li}", "aten.mm.default", "backward", (gp, s["o"]), (go, gw("wo")), f"{mod}.attn.c_proj",
+       4 * n_tok * hidden * hidden, hidden * hidden * bf)
+    gqkv = act(f"gattn_{li}", 3 * hidden)
+    att_ins = (go, s["qkv"], s["o"], s["lse"]) + ((s["qk"],) if s["qk"] is not None else ())
+    op(f"gattn_{li}", "aten._scaled_dot_product_flash_attention_backward.default", "backward",
+       att_ins, (gqkv,), f"{mod}.attn", 2.5 * 4 * st.batch * st.seq * st.seq * hidden * st.causal)
+    gh1 = act(f"gqkv_{li}", hidden)
+    op(f"gqkv_{li}", "aten.mm.default", "backward", (gqkv, s["h1"]), (gh1, gw("wqkv")), f"{mod}.attn.c_attn",
+       4 * n_tok * hidden * 3 * hidden, 3 * hidden * hidden * bf)
+    gxn = act(f"gln1_{li}", hidden)
+    op(f"gln1_{li}", "aten.native_layer_norm_backward.default", "backward",
+       (gh1, gx2, s["x"], s["mu1"], s["rs1"]), (gxn,), f"{mod}.ln_1")
+    return gxn
 
 
 def synthetic_sample(name: str, hw: HardwareSpec) -> Profile:

@@ -48,22 +48,20 @@ from typing import Iterable, Mapping
 from ..errors import FormatError, InputError
 from ..hardware import HardwareSpec
 from .grad_rules import FUSED_ATEN, NodeView, rule_for, unknown_rule
-from ..profile_build import ProfileBuilder
+from ..profile_build import DTYPE_BYTES, ProfileBuilder
 from ..schema import Profile
 
 SHAPE_HINT = "export with static input shapes, or pass --input-shape name=1x3x224x224"
 
-# onnx.TensorProto.DataType -> (our dtype name, bytes per element)
+# onnx.TensorProto.DataType -> our dtype name (its size: profile_build.DTYPE_BYTES)
 _ONNX_DTYPES = {
-    1: ("float32", 4), 2: ("uint8", 1), 3: ("int8", 1), 4: ("uint16", 2), 5: ("int16", 2),
-    6: ("int32", 4), 7: ("int64", 8), 9: ("bool", 1), 10: ("float16", 2), 11: ("float64", 8),
-    12: ("uint32", 4), 13: ("uint64", 8), 14: ("complex64", 8), 15: ("complex128", 16),
-    16: ("bfloat16", 2), 17: ("float8_e4m3fn", 1), 18: ("float8_e4m3fnuz", 1),
-    19: ("float8_e5m2", 1), 20: ("float8_e5m2fnuz", 1),
+    1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64",
+    9: "bool", 10: "float16", 11: "float64", 12: "uint32", 13: "uint64", 14: "complex64",
+    15: "complex128", 16: "bfloat16", 17: "float8_e4m3fn", 18: "float8_e4m3fnuz",
+    19: "float8_e5m2", 20: "float8_e5m2fnuz",
 }
 _FLOAT_DTYPES = {"float32", "float16", "float64", "bfloat16", "float8_e4m3fn",
                  "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"}
-_ITEM_BYTES = {name: size for name, size in _ONNX_DTYPES.values()}
 # Static nodes whose output is (a reshaped / retyped copy of) their single input: when that input
 # is a parameter, the output is the same parameter, so gradients accumulate into one tensor.
 _PASS_THROUGH = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose", "Cast"}
@@ -295,7 +293,7 @@ def _shape_of(vi):
                                  "torch's dynamo exporter emits them with optimize=False, "
                                  "its default optimize=True removes them)")
     tt = vi.type.tensor_type
-    dtype = _ONNX_DTYPES.get(tt.elem_type, (f"onnx_type_{tt.elem_type}", 4))[0]
+    dtype = _ONNX_DTYPES.get(tt.elem_type, f"onnx_type_{tt.elem_type}")
     if not vi.type.HasField("tensor_type") or not tt.HasField("shape"):
         return None, dtype, "unknown rank"
     dims = tt.shape.dim
@@ -399,7 +397,7 @@ class _Importer:
             self.vinfo[vi.name] = _shape_of(vi)
         self.inits = {}
         for init in self.g.initializer:
-            dtype = _ONNX_DTYPES.get(init.data_type, (f"onnx_type_{init.data_type}", 4))[0]
+            dtype = _ONNX_DTYPES.get(init.data_type, f"onnx_type_{init.data_type}")
             self.inits[init.name] = dtype
             self.vinfo[init.name] = (tuple(int(d) for d in init.dims), dtype,
                                      "x".join(map(str, init.dims)))
@@ -424,7 +422,7 @@ class _Importer:
         return self.vinfo.get(name, (None, "float32", ""))[1]
 
     def size_bytes(self, shape, dtype) -> int:
-        return prod(shape) * _ITEM_BYTES.get(dtype, 4)
+        return prod(shape) * DTYPE_BYTES.get(dtype, 4)
 
     def add(self, name: str, kind: str, shape, dtype: str, **kw) -> int:
         """Add a tensor sized by ONNX's element sizes (a view's own size is 0)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FingerprintMismatch, InputError
+from ..workload_spec import resolve_workload_path
 from ..trace.retrace import joint_fingerprint, trace_fake
 from ..schema import Plan, Profile
 
@@ -58,6 +59,7 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
     if not path:
         raise InputError("the profile does not record its workload file",
                          hint="pass the workload file with --model model.py")
+    path = resolve_workload_path(path, near=plan.profile_path)
     if not Path(path).exists():
         raise InputError(f"workload file {path} does not exist",
                          hint="pass the workload file with --model model.py")

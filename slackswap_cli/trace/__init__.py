@@ -66,6 +66,7 @@ def _cpu_name() -> str:
 def _input_info(inputs) -> tuple[dict, dict]:
     import torch
     import torch.utils._pytree as pytree
+    from .graph_profile import dtype_name
     from .joint import split_inputs
     args, kwargs = split_inputs(inputs)
     shapes, dtypes = {}, {}
@@ -78,7 +79,7 @@ def _input_info(inputs) -> tuple[dict, dict]:
             elif key.startswith("[0]"):
                 key = "args" + key[3:]
             shapes[key] = list(leaf.shape)
-            dtypes[key] = str(leaf.dtype).removeprefix("torch.")
+            dtypes[key] = dtype_name(leaf.dtype)
     return shapes, dtypes
 
 
