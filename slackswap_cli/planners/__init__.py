@@ -92,9 +92,18 @@ def plan_and_simulate(name: str, profile: Profile, hw: HardwareSpec, budget_byte
                       **options) -> tuple[Plan, SimResult]:
     """`make_plan`, and the simulation the Plan was filled from (with its timeline when
     `record`, for the views that show it), so a caller does not simulate the plan again."""
+    decisions, notes, solve_ms = run_planner(name, profile, hw, budget_bytes, **options)
+    return judge(name, profile, hw, budget_bytes, budget_fraction, decisions, notes, solve_ms,
+                 record=record)
+
+
+def judge(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
+          budget_fraction: float | None, decisions, notes=(), solve_ms: float = 0.0, *,
+          record: bool = False) -> tuple[Plan, SimResult]:
+    """Simulate `decisions` (made by `name`, a registered planner or another source such as
+    torch's partitioner) and fill in the Plan: the simulator's verdict, schedule, predictions."""
     from ..simulate import simulate
 
-    decisions, notes, solve_ms = run_planner(name, profile, hw, budget_bytes, **options)
     res = simulate(profile, decisions, hw, budget_bytes, record=record)
     notes = tuple(notes)
     if not res.feasible and res.reason:
