@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..trace.retrace import joint_fingerprint, trace_fake, trace_matching
+from ..trace.retrace import joint_fingerprint, trace_fake, trace_matching, trace_options
 from ..schema import Plan, Profile
 
 GENERATOR_VERSION = 1
@@ -74,7 +74,8 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
     except UnknownConstant:
         # the step reads a tensor made inside the workload but outside the inputs (say labels a
         # loss_fn closes over): only a real trace knows its values, which the file then embeds
-        joint, work, _ = trace_matching(profile, str(path), entry, args, real=True)
+        joint, work = trace_fake(str(path), entry, args, profile.env.get("device"), real=True,
+                                 **trace_options(profile))
         return emit_module(joint, work, profile, plan, workload_ref=workload_ref,
                            trace_fingerprint=trace_fp)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import FingerprintMismatch, TraceError
 
-__all__ = ["trace_fake", "joint_fingerprint", "trace_matching"]
+__all__ = ["trace_fake", "joint_fingerprint", "trace_matching", "trace_options"]
 
 
 def trace_fake(path: str, entry: str, args: dict | None, device: str | None, real: bool = False,
@@ -45,22 +45,24 @@ def joint_fingerprint(joint) -> str:
     return prof.fingerprint
 
 
-def trace_matching(profile, path: str, entry: str | None = None, args: dict | None = None,
-                   *, real: bool = False):
+def trace_options(profile) -> dict:
+    """`trace_fake`'s keyword arguments that make a re-trace trace as `profile` was traced."""
+    return {"autocast": profile.workload.get("autocast"),
+            "target_device": profile.env.get("target_device")}
+
+
+def trace_matching(profile, path: str, entry: str | None = None, args: dict | None = None):
     """(joint graph, workload, fake fingerprint) of the workload at `path`, traced as `profile`
     was (its entry, args, device, autocast and target device unless given) and checked against it.
 
     Fake tensors first; when their graph differs from the profile's, a real trace (a fake trace
     may pick other kernels than the real one did). The fake fingerprint is None when the fake
-    trace failed or `real` asked for a real trace only. FingerprintMismatch when the workload
-    now traces to another graph.
+    trace failed. FingerprintMismatch when the workload now traces to another graph.
     """
     entry = entry or profile.workload.get("entry") or "workload"
     args = dict(profile.workload.get("args") or {}) if args is None else dict(args)
-    device = profile.env.get("device")
-    how = {"autocast": profile.workload.get("autocast"),
-           "target_device": profile.env.get("target_device")}
-    joint, work = trace_fake(str(path), entry, args, device, real=real, **how)
+    device, how = profile.env.get("device"), trace_options(profile)
+    joint, work = trace_fake(str(path), entry, args, device, **how)
     fp = joint_fingerprint(joint)
     trace_fp = fp if joint.fake else None
     if fp != profile.fingerprint and joint.fake:
