@@ -404,6 +404,9 @@ def compare(
     try:
         from .budget import check_budget
         from .planners import make_plan, planner_names
+        if model is not None and not with_torch_compile:
+            raise InputError("--model is the workload file for --with-torch-compile",
+                             hint="add --with-torch-compile, or leave --model out")
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
         check_budget(budget_bytes, prof)
         names = planner_names() if planners is None else [p.strip() for p in planners.split(",") if p.strip()]

@@ -159,6 +159,8 @@ def test_cli_errors(deep, tmp_path):
                        "now traces to graph")
     with pytest.raises(FingerprintMismatch):
         baseline_for(moved, None, changed)
+    r = CliRunner().invoke(app, [*args[:-1], "--model", str(path)])
+    assert_clean_error(r, 2, "--with-torch-compile")
 
 
 def test_other_torch_versions_are_refused():
