@@ -169,3 +169,37 @@ def test_other_torch_versions_are_refused():
     for v in ("2.12.1", "2.14.0", "2.130.0"):
         with pytest.raises(InputError, match=v.replace(".", r"\.")):
             check_torch_version(v)
+
+
+OFF = '''
+import torch, torch.nn as nn
+class Off(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+    def forward(self, x):
+        y = self.a(x)            # backward never reads y: not a saved root of the profile
+        z = y * 2                # sin's backward reads z
+        return self.b(torch.sin(z)).sum()
+def workload():
+    return Off(), (torch.randn(8, 16),)
+'''
+
+
+def test_a_root_torch_recomputes_from_a_value_no_plan_can_keep_is_kept(tmp_path):
+    path = tmp_path / "off.py"
+    path.write_text(OFF)
+    prof = profile_workload(str(path), device="fake", hardware=HW)
+    base = baseline_for(prof, None, path)
+    assert {t.name for t in prof.saved_activations} == {"mul", "sin"}
+    # torch saving the Linear's output y (addmm) and recomputing z = y * 2 from it: a plan cannot
+    # keep y, and recomputing z would re-run the matmul, so z is kept; sin(z) is recomputed
+    choice = choice_from_saved(prof, base.joint, ["addmm"], 0.5)
+    assert _actions(prof, choice) == {"mul": "keep", "sin": "recompute"}
+    assert choice.off_profile == [prof.tensors[[t.name for t in prof.tensors].index("addmm")].id]
+    assert any("are kept instead" in n for n in choice.notes(prof))
+    # saving z itself keeps it as torch does
+    assert _actions(prof, choice_from_saved(prof, base.joint, ["mul"], 0.5)) == {
+        "mul": "keep", "sin": "recompute"}
+    assert _actions(prof, choice_from_saved(prof, base.joint, [], 0.0)) == {
+        "mul": "recompute", "sin": "recompute"}

@@ -33,13 +33,15 @@ argument, `config.activation_memory_budget`; tested with torch 2.13, other versi
 - *keep* a root that a value torch saves is computed from, when that value is one our trace
   computes in backward from forward values only (torch moved it into forward: it stands in for
   the root, about the same bytes, no recompute);
+- *keep* a root whose recompute chain would re-run the producer of a value torch saves that the
+  profile does not save (an intermediate backward reads only through recomputed ops, such as
+  a projection's output that rotary embeddings are recomputed from): a plan cannot keep that
+  value, and recomputing through it would re-run what torch does not (a matmul); keeping the
+  root holds about the bytes torch holds, with no recompute. Counted in the notes;
 - *recompute* every other root that can be recomputed (its static chain exists);
-- *keep* the rest: the profile says they cannot be re-run (random ops' outputs, roots mutated in
-  place such as a ReLU(inplace=True) input), which torch saves too in its functional graph.
-
-A value torch saves that the profile does not save (an intermediate that backward reads only
-through recomputed ops, e.g. a dropout output) cannot be kept by a plan: the simulator
-recomputes through it. Such values are counted in the notes (count and bytes).
+- *keep* the rest: the profile says they cannot be re-run (random ops' outputs, which inductor
+  regenerates from a seed and the simulator cannot, and what is computed from them; roots
+  mutated in place such as a ReLU(inplace=True) input).
 
 **The knob search.** Knob 1 (torch's default) if its plan fits the budget in the simulator.
 Else a grid (`GRID`: 0, 1/4, 1/2, 3/4), then bisection (`SEARCH_STEPS`) between the largest grid
@@ -180,6 +182,7 @@ class Choice:
     fixed: set = field(default_factory=set)   # roots torch does not save but the profile cannot recompute
     recomputed: int = 0
     off_profile: list[int] = field(default_factory=list)   # saved roots the profile does not save
+    from_off_profile: set = field(default_factory=set)      # roots kept: torch recomputes them from those
 
     def notes(self, profile: Profile) -> list[str]:
         from ..units import fmt_bytes
@@ -197,9 +200,11 @@ class Choice:
                        "tensors mutated in place)")
         if self.off_profile:
             size = sum(profile.tensors[t].size_bytes for t in self.off_profile)
+            kept = sum(profile.tensors[t].size_bytes for t in self.from_off_profile)
             out.append(f"torch also saves {len(self.off_profile)} values ({fmt_bytes(size)}) "
-                       "that backward reads only through recomputed ops; a plan cannot keep "
-                       "them, so the simulator recomputes through them")
+                       "that backward does not read directly (it recomputes from them); a plan "
+                       f"cannot keep them, so the {len(self.from_off_profile)} roots "
+                       f"({fmt_bytes(kept)}) torch recomputes from them are kept instead")
         return out
 
 
@@ -225,18 +230,22 @@ def choice_from_saved(profile: Profile, joint, saved_names: list[str], knob: flo
         elif root not in off:
             off.append(root)
     stand_in -= keep
+    off_producers = {profile.tensors[r].producer for r in off}
     tab = chain_tables(profile)
     choice = Choice(knob=knob, decisions=[], kept_saved=len(keep), kept_stand_in=len(stand_in),
                     off_profile=off)
     for t in profile.saved_activations:
-        if t.id in keep or t.id in stand_in:
-            action = Action.KEEP
-        elif candidate_chain(tab, t.id) is not None:
+        chain = None if t.id in keep or t.id in stand_in else candidate_chain(tab, t.id)
+        if chain is not None and off_producers.intersection(chain.ops):
+            action = Action.KEEP      # torch recomputes it from a value a plan cannot keep
+            choice.from_off_profile.add(t.id)
+        elif chain is not None:
             action = Action.RECOMPUTE
             choice.recomputed += 1
         else:
             action = Action.KEEP
-            choice.fixed.add(t.id)
+            if t.id not in keep and t.id not in stand_in:
+                choice.fixed.add(t.id)
         choice.decisions.append(Decision(tensor=t.id, action=action))
     return choice
 
