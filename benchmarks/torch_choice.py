@@ -72,7 +72,7 @@ def run_profile(name: str, budgets, hw) -> list[dict]:
               f"({'fits' if ours.feasible else 'no fit'}), recompute-only "
               f"{stand_in.predicted.retention:.3f}, torch.compile "
               f"{p.predicted.retention:.3f} ({'fits' if p.feasible else 'no fit'}) at "
-              f"activation_memory_budget={res.knob:.4g} [{len(res.tried)} partitions, "
+              f"activation_memory_budget={res.knob:.4g} [{len(res.tried)} values tried, "
               f"{res.partition_s:.0f} s]", flush=True)
     return rows
 
@@ -87,7 +87,7 @@ def markdown(rows: list[dict]) -> str:
              "partitioner on the profile's joint graph, `activation_memory_budget` searched so its "
              "plan meets the budget in the simulator (the value reached is shown).", "",
              "| profile | budget | slackswap | recompute-only | torch.compile | "
-             "activation_memory_budget | met | partitions |",
+             "activation_memory_budget | met | values tried (s partitioning) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["torch_compile"]

@@ -445,7 +445,7 @@ def compare(
         if "activation_memory_budget" in row:
             out.print(f"torch.compile: activation_memory_budget={row['activation_memory_budget']:.4g} "
                       + ("meets the budget" if row["met_budget"] else "(no value meets the budget)")
-                      + f"; {len(row['knob_tried'])} partitions searched", markup=False)
+                      + f"; {len(row['knob_tried'])} values tried", markup=False)
         if not row["feasible"] and row["notes"]:
             from rich.table import Table
             from rich.text import Text

@@ -133,7 +133,7 @@ class _Chosen(Exception):
 
 def _aot_form(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of the joint graph in the form AOTAutograd hands the partitioner (the partitioner
-    rewrites the graph it is given; node names are kept, meta is shared)."""
+    rewrites the graph it is given; node names are kept, each meta dict copied)."""
     graph = fx.Graph()
     env: dict = {}
     out = graph.graph_copy(gm.graph, env)
@@ -329,9 +329,10 @@ class TorchCompileBaseline:
             knob = min(plans, key=lambda k: (plans[k].predicted.peak_bytes, -k))
         spent = self.partition_s - spent0
         p = plans[knob]
-        search = (f"knob searched over {len(tried)} partitions ({spent:.1f} s in torch's "
-                  "partitioner): " + ("met the budget" if feasible else
-                                      "no activation_memory_budget tried meets the budget"))
+        search = (f"{len(tried)} knob values tried ({spent:.1f} s in torch's partitioner, "
+                  "partitions made for earlier budgets reused): "
+                  + ("met the budget" if feasible else
+                     "no activation_memory_budget tried meets the budget"))
         p = dataclasses.replace(p, notes=(*p.notes, search), solve_ms=spent * 1e3)
         return TorchCompileResult(plan=p, knob=knob, met_budget=bool(feasible), tried=tried,
                                   partition_s=spent)
