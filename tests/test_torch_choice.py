@@ -10,8 +10,9 @@ from slackswap_cli.cli import app
 from slackswap_cli.errors import FingerprintMismatch, InputError
 from slackswap_cli.schema import save
 from slackswap_cli.trace import profile_workload
-from slackswap_cli.trace.torch_choice import (PLANNER_NAME, baseline_for, check_torch_version,
-                                              choice_from_saved, resolve_workload, torch_saved)
+from slackswap_cli.trace.torch_choice import (PLANNER_NAME, SEARCH_STEPS, baseline_for,
+                                              check_torch_version, choice_from_saved,
+                                              resolve_workload, torch_saved)
 from workloads import HW
 
 # Four Linear+GELU layers: backward reads each addmm (gelu_backward) and each gelu (the next
@@ -103,6 +104,8 @@ def test_no_knob_meets_a_budget_below_what_recompute_reaches(deep):
     assert not res.met_budget and not res.plan.feasible
     peaks = [b for _, _, b in res.tried]
     assert res.plan.predicted.peak_bytes == min(peaks) > budget   # the closest plan
+    # 1.0, the grid, then midpoints around the lowest peak for SEARCH_STEPS rounds
+    assert 5 < len(res.tried) <= 5 + 2 * SEARCH_STEPS and len({k for k, _, _ in res.tried}) == len(res.tried)
     assert any(n.startswith("simulator:") for n in res.plan.notes)
     assert any("no activation_memory_budget tried meets the budget" in n for n in res.plan.notes)
 

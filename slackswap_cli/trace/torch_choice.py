@@ -44,8 +44,10 @@ argument, `config.activation_memory_budget`; tested with torch 2.13, other versi
   mutated in place such as a ReLU(inplace=True) input).
 
 **The knob search.** Knob 1 (torch's default) if its plan fits the budget in the simulator.
-Else a grid (`GRID`: 0, 1/4, 1/2, 3/4), then bisection (`SEARCH_STEPS`) between the largest grid
-value that fits and the next value above it; the best feasible plan simulated is kept. The
+Else a grid (`GRID`: 0, 1/4, 1/2, 3/4); when no grid value fits, up to `SEARCH_STEPS` rounds
+try the midpoints on either side of the value whose plan peaks lowest; then bisection
+(`SEARCH_STEPS`) between the largest value that fits and the next value tried above it; the
+best feasible plan simulated is kept. The
 simulated peak does not always fall with the knob: at knob 0 every recomputed value of a chain
 comes back at once at the start of backward, which can peak above a middle knob's plan, so
 knob 0 is not taken as the floor. When no value tried fits, the plan with the lowest simulated
@@ -313,9 +315,13 @@ class TorchCompileBaseline:
 
         if not attempt(1.0).feasible:
             fits = [k for k in GRID if attempt(k).feasible]
+            for _ in range(steps if not fits else 0):
+                fits = [k for k in _around_lowest_peak(plans) if attempt(k).feasible]
+                if fits:
+                    break
             if fits:   # bisect between the largest knob that fits and the next one tried above it
                 lo = max(fits)
-                hi = min(k for k in (*GRID, 1.0) if k > lo)
+                hi = min(k for k in plans if k > lo)
                 for _ in range(steps):
                     mid = (lo + hi) / 2
                     if attempt(mid).feasible:
@@ -336,6 +342,15 @@ class TorchCompileBaseline:
         p = dataclasses.replace(p, notes=(*p.notes, search), solve_ms=spent * 1e3)
         return TorchCompileResult(plan=p, knob=knob, met_budget=bool(feasible), tried=tried,
                                   partition_s=spent)
+
+
+def _around_lowest_peak(plans: dict) -> list[float]:
+    """The midpoints between the knob whose plan peaks lowest and its tried neighbours."""
+    ks = sorted(plans)
+    i = ks.index(min(ks, key=lambda k: (plans[k].predicted.peak_bytes, -k)))
+    return [(a + b) / 2 for a, b in ((ks[i - 1] if i else None, ks[i]),
+                                     (ks[i], ks[i + 1] if i + 1 < len(ks) else None))
+            if a is not None and b is not None and (a + b) / 2 not in plans]
 
 
 def baseline_for(profile: Profile, profile_path=None, model=None) -> TorchCompileBaseline:
