@@ -388,6 +388,7 @@ def _with_paths(plan_obj, profile_path: Path, prof):
              epilog=_examples(
                  "slackswap compare model.profile.json --budget 0.5",
                  "slackswap compare model.profile.json --budget 0.5 --planners slackswap,swap-all --json",
+                 "slackswap compare model.profile.json --budget 0.5 --with-torch-compile",
              ))
 def compare(
     profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON"),
@@ -396,11 +397,16 @@ def compare(
     time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the optimal planner may take"),
     planners: Optional[str] = typer.Option(None, "--planners", help="comma-separated subset [default: all]"),
     as_json: bool = typer.Option(False, "--json", help="print {results: [...]} as JSON"),
+    with_torch_compile: bool = typer.Option(False, "--with-torch-compile", help="add a row for torch.compile's own choice: its min-cut partitioner on the profile's graph (re-traced from the workload with fake tensors; needs torch), activation_memory_budget searched to meet the budget"),
+    model: Optional[Path] = typer.Option(None, "--model", help="with --with-torch-compile: the workload file [default: the one the profile records]"),
 ) -> None:
     """Every planner side by side on one profile: retention, peak, stall, recompute, solve time."""
     try:
         from .budget import check_budget
         from .planners import make_plan, planner_names
+        if model is not None and not with_torch_compile:
+            raise InputError("--model is the workload file for --with-torch-compile",
+                             hint="add --with-torch-compile, or leave --model out")
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
         check_budget(budget_bytes, prof)
         names = planner_names() if planners is None else [p.strip() for p in planners.split(",") if p.strip()]
@@ -423,6 +429,9 @@ def compare(
             rows.append({"planner": name, "feasible": p.feasible, "predicted": p.predicted,
                          "solve_ms": p.solve_ms, "notes": list(p.notes),
                          "bound_retention": _bound_retention(name, prof, hw, budget_bytes)})
+        if with_torch_compile:
+            rows.append(_torch_compile_row(prof, profile_path, model, hw, budget_bytes, fraction,
+                                           as_json))
     except SlackswapError as exc:
         _fail(exc)
     if as_json:
@@ -433,6 +442,10 @@ def compare(
     out.print(compare_table(rows, budget_bytes, hardware=hw.name,
                             keep_all_bytes=prof.keep_all_peak_bytes))
     for row in rows:   # say why a planner does not fit, in its own words
+        if "activation_memory_budget" in row:
+            out.print(f"torch.compile: activation_memory_budget={row['activation_memory_budget']:.4g} "
+                      + ("meets the budget" if row["met_budget"] else "(no value meets the budget)")
+                      + f"; {len(row['knob_tried'])} values tried", markup=False)
         if not row["feasible"] and row["notes"]:
             from rich.table import Table
             from rich.text import Text
@@ -443,6 +456,26 @@ def compare(
                 grid.add_row("  -", Text(str(note)))
             out.print(f"{row['planner']} does not fit:", style="bold", highlight=False, markup=False)
             out.print(grid)
+
+
+def _torch_compile_row(prof, profile_path: Path, model: Optional[Path], hw, budget_bytes: int,
+                       fraction, quiet: bool) -> dict:
+    """compare's `torch.compile` row: torch's partitioner on the re-traced step, knob searched."""
+    from .trace.torch_choice import PLANNER_NAME, baseline_for
+    if not quiet:
+        _status("re-tracing the workload with fake tensors for torch.compile's partitioner...")
+    with _working("re-tracing the workload", quiet):
+        base = baseline_for(prof, profile_path, model)
+    if not quiet:
+        _status("searching torch's activation_memory_budget (a min-cut partition per try)...")
+    with _working("partitioning with torch's min-cut partitioner", quiet):
+        res = base.plan(hw, budget_bytes, fraction)
+    p = res.plan
+    return {"planner": PLANNER_NAME, "feasible": p.feasible, "predicted": p.predicted,
+            "solve_ms": p.solve_ms, "notes": list(p.notes), "bound_retention": None,
+            "activation_memory_budget": res.knob, "met_budget": res.met_budget,
+            "knob_tried": [{"activation_memory_budget": k, "feasible": f, "peak_bytes": b}
+                           for k, f, b in res.tried]}
 
 
 # --------------------------------------------------------------------------------------------

@@ -101,8 +101,9 @@ def judge(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
           decisions: list[Decision], notes: tuple[str, ...] = (), solve_ms: float = 0.0,
           budget_fraction: float | None = None, *, record: bool = False
           ) -> tuple[Plan, SimResult]:
-    """Simulate `decisions` (made by `name`, a planner or a fixed rule such as `fit`'s
-    keep-everything) and fill in the Plan from the simulation."""
+    """Simulate `decisions` (made by `name`: a registered planner, a fixed rule such as `fit`'s
+    keep-everything, or torch's partitioner) and fill in the Plan from the simulation: the
+    simulator's verdict, schedule and predictions."""
     from ..simulate import simulate
 
     res = simulate(profile, decisions, hw, budget_bytes, record=record)

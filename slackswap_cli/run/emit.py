@@ -22,9 +22,9 @@ import pprint
 from pathlib import Path
 from typing import Any
 
-from ..errors import FingerprintMismatch, InputError
+from ..errors import InputError
+from ..trace.retrace import joint_fingerprint, trace_fake, trace_matching, trace_options
 from ..workload_spec import resolve_workload_path
-from ..trace.retrace import joint_fingerprint, trace_fake
 from ..schema import Plan, Profile
 
 GENERATOR_VERSION = 1
@@ -65,25 +65,8 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
                          hint="pass the workload file with --model model.py")
     entry = entry or profile.workload.get("entry") or "workload"
     args = dict(profile.workload.get("args") or {}) if args is None else dict(args)
-    device = profile.env.get("device")
-    how = {"autocast": profile.workload.get("autocast"),
-           "target_device": profile.env.get("target_device")}
-    joint, work = trace_fake(str(path), entry, args, device, **how)
-    fp = joint_fingerprint(joint)
-    # what `step_module(model)` compares a fake re-trace of the user's model against
-    trace_fp = fp if joint.fake else None
-    if fp != profile.fingerprint and joint.fake:
-        # a fake trace may pick other kernels than the real one did: trace for real
-        joint, work = trace_fake(str(path), entry, args, device, real=True, **how)
-        fp = joint_fingerprint(joint)
-    if fp != profile.fingerprint:
-        from ..hardware import PRESETS
-        from ..trace.graph_profile import first_difference, joint_to_profile
-        got = joint_to_profile(joint, workload={}, env={}, hardware=PRESETS["a100-pcie4"])
-        raise FingerprintMismatch(
-            f"{path} now traces to graph {fp}, but the profile was made from graph "
-            f"{profile.fingerprint}; {first_difference(profile, got)}",
-            hint="the model, its inputs or torch changed: re-run `slackswap profile` and `slackswap plan`")
+    # trace_fp: what `step_module(model)` compares a fake re-trace of the user's model against
+    joint, work, trace_fp = trace_matching(profile, str(path), entry, args)
     workload_ref = {"path": str(Path(path).resolve()), "entry": entry, "args": args,
                     "name": profile.workload.get("name", Path(path).stem)}
     from .step_code import UnknownConstant
@@ -93,7 +76,8 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
     except UnknownConstant:
         # the step reads a tensor made inside the workload but outside the inputs (say labels a
         # loss_fn closes over): only a real trace knows its values, which the file then embeds
-        joint, work = trace_fake(str(path), entry, args, device, real=True, **how)
+        joint, work = trace_fake(str(path), entry, args, profile.env.get("device"), real=True,
+                                 **trace_options(profile))
         return emit_module(joint, work, profile, plan, workload_ref=workload_ref,
                            trace_fingerprint=trace_fp)
 

@@ -3,9 +3,9 @@
 (`runtime.PatchedStep`) checks a user's model against."""
 from __future__ import annotations
 
-from ..errors import TraceError
+from ..errors import FingerprintMismatch, TraceError
 
-__all__ = ["trace_fake", "joint_fingerprint"]
+__all__ = ["trace_fake", "joint_fingerprint", "trace_matching", "trace_options"]
 
 
 def trace_fake(path: str, entry: str, args: dict | None, device: str | None, real: bool = False,
@@ -43,3 +43,37 @@ def joint_fingerprint(joint) -> str:
     prof = joint_to_profile(joint, workload={}, env={}, op_times_us=times,
                             time_source="measured")
     return prof.fingerprint
+
+
+def trace_options(profile) -> dict:
+    """`trace_fake`'s keyword arguments that make a re-trace trace as `profile` was traced."""
+    return {"autocast": profile.workload.get("autocast"),
+            "target_device": profile.env.get("target_device")}
+
+
+def trace_matching(profile, path: str, entry: str | None = None, args: dict | None = None):
+    """(joint graph, workload, fake fingerprint) of the workload at `path`, traced as `profile`
+    was (its entry, args, device, autocast and target device unless given) and checked against it.
+
+    Fake tensors first; when their graph differs from the profile's, a real trace (a fake trace
+    may pick other kernels than the real one did). The fake fingerprint is None when the fake
+    trace failed. FingerprintMismatch when the workload now traces to another graph.
+    """
+    entry = entry or profile.workload.get("entry") or "workload"
+    args = dict(profile.workload.get("args") or {}) if args is None else dict(args)
+    device, how = profile.env.get("device"), trace_options(profile)
+    joint, work = trace_fake(str(path), entry, args, device, **how)
+    fp = joint_fingerprint(joint)
+    trace_fp = fp if joint.fake else None
+    if fp != profile.fingerprint and joint.fake:
+        joint, work = trace_fake(str(path), entry, args, device, real=True, **how)
+        fp = joint_fingerprint(joint)
+    if fp != profile.fingerprint:
+        from ..hardware import PRESETS
+        from .graph_profile import first_difference, joint_to_profile
+        got = joint_to_profile(joint, workload={}, env={}, hardware=PRESETS["a100-pcie4"])
+        raise FingerprintMismatch(
+            f"{path} now traces to graph {fp}, but the profile was made from graph "
+            f"{profile.fingerprint}; {first_difference(profile, got)}",
+            hint="the model, its inputs or torch changed: re-run `slackswap profile` and `slackswap plan`")
+    return joint, work, trace_fp
