@@ -16,6 +16,10 @@ Memory, measured for both the original and the patched step:
   patched step, the runtime's store counts what it keeps on the device (kept storages, and
   swapped tensors still being copied); recomputed and swapped-out tensors hold nothing.
 
+A module made from an autocast profile (`profile --autocast bf16|fp16`) runs the original's
+forward and loss, and the in-place patch's, under `torch.autocast` of that dtype (backward
+outside), as the profile traced them; the whole-step module holds the casts as ops.
+
 Pass: loss within 1e-5 relative and gradients within 1e-4 relative (fp32; 1e-3/1e-2 for 16-bit
 floats), buffers within the gradient tolerance, and measured memory at most 5% above the plan's
 budget (the report names the quantity compared).
@@ -418,13 +422,13 @@ def check_fits(meta: dict, device: str) -> None:
 
 
 def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol: float,
-                    grad_tol: float) -> dict:  # noqa: PLR0913
+                    grad_tol: float, autocast: str | None = None) -> dict:  # noqa: PLR0913
     """`steps` SGD steps of a fresh eager model and of a fresh one patched in place, from the
     same seed: the largest loss and gradient differences, how much of the profile lined up,
     ops re-run and bytes held for backward after forward (CPU: storages, as `held_device_bytes`)."""
     import torch
 
-    from ..trace.joint import loss_from_output, split_inputs
+    from ..trace.joint import autocast_region, loss_from_output, split_inputs
     from ..trace.workload import load_workload
     models = []
     for _ in range(2):
@@ -443,7 +447,8 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
             opt.zero_grad(set_to_none=True)
             torch.manual_seed(seed + 1 + k)
             a, kw = split_inputs(w.inputs)
-            loss = loss_from_output(w.model(*a, **kw), w.inputs, w.loss_fn)
+            with autocast_region(autocast, _device_type(w.model)):   # as the profile traced
+                loss = loss_from_output(w.model(*a, **kw), w.inputs, w.loss_fn)
             if w is work:      # what the step holds for backward, measured before it runs
                 held = work.model.forward.__slackswap__.last_run.held_device_bytes()
             loss.backward()
@@ -463,6 +468,11 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
             "ops_rerun": run.rerun_ops, "roots_swapped": len(run.metas),
             "held_bytes_after_forward": held,
             "reasons": reasons}
+
+
+def _device_type(model) -> str:
+    """The device type autocast keys on: the model's first parameter's (as the profile's)."""
+    return next(model.parameters()).device.type
 
 
 def _warmup(model, run) -> None:
@@ -506,9 +516,11 @@ class _Pair:
         return self.device == "cuda"
 
     def run_original(self):
-        from ..trace.joint import loss_from_output
+        from ..trace.joint import autocast_region, loss_from_output
         a, kw = self.o_call
-        return loss_from_output(self.orig.model(*a, **kw), self.orig.inputs, self.orig.loss_fn)
+        with autocast_region(self.meta.get("autocast"), _device_type(self.orig.model)):
+            return loss_from_output(self.orig.model(*a, **kw), self.orig.inputs,
+                                    self.orig.loss_fn)
 
     def run_patched(self):
         a, kw = self.p_call
@@ -782,7 +794,7 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
     peak_orig = measure_eager_step(s.orig.model, s.run_original)
     tl = _timeline(ms, plan, profile, s.cuda)
     inplace = _check_in_place(s.mod, s.path, s.entry, s.args, s.dev, seed, steps, s.loss_tol,
-                              s.grad_tol)
+                              s.grad_tol, s.meta.get("autocast"))
     reasons = list(inplace.pop("reasons")) + _value_reasons(s, c)
     budget = int(s.meta.get("budget_bytes") or 0)
     memory = _memory_reason(ms, budget, tl.worst)
