@@ -504,14 +504,15 @@ def _symbolic_sizes(gm: fx.GraphModule) -> bool:
 
 
 def _trace_real(step, args: list) -> fx.GraphModule:
-    """Trace `step` on real tensors (`tracing_mode="real"`): sizes that depend on values are
-    those of this batch. make_fx then records them as unbacked symbols in `meta["val"]`; the
+    """Trace `step` on real tensors (`tracing_mode="real"`): sizes that depend on values, and
+    values Python reads (`.item()`, a branch on a tensor), are those of this batch. make_fx then records them as unbacked symbols in `meta["val"]`; the
     graph is run once more from the same random-number state, and each node's `meta["val"]`
     becomes its real value (concrete sizes, and storages shared exactly as the run shares them).
     """
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        gm = make_fx(step, tracing_mode="real")(*args)
+        # values read in Python (`.item()`, `if expert_hit:`) are this batch's, as the sizes
+        gm = make_fx(step, tracing_mode="real", _error_on_data_dependent_ops=False)(*args)
     flat = pytree.tree_leaves(args)
 
     class Record(fx.Interpreter):
