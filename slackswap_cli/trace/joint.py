@@ -507,23 +507,29 @@ def _trace_real(step, args: list) -> fx.GraphModule:
     """Trace `step` on real tensors (`tracing_mode="real"`): sizes that depend on values, and
     values Python reads (`.item()`, a branch on a tensor), are those of this batch. make_fx then records them as unbacked symbols in `meta["val"]`; the
     graph is run once more from the same random-number state, and each node's `meta["val"]`
-    becomes its real value (concrete sizes, and storages shared exactly as the run shares them).
+    becomes a FakeTensor of its real value (concrete sizes, storages shared as the run shares
+    them: one converter for the whole run).
     """
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         # values read in Python (`.item()`, `if expert_hit:`) are this batch's, as the sizes
         gm = make_fx(step, tracing_mode="real", _error_on_data_dependent_ops=False)(*args)
     flat = pytree.tree_leaves(args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def to_fake(t):     # one converter: storages shared in the run are shared by the fakes
+        return fake.from_tensor(t.detach(), static_shapes=True)
 
     class Record(fx.Interpreter):
         def run_node(self, n):
             out = super().run_node(n)
             if n.op not in ("output",):
-                n.meta["val"] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+                n.meta["val"] = pytree.tree_map_only(torch.Tensor, to_fake, out)
             return out
 
-    with torch.no_grad():
-        Record(gm).run(*flat)
+    with torch.no_grad():   # values kept to the end: a freed storage's address is not reused
+        Record(gm, garbage_collect_values=False).run(*flat)
     return gm
 
 
