@@ -552,10 +552,11 @@ def _explain(exc: Exception, fake: bool = True) -> TraceError:
     first = text.splitlines()[0][:400]
     if needs_values(exc):
         return TraceError(
-            "the step's sizes or control flow depend on tensor values (such as expert "
-            f"routing in a mixture of experts), which fake tensors (--device fake) do not have "
-            f"({first})" if fake else f"the step depends on tensor values in a way a trace "
-                                      f"cannot capture ({first})",
+            "the step is data-dependent: its sizes or control flow depend on tensor values "
+            f"(such as expert routing in a mixture of experts), which fake tensors (--device "
+            f"fake) do not have "
+            f"({first})" if fake else f"the step is data-dependent in a way a trace cannot "
+                                      f"capture ({first})",
             hint=_VALUES_HINT if fake else "run the workload eagerly to check it trains")
     if "Expected inputs of BF16 type" in text:
         return TraceError(f"tracing the training step failed: {first}",
