@@ -229,27 +229,9 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
                 with fake_mode:
                     tangent = torch.ones((), dtype=ref.dtype, device=ref.device)
                     gm = make_fx(step)(*traced, tangent)
-            else:
-                # Real tensors are traced through fake copies too (tracing_mode="fake"): the
-                # graph is the same as a --device fake trace of the same model (libraries such
-                # as transformers branch on "am I being traced?"), data-dependent checks fail
-                # the same way, and each value's meta["val"] shares storage with the values it
-                # aliases. The graph module still runs on the real tensors.
+            else:   # real tensors: through fake copies (see _trace_real_tensors)
                 tangent = torch.ones((), dtype=ref.dtype, device=ref.device)
-                try:
-                    gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
-                        *traced, tangent)
-                    if _symbolic_sizes(gm):
-                        raise RuntimeError("data-dependent output sizes")
-                except Exception as exc:  # noqa: BLE001
-                    if not needs_values(exc):
-                        raise
-                    # Sizes that depend on values (MoE routing: nonzero, torch.where): trace
-                    # the real step, which fixes them at this batch's
-                    tracker.events.clear()
-                    boundary.clear()
-                    real_sizes = True
-                    gm = _trace_real(step, [*traced, tangent])
+                gm, real_sizes = _trace_real_tensors(step, [*traced, tangent], tracker, boundary)
     except SlackswapError:   # already says what is wrong (a loss that is not a loss, ...)
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one clear error
@@ -492,6 +474,28 @@ def _annotate(joint: JointGraph, tracker: _ModuleTracker, boundary: int) -> None
         bwd = [a for a in ins if joint.phase.get(a.name) == "backward" and joint.module.get(a.name)]
         for a in fwd[:1] or bwd[:1]:
             joint.module[node.name] = joint.module[a.name]
+
+
+def _trace_real_tensors(step, args: list, tracker, boundary: dict) -> tuple[fx.GraphModule, bool]:
+    """(graph, traced for real?) of `step` on real tensors.
+
+    Real tensors are traced through fake copies (tracing_mode="fake"): the graph is the same
+    as a --device fake trace of the same model (libraries such as transformers branch on "am
+    I being traced?"), and each value's meta["val"] shares storage with the values it
+    aliases; the graph module still runs on the real tensors. Where sizes depend on values
+    (MoE routing: nonzero, torch.where), the real step is traced instead, which fixes them at
+    this batch's (`_trace_real`)."""
+    try:
+        gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+        if _symbolic_sizes(gm):
+            raise RuntimeError("data-dependent output sizes")
+        return gm, False
+    except Exception as exc:  # noqa: BLE001
+        if not needs_values(exc):
+            raise
+    tracker.events.clear()
+    boundary.clear()
+    return _trace_real(step, args), True
 
 
 def _symbolic_sizes(gm: fx.GraphModule) -> bool:
