@@ -764,7 +764,8 @@ def verify(
             plan_obj = load_plan(plan)
         with _working(f"running original and patched step{'s' if steps > 1 else ''}", as_json):
             report = run_verify(str(patched), model_path=str(model) if model else None,
-                                steps=steps, plan=plan_obj)
+                                steps=steps, plan=plan_obj,
+                                progress=None if err.is_terminal else _status)
     except SlackswapError as exc:
         _fail(exc)
     if as_json:

@@ -32,6 +32,12 @@ class FingerprintMismatch(InputError):
     """A plan was made for another profile, or a model traces differently from its profile."""
 
 
+class ModelChanged(SlackswapError):
+    """`verify`: the model is not the one the plan was made for (a finding, like a mismatch)."""
+
+    exit_code = 5
+
+
 class TraceError(SlackswapError):
     """The workload could not be loaded, run or traced."""
 

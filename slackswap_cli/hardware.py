@@ -250,9 +250,18 @@ def load_hardware(name_or_path: str | None) -> HardwareSpec:
         if not isinstance(data, dict):
             raise FormatError(f"hardware file {path} must hold one JSON object", hint=example)
         data.setdefault("name", path.stem)
-        # profiles and plans store the whole spec, never just its name: an edited copy of a
-        # preset that keeps the preset's name is still planned with its own numbers
-        return HardwareSpec.from_dict(data, source=str(path))
+        spec = HardwareSpec.from_dict(data, source=str(path))
+        # a preset's name stands for the preset's figures: plans and reports show the name,
+        # so an edited copy that keeps it would pass off its figures as the preset's
+        preset = PRESETS.get(spec.name)
+        if preset is not None and spec.to_dict() != preset.to_dict():
+            differ = [k for k, v in spec.to_dict().items() if preset.to_dict().get(k) != v]
+            raise InputError(
+                f"hardware file {path} is named '{spec.name}', a preset's name, but its "
+                f"figures differ from the preset's ({', '.join(differ[:4])})",
+                hint=f"give it a name of its own (\"name\": \"{spec.name}-custom\"), or pass "
+                     f"--hardware {spec.name} for the preset")
+        return spec
     raise InputError(f"unknown hardware preset '{name_or_path}'",
                      hint=f"presets: {', '.join(PRESETS)}; or pass a JSON file with the same fields")
 

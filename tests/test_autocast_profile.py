@@ -154,3 +154,27 @@ def test_fake_cpu_bf16_profile_with_dropout_verifies_on_cpu(tmp_path):
     assert r.exit_code == 0, r.stdout + r.stderr
     report = orjson.loads(r.stdout)
     assert report["passed"]
+
+
+def test_verify_runs_both_sides_under_the_profiles_autocast(tmp_path):
+    """fp32 weights + `--autocast bf16`: verify runs eager under the same autocast (its loss is
+    not the fp32 loss) and passes, the in-place patch included, with exact results."""
+    path = write(tmp_path)
+    args = ["--arg", "dropout=0.1"]
+    prof, plan, patched = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "patched_a.py"
+    assert run("profile", path, "--device", "fake:cpu", "--autocast", "bf16", *args,
+               "-o", prof).exit_code == 0
+    assert run("plan", prof, "--budget", "0.7", "-o", plan).exit_code == 0
+    assert run("apply", plan, "-o", patched).exit_code == 0   # apply writes autocast plans
+    r = run("verify", patched, "--steps", "2", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    report = orjson.loads(r.stdout)
+    assert report["passed"] and report["recomputed"] + report["swapped"] > 0
+    assert report["max_loss_rel_diff"] == 0 and report["max_grad_rel_diff"] == 0
+    assert report["inplace"]["max_loss_rel_diff"] == 0
+    assert report["inplace"]["max_grad_rel_diff"] == 0
+    # the eager loss verify compared with is the autocast one, not the fp32 one
+    work = load_workload(path, args={"dropout": 0.1})
+    torch.manual_seed(1)   # verify's first step: seed + 1
+    fp32 = float(work.model(*work.inputs).detach())
+    assert report["losses_original"][0] != fp32

@@ -78,9 +78,27 @@ def test_hardware_numbers_are_bounded(field, value):
         HardwareSpec.from_dict(data)
 
 
-def test_an_edited_preset_keeping_its_name_is_its_own_spec(tmp_path):
-    # profiles and plans store the whole spec: the name no longer stands for the numbers
-    path = tmp_path / "a100.json"
-    path.write_bytes(orjson.dumps(PRESETS["a100-pcie4"].to_dict() | {"h2d_bytes_per_s": 1e9}))
+def test_a_custom_file_may_not_reuse_a_presets_name_with_other_figures(tmp_path):
+    """Plans and reports show the name: `a100-pcie4` must mean the preset's figures."""
+    from typer.testing import CliRunner
+    from helpers import assert_clean_error
+    from slackswap_cli.cli import app
+    edited = PRESETS["a100-pcie4"].to_dict() | {"h2d_bytes_per_s": 1e9}
+    path = tmp_path / "mine.json"
+    path.write_bytes(orjson.dumps(edited))
+    with pytest.raises(InputError, match="a preset's name") as exc:
+        load_hardware(str(path))
+    assert "h2d_bytes_per_s" in exc.value.message and "name of its own" in exc.value.hint
+    # the name may also come from the file's stem
+    stem = tmp_path / "a100-pcie4.json"
+    stem.write_bytes(orjson.dumps({k: v for k, v in edited.items() if k != "name"}))
+    with pytest.raises(InputError, match="a preset's name"):
+        load_hardware(str(stem))
+    r = CliRunner().invoke(app, ["hardware", str(path)])
+    assert_clean_error(r, 2, "a preset's name")
+    # an exact copy of the preset, and an edited copy with a name of its own, are fine
+    path.write_bytes(orjson.dumps(PRESETS["a100-pcie4"].to_dict()))
+    assert load_hardware(str(path)) == PRESETS["a100-pcie4"]
+    path.write_bytes(orjson.dumps(edited | {"name": "a100-slow-host"}))
     spec = load_hardware(str(path))
-    assert spec.name == "a100-pcie4" and spec.h2d_bytes_per_s == 1e9
+    assert spec.name == "a100-slow-host" and spec.h2d_bytes_per_s == 1e9

@@ -248,3 +248,77 @@ def test_measured_peak_within_5_percent_of_predicted(name, tmp_path):
         assert 0.95 <= ratio <= 1.05, (name, fraction, ratio, r.worst_divergence)
         if plan.feasible:
             assert r.measured_peak_bytes <= 1.05 * plan.budget_bytes, (name, fraction)
+
+
+# -- issue 24: the in-place path's memory, a changed model, an emptied META, progress ----------
+DROPOUT_MLP = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+    def forward(self, x):
+        h = F.dropout(F.ACT(self.fc1(x)), 0.2)
+        h = F.dropout(F.ACT(self.fc2(h)), 0.2)
+        return self.fc3(h).pow(2).mean()
+def workload():
+    torch.manual_seed(0)
+    return MLP(), (torch.randn(32, 16),)
+'''
+
+
+@pytest.fixture(scope="module")
+def cuda_profiled_mlp(tmp_path_factory):
+    """A dropout MLP profiled for a CUDA GPU (`--device fake`), planned and applied: on this
+    CPU, dropout's masks are floats where CUDA's are bytes."""
+    d = tmp_path_factory.mktemp("verify_device")
+    src = d / "dmlp.py"
+    src.write_text(DROPOUT_MLP.replace("ACT", "gelu"))
+    prof = profile_workload(str(src), device="fake", hardware=HW)
+    path, plan = patched_file(prof, 0.6, d, "dmlp_patched.py")
+    assert plan.feasible
+    return src, path
+
+
+def test_in_place_over_budget_fails_naming_the_device_and_progress_is_shown(cuda_profiled_mlp):
+    from typer.testing import CliRunner
+    from slackswap_cli.cli import app
+    _, path = cuda_profiled_mlp
+    res = CliRunner().invoke(app, ["verify", str(path)])    # stderr is not a terminal here
+    assert res.exit_code == 5, res.stdout + res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    err = " ".join(res.stderr.split())
+    assert "the model patched in place (patch(model)) holds" in err
+    assert "x the plan's budget" in err and "--device fake:cpu" in err
+    # progress lines, one per stage, on stderr (not a terminal: no spinner)
+    for stage in ("loading", "comparing 1 training step", "measuring activation memory",
+                  "patched in place"):
+        assert stage in res.stderr, res.stderr
+
+
+def test_in_place_memory_reason_names_kept_recomputes_and_passes_within_5_percent():
+    from slackswap_cli.run.verify import _inplace_memory_reason
+    inplace = {"held_bytes_after_forward": 1040, "recomputes_kept": 2, "planned_recomputes": 5,
+               "ops_lined_up": 20, "profile_forward_ops": 23}
+    meta = {"target_device": "cpu"}
+    assert _inplace_memory_reason(inplace, 1000, meta, "cpu") is None        # 1.04x
+    why = _inplace_memory_reason({**inplace, "held_bytes_after_forward": 1200}, 1000, meta, "cpu")
+    assert "1.20x" in why and "2 of the plan's 5 recomputed tensors were kept" in why
+    assert "fake:cpu" not in why                                              # same device
+
+
+def test_a_changed_model_exits_5_and_an_emptied_meta_exits_2(cuda_profiled_mlp, tmp_path):
+    from typer.testing import CliRunner
+    from helpers import assert_clean_error
+    from slackswap_cli.cli import app
+    src, path = cuda_profiled_mlp
+    other = tmp_path / "other.py"
+    other.write_text(DROPOUT_MLP.replace("ACT", "relu"))     # same parameters, another graph
+    res = CliRunner().invoke(app, ["verify", str(path), "--model", str(other)])
+    assert_clean_error(res, 5, "is not the one the plan was made for")
+    text = path.read_text()
+    start = text.index("\nMETA = ")
+    emptied = tmp_path / "empty_meta_patched.py"
+    emptied.write_text(text[:start] + "\nMETA = {}" + text[text.index("\n\n", start + 1):])
+    res = CliRunner().invoke(app, ["verify", str(emptied)])
+    assert_clean_error(res, 2, "META is empty")

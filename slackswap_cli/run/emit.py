@@ -263,7 +263,29 @@ def load_patched(path: str):
     if not hasattr(module, "patch") or not hasattr(module, "META"):
         raise InputError(f"{p} is not a module written by `slackswap apply`",
                          hint="pass the file `slackswap apply -o` wrote")
+    _check_meta(p, module)
     return module
+
+
+_META_KEYS = ("workload", "device_type", "params", "buffers", "input_spec")
+_WORKLOAD_KEYS = ("path", "entry", "args")
+
+
+def _check_meta(p: Path, module) -> None:
+    """A patched module whose META (or functions) was edited away cannot be run or verified."""
+    meta = module.META
+    missing = ([k for k in _META_KEYS if k not in meta] if isinstance(meta, dict)
+               else list(_META_KEYS))
+    w = meta.get("workload") if isinstance(meta, dict) else None
+    if isinstance(w, dict):
+        missing += [f"workload.{k}" for k in _WORKLOAD_KEYS if k not in w]
+    elif "workload" not in missing:
+        missing.append("workload")
+    missing += [f"{f}()" for f in ("step_module", "unpatch") if not callable(getattr(module, f, None))]
+    if missing:
+        raise InputError(f"{p} lacks what `slackswap apply` writes: {', '.join(missing[:6])} "
+                         f"({'META is empty' if meta == {} else 'edited or truncated'})",
+                         hint="write it again with `slackswap apply PLAN.json -o FILE`")
 
 
 __all__ = ["apply_plan", "emit_module", "plan_fingerprint", "trace_fake", "joint_fingerprint",

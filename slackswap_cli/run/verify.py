@@ -16,9 +16,16 @@ Memory, measured for both the original and the patched step:
   patched step, the runtime's store counts what it keeps on the device (kept storages, and
   swapped tensors still being copied); recomputed and swapped-out tensors hold nothing.
 
+A module made from an autocast profile (`profile --autocast bf16|fp16`) runs the original's
+forward and loss, and the in-place patch's, under `torch.autocast` of that dtype (backward
+outside), as the profile traced them; the whole-step module holds the casts as ops.
+
 Pass: loss within 1e-5 relative and gradients within 1e-4 relative (fp32; 1e-3/1e-2 for 16-bit
 floats), buffers within the gradient tolerance, and measured memory at most 5% above the plan's
-budget (the report names the quantity compared).
+budget (the report names the quantity compared), for the whole-step module and for the model
+patched in place (what training runs: the bytes it holds for backward after forward); an
+in-place excess names its cause where it is known (a profile made for another device, planned
+recomputes the replay kept).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import FingerprintMismatch, InputError, ModelChanged
 from ..units import fmt_bytes
 
 MEMORY_TOLERANCE = 0.05
@@ -418,13 +425,13 @@ def check_fits(meta: dict, device: str) -> None:
 
 
 def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol: float,
-                    grad_tol: float) -> dict:  # noqa: PLR0913
+                    grad_tol: float, autocast: str | None = None) -> dict:  # noqa: PLR0913
     """`steps` SGD steps of a fresh eager model and of a fresh one patched in place, from the
     same seed: the largest loss and gradient differences, how much of the profile lined up,
     ops re-run and bytes held for backward after forward (CPU: storages, as `held_device_bytes`)."""
     import torch
 
-    from ..trace.joint import loss_from_output, split_inputs
+    from ..trace.joint import autocast_region, loss_from_output, split_inputs
     from ..trace.workload import load_workload
     models = []
     for _ in range(2):
@@ -443,7 +450,8 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
             opt.zero_grad(set_to_none=True)
             torch.manual_seed(seed + 1 + k)
             a, kw = split_inputs(w.inputs)
-            loss = loss_from_output(w.model(*a, **kw), w.inputs, w.loss_fn)
+            with autocast_region(autocast, _device_type(w.model)):   # as the profile traced
+                loss = loss_from_output(w.model(*a, **kw), w.inputs, w.loss_fn)
             if w is work:      # what the step holds for backward, measured before it runs
                 held = work.model.forward.__slackswap__.last_run.held_device_bytes()
             loss.backward()
@@ -458,11 +466,54 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
     if max_loss > loss_tol or max_grad > grad_tol:
         reasons.append(f"the model patched in place differs from eager: loss by {max_loss:.2e}, "
                        f"gradients by {max_grad:.2e} (relative)")
+    action = run.table["action"]
     return {"max_loss_rel_diff": max_loss, "max_grad_rel_diff": max_grad,
             "ops_lined_up": len(run.rec_of_op), "profile_forward_ops": len(run.table["ops"]),
             "ops_rerun": run.rerun_ops, "roots_swapped": len(run.metas),
             "held_bytes_after_forward": held,
+            "planned_recomputes": sum(1 for a in action.values() if a == "recompute"),
+            "recomputes_kept": sum(1 for r, a in action.items()
+                                   if a == "recompute" and run.usable.get(r) is False),
+            "planned_swaps": sum(1 for a in action.values() if a == "swap"),
             "reasons": reasons}
+
+
+def _device_cause(meta: dict, device: str) -> str | None:
+    """A profile made for another device than this run's: its saved bytes are that device's."""
+    target = meta.get("target_device") or device
+    if target == device:
+        return None
+    return (f"the profile was made for {target} (`--device fake` traces a CUDA GPU's dropout "
+            f"and kernels) and this run is on {device}: profile with `--device fake:{device}` "
+            f"or `--device {device}` for a plan to run here")
+
+
+def _inplace_memory_reason(inplace: dict, budget: int, meta: dict, device: str) -> str | None:
+    """Why the model patched in place holds more after forward than the plan's budget allows
+    (None: within 5%), with the cause where it is known: a profile made for another device
+    (a `--device fake` profile is CUDA's: its dropout masks and kernels' workspace are not a
+    CPU's), or planned recomputes the replay kept (their chains did not line up or cannot be
+    re-run)."""
+    held = inplace["held_bytes_after_forward"]
+    if not (budget > 0 and held > budget * (1 + MEMORY_TOLERANCE)):
+        return None
+    text = (f"the model patched in place (patch(model)) holds {fmt_bytes(held)} for backward "
+            f"after forward, {held / budget:.2f}x the plan's budget of {fmt_bytes(budget)}")
+    causes = [c for c in (_device_cause(meta, device),) if c]
+    if inplace.get("recomputes_kept"):
+        causes.append(f"{inplace['recomputes_kept']} of the plan's {inplace['planned_recomputes']} "
+                      "recomputed tensors were kept, because the ops of their chains did not "
+                      f"line up with the profile or cannot be re-run ({inplace['ops_lined_up']} "
+                      f"of {inplace['profile_forward_ops']} forward ops lined up)")
+    if not causes:
+        causes.append("memory the profile does not see (kernels' workspace, or tensors the "
+                      "model holds outside autograd)")
+    return text + "; " + "; ".join(causes)
+
+
+def _device_type(model) -> str:
+    """The device type autocast keys on: the model's first parameter's (as the profile's)."""
+    return next(model.parameters()).device.type
 
 
 def _warmup(model, run) -> None:
@@ -506,9 +557,11 @@ class _Pair:
         return self.device == "cuda"
 
     def run_original(self):
-        from ..trace.joint import loss_from_output
+        from ..trace.joint import autocast_region, loss_from_output
         a, kw = self.o_call
-        return loss_from_output(self.orig.model(*a, **kw), self.orig.inputs, self.orig.loss_fn)
+        with autocast_region(self.meta.get("autocast"), _device_type(self.orig.model)):
+            return loss_from_output(self.orig.model(*a, **kw), self.orig.inputs,
+                                    self.orig.loss_fn)
 
     def run_patched(self):
         a, kw = self.p_call
@@ -566,7 +619,11 @@ def _load_pair(patched_path: str, model_path: str | None, entry: str | None,
     work.model.load_state_dict(orig.model.state_dict())
     orig.model.train()
     work.model.train()
-    patched = mod.step_module(work.model, check_trace=check_trace)
+    try:
+        patched = mod.step_module(work.model, check_trace=check_trace)
+    except FingerprintMismatch as exc:     # a finding about the model, not a bad option
+        raise ModelChanged(f"the model in {path} is not the one the plan was made for: "
+                           f"{exc.message}", hint=exc.hint) from None
     p_call = split_inputs(work.inputs)
     o_call = split_inputs(orig.inputs)
     ref = next(iter(dict(orig.model.named_parameters()).values()))
@@ -731,7 +788,8 @@ def _value_reasons(s: _Pair, c: _Compared) -> list[str]:
     return reasons
 
 
-def _memory_reason(ms: MeasuredStep, budget: int, worst: dict | None) -> str | None:
+def _memory_reason(ms: MeasuredStep, budget: int, worst: dict | None,
+                   cause: str | None = None) -> str | None:
     """Why the measured peak fails the budget (None: it does not), naming the statement and
     the tensors held past their last use where the simulator's timeline says so."""
     if not (budget > 0 and ms.peak_bytes > budget * (1 + MEMORY_TOLERANCE)):
@@ -748,44 +806,54 @@ def _memory_reason(ms: MeasuredStep, budget: int, worst: dict | None) -> str | N
                + (f", held past their last use: {names}" if names else ""))
     return (f"measured activation peak {fmt_bytes(ms.peak_bytes)} ({ms.peak_bytes} "
             f"bytes) at `{at[:80]}` is more than 5% above the plan's budget of "
-            f"{fmt_bytes(budget)}" + why)
+            f"{fmt_bytes(budget)}" + why + (f"; {cause}" if cause else ""))
 
 
 def verify(patched_path: str, model_path: str | None = None, entry: str | None = None,
            args: dict | None = None, steps: int = 1, seed: int = 0,
            check_trace: bool = True, warmup: bool = True, plan=None,
-           profile=None) -> VerifyReport:
+           profile=None, progress=None) -> VerifyReport:
     """Run the original and the patched training step `steps` times and compare them.
 
     `warmup` first runs one untimed step of each and restores weights, buffers and RNG state,
     so step times do not include one-off costs (allocator growth, kernel selection).
     `plan`: the Plan the module was made from (default: found next to the module by
     `find_plan`) and `profile` its profile (default: the one the plan records); with them,
-    the measured memory timeline is aligned with the simulator's.
+    the measured memory timeline is aligned with the simulator's. `progress(line)` receives
+    status lines (for stderr).
     """
     import torch
 
+    say = progress or (lambda _line: None)
     if steps < 1:
         raise InputError(f"steps must be at least 1, got {steps}")
+    say(f"loading {patched_path} and its workload twice (original and patched)")
     s = _load_pair(patched_path, model_path, entry, args, seed, check_trace)
     if warmup:
+        say("warm-up step of each")
         _warmup(s.orig.model, s.run_original)
         _warmup(s.work.model, s.run_patched)
+    say(f"comparing {steps} training step{'s' if steps > 1 else ''}: losses, gradients, buffers")
     c = _compare_steps(s, steps, seed)
     # memory over time: one more step of each, under the memory tracker
     plan, profile = _plan_and_profile(patched_path, s.meta, plan, profile)
     s.opt_p.zero_grad(set_to_none=True)
     s.opt_o.zero_grad(set_to_none=True)
     torch.manual_seed(seed + 1 + steps)
+    say("measuring activation memory op by op")
     ms = measure_patched_step(s.mod, s.patched, *s.p_call, profile)
     torch.manual_seed(seed + 1 + steps)
     peak_orig = measure_eager_step(s.orig.model, s.run_original)
     tl = _timeline(ms, plan, profile, s.cuda)
+    say(f"training the model patched in place (patch(model)) against eager, {steps} "
+        f"step{'s' if steps > 1 else ''}")
     inplace = _check_in_place(s.mod, s.path, s.entry, s.args, s.dev, seed, steps, s.loss_tol,
-                              s.grad_tol)
+                              s.grad_tol, s.meta.get("autocast"))
     reasons = list(inplace.pop("reasons")) + _value_reasons(s, c)
     budget = int(s.meta.get("budget_bytes") or 0)
-    memory = _memory_reason(ms, budget, tl.worst)
+    memory = _memory_reason(ms, budget, tl.worst, _device_cause(s.meta, s.device))
+    reasons += [memory] if memory else []
+    memory = _inplace_memory_reason(inplace, budget, s.meta, s.device)
     reasons += [memory] if memory else []
     return _report(s, c, ms, tl, plan, profile, steps, budget, peak_orig, inplace, reasons,
                    patched_path)

@@ -135,6 +135,8 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     say("tracing forward + loss + backward" + (f" under autocast {autocast}" if autocast else ""))
     joint = capture_joint(work.model, work.inputs, work.loss_fn, autocast=autocast,
                           target_device=target)
+    if device == "fake":
+        _refuse_hidden_workspace(joint, target)
     n_nodes = len(joint.gm.graph.nodes)
     if joint.checkpoints_inlined:
         say(f"traced {joint.checkpoints_inlined} torch.utils.checkpoint region(s) as plain calls: "
@@ -175,6 +177,26 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     prof.summary["profile_s"] = round(time.perf_counter() - t0, 3)
     say(f"profiled {prof.summary['n_ops']} ops in {prof.summary['profile_s']:.1f} s")
     return prof
+
+
+# Recurrent kernels whose real result carries a workspace (reserve) buffer that their fake
+# (meta) result leaves empty: a fake trace cannot see those bytes (CPU oneDNN LSTM/GRU layers,
+# cuDNN and MIOpen RNNs).
+HIDDEN_WORKSPACE_OPS = ("mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn")
+
+
+def _refuse_hidden_workspace(joint, target: str) -> None:
+    """A fake trace of a step with RNN kernels would plan without their workspace bytes (an
+    LSTM's plan then holds several times its budget): refuse, naming the layer."""
+    for node in joint.gm.graph.nodes:
+        name = getattr(getattr(node.target, "_schema", None), "name", "")
+        if node.op == "call_function" and name.removeprefix("aten::") in HIDDEN_WORKSPACE_OPS:
+            where = joint.module.get(node.name) or "the model"
+            raise TraceError(
+                f"{where} runs {name.removeprefix('aten::')}, a recurrent kernel (LSTM/GRU) whose "
+                "workspace a fake trace cannot see: its plan would hold more than its budget",
+                hint=f"profile on the device the plan is for: --device {target} on that "
+                     "machine (the real kernel's workspace is measured)")
 
 
 def _ref_device(model) -> str:

@@ -20,7 +20,17 @@ the box, and `fake_build(mode)` makes both work while `workload()` runs:
 - **Settings computed with tensors.** Many vision models spread stochastic-depth rates with
   `torch.linspace(0, rate, n).tolist()` (Hugging Face ConvNeXt, and about twenty more). A
   small `torch.linspace` made while building is computed for real and wrapped as a *constant*
-  FakeTensor, which FakeTensorMode can answer `.item()` and `.tolist()` for.
+  FakeTensor, which FakeTensorMode can answer `.item()` and `.tolist()` for. FakeTensorMode
+  propagates constants through an op only when its result has at most
+  `fake_tensor.CONSTANT_NUMEL_LIMIT` (1) elements; while `workload()` runs the limit is
+  `_CONSTANT_NUMEL`, so `linspace(0, rate, sum(depths)).split(depths)` then `.tolist()` on
+  each piece (Hugging Face ConvNeXt at its default depths) works too. Only ops whose inputs are
+  all constants propagate (settings made from a linspace or `torch.tensor(...)`), never weights.
+- **Copies of modules.** `copy.deepcopy(block)` (every `nn.TransformerEncoder`/`Decoder`
+  clones its layer; many models copy a block) copies a FakeTensor through `Tensor.__deepcopy__`,
+  which makes the copy in a FakeTensorMode of its own: the traced step then mixes two modes and
+  fails. Here a FakeTensor of the build's mode is copied by `clone()` in that mode (a
+  parameter stays a parameter, `requires_grad` and Python attributes are kept).
 
 The patches are in place only while `workload()` runs under `fake_build`; real tensors take
 torch's own path unchanged.
@@ -45,6 +55,26 @@ def _forget(memo, tensor) -> None:
             del data[ref.key]
 
 
+def _fake_deepcopy(tensor, memo: dict, fake_mode):
+    """A copy of `tensor` (a FakeTensor of `fake_mode`) in that same mode, as deepcopy makes it."""
+    import copy
+    if id(tensor) in memo:
+        return memo[id(tensor)]
+    if not tensor.is_leaf:
+        return torch.Tensor.__deepcopy__(tensor, memo)   # torch's own error for non-leaves
+    with fake_mode, torch.no_grad():
+        out = tensor.clone(memory_format=torch.preserve_format)
+    if isinstance(tensor, torch.nn.Parameter):
+        out = torch.nn.Parameter(out, requires_grad=tensor.requires_grad)
+    else:
+        out.requires_grad_(tensor.requires_grad)
+    memo[id(tensor)] = out
+    for key, value in vars(tensor).items():     # attributes the model set on the tensor
+        if key not in vars(out):
+            setattr(out, key, copy.deepcopy(value, memo))
+    return out
+
+
 @contextlib.contextmanager
 def fake_build(fake_mode):
     """While active: module conversions and `trunc_normal_` work on `fake_mode`'s FakeTensors."""
@@ -67,6 +97,13 @@ def fake_build(fake_mode):
             return tensor     # no values to draw: the shape is all a fake tensor has
         return trunc_original(tensor, *args, **kwargs)
 
+    deepcopy_original = FakeTensor.__dict__.get("__deepcopy__")
+
+    def deepcopy(self, memo):
+        if self.fake_mode is not fake_mode:
+            return torch.Tensor.__deepcopy__(self, memo)
+        return _fake_deepcopy(self, memo, fake_mode)
+
     linspace_original = torch.linspace
 
     def linspace(*args, **kwargs):
@@ -80,8 +117,12 @@ def fake_build(fake_mode):
             real = linspace_original(*args, **kwargs)
         return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, real, make_constant=True)
 
+    from torch._subclasses import fake_tensor as fake_tensor_module   # private to torch
+    limit_original = fake_tensor_module.CONSTANT_NUMEL_LIMIT
     torch.utils.swap_tensors = swap_tensors
     torch.linspace = linspace
+    fake_tensor_module.CONSTANT_NUMEL_LIMIT = max(limit_original, _CONSTANT_NUMEL)
+    FakeTensor.__deepcopy__ = deepcopy
     if trunc_original is not None:
         torch.nn.init._no_grad_trunc_normal_ = no_grad_trunc_normal_
     try:
@@ -89,5 +130,10 @@ def fake_build(fake_mode):
     finally:
         torch.utils.swap_tensors = swap_original
         torch.linspace = linspace_original
+        fake_tensor_module.CONSTANT_NUMEL_LIMIT = limit_original
+        if deepcopy_original is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = deepcopy_original
         if trunc_original is not None:
             torch.nn.init._no_grad_trunc_normal_ = trunc_original

@@ -63,6 +63,7 @@ class JointGraph:
     loss_node: str = ""
     fake: bool = False
     checkpoints_inlined: int = 0          # torch.utils.checkpoint regions traced as plain calls
+    value_dependent_sizes: bool = False   # traced for real: sizes fixed at this batch's values
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -216,36 +217,32 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
     if target not in TARGET_DEVICES:
         raise InputError(f"unknown target device '{target}'", hint="use cuda or cpu")
     was_training = model.training
+    real_sizes = False
     model.train()
     try:
         emulate = fake_mode is not None and ref.device.type == "cpu" and target == "cuda"
         with _ModuleTracker(model) as tracker, _cuda_dropout(emulate), \
-                _inline_checkpoints() as inlined, _watch_rng_restores() as restores:
+                _inline_checkpoints() as inlined, _watch_rng_restores() as restores, \
+                _quiet_torch_logs(), _cpu_grouped_mm():
+            traced = [list(params.values()), list(buffers.values()), tensor_leaves]
             if fake_mode is not None:
                 with fake_mode:
                     tangent = torch.ones((), dtype=ref.dtype, device=ref.device)
-                    gm = make_fx(step)(list(params.values()), list(buffers.values()),
-                                       tensor_leaves, tangent)
-            else:
-                # Real tensors are traced through fake copies too (tracing_mode="fake"): the
-                # graph is the same as a --device fake trace of the same model (libraries such
-                # as transformers branch on "am I being traced?"), data-dependent checks fail
-                # the same way, and each value's meta["val"] shares storage with the values it
-                # aliases. The graph module still runs on the real tensors.
+                    gm = make_fx(step)(*traced, tangent)
+            else:   # real tensors: through fake copies (see _trace_real_tensors)
                 tangent = torch.ones((), dtype=ref.dtype, device=ref.device)
-                gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
-                    list(params.values()), list(buffers.values()), tensor_leaves, tangent)
+                gm, real_sizes = _trace_real_tensors(step, [*traced, tangent], tracker, boundary)
     except SlackswapError:   # already says what is wrong (a loss that is not a loss, ...)
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one clear error
-        raise _explain(exc) from exc
+        raise _explain(exc, fake=fake_mode is not None) from exc
     finally:
         model.train(was_training)
 
     joint = JointGraph(gm=gm, param_names=param_names, buffer_names=buffer_names, input_spec=spec,
                        input_leaf_is_tensor=is_tensor, input_constants=constants,
                        grad_param_index=grad_index, fake=fake_mode is not None,
-                       checkpoints_inlined=inlined["n"])
+                       checkpoints_inlined=inlined["n"], value_dependent_sizes=real_sizes)
     _annotate(joint, tracker, boundary.get("n", 0))
     if restores:
         _refuse_rng_replay(joint, restores)
@@ -359,6 +356,69 @@ def _refuse_rng_replay(joint: JointGraph, restores: list[str]) -> None:
                  "calls) or drop the hand-written recompute: the plan decides what to recompute")
 
 
+_QUIET_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.proxy_tensor",
+                  "torch.fx.experimental.symbolic_shapes")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch logs a failing op's traceback (22 lines) before raising; the caller reports the
+    error itself, in one line, so torch's loggers say nothing while the step is traced."""
+    import logging
+    loggers = [logging.getLogger(n) for n in _QUIET_LOGGERS]
+    before = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        yield
+    finally:
+        for lg, was in zip(loggers, before):
+            lg.disabled = was
+
+
+_GROUPED_MM_TORCH = "2.13"
+
+
+@contextlib.contextmanager
+def _cpu_grouped_mm():
+    """Let `aten._grouped_mm` of fp32/fp16 tensors through its shape rule while tracing.
+
+    Mixture-of-experts layers (Hugging Face Mixtral's default experts) call `_grouped_mm`,
+    whose CPU kernel takes fp32, fp16 and bf16, but whose meta kernel (the shape rule fake
+    tensors run) checks CUDA's rule, bf16 only, so any fp32 model fails to trace. For
+    operands of one float dtype without scales, bias or another output dtype, the output is
+    made by the meta kernel's own helper; everything else takes torch's rule unchanged (the
+    rule runs on meta tensors, which do not say which device they stand for: a CUDA run of an
+    fp32 `_grouped_mm` fails in eager as it would without slackswap). The
+    helper and the rule are private to torch (`torch._meta_registrations`): the lift applies
+    on torch 2.13.x (tested) only, and fails safe (torch's error) elsewhere.
+    """
+    import torch._meta_registrations as meta_reg
+    original = getattr(meta_reg, "_meta_grouped_mm_common", None)
+    make_out = getattr(meta_reg, "_create_grouped_mm_output_tensor", None)
+    if (original is None or make_out is None
+            or not torch.__version__.startswith(_GROUPED_MM_TORCH + ".")):
+        yield
+        return
+
+    def common(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None,
+               out_dtype=None, use_fast_accum=False):
+        if (scale_a is None and scale_b is None and bias is None and scale_result is None
+                and mat_a.dtype == mat_b.dtype
+                and mat_a.dtype in (torch.float32, torch.float16)
+                and out_dtype in (None, mat_a.dtype) and mat_a.dim() in (2, 3)
+                and mat_b.dim() in (2, 3)):
+            return make_out(mat_a, mat_b, offs, None)
+        return original(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype,
+                        use_fast_accum)
+
+    meta_reg._meta_grouped_mm_common = common
+    try:
+        yield
+    finally:
+        meta_reg._meta_grouped_mm_common = original
+
+
 @contextlib.contextmanager
 def _cuda_dropout(enabled: bool):
     """Trace dropout as CUDA runs it: one fused `native_dropout` with a 1-byte bool mask.
@@ -416,17 +476,98 @@ def _annotate(joint: JointGraph, tracker: _ModuleTracker, boundary: int) -> None
             joint.module[node.name] = joint.module[a.name]
 
 
-def _explain(exc: Exception) -> TraceError:
+def _trace_real_tensors(step, args: list, tracker, boundary: dict) -> tuple[fx.GraphModule, bool]:
+    """(graph, traced for real?) of `step` on real tensors.
+
+    Real tensors are traced through fake copies (tracing_mode="fake"): the graph is the same
+    as a --device fake trace of the same model (libraries such as transformers branch on "am
+    I being traced?"), and each value's meta["val"] shares storage with the values it
+    aliases; the graph module still runs on the real tensors. Where sizes depend on values
+    (MoE routing: nonzero, torch.where), the real step is traced instead, which fixes them at
+    this batch's (`_trace_real`)."""
+    try:
+        gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+        if _symbolic_sizes(gm):
+            raise RuntimeError("data-dependent output sizes")
+        return gm, False
+    except Exception as exc:  # noqa: BLE001
+        if not needs_values(exc):
+            raise
+    tracker.events.clear()
+    boundary.clear()
+    return _trace_real(step, args), True
+
+
+def _symbolic_sizes(gm: fx.GraphModule) -> bool:
+    """Does any value of the graph have a size fixed only at run time (an unbacked symbol)?"""
+    for n in gm.graph.nodes:
+        for v in pytree.tree_leaves(n.meta.get("val")):
+            if isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape):
+                return True
+    return False
+
+
+def _trace_real(step, args: list) -> fx.GraphModule:
+    """Trace `step` on real tensors (`tracing_mode="real"`): sizes that depend on values, and
+    values Python reads (`.item()`, a branch on a tensor), are those of this batch. make_fx then records them as unbacked symbols in `meta["val"]`; the
+    graph is run once more from the same random-number state, and each node's `meta["val"]`
+    becomes a FakeTensor of its real value (concrete sizes, storages shared as the run shares
+    them: one converter for the whole run).
+    """
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        # values read in Python (`.item()`, `if expert_hit:`) are this batch's, as the sizes
+        gm = make_fx(step, tracing_mode="real", _error_on_data_dependent_ops=False)(*args)
+    flat = pytree.tree_leaves(args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def to_fake(t):     # one converter: storages shared in the run are shared by the fakes
+        return fake.from_tensor(t.detach(), static_shapes=True)
+
+    class Record(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op not in ("output",):
+                n.meta["val"] = pytree.tree_map_only(torch.Tensor, to_fake, out)
+            return out
+
+    with torch.no_grad():   # values kept to the end: a freed storage's address is not reused
+        Record(gm, garbage_collect_values=False).run(*flat)
+    return gm
+
+
+def needs_values(exc: BaseException) -> bool:
+    """Did tracing fail because a size or a branch depends on tensor values (nonzero,
+    torch.where routing, .item())? Fake tensors have no values; a real trace does."""
+    text = f"{type(exc).__name__}: {exc}"
+    name = type(exc).__name__
+    return ("DataDependent" in name or "DynamicOutputShape" in name or "data-dependent" in text
+            or "GuardOnDataDependent" in text or "dynamic output shape" in text.lower())
+
+
+_VALUES_HINT = ("profile with --device cpu (or --device cuda): a real trace takes the sizes of "
+                "the profiled batch (say its expert routing); the plan then runs on later "
+                "batches exactly, the ops whose sizes differ left unplanned")
+
+
+def _explain(exc: Exception, fake: bool = True) -> TraceError:
     text = f"{type(exc).__name__}: {exc}".strip()
     first = text.splitlines()[0][:400]
-    name = type(exc).__name__
-    if "DataDependent" in name or "data-dependent" in text or "GuardOnDataDependent" in text:
-        return TraceError(f"the model has data-dependent control flow or output shapes ({first})",
-                          hint="slackswap traces one step at fixed shapes: avoid .item()/nonzero()-"
-                               "driven branches in the step, or profile with --device cpu on real data")
-    if "Dynamic" in name or "dynamic" in text.lower() and "shape" in text.lower():
-        return TraceError(f"the model needs dynamic shapes ({first})",
-                          hint="profile at one fixed input shape")
+    if needs_values(exc):
+        return TraceError(
+            "the step is data-dependent: its sizes or control flow depend on tensor values "
+            f"(such as expert routing in a mixture of experts), which fake tensors (--device "
+            f"fake) do not have "
+            f"({first})" if fake else f"the step is data-dependent in a way a trace cannot "
+                                      f"capture ({first})",
+            hint=_VALUES_HINT if fake else "run the workload eagerly to check it trains")
+    if "Expected inputs of BF16 type" in text:
+        return TraceError(f"tracing the training step failed: {first}",
+                          hint=f"torch's shape rule for _grouped_mm takes bf16 only; slackswap "
+                               f"lifts it for fp32/fp16 on torch {_GROUPED_MM_TORCH}.x "
+                               f"only (this is {torch.__version__}): build the model in bf16, "
+                               "or choose the experts' eager implementation and --device cpu")
     return TraceError(f"tracing the training step failed: {first}",
                       hint="run the workload eagerly to check it trains (loss.backward()); "
                            "ops that call into Python or C++ extensions opaque to torch cannot be traced")

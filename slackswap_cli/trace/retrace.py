@@ -13,13 +13,14 @@ def trace_fake(path: str, entry: str, args: dict | None, device: str | None, rea
     """(joint graph, workload) of the workload at `path`, traced with fake tensors when possible.
 
     Fake tensors allocate nothing, so a model too large for this machine can still be applied.
-    A workload that builds part of its model outside `workload()` cannot be faked; it is then
-    loaded and traced for real. `autocast` and `target_device` are the profile's (its trace
+    A workload that builds part of its model outside `workload()` cannot be faked, nor can a
+    step whose sizes depend on values (mixture-of-experts routing): it is then loaded and
+    traced for real. `autocast` and `target_device` are the profile's (its trace
     ran under that autocast, and took the random ops of that device).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .joint import capture_joint
+    from .joint import capture_joint, needs_values
     from .workload import load_workload
     dev = None if device is None or device == "cpu" or device.startswith("fake") else device
     work = None
@@ -28,11 +29,16 @@ def trace_fake(path: str, entry: str, args: dict | None, device: str | None, rea
             work = load_workload(path, entry, args, fake_mode=FakeTensorMode(), device=dev)
         except TraceError:
             work = None
-    if work is None:
-        work = load_workload(path, entry, args, device=dev)
-    joint = capture_joint(work.model, work.inputs, work.loss_fn, autocast=autocast,
-                          target_device=target_device)
-    return joint, work
+    how = {"autocast": autocast, "target_device": target_device}
+    if work is not None:
+        try:
+            return capture_joint(work.model, work.inputs, work.loss_fn, **how), work
+        except TraceError as exc:
+            if not needs_values(exc.__cause__ or exc):
+                raise
+            # sizes that depend on values (expert routing): only a real trace has them
+    work = load_workload(path, entry, args, device=dev)
+    return capture_joint(work.model, work.inputs, work.loss_fn, **how), work
 
 
 def joint_fingerprint(joint) -> str:
