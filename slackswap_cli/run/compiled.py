@@ -67,10 +67,14 @@ class GraphReport:
     graph_ops: int                 # forward ops of the joint graph (getitems not counted)
     lined_up_ops: int              # of those, lined up with a profile op
     saved_bytes: int = 0           # activation bytes saved for backward on the device
+    saved_bytes_not_lined_up: int = 0   # of those, results of ops that did not line up
     offloaded_bytes: int = 0       # activation bytes offloaded to the host
     recomputed_ops: list[str] = field(default_factory=list)   # profile names re-run in bwd
-    unplanned_recomputes: int = 0  # forward ops re-run in backward that the plan does not
+    off_plan_recomputes: list[str] = field(default_factory=list)  # lined up, not a view,
+    #                                not in the plan's chains, yet re-run in backward
+    unplanned_recomputes: int = 0  # views and ops that did not line up, re-run in backward
     refused_offloads: int = 0      # swapped roots the offload insertion cannot carry (kept)
+    rows: list[int] = field(default_factory=list)   # graph_table rows that lined up
     saved_names: list[str] = field(default_factory=list)
     offloaded_names: list[str] = field(default_factory=list)
 
@@ -258,7 +262,16 @@ def _measure(fw, bw, num_fwd_outputs, fwd_nodes, matched, table) -> GraphReport:
     primal = {v.untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
               if isinstance(v := n.meta.get("val"), torch.Tensor)}
     _, saved = _saved(fw, num_fwd_outputs)
-    rep = GraphReport(graph_ops=len(fwd_nodes), lined_up_ops=len(matched))
+    rep = GraphReport(graph_ops=len(fwd_nodes), lined_up_ops=len(matched),
+                      rows=sorted(matched.values()))
+    # views (results sharing an input's or an earlier result's storage): free to re-derive
+    views, owned = set(), set(primal)
+    for n in fwd_nodes:
+        key = _storage(n)
+        if key is not None and key in owned:
+            views.add(n)
+        owned |= {_storage(h) for hs in _holders(n) for h in hs}
+    lined = {_storage(h) for n in matched if n not in views for hs in _holders(n) for h in hs}
     seen: set[int] = set()
     for n in saved:
         v = n.meta["val"]
@@ -267,12 +280,15 @@ def _measure(fw, bw, num_fwd_outputs, fwd_nodes, matched, table) -> GraphReport:
         if key in primal or key in seen:
             continue
         seen.add(key)
+        nbytes = v.untyped_storage().nbytes()
         if offloaded:
-            rep.offloaded_bytes += v.untyped_storage().nbytes()
+            rep.offloaded_bytes += nbytes
             rep.offloaded_names.append(n.name.removeprefix(CPU_OFFLOAD_PREFIX))
         else:
-            rep.saved_bytes += v.untyped_storage().nbytes()
+            rep.saved_bytes += nbytes
             rep.saved_names.append(n.name)
+            if key not in lined:
+                rep.saved_bytes_not_lined_up += nbytes
     by_name = {n.name: n for n in fwd_nodes}
     ops = table["ops"]
     planned = set(table["recompute_ops"])
@@ -283,6 +299,8 @@ def _measure(fw, bw, num_fwd_outputs, fwd_nodes, matched, table) -> GraphReport:
         row = matched.get(src)
         if row is not None and ops[row][0] in planned:
             rep.recomputed_ops.append(ops[row][0])
+        elif row is not None and src not in views:
+            rep.off_plan_recomputes.append(ops[row][0])
         else:
             rep.unplanned_recomputes += 1
     return rep
@@ -380,12 +398,15 @@ def totals(partitions: list[PlanPartition]) -> dict:
     """The reports of every graph compiled so far, summed."""
     reps = [r for p in partitions for r in p.reports]
     return {
+        "lined_up_rows": sorted({row for r in reps for row in r.rows}),
         "graphs": len(reps),
         "graph_ops": sum(r.graph_ops for r in reps),
         "lined_up_ops": sum(r.lined_up_ops for r in reps),
         "saved_bytes": sum(r.saved_bytes for r in reps),
+        "saved_bytes_not_lined_up": sum(r.saved_bytes_not_lined_up for r in reps),
         "offloaded_bytes": sum(r.offloaded_bytes for r in reps),
         "recomputed_ops": sum(len(r.recomputed_ops) for r in reps),
+        "off_plan_recomputes": sorted({o for r in reps for o in r.off_plan_recomputes}),
         "unplanned_recomputes": sum(r.unplanned_recomputes for r in reps),
         "refused_offloads": sum(r.refused_offloads for r in reps),
     }

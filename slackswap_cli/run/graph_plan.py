@@ -10,12 +10,15 @@ dtypes), and carry out the plan only where an op lines up.
 `graph_table(profile, plan)` (plain Python values, written into the patched module as
 `GRAPH_TABLE`):
 
-- `ops`: the forward ops in order, `[name, target, outputs, module, tags, input shapes]` with
+- `ops`: the forward ops in order, `[name, target, outputs, module, tags, input shapes,
+  roots]` with
   `outputs` = `[[shape, dtype], ...]` of the op's tensor results and `tags[i]` what the plan
   does with result i: `"recompute"` (the op re-runs in a recompute chain of the plan),
   `"save"` (a saved root it keeps), `"offload"` (a saved root it swaps) or None (a view of a
-  root, a temporary, a root backward does not read: left to torch);
-- `kept_bytes`, `swapped_bytes`: bytes of the saved roots kept and swapped;
+  root, a temporary, a root backward does not read: left to torch); `roots[i]` the saved root
+  whose decision result i carries (itself, or the root an in-place op writes), or None;
+- `kept_bytes`, `swapped_bytes`: bytes of the saved roots kept and swapped; `root_bytes`:
+  root id -> bytes, for the kept and swapped roots;
   `recompute_ops`: names of the forward ops the plan's chains re-run;
 - `container`: the module path of the repeated blocks (`layers.layer_container`), if any.
 
@@ -44,15 +47,17 @@ def graph_table(profile: Profile, plan: Plan) -> dict:
     in_chain = set(chain_ops)
     ops = []
     for i, o in enumerate(profile.ops[:nf]):
+        decided = [r if (r := _decided(profile, o, t)) in saved_roots else None
+                   for t in o.outputs]
         tags = [("recompute" if i in in_chain else
-                 ACTION_TAG[saved_roots[r]] if (r := _decided(profile, o, t)) in saved_roots
-                 else None) for t in o.outputs]
+                 ACTION_TAG[saved_roots[r]] if r is not None else None) for r in decided]
         ins = [list(profile.tensors[t].shape) for t in o.inputs]
         outs = [[list(profile.tensors[t].shape), profile.tensors[t].dtype] for t in o.outputs]
-        ops.append([o.name, o.target, outs, o.module, tags, ins])
+        ops.append([o.name, o.target, outs, o.module, tags, ins, decided])
     size = {t.id: t.size_bytes for t in profile.saved_activations}
     return {
         "ops": ops,
+        "root_bytes": {t: size[t] for t, a in saved_roots.items() if a in ("keep", "swap")},
         "kept_bytes": sum(size[t] for t, a in saved_roots.items() if a == "keep"),
         "swapped_bytes": sum(size[t] for t, a in saved_roots.items() if a == "swap"),
         "recompute_ops": [profile.ops[p].name for p in chain_ops],
