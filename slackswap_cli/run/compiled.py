@@ -23,10 +23,13 @@ own `min_cut_rematerialization_partition`:
 
 Ops that do not line up are left to the partitioner; how many line up is said once per graph
 on stderr. Nothing global changes: the backend is an `aot_autograd` backend or inductor with
-`options={"custom_partitioner_fn": ...}`, both scoped to this compiled object.
+`options={"custom_partitioner_fn": ..., "fx_graph_cache": False}`, both scoped to this compiled
+object (the FX-graph and AOTAutograd caches key on the captured graph, not on the plan, so a
+cached graph would skip the partition: they are off for it).
 
 Private torch API used (pinned: `TESTED_TORCH`, other versions are refused by name):
-`torch._functorch.partitioners.min_cut_rematerialization_partition`,
+`torch._functorch.partitioners.min_cut_rematerialization_partition` (and `get_default_op_list`),
+`torch._functorch.compile_utils.fx_graph_cse`, `torch._functorch.config.cse`,
 `torch._functorch._activation_offloading.activation_offloading` (offload_chosen_sets,
 offload_chosen_sets_async, activation_offload_sink_wait_async,
 activation_reload_prefetch_async, CPU_OFFLOAD_PREFIX), `torch._dynamo.backends.common
@@ -94,7 +97,14 @@ class PlanPartition:
 
     # the partitioner ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+        from torch._functorch import config as functorch_config
+        from torch._functorch.compile_utils import fx_graph_cse
         from torch._functorch.partitioners import min_cut_rematerialization_partition
+        if functorch_config.cse:
+            # the partitioner merges identical ops first (Llama's two causal masks): merged
+            # before lining up, a merged op counts as not lined up rather than silently lost
+            gm.graph = fx_graph_cse(gm.graph)
+            gm.recompile()
         fwd_nodes, after_tangent = _split(gm)
         matched = self._tag(gm, fwd_nodes, after_tangent)
         kwargs.setdefault("compiler", "inductor")
@@ -306,6 +316,23 @@ def _measure(fw, bw, num_fwd_outputs, fwd_nodes, matched, table) -> GraphReport:
     return rep
 
 
+def _inductor_partitioner(partition: PlanPartition):
+    """`partition` as inductor's `custom_partitioner_fn` (a CustomPartitionerFn)."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class InductorPartitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return None        # never cache (fx_graph_cache is off as well)
+
+        def __reduce__(self):  # inductor may pickle its config: a stand-in, not the plan
+            return (str, ("slackswap plan partition",))
+
+    return InductorPartitioner()
+
+
 def _backend(backend: str, partition: PlanPartition, options: dict | None):
     """torch.compile arguments that run `partition` as the partitioner of `backend`."""
     if backend == "aot_eager":
@@ -320,20 +347,14 @@ def _backend(backend: str, partition: PlanPartition, options: dict | None):
     if backend != "inductor":
         raise InputError(f"compile_planned runs backend 'inductor' or 'aot_eager', not {backend!r}",
                          hint="a plan needs a backend whose partitioner it can set")
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-    class _Partitioner(CustomPartitionerFn):
-        def __call__(self, gm, joint_inputs, **kwargs):
-            return partition(gm, joint_inputs, **kwargs)
-
-        def uuid(self):
-            return None        # never cache: the tags depend on the plan, not on this file
-
     opts = dict(options or {})
     if opts.get("custom_partitioner_fn") is not None:
         raise InputError("options sets custom_partitioner_fn, which compile_planned sets",
                          hint="drop custom_partitioner_fn from options")
-    opts["custom_partitioner_fn"] = _Partitioner()
+    opts["custom_partitioner_fn"] = _inductor_partitioner(partition)
+    # the caches key on the graph torch captured, not on the plan: a graph compiled under
+    # another plan (or none) would come back without this partition running
+    opts["fx_graph_cache"] = False
     return {"backend": "inductor", "options": opts}
 
 

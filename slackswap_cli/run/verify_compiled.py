@@ -3,7 +3,8 @@
 Two copies of the workload from the same weights: one eager, one through the patched module's
 `compile_planned` (backend inductor or aot_eager). `steps` AdamW steps from the same seed
 compare losses and gradients (aot_eager runs the same aten ops: bitwise; inductor fuses and
-reorders: within the fp32 tolerance). The partition function's reports give what the
+reorders: within the fp32 tolerance, and runs with `fallback_random` so that dropout draws
+eager's random numbers). The partition function's reports give what the
 partitioned forward and backward graphs do:
 
 - `compiled.saved_bytes`: activation bytes the forward graph returns for backward on the
@@ -54,7 +55,9 @@ def verify_compiled(patched_path: str, model_path: str | None = None, *,
                                     device=dev))
     eager, work = models
     work.model.load_state_dict(eager.model.state_dict())
-    compiled = mod.compile_planned(work.model, backend=backend, quiet=True)
+    # inductor draws dropout's random numbers its own way unless told to fall back to eager's
+    extra = {"options": {"fallback_random": True}} if backend == "inductor" else {}
+    compiled = mod.compile_planned(work.model, backend=backend, quiet=True, **extra)
     diffs = _compare(eager, work, compiled, steps, seed)
     got = totals(compiled._slackswap_partitions)
     plan = _plan_numbers(table, got["lined_up_rows"])
