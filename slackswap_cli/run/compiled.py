@@ -106,11 +106,12 @@ class PlanPartition:
             gm.graph = fx_graph_cse(gm.graph)
             gm.recompile()
         fwd_nodes, after_tangent = _split(gm)
-        matched = self._tag(gm, fwd_nodes, after_tangent)
+        graph_ops = _graph_ops(fwd_nodes)
+        matched = self._tag(gm, graph_ops, after_tangent)
         kwargs.setdefault("compiler", "inductor")
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         refused = _offload(fw, bw, kwargs["num_fwd_outputs"], _on_cuda(gm))
-        report = _measure(fw, bw, kwargs["num_fwd_outputs"], fwd_nodes, matched, self.table)
+        report = _measure(fw, bw, kwargs["num_fwd_outputs"], graph_ops, matched, self.table)
         report.refused_offloads = refused
         self.reports.append(report)
         if not self.quiet:
@@ -122,34 +123,36 @@ class PlanPartition:
                   f"partitioner{extra}", file=sys.stderr)
         return fw, bw
 
-    def _tag(self, gm: fx.GraphModule, nodes: list[fx.Node],
-             after_tangent: set[fx.Node]) -> dict[fx.Node, int]:
-        """Line `nodes` up with the rows and tag what lines up; node -> table row."""
+    def _tag(self, gm: fx.GraphModule, graph_ops: list[GraphOp],
+             after_tangent: set[fx.Node]) -> dict[GraphOp, int]:
+        """Line the graph's ops up with the rows and tag what lines up; op -> table row."""
         from torch.utils.checkpoint import CheckpointPolicy
-        keys = [op_key(n.target, _outputs(n)) for n in nodes]
+        keys = [op_key(g.target, g.results()) for g in graph_ops]
         offloaded: set[int] = set()
         ops = self.table["ops"]
 
-        def attempt(start: int) -> dict[fx.Node, int]:
+        def attempt(start: int) -> dict[GraphOp, int]:
             rows = self.rows[start:]
             got = line_up(keys, [ops[r] for r in rows])
-            return {n: rows[k] for n, k in zip(nodes, got) if k is not None}
+            return {g: rows[k] for g, k in zip(graph_ops, got) if k is not None}
 
         matched = attempt(self.cursor)
-        if self.cursor and len(matched) < 0.5 * len(nodes):
+        if self.cursor and len(matched) < 0.5 * len(graph_ops):
             matched = attempt(0)
         if matched:
             self.cursor = self.rows.index(max(matched.values())) + 1
-        for node, row in matched.items():
+        for g, row in matched.items():
             tags = ops[row][4]
-            holders = _holders(node)
+            holders = g.holders_for(ops[row][2])
             if "recompute" in tags:
                 policy = CheckpointPolicy.MUST_RECOMPUTE
             elif "save" in tags or "offload" in tags:
                 policy = CheckpointPolicy.MUST_SAVE
             else:
                 continue
-            for n in [node, *[h for hs in holders for h in hs]]:
+            # a decomposition's inner nodes are left to the partitioner unless recomputed
+            inner = g.nodes if policy == CheckpointPolicy.MUST_RECOMPUTE or not g.decomposed else []
+            for n in [*inner, *[h for hs in holders for h in hs]]:
                 n.meta["recompute"] = policy
             for tag, hs in zip(tags, holders):
                 for h in hs if tag == "offload" else ():
@@ -181,6 +184,64 @@ def _split(gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node]]:
            and n.target is not operator.getitem and not _writes_back(n)
            and n.meta.get("partitioner_tag") != "is_backward"]
     return fwd, after
+
+
+@dataclass(eq=False)
+class GraphOp:
+    """One op of the model as the captured graph holds it: one node, or the run of nodes a
+    decomposition made of it (inductor decomposes `gelu`, `native_layer_norm`, ... before
+    partitioning; each node records the op it came from in `meta["original_aten"]`)."""
+    nodes: list[fx.Node]
+    target: str
+    decomposed: bool
+    order: dict          # node -> position in the graph (shared by the graph's ops)
+
+    def outputs(self) -> list[fx.Node]:
+        """The nodes holding the op's tensor results: for one node, its result (or the first
+        getitem picking each); for a decomposition, the nodes read from outside the run."""
+        if not self.decomposed:
+            return [hs[0] for hs in _holders(self.nodes[0]) if hs]
+        inside = set(self.nodes) | {u for n in self.nodes for u in n.users
+                                    if u.target is operator.getitem}
+        outs = [m for m in sorted(inside, key=self.order.__getitem__)
+                if isinstance(m.meta.get("val"), torch.Tensor)
+                and any(u not in inside for u in m.users)]
+        # the op's own result first: the last one forward reads on (the others are what the
+        # decomposed backward reads: layer norm's mean and rstd, or an inner value)
+        main = [m for m in outs if any(u not in inside and u.meta.get("partitioner_tag")
+                                       != "is_backward" for u in m.users)]
+        return sorted(outs, key=lambda m: m is not (main or outs)[-1])
+
+    def results(self) -> list[tuple[tuple, str]]:
+        return [_outputs(n)[0] for n in self.outputs()] if self.decomposed else \
+            _outputs(self.nodes[0])
+
+    def holders_for(self, row_outputs: list) -> list[list[fx.Node]]:
+        """For each result of the profile's op (`[shape, dtype]`), the nodes holding it here:
+        results are paired in order among those of the same shape and dtype."""
+        if not self.decomposed:
+            return _holders(self.nodes[0])
+        free = list(zip(self.outputs(), self.results()))
+        out = [[free.pop(0)[0]]] if free and row_outputs else []
+        for shape, dtype in row_outputs[1:]:
+            k = next((i for i, (_, r) in enumerate(free) if r == (tuple(shape), str(dtype))), None)
+            out.append([free.pop(k)[0]] if k is not None else [])
+        return out
+
+
+def _graph_ops(fwd_nodes: list[fx.Node]) -> list[GraphOp]:
+    """The forward nodes as the model's ops (see GraphOp)."""
+    ops: list[GraphOp] = []
+    order = {n: i for i, n in enumerate(fwd_nodes[0].graph.nodes)} if fwd_nodes else {}
+    for n in fwd_nodes:
+        orig = n.meta.get("original_aten")
+        decomposed = orig is not None and str(orig) != str(n.target)
+        if decomposed and ops and ops[-1].decomposed and ops[-1].target == str(orig):
+            ops[-1].nodes.append(n)
+        else:
+            ops.append(GraphOp([n], str(orig) if decomposed else str(n.target), decomposed,
+                               order))
+    return ops
 
 
 def _writes_back(node: fx.Node) -> bool:
@@ -266,22 +327,22 @@ def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda:
     return refused
 
 
-def _measure(fw, bw, num_fwd_outputs, fwd_nodes, matched, table) -> GraphReport:
+def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table) -> GraphReport:
     """Read what the partitioned graphs save, offload and recompute."""
     from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX
     primal = {v.untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
               if isinstance(v := n.meta.get("val"), torch.Tensor)}
     _, saved = _saved(fw, num_fwd_outputs)
-    rep = GraphReport(graph_ops=len(fwd_nodes), lined_up_ops=len(matched),
+    rep = GraphReport(graph_ops=len(graph_ops), lined_up_ops=len(matched),
                       rows=sorted(matched.values()))
     # views (results sharing an input's or an earlier result's storage): free to re-derive
     views, owned = set(), set(primal)
-    for n in fwd_nodes:
+    for n in (n for g in graph_ops for n in g.nodes):
         key = _storage(n)
         if key is not None and key in owned:
             views.add(n)
         owned |= {_storage(h) for hs in _holders(n) for h in hs}
-    lined = {_storage(h) for n in matched if n not in views for hs in _holders(n) for h in hs}
+    lined = {_storage(h) for g in matched if not (set(g.nodes) & views) for h in g.outputs()}
     seen: set[int] = set()
     for n in saved:
         v = n.meta["val"]
@@ -299,18 +360,22 @@ def _measure(fw, bw, num_fwd_outputs, fwd_nodes, matched, table) -> GraphReport:
             rep.saved_names.append(n.name)
             if key not in lined:
                 rep.saved_bytes_not_lined_up += nbytes
-    by_name = {n.name: n for n in fwd_nodes}
+    op_of = {n.name: g for g in graph_ops for n in g.nodes}
     ops = table["ops"]
     planned = set(table["recompute_ops"])
     for n in bw.graph.nodes:
-        src = by_name.get(n.name) if n.op == "call_function" else None
-        if src is None:
+        g = op_of.get(n.name) if n.op == "call_function" else None
+        if g is None:
             continue
-        row = matched.get(src)
-        if row is not None and ops[row][0] in planned:
-            rep.recomputed_ops.append(ops[row][0])
-        elif row is not None and src not in views:
-            rep.off_plan_recomputes.append(ops[row][0])
+        row = matched.get(g)
+        name = ops[row][0] if row is not None else None
+        if name in planned:
+            if name not in rep.recomputed_ops:
+                rep.recomputed_ops.append(name)
+        elif row is not None and not set(g.nodes) & views and \
+                (not g.decomposed or n.name == g.outputs()[0].name):
+            if name not in rep.off_plan_recomputes:
+                rep.off_plan_recomputes.append(name)
         else:
             rep.unplanned_recomputes += 1
     return rep

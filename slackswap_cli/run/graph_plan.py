@@ -68,9 +68,9 @@ def graph_table(profile: Profile, plan: Plan) -> dict:
 # AOTAutograd functionalizes the graph it compiles: an in-place op becomes its out-of-place
 # twin (`relu_` -> `relu`) and BatchNorm's hidden running-statistics writes become extra results
 # (`_native_batch_norm_legit_functional`: native_batch_norm's 3 results, then the 2 new running
-# statistics). Keys name both sides alike; only the results the profile's op has are compared.
+# statistics). Keys name both sides alike.
 FUNCTIONAL_TWINS = {"aten._native_batch_norm_legit_functional.default":
-                    ("aten.native_batch_norm.default", 3)}
+                    "aten.native_batch_norm.default"}
 
 
 def _decided(profile: Profile, op, t: int) -> int:
@@ -83,13 +83,15 @@ def _decided(profile: Profile, op, t: int) -> int:
 
 
 def op_key(target: str, outputs) -> tuple:
-    """What two ops must share to line up: the op (its functional form) and each result's shape
-    and dtype."""
-    name, n_out = FUNCTIONAL_TWINS.get(str(target), (str(target), None))
+    """What two ops must share to line up: the op (its functional form) and its first result's
+    shape and dtype."""
+    name = FUNCTIONAL_TWINS.get(str(target), str(target))
     parts = name.split(".")
     if len(parts) == 3 and parts[1].endswith("_") and not parts[1].endswith("__"):
         parts[1] = parts[1][:-1]           # in place -> out of place
-    outs = list(outputs)[:n_out] if n_out else outputs
+    # the first result only: a decomposed op (inductor's `native_layer_norm`) keeps the
+    # results backward reads, not always the op's (and functional twins add results)
+    outs = list(outputs)[:1]
     return (".".join(parts), tuple((tuple(s), str(d)) for s, d in outs))
 
 
