@@ -128,7 +128,7 @@ class PlanPartition:
         """Line the graph's ops up with the rows and tag what lines up; op -> table row."""
         from torch.utils.checkpoint import CheckpointPolicy
         keys = [op_key(g.target, g.results()) for g in graph_ops]
-        offloaded: set[int] = set()
+        offloaded: set[int] = set()      # storages of offloaded and recomputed roots
         ops = self.table["ops"]
 
         def attempt(start: int) -> dict[GraphOp, int]:
@@ -155,15 +155,15 @@ class PlanPartition:
             for n in [*inner, *[h for hs in holders for h in hs]]:
                 n.meta["recompute"] = policy
             for tag, hs in zip(tags, holders):
-                for h in hs if tag == "offload" else ():
-                    h.meta["should_offload"] = True
+                for h in hs if tag in ("offload", "recompute") else ():
+                    h.meta["should_offload"] = tag == "offload"
                     offloaded.add(_storage(h))
         # the partitioner may save a view of a root instead of the root itself (free, as views
-        # are), and a view cannot be offloaded: views of an offloaded root are re-derived in
-        # backward from the root, which is then what is saved
+        # are), and a view cannot be offloaded; a saved view of a recomputed root would keep
+        # its storage: views of an offloaded or recomputed root are re-derived in backward
         for n in gm.graph.nodes:
             if (n.op == "call_function" and n.target is not operator.getitem
-                    and not n.meta.get("should_offload") and _storage(n) in offloaded
+                    and "recompute" not in n.meta and _storage(n) in offloaded
                     and n not in after_tangent):
                 n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         return matched
