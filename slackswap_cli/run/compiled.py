@@ -338,10 +338,10 @@ def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table) -> GraphReport:
     # views (results sharing an input's or an earlier result's storage): free to re-derive
     views, owned = set(), set(primal)
     for n in (n for g in graph_ops for n in g.nodes):
-        key = _storage(n)
-        if key is not None and key in owned:
+        keys = {_storage(h) for hs in _holders(n) for h in hs} - {None}
+        if keys and keys <= owned:          # (split's results: all views of its input)
             views.add(n)
-        owned |= {_storage(h) for hs in _holders(n) for h in hs}
+        owned |= keys
     lined = {_storage(h) for g in matched if not (set(g.nodes) & views) for h in g.outputs()}
     seen: set[int] = set()
     for n in saved:
