@@ -17,7 +17,11 @@ On a CUDA machine this script
    1), and with a plan from a `--device fake` profile (made as on a CPU-only machine: fake CPU
    tensors, roofline costs) applied on this device: losses against eager, how many of the
    profile's forward ops lined up, ops re-run, peak memory and step time,
-6. writes JSON (`--out`, default benchmarks/results/gpu_check.json): for every row, predicted
+6. runs `compile_planned(model)` (the plan inside torch.compile: inductor; aot_eager in the
+   dry run) at the same budgets, beside the torch.compile activation_memory_budget rows of 4
+   and the in-place rows of 5: predicted vs measured peak and step time, losses against
+   eager, and the bytes the compiled graphs save and offload and the ops they recompute,
+7. writes JSON (`--out`, default benchmarks/results/gpu_check.json): for every row, predicted
    vs measured peak activation memory and step time, and measured retention (eager keep-all
    step time / step time).
 
@@ -289,6 +293,66 @@ def run_baselines(args: dict, fractions: list[float], cuda: bool, steps: int, se
     return rows
 
 
+def run_compile_planned(prof, hw, args: dict, fractions: list[float], cuda: bool, steps: int,
+                        seed: int, eager_ms: float, deadline: float = float("inf")) -> list[dict]:
+    """`compile_planned(model)` (the plan inside torch.compile; inductor on CUDA, aot_eager in
+    the dry run: inductor on a CPU compiles for minutes) at each budget: predicted vs measured
+    peak and step time, losses against eager, and what the compiled graphs save, offload and
+    recompute (run/compiled.py's reports)."""
+    from slackswap_cli.run.compiled import totals
+    from slackswap_cli.run.emit import load_patched
+    device = "cuda" if cuda else None
+    backend = "inductor" if cuda else "aot_eager"
+    peak = int(prof.summary["peak_activation_bytes"])
+    w = load_workload(str(WORKLOAD), args=args, device=device)
+    a, kw = split_inputs(w.inputs)
+    eager = measure_step(w.model, lambda: loss_from_output(w.model(*a, **kw), w.inputs,
+                                                           w.loss_fn), cuda, steps, seed)
+    del w
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for frac in fractions:
+            row: dict = {"method": f"slackswap compile_planned ({backend})",
+                         "budget_fraction": frac, "budget_bytes": int(frac * peak)}
+            if time.perf_counter() > deadline:
+                row["error"] = "skipped: --time-limit-s reached (compiling takes minutes)"
+                rows.append(row)
+                continue
+            try:
+                plan = make_plan("slackswap", prof, hw, int(frac * peak), frac)
+                row.update({"feasible": plan.feasible,
+                            "predicted_peak_bytes": plan.predicted.peak_bytes,
+                            "predicted_step_us": plan.predicted.step_us,
+                            "predicted_retention": plan.predicted.retention})
+                path = Path(tmp) / f"compiled_{frac:g}.py"
+                path.write_text(apply_plan(plan, prof, args=args))
+                torch._dynamo.reset()
+                w = load_workload(str(WORKLOAD), args=args, device=device)
+                compiled = load_patched(str(path)).compile_planned(w.model, backend=backend,
+                                                                   quiet=True)
+                a, kw = split_inputs(w.inputs)
+                m = measure_step(w.model, lambda: loss_from_output(compiled(*a, **kw), w.inputs,
+                                                                   w.loss_fn), cuda, steps, seed)
+                t = totals(compiled._slackswap_partitions)
+                del t["lined_up_rows"]
+                row.update({"measured_peak_bytes": m["peak_bytes"], "measured_step_ms": m["step_ms"],
+                            "eager_step_ms": eager["step_ms"], "eager_peak_bytes": eager["peak_bytes"],
+                            "measured_retention": eager_ms / m["step_ms"],
+                            "losses": m["losses"], "eager_losses": eager["losses"],
+                            "max_loss_abs_diff": max(abs(x - y) for x, y in
+                                                     zip(m["losses"], eager["losses"])),
+                            "compiled": t})
+                # inductor fuses: fp32 within 1e-5 relative; aot_eager runs eager's ops
+                tol = 1e-5 * max(abs(x) for x in eager["losses"]) if cuda else 0.0
+                row["passed"] = row["max_loss_abs_diff"] <= tol
+                del w, compiled
+            except Exception as exc:  # noqa: BLE001 - record and go on
+                row["error"] = _err(exc)
+                row["traceback"] = traceback.format_exc().splitlines()[-6:]
+            rows.append(row)
+    return rows
+
+
 def _err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
@@ -378,6 +442,9 @@ def main(argv=None) -> int:
     fake_prof = profile_workload(str(WORKLOAD), args=args, device="fake", hardware=hw)
     result["rows"] += run_inplace(fake_prof, hw, args, fractions, cuda, opts.steps, opts.seed,
                                   "slackswap-inplace-fake-cpu-profile")
+    say("compile_planned: the plan inside torch.compile")
+    result["rows"] += run_compile_planned(prof, hw, args, fractions, cuda, opts.steps, opts.seed,
+                                          eager_ms or 1.0, deadline=t_start + opts.time_limit_s)
     if not opts.no_baselines:
         say("baselines: checkpoint every block, torch.compile activation_memory_budget")
         result["rows"] += run_baselines(args, fractions, cuda, opts.steps, opts.seed,

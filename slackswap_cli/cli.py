@@ -754,8 +754,13 @@ def verify(
     steps: int = typer.Option(1, "--steps", min=1, help="training steps to compare"),
     plan: Optional[Path] = typer.Option(None, "--plan", help="the plan the module was made from, for the simulator's timeline [default: a matching plan next to the module]"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    compile_: bool = typer.Option(False, "--compile", help="check compile_planned instead: the partitioned graphs' saved, offloaded and recomputed against the plan, and values against eager"),
+    backend: str = typer.Option("inductor", "--backend", help="with --compile: inductor or aot_eager"),
 ) -> None:
     """Run original and patched for N steps: losses and gradients equal, memory (op by op, against the simulator) and time measured."""
+    if compile_:
+        _verify_compiled(patched, model, steps, backend, as_json)
+        return
     try:
         from .run.verify import verify as run_verify
         plan_obj = None
@@ -780,6 +785,40 @@ def verify(
                      "if the model or its code changed since it was profiled, run `slackswap "
                      "profile`, `plan` and `apply` again; a mismatch that persists is a bug in "
                      "slackswap, please report it")
+        raise typer.Exit(5)
+
+
+def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: str,
+                     as_json: bool) -> None:
+    """`verify --compile`: the report of run/verify_compiled.py, as JSON or as lines."""
+    if backend not in ("inductor", "aot_eager"):
+        _fail(InputError(f"--backend must be inductor or aot_eager, not {backend!r}",
+                         hint="compile_planned sets the partitioner of these two backends"))
+    try:
+        from .run.verify_compiled import verify_compiled
+        with _working(f"compiling with the plan ({backend}) and running eager beside it", as_json):
+            report = verify_compiled(str(patched), str(model) if model else None,
+                                     backend=backend, steps=steps)
+    except SlackswapError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json(report)
+    else:
+        c, p = report["compiled"], report["plan"]
+        out.print(f"compiled ({backend}): {c['graphs']} graph(s), {c['lined_up_ops']} of "
+                  f"{c['graph_ops']} forward ops line up")
+        out.print(f"{'':<20}{'compiled':>11}{'plan':>11}{'lined up':>11}")
+        for label, got, key in (("saved / kept B", c["saved_bytes"], "kept_bytes"),
+                                ("offloaded / swapped B", c["offloaded_bytes"], "swapped_bytes")):
+            out.print(f"{label:<21}{got:>10}{p[key]:>11}{p['lined_up_' + key]:>11}")
+        out.print(f"{'recomputed ops':<21}{c['recomputed_ops']:>10}{p['recomputed_ops']:>11}")
+        out.print(f"saved by ops that did not line up: {c['saved_bytes_not_lined_up']} B")
+        out.print(f"vs eager (relative): loss {report['max_loss_rel_diff']:.1e}, gradients "
+                  f"{report['max_grad_rel_diff']:.1e}, parameters {report['max_param_rel_diff']:.1e}")
+    if not report["passed"]:
+        _error_lines("verify --compile failed: " + "; ".join(report["reasons"]),
+                     "if the model changed since it was profiled, run `slackswap profile`, "
+                     "`plan` and `apply` again; a mismatch that persists is a bug in slackswap")
         raise typer.Exit(5)
 
 

@@ -58,3 +58,11 @@ def random_decisions(prof, rng):
         pin = rng.choice(bwd) if a == "swap" and rng.random() < 0.3 else None
         out.append(Decision(t.id, a, pin))
     return out
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a gloo process group)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

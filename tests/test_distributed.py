@@ -6,7 +6,6 @@ Order, as for activation checkpointing: `patch(model)`, then `DDP(model)` or `fu
 the blocks and the root. The plan is made for one rank's activations.
 """
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -14,17 +13,12 @@ import pytest
 import torch
 
 from slackswap_cli.run.emit import apply_plan
+from helpers import free_port
 from workloads import HW, SOURCES, profiled
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not built in")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, patched_path, workload_path, mode, out_dir):
@@ -95,7 +89,7 @@ def _run(tmp_path, files, name, frac, mode):
                      int(peak * frac), frac)
     patched = tmp_path / f"{name}_patched.py"
     patched.write_text(apply_plan(plan, prof))
-    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(patched), str(files[name]),
+    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(patched), str(files[name]),
                                                mode, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for res in ranks:

@@ -208,6 +208,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert "error" not in rows[("torch.utils.checkpoint (every block)", None)]
     compiled = [r for (m, _), r in rows.items() if m.startswith("torch.compile")]
     assert len(compiled) == 1 and ("measured_peak_bytes" in compiled[0] or "error" in compiled[0])
+    planned = rows[("slackswap compile_planned (aot_eager)", 0.5)]
+    assert planned["passed"] and planned["compiled"]["offloaded_bytes"] > 0, planned
+    assert planned["measured_peak_bytes"] > 0 and planned["predicted_peak_bytes"] > 0
     assert data["hardware"]["h2d_bytes_per_s"] > 0
 
 

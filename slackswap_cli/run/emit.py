@@ -8,7 +8,8 @@ step (`partition`), and write both as plain Python calling aten ops, with the pl
 the file are the profile's tensor names (fx node names), so every line can be traced back to a
 tensor id of the profile and a decision of the plan.
 
-The emitted file imports only torch, `slackswap_cli.run.swap` and `slackswap_cli.run.inplace`.
+The emitted file imports only torch and slackswap_cli's run side (`step`, `inplace`, and, when
+called, `compiled` and `sac`).
 `patch(model)` patches the model in place (`replay`): the plan runs inside its own forward and
 autograd's backward, from the table of `chains.runtime_table`. `step_module(model)` returns a
 module sharing the model's parameters and buffers whose forward takes the workload's inputs and
@@ -92,6 +93,7 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     import torch.utils._pytree as pytree
 
     from ..chains import runtime_table
+    from .graph_plan import graph_table
     from .step_code import partition, source_lines
 
     params = dict(work.model.named_parameters())
@@ -159,7 +161,13 @@ Plan: planner {plan.planner}, activation budget {plan.budget_bytes} bytes{frac};
 activations it keeps {counts["keep"]}, swaps {counts["swap"]} to host memory and recomputes {counts["recompute"]}.
 Predicted: peak {plan.predicted.peak_bytes} bytes, step {plan.predicted.step_us:.1f} us (ideal {plan.predicted.ideal_us:.1f} us).{infeasible}
 
-Use it in training (one line added):
+Use it in training, compiled (GPU users, the fast path):
+
+    from {{this module}} import compile_planned
+    model = compile_planned(model)  # torch.compile with the plan in the joint graph
+    # or per block, torchtitan style: compile_planned(model, per_block=True)
+
+or in eager (one line added):
 
     from {{this module}} import patch
     patch(model)                   # in place: the same model object, its hooks, DDP, Trainer
@@ -185,6 +193,10 @@ META = {pprint.pformat(meta, width=100, sort_dicts=False)}
 # The plan as `patch` carries it out (see slackswap_cli/run/inplace.py): the forward ops it
 # aligns the model's with, each saved root's action, and the recompute chains (the simulator's).
 TABLE = {pprint.pformat(runtime_table(profile, plan.decisions), width=100, compact=True)}
+
+# The plan per forward op, for the graph runtimes (slackswap_cli/run/graph_plan.py):
+# compile_planned and sac_policy line the ops they see up with these rows.
+GRAPH_TABLE = {pprint.pformat(graph_table(profile, plan), width=100, compact=True)}
 
 # Placeholders:
 {chr(10).join(mapping)}
@@ -216,6 +228,33 @@ def patch(model, strict=False):
 def unpatch(model):
     """Undo `patch`."""
     return replay.unpatch(model)
+
+
+def compile_planned(model, block=None, per_block=False, **torch_compile_kwargs):
+    """`torch.compile(model, **torch_compile_kwargs)` with the plan applied in the captured
+    joint graphs: kept activations saved, recomputed ones recomputed in backward, swapped ones
+    offloaded to the host (on CUDA on a side stream, prefetched). backend="inductor" (the
+    default) or "aot_eager". Per block (torchtitan style): `compile_planned(block, block=i)`
+    on repeated block i, or `compile_planned(model, per_block=True)` to compile every block in
+    place (slackswap_cli/run/compiled.py).
+    """
+    from slackswap_cli.run import compiled
+    return compiled.compile_planned(model, GRAPH_TABLE, block=block, per_block=per_block,
+                                    **torch_compile_kwargs)
+
+
+def sac_policy(block_index):
+    """The plan of repeated block `block_index` as a selective-checkpoint policy (one per
+    checkpointed call); a swapped tensor is saved (slackswap_cli/run/sac.py)."""
+    from slackswap_cli.run import sac
+    return sac.sac_policy(GRAPH_TABLE, block_index)
+
+
+def context_fn(block_index):
+    """`checkpoint(block, x, use_reentrant=False, context_fn=context_fn(i))`: the plan of
+    block i, in eager or under torch.compile."""
+    from slackswap_cli.run import sac
+    return sac.context_fn(GRAPH_TABLE, block_index)
 
 
 def step_module(model, check_trace=True):

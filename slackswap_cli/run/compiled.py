@@ -1,0 +1,505 @@
+"""`compile_planned(model)`: the plan carried out inside `torch.compile`.
+
+How the plan reaches the graph. torch.compile hands AOTAutograd's joint forward+backward graph
+of each captured piece (one per graph break, one per compiled block) to a *partition function*
+that splits it into the forward and backward graphs. `compile_planned` passes its own
+(`PlanPartition`): it lines the graph's forward ops up with the profile's (`graph_plan.line_up`:
+op overload, occurrence, result shapes and dtypes), tags what lines up and then calls torch's
+own `min_cut_rematerialization_partition`:
+
+- a root the plan keeps: `node.meta["recompute"] = MUST_SAVE` (the partitioner may not
+  recompute it, so it is saved when backward reads it);
+- an op a recompute chain of the plan re-runs: `MUST_RECOMPUTE` (the partitioner re-runs it in
+  backward, from what is saved);
+- a root the plan swaps: `MUST_SAVE` and `should_offload`; after partitioning, the saved value
+  is offloaded with torch's own insertion passes (`_activation_offloading`): `device_put` to
+  the host after its last forward use and back before its first backward use; on CUDA with
+  torch's `ao.offload`/`ao.reload` on a side stream, waits sunk to the end of forward and
+  reloads prefetched (`activation_offload_sink_wait`, `activation_reload_prefetch`). torch's
+  own chooser (`choose_offload_sets`) refuses getitem nodes, so every output of a multi-output
+  op (layer norm's result, dropout's mask) would stay on the device; slackswap marks the
+  nodes itself (`saved_for_offloading`) and refuses only what the insertion cannot carry:
+  views, non-contiguous tensors, model outputs and graph inputs (counted as `refused`).
+
+Ops that do not line up are left to the partitioner; how many line up is said once per graph
+on stderr. Nothing global changes: the backend is an `aot_autograd` backend or inductor with
+`options={"custom_partitioner_fn": ..., "fx_graph_cache": False}`, both scoped to this compiled
+object (the FX-graph and AOTAutograd caches key on the captured graph, not on the plan, so a
+cached graph would skip the partition: they are off for it).
+
+Private torch API used (pinned: `TESTED_TORCH`, other versions are refused by name):
+`torch._functorch.partitioners.min_cut_rematerialization_partition` (and `get_default_op_list`),
+`torch._functorch.compile_utils.fx_graph_cse`, `torch._functorch.config.cse`,
+`torch._functorch._activation_offloading.activation_offloading` (offload_chosen_sets,
+offload_chosen_sets_async, activation_offload_sink_wait_async,
+activation_reload_prefetch_async, CPU_OFFLOAD_PREFIX), `torch._dynamo.backends.common
+.aot_autograd`, `torch._dynamo.backends.debugging.boxed_nop`,
+`torch._inductor.custom_graph_pass.CustomPartitionerFn`, and the node meta keys `recompute`,
+`should_offload`, `saved_for_offloading`.
+"""
+from __future__ import annotations
+
+import operator
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..errors import InputError, SlackswapError
+from .graph_plan import block_name, block_rows, line_up, op_key
+
+TESTED_TORCH = ("2.13",)
+BACKENDS = ("inductor", "aot_eager")
+
+
+def check_torch_version() -> None:
+    """Refuse a torch whose partitioner internals this runtime was not tested with."""
+    version = torch.__version__.split("+")[0]
+    if not any(version == v or version.startswith(v + ".") for v in TESTED_TORCH):
+        raise SlackswapError(
+            f"compile_planned was tested with torch {', '.join(TESTED_TORCH)}.x only, and this "
+            f"is torch {torch.__version__}: it relies on private partitioner and activation-"
+            "offloading internals that change between versions",
+            hint="use torch 2.13, or run the plan in eager with patch(model)")
+
+
+@dataclass
+class GraphReport:
+    """What one partitioned graph carries out (bytes dedupe storages)."""
+    graph_ops: int                 # forward ops of the joint graph (getitems not counted)
+    lined_up_ops: int              # of those, lined up with a profile op
+    saved_bytes: int = 0           # activation bytes saved for backward on the device
+    saved_bytes_not_lined_up: int = 0   # of those, results of ops that did not line up
+    offloaded_bytes: int = 0       # activation bytes offloaded to the host
+    recomputed_ops: list[str] = field(default_factory=list)   # profile names re-run in bwd
+    off_plan_recomputes: list[str] = field(default_factory=list)  # lined up, not a view,
+    #                                not in the plan's chains, yet re-run in backward
+    unplanned_recomputes: int = 0  # views and ops that did not line up, re-run in backward
+    refused_offloads: int = 0      # swapped roots the offload insertion cannot carry (kept)
+    rows: list[int] = field(default_factory=list)   # graph_table rows that lined up
+    saved_names: list[str] = field(default_factory=list)
+    offloaded_names: list[str] = field(default_factory=list)
+
+
+class PlanPartition:
+    """The partition function of one `compile_planned` call (see the module docstring).
+
+    `rows`: the graph_table rows this compiled object may hold (all, or one block's), in
+    order; graphs are matched against the rows after the last one matched before (graph
+    breaks come in execution order), or against all rows when that lines up too little (a
+    recompile)."""
+
+    def __init__(self, table: dict, rows: list[int], *, label: str = "", quiet: bool = False):
+        self.table, self.rows, self.label, self.quiet = table, rows, label, quiet
+        self.cursor = 0
+        self.reports: list[GraphReport] = []
+
+    # the partitioner ----------------------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+        from torch._functorch import config as functorch_config
+        from torch._functorch.compile_utils import fx_graph_cse
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        if functorch_config.cse:
+            # the partitioner merges identical ops first (Llama's two causal masks): merged
+            # before lining up, a merged op counts as not lined up rather than silently lost
+            gm.graph = fx_graph_cse(gm.graph)
+            gm.recompile()
+        fwd_nodes, after_tangent = _split(gm)
+        graph_ops = _graph_ops(fwd_nodes)
+        matched = self._tag(gm, graph_ops, after_tangent)
+        kwargs.setdefault("compiler", "inductor")
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        refused = _offload(fw, bw, kwargs["num_fwd_outputs"], _on_cuda(gm))
+        report = _measure(fw, bw, kwargs["num_fwd_outputs"], graph_ops, matched, self.table)
+        report.refused_offloads = refused
+        self.reports.append(report)
+        if not self.quiet:
+            where = f" ({self.label})" if self.label else ""
+            extra = f"; {refused} swap(s) kept: not offloadable" if refused else ""
+            print(f"slackswap: compiled graph {len(self.reports)}{where}: "
+                  f"{report.lined_up_ops} of {report.graph_ops} forward ops line up with the "
+                  f"profile, {report.graph_ops - report.lined_up_ops} left to torch's "
+                  f"partitioner{extra}", file=sys.stderr)
+        return fw, bw
+
+    def _tag(self, gm: fx.GraphModule, graph_ops: list[GraphOp],
+             after_tangent: set[fx.Node]) -> dict[GraphOp, int]:
+        """Line the graph's ops up with the rows and tag what lines up; op -> table row."""
+        from torch.utils.checkpoint import CheckpointPolicy
+        keys = [op_key(g.target, g.results()) for g in graph_ops]
+        offloaded: set[int] = set()      # storages of offloaded and recomputed roots
+        ops = self.table["ops"]
+
+        def attempt(start: int) -> dict[GraphOp, int]:
+            rows = self.rows[start:]
+            got = line_up(keys, [ops[r] for r in rows])
+            return {g: rows[k] for g, k in zip(graph_ops, got) if k is not None}
+
+        matched = attempt(self.cursor)
+        if self.cursor and len(matched) < 0.5 * len(graph_ops):
+            matched = attempt(0)
+        if matched:
+            self.cursor = self.rows.index(max(matched.values())) + 1
+        for g, row in matched.items():
+            tags = ops[row][4]
+            holders = g.holders_for(ops[row][2])
+            if "recompute" in tags:
+                policy = CheckpointPolicy.MUST_RECOMPUTE
+            elif "save" in tags or "offload" in tags:
+                policy = CheckpointPolicy.MUST_SAVE
+            else:
+                continue
+            # a decomposition's inner nodes are left to the partitioner unless recomputed
+            inner = g.nodes if policy == CheckpointPolicy.MUST_RECOMPUTE or not g.decomposed else []
+            for n in [*inner, *[h for hs in holders for h in hs]]:
+                n.meta["recompute"] = policy
+            for tag, hs in zip(tags, holders):
+                for h in hs if tag in ("offload", "recompute") else ():
+                    h.meta["should_offload"] = tag == "offload"
+                    offloaded.add(_storage(h))
+        # the partitioner may save a view of a root instead of the root itself (free, as views
+        # are), and a view cannot be offloaded; a saved view of a recomputed root would keep
+        # its storage: views of an offloaded or recomputed root are re-derived in backward
+        for n in gm.graph.nodes:
+            if (n.op == "call_function" and n.target is not operator.getitem
+                    and "recompute" not in n.meta and _storage(n) in offloaded
+                    and n not in after_tangent):
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        return matched
+
+
+def _split(gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node]]:
+    """(the joint graph's forward ops in order, the nodes that depend on a tangent).
+
+    Forward ops: call_function nodes that depend on no tangent and that AOTAutograd did not
+    tag as backward (weight transposes for backward matmuls depend on no tangent either);
+    getitems count as part of their op."""
+    after: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangent")) or \
+                any(a in after for a in n.all_input_nodes):
+            after.add(n)
+    fwd = [n for n in gm.graph.nodes if n.op == "call_function" and n not in after
+           and n.target is not operator.getitem and not _writes_back(n)
+           and n.meta.get("partitioner_tag") != "is_backward"]
+    return fwd, after
+
+
+@dataclass(eq=False)
+class GraphOp:
+    """One op of the model as the captured graph holds it: one node, or the run of nodes a
+    decomposition made of it (inductor decomposes `gelu`, `native_layer_norm`, ... before
+    partitioning; each node records the op it came from in `meta["original_aten"]`)."""
+    nodes: list[fx.Node]
+    target: str
+    decomposed: bool
+    order: dict          # node -> position in the graph (shared by the graph's ops)
+
+    def outputs(self) -> list[fx.Node]:
+        """The nodes holding the op's tensor results: for one node, its result (or the first
+        getitem picking each); for a decomposition, the nodes read from outside the run."""
+        if not self.decomposed:
+            return [hs[0] for hs in _holders(self.nodes[0]) if hs]
+        inside = set(self.nodes) | {u for n in self.nodes for u in n.users
+                                    if u.target is operator.getitem}
+        outs = [m for m in sorted(inside, key=self.order.__getitem__)
+                if isinstance(m.meta.get("val"), torch.Tensor)
+                and any(u not in inside for u in m.users)]
+        # the op's own result first: the last one forward reads on (the others are what the
+        # decomposed backward reads: layer norm's mean and rstd, or an inner value)
+        main = [m for m in outs if any(u not in inside and u.meta.get("partitioner_tag")
+                                       != "is_backward" for u in m.users)]
+        return sorted(outs, key=lambda m: m is not (main or outs)[-1])
+
+    def results(self) -> list[tuple[tuple, str]]:
+        return [_outputs(n)[0] for n in self.outputs()] if self.decomposed else \
+            _outputs(self.nodes[0])
+
+    def holders_for(self, row_outputs: list) -> list[list[fx.Node]]:
+        """For each result of the profile's op (`[shape, dtype]`), the nodes holding it here:
+        results are paired in order among those of the same shape and dtype."""
+        if not self.decomposed:
+            return _holders(self.nodes[0])
+        free = list(zip(self.outputs(), self.results()))
+        out = [[free.pop(0)[0]]] if free and row_outputs else []
+        for shape, dtype in row_outputs[1:]:
+            k = next((i for i, (_, r) in enumerate(free) if r == (tuple(shape), str(dtype))), None)
+            out.append([free.pop(k)[0]] if k is not None else [])
+        return out
+
+
+def _graph_ops(fwd_nodes: list[fx.Node]) -> list[GraphOp]:
+    """The forward nodes as the model's ops (see GraphOp)."""
+    ops: list[GraphOp] = []
+    order = {n: i for i, n in enumerate(fwd_nodes[0].graph.nodes)} if fwd_nodes else {}
+    for n in fwd_nodes:
+        orig = n.meta.get("original_aten")
+        decomposed = orig is not None and str(orig) != str(n.target)
+        if decomposed and ops and ops[-1].decomposed and ops[-1].target == str(orig):
+            ops[-1].nodes.append(n)
+        else:
+            ops.append(GraphOp([n], str(orig) if decomposed else str(n.target), decomposed,
+                               order))
+    return ops
+
+
+def _writes_back(node: fx.Node) -> bool:
+    """AOTAutograd's copy of a mutated input's new value back into it (BatchNorm's running
+    statistics): not an op of the model's forward."""
+    return (node.target is torch.ops.aten.copy_.default and bool(node.args)
+            and getattr(node.args[0], "op", None) == "placeholder")
+
+
+def _storage(node: fx.Node) -> int | None:
+    v = node.meta.get("val")
+    return v.untyped_storage()._cdata if isinstance(v, torch.Tensor) else None
+
+
+def _tensor_vals(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
+    val = node.meta.get("val")
+    vals = list(val) if isinstance(val, (tuple, list)) else [val]
+    return [(i, v) for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
+
+
+def _outputs(node: fx.Node) -> list[tuple[tuple, str]]:
+    def dim(s):
+        try:
+            return int(s)
+        except (TypeError, ValueError):
+            return str(s)
+    return [(tuple(dim(s) for s in v.shape), str(v.dtype).removeprefix("torch."))
+            for _, v in _tensor_vals(node)]
+
+
+def _holders(node: fx.Node) -> list[list[fx.Node]]:
+    """For each tensor result of `node` (in order), the nodes that hold it: the node itself, or
+    the getitems that pick it out of a multi-output op."""
+    val = node.meta.get("val")
+    if not isinstance(val, (tuple, list)):
+        return [[node]]
+    picks: dict[int, list[fx.Node]] = {}
+    for u in node.users:
+        if u.target is operator.getitem:
+            picks.setdefault(int(u.args[1]), []).append(u)
+    return [picks.get(i, []) for i, _ in _tensor_vals(node)]
+
+
+def _on_cuda(gm: fx.GraphModule) -> bool:
+    return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
+               for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def _saved(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[list[fx.Node], list[fx.Node]]:
+    outs = list(fw.graph.find_nodes(op="output")[0].args[0])
+    return outs[:num_fwd_outputs], [n for n in outs[num_fwd_outputs:]
+                                    if isinstance(n, fx.Node)
+                                    and isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda: bool) -> int:
+    """Offload the saved values marked `should_offload`; returns how many could not be."""
+    from torch._functorch._activation_offloading import activation_offloading as ao
+    from torch._functorch.partitioners import get_default_op_list
+    model_outs, saved = _saved(fw, num_fwd_outputs)
+    views = get_default_op_list()
+    chosen = refused = 0
+    for n in saved:
+        if not n.meta.get("should_offload"):
+            continue
+        if (n.op != "call_function" or n in model_outs or views.is_view(n)
+                or not _dense(n.meta["val"])):
+            refused += 1
+            continue
+        n.meta["saved_for_offloading"] = True
+        chosen += 1
+    if not chosen:
+        return refused
+    if cuda:
+        ao.offload_chosen_sets_async(fw, bw)
+        ao.activation_offload_sink_wait_async(fw)
+        ao.activation_reload_prefetch_async(bw)
+    else:
+        ao.offload_chosen_sets(fw, bw)
+    for g in (fw, bw):
+        g.graph.lint()
+        g.recompile()
+    return refused
+
+
+def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table) -> GraphReport:
+    """Read what the partitioned graphs save, offload and recompute."""
+    from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX
+    primal = {v.untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
+              if isinstance(v := n.meta.get("val"), torch.Tensor)}
+    _, saved = _saved(fw, num_fwd_outputs)
+    rep = GraphReport(graph_ops=len(graph_ops), lined_up_ops=len(matched),
+                      rows=sorted(matched.values()))
+    # views (results sharing an input's or an earlier result's storage): free to re-derive
+    views, owned = set(), set(primal)
+    for n in (n for g in graph_ops for n in g.nodes):
+        keys = {_storage(h) for hs in _holders(n) for h in hs} - {None}
+        if keys and keys <= owned:          # (split's results: all views of its input)
+            views.add(n)
+        owned |= keys
+    lined = {_storage(h) for g in matched if not (set(g.nodes) & views) for h in g.outputs()}
+    seen: set[int] = set()
+    for n in saved:
+        v = n.meta["val"]
+        offloaded = n.name.startswith(CPU_OFFLOAD_PREFIX)
+        key = id(n) if offloaded else v.untyped_storage()._cdata
+        if key in primal or key in seen:
+            continue
+        seen.add(key)
+        nbytes = v.untyped_storage().nbytes()
+        if offloaded:
+            rep.offloaded_bytes += nbytes
+            rep.offloaded_names.append(n.name.removeprefix(CPU_OFFLOAD_PREFIX))
+        else:
+            rep.saved_bytes += nbytes
+            rep.saved_names.append(n.name)
+            if key not in lined:
+                rep.saved_bytes_not_lined_up += nbytes
+    op_of = {n.name: g for g in graph_ops for n in g.nodes}
+    ops = table["ops"]
+    planned = set(table["recompute_ops"])
+    for n in bw.graph.nodes:
+        g = op_of.get(n.name) if n.op == "call_function" else None
+        if g is None:
+            continue
+        row = matched.get(g)
+        name = ops[row][0] if row is not None else None
+        if name in planned:
+            if name not in rep.recomputed_ops:
+                rep.recomputed_ops.append(name)
+        elif row is not None and not set(g.nodes) & views and \
+                (not g.decomposed or n.name == g.outputs()[0].name):
+            if name not in rep.off_plan_recomputes:
+                rep.off_plan_recomputes.append(name)
+        else:
+            rep.unplanned_recomputes += 1
+    return rep
+
+
+def _inductor_partitioner(partition: PlanPartition):
+    """`partition` as inductor's `custom_partitioner_fn` (a CustomPartitionerFn)."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class InductorPartitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return None        # never cache (fx_graph_cache is off as well)
+
+        def __reduce__(self):  # inductor may pickle its config: a stand-in, not the plan
+            return (str, ("slackswap plan partition",))
+
+    return InductorPartitioner()
+
+
+def _backend(backend: str, partition: PlanPartition, options: dict | None):
+    """torch.compile arguments that run `partition` as the partitioner of `backend`."""
+    if backend == "aot_eager":
+        if options:
+            raise InputError("options= applies to the inductor backend only",
+                             hint="drop options, or use backend='inductor'")
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
+        return {"backend": aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                                        partition_fn=partition,
+                                        keep_inference_input_mutations=True)}
+    if backend != "inductor":
+        raise InputError(f"compile_planned runs backend 'inductor' or 'aot_eager', not {backend!r}",
+                         hint="a plan needs a backend whose partitioner it can set")
+    opts = dict(options or {})
+    if opts.get("custom_partitioner_fn") is not None:
+        raise InputError("options sets custom_partitioner_fn, which compile_planned sets",
+                         hint="drop custom_partitioner_fn from options")
+    opts["custom_partitioner_fn"] = _inductor_partitioner(partition)
+    # the caches key on the graph torch captured, not on the plan: a graph compiled under
+    # another plan (or none) would come back without this partition running
+    opts["fx_graph_cache"] = False
+    return {"backend": "inductor", "options": opts}
+
+
+def compile_planned(model: torch.nn.Module, table: dict, *, block=None,
+                    per_block: bool = False, backend: str = "inductor", quiet: bool = False,
+                    **compile_kwargs):
+    """`torch.compile(model, **compile_kwargs)` with the plan applied in its joint graphs.
+
+    - the whole model (default): returns what torch.compile returns;
+    - `block=i` (or a module path): `model` is repeated block i of the profiled model (the
+      torchtitan way: compile each block); it gets that block's part of the plan;
+    - `per_block=True`: compiles every repeated block of `model` in place (each child of the
+      blocks' container is replaced by its compiled module) and returns `model`.
+
+    The partition function is reachable as `result._slackswap_partitions` (a list: one per
+    compiled object), whose `reports` say what each graph carries out.
+    """
+    check_torch_version()
+    if per_block:
+        if block is not None:
+            raise InputError("pass block= or per_block=True, not both",
+                             hint="per_block compiles every block; block= is for one")
+        return _compile_blocks(model, table, backend=backend, quiet=quiet, **compile_kwargs)
+    if isinstance(block, int):
+        name = block_name(table, block)
+    else:
+        name = block or ""
+    rows = block_rows(table, name)
+    if not rows:
+        raise InputError(f"module {name!r} runs no op of the profile",
+                         hint="pass the module path of a block, e.g. 'model.layers.0'")
+    partition = PlanPartition(table, rows, label=name, quiet=quiet)
+    args = _backend(backend, partition, compile_kwargs.pop("options", None))
+    compiled = torch.compile(model, **args, **compile_kwargs)
+    compiled._slackswap_partitions = [partition]
+    return compiled
+
+
+def _compile_blocks(model, table, *, backend, quiet, **compile_kwargs):
+    container = table.get("container")
+    if container is None:
+        raise InputError("the profiled model has no repeated blocks",
+                         hint="use compile_planned(model) on the whole model")
+    try:
+        parent = model.get_submodule(container)
+    except AttributeError:
+        raise InputError(f"the model has no submodule {container!r} (the profiled model's "
+                         "blocks)", hint="pass the model that was profiled") from None
+    partitions = []
+    for child_name, child in list(parent.named_children()):
+        if not child_name.isdigit():
+            continue
+        compiled = compile_planned(child, table, block=int(child_name), backend=backend,
+                                   quiet=quiet, **compile_kwargs)
+        parent.register_module(child_name, compiled)
+        partitions += compiled._slackswap_partitions
+    model._slackswap_partitions = partitions
+    return model
+
+
+def totals(partitions: list[PlanPartition]) -> dict:
+    """The reports of every graph compiled so far, summed."""
+    reps = [r for p in partitions for r in p.reports]
+    return {
+        "lined_up_rows": sorted({row for r in reps for row in r.rows}),
+        "graphs": len(reps),
+        "graph_ops": sum(r.graph_ops for r in reps),
+        "lined_up_ops": sum(r.lined_up_ops for r in reps),
+        "saved_bytes": sum(r.saved_bytes for r in reps),
+        "saved_bytes_not_lined_up": sum(r.saved_bytes_not_lined_up for r in reps),
+        "offloaded_bytes": sum(r.offloaded_bytes for r in reps),
+        "recomputed_ops": sum(len(r.recomputed_ops) for r in reps),
+        "off_plan_recomputes": sorted({o for r in reps for o in r.off_plan_recomputes}),
+        "unplanned_recomputes": sum(r.unplanned_recomputes for r in reps),
+        "refused_offloads": sum(r.refused_offloads for r in reps),
+    }
+
+
+def _dense(v: torch.Tensor) -> bool:
+    """Whether `v` covers its storage exactly (non-contiguous strides are fine: the copy to
+    the host and back keeps them); a view into a bigger storage is not."""
+    return (v.storage_offset() == 0 and 0 not in v.stride()
+            and v.untyped_storage().nbytes() == v.numel() * v.element_size())

@@ -1,0 +1,129 @@
+"""The plan as a graph runtime needs it: a choice per forward op, matched to another graph's ops.
+
+`compile_planned` (run/compiled.py) tags the joint graph that torch.compile captures, and
+`sac_policy` (run/sac.py) answers `torch.utils.checkpoint`'s policy questions. Neither sees the
+graph the profile was traced from: dynamo's graphs hold the model in pieces (graph breaks, one
+graph per compiled block) and inductor decomposes some ops first. Both therefore line the ops
+they see up with the profile's forward ops by (aten op overload, occurrence, output shapes and
+dtypes), and carry out the plan only where an op lines up.
+
+`graph_table(profile, plan)` (plain Python values, written into the patched module as
+`GRAPH_TABLE`):
+
+- `ops`: the forward ops in order, `[name, target, outputs, module, tags, input shapes,
+  roots]` with
+  `outputs` = `[[shape, dtype], ...]` of the op's tensor results and `tags[i]` what the plan
+  does with result i: `"recompute"` (the op re-runs in a recompute chain of the plan),
+  `"save"` (a saved root it keeps), `"offload"` (a saved root it swaps) or None (a view of a
+  root, a temporary, a root backward does not read: left to torch); `roots[i]` the saved root
+  whose decision result i carries (itself, or the root an in-place op writes), or None;
+- `kept_bytes`, `swapped_bytes`: bytes of the saved roots kept and swapped; `root_bytes`:
+  root id -> bytes, for the kept and swapped roots;
+  `recompute_ops`: names of the forward ops the plan's chains re-run;
+- `container`: the module path of the repeated blocks (`layers.layer_container`), if any.
+
+`line_up(seen, ops)`: for each key seen (`op_key`), the index of the profile op it lines up
+with, or None; a longest matching of the two key sequences in order (difflib), so an op
+missing on either side (a decomposed op, a wrapper's own op) shifts nothing after it.
+"""
+from __future__ import annotations
+
+import difflib
+
+from ..chains import runtime_table
+from ..layers import layer_container
+from ..schema import Plan, Profile
+
+ACTION_TAG = {"keep": "save", "swap": "offload", "recompute": "recompute"}
+
+
+def graph_table(profile: Profile, plan: Plan) -> dict:
+    """The plan per forward op (see the module docstring)."""
+    rt = runtime_table(profile, plan.decisions)
+    nf = rt["n_forward"]
+    chain_ops = sorted({p for ops in rt["chains"].values() for p in ops})
+    actions = plan.actions()
+    saved_roots = {t.id: str(actions.get(t.id, "keep")) for t in profile.saved_activations}
+    in_chain = set(chain_ops)
+    ops = []
+    for i, o in enumerate(profile.ops[:nf]):
+        decided = [r if (r := _decided(profile, o, t)) in saved_roots else None
+                   for t in o.outputs]
+        tags = [("recompute" if i in in_chain else
+                 ACTION_TAG[saved_roots[r]] if r is not None else None) for r in decided]
+        ins = [list(profile.tensors[t].shape) for t in o.inputs]
+        outs = [[list(profile.tensors[t].shape), profile.tensors[t].dtype] for t in o.outputs]
+        ops.append([o.name, o.target, outs, o.module, tags, ins, decided])
+    size = {t.id: t.size_bytes for t in profile.saved_activations}
+    return {
+        "ops": ops,
+        "root_bytes": {t: size[t] for t, a in saved_roots.items() if a in ("keep", "swap")},
+        "kept_bytes": sum(size[t] for t, a in saved_roots.items() if a == "keep"),
+        "swapped_bytes": sum(size[t] for t, a in saved_roots.items() if a == "swap"),
+        "recompute_ops": [profile.ops[p].name for p in chain_ops],
+        "container": layer_container(o.module for o in profile.ops[:nf]),
+    }
+
+
+# AOTAutograd functionalizes the graph it compiles: an in-place op becomes its out-of-place
+# twin (`relu_` -> `relu`) and BatchNorm's hidden running-statistics writes become extra results
+# (`_native_batch_norm_legit_functional`: native_batch_norm's 3 results, then the 2 new running
+# statistics). Keys name both sides alike.
+FUNCTIONAL_TWINS = {"aten._native_batch_norm_legit_functional.default":
+                    "aten.native_batch_norm.default"}
+
+
+def _decided(profile: Profile, op, t: int) -> int:
+    """The tensor whose decision result `t` of `op` carries in a functional graph: itself, or
+    for an in-place op (`relu_`) the root it writes, whose new value the functional twin
+    (`relu`) makes as a fresh tensor."""
+    root = profile.tensors[t].alias_of
+    in_place = op.target.split(".")[1:2] and op.target.split(".")[1].endswith("_")
+    return root if root is not None and in_place else t
+
+
+def op_key(target: str, outputs) -> tuple:
+    """What two ops must share to line up: the op (its functional form) and its first result's
+    shape and dtype."""
+    name = FUNCTIONAL_TWINS.get(str(target), str(target))
+    parts = name.split(".")
+    if len(parts) == 3 and parts[1].endswith("_") and not parts[1].endswith("__"):
+        parts[1] = parts[1][:-1]           # in place -> out of place
+    # the first result only: a decomposed op (inductor's `native_layer_norm`) keeps the
+    # results backward reads, not always the op's (and functional twins add results)
+    outs = list(outputs)[:1]
+    return (".".join(parts), tuple((tuple(s), str(d)) for s, d in outs))
+
+
+def line_up(seen: list[tuple], ops: list[list]) -> list[int | None]:
+    """For each key in `seen`, the index into `ops` (graph_table rows) it lines up with."""
+    want = [op_key(o[1], o[2]) for o in ops]
+    match = difflib.SequenceMatcher(None, seen, want, autojunk=False)
+    out: list[int | None] = [None] * len(seen)
+    for a, b, n in match.get_matching_blocks():
+        for k in range(n):
+            out[a + k] = b + k
+    return out
+
+
+def block_rows(table: dict, block: str | None) -> list[int]:
+    """Indices of the rows of `table["ops"]` that run inside module `block` (all for None or
+    the empty string: the whole model)."""
+    if not block:
+        return list(range(len(table["ops"])))
+    return [i for i, o in enumerate(table["ops"])
+            if o[3] == block or o[3].startswith(block + ".")]
+
+
+def block_name(table: dict, index: int) -> str:
+    """The module path of repeated block `index` (`transformer.h.3`)."""
+    from ..errors import InputError
+    container = table.get("container")
+    if container is None:
+        raise InputError("the profiled model has no repeated blocks (no numbered submodules)",
+                         hint="use compile_planned(model) on the whole model")
+    name = f"{container}.{index}" if container else str(index)
+    if not block_rows(table, name):
+        raise InputError(f"block {index} ({name}) runs no profiled op",
+                         hint=f"blocks are the numbered children of `{container}`")
+    return name

@@ -1,0 +1,302 @@
+"""The plan carried out inside torch.compile (`compile_planned`) and as a SAC policy.
+
+Real models (tiny GPT and HF GPT-2 with dropout on, Llama, the BatchNorm CNN) are profiled with
+fake tensors, planned and applied; `compile_planned` with backend aot_eager then trains three
+AdamW steps with losses, parameters and buffers bitwise equal to eager, and its partitioned
+graphs save, offload and recompute what the plan says (`verify --compile`'s report). Also: per
+block, across a graph break, the SAC policy in eager, the version pin and bad arguments, and
+one inductor compile (a small MLP).
+
+Inductor compiles on the real models take minutes each on a CPU; they are skipped unless the
+environment variable SLACKSWAP_SLOW=1 is set (`SLACKSWAP_SLOW=1 pytest tests/test_compiled.py`).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from slackswap_cli.errors import InputError, SlackswapError
+from slackswap_cli.run.emit import load_patched
+from slackswap_cli.run.verify_compiled import verify_compiled
+from slackswap_cli.trace.joint import loss_from_output, split_inputs
+from slackswap_cli.trace.workload import load_workload
+from workloads import HW, hand_plan, plan_at, profiled, write_patched
+
+SLOW = pytest.mark.skipif(os.environ.get("SLACKSWAP_SLOW") != "1",
+                          reason="inductor on a real model takes minutes: SLACKSWAP_SLOW=1")
+
+GRAPH_BREAK = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        torch._dynamo.graph_break()
+        return self.fc3(F.gelu(self.fc2(h))).pow(2).mean()
+def workload():
+    torch.manual_seed(0)
+    return MLP(), (torch.randn(4, 16),)
+'''
+
+
+def patched_at(files, tmp_path, name, frac):
+    prof = profiled(files, name)
+    plan = plan_at(prof, frac * prof.summary["peak_activation_bytes"])
+    return load_patched(str(write_patched(tmp_path, plan, prof, name=f"{name}_{frac}.py"))), plan
+
+
+def train(model, work, steps=3):
+    opt = torch.optim.AdamW(work.model.parameters(), lr=1e-2)
+    losses = []
+    torch.manual_seed(1)
+    for _ in range(steps):
+        a, kw = split_inputs(work.inputs)
+        loss = loss_from_output(model(*a, **kw), work.inputs, work.loss_fn)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, [t.detach().clone() for t in [*work.model.parameters(), *work.model.buffers()]]
+
+
+def twin(path):
+    a, b = load_workload(str(path)), load_workload(str(path))
+    b.model.load_state_dict(a.model.state_dict())
+    return a, b
+
+
+def assert_carries_out_the_plan(report):
+    c, p = report["compiled"], report["plan"]
+    assert report["passed"], report["reasons"]
+    assert c["lined_up_ops"] >= 0.9 * c["graph_ops"]
+    have = c["saved_bytes"] - c["saved_bytes_not_lined_up"] + c["offloaded_bytes"]
+    want = p["lined_up_kept_bytes"] + p["lined_up_swapped_bytes"]
+    assert abs(have - want) <= 0.02 * want
+    assert c["offloaded_bytes"] == p["lined_up_swapped_bytes"] > 0
+    assert c["off_plan_recomputes"] == []
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "llama", "cnn"])
+def test_aot_eager_trains_bitwise_like_eager_and_carries_out_the_plan(name, files, tmp_path):
+    """verify --compile's report: 3 AdamW steps, losses/parameters/buffers bitwise equal to
+    eager; bytes saved + offloaded = the plan's kept + swapped (of what lined up)."""
+    prof = profiled(files, name)
+    plan = plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"])
+    path = write_patched(tmp_path, plan, prof)
+    report = verify_compiled(str(path), backend="aot_eager", steps=3)
+    assert report["max_loss_rel_diff"] == report["max_param_rel_diff"] == 0.0
+    assert report["max_buffer_rel_diff"] == report["max_grad_rel_diff"] == 0.0
+    assert_carries_out_the_plan(report)
+    if any(t == "recompute" for o in load_patched(str(path)).GRAPH_TABLE["ops"] for t in o[4]):
+        assert report["compiled"]["recomputed_ops"] > 0
+
+
+def test_per_block_compile_gets_each_block_its_part_of_the_plan(files, tmp_path):
+    mod, _ = patched_at(files, tmp_path, "tiny_gpt", 0.4)
+    eager, work = twin(files["tiny_gpt"])
+    want = train(eager.model, eager)
+    model = mod.compile_planned(work.model, per_block=True, backend="aot_eager", quiet=True)
+    assert model is work.model
+    got = train(model, work)
+    assert got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    parts = model._slackswap_partitions
+    assert [p.label for p in parts] == ["blocks.0", "blocks.1"]
+    for p in parts:                       # each block's graph lined up with its own rows
+        (rep,) = p.reports
+        rows = set(rep.rows)
+        assert rows <= set(p.rows) and rep.lined_up_ops >= 0.9 * rep.graph_ops
+
+
+def test_block_by_index_on_one_block(files, tmp_path):
+    mod, _ = patched_at(files, tmp_path, "tiny_gpt", 0.4)
+    eager, work = twin(files["tiny_gpt"])
+    want = train(eager.model, eager)
+    work.model.blocks[1] = mod.compile_planned(work.model.blocks[1], block=1,
+                                               backend="aot_eager", quiet=True)
+    got = train(work.model, work)
+    assert got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    (rep,) = work.model.blocks[1]._slackswap_partitions[0].reports
+    assert rep.lined_up_ops >= 0.9 * rep.graph_ops and rep.offloaded_bytes + rep.saved_bytes > 0
+
+
+def test_a_graph_break_splits_the_plan_between_the_graphs(tmp_path, capfd):
+    path = tmp_path / "mlp_break.py"
+    path.write_text(GRAPH_BREAK)
+    from slackswap_cli.trace import profile_workload
+    prof = profile_workload(str(path), device="fake", hardware=HW)
+    plan = hand_plan(prof, {"addmm": "swap", "gelu_1": "recompute"})
+    mod = load_patched(str(write_patched(tmp_path, plan, prof, model_path=str(path))))
+    eager, work = twin(path)
+    want = train(eager.model, eager)
+    compiled = mod.compile_planned(work.model, backend="aot_eager")
+    got = train(compiled, work)
+    assert got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    reps = compiled._slackswap_partitions[0].reports
+    assert len(reps) == 2 and all(r.lined_up_ops == r.graph_ops for r in reps)
+    assert reps[0].offloaded_names == ["addmm"] and reps[0].recomputed_ops == []
+    assert reps[1].recomputed_ops == ["gelu_1"] and reps[1].offloaded_bytes == 0
+    err = capfd.readouterr().err
+    assert "compiled graph 1" in err and "compiled graph 2" in err and "line up" in err
+
+
+def test_sac_policy_in_eager_trains_bitwise_and_saves_what_the_plan_keeps(files, tmp_path):
+    from torch.utils.checkpoint import checkpoint
+    mod, _ = patched_at(files, tmp_path, "tiny_gpt", 0.4)
+    eager, work = twin(files["tiny_gpt"])
+    want = train(eager.model, eager)
+    policies = []
+
+    def context(i):
+        def make():
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+            policies.append(mod.sac_policy(i))
+            return create_selective_checkpoint_contexts(policies[-1])
+        return make
+
+    for i, block in enumerate(work.model.blocks):
+        forward = block.forward
+        block.forward = (lambda f, i: lambda x: checkpoint(
+            f, x, use_reentrant=False, context_fn=context(i)))(forward, i)
+    got = train(work.model, work)
+    assert got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert len(policies) == 6                          # 2 blocks x 3 steps
+    for p in policies:
+        assert p.counts["lined_up"] >= 0.8 * (p.counts["lined_up"] + p.counts["not_lined_up"])
+    # block 0's forward: one MUST_RECOMPUTE per op the plan's chains re-run, a MUST_SAVE at
+    # least for each root the plan keeps or swaps (but roots written in place: recomputed)
+    rows = [o for o in mod.GRAPH_TABLE["ops"] if o[3].startswith("blocks.0")]
+    first = policies[0].counts
+    # (eager CPU draws nn.Dropout with bernoulli_, the CUDA-target profile with native_dropout:
+    # those 4 + 4 ops do not line up)
+    assert first["lined_up"] >= 0.9 * len(rows) and first["not_lined_up"] <= 8
+    written = {r for o in rows if o[1].split(".")[1].endswith("_") for r in o[6]}
+    saved_roots = {r for o in rows if "recompute" not in o[4] and "dropout" not in o[1]
+                   for t, r in zip(o[4], o[6]) if t in ("save", "offload") and r not in written}
+    assert first.get("MUST_RECOMPUTE", 0) == sum(1 for o in rows if "recompute" in o[4]) > 0
+    assert len(saved_roots) <= first["MUST_SAVE"] < first["lined_up"]
+    with pytest.raises(InputError, match="block 7"):
+        mod.context_fn(7)
+
+
+def test_inductor_compile_offloads_and_matches_eager(files, tmp_path):
+    """The one inductor compile of `make test`: a small MLP, a swap and a recompute."""
+    prof = profiled(files, "mlp")
+    path = write_patched(tmp_path, hand_plan(prof, {"gelu": "swap", "addmm": "recompute"}), prof)
+    report = verify_compiled(str(path), backend="inductor", steps=3)
+    assert report["passed"], report["reasons"]
+    assert report["compiled"]["offloaded_bytes"] == report["plan"]["swapped_bytes"] > 0
+    assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
+
+
+@SLOW
+@pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "llama", "cnn"])
+def test_inductor_matches_eager_within_fp32_tolerance(name, files, tmp_path):
+    prof = profiled(files, name)
+    plan = plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"])
+    report = verify_compiled(str(write_patched(tmp_path, plan, prof)), backend="inductor",
+                             steps=3)
+    assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
+    assert report["max_buffer_rel_diff"] <= 1e-5
+
+
+def test_other_torch_versions_and_bad_arguments_are_refused(files, tmp_path, monkeypatch):
+    mod, _ = patched_at(files, tmp_path, "tiny_gpt", 0.4)
+    model = load_workload(str(files["tiny_gpt"])).model
+    with pytest.raises(InputError, match="'cudagraphs'"):
+        mod.compile_planned(model, backend="cudagraphs")
+    with pytest.raises(InputError, match="block= or per_block"):
+        mod.compile_planned(model, block=0, per_block=True)
+    with pytest.raises(InputError, match="runs no profiled op"):
+        mod.compile_planned(model.blocks[0], block=5)
+    with pytest.raises(InputError, match="custom_partitioner_fn"):
+        mod.compile_planned(model, options={"custom_partitioner_fn": object()})
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    with pytest.raises(SlackswapError, match="torch 2.14.0"):
+        mod.compile_planned(model, backend="aot_eager")
+
+
+def test_verify_compile_json_through_the_cli(files, tmp_path):
+    prof = profiled(files, "mlp")
+    path = write_patched(tmp_path, hand_plan(prof, {"gelu": "swap", "addmm": "recompute"}), prof)
+    exe = os.path.join(os.path.dirname(sys.executable), "slackswap")
+    res = subprocess.run([exe, "verify", str(path), "--compile", "--backend", "aot_eager",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    for key in ("saved_bytes", "offloaded_bytes", "recomputed_ops", "lined_up_ops", "graph_ops"):
+        assert isinstance(rep["compiled"][key], int)
+    for key in ("kept_bytes", "swapped_bytes", "recomputed_ops"):
+        assert isinstance(rep["plan"][key], int)
+    assert rep["compiled"]["offloaded_bytes"] == rep["plan"]["swapped_bytes"] == 4 * 32 * 4
+    assert rep["compiled"]["recomputed_ops"] == rep["plan"]["recomputed_ops"] >= 1
+    bad = subprocess.run([exe, "verify", str(path), "--compile", "--backend", "nope"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "Error: --backend" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _fsdp_worker(rank, world, port, patched_path, workload_path, out_dir):
+    """Llama with `fully_shard` per block and on the root, blocks compiled with the plan
+    (torchtitan's order: compile the blocks, then shard), beside the same without the plan."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from slackswap_cli.run.compiled import totals
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for label in ("plain", "compiled"):
+            work = load_workload(workload_path)            # same seed: same weights everywhere
+            model = work.model
+            if label == "compiled":
+                load_patched(patched_path).compile_planned(model, per_block=True,
+                                                           backend="aot_eager", quiet=True)
+            for block in model.model.layers:
+                fully_shard(block)
+            fully_shard(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            torch.manual_seed(100 + rank)                  # each rank its own data
+            for _ in range(3):
+                ids = torch.randint(0, 128, work.inputs["input_ids"].shape)
+                inputs = {**work.inputs, "input_ids": ids, "labels": ids}
+                a, kw = split_inputs(inputs)
+                loss = loss_from_output(model(*a, **kw), inputs, work.loss_fn)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+            results[label] = {"losses": losses,
+                              "params": [p.full_tensor() for p in model.parameters()],
+                              "totals": totals(model._slackswap_partitions)
+                              if label == "compiled" else None}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()          # both ranks done before either tears gloo down
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+def test_fsdp2_per_block_compiled_llama_trains_like_fsdp2_eager(files, tmp_path):
+    from helpers import free_port
+    mod_path = write_patched(tmp_path, plan_at(profiled(files, "llama"), 0.5 * profiled(
+        files, "llama").summary["peak_activation_bytes"]), profiled(files, "llama"))
+    torch.multiprocessing.spawn(_fsdp_worker, args=(2, free_port(), str(mod_path),
+                                                    str(files["llama"]), str(tmp_path)),
+                                nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for res in ranks:
+        plain, comp = res["plain"], res["compiled"]
+        assert [x.item() for x in plain["losses"]] == [x.item() for x in comp["losses"]]
+        assert all(torch.equal(a, b) for a, b in zip(plain["params"], comp["params"]))
+        t = comp["totals"]
+        assert t["graphs"] >= 2 and t["lined_up_ops"] >= 0.9 * t["graph_ops"]
+        assert t["offloaded_bytes"] > 0
+    assert ranks[0]["plain"]["losses"] != ranks[1]["plain"]["losses"]
