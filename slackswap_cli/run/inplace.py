@@ -87,11 +87,34 @@ class _In:
 
 
 class _Record:
-    __slots__ = ("func", "args", "kwargs", "outs", "versions", "op", "in_locs")
+    __slots__ = ("func", "args", "kwargs", "outs", "versions", "op", "in_locs", "prep")
 
     def __init__(self, func, args, kwargs, outs, versions, op, in_locs):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.outs, self.versions, self.op, self.in_locs = outs, versions, op, in_locs
+        self.prep = None
+
+
+def _prepare(rec: _Record) -> tuple:
+    """What replaying `rec` needs, worked out once: the flat arguments, their structure (None
+    for a flat call), the positions to resolve, the positions of side-effect writes."""
+    marker = (_Ref, _Ext, _In)
+    if _is_random(rec):
+        raise RuntimeError(f"slackswap: a recompute chain would re-run the random op "
+                           f"{rec.func}; this is a bug in slackswap, please report it")
+    top = [*rec.args, *rec.kwargs.values()]
+    if any(isinstance(a, (list, tuple, dict)) and
+           any(isinstance(x, marker) for x in pytree.tree_leaves(a, is_leaf=lambda y: isinstance(y, marker)))
+           for a in top):     # (a list of sizes is one argument; a list of tensors is not)
+        flat, spec = pytree.tree_flatten((rec.args, rec.kwargs),
+                                         is_leaf=lambda a: isinstance(a, marker))
+    else:
+        flat, spec = top, None
+    todo = tuple(i for i, a in enumerate(flat) if isinstance(a, marker))
+    written = tuple(written_positions(rec.func, list(rec.args),
+                                      lambda a: isinstance(a, (torch.Tensor, *marker))))
+    rec.prep = (tuple(flat), spec, todo, written)
+    return rec.prep
 
 
 class PlanRun:
@@ -467,31 +490,35 @@ class PlanRun:
 
     def _replay(self, k: int, local: dict) -> None:
         rec = self.records[k]
-        def res(a):
+        prep = rec.prep or _prepare(rec)
+        flat = list(prep[0])
+        for i in prep[2]:
+            a = flat[i]
             if isinstance(a, _Ref):
-                return self._resolve((a.rec, a.out), local)
-            if isinstance(a, _In):
-                return self.call_inputs[a.i]
-            if isinstance(a, _Ext):
-                x = a.ref()
+                flat[i] = self._resolve((a.rec, a.out), local)
+            elif isinstance(a, _In):
+                flat[i] = self.call_inputs[a.i]
+            else:
+                x = flat[i] = a.ref()
                 if x is None:
                     raise RuntimeError(f"slackswap: replaying {rec.func} needs a value from "
                                        "outside the model's forward that is gone; this is a "
                                        "bug in slackswap, please report it")
-                return x
-            return a
-        leaf = lambda a: isinstance(a, (_Ref, _Ext, _In))  # noqa: E731
-        args = pytree.tree_map(res, rec.args, is_leaf=leaf)
-        kwargs = pytree.tree_map(res, rec.kwargs, is_leaf=leaf)
-        if _is_random(rec):
-            raise RuntimeError(f"slackswap: a recompute chain would re-run the random op "
-                               f"{rec.func}; this is a bug in slackswap, please report it")
-        args = list(args)
-        for i in written_positions(rec.func, args, lambda a: isinstance(a, torch.Tensor)):
+        if prep[1] is None:           # a flat call: positional arguments, then keywords
+            n = len(rec.args)
+            args, kwargs = flat[:n], dict(zip(rec.kwargs, flat[n:]))
+        else:
+            args, kwargs = pytree.tree_unflatten(flat, prep[1])
+            args = list(args)
+        for i in prep[3]:
             if isinstance(args[i], torch.Tensor):
                 args[i] = args[i].clone()   # a side-effect write goes to a throwaway copy
         out = rec.func(*args, **kwargs)
-        leaves, _ = pytree.tree_flatten(out)
+        if isinstance(out, torch.Tensor):
+            local[(k, 0)] = out
+            return
+        leaves = out if isinstance(out, (tuple, list)) and not any(
+            isinstance(x, (tuple, list, dict)) for x in out) else pytree.tree_leaves(out)
         for j, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 local[(k, j)] = x
@@ -537,8 +564,7 @@ class _Template:
 
     def __init__(self, run: PlanRun, fingerprint: tuple):
         self.fingerprint = fingerprint
-        self.seq = [tuple(n) for n in run.seq]
-        self.n = len(self.seq)
+        self.n = len(run.seq)
         pos = {id(x): i for i, x in enumerate(run.call_inputs)}
 
         def sub(a):
@@ -547,11 +573,12 @@ class _Template:
                                 pytree.tree_map(sub, r.kwargs), None, r.versions, r.op,
                                 r.in_locs) for r in run.records]
         self.shared = {name: getattr(run, name) for name in (
-            "reads_act", "rec_of_op", "tid_of", "loc_of_tid", "usable", "metas", "device")}
+            "reads_act", "rec_of_op", "tid_of", "loc_of_tid", "usable", "metas", "device",
+            "prefetch_order", "unmatched", "ptr")}
         inputs = {rt.storage_key(x) for x in run.call_inputs if x.device.type != "meta"}
         self.external = run.external - inputs
         first_self, first_base = {}, {}
-        for i, n in enumerate(self.seq):
+        for i, n in enumerate(run.seq):
             first_self.setdefault(n[4], i)
             first_base.setdefault(n[6], i)
         self.binds: dict[int, list] = {}          # pack -> [(loc, via its _base?)]
@@ -568,6 +595,33 @@ class _Template:
                 self.binds.setdefault(first_base[loc], []).append((loc, True))
             else:
                 self.ok = False     # a chain read a value autograd does not save: no hand-over
+        # each pack: (shape, dtype, kind, root, loc, weakly tracked?, base's loc, swap of the
+        # root's own storage?, type of its grad_fn, [(loc to hand over, via its _base?)])
+        self.seq = [(*n, self.binds.get(i)) for i, n in enumerate(run.seq)]
+
+
+def _autocast_state() -> tuple:
+    return tuple(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d)
+                 for d in ("cpu", "cuda"))
+
+
+class _Fingerprint:
+    """What a template is valid for besides the signature: the very parameter and buffer
+    tensors in each module's slots (its records hold them) and the autocast state. `holds()`
+    checks it without walking the module tree."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.autocast = _autocast_state()
+        self.slots = [(d, name, t) for m in model.modules()
+                      for d in (m._parameters, m._buffers) for name, t in d.items()]
+
+    def holds(self) -> bool:
+        if _autocast_state() != self.autocast:
+            return False
+        for d, name, t in self.slots:
+            if d.get(name) is not t:
+                return False
+        return True
 
 
 class SteadyRun(PlanRun):
@@ -578,13 +632,19 @@ class SteadyRun(PlanRun):
     replay the template's records on the values this call's packs handed over."""
 
     def __init__(self, patched: "_Patched", plan: "_Table", tpl: _Template, inputs: list):
-        super().__init__(patched, plan)
+        # (PlanRun's per-call state, without what only recording needs)
+        self.p, self.t, self.table = patched, plan, plan.table
         self.__dict__.update(tpl.shared)
-        self.tpl = tpl
-        self.records = tpl.records
+        self.tpl, self.records, self.seq = tpl, tpl.records, tpl.seq
+        self.pinned, self.by_storage, self.root_swap, self.made = {}, {}, {}, {}
+        self.swaps, self.kept_refs = [], []
+        self.chain_uses = dict(plan.chain_uses)
+        self.packs, self.deferred, self.done_chains = {}, {}, set()
+        self.progress, self.next_prefetch, self.rerun_ops = self.table["n_forward"], 0, 0
         self.call_inputs = inputs
         self.external = tpl.external | {rt.storage_key(x) for x in inputs
                                         if x.device.type != "meta"}
+        self.live_reads, self.chain, self.bound = {}, None, {}
         self.bound_uses = dict(tpl.uses)
         self.i = 0
         self.broken = False
@@ -592,15 +652,13 @@ class SteadyRun(PlanRun):
     def pack(self, x: torch.Tensor):
         i = self.i
         self.i = i + 1
-        tpl = self.tpl
-        if i >= tpl.n or self.broken:
+        if i >= self.tpl.n or self.broken:
             return self._differs(x)
-        n = tpl.seq[i]
-        if x.dtype != n[1] or x.shape != n[0] or type(x.grad_fn) is not n[8]:
+        n = self.seq[i]
+        if x.shape != n[0] or x.dtype is not n[1] or type(x.grad_fn) is not n[8]:
             return self._differs(x)
-        binds = tpl.binds.get(i)
-        if binds is not None:
-            for loc, via_base in binds:
+        if n[9] is not None:
+            for loc, via_base in n[9]:
                 v = x._base if via_base else x
                 if v is None:
                     return self._differs(x)
@@ -683,7 +741,8 @@ class _autocast_off:
         self.ctx = []
 
     def __enter__(self):
-        self.ctx = [torch.autocast(t, enabled=False) for t in self.types]
+        self.ctx = [torch.autocast(t, enabled=False) for t in self.types
+                    if torch.is_autocast_enabled(t)]     # (an autocast object costs ~10 us)
         for c in self.ctx:
             c.__enter__()
 
@@ -757,8 +816,15 @@ def _signature(device_type: str, param_dtype: str, args, kwargs) -> tuple:
     plan on a GPU; `.to(torch.float64)` is another graph at twice the bytes)."""
     return (device_type, param_dtype.removeprefix("torch."),
             *((tuple(x.shape), str(x.dtype).removeprefix("torch."))
-                           for x in pytree.tree_leaves((args, kwargs))
-                           if isinstance(x, torch.Tensor)))
+              for x in _leaves(args, kwargs) if isinstance(x, torch.Tensor)))
+
+
+def _leaves(args, kwargs) -> list:
+    """pytree's leaves of (args, kwargs), without pytree for flat calls (the common case)."""
+    flat = [*args, *kwargs.values()]
+    if any(isinstance(a, (list, tuple, dict)) for a in flat):
+        return pytree.tree_leaves((args, kwargs))
+    return flat
 
 
 class _Patched:
@@ -777,6 +843,7 @@ class _Patched:
         self.said: set[str] = set()             # notes already given on stderr
         self.module_hooks: dict[int, tuple] = {}
         self._names: dict | None = None
+        self._first = None
         self.buffer_ids: set[int] = set()
         self.replan = replan
         self.strict = strict
@@ -801,6 +868,19 @@ class _Patched:
             self._names = {id(m): name for name, m in self.model.named_modules()}
         return self._names
 
+    def _first_param(self):
+        """The model's first parameter (found once, then checked in its slot: walking the
+        module tree costs tens of microseconds a call)."""
+        slot = self._first
+        if slot is not None and slot[0].get(slot[1]) is slot[2]:
+            return slot[2]
+        for m in self.model.modules():
+            for name, p in m._parameters.items():
+                if p is not None:
+                    self._first = (m._parameters, name, p)
+                    return p
+        return None
+
     def copy_for(self, model, memo: dict) -> "_Patched":
         """This patch for `model`, a deep copy of the patched one: its own parameters, the
         same plans; the first call at each signature records again."""
@@ -813,7 +893,7 @@ class _Patched:
         """The plan for this call's signature (device, parameter dtype, input shapes and
         dtypes): the profiled one, or one made for it the first time it is seen (said once
         on stderr), cached; and the signature."""
-        ref = next(self.model.parameters(), None)
+        ref = self._first_param()
         sig = _signature(ref.device.type if ref is not None else "cpu",
                          str(ref.dtype if ref is not None else torch.float32), args, kwargs)
         if sig in self.plans:
@@ -855,7 +935,7 @@ class _Patched:
                       "the compiled path)")
             return self.original_forward(*args, **kwargs)
         plan, sig = self.plan_for(args, kwargs)
-        inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        inputs = [x for x in _leaves(args, kwargs) if isinstance(x, torch.Tensor)]
         tpl = self._template(sig) if self.steady else None
         if tpl is not None:
             return self._steady(SteadyRun(self, plan, tpl, inputs), args, kwargs, sig)
@@ -901,26 +981,20 @@ class _Patched:
         got = self.templates.get(sig)
         if got is None or got is False:
             return None
-        fp = self._fingerprint()
         if isinstance(got, _Template):
-            if got.fingerprint == fp:
+            if got.fingerprint.holds():
                 return got
             self.templates.pop(sig)             # parameters replaced, or autocast changed
             return None
         run, made_with = got
-        if made_with != fp or not set(run.deferred) <= run.done_chains:
+        if not made_with.holds() or not set(run.deferred) <= run.done_chains:
             return None                          # (the first call's backward has not run)
-        tpl = _Template(run, fp)
+        tpl = _Template(run, made_with)
         self.templates[sig] = tpl if tpl.ok else False
         return tpl if tpl.ok else None
 
-    def _fingerprint(self) -> tuple:
-        """What a template is valid for besides the signature: the very parameter and buffer
-        tensors (its records hold them) and the autocast state."""
-        ac = tuple(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d)
-                   for d in ("cpu", "cuda"))
-        return (ac, tuple(map(id, self.model.parameters())),
-                tuple(map(id, self.model.buffers())))
+    def _fingerprint(self) -> "_Fingerprint":
+        return _Fingerprint(self.model)
 
     def _say(self, key: str, text: str) -> None:
         if key not in self.said:
