@@ -141,10 +141,13 @@ def checkpoint_every_block(model: torch.nn.Module) -> None:
 
 
 def measure_step(model, run, cuda: bool, steps: int, seed: int) -> dict:
-    """Peak activation memory and fastest step time of `run()` (forward, returns the loss)."""
+    """Peak activation memory and fastest step time of `run()` (forward, returns the loss);
+    `host_ms`: the fastest time the host took to issue the step (until backward returned,
+    before waiting for the device), `gpu_ms` (CUDA): the fastest span of the step on the
+    compute stream (CUDA events). host_ms near step_ms means the step is bound by Python."""
     # FSDP2 parameters are DTensors: their local shards are what exists on this rank
     exclude = [getattr(t, "_local_tensor", t) for t in (*model.parameters(), *model.buffers())]
-    peaks, times, losses = [], [], []
+    peaks, times, losses, host, gpu = [], [], [], [], []
     for k in range(steps + 1):        # step 0 warms up (and compiles)
         for p in model.parameters():
             p.grad = None
@@ -153,11 +156,17 @@ def measure_step(model, run, cuda: bool, steps: int, seed: int) -> dict:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         torch.manual_seed(seed + 1 + k)
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
         t0 = time.perf_counter()
         loss, held = saved_bytes_original(model, None, run, exclude)
         loss.backward()
+        issued = (time.perf_counter() - t0) * 1e3
         if cuda:
+            ev[1].record()
             torch.cuda.synchronize()
+            gpu.append(ev[0].elapsed_time(ev[1]))
         dt = (time.perf_counter() - t0) * 1e3
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                     if p.grad is not None)
@@ -165,8 +174,10 @@ def measure_step(model, run, cuda: bool, steps: int, seed: int) -> dict:
         if k > 0:
             peaks.append(int(peak))
             times.append(dt)
+            host.append(issued)
             losses.append(float(loss.detach()))
-    return {"peak_bytes": max(peaks), "step_ms": min(times), "losses": losses}
+    return {"peak_bytes": max(peaks), "step_ms": min(times), "losses": losses,
+            "host_ms": min(host), "gpu_ms": min(gpu[1:]) if gpu[1:] else None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,6 +233,7 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
                         m["peak_bytes"] = max(held)     # CPU: bytes held for backward
                     last = getattr(getattr(model.forward, "__slackswap__", None), "last_run", None)
                     if last is not None:
+                        m["steady_state"] = type(last).__name__ == "SteadyRun"
                         m["ops_lined_up"] = len(last.rec_of_op)
                         m["profile_forward_ops"] = len(mod.TABLE["ops"])
                         m["ops_rerun"] = last.rerun_ops
@@ -233,13 +245,27 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
                             "measured_peak_bytes": p_["peak_bytes"], "eager_peak_bytes": e["peak_bytes"],
                             "measured_step_ms": p_["step_ms"], "eager_step_ms": e["step_ms"],
                             "measured_retention": e["step_ms"] / p_["step_ms"],
+                            **_host_vs_device(e, p_),
                             **{k: p_[k] for k in ("ops_lined_up", "profile_forward_ops", "ops_rerun",
-                                                  "roots_swapped") if k in p_}})
+                                                  "roots_swapped", "steady_state") if k in p_}})
             except Exception as exc:  # noqa: BLE001 - record and go on
                 row["error"] = _err(exc)
                 row["traceback"] = traceback.format_exc().splitlines()[-6:]
             rows.append(row)
     return rows
+
+
+def _host_vs_device(eager: dict, patched: dict) -> dict:
+    """Is the patched step bound by Python (host time per step against device time per step),
+    and the retention with the patch's extra host time taken out (an estimate: the measured
+    step less the host time the patch adds over eager)."""
+    extra = max(0.0, patched["host_ms"] - eager["host_ms"])
+    return {"host_ms_per_step": patched["host_ms"], "eager_host_ms_per_step": eager["host_ms"],
+            "gpu_ms_per_step": patched["gpu_ms"], "eager_gpu_ms_per_step": eager["gpu_ms"],
+            "host_over_gpu": (patched["host_ms"] / patched["gpu_ms"]) if patched["gpu_ms"] else None,
+            "patch_host_overhead_ms": extra,
+            "retention_without_patch_overhead":
+                eager["step_ms"] / max(patched["step_ms"] - extra, 1e-9)}
 
 
 def run_baselines(args: dict, fractions: list[float], cuda: bool, steps: int, seed: int,

@@ -1,8 +1,23 @@
-"""What the in-place patch's recorder costs on CPU: step time of a tiny GPT patched with a
-keep-all plan (nothing swapped or recomputed: the difference is the recorder and the hooks)
-against eager, median of the steps after a warm-up.
+"""What the in-place patch costs per forward op, as ratios measured in one run (issue 21).
 
-    python benchmarks/inplace_overhead.py      # writes benchmarks/results/inplace_overhead.json
+Interleaved in one process on one thread, min over many rounds of one training step each
+(forward + backward, timed as this thread's CPU time: on one thread CPU autograd runs
+backward on the calling thread, and CPU time is far less disturbed than wall time by the other
+processes of a shared machine), on a tiny GPT at two sizes (short ops: a few ms per step; the previous
+benchmark's size) and on a small Hugging Face Llama, all profiled with `--device fake:cpu`:
+
+- eager; eager under identity `saved_tensors_hooks`; eager under a pass-through
+  `TorchDispatchMode`; eager selective activation checkpointing (a save-all policy over each
+  block): the reference costs;
+- `patch` with a keep-all plan and with the 0.5 plan, on the first call at a shape (the full
+  recorder: forced on every call here) and on later calls (steady state: pack hooks only).
+
+Each variant's extra time per forward op is the median over rounds of (its step - that round's
+eager step) / the profile's forward ops (the difference of the minima is in the JSON too); the ratios compare the patch's extra time with the identity hooks' and with the
+pass-through dispatch mode's.
+
+    python benchmarks/inplace_overhead.py [--quick]
+    # writes benchmarks/results/inplace_overhead.json and inplace_overhead.md
 """
 from __future__ import annotations
 
@@ -16,48 +31,182 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ARGS = {"n_layer": 4, "d_model": 256, "seq": 128, "batch": 8, "dropout": 0.0}
+LLAMA = '''
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+def workload(batch=4, seq=64, hidden=128, layers=2):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=2 * hidden, vocab_size=256,
+                      max_position_embeddings=seq, use_cache=False)
+    ids = torch.randint(0, 256, (batch, seq))
+    return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+'''
+CASES = [  # (label, workload, args, rounds)
+    ("tiny GPT, short ops", "tiny_gpt", {"n_layer": 2, "d_model": 64, "seq": 64, "batch": 4,
+                                          "dropout": 0.0}, 200),
+    ("tiny GPT (previous size)", "tiny_gpt", {"n_layer": 4, "d_model": 256, "seq": 128,
+                                               "batch": 8, "dropout": 0.0}, 16),
+    ("HF Llama (small)", "llama", {}, 80),
+]
+VARIANTS = ["eager", "identity hooks", "pass-through dispatch mode", "SAC save-all",
+            "patch keep-all, first call", "patch 0.5, first call",
+            "patch keep-all, steady", "patch 0.5, steady"]
 
 
-def step_ms(model, work, steps: int = 15, warmup: int = 3) -> float:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        model(*work.inputs).backward()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times[warmup:])
+def _blocks(model):
+    inner = getattr(model, "model", model)
+    return list(getattr(inner, "blocks", None) or getattr(inner, "layers"))
+
+
+def _sac(model) -> None:
+    """Wrap each block's forward in selective checkpointing that saves every op."""
+    import functools
+
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    for block in _blocks(model):
+        fwd = block.forward
+
+        def wrapped(*a, _fwd=fwd, **kw):
+            return checkpoint(_fwd, *a, use_reentrant=False, **kw,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                           policy))
+        block.forward = wrapped
+
+
+def _variants(path: str, args: dict, mods: dict):
+    """One model per variant (same weights) and the context its step runs under."""
+    import contextlib
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from slackswap_cli.trace.workload import load_workload
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            return func(*a, **(kw or {}))
+
+    def hooks():
+        return torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x)
+
+    out = {}
+    for name in VARIANTS:
+        work = load_workload(path, args=args)
+        ctx = contextlib.nullcontext
+        if name == "identity hooks":
+            ctx = hooks
+        elif name == "pass-through dispatch mode":
+            ctx = PassThrough
+        elif name == "SAC save-all":
+            _sac(work.model)
+        elif name.startswith("patch"):
+            mods["keep" if "keep-all" in name else "half"].patch(work.model)
+            work.model.forward.__slackswap__.steady = name.endswith("steady")
+        out[name] = (work, ctx)
+    return out
+
+
+def _step(work, ctx) -> float:
+    from slackswap_cli.trace.joint import loss_from_output, split_inputs
+    a, kw = split_inputs(work.inputs)
+    t0 = time.thread_time()
+    with ctx():
+        loss = loss_from_output(work.model(*a, **kw), work.inputs, work.loss_fn)
+    loss.backward()
+    dt = time.thread_time() - t0
+    work.model.zero_grad(set_to_none=True)
+    return dt
+
+
+def run_case(label: str, path: str, args: dict, rounds: int) -> dict:
+    from slackswap_cli.hardware import PRESETS
+    from slackswap_cli.planners import make_plan
+    from slackswap_cli.run.emit import apply_plan, load_patched
+    from slackswap_cli.trace import profile_workload
+    hw = PRESETS["a100-pcie4"]
+    prof = profile_workload(path, device="fake:cpu", hardware=hw, args=args)
+    peak = prof.keep_all_peak_bytes
+    mods, planned = {}, {}
+    with tempfile.TemporaryDirectory() as d:
+        for key, frac in (("keep", 1.0), ("half", 0.5)):
+            plan = make_plan("slackswap", prof, hw, int(peak * frac), frac)
+            planned[key] = {a: sum(1 for x in plan.decisions if x.action == a)
+                            for a in ("keep", "swap", "recompute")}
+            f = Path(d) / f"patched_{key}.py"
+            f.write_text(apply_plan(plan, prof, args=args))
+            mods[key] = load_patched(str(f))
+        models = _variants(path, args, mods)
+        for name in VARIANTS:                  # warm-up (and each patch's first call)
+            for _ in range(2):
+                _step(*models[name])
+        times = {name: [] for name in VARIANTS}
+        for _ in range(rounds):
+            for name in VARIANTS:
+                times[name].append(_step(*models[name]))
+    n = prof.n_forward
+    best = {k: min(v) for k, v in times.items()}
+    # paired: each round's step less that round's eager step, median over rounds (robust to
+    # the slow swings of a loaded machine); and the difference of the minima
+    extra = {k: statistics.median(t - e for t, e in zip(v, times["eager"])) * 1e6 / n
+             for k, v in times.items()}
+    extra_min = {k: (v - best["eager"]) * 1e6 / n for k, v in best.items()}
+    ratio = {k: {"vs identity hooks": extra[k] / extra["identity hooks"],
+                 "vs pass-through dispatch mode": extra[k] / extra["pass-through dispatch mode"]}
+             for k in VARIANTS if k.startswith("patch")}
+    return {"case": label, "args": args, "forward_ops": n, "rounds": rounds,
+            "plans": planned, "step_ms": {k: v * 1e3 for k, v in best.items()},
+            "extra_us_per_forward_op": extra, "extra_us_per_forward_op_of_minima": extra_min,
+            "patch_ratios": ratio}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| variant | " + " | ".join(f"{r['case']} ({r['forward_ops']} fwd ops, eager "
+                                           f"{r['step_ms']['eager']:.1f} ms)" for r in results)
+             + " |", "|---" * (1 + len(results)) + "|"]
+    for name in VARIANTS[1:]:
+        cells = []
+        for r in results:
+            cell = f"{r['extra_us_per_forward_op'][name]:+.1f} us/op"
+            q = r["patch_ratios"].get(name)
+            if q:
+                cell += (f" ({q['vs identity hooks']:.1f}x hooks, "
+                         f"{q['vs pass-through dispatch mode']:.2f}x dispatch mode)")
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
-    from slackswap_cli.run.emit import apply_plan, load_patched
-    from slackswap_cli.hardware import PRESETS
-    from slackswap_cli.planners import make_plan
-    from slackswap_cli.trace import profile_workload
-    from slackswap_cli.trace.workload import load_workload
-    hw = PRESETS["a100-pcie4"]
-    path = ROOT / "examples" / "tiny_gpt.py"
-    prof = profile_workload(str(path), device="fake:cpu", hardware=hw, args=ARGS)
-    plan = make_plan("slackswap", prof, hw, prof.keep_all_peak_bytes, 1.0)
+    import torch
+    torch.set_num_threads(1)
+    quick = "--quick" in sys.argv
+    results = []
     with tempfile.TemporaryDirectory() as d:
-        patched = Path(d) / "overhead_patched.py"
-        patched.write_text(apply_plan(plan, prof, args=ARGS))
-        mod = load_patched(str(patched))
-        eager, work = load_workload(str(path), args=ARGS), load_workload(str(path), args=ARGS)
-        mod.patch(work.model)
-        rows = []
-        for _ in range(2):
-            rows.append({"eager_ms": step_ms(eager.model, eager),
-                         "patched_ms": step_ms(work.model, work)})
-    n_fwd = prof.n_forward
-    best = min(rows, key=lambda r: r["patched_ms"] - r["eager_ms"])
-    out = {"workload": "examples/tiny_gpt.py", "args": ARGS, "ops": len(prof.ops),
-           "forward_ops": n_fwd, "rounds": rows,
-           "overhead_ms": best["patched_ms"] - best["eager_ms"],
-           "overhead_us_per_forward_op": (best["patched_ms"] - best["eager_ms"]) * 1e3 / n_fwd}
+        llama = Path(d) / "llama_small.py"
+        llama.write_text(LLAMA)
+        paths = {"tiny_gpt": str(ROOT / "examples" / "tiny_gpt.py"), "llama": str(llama)}
+        for label, name, args, rounds in CASES:
+            results.append(run_case(label, paths[name], args, max(3, rounds // 8) if quick
+                                    else rounds))
+            print(f"{label}: done", file=sys.stderr)
+    out = {"torch": torch.__version__, "threads": 1, "timing": "min over interleaved rounds of the step's thread CPU time",
+           "results": results}
     dest = ROOT / "benchmarks" / "results" / "inplace_overhead.json"
     dest.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"eager {best['eager_ms']:.1f} ms, patched (keep-all) {best['patched_ms']:.1f} ms: "
-          f"{out['overhead_us_per_forward_op']:.0f} us per forward op ({n_fwd} ops); wrote {dest}")
+    md = table(results)
+    dest.with_suffix(".md").write_text(
+        "Extra time per forward op over eager (median over interleaved rounds of the step's "
+        "thread CPU time less that round's eager step, one thread); "
+        "patch ratios against identity saved-tensor hooks and a pass-through dispatch mode.\n\n"
+        + md)
+    print(md)
+    print(f"wrote {dest} and {dest.with_suffix('.md')}")
     return 0
 
 

@@ -37,7 +37,6 @@ as far as the alignment holds; `verify` measures it.
 """
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 
@@ -78,12 +77,44 @@ class _Ext:
         self.ref = weakref.ref(x)
 
 
+class _In:
+    """A tensor argument that is the call's own input number `i` (in a steady-state template,
+    where each call brings its own inputs)."""
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
 class _Record:
-    __slots__ = ("func", "args", "kwargs", "outs", "versions", "op", "in_locs")
+    __slots__ = ("func", "args", "kwargs", "outs", "versions", "op", "in_locs", "prep")
 
     def __init__(self, func, args, kwargs, outs, versions, op, in_locs):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.outs, self.versions, self.op, self.in_locs = outs, versions, op, in_locs
+        self.prep = None
+
+
+def _prepare(rec: _Record) -> tuple:
+    """What replaying `rec` needs, worked out once: the flat arguments, their structure (None
+    for a flat call), the positions to resolve, the positions of side-effect writes."""
+    marker = (_Ref, _Ext, _In)
+    if _is_random(rec):
+        raise RuntimeError(f"slackswap: a recompute chain would re-run the random op "
+                           f"{rec.func}; this is a bug in slackswap, please report it")
+    top = [*rec.args, *rec.kwargs.values()]
+    if any(isinstance(a, (list, tuple, dict)) and
+           any(isinstance(x, marker) for x in pytree.tree_leaves(a, is_leaf=lambda y: isinstance(y, marker)))
+           for a in top):     # (a list of sizes is one argument; a list of tensors is not)
+        flat, spec = pytree.tree_flatten((rec.args, rec.kwargs),
+                                         is_leaf=lambda a: isinstance(a, marker))
+    else:
+        flat, spec = top, None
+    todo = tuple(i for i, a in enumerate(flat) if isinstance(a, marker))
+    written = tuple(written_positions(rec.func, list(rec.args),
+                                      lambda a: isinstance(a, (torch.Tensor, *marker))))
+    rec.prep = (tuple(flat), spec, todo, written)
+    return rec.prep
 
 
 class PlanRun:
@@ -124,6 +155,13 @@ class PlanRun:
         self.inputs: set[int] = set()              # ids of the call's own tensors (held)
         self.kept_refs: list = []                  # what autograd holds as it is (weak)
         self.external: set = set()                 # storages the forward read but did not make
+        self.call_inputs: list = []                # the call's own tensors, in order
+        # for a steady-state template (`_Template`): each pack's decision, in order, and the
+        # values each chain read that were alive (held by autograd or pinned) when it ran
+        self.seq: list[tuple] = []
+        self.live_reads: dict[int, set] = {}
+        self.chain = None                          # the chain replaying now
+        self.bound: dict[tuple[int, int], torch.Tensor] = {}   # steady state: loc -> value
 
     # -- forward: recording and alignment ------------------------------------------------
     def record(self, func, args, kwargs, out, alias: bool = False) -> None:
@@ -147,7 +185,8 @@ class PlanRun:
                     return _Ref(*loc)
                 if x.device.type != "meta":
                     self.external.add(rt.storage_key(x))   # a parameter, buffer or input
-                if not isinstance(x, torch.nn.Parameter) and id(x) not in self.inputs:
+                if not isinstance(x, torch.nn.Parameter) and id(x) not in self.inputs \
+                        and id(x) not in self.p.buffer_ids:
                     return _Ext(x)     # held weakly: a replay may not rely on it
             return x
         rargs = pytree.tree_map(ref, args)
@@ -243,6 +282,11 @@ class PlanRun:
 
     def _pack(self, x: torch.Tensor):
         loc = self.where.get(x)
+        base = x._base
+        # what a later call at these shapes checks and does at this pack (`_Template`)
+        note = [x.shape, x.dtype, "keep", None, loc, loc is not None,
+                None if base is None else self.where.get(base), None, type(x.grad_fn)]
+        self.seq.append(note)
         tid = None if loc is None else self.tid_of.get(loc)
         if tid is None:
             if loc is not None:
@@ -254,29 +298,39 @@ class PlanRun:
             act = None    # still to be written in place (a GRU cell's gates): a copy made
             #               now would miss those writes, so it is kept as eager keeps it
         if act == "swap":
-            # one copy per storage (a root and its views), found by the storage itself: an
-            # address alone may be a new tensor's, once a swapped one's memory was freed
-            key, ref = _storage_id(x)
-            sw = self.by_storage.get(key)
-            if sw is None or sw.ref.expired() or sw.version != x._version:
-                # (a storage written since its copy, say a buffer filled step by step, is
-                # copied again: a copy serves only the contents it saw)
-                sw = self.by_storage[key] = _Swap(ref, rt.offload(_bytes_of(x)), x._version)
-                self.swaps.append(sw)
-            mine = self.root_storage.get(r)
-            if mine is not None and mine[0] == key and not mine[1].expired():
-                self.root_swap[r] = sw
-                self.pinned.pop(r, None)      # the host copy serves a chain that reads it
-            sw.packs += 1
-            self.packs[r] = self.packs.get(r, 0) + 1
-            return [False, "swap", r, sw, x.dtype, tuple(x.shape), tuple(x.stride()),
-                    x.storage_offset()]
+            note[2:4] = "swap", r
+            return self._swap(x, r, note)
         if act == "recompute" and self._usable(r):
+            note[2:4] = "recompute", r
             self.packs[r] = self.packs.get(r, 0) + 1
             self.deferred.setdefault(self.table["made_by"][r], set()).add(r)
             return [False, "recompute", r, loc]
         self.kept_refs.append(weakref.ref(x))
         return x
+
+    def _swap(self, x: torch.Tensor, r: int, note) -> list:
+        """Pack `x` (root `r` or a view of it) as a host copy of its storage. `note`: this
+        pack's entry of `seq`, whose last item says whether x's storage is root r's own (so
+        a chain reading r fetches this copy): found out on the first call, followed later."""
+        # one copy per storage (a root and its views), found by the storage itself: an
+        # address alone may be a new tensor's, once a swapped one's memory was freed
+        key, ref = _storage_id(x)
+        sw = self.by_storage.get(key)
+        if sw is None or sw.ref.expired() or sw.version != x._version:
+            # (a storage written since its copy, say a buffer filled step by step, is
+            # copied again: a copy serves only the contents it saw)
+            sw = self.by_storage[key] = _Swap(ref, rt.offload(_bytes_of(x)), x._version)
+            self.swaps.append(sw)
+        if note[7] is None:
+            mine = self.root_storage.get(r)
+            note[7] = mine is not None and mine[0] == key and not mine[1].expired()
+        if note[7]:
+            self.root_swap[r] = sw
+            self.pinned.pop(r, None)      # the host copy serves a chain that reads it
+        sw.packs += 1
+        self.packs[r] = self.packs.get(r, 0) + 1
+        return [False, "swap", r, sw, x.dtype, tuple(x.shape), tuple(x.stride()),
+                x.storage_offset()]
 
     def _usable(self, r: int) -> bool:
         """Every op root `r` depends on in its chain was matched, reads the roots the profile
@@ -326,7 +380,7 @@ class PlanRun:
         Parameters, buffers and inputs are not counted; each storage counts once."""
         seen, total = set(), 0
         tensors = [r() for r in self.kept_refs]
-        tensors += [*self.pinned.values(), *self.made.values(),
+        tensors += [*self.pinned.values(), *self.made.values(), *self.bound.values(),
                     *(sw.dev for sw in self.swaps if sw.dev is not None)]
         for t in tensors:
             if t is None or t.device.type == "meta":
@@ -391,6 +445,9 @@ class PlanRun:
             if sw is not None and sw.packs <= 0:
                 sw.dev = None
 
+    def _chain_ran(self, owner: int) -> None:
+        """(Steady state: let go of the values only this chain still needed.)"""
+
     def _issue_prefetches(self) -> None:
         order, pf = self.prefetch_order, self.table["prefetch_at"]
         while self.next_prefetch < len(order) and pf[order[self.next_prefetch]] <= self.progress:
@@ -405,12 +462,17 @@ class PlanRun:
         local: dict[tuple[int, int], torch.Tensor] = {}
         needs = self.table["needs"]
         ops = sorted({p for r in self.deferred.get(owner, ()) for p in needs[r]})
-        with torch.no_grad(), _autocast_off(self.device), _paused():
-            for p in ops:
-                k = self.rec_of_op[p]
-                self._replay(k, local)
-                self.rerun_ops += 1
+        self.chain = owner
+        try:
+            with torch.no_grad(), _autocast_off(self.device), _paused():
+                for p in ops:
+                    k = self.rec_of_op[p]
+                    self._replay(k, local)
+                    self.rerun_ops += 1
+        finally:
+            self.chain = None
         self.done_chains.add(owner)
+        self._chain_ran(owner)
         for (k, j), t in local.items():
             tid = self.tid_of.get((k, j))
             if tid is not None and self.table["made_by"].get(tid) == owner:
@@ -421,31 +483,42 @@ class PlanRun:
                 self.pinned.pop(r, None)
                 self._release(r)
 
+    def _live(self, loc: tuple[int, int]):
+        """Output `loc` of this forward if it is still alive (it may since have changed)."""
+        ref = self.records[loc[0]].outs[loc[1]]
+        return ref() if ref is not None else None
+
     def _replay(self, k: int, local: dict) -> None:
         rec = self.records[k]
-        def res(a):
+        prep = rec.prep or _prepare(rec)
+        flat = list(prep[0])
+        for i in prep[2]:
+            a = flat[i]
             if isinstance(a, _Ref):
-                return self._resolve((a.rec, a.out), local)
-            if isinstance(a, _Ext):
-                x = a.ref()
+                flat[i] = self._resolve((a.rec, a.out), local)
+            elif isinstance(a, _In):
+                flat[i] = self.call_inputs[a.i]
+            else:
+                x = flat[i] = a.ref()
                 if x is None:
                     raise RuntimeError(f"slackswap: replaying {rec.func} needs a value from "
                                        "outside the model's forward that is gone; this is a "
                                        "bug in slackswap, please report it")
-                return x
-            return a
-        leaf = lambda a: isinstance(a, (_Ref, _Ext))  # noqa: E731
-        args = pytree.tree_map(res, rec.args, is_leaf=leaf)
-        kwargs = pytree.tree_map(res, rec.kwargs, is_leaf=leaf)
-        if _is_random(rec):
-            raise RuntimeError(f"slackswap: a recompute chain would re-run the random op "
-                               f"{rec.func}; this is a bug in slackswap, please report it")
-        args = list(args)
-        for i in written_positions(rec.func, args, lambda a: isinstance(a, torch.Tensor)):
+        if prep[1] is None:           # a flat call: positional arguments, then keywords
+            n = len(rec.args)
+            args, kwargs = flat[:n], dict(zip(rec.kwargs, flat[n:]))
+        else:
+            args, kwargs = pytree.tree_unflatten(flat, prep[1])
+            args = list(args)
+        for i in prep[3]:
             if isinstance(args[i], torch.Tensor):
                 args[i] = args[i].clone()   # a side-effect write goes to a throwaway copy
         out = rec.func(*args, **kwargs)
-        leaves, _ = pytree.tree_flatten(out)
+        if isinstance(out, torch.Tensor):
+            local[(k, 0)] = out
+            return
+        leaves = out if isinstance(out, (tuple, list)) and not any(
+            isinstance(x, (tuple, list, dict)) for x in out) else pytree.tree_leaves(out)
         for j, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 local[(k, j)] = x
@@ -459,9 +532,10 @@ class PlanRun:
             return self.made[tid]
         k, j = loc
         rec = self.records[k]
-        ref = rec.outs[j]
-        x = ref() if ref is not None else None
+        x = self._live(loc)
         if x is not None and x._version == rec.versions[j]:
+            if self.chain is not None:
+                self.live_reads.setdefault(self.chain, set()).add(loc)
             return x                      # still alive (held by autograd or pinned), unchanged
         if tid is not None and tid in self.metas and tid in self.root_swap:
             out = local[loc] = _view_of(self.root_swap[tid].fetch(), *self.metas[tid])
@@ -479,6 +553,158 @@ class PlanRun:
             f"slackswap: backward needs output {j} of {rec.func} (recorded op {k}, profile "
             f"tensor {tid}), which the plan neither kept "
             "nor can recompute here; this is a bug in slackswap, please report it")
+
+
+class _Template:
+    """What a later call at the same input signature needs from the first one's full record
+    (`PlanRun`) to run the plan with saved-tensor hooks alone (`SteadyRun`): each pack's
+    expected shape and dtype and its decision, the records of the ops (with the call's inputs
+    as `_In` markers, so later calls' inputs take their place), and, for each value a chain read
+    while it was alive, the pack that hands it over."""
+
+    def __init__(self, run: PlanRun, fingerprint: tuple):
+        self.fingerprint = fingerprint
+        self.n = len(run.seq)
+        pos = {id(x): i for i, x in enumerate(run.call_inputs)}
+
+        def sub(a):
+            return _In(pos[id(a)]) if isinstance(a, torch.Tensor) and id(a) in pos else a
+        self.records = [_Record(r.func, pytree.tree_map(sub, r.args),
+                                pytree.tree_map(sub, r.kwargs), None, r.versions, r.op,
+                                r.in_locs) for r in run.records]
+        self.shared = {name: getattr(run, name) for name in (
+            "reads_act", "rec_of_op", "tid_of", "loc_of_tid", "usable", "metas", "device",
+            "prefetch_order", "unmatched", "ptr")}
+        inputs = {rt.storage_key(x) for x in run.call_inputs if x.device.type != "meta"}
+        self.external = run.external - inputs
+        first_self, first_base = {}, {}
+        for i, n in enumerate(run.seq):
+            first_self.setdefault(n[4], i)
+            first_base.setdefault(n[6], i)
+        self.binds: dict[int, list] = {}          # pack -> [(loc, via its _base?)]
+        self.uses: dict[tuple, int] = {}          # loc -> chains that read it
+        self.chain_reads = {o: tuple(locs) for o, locs in run.live_reads.items()}
+        self.ok = True
+        for locs in self.chain_reads.values():
+            for loc in locs:
+                self.uses[loc] = self.uses.get(loc, 0) + 1
+        for loc in self.uses:
+            if loc in first_self:
+                self.binds.setdefault(first_self[loc], []).append((loc, False))
+            elif loc in first_base:
+                self.binds.setdefault(first_base[loc], []).append((loc, True))
+            else:
+                self.ok = False     # a chain read a value autograd does not save: no hand-over
+        # each pack: (shape, dtype, kind, root, loc, weakly tracked?, base's loc, swap of the
+        # root's own storage?, type of its grad_fn, [(loc to hand over, via its _base?)], ...)
+        self.seq = [(*n, self.binds.get(i)) for i, n in enumerate(run.seq)]
+        # a keep-all plan: nothing depends on which tensor is which, nothing to check
+        self.keep_only = all(a == "keep" for a in run.table["action"].values())
+
+
+def _autocast_state() -> tuple:
+    return tuple(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d)
+                 for d in ("cpu", "cuda"))
+
+
+class _Fingerprint:
+    """What a template is valid for besides the signature: the very parameter and buffer
+    tensors in each module's slots (its records hold them) and the autocast state. `holds()`
+    checks it without walking the module tree."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.autocast = _autocast_state()
+        self.slots = [(d, name, t) for m in model.modules()
+                      for d in (m._parameters, m._buffers) for name, t in d.items()]
+
+    def holds(self) -> bool:
+        if _autocast_state() != self.autocast:
+            return False
+        for d, name, t in self.slots:
+            if d.get(name) is not t:
+                return False
+        return True
+
+
+class SteadyRun(PlanRun):
+    """A later call at a signature whose first call made a `_Template`: no recorder, no module
+    hooks; the pack hook follows the template's decisions by position, checking each saved
+    tensor's shape, dtype and the type of the autograd node that made it. On the first difference (other control flow) it keeps every
+    tensor from there on, as eager does, and the next call records in full again. Chains
+    replay the template's records on the values this call's packs handed over."""
+
+    def __init__(self, patched: "_Patched", plan: "_Table", tpl: _Template, inputs: list):
+        # (PlanRun's per-call state, without what only recording needs)
+        self.p, self.t, self.table = patched, plan, plan.table
+        self.__dict__.update(tpl.shared)
+        self.tpl, self.records, self.seq = tpl, tpl.records, tpl.seq
+        self.pinned, self.by_storage, self.root_swap, self.made = {}, {}, {}, {}
+        self.swaps, self.kept_refs = [], []
+        self.chain_uses = dict(plan.chain_uses)
+        self.packs, self.deferred, self.done_chains = {}, {}, set()
+        self.progress, self.next_prefetch, self.rerun_ops = self.table["n_forward"], 0, 0
+        self.call_inputs = inputs
+        self.external = tpl.external | {rt.storage_key(x) for x in inputs
+                                        if x.device.type != "meta"}
+        self.live_reads, self.chain, self.bound = {}, None, {}
+        self.bound_uses = dict(tpl.uses)
+        self.i = 0
+        self.broken = False
+        if tpl.keep_only:          # nothing depends on which tensor is which: no checks
+            self.pack = self._keep
+
+    def _keep(self, x: torch.Tensor):
+        i = self.i
+        self.i = i + 1
+        if i >= self.tpl.n or self.seq[i][5]:     # (a value the forward made: counted)
+            self.kept_refs.append(weakref.ref(x))
+        return x
+
+    def pack(self, x: torch.Tensor):
+        i = self.i
+        self.i = i + 1
+        if i >= self.tpl.n or self.broken:
+            return self._differs(x)
+        n = self.seq[i]
+        if x.shape != n[0] or x.dtype is not n[1] or type(x.grad_fn) is not n[8]:
+            return self._differs(x)
+        if n[9] is not None:
+            for loc, via_base in n[9]:
+                v = x._base if via_base else x
+                if v is None:
+                    return self._differs(x)
+                self.bound[loc] = v
+        kind = n[2]
+        if kind == "keep":
+            if n[5]:
+                self.kept_refs.append(weakref.ref(x))
+            return x
+        r = n[3]
+        if kind == "swap":
+            return self._swap(x, r, n)
+        self.packs[r] = self.packs.get(r, 0) + 1
+        self.deferred.setdefault(self.table["made_by"][r], set()).add(r)
+        return [False, "recompute", r, n[4]]
+
+    def _differs(self, x: torch.Tensor):
+        self.broken = True
+        self.kept_refs.append(weakref.ref(x))
+        return x
+
+    def finish(self) -> bool:
+        """After forward: did every pack line up with the template?"""
+        if self.i != self.tpl.n and not self.tpl.keep_only:
+            self.broken = True
+        return not self.broken
+
+    def _live(self, loc: tuple[int, int]):
+        return self.bound.get(loc)
+
+    def _chain_ran(self, owner: int) -> None:
+        for loc in self.tpl.chain_reads.get(owner, ()):
+            self.bound_uses[loc] -= 1
+            if self.bound_uses[loc] <= 0:
+                self.bound.pop(loc, None)
 
 
 class _Swap:
@@ -526,7 +752,8 @@ class _autocast_off:
         self.ctx = []
 
     def __enter__(self):
-        self.ctx = [torch.autocast(t, enabled=False) for t in self.types]
+        self.ctx = [torch.autocast(t, enabled=False) for t in self.types
+                    if torch.is_autocast_enabled(t)]     # (an autocast object costs ~10 us)
         for c in self.ctx:
             c.__enter__()
 
@@ -594,41 +821,94 @@ class _Table:
         self.pin_roots = {r for r in self.chain_uses if table["action"].get(r) != "recompute"}
 
 
-def _signature(device_type: str, args, kwargs) -> tuple:
-    """The device type, then shapes and dtypes of a call's tensors in order: what a plan is
-    made for (another device runs other kernels: a fake CPU profile's plan on a GPU)."""
-    return (device_type, *((tuple(x.shape), str(x.dtype).removeprefix("torch."))
-                           for x in pytree.tree_leaves((args, kwargs))
-                           if isinstance(x, torch.Tensor)))
+def _signature(device_type: str, param_dtype: str, args, kwargs) -> tuple:
+    """The device type, the parameters' dtype, then shapes and dtypes of a call's tensors in
+    order: what a plan is made for (another device runs other kernels: a fake CPU profile's
+    plan on a GPU; `.to(torch.float64)` is another graph at twice the bytes)."""
+    return (device_type, param_dtype.removeprefix("torch."),
+            *((tuple(x.shape), str(x.dtype).removeprefix("torch."))
+              for x in _leaves(args, kwargs) if isinstance(x, torch.Tensor)))
+
+
+def _leaves(args, kwargs) -> list:
+    """pytree's leaves of (args, kwargs), without pytree for flat calls (the common case)."""
+    flat = [*args, *kwargs.values()]
+    if any(isinstance(a, (list, tuple, dict)) for a in flat):
+        return pytree.tree_leaves((args, kwargs))
+    return flat
 
 
 class _Patched:
-    """What `patch` attaches to a model: its plans (one per input signature) and state."""
+    """What `patch` attaches to a model: its plans (one per input signature), the first call's
+    record at each signature (`_Template`, for the calls after it) and state. Nothing of the
+    model is read before its first call (a model being unpickled or deep-copied is empty when
+    this is made)."""
 
     def __init__(self, model, meta: dict, table: dict, original_forward, had_instance_forward,
-                 replan: bool = True, strict: bool = False):
+                 replan: bool = True, strict: bool = False, plans: dict | None = None):
         self.model, self.meta, self.table = model, meta, table
-        self.original_forward = original_forward
+        self._forward = original_forward       # None: the class's forward
         self.had_instance_forward = had_instance_forward
         self.last_run: PlanRun | None = None
         self.warned = False
+        self.said: set[str] = set()             # notes already given on stderr
         self.module_hooks: dict[int, tuple] = {}
-        self.names = {id(m): name for name, m in model.named_modules()}
+        self._names: dict | None = None
+        self._first = None
+        self.buffer_ids: set[int] = set()
         self.replan = replan
         self.strict = strict
-        profiled = (meta.get("device_type", "cpu"),
+        self.steady = True                      # later calls at a signature: hooks alone
+        self.templates: dict[tuple, object] = {}
+        params = meta.get("params") or [[None, None, "torch.float32"]]
+        profiled = (meta.get("device_type", "cpu"), params[0][2].removeprefix("torch."),
                     *((tuple(shape), dtype.removeprefix("torch."))
                       for shape, dtype in meta.get("input_tensors", [])))
-        self.plans: dict[tuple, _Table | None] = {profiled: _Table(table)}
-        self.default = self.plans[profiled]
+        self.plans: dict[tuple, _Table | None] = plans or {profiled: _Table(table)}
+        self.default = next(iter(self.plans.values()))
 
-    def plan_for(self, args, kwargs) -> "_Table":
-        """The plan for this call's input shapes: the profiled one, or one made for these
-        shapes the first time they are seen (said once on stderr), cached."""
-        ref = next(self.model.parameters(), None)
-        sig = _signature(ref.device.type if ref is not None else "cpu", args, kwargs)
+    @property
+    def original_forward(self):
+        if self._forward is None:
+            return type(self.model).forward.__get__(self.model)
+        return self._forward
+
+    @property
+    def names(self) -> dict:
+        if self._names is None:
+            self._names = {id(m): name for name, m in self.model.named_modules()}
+        return self._names
+
+    def _first_param(self):
+        """The model's first parameter (found once, then checked in its slot: walking the
+        module tree costs tens of microseconds a call)."""
+        slot = self._first
+        if slot is not None and slot[0].get(slot[1]) is slot[2]:
+            return slot[2]
+        for m in self.model.modules():
+            for name, p in m._parameters.items():
+                if p is not None:
+                    self._first = (m._parameters, name, p)
+                    return p
+        return None
+
+    def copy_for(self, model, memo: dict) -> "_Patched":
+        """This patch for `model`, a deep copy of the patched one: its own parameters, the
+        same plans; the first call at each signature records again."""
+        import copy
+        fwd = None if self._forward is None else copy.deepcopy(self._forward, memo)
+        return _Patched(model, self.meta, self.table, fwd, self.had_instance_forward,
+                        self.replan, self.strict, dict(self.plans))
+
+    def plan_for(self, args, kwargs) -> tuple["_Table", tuple]:
+        """The plan for this call's signature (device, parameter dtype, input shapes and
+        dtypes): the profiled one, or one made for it the first time it is seen (said once
+        on stderr), cached; and the signature."""
+        ref = self._first_param()
+        sig = _signature(ref.device.type if ref is not None else "cpu",
+                         str(ref.dtype if ref is not None else torch.float32), args, kwargs)
         if sig in self.plans:
-            return self.plans[sig] or self.default
+            return self.plans[sig] or self.default, sig
         if self.strict:
             from ..errors import FingerprintMismatch
             profiled = next(iter(self.plans))
@@ -654,20 +934,30 @@ class _Patched:
                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
                       "running with the profiled plan", file=sys.stderr)
         self.plans[sig] = plan
-        return plan or self.default
+        return plan or self.default, sig
 
     def forward(self, *args, **kwargs):
         if not (self.model.training and torch.is_grad_enabled()) or \
                 getattr(_STATE, "run", None) is not None:
             return self.original_forward(*args, **kwargs)
-        run = PlanRun(self, self.plan_for(args, kwargs))
+        if torch.compiler.is_compiling():
+            self._say("compile", "torch.compile traces the model's own forward: the compiled "
+                      "model runs unpatched, without the plan (patch the eager model, or use "
+                      "the compiled path)")
+            return self.original_forward(*args, **kwargs)
+        plan, sig = self.plan_for(args, kwargs)
+        inputs = [x for x in _leaves(args, kwargs) if isinstance(x, torch.Tensor)]
+        tpl = self._template(sig) if self.steady else None
+        if tpl is not None:
+            return self._steady(SteadyRun(self, plan, tpl, inputs), args, kwargs, sig)
+        run = PlanRun(self, plan)
+        run.inputs = {id(x) for x in inputs}
+        run.call_inputs = inputs
+        self.buffer_ids = {id(b) for b in self.model.buffers()}
+        self._say_checkpointing()
         prev = getattr(_STATE, "run", None)
         _STATE.run = run
         from torch.nn.modules.module import register_module_forward_pre_hook
-        run.inputs = {id(x) for x in pytree.tree_leaves((args, kwargs))
-                      if isinstance(x, torch.Tensor)}
-        run.held_inputs = [x for x in pytree.tree_leaves((args, kwargs))
-                           if isinstance(x, torch.Tensor)]
         self._last_hooks()
         hooks = [register_module_forward_pre_hook(run._enter)]
         try:
@@ -677,9 +967,58 @@ class _Patched:
             _STATE.run = prev
             for h in hooks:
                 h.remove()
+            self.remove_hooks()      # off the model until the next full record
         self.last_run = run
+        self.templates[sig] = (run, self._fingerprint())
         self._check_alignment(run)
         return out
+
+    def _steady(self, run: "SteadyRun", args, kwargs, sig):
+        prev = getattr(_STATE, "run", None)
+        _STATE.run = run
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+                out = self.original_forward(*args, **kwargs)
+        finally:
+            _STATE.run = prev
+        if not run.finish():
+            self.templates.pop(sig, None)       # other control flow: the next call records
+        self.last_run = run
+        return out
+
+    def _template(self, sig) -> "_Template | None":
+        """The steady-state template for `sig`, made from its first call once that call's
+        backward ran every chain it deferred (it then knows what each chain reads)."""
+        got = self.templates.get(sig)
+        if got is None or got is False:
+            return None
+        if isinstance(got, _Template):
+            if got.fingerprint.holds():
+                return got
+            self.templates.pop(sig)             # parameters replaced, or autocast changed
+            return None
+        run, made_with = got
+        if not made_with.holds() or not set(run.deferred) <= run.done_chains:
+            return None                          # (the first call's backward has not run)
+        tpl = _Template(run, made_with)
+        self.templates[sig] = tpl if tpl.ok else False
+        return tpl if tpl.ok else None
+
+    def _fingerprint(self) -> "_Fingerprint":
+        return _Fingerprint(self.model)
+
+    def _say(self, key: str, text: str) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            import sys
+            print(f"slackswap: {text}", file=sys.stderr)
+
+    def _say_checkpointing(self) -> None:
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()):
+            self._say("checkpointing", "Hugging Face gradient checkpointing is on: its "
+                      "checkpointed blocks save their own tensors, so the plan runs only for "
+                      "the rest of the model (turn it off with "
+                      "model.gradient_checkpointing_disable() to run the whole plan)")
 
     def _last_hooks(self) -> None:
         """Keep our body-entry pre-hook and body-exit forward hook last on every submodule
@@ -733,16 +1072,44 @@ def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = Tru
         raise _error("this model is already patched by slackswap",
                      "call slackswap's unpatch(model) first to patch it with another plan")
     had = "forward" in model.__dict__
-    original = model.forward
-    state = _Patched(model, meta, table, original, had, replan=replan, strict=strict)
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        return state.forward(*args, **kwargs)
-
-    forward.__slackswap__ = state
-    model.forward = forward
+    state = _Patched(model, meta, table, model.forward if had else None, had, replan=replan,
+                     strict=strict)
+    model.forward = _PatchedForward(state)
     return model
+
+
+class _PatchedForward:
+    """The patched model's `forward` (an instance attribute). A deep copy of the model
+    (`copy.deepcopy`, `AveragedModel`, an EMA helper) gets a patch of its own, for its own
+    parameters; pickling the whole model (`torch.save(model)`) stores the patch's plans and
+    patches the loaded model the same way. `inspect.signature` sees the model's own forward."""
+
+    def __init__(self, state: _Patched):
+        self.__slackswap__ = state
+
+    def __call__(self, *args, **kwargs):
+        return self.__slackswap__.forward(*args, **kwargs)
+
+    @property
+    def __wrapped__(self):
+        return self.__slackswap__.original_forward
+
+    def __deepcopy__(self, memo):
+        state = self.__slackswap__
+        model = memo.get(id(state.model))
+        if model is None:                   # the forward copied alone: it is the model's
+            return self
+        return _PatchedForward(state.copy_for(model, memo))
+
+    def __reduce__(self):
+        st = self.__slackswap__
+        return (_repatch, (st.model, st.meta, st.table, st._forward, st.had_instance_forward,
+                           st.replan, st.strict))
+
+
+def _repatch(model, meta, table, forward, had, replan, strict) -> _PatchedForward:
+    """Unpickling a patched model: the same patch on the loaded one."""
+    return _PatchedForward(_Patched(model, meta, table, forward, had, replan, strict))
 
 
 def _unwrap(model):
@@ -778,8 +1145,8 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 def _shapes(sig: tuple) -> str:
-    return ", ".join("x".join(map(str, shape)) or "scalar" for shape, _ in sig[1:]) \
-        + f" on {sig[0]}"
+    return ", ".join("x".join(map(str, shape)) or "scalar" for shape, _ in sig[2:]) \
+        + f" on {sig[0]}, {sig[1]} parameters"
 
 
 def _error(message: str, hint: str):
