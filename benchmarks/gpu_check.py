@@ -194,7 +194,11 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
         import torch.distributed as dist
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29533")
+            if "MASTER_PORT" not in os.environ:   # a free port: another gloo group may hold one
+                import socket
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
             dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     with tempfile.TemporaryDirectory() as tmp:
         for frac in fractions:
