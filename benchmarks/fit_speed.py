@@ -7,9 +7,12 @@
 Each runs as the CLI in a subprocess (imports included); recorded: wall time, the child's CPU
 time (user + sys: on a shared machine the wall time depends on the other jobs, the CPU time
 much less), the load average around it, and the per-batch lines fit prints on stderr. The
-Llama-7B sweep runs twice: by default (batches after the first two derived from the last two
-traced where exact) and with `--profile-each` (every batch traced); the two JSON outputs must
-give the same rows, which checks the derived profiles against direct traces on this model.
+Llama-7B sweep runs three times: by default (batches after the first two derived from the last
+two traced where exact, traces in this process), with `--jobs 2` (the
+same, traced in forked processes ahead of planning) and with `--profile-each` (every batch
+traced); the Llama-70B sweep by default and with `--jobs 2`. The JSON outputs must give the
+same rows, which checks the derived profiles against direct traces and the forked traces
+against in-process ones on these models.
 
     python benchmarks/fit_speed.py            # writes benchmarks/results/fit_speed.json
     python benchmarks/fit_speed.py --quick    # Llama-7B default mode only
@@ -31,9 +34,17 @@ CASES = {
     "llama_7b": (["examples/llama_7b.py", "--hardware", "h100-pcie5", "--batch", "1,2,4,8,16"], 90.0),
     "llama_7b --profile-each": (["examples/llama_7b.py", "--hardware", "h100-pcie5", "--batch",
                                  "1,2,4,8,16", "--profile-each"], None),
+    "llama_7b --jobs 2": (["examples/llama_7b.py", "--hardware", "h100-pcie5", "--batch",
+                           "1,2,4,8,16", "--jobs", "2"], None),
     "llama_70b --shard 8": (["examples/llama_70b.py", "--hardware", "h100-pcie5", "--shard", "8",
                              "--batch", "1,2,4"], 120.0),
+    "llama_70b --shard 8 --jobs 2": (["examples/llama_70b.py", "--hardware", "h100-pcie5",
+                                      "--shard", "8", "--batch", "1,2,4", "--jobs", "2"], None),
 }
+SAME_ROWS = {"derived_rows_equal_traced_rows": ("llama_7b", "llama_7b --profile-each"),
+             "jobs_2_rows_equal_jobs_1_rows_7b": ("llama_7b", "llama_7b --jobs 2"),
+             "jobs_2_rows_equal_jobs_1_rows_70b": ("llama_70b --shard 8",
+                                                   "llama_70b --shard 8 --jobs 2")}
 
 
 def run(args: list[str], out_dir: Path) -> dict:
@@ -79,11 +90,11 @@ def main() -> None:
             for line in r["progress"]:
                 print("   ", line, flush=True)
     out = {"machine": {"cpus": os.cpu_count()}, "results": results}
-    if "llama_7b --profile-each" in results:
-        drop = lambda rows: [{k: v for k, v in x.items() if k != "derived_from"} for x in rows]  # noqa: E731
-        out["derived_rows_equal_traced_rows"] = (
-            drop(results["llama_7b"]["rows"]) == drop(results["llama_7b --profile-each"]["rows"]))
-        print("derived rows equal traced rows:", out["derived_rows_equal_traced_rows"])
+    drop = lambda rows: [{k: v for k, v in x.items() if k != "derived_from"} for x in rows]  # noqa: E731
+    for key, (a_name, b_name) in SAME_ROWS.items():
+        if a_name in results and b_name in results:
+            out[key] = drop(results[a_name]["rows"]) == drop(results[b_name]["rows"])
+            print(f"{key}: {out[key]}")
     for r in results.values():
         r.pop("rows")
     (ROOT / "benchmarks" / "results" / "fit_speed.json").write_text(json.dumps(out, indent=1))
@@ -100,10 +111,11 @@ def markdown(out: dict) -> str:
         lines.append(f"| `{r['command']}` | {r['wall_s']:.0f} s | {r['cpu_s']:.0f} s | {target} | "
                      f"{r['load_avg_1min_before']:.1f} / {r['load_avg_1min_after']:.1f} | "
                      f"{len(done) - derived} / {derived} |")
-    if "derived_rows_equal_traced_rows" in out:
-        lines.append("")
-        lines.append("Derived and traced Llama-7B sweeps give identical rows: "
-                     f"{out['derived_rows_equal_traced_rows']}.")
+    lines.append("")
+    for key, (a_name, b_name) in SAME_ROWS.items():
+        if key in out:
+            lines.append(f"- `{a_name}` and `{b_name}` give identical rows: {out[key]}.")
+    lines.extend(f"- {note}" for note in out.get("notes", []))
     return "\n".join(lines) + "\n"
 
 

@@ -534,6 +534,7 @@ def fit(
     device: str = typer.Option("fake", "--device", help="fake (default: nothing allocated, roofline costs) | fake:cpu | cpu | cuda"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="the best plan [default: <model>.fit.plan.json here]; its profile goes next to it"),
     profile_each: bool = typer.Option(False, "--profile-each", help="trace every batch; by default a batch after the first two is derived from the last two traced where that is exact (same step, sizes affine in the batch)"),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="2: trace batches in forked processes, ahead of planning (same rows; can only help with idle cores) [default: 1, one process]"),
     as_json: bool = typer.Option(False, "--json", help="print {rows, best, baselines} as JSON"),
 ) -> None:
     """Profile each batch, take parameters, gradients and optimizer state off the device's
@@ -562,9 +563,13 @@ def fit(
                             device=device, hardware=s.hardware,
                             on_facts=lambda f: check_static_fits(
                                 static_memory(f, s.optimizer, shard=s.shard,
-                                              step_on_device=s.step_on_device), s))
-        result = sweep(batches, profiler, s, progress=_status,
-                       derive_batch_arg=None if profile_each else batch_arg)
+                                              step_on_device=s.step_on_device), s),
+                            workers=jobs)
+        try:
+            result = sweep(batches, profiler, s, progress=_status,
+                           derive_batch_arg=None if profile_each else batch_arg)
+        finally:
+            profiler.close()
         if result.best_plan is not None:
             prof_target = _write_best(result, target, model)
     except SlackswapError as exc:

@@ -313,30 +313,48 @@ def profiles(batches: list[int], profile_at: ProfileAt, hw: HardwareSpec,
     """(batch, profile, facts, how) for each batch: traced by `profile_at`, or with
     `derive_batch_arg` (the workload argument that sets the batch) derived from the last two
     traced batches where that is exact (`profile_scale.derive`). A batch whose trace fails
-    yields (batch, None, None, the reason); an InputError ends the sweep."""
+    yields (batch, None, None, the reason); an InputError ends the sweep.
+
+    When `profile_at` has `submit(batch)` (a future of `profile_at(batch)`, traced in another
+    process: `trace.static_memory.Profiler` with workers), the traces run ahead of the caller:
+    the first two batches (always traced) start at once, and before a batch is yielded the next
+    one is derived, or, where it cannot be, its trace is started, so it runs while the caller
+    plans this one. Which batches are traced and derived is the same either way.
+    """
     say = progress or (lambda _line: None)
+    submit = getattr(profile_at, "submit", None)
+    pending: dict = {}
+    for batch in batches[:2] if submit else ():
+        pending[batch] = submit(batch)
     traced: list = []
+    ahead = None                               # the next batch's derived (profile, facts)
     for i, batch in enumerate(batches):
         tag = f"[{i + 1}/{len(batches)}] batch {batch}"
-        got = _derived(traced, batch, hw, derive_batch_arg)
+        got = ahead if ahead is not None else _derived(traced, batch, hw, derive_batch_arg)
+        ahead = None
         if got is not None:
             how = f"derived from batches {traced[-2][0]} and {traced[-1][0]}"
             say(f"{tag}: {how}")
-            yield batch, got[0], got[1], how
-            continue
-        say(f"{tag}: profiling")
-        try:
-            prof, facts = profile_at(batch)
-        except InputError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a batch whose trace fails is a row, not the end
-            why = exc.message if isinstance(exc, SlackswapError) else f"{type(exc).__name__}: {exc}"
-            reason = f"profiling failed: {why.splitlines()[0][:300] if why else ''}"
-            say(f"{tag}: {reason}")
-            yield batch, None, None, reason
-            continue
-        traced.append((batch, prof, facts))
-        yield batch, prof, facts, "profiled"
+        else:
+            say(f"{tag}: profiling")
+            future = pending.pop(batch, None)
+            try:
+                prof, facts = future.result() if future is not None else profile_at(batch)
+            except InputError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a batch whose trace fails is a row, not the end
+                why = exc.message if isinstance(exc, SlackswapError) else f"{type(exc).__name__}: {exc}"
+                how = f"profiling failed: {why.splitlines()[0][:300] if why else ''}"
+                say(f"{tag}: {how}")
+                got = (None, None)
+            else:
+                traced.append((batch, prof, facts))
+                got, how = (prof, facts), "profiled"
+        if submit and i + 1 < len(batches) and batches[i + 1] not in pending:
+            ahead = _derived(traced, batches[i + 1], hw, derive_batch_arg)
+            if ahead is None:
+                pending[batches[i + 1]] = submit(batches[i + 1])
+        yield batch, got[0], got[1], how
 
 
 def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,

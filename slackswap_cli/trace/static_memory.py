@@ -14,6 +14,8 @@ model is built once per batch; `on_facts(facts)` may refuse them before the trac
 from __future__ import annotations
 
 import inspect
+import multiprocessing
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..errors import InputError
+from ..errors import InputError, SlackswapError
 from ..fit import ModelFacts, ParamFact
 
 
@@ -83,14 +85,22 @@ def check_batch_arg(path: str, entry: str, batch_arg: str) -> None:
 
 
 class Profiler:
-    """`profiler(batch)` -> (profile, facts) of the workload at that batch (see the docstring)."""
+    """`profiler(batch)` -> (profile, facts) of the workload at that batch (see the docstring).
+
+    With `workers` > 1 (and fork available) it also has `submit(batch)`: the same call in a
+    forked child process (`_Traced`), so `fit.profiles` traces the next batches while this
+    process plans the last one; at most two traces are in flight there. `close()` stops the
+    children still running (a sweep ended by an error)."""
 
     def __init__(self, path: str, *, entry: str, args: dict, batch_arg: str, device: str,
                  hardware, progress: Callable[[str], None] | None = None,
-                 on_facts: Callable[[ModelFacts], None] | None = None):
+                 on_facts: Callable[[ModelFacts], None] | None = None, workers: int = 1):
         self.path, self.entry, self.args, self.batch_arg = path, entry, dict(args), batch_arg
         self.device, self.hardware, self.progress = device, hardware, progress
         self.on_facts = on_facts
+        self.children: list[_Traced] = []
+        fork = "fork" in multiprocessing.get_all_start_methods()
+        self.submit = self._submit if workers > 1 and fork else None
 
     def _read(self, work, facts: list) -> None:
         facts.append(model_facts(work.model, work.inputs))
@@ -105,3 +115,57 @@ class Profiler:
                                 hardware=self.hardware, progress=self.progress,
                                 on_load=lambda work: self._read(work, facts))
         return prof, facts[0]
+
+    def _submit(self, batch: int) -> "_Traced":
+        child = _Traced(self, batch)
+        self.children.append(child)
+        return child
+
+    def close(self) -> None:
+        for child in self.children:
+            child.stop()
+
+
+class _Traced:
+    """`profiler(batch)` running in a forked child; `result()` returns what it returned or
+    raises what it raised (an error that does not pickle comes back as a SlackswapError with
+    the same "Type: message" text `fit.profiles` would have written)."""
+
+    def __init__(self, profiler: Profiler, batch: int):
+        ctx = multiprocessing.get_context("fork")
+        self.recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_child, args=(profiler, batch, send), daemon=True)
+        self.proc.start()
+        send.close()
+
+    def result(self):
+        try:
+            ok, value = self.recv.recv()
+        except EOFError:
+            self.proc.join()
+            raise SlackswapError(f"the tracing process ended with exit code "
+                                 f"{self.proc.exitcode} (out of memory?)") from None
+        self.proc.join()
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join()
+
+
+def _child(profiler: Profiler, batch: int, send) -> None:
+    try:
+        out = (True, profiler(batch))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+        out = (False, exc)
+    try:
+        send.send(out)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle
+        exc = out[1]
+        why = exc.message if isinstance(exc, SlackswapError) else f"{type(exc).__name__}: {exc}"
+        send.send((False, SlackswapError(why)))
+    send.close()
+    os._exit(0)
