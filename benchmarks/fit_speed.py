@@ -8,9 +8,9 @@ Each runs as the CLI in a subprocess (imports included); recorded: wall time, th
 time (user + sys: on a shared machine the wall time depends on the other jobs, the CPU time
 much less), the load average around it, and the per-batch lines fit prints on stderr. The
 Llama-7B sweep runs three times: by default (batches after the first two derived from the last
-two traced where exact, traces in this process), with `--jobs 2` (the
-same, traced in forked processes ahead of planning) and with `--profile-each` (every batch
-traced); the Llama-70B sweep by default and with `--jobs 2`. The JSON outputs must give the
+two traced where exact, traces in forked processes ahead of planning: `--jobs 2`), with
+`--jobs 1` (the same, traced in this process) and with `--profile-each` (every batch traced);
+the Llama-70B sweep by default and with `--jobs 1`. The JSON outputs must give the
 same rows, which checks the derived profiles against direct traces and the forked traces
 against in-process ones on these models.
 
@@ -32,19 +32,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {
     "llama_7b": (["examples/llama_7b.py", "--hardware", "h100-pcie5", "--batch", "1,2,4,8,16"], 90.0),
+    "llama_7b --jobs 1": (["examples/llama_7b.py", "--hardware", "h100-pcie5", "--batch",
+                           "1,2,4,8,16", "--jobs", "1"], None),
     "llama_7b --profile-each": (["examples/llama_7b.py", "--hardware", "h100-pcie5", "--batch",
                                  "1,2,4,8,16", "--profile-each"], None),
-    "llama_7b --jobs 2": (["examples/llama_7b.py", "--hardware", "h100-pcie5", "--batch",
-                           "1,2,4,8,16", "--jobs", "2"], None),
     "llama_70b --shard 8": (["examples/llama_70b.py", "--hardware", "h100-pcie5", "--shard", "8",
                              "--batch", "1,2,4"], 120.0),
-    "llama_70b --shard 8 --jobs 2": (["examples/llama_70b.py", "--hardware", "h100-pcie5",
-                                      "--shard", "8", "--batch", "1,2,4", "--jobs", "2"], None),
+    "llama_70b --shard 8 --jobs 1": (["examples/llama_70b.py", "--hardware", "h100-pcie5",
+                                      "--shard", "8", "--batch", "1,2,4", "--jobs", "1"], None),
 }
 SAME_ROWS = {"derived_rows_equal_traced_rows": ("llama_7b", "llama_7b --profile-each"),
-             "jobs_2_rows_equal_jobs_1_rows_7b": ("llama_7b", "llama_7b --jobs 2"),
+             "jobs_2_rows_equal_jobs_1_rows_7b": ("llama_7b", "llama_7b --jobs 1"),
              "jobs_2_rows_equal_jobs_1_rows_70b": ("llama_70b --shard 8",
-                                                   "llama_70b --shard 8 --jobs 2")}
+                                                   "llama_70b --shard 8 --jobs 1")}
 
 
 def run(args: list[str], out_dir: Path) -> dict:

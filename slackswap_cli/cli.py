@@ -534,7 +534,7 @@ def fit(
     device: str = typer.Option("fake", "--device", help="fake (default: nothing allocated, roofline costs) | fake:cpu | cpu | cuda"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="the best plan [default: <model>.fit.plan.json here]; its profile goes next to it"),
     profile_each: bool = typer.Option(False, "--profile-each", help="trace every batch; by default a batch after the first two is derived from the last two traced where that is exact (same step, sizes affine in the batch)"),
-    jobs: int = typer.Option(1, "--jobs", min=1, help="2: trace batches in forked processes, ahead of planning (same rows; can only help with idle cores) [default: 1, one process]"),
+    jobs: int = typer.Option(2, "--jobs", min=1, help="traces in forked processes, ahead of planning: 2 overlaps a trace with planning (same rows; helps only with idle cores); 1: one process"),
     as_json: bool = typer.Option(False, "--json", help="print {rows, best, baselines} as JSON"),
 ) -> None:
     """Profile each batch, take parameters, gradients and optimizer state off the device's
