@@ -69,6 +69,15 @@ TINY = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq": 32, "batch": 2, "vocab"
 # --------------------------------------------------------------------------------------------
 # Host link
 # --------------------------------------------------------------------------------------------
+
+def _planned(prof, hw, frac: float, peak: int, row: dict):
+    """slackswap's plan at `frac` of the keep-all `peak`; its predictions go into `row`."""
+    plan = make_plan("slackswap", prof, hw, int(frac * peak), frac)
+    row.update({"feasible": plan.feasible, "predicted_peak_bytes": plan.predicted.peak_bytes,
+                "predicted_step_us": plan.predicted.step_us,
+                "predicted_retention": plan.predicted.retention})
+    return plan
+
 def measure_bandwidth(cuda: bool, size_bytes: int, repeats: int = 5) -> dict:
     """Pinned copy bandwidth in bytes/s: H2D, D2H, and each direction while both run."""
     n = size_bytes // 4
@@ -204,11 +213,7 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
         for frac in fractions:
             row: dict = {"method": method, "budget_fraction": frac, "budget_bytes": int(frac * peak)}
             try:
-                plan = make_plan("slackswap", prof, hw, int(frac * peak), frac)
-                row.update({"feasible": plan.feasible,
-                            "predicted_peak_bytes": plan.predicted.peak_bytes,
-                            "predicted_step_us": plan.predicted.step_us,
-                            "predicted_retention": plan.predicted.retention})
+                plan = _planned(prof, hw, frac, peak, row)
                 path = Path(tmp) / f"inplace_{frac:g}.py"
                 path.write_text(apply_plan(plan, prof, args=args))
                 mod = load_patched(str(path))
@@ -349,11 +354,7 @@ def run_compile_planned(prof, hw, args: dict, fractions: list[float], cuda: bool
                 rows.append(row)
                 continue
             try:
-                plan = make_plan("slackswap", prof, hw, int(frac * peak), frac)
-                row.update({"feasible": plan.feasible,
-                            "predicted_peak_bytes": plan.predicted.peak_bytes,
-                            "predicted_step_us": plan.predicted.step_us,
-                            "predicted_retention": plan.predicted.retention})
+                plan = _planned(prof, hw, frac, peak, row)
                 path = Path(tmp) / f"compiled_{frac:g}.py"
                 path.write_text(apply_plan(plan, prof, args=args))
                 torch._dynamo.reset()
