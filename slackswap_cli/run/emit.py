@@ -162,6 +162,7 @@ def _header(joint, profile: Profile, plan: Plan, step, workload_ref: dict, meta:
     """The emitted file up to its functions: docstring, imports, META, the plan's tables and
     the placeholder names."""
     from ..chains import runtime_table
+    from ..trace.aten import is_inplace_target
     from .graph_plan import graph_table
 
     n_p, n_b = len(joint.param_names), len(joint.buffer_names)
@@ -176,6 +177,7 @@ def _header(joint, profile: Profile, plan: Plan, step, workload_ref: dict, meta:
     counts = {a: sum(1 for t in profile.saved_activations if actions.get(t.id, "keep") == a)
               for a in ("keep", "swap", "recompute")}
     infeasible = _notes(joint, plan)
+    table = runtime_table(profile, plan.decisions, is_inplace_target)
     return f'''\
 """Patched training step of workload '{workload_ref["name"]}', written by `slackswap apply`.
 
@@ -214,7 +216,7 @@ META = {pprint.pformat(meta, width=100, sort_dicts=False)}
 
 # The plan as `patch` carries it out (see slackswap_cli/run/inplace.py): the forward ops it
 # aligns the model's with, each saved root's action, and the recompute chains (the simulator's).
-TABLE = {pprint.pformat(runtime_table(profile, plan.decisions), width=100, compact=True)}
+TABLE = {pprint.pformat(table, width=100, compact=True)}
 
 # The plan per forward op, for the graph runtimes (slackswap_cli/run/graph_plan.py):
 # compile_planned and sac_policy line the ops they see up with these rows.

@@ -33,13 +33,14 @@ import difflib
 from ..chains import runtime_table
 from ..layers import layer_container
 from ..schema import Plan, Profile
+from ..trace.aten import is_inplace_target
 
 ACTION_TAG = {"keep": "save", "swap": "offload", "recompute": "recompute"}
 
 
 def graph_table(profile: Profile, plan: Plan) -> dict:
     """The plan per forward op (see the module docstring)."""
-    rt = runtime_table(profile, plan.decisions)
+    rt = runtime_table(profile, plan.decisions, is_inplace_target)
     nf = rt["n_forward"]
     chain_ops = sorted({p for ops in rt["chains"].values() for p in ops})
     actions = plan.actions()

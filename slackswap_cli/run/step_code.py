@@ -41,7 +41,8 @@ import torch.fx as fx
 from ..chains import Layout, action_codes, lay_out
 from ..chains import tables as chain_tables
 from ..errors import InputError
-from ..trace.aten import aliases_input, returns_view, written_positions
+from ..trace.aten import is_inplace as aten_is_inplace
+from ..trace.aten import returns_view, written_positions
 from ..schema import Action, Plan, Profile
 
 RESERVED = {"torch", "aten", "rt", "_s", "_device", "None", "float"}
@@ -143,8 +144,8 @@ def written_args(node: fx.Node) -> list[int]:
 
 def is_inplace(node: fx.Node) -> bool:
     """An op whose result is its first argument, written in place (`relu_`, `bernoulli_`)."""
-    return (isinstance(node.target, torch._ops.OpOverload) and 0 in written_args(node)
-            and aliases_input(node.target))
+    return (isinstance(node.target, torch._ops.OpOverload) and bool(node.args)
+            and aten_is_inplace(node.target))
 
 
 # --------------------------------------------------------------------------------------------
