@@ -87,7 +87,7 @@ def fraction_bytes(fraction: float, keep_all_peak_bytes: int) -> int:
 
 def keep_all_of(budget_bytes: int, fraction: float) -> int:
     """The keep-all peak a budget of `fraction` of it was made from (`fraction_bytes` undone,
-    to the byte): for a patched module that records only its budget and fraction."""
+    to within its rounding): for a patched module that records only its budget and fraction."""
     return int(round(budget_bytes / fraction))
 
 
