@@ -29,16 +29,16 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 from ..errors import InputError
-from ..hardware import HardwareSpec
-from ..schema import Decision, Plan, Profile
 from .settings import Settings, from_options
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # imported where used: the CLI reads the registry before anything else
+    from ..hardware import HardwareSpec
+    from ..schema import Decision, Plan, Profile
     from ..simulate import SimResult
     from .common import PlannerOutput
 
 
-PlannerFn = Callable[..., Union[list[Decision], "PlannerOutput"]]
+PlannerFn = Callable[..., Union["list[Decision]", "PlannerOutput"]]
 
 
 def _resolve(ref):
@@ -71,7 +71,7 @@ class PlannerSpec:
     a dozen times over in a budget search (`plan` saying where a planner first fits). A MILP
     with a time limit of a minute is not."""
 
-    bound: str | Callable[[Profile, HardwareSpec, int], float | None] | None = None
+    bound: str | Callable[["Profile", "HardwareSpec", int], float | None] | None = None
     """"module:function" giving the retention bound this planner proved for a budget (None
     when it had no time to): `plan --json` and `compare` report it beside its plan."""
 
@@ -184,6 +184,7 @@ def judge(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
     """Simulate `decisions` (made by `name`: a registered planner, a fixed rule such as `fit`'s
     keep-everything, or torch's partitioner) and fill in the Plan from the simulation: the
     simulator's verdict, schedule and predictions."""
+    from ..schema import Plan
     from ..simulate import simulate
 
     res = simulate(profile, decisions, hw, budget_bytes, record=record)
