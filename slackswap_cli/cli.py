@@ -324,12 +324,13 @@ def _plan_failed(prof, planner: str, target: Path, below, reach: Optional[int]) 
     fits = ("" if reach is None else
             f"; planner {planner} first fits at {fmt_bytes(reach)}"
             + (f" ({reach / peak:.3f})" if peak else ""))
+    sure = [n for n, spec in PLANNERS.items() if spec.fits_from_floor]
     exact = [n for n, spec in PLANNERS.items() if spec.bound and n != planner]
     error_lines(f"planner {planner} found no plan under the budget{fits}; {wrote}",
-                 f"the floor is {fmt_bytes(floor)}"
-                 + (f" ({floor / peak:.3f})" if peak else "")
-                 + ": `--planner swap-all` fits every budget from there up; or raise --budget"
-                 + "".join(f", or try --planner {n}" for n in exact))
+                f"the floor is {fmt_bytes(floor)}" + (f" ({floor / peak:.3f})" if peak else "")
+                + (f": `--planner {sure[0]}` fits every budget from there up; or" if sure
+                   else "; ")
+                + " raise --budget" + "".join(f", or try --planner {n}" for n in exact))
     raise typer.Exit(4)
 
 
@@ -815,14 +816,21 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
 def version(as_json: bool = _json_option("{version, python, torch}")) -> None:
     """Print the version (with --json: also Python's and torch's, null if torch is missing)."""
     from . import __version__
+    Sink(as_json).show(Result(_versions, views=lambda: [__version__]))
+
+
+def _versions() -> dict:
+    """`version --json`: slackswap's, Python's and torch's (null when torch is missing)."""
     import platform
     from importlib import metadata
+
+    from . import __version__
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = None
-    Sink(as_json).show(Result({"version": __version__, "python": platform.python_version(),
-                               "torch": torch_version}, views=lambda: [__version__]))
+    return {"version": __version__, "python": platform.python_version(),
+            "torch": torch_version}
 
 
 def main() -> None:

@@ -33,7 +33,8 @@ class Result:
     """What one command produced, in both of its forms."""
 
     data: Any
-    """What --json prints: a dict, or a dataclass (a Plan, a verify report)."""
+    """What --json prints: a dict, or a dataclass (a Plan, a verify report); or a function
+    returning it, where making it costs what a person does not need (`version`)."""
 
     views: Callable[[], Iterable] | None = None
     """The renderables that show it to a person (render.py's), made only when shown."""
@@ -84,7 +85,8 @@ class Sink:
     def show(self, result: Result) -> None:
         """Print the command's result: tables and lines, JSON, or nothing."""
         if self.as_json:
-            write_json(result.data, indent=result.indent)
+            data = result.data() if callable(result.data) else result.data
+            write_json(data, indent=result.indent)
         elif not self.quiet:
             for view in (result.views() if result.views is not None else ()):
                 out.print(view, markup=False)

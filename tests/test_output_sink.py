@@ -114,3 +114,14 @@ def test_the_registry_names_each_planners_settings_and_time_limit():
         has_limit = spec.option_default("time_limit_s") is not None
         assert has_limit == (not spec.quick), name
         assert spec.accepted(time_limit_s=5.0) == ({"time_limit_s": 5.0} if has_limit else {})
+
+
+def test_a_planner_said_to_fit_from_the_floor_does():
+    from slackswap_cli.hardware import PRESETS
+    from slackswap_cli.simulate import budget_floor_bytes
+    prof = chain_profile(6, act_bytes=1 << 20)
+    sure = [n for n, spec in planners.PLANNERS.items() if spec.fits_from_floor]
+    assert sure                                   # `plan`'s hint names one
+    for name in sure:
+        assert planners.make_plan(name, prof, PRESETS["a100-pcie4"],
+                                  budget_floor_bytes(prof)).feasible, name

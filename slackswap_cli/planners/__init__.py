@@ -75,6 +75,10 @@ class PlannerSpec:
     """"module:function" giving the retention bound this planner proved for a budget (None
     when it had no time to): `plan --json` and `compare` report it beside its plan."""
 
+    fits_from_floor: bool = False
+    """Its plan fits every budget from the floor up (swapping everything leaves only what no
+    plan can free): `plan` suggests it when another planner finds nothing."""
+
     def function(self) -> PlannerFn:
         fn = _resolve(self.plan)
         return partial(fn, fallback=PLANNERS[self.fallback].function()) if self.fallback else fn
@@ -107,7 +111,8 @@ PLANNERS: dict[str, PlannerSpec] = {
     "optimal": PlannerSpec("a MILP solved by HiGHS", "optimal:plan", "optimal:OptimalSettings",
                            fallback="slackswap", quick=False, bound="optimal:bound_retention"),
     "recompute-only": PlannerSpec("recompute, never swap", "baselines:recompute_only"),
-    "swap-all": PlannerSpec("swap every saved activation", "baselines:swap_all"),
+    "swap-all": PlannerSpec("swap every saved activation", "baselines:swap_all",
+                            fits_from_floor=True),
     "checkpoint-layers": PlannerSpec("checkpoint whole blocks", "baselines:checkpoint_layers"),
 }
 
