@@ -4,14 +4,16 @@ sink, map errors to exit codes.
 A command computes its result (the data --json prints, and the render views that show it)
 and hands it once to `output.Sink`, which decides how it shows (tables, --json, --quiet):
 commands do not branch on the output format. `output.py` alone prints; this module alone
-exits. Library code raises `SlackswapError(message,
-hint)`; here it becomes `Error: ...` / `Hint: ...` on stderr and the error's exit code (2 bad
-input, 3 tracing failed, 4 no plan fits, 5 verify found a mismatch). Usage errors (a missing
-option, an unknown command) get the same two lines and exit 2. Any other exception is a bug in
-slackswap: users see `Error: internal error ...` and exit 1, never a raw traceback, unless
-SLACKSWAP_DEBUG=1 asks for it. Imports of heavy modules (torch, the tracer, the planners)
-happen inside the commands, so `plan`, `show`, `simulate` and `compare` start without
-importing torch.
+exits. Library code raises `SlackswapError(message, hint)`; here it becomes `Error: ...` /
+`Hint: ...` on stderr and the error's exit code (2 bad input, 3 tracing failed, 4 no plan
+fits, 5 verify found a mismatch). Usage errors (a missing option, an unknown command) get the
+same two lines and exit 2. Any other exception is a bug in slackswap: users see `Error:
+internal error ...` and exit 1, never a raw traceback, unless SLACKSWAP_DEBUG=1 asks for it.
+
+Planner names, the default planner and what each planner takes come from the registry
+(`planners.PLANNERS`, light to import). Imports of heavy modules (torch, the tracer, the
+planners' code, render) happen inside the commands, so `plan`, `show`, `simulate` and
+`compare` start without importing torch.
 """
 from __future__ import annotations
 
