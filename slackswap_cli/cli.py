@@ -372,7 +372,7 @@ def compare(
     budget: str = typer.Option(..., "--budget", "-b", help="fraction (0.5) or bytes (20GiB)"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file"),
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=1.0, help=f"seconds a planner with a time limit ({SLOW_PLANNERS}) may take [default: the planner's]"),
-    planners: Optional[str] = typer.Option(None, "--planners", help=f"comma-separated subset of {','.join(planner_names())} [default: all]"),
+    planners: Optional[str] = typer.Option(None, "--planners", help=f"comma-separated subset of: {', '.join(planner_names())} [default: all]"),
     as_json: bool = _json_option("{results: [...]}"),
     with_torch_compile: bool = typer.Option(False, "--with-torch-compile", help="add a row for torch.compile's own choice: its min-cut partitioner on the profile's graph (re-traced from the workload with fake tensors; needs torch), activation_memory_budget searched to meet the budget"),
     model: Optional[Path] = typer.Option(None, "--model", help="with --with-torch-compile: the workload file [default: the one the profile records]"),
