@@ -40,7 +40,7 @@ from typing import Any, Iterable
 
 import orjson
 
-from .errors import FormatError, InputError
+from .errors import FormatError, InputError, require_file
 
 PROFILE_FORMAT = "slackswap.profile"
 PLAN_FORMAT = "slackswap.plan"
@@ -276,6 +276,20 @@ class Plan:
     def actions(self) -> dict[int, str]:
         return {d.tensor: d.action for d in self.decisions}
 
+    def action_of(self, profile: Profile) -> dict[int, Action]:
+        """Every saved activation root of `profile` -> its Action (keep where the plan has no
+        decision for it)."""
+        actions = self.actions()
+        return {t.id: Action(actions.get(t.id, Action.KEEP)) for t in profile.saved_activations}
+
+    def action_counts(self, profile: Profile) -> dict[str, int]:
+        """Saved activation roots per action, {"keep": n, "swap": n, "recompute": n}: the one
+        count `plan --json`, the patched module's header and the views show."""
+        counts = {a.value: 0 for a in Action}
+        for action in self.action_of(profile).values():
+            counts[action.value] += 1
+        return counts
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         return {"format": d.pop("format"), "version": d.pop("version"), **d}
@@ -358,12 +372,8 @@ def _malformed(source: str, exc: Exception) -> FormatError:
 
 
 def _read_json(path: str | os.PathLike) -> Any:
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"file {p} does not exist", hint="check the path")
-    if p.is_dir():
-        raise InputError(f"{p} is a directory, not a file",
-                         hint="pass a profile or plan JSON file inside it")
+    p = require_file(path, "file", hint="check the path",
+                     dir_hint="pass a profile or plan JSON file inside it")
     try:
         data = p.read_bytes()
     except OSError as exc:

@@ -45,7 +45,7 @@ from math import prod
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from ..errors import FormatError, InputError
+from ..errors import FormatError, InputError, require_file
 from ..hardware import HardwareSpec
 from .grad_rules import FUSED_ATEN, NodeView, rule_for, unknown_rule
 from ..profile_build import DTYPE_BYTES, ProfileBuilder
@@ -122,10 +122,7 @@ def _onnx():
 
 def _load(p: Path, warnings: list[str]):
     onnx = _onnx()
-    if not p.exists():
-        raise InputError(f"ONNX file {p} does not exist", hint="check the path")
-    if p.is_dir():
-        raise InputError(f"{p} is a directory, not an ONNX file")
+    require_file(p, "ONNX file", hint="check the path")
     hint = "pass a .onnx file written by torch.onnx.export (or another ONNX exporter)"
     try:
         # Weights in external files are not needed (shapes live in the initializers' dims), and

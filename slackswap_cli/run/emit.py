@@ -23,7 +23,7 @@ import pprint
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, require_file
 from ..trace.retrace import joint_fingerprint, trace_fake, trace_matching, trace_options
 from ..workload_spec import resolve_workload_path
 from ..schema import Action, Plan, Profile
@@ -173,9 +173,7 @@ def _header(joint, profile: Profile, plan: Plan, step, workload_ref: dict, meta:
     mapping += [f"#   {ph[n_p + n_b + i]:<16} input {i}" for i in range(len(ph) - n_p - n_b)]
     frac = f" ({plan.budget_fraction:g} of the keep-all peak)" if plan.budget_fraction else ""
     n_saved = len(profile.saved_activations)
-    actions = plan.actions()
-    counts = {a: sum(1 for t in profile.saved_activations if actions.get(t.id, "keep") == a)
-              for a in ("keep", "swap", "recompute")}
+    counts = plan.action_counts(profile)
     infeasible = _notes(joint, plan)
     table = runtime_table(profile, plan.decisions, is_inplace_target)
     return f'''\
@@ -299,12 +297,8 @@ def step_module(model, check_trace=True):
 def load_patched(path: str):
     """Import a patched module file (a fresh module object each call)."""
     import importlib.util
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"patched module {p} does not exist", hint="write one with `slackswap apply`")
-    if p.is_dir():
-        raise InputError(f"{p} is a directory, not a patched module",
-                         hint="pass the .py file `slackswap apply -o` wrote")
+    p = require_file(path, "patched module", hint="write one with `slackswap apply`",
+                     dir_hint="pass the .py file `slackswap apply -o` wrote")
     # look before importing: executing a file that is not ours (a training script passed by
     # mistake) would run its top-level code
     try:

@@ -32,7 +32,7 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
     from ..budget import fraction_bytes
     from ..chains import runtime_table
     from ..hardware import HardwareSpec
-    from ..planners import make_plan
+    from ..planners import DEFAULT_PLANNER, make_plan, quick_planner
     from ..trace.aten import is_inplace_target
     from ..trace.graph_profile import joint_to_profile
     from ..trace.joint import capture_joint
@@ -66,9 +66,8 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
     peak = prof.summary["peak_activation_bytes"]
     fraction = meta.get("budget_fraction")
     budget = fraction_bytes(fraction, peak) if fraction else int(meta["budget_bytes"])
-    planner = meta.get("planner") or "slackswap"
-    if planner == "optimal":         # a MILP takes a minute: not inside a training step
-        planner = "slackswap"
+    # a slow planner (a MILP takes a minute) is not run inside a training step
+    planner = quick_planner(meta.get("planner") or DEFAULT_PLANNER)
     plan = make_plan(planner, prof, hw, budget, fraction)
     what = (f"{planner} at {fraction:g} of the keep-all peak" if fraction
             else f"{planner} at {budget} bytes")
