@@ -17,7 +17,8 @@ import torch
 
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import load_patched
-from slackswap_cli.run.inplace import PlanRun, SteadyRun, is_patched
+from slackswap_cli.run.inplace import PlanRun, is_patched
+from slackswap_cli.run.steady import SteadyRun
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
@@ -109,6 +110,24 @@ def test_later_calls_run_on_hooks_alone_bitwise_like_eager(name, frac, args, fil
     assert len({h for _, h, _ in got[3]}) == 1                 # the same bytes held each step
     run = _run(work.model)
     assert run.rerun_ops > 0 and run.metas                     # steady state recomputes, swaps
+
+
+def test_a_keep_all_plan_runs_on_hooks_alone_with_no_checks(files, tmp_path):
+    """A keep-all plan's steady state skips the per-pack checks (nothing depends on which
+    tensor is which) and still reports what a run reports: bitwise eager, the same bytes held
+    after forward as its first call, nothing re-run."""
+    args = {"dropout": 0.0}
+    mod, _, _ = _patched(tmp_path, files, "tiny_gpt", actions={}, args=args)
+    eager, work = _twins(files["tiny_gpt"], args)
+    want = _steps(eager, 3)
+    mod.patch(work.model)
+    got = _steps(work, 3, lambda m, i: (type(_run(m)), _run(m).held_device_bytes(),
+                                        _run(m).rerun_ops))
+    _same(want, got)
+    assert [k for k, _, _ in got[3]] == [PlanRun, SteadyRun, SteadyRun]
+    assert _run(work.model).tpl.keep_only and _run(work.model).pack == _run(work.model)._keep
+    assert len({h for _, h, _ in got[3]}) == 1 and got[3][0][1] > 0
+    assert all(n == 0 for _, _, n in got[3])
 
 
 def test_other_control_flow_at_the_same_shapes_is_caught(tmp_path):
