@@ -63,8 +63,8 @@ class _Group(TyperGroup):
             who = ("the patched module or the workload" if ctx.invoked_subcommand == "verify"
                    else "the workload")
             error_lines(f"{who} called sys.exit({exc.code!r}) while slackswap ran it",
-                         "a module slackswap imports must not exit: put script code under "
-                         "`if __name__ == \"__main__\":`")
+                        "a module slackswap imports must not exit: put script code under "
+                        "`if __name__ == \"__main__\":`")
             raise typer.Exit(3) from None
         except OSError as exc:
             if exc.errno == errno.EPIPE:   # `slackswap show ... | head`: not an error
@@ -74,9 +74,9 @@ class _Group(TyperGroup):
             if (exc.name or "").split(".")[0] != "torch":
                 _internal_error(exc)
             error_lines(f"`slackswap {ctx.invoked_subcommand or ''}` needs torch, which is not "
-                         "installed", "pip install 'slackswap[torch]' (or a torch build for your "
-                         "CUDA version from pytorch.org); plan, show, simulate and compare run "
-                         "without it")
+                        "installed", "pip install 'slackswap[torch]' (or a torch build for your "
+                        "CUDA version from pytorch.org); plan, show, simulate and compare run "
+                        "without it")
             raise typer.Exit(2) from None
         except Exception as exc:  # noqa: BLE001 - the boundary: a bug must not print a traceback
             _internal_error(exc)
@@ -567,7 +567,7 @@ def _fit_report(result, s, target: Optional[Path], prof_target: Optional[Path],
                                          f"{prof_target}"] if target else []))
     if target is None:
         error_lines("no batch of the sweep fits the device; wrote no plan",
-                     "try smaller batches, --shard N, a lighter --optimizer, or less --reserve")
+                    "try smaller batches, --shard N, a lighter --optimizer, or less --reserve")
         raise typer.Exit(4)
 
 
@@ -618,9 +618,9 @@ def simulate(
                      if trace is not None else []))
     if not result.feasible:
         error_lines(f"on {hw.name} this plan does not keep activation memory under its "
-                     f"budget" + (f": {result.reason}" if result.reason else ""),
-                     f"plan again for this hardware: slackswap plan PROFILE --budget ... "
-                     f"--hardware {hardware or hw.name}")
+                    f"budget" + (f": {result.reason}" if result.reason else ""),
+                    f"plan again for this hardware: slackswap plan PROFILE --budget ... "
+                    f"--hardware {hardware or hw.name}")
         raise typer.Exit(4)
 
 
@@ -750,9 +750,9 @@ def verify(
                                     _render().verify_memory_view(report)]))
     if not report.passed:
         error_lines("verify failed: " + "; ".join(report.reasons),
-                     "if the model or its code changed since it was profiled, run `slackswap "
-                     "profile`, `plan` and `apply` again; a mismatch that persists is a bug in "
-                     "slackswap, please report it")
+                    "if the model or its code changed since it was profiled, run `slackswap "
+                    "profile`, `plan` and `apply` again; a mismatch that persists is a bug in "
+                    "slackswap, please report it")
         raise typer.Exit(5)
 
 
@@ -772,8 +772,8 @@ def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: 
     sink.show(Result(report, views=lambda: [_render().verify_compiled_view(report, backend)]))
     if not report["passed"]:
         error_lines("verify --compile failed: " + "; ".join(report["reasons"]),
-                     "if the model changed since it was profiled, run `slackswap profile`, "
-                     "`plan` and `apply` again; a mismatch that persists is a bug in slackswap")
+                    "if the model changed since it was profiled, run `slackswap profile`, "
+                    "`plan` and `apply` again; a mismatch that persists is a bug in slackswap")
         raise typer.Exit(5)
 
 

@@ -125,3 +125,31 @@ def test_a_planner_said_to_fit_from_the_floor_does():
     for name in sure:
         assert planners.make_plan(name, prof, PRESETS["a100-pcie4"],
                                   budget_floor_bytes(prof)).feasible, name
+
+
+def test_the_json_of_each_command_keeps_its_fields_in_order(ws):
+    """The documents scripts read (docs/formats.md) keep their fields and their order
+    whatever the sink does (the field lists as they were before the sink)."""
+    def doc(*args):
+        r = run(*args, "--json")
+        assert r.exit_code == 0, r.stderr
+        return orjson.loads(r.stdout)
+    plan = doc("plan", "chain.profile.json", "--budget", "0.5")
+    assert list(plan) == ["plan", "planner", "feasible", "hardware", "budget_bytes",
+                          "budget_fraction", "actions", "predicted", "solve_ms", "notes"]
+    assert list(plan["actions"]) == ["keep", "swap", "recompute"]
+    assert list(plan["predicted"]) == ["step_us", "ideal_us", "retention", "peak_bytes",
+                                       "stall_us", "recompute_us", "swapped_bytes",
+                                       "prefetched_bytes", "recomputed_bytes", "stall_by_cause"]
+    cmp = doc("compare", "chain.profile.json", "--budget", "0.5", "--planners", "swap-all")
+    assert list(cmp) == ["profile", "hardware", "budget_bytes", "budget_fraction", "results"]
+    assert list(cmp["results"][0]) == ["planner", "feasible", "predicted", "solve_ms", "notes",
+                                       "bound_retention"]
+    assert list(doc("simulate", "chain.plan.json")) == ["plan", "hardware", "feasible",
+                                                        "reason", "predicted", "trace"]
+    assert list(doc("show", "chain.profile.json")) == ["fingerprint", "workload", "env",
+                                                       "summary"]
+    assert list(doc("show", "chain.plan.json"))[:2] == ["format", "version"]
+    assert list(doc("version")) == ["version", "python", "torch"]
+    hw = run("hardware", "a100-pcie4", "--json").stdout
+    assert hw.startswith('{\n  "name": "a100-pcie4"')      # indented: a file to edit by hand
