@@ -145,11 +145,11 @@ def scaled_diff(xs=(), ys=()) -> tuple[float, int | None]:
 
 
 def _plan_numbers(table: dict, rows: list[int], resized: dict, merged: list[int]) -> dict:
-    """The plan's three numbers; its kept and swapped bytes as the compiled graphs hold them
-    (`resized`: root -> bytes where the graph holds a root in another size, a bool dropout mask
-    for float noise; a root only `merged` rows make, merged by the partitioner's CSE into an
-    identical earlier op, is not held at all); and the kept and swapped bytes of the roots
-    whose ops lined up."""
+    """The plan's three numbers; its kept and swapped bytes as the compiled graphs hold them:
+    the whole plan's, less what a root held in another size saves (`resized`: root -> bytes,
+    a bool dropout mask for float noise) and less a root only `merged` rows make (merged by
+    the partitioner's CSE into an identical earlier op: not held at all); and the kept and
+    swapped bytes of the roots whose ops lined up."""
     size = {int(k): v for k, v in table["root_bytes"].items()}
     kept, swapped = _roots(table, range(len(table["ops"])), size)
     lined_kept, lined_swapped = _roots(table, rows, size)
@@ -157,8 +157,10 @@ def _plan_numbers(table: dict, rows: list[int], resized: dict, merged: list[int]
     held = {**resized, **{t: 0 for t in gone}}
     return {"kept_bytes": table["kept_bytes"], "swapped_bytes": table["swapped_bytes"],
             "recomputed_ops": len(table["recompute_ops"]),
-            "kept_bytes_in_graph": sum(held.get(t, size[t]) for t in kept),
-            "swapped_bytes_in_graph": sum(held.get(t, size[t]) for t in swapped),
+            "kept_bytes_in_graph": table["kept_bytes"] - sum(
+                size[t] - b for t, b in held.items() if t in kept),
+            "swapped_bytes_in_graph": table["swapped_bytes"] - sum(
+                size[t] - b for t, b in held.items() if t in swapped),
             "resized_roots": len(resized),
             "merged_roots": [table["ops"][r][0] for r in merged
                              if set(table["ops"][r][6]) & gone],
