@@ -24,8 +24,9 @@ own `min_cut_rematerialization_partition`:
 A CPU dropout run of the profile (`scaled_dot_product_attention`'s math path calls `at::dropout`
 from C++, traced as `empty_like`, `bernoulli_`, `div_`, `mul`) lines up with the graph's
 `native_dropout` (`graph_plan.graph_units`); where the plan recomputes its result and keeps its
-mask, aot_eager (one random node) gets the result re-made as `input * mask * scale`, equal bit
-for bit in fp32, so backward can recompute it (inductor decomposes native_dropout itself).
+mask, a graph holding native_dropout as one random node (aot_eager; inductor with
+`fallback_random`) gets the result re-made as `input * mask * scale`, equal bit for bit in
+fp32, so backward can recompute it (inductor without it decomposes native_dropout itself).
 Views of an offloaded or recomputed result are re-derived in backward (tagged MUST_RECOMPUTE;
 `verify` counts them apart from recomputed ops). The partitioner's CSE runs first; rows that
 line up only before it (an op merged into an identical earlier one) are reported as merged.
@@ -185,9 +186,9 @@ def _tag_op(g: GraphOp, row: list) -> set[fx.Node]:
     Every node of the op takes the op's policy (a decomposition's inner nodes only when it is
     recomputed; otherwise they are left to the partitioner). One op whose results the plan
     decides differently (`native_dropout` standing for a CPU dropout run: its result
-    recomputed, its mask kept) gets a policy per result. Inductor decomposes native_dropout
-    (the mask, then the products); aot_eager keeps one random node that cannot re-run, so its
-    result is re-made from the mask (`_dropout_from_mask`) to be recomputed; where it cannot be
+    recomputed, its mask kept) gets a policy per result. Inductor without `fallback_random`
+    decomposes native_dropout (the mask, then the products); otherwise it is one random node
+    that cannot re-run, so its result is re-made from the mask (`_dropout_from_mask`) to be recomputed; where it cannot be
     (not fp32), the node is saved and its result left to the partitioner (which saves it)."""
     from torch.utils.checkpoint import CheckpointPolicy
     policy_of = {"recompute": CheckpointPolicy.MUST_RECOMPUTE,

@@ -18,7 +18,7 @@ dtypes), and carry out the plan only where an op lines up.
   root, a temporary, a root backward does not read: left to torch); `roots[i]` the saved root
   whose decision result i carries (itself, or the root an in-place op writes), or None;
 - `kept_bytes`, `swapped_bytes`: bytes of the saved roots kept and swapped; `root_bytes`:
-  root id -> bytes, for the kept and swapped roots;
+  root id -> bytes, for the kept and swapped roots; `swapped_roots`: the swapped ones' ids;
   `recompute_ops`: names of the forward ops the plan's chains re-run;
 - `container`: the module path of the repeated blocks (`layers.layer_container`), if any.
 
@@ -66,6 +66,7 @@ def graph_table(profile: Profile, plan: Plan) -> dict:
     return {
         "ops": ops,
         "root_bytes": {t: size[t] for t, a in saved_roots.items() if a in ("keep", "swap")},
+        "swapped_roots": sorted(t for t, a in saved_roots.items() if a == "swap"),
         "kept_bytes": sum(size[t] for t, a in saved_roots.items() if a == "keep"),
         "swapped_bytes": sum(size[t] for t, a in saved_roots.items() if a == "swap"),
         "recompute_ops": [profile.ops[p].name for p in chain_ops],

@@ -147,29 +147,34 @@ def scaled_diff(xs=(), ys=()) -> tuple[float, int | None]:
 def _plan_numbers(table: dict, rows: list[int], resized: dict, merged: list[int]) -> dict:
     """The plan's three numbers; its kept and swapped bytes as the compiled graphs hold them:
     the whole plan's, less what a root held in another size saves (`resized`: root -> bytes,
-    a bool dropout mask for float noise) and less a root only `merged` rows make (merged by
-    the partitioner's CSE into an identical earlier op: not held at all); and the kept and
-    swapped bytes of the roots whose ops lined up."""
+    a bool dropout mask for float noise), less a root only `merged` rows make (merged by the
+    partitioner's CSE into an identical earlier op) and less a root only ops of the plan's
+    recompute chains make (layer norm's mean and rstd, kept or swapped by the plan while a
+    chain re-runs the layer norm for its result: the graph recomputes the whole op); and the
+    kept and swapped bytes of the roots whose ops lined up."""
     size = {int(k): v for k, v in table["root_bytes"].items()}
-    kept, swapped = _roots(table, range(len(table["ops"])), size)
+    swapped_roots = set(table.get("swapped_roots", ()))
     lined_kept, lined_swapped = _roots(table, rows, size)
     gone = set().union(*_roots(table, merged, size)) - lined_kept - lined_swapped
-    held = {**resized, **{t: 0 for t in gone}}
+    tagged = set().union(*_roots(table, range(len(table["ops"])), size))
+    with_op = set(size) - tagged           # roots no row keeps or swaps: chain ops' results
+    held = {**resized, **{t: 0 for t in gone | with_op}}
+    less = {k: sum(size[t] - b for t, b in held.items() if (t in swapped_roots) == swap)
+            for k, swap in (("kept", False), ("swapped", True))}
     return {"kept_bytes": table["kept_bytes"], "swapped_bytes": table["swapped_bytes"],
             "recomputed_ops": len(table["recompute_ops"]),
-            "kept_bytes_in_graph": table["kept_bytes"] - sum(
-                size[t] - b for t, b in held.items() if t in kept),
-            "swapped_bytes_in_graph": table["swapped_bytes"] - sum(
-                size[t] - b for t, b in held.items() if t in swapped),
+            "kept_bytes_in_graph": table["kept_bytes"] - less["kept"],
+            "swapped_bytes_in_graph": table["swapped_bytes"] - less["swapped"],
             "resized_roots": len(resized),
             "merged_roots": [table["ops"][r][0] for r in merged
                              if set(table["ops"][r][6]) & gone],
+            "recomputed_with_op_bytes": sum(size[t] for t in with_op),
             "lined_up_kept_bytes": sum(size[r] for r in lined_kept),
             "lined_up_swapped_bytes": sum(size[r] for r in lined_swapped)}
 
 
 def _roots(table: dict, rows, size: dict) -> tuple[set[int], set[int]]:
-    """The roots of `rows` the plan keeps, and those it swaps."""
+    """The roots of `rows` the plan keeps, and those it swaps (by the rows' tags)."""
     kept: set[int] = set()
     swapped: set[int] = set()
     for r in rows:
