@@ -77,9 +77,29 @@ def main() -> None:
                 rows.append({"model": name, "budget": frac, **r})
                 print(_line(rows[-1]), flush=True)
     Path(a.out + ".json").write_text(json.dumps(rows, indent=1))
-    lines = [HEAD, "|" + "---|" * (HEAD.count("|") - 1)]
+    write_md(rows, a.out + ".md")
+
+
+def write_md(rows: list[dict], path: str) -> None:
+    """The table, with what each column means and why a row did not pass."""
+    lines = ["# compile_planned: the compiled graphs against the whole plan (CPU, 3 AdamW steps)",
+             "", "`python benchmarks/compiled_check.py --inductor 0.5`. Profiles `--device fake`, "
+             "plans by slackswap at 0.3/0.5/0.7 of the keep-all peak, `verify --compile` "
+             "(run/verify_compiled.py). Bytes: saved for backward on the device and offloaded, "
+             "beside the plan's kept and swapped bytes, whole and as the graphs hold them "
+             "(\"in graph\": bool dropout masks for the profile's float noise (resized roots), "
+             "roots of CSE-merged ops (merged roots) and roots only a recompute chain's ops "
+             "make, re-made with the op, taken out). Recomputed: ops of the plan's chains "
+             "backward re-runs; re-derived views apart. Differences against eager: "
+             "`verify_compiled.scaled_diff` (aot_eager: bitwise).", "",
+             HEAD, "|" + "---|" * (HEAD.count("|") - 1)]
     lines += [_line(r) for r in rows]
-    Path(a.out + ".md").write_text("\n".join(lines) + "\n")
+    failed = [r for r in rows if not r["passed"]]
+    if failed:
+        lines += ["", "Rows that did not pass:", ""]
+        lines += [f"- {r['model']} {r['budget']} {r['backend']}: " + "; ".join(r["reasons"])
+                  for r in failed]
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ class GraphReport:
     #                                not in the plan's chains, yet re-run in backward
     rederived_views: int = 0       # views re-derived in backward (of a recomputed, offloaded
     #                                or saved value: no FLOPs, no memory of their own)
+    remade_constants: int = 0      # ops with no tensor input (scalar_tensor) re-run in backward
     unplanned_recomputes: int = 0  # compute ops that did not line up, re-run in backward
     merged_rows: list[int] = field(default_factory=list)  # graph_table rows that line up
     #                                only before the partitioner's CSE merged them into an
@@ -483,7 +484,8 @@ def _measure_saved(rep: GraphReport, fw, num_fwd_outputs: int, primal: set[int],
 def _measure_recomputes(rep: GraphReport, bw, graph_ops, matched, views: set[fx.Node],
                         planned: set[str]) -> None:
     """Sort the forward ops the backward graph re-runs: ops of the plan's chains, views
-    re-derived, lined-up compute ops off the plan, and compute ops that did not line up."""
+    re-derived, constants re-made (no input: free), lined-up compute ops off the plan, and
+    compute ops that did not line up."""
     op_of = {n.name: g for g in graph_ops for n in g.nodes}
     for n in bw.graph.nodes:
         g = op_of.get(n.name) if n.op == "call_function" else None
@@ -496,6 +498,8 @@ def _measure_recomputes(rep: GraphReport, bw, graph_ops, matched, views: set[fx.
                 rep.recomputed_ops.append(name)
         elif set(g.nodes) & views:
             rep.rederived_views += 1
+        elif not n.all_input_nodes:       # a constant (scalar_tensor, arange): no inputs
+            rep.remade_constants += 1
         elif row is not None and (not g.decomposed or n.name == g.outputs()[0].name):
             if name not in rep.off_plan_recomputes:
                 rep.off_plan_recomputes.append(name)
@@ -616,6 +620,7 @@ def totals(partitions: list[PlanPartition]) -> dict:
         "recomputed_ops": sum(len(r.recomputed_ops) for r in reps),
         "off_plan_recomputes": sorted({o for r in reps for o in r.off_plan_recomputes}),
         "rederived_views": sum(r.rederived_views for r in reps),
+        "remade_constants": sum(r.remade_constants for r in reps),
         "unplanned_recomputes": sum(r.unplanned_recomputes for r in reps),
         "resized_roots": {k: v for r in reps for k, v in r.resized_roots.items()},
         "merged_rows": sorted({row for r in reps for row in r.merged_rows}),

@@ -15,7 +15,8 @@ backward graphs do:
 - `compiled.offloaded_bytes`: bytes of the saved values offloaded to the host;
 - `compiled.recomputed_ops`: forward ops of the plan's recompute chains that the backward
   graph re-runs; `compiled.rederived_views`: views it re-derives from a saved, offloaded or
-  recomputed value (no FLOPs, no memory of their own: not recomputed ops);
+  recomputed value (no FLOPs, no memory of their own: not recomputed ops), and
+  `compiled.remade_constants` ops with no tensor input (a `scalar_tensor`) it re-makes;
   `compiled.off_plan_recomputes`: lined-up compute ops outside the chains it re-runs (none
   when the graph carries the plan out); `compiled.unplanned_recomputes`: compute ops that did
   not line up and that it re-runs;
