@@ -373,8 +373,8 @@ def _outputs(node: fx.Node) -> list[tuple[tuple, str]]:
             return int(s)
         except (TypeError, ValueError):
             return str(s)
-    return [(tuple(dim(s) for s in v.shape), str(v.dtype).removeprefix("torch."))
-            for _, v in _tensor_vals(node)]
+    from ..trace.graph_profile import dtype_name
+    return [(tuple(dim(s) for s in v.shape), dtype_name(v.dtype)) for _, v in _tensor_vals(node)]
 
 
 def _holders(node: fx.Node) -> list[list[fx.Node]]:
