@@ -103,13 +103,14 @@ def _alias_flags(func) -> tuple[bool, bool]:
 
 class _Record:
     __slots__ = ("func", "args", "kwargs", "outs", "versions", "op", "in_locs", "prep",
-                 "alias", "wfirst")
+                 "alias", "wfirst", "geom")
 
     def __init__(self, func, args, kwargs, outs, versions, op, in_locs):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.outs, self.versions, self.op, self.in_locs = outs, versions, op, in_locs
         self.prep = None
         self.alias, self.wfirst = _alias_flags(func)
+        self.geom = None        # a view: None (not replayed yet), False, or `_view_geometry`
 
 
 def _prepare(rec: _Record) -> tuple:
@@ -524,6 +525,16 @@ class PlanRun:
 
     def _replay(self, k: int, local: dict) -> None:
         rec = self.records[k]
+        geom = rec.geom
+        if geom:                  # a view, re-derived with C calls (see `_view_geometry`)
+            base = rec.args[0]
+            if type(base) is _Ref:
+                base = self._resolve(base.loc, local)
+            if (base.shape, base.stride(), base.storage_offset()) == geom[0] and not (
+                    base.requires_grad and torch.is_grad_enabled()):
+                for j, (size, stride, offset) in enumerate(geom[1]):
+                    local[(k, j)] = _as_strided(base, size, stride, offset)
+                return
         flat, spec, todo, written, n, keys = rec.prep or _prepare(rec)
         flat = list(flat)
         for i in todo:
@@ -548,6 +559,8 @@ class PlanRun:
             if isinstance(args[i], torch.Tensor):
                 args[i] = args[i].clone()   # a side-effect write goes to a throwaway copy
         out = rec.func(*args, **kwargs)
+        if geom is None and rec.alias:
+            rec.geom = _view_geometry(rec, args, out)
         if isinstance(out, torch.Tensor):
             local[(k, 0)] = out
             return
@@ -623,6 +636,37 @@ def _bytes_of(x: torch.Tensor) -> torch.Tensor:
     """A flat uint8 tensor over all of x's storage (a swap moves the whole root)."""
     s = x.untyped_storage()
     return torch.empty(0, dtype=torch.uint8, device=x.device).set_(s, 0, (s.nbytes(),), (1,))
+
+
+_as_strided = torch.Tensor.as_strided
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _view_geometry(rec: _Record, args: list, out):
+    """For a view op replayed as `out = rec.func(*args)` (one tensor, or a list of them:
+    `split`): (its input's size, stride and offset; each output's size, stride and offset),
+    so a later replay of `rec` on an input of that geometry is `Tensor.as_strided(input, ...)`
+    per output, C calls instead of the boxed op (the same storage, sizes, strides and offset:
+    the same aliasing and values). Only for a plain, strided, real view of the first argument
+    (a chain value, or a tensor held as a constant: a parameter) whose other arguments are
+    constants, each output's `_base` the input's own base, with the same dtype (no
+    `view.dtype` or complex views) and no conjugate or negative bit; False otherwise."""
+    _, spec, todo, written, _, _ = rec.prep
+    outs = [out] if type(out) is torch.Tensor else out
+    base = args[0] if args else None
+    if (rec.wfirst or spec is not None or written or type(base) not in _PLAIN
+            or todo != ((0,) if isinstance(rec.args[0], _Ref) else ())
+            or type(outs) not in (list, tuple) or not outs
+            or any(type(o) is not torch.Tensor for o in outs)):
+        return False
+    root = base if base._base is None else base._base
+    if (base.is_complex() or base.layout != torch.strided or base.is_nested
+            or base.is_quantized or base.is_conj() or base.is_neg() or any(
+                o._base is not root or o.dtype != base.dtype or o.is_conj() or o.is_neg()
+                or o.grad_fn is not None for o in outs)):
+        return False
+    return ((base.shape, base.stride(), base.storage_offset()),
+            tuple((o.shape, o.stride(), o.storage_offset()) for o in outs))
 
 
 def _view_of(raw: torch.Tensor, dtype, shape, stride, offset) -> torch.Tensor:
