@@ -497,14 +497,17 @@ class PlanRun:
         ks = self._chain_records(owner)
         self.chain = owner
         grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)     # (`set_grad_enabled` builds an object: ~1 us)
+        prev, _STATE.run = getattr(_STATE, "run", None), None      # (no recording)
+        autocast = _autocast_off(self.device)
         try:
-            torch.set_grad_enabled(False)
-            with _autocast_off(self.device), _paused():
+            with autocast:
                 for k in ks:
                     self._replay(k, local)
             self.rerun_ops += len(ks)
         finally:
-            torch.set_grad_enabled(grad)
+            torch._C._set_grad_enabled(grad)
+            _STATE.run = prev
             self.chain = None
         self.done_chains.add(owner)
         self._chain_ran(owner)
@@ -527,10 +530,13 @@ class PlanRun:
         rec = self.records[k]
         geom = rec.geom
         if geom:                  # a view, re-derived with C calls (see `_view_geometry`)
-            base = rec.args[0]
-            if type(base) is _Ref:
-                base = self._resolve(base.loc, local)
-            if (base.shape, base.stride(), base.storage_offset()) == geom[0] and not (
+            if self.chain is None:        # (an unpack's: straight from the value at hand)
+                base, want = self._view_base(rec, local)
+            else:
+                base, want = rec.args[0], geom[0]
+                if type(base) is _Ref:
+                    base = self._resolve(base.loc, local)
+            if (base.shape, base.stride(), base.storage_offset()) == want and not (
                     base.requires_grad and torch.is_grad_enabled()):
                 for j, (size, stride, offset) in enumerate(geom[1]):
                     local[(k, j)] = _as_strided(base, size, stride, offset)
@@ -570,8 +576,29 @@ class PlanRun:
             if isinstance(x, torch.Tensor):
                 local[(k, j)] = x
 
-    def _resolve(self, loc: tuple[int, int], local: dict) -> torch.Tensor:
-        """The value recorded output `loc` had when the forward produced it."""
+    def _view_base(self, rec: _Record, local: dict) -> tuple:
+        """For view `rec` re-derived by its geometry outside a chain (in an unpack, whose
+        `local` is thrown away after): the nearest value at hand below it through views
+        re-derivable by geometry, and the geometry that value must have. The same value
+        `_resolve` would reach level by level; one `as_strided` from it gives the same view
+        (offsets count in the storage), without making the views between."""
+        src, want = rec.args[0], rec.geom[0]
+        while type(src) is _Ref:
+            loc = src.loc
+            x = self._at_hand(loc, local)
+            if x is not None:
+                return x, want
+            below, tid = self.records[loc[0]], self.tid_of.get(loc)
+            geom = below.geom
+            if not geom or geom[1][loc[1]] != want or (
+                    tid is not None and tid in self.metas and tid in self.root_swap):
+                return self._resolve(loc, local), want
+            src, want = below.args[0], geom[0]
+        return src, want
+
+    def _at_hand(self, loc: tuple[int, int], local: dict):
+        """Output `loc`'s value if this call holds it: made in `local` or by a chain, or
+        still alive (held by autograd or pinned) and unchanged since the forward."""
         x = local.get(loc)
         if x is not None:
             return x
@@ -580,13 +607,21 @@ class PlanRun:
             x = self.made.get(tid)
             if x is not None:
                 return x
-        k, j = loc
-        rec = self.records[k]
         x = self._live(loc)
-        if x is not None and x._version == rec.versions[j]:
+        if x is not None and x._version == self.records[loc[0]].versions[loc[1]]:
             if self.noting and self.chain is not None:
                 self.live_reads.setdefault(self.chain, set()).add(loc)
-            return x                      # still alive (held by autograd or pinned), unchanged
+            return x
+        return None
+
+    def _resolve(self, loc: tuple[int, int], local: dict) -> torch.Tensor:
+        """The value recorded output `loc` had when the forward produced it."""
+        x = self._at_hand(loc, local)
+        if x is not None:
+            return x
+        k, j = loc
+        rec = self.records[k]
+        tid = self.tid_of.get(loc)
         if tid is not None and tid in self.metas and tid in self.root_swap:
             out = local[loc] = _view_of(self.root_swap[tid].fetch(), *self.metas[tid])
             return out
@@ -675,11 +710,15 @@ def _view_of(raw: torch.Tensor, dtype, shape, stride, offset) -> torch.Tensor:
 
 
 class _autocast_off:
+    __slots__ = ("types", "ctx")
+
     def __init__(self, device):
-        self.types = ["cpu"] + ([device.type] if device is not None and device.type != "cpu" else [])
-        self.ctx = []
+        self.types = ("cpu",) if device is None or device.type == "cpu" else ("cpu", device.type)
+        self.ctx = ()
 
     def __enter__(self):
+        if not any(map(torch.is_autocast_enabled, self.types)):
+            return                                       # (the common case: nothing to do)
         self.ctx = [torch.autocast(t, enabled=False) for t in self.types
                     if torch.is_autocast_enabled(t)]     # (an autocast object costs ~10 us)
         for c in self.ctx:
@@ -688,17 +727,6 @@ class _autocast_off:
     def __exit__(self, *exc):
         for c in reversed(self.ctx):
             c.__exit__(*exc)
-
-
-class _paused:
-    """No recording while a chain replays (it runs in backward, outside any recorder)."""
-
-    def __enter__(self):
-        self.prev = getattr(_STATE, "run", None)
-        _STATE.run = None
-
-    def __exit__(self, *exc):
-        _STATE.run = self.prev
 
 
 class _Recorder(TorchDispatchMode):

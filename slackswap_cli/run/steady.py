@@ -130,6 +130,10 @@ class Fingerprint:
                 and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.tensors)))
 
 
+def _same(x):
+    return x
+
+
 class SteadyRun(PlanRun):
     """A later call at a signature whose first call made a `Template`: no recorder, no module
     hooks; the pack hook follows the template's decisions by position (see the module's
@@ -151,7 +155,7 @@ class SteadyRun(PlanRun):
         self.swaps = []
         self.rerun_ops = 0
         if tpl.keep_only:          # nothing depends on which tensor is which: no checks
-            self.pack = self._keep
+            self.pack, self.unpack = self._keep, _same     # (every pack is the tensor itself)
             self.tracked = tpl.tracked
             self.pinned = self.made = self.root_swap = self.by_storage = {}
             return
