@@ -497,7 +497,7 @@ class PlanRun:
         ks = self._chain_records(owner)
         self.chain = owner
         grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)     # (`set_grad_enabled` builds an object: ~1 us)
+        torch.set_grad_enabled(False)
         prev, _STATE.run = getattr(_STATE, "run", None), None      # (no recording)
         autocast = _autocast_off(self.device)
         try:
@@ -506,7 +506,7 @@ class PlanRun:
                     self._replay(k, local)
             self.rerun_ops += len(ks)
         finally:
-            torch._C._set_grad_enabled(grad)
+            torch.set_grad_enabled(grad)
             _STATE.run = prev
             self.chain = None
         self.done_chains.add(owner)
