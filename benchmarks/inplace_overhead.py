@@ -21,15 +21,16 @@ dispatch mode's.
 makes any runtime do real work on top of eager: run the recomputed ops again in backward, copy
 swapped storages to the host and back. That is not overhead. It is measured in the same rounds
 by a reference, "0.5 plan's work, bare": from one steady-state step of the patched model the
-benchmark captures every aten call its chains replayed (function and the very argument
-values, views re-derived included) and every storage it copied to the host; each round then
-executes exactly those calls in a plain loop (`func(*args, **kwargs)` under `no_grad`, nothing
-else) and, per swapped storage, the copy into a preallocated host buffer and the copy back
-into a freshly allocated tensor (the pool reuses host buffers; memory freed in forward must be
-allocated again in backward). The bookkeeping is the patch-0.5 steady extra time less that
-work, per forward op, and is compared with the pass-through dispatch mode's extra time (the
-issue's target). (The bare replay runs its ops back to back on warm caches, so if anything it
-is faster than the same ops inside backward: the bookkeeping is, if anything, overstated.)
+benchmark captures every aten call its chains replayed (function and the very argument values,
+views re-derived included: by the op, or by `Tensor.as_strided` at their geometry) and every
+storage it copied to the host; each round then executes exactly those calls in a plain loop
+(`func(*args, **kwargs)` under `no_grad`, nothing else) and, per swapped storage, the copy into
+a preallocated host buffer and the copy back into a freshly allocated tensor (the pool reuses
+host buffers; memory freed in forward must be allocated again in backward). The bookkeeping is
+the patch-0.5 steady extra time less that work, per forward op, and is compared with the
+pass-through dispatch mode's extra time (the issue's target). (The bare replay runs its ops back
+to back on warm caches, so if anything it is faster than the same ops inside backward: the
+bookkeeping is, if anything, overstated.)
 
     python benchmarks/inplace_overhead.py [--quick] [--case "short ops"]
     # (--case: only the cases whose label holds it, printed, nothing written); writes benchmarks/results/inplace_overhead.json and inplace_overhead.md
@@ -142,7 +143,9 @@ def _step(work, ctx) -> float:
 def _capture_work(work) -> tuple[list, list]:
     """One steady-state step of the patched `work.model`, watched: every aten call its chains
     replayed (function, the argument values it got) and every storage it copied to the host."""
+    import slackswap_cli.run.record as rec_mod
     import slackswap_cli.run.swap as rt
+    strided = rec_mod._as_strided
     state = work.model.forward.__slackswap__
     tpl = next(t for t in state.templates.values() if hasattr(t, "records"))
     calls, copies = [], []
@@ -165,10 +168,12 @@ def _capture_work(work) -> tuple[list, list]:
     for rec in tpl.records:
         rec.func = watched(rec.func)
     rt.offload = offload
+    rec_mod._as_strided = watched(strided)     # (views re-derived by their geometry)
     try:
         _step(work, contextlib.nullcontext)
     finally:
         rt.offload = offload.__defaults__[0]
+        rec_mod._as_strided = strided
         for rec, func in zip(tpl.records, funcs):
             rec.func = func
     return calls, copies

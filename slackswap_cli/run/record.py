@@ -103,13 +103,14 @@ def _alias_flags(func) -> tuple[bool, bool]:
 
 class _Record:
     __slots__ = ("func", "args", "kwargs", "outs", "versions", "op", "in_locs", "prep",
-                 "alias", "wfirst")
+                 "alias", "wfirst", "geom")
 
     def __init__(self, func, args, kwargs, outs, versions, op, in_locs):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.outs, self.versions, self.op, self.in_locs = outs, versions, op, in_locs
         self.prep = None
         self.alias, self.wfirst = _alias_flags(func)
+        self.geom = None        # a view: None (not replayed yet), False, or `_view_geometry`
 
 
 def _prepare(rec: _Record) -> tuple:
@@ -496,14 +497,17 @@ class PlanRun:
         ks = self._chain_records(owner)
         self.chain = owner
         grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        prev, _STATE.run = getattr(_STATE, "run", None), None      # (no recording)
+        autocast = _autocast_off(self.device)
         try:
-            torch.set_grad_enabled(False)
-            with _autocast_off(self.device), _paused():
+            with autocast:
                 for k in ks:
                     self._replay(k, local)
             self.rerun_ops += len(ks)
         finally:
             torch.set_grad_enabled(grad)
+            _STATE.run = prev
             self.chain = None
         self.done_chains.add(owner)
         self._chain_ran(owner)
@@ -524,6 +528,19 @@ class PlanRun:
 
     def _replay(self, k: int, local: dict) -> None:
         rec = self.records[k]
+        geom = rec.geom
+        if geom:                  # a view, re-derived with C calls (see `_view_geometry`)
+            if self.chain is None:        # (an unpack's: straight from the value at hand)
+                base, want = self._view_base(rec, local)
+            else:
+                base, want = rec.args[0], geom[0]
+                if type(base) is _Ref:
+                    base = self._resolve(base.loc, local)
+            if (base.shape, base.stride(), base.storage_offset()) == want and not (
+                    base.requires_grad and torch.is_grad_enabled()):
+                for j, (size, stride, offset) in enumerate(geom[1]):
+                    local[(k, j)] = _as_strided(base, size, stride, offset)
+                return
         flat, spec, todo, written, n, keys = rec.prep or _prepare(rec)
         flat = list(flat)
         for i in todo:
@@ -548,6 +565,8 @@ class PlanRun:
             if isinstance(args[i], torch.Tensor):
                 args[i] = args[i].clone()   # a side-effect write goes to a throwaway copy
         out = rec.func(*args, **kwargs)
+        if geom is None and rec.alias:
+            rec.geom = _view_geometry(rec, args, out)
         if isinstance(out, torch.Tensor):
             local[(k, 0)] = out
             return
@@ -557,8 +576,29 @@ class PlanRun:
             if isinstance(x, torch.Tensor):
                 local[(k, j)] = x
 
-    def _resolve(self, loc: tuple[int, int], local: dict) -> torch.Tensor:
-        """The value recorded output `loc` had when the forward produced it."""
+    def _view_base(self, rec: _Record, local: dict) -> tuple:
+        """For view `rec` re-derived by its geometry outside a chain (in an unpack, whose
+        `local` is thrown away after): the nearest value at hand below it through views
+        re-derivable by geometry, and the geometry that value must have. The same value
+        `_resolve` would reach level by level; one `as_strided` from it gives the same view
+        (offsets count in the storage), without making the views between."""
+        src, want = rec.args[0], rec.geom[0]
+        while type(src) is _Ref:
+            loc = src.loc
+            x = self._at_hand(loc, local)
+            if x is not None:
+                return x, want
+            below, tid = self.records[loc[0]], self.tid_of.get(loc)
+            geom = below.geom
+            if not geom or geom[1][loc[1]] != want or (
+                    tid is not None and tid in self.metas and tid in self.root_swap):
+                return self._resolve(loc, local), want
+            src, want = below.args[0], geom[0]
+        return src, want
+
+    def _at_hand(self, loc: tuple[int, int], local: dict):
+        """Output `loc`'s value if this call holds it: made in `local` or by a chain, or
+        still alive (held by autograd or pinned) and unchanged since the forward."""
         x = local.get(loc)
         if x is not None:
             return x
@@ -567,13 +607,21 @@ class PlanRun:
             x = self.made.get(tid)
             if x is not None:
                 return x
-        k, j = loc
-        rec = self.records[k]
         x = self._live(loc)
-        if x is not None and x._version == rec.versions[j]:
+        if x is not None and x._version == self.records[loc[0]].versions[loc[1]]:
             if self.noting and self.chain is not None:
                 self.live_reads.setdefault(self.chain, set()).add(loc)
-            return x                      # still alive (held by autograd or pinned), unchanged
+            return x
+        return None
+
+    def _resolve(self, loc: tuple[int, int], local: dict) -> torch.Tensor:
+        """The value recorded output `loc` had when the forward produced it."""
+        x = self._at_hand(loc, local)
+        if x is not None:
+            return x
+        k, j = loc
+        rec = self.records[k]
+        tid = self.tid_of.get(loc)
         if tid is not None and tid in self.metas and tid in self.root_swap:
             out = local[loc] = _view_of(self.root_swap[tid].fetch(), *self.metas[tid])
             return out
@@ -625,17 +673,52 @@ def _bytes_of(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=x.device).set_(s, 0, (s.nbytes(),), (1,))
 
 
+_as_strided = torch.Tensor.as_strided
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _view_geometry(rec: _Record, args: list, out):
+    """For a view op replayed as `out = rec.func(*args)` (one tensor, or a list of them:
+    `split`): (its input's size, stride and offset; each output's size, stride and offset),
+    so a later replay of `rec` on an input of that geometry is `Tensor.as_strided(input, ...)`
+    per output, C calls instead of the boxed op (the same storage, sizes, strides and offset:
+    the same aliasing and values). Only for a plain, strided, real view of the first argument
+    (a chain value, or a tensor held as a constant: a parameter) whose other arguments are
+    constants, each output's `_base` the input's own base, with the same dtype (no
+    `view.dtype` or complex views) and no conjugate or negative bit; False otherwise."""
+    _, spec, todo, written, _, _ = rec.prep
+    outs = [out] if type(out) is torch.Tensor else out
+    base = args[0] if args else None
+    if (rec.wfirst or spec is not None or written or type(base) not in _PLAIN
+            or todo != ((0,) if isinstance(rec.args[0], _Ref) else ())
+            or type(outs) not in (list, tuple) or not outs
+            or any(type(o) is not torch.Tensor for o in outs)):
+        return False
+    root = base if base._base is None else base._base
+    if (base.is_complex() or base.layout != torch.strided or base.is_nested
+            or base.is_quantized or base.is_conj() or base.is_neg() or any(
+                o._base is not root or o.dtype != base.dtype or o.is_conj() or o.is_neg()
+                or o.grad_fn is not None for o in outs)):
+        return False
+    return ((base.shape, base.stride(), base.storage_offset()),
+            tuple((o.shape, o.stride(), o.storage_offset()) for o in outs))
+
+
 def _view_of(raw: torch.Tensor, dtype, shape, stride, offset) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=raw.device).set_(raw.untyped_storage(), offset,
                                                                  shape, stride)
 
 
 class _autocast_off:
+    __slots__ = ("types", "ctx")
+
     def __init__(self, device):
-        self.types = ["cpu"] + ([device.type] if device is not None and device.type != "cpu" else [])
-        self.ctx = []
+        self.types = ("cpu",) if device is None or device.type == "cpu" else ("cpu", device.type)
+        self.ctx = ()
 
     def __enter__(self):
+        if not any(map(torch.is_autocast_enabled, self.types)):
+            return                                       # (the common case: nothing to do)
         self.ctx = [torch.autocast(t, enabled=False) for t in self.types
                     if torch.is_autocast_enabled(t)]     # (an autocast object costs ~10 us)
         for c in self.ctx:
@@ -644,17 +727,6 @@ class _autocast_off:
     def __exit__(self, *exc):
         for c in reversed(self.ctx):
             c.__exit__(*exc)
-
-
-class _paused:
-    """No recording while a chain replays (it runs in backward, outside any recorder)."""
-
-    def __enter__(self):
-        self.prev = getattr(_STATE, "run", None)
-        _STATE.run = None
-
-    def __exit__(self, *exc):
-        _STATE.run = self.prev
 
 
 class _Recorder(TorchDispatchMode):

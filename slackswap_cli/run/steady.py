@@ -21,7 +21,10 @@ from it; `SteadyRun` is such a later call. What costs what, and why:
   makes are worked out on the first steady call and reused (they depend on the template only);
   each record's arguments were flattened once (`record._prepare`), and whether it is a view or
   an in-place op was read from its schema once (`record._alias_flags`). A replay then runs the
-  recorded function on this call's values: handed-over ones, current parameters and inputs.
+  recorded function on this call's values: handed-over ones, current parameters and inputs; a
+  view whose input has the geometry noted at its first replay is `Tensor.as_strided` at the
+  noted output geometry instead (`record._view_geometry`: one C call, not the boxed op), and an
+  unpack's view of a view is one `as_strided` from the value at hand (`_view_base`).
 - **per step:** the signature (a dict lookup on the inputs' shapes and dtypes, the parameters'
   device and dtype), whether the very parameter and buffer tensors still sit in their module
   slots and the autocast state is unchanged (`Fingerprint.holds`: a C-level walk over a flat
@@ -130,6 +133,10 @@ class Fingerprint:
                 and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.tensors)))
 
 
+def _same(x):
+    return x
+
+
 class SteadyRun(PlanRun):
     """A later call at a signature whose first call made a `Template`: no recorder, no module
     hooks; the pack hook follows the template's decisions by position (see the module's
@@ -151,7 +158,7 @@ class SteadyRun(PlanRun):
         self.swaps = []
         self.rerun_ops = 0
         if tpl.keep_only:          # nothing depends on which tensor is which: no checks
-            self.pack = self._keep
+            self.pack, self.unpack = self._keep, _same     # (every pack is the tensor itself)
             self.tracked = tpl.tracked
             self.pinned = self.made = self.root_swap = self.by_storage = {}
             return
