@@ -772,9 +772,21 @@ def verify_compiled_view(report: dict, backend: str) -> Text:
     lines += [f"{'recomputed ops':<21}{c['recomputed_ops']:>10}{p['recomputed_ops']:>11}"
               f"   (+ {c['rederived_views']} views re-derived)",
               f"saved by ops that did not line up: {c['saved_bytes_not_lined_up']} B",
-              f"vs eager (relative): loss {report['max_loss_rel_diff']:.1e}, gradients "
-              f"{report['max_grad_rel_diff']:.1e}, parameters {report['max_param_rel_diff']:.1e}"]
+              *(f"vs {name} (relative): loss {d['max_loss_rel_diff']:.1e}, gradients "
+                f"{d['max_grad_rel_diff']:.1e}, parameters {d['max_param_rel_diff']:.1e}"
+                f"{suffix}" for name, d, suffix in _compiled_diffs(report))]
     return Text("\n".join(lines))
+
+
+def _compiled_diffs(report: dict) -> list[tuple[str, dict, str]]:
+    """verify --compile's differences: against its reference (checked, with the tolerance),
+    and against eager where the reference is not eager (shown, not checked)."""
+    ref = report.get("reference", "eager")
+    tol = report["tolerances"]
+    rows = [(ref, report, f" (tolerance {tol['loss']:g} / {tol['grad']:g})")]
+    if ref != "eager" and "vs_eager" in report:
+        rows.append(("eager", report["vs_eager"], f" (not checked: {ref} itself differs)"))
+    return rows
 
 
 def patch_usage(module: str) -> Text:

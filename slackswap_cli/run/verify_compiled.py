@@ -62,40 +62,50 @@ def verify_compiled(patched_path: str, model_path: str | None = None, *,
     w = meta["workload"]
     dev = None if meta["device_type"] == "cpu" else meta["device_type"]
     models = []
-    for _ in range(2):
+    for _ in range(3 if backend == "inductor" else 2):
         torch.manual_seed(seed)
         models.append(load_workload(model_path or w["path"], w["entry"], dict(w["args"]),
                                     device=dev))
-    eager, work = models
-    work.model.load_state_dict(eager.model.state_dict())
+    eager, work = models[:2]
+    for other in models[1:]:
+        other.model.load_state_dict(eager.model.state_dict())
     # inductor draws dropout's random numbers its own way unless told to fall back to eager's
     extra = {"options": {"fallback_random": True}} if backend == "inductor" else {}
     compiled = mod.compile_planned(work.model, backend=backend, quiet=True, **extra)
-    diffs = _compare(eager, work, compiled, steps, seed)
+    runs = [(eager, eager.model), (work, compiled)]
+    if backend == "inductor":             # the reference: plain torch.compile, same options
+        plain = models[2]
+        runs.append((plain, torch.compile(plain.model, backend=backend, **extra)))
+    diffs = _compare(runs, steps, seed)
     got = totals(compiled._slackswap_partitions)
     plan = _plan_numbers(table, got["lined_up_rows"], got.pop("resized_roots"),
                          got.pop("merged_rows"))
     loss_tol, grad_tol = (0.0, 0.0) if backend == "aot_eager" else \
         _tolerances(next(eager.model.parameters()).dtype)
-    reasons = _reasons(got, plan, diffs, loss_tol, grad_tol)
+    reasons = _reasons(got, plan, diffs, loss_tol, grad_tol, REFERENCE[backend])
     del got["lined_up_rows"]
-    return {"backend": backend, "steps": steps, "compiled": got, "plan": plan, **diffs,
+    return {"backend": backend, "steps": steps, "reference": REFERENCE[backend],
+            "compiled": got, "plan": plan, **diffs,
             "tolerances": {"loss": loss_tol, "grad": grad_tol, "bytes": BYTES_TOLERANCE},
             "passed": not reasons, "reasons": reasons}
 
 
-def _compare(eager, work, compiled, steps: int, seed: int) -> dict:
-    """`steps` AdamW steps of both from the same seed: the largest relative differences of the
-    losses, and the largest `scaled_diff` of the gradients (each step), parameters and
-    buffers (after the last step)."""
+REFERENCE = {"aot_eager": "eager", "inductor": "torch.compile"}
+KEYS = ("max_loss_rel_diff", "max_grad_rel_diff", "max_param_rel_diff", "max_buffer_rel_diff")
+
+
+def _compare(runs: list, steps: int, seed: int) -> dict:
+    """`steps` AdamW steps of each of `runs` ((workload, callable): eager, compile_planned and,
+    with inductor, plain torch.compile) from the same seed; compile_planned's largest relative
+    differences (losses: `_rel`; gradients each step, parameters and buffers after the last
+    step: `scaled_diff`) against the reference (the last run) at the top level, against eager
+    under `vs_eager`."""
     import torch
 
     from ..trace.joint import loss_from_output, split_inputs
     from .verify import _rel
-    runs = [(eager, eager.model), (work, compiled)]
     opts = [torch.optim.AdamW(w.model.parameters(), lr=1e-2) for w, _ in runs]
-    out = {"max_loss_rel_diff": 0.0, "max_grad_rel_diff": 0.0, "max_param_rel_diff": 0.0,
-           "max_buffer_rel_diff": 0.0}
+    ref, eager = {k: 0.0 for k in KEYS}, {k: 0.0 for k in KEYS}
     for k in range(steps):
         losses, grads = [], []
         for (w, model), opt in zip(runs, opts):
@@ -108,13 +118,17 @@ def _compare(eager, work, compiled, steps: int, seed: int) -> dict:
             grads.append([p.grad for p in w.model.parameters()])
             opt.step()
             opt.zero_grad(set_to_none=True)
-        out["max_loss_rel_diff"] = max(out["max_loss_rel_diff"], _rel(*losses))
-        out["max_grad_rel_diff"] = max(out["max_grad_rel_diff"], scaled_diff(*grads)[0])
-    pairs = {"max_param_rel_diff": (eager.model.parameters(), work.model.parameters()),
-             "max_buffer_rel_diff": (eager.model.buffers(), work.model.buffers())}
-    for key, (a, b) in pairs.items():
-        out[key] = scaled_diff(*zip(*((x, y) for x, y in zip(a, b) if x.is_floating_point())))[0]
-    return out
+        for out, other in ((ref, -1), (eager, 0)):
+            out["max_loss_rel_diff"] = max(out["max_loss_rel_diff"], _rel(losses[other], losses[1]))
+            out["max_grad_rel_diff"] = max(out["max_grad_rel_diff"],
+                                           scaled_diff(grads[other], grads[1])[0])
+    for out, other in ((ref, -1), (eager, 0)):
+        for key, of in (("max_param_rel_diff", "parameters"), ("max_buffer_rel_diff", "buffers")):
+            pairs = [(x, y) for x, y in zip(getattr(runs[other][0].model, of)(),
+                                            getattr(runs[1][0].model, of)())
+                     if x.is_floating_point()]
+            out[key] = scaled_diff(*zip(*pairs))[0] if pairs else 0.0
+    return {**ref, "vs_eager": eager}
 
 
 SCALE_FLOOR = 1e-3
@@ -185,7 +199,8 @@ def _roots(table: dict, rows, size: dict) -> tuple[set[int], set[int]]:
     return kept, swapped
 
 
-def _reasons(got: dict, plan: dict, diffs: dict, loss_tol: float, grad_tol: float) -> list[str]:
+def _reasons(got: dict, plan: dict, diffs: dict, loss_tol: float, grad_tol: float,
+             reference: str = "eager") -> list[str]:
     reasons = []
     if got["graphs"] == 0:
         return ["torch.compile captured no graph with a backward: nothing was partitioned"]
@@ -202,7 +217,7 @@ def _reasons(got: dict, plan: dict, diffs: dict, loss_tol: float, grad_tol: floa
                        f"{', '.join(got['off_plan_recomputes'][:8])}")
     if diffs["max_loss_rel_diff"] > loss_tol or diffs["max_grad_rel_diff"] > grad_tol \
             or diffs["max_param_rel_diff"] > grad_tol or diffs["max_buffer_rel_diff"] > grad_tol:
-        reasons.append(f"compiled differs from eager: loss by {diffs['max_loss_rel_diff']:.2e}, "
+        reasons.append(f"compile_planned differs from {reference}: loss by {diffs['max_loss_rel_diff']:.2e}, "
                        f"gradients by {diffs['max_grad_rel_diff']:.2e}, parameters by "
                        f"{diffs['max_param_rel_diff']:.2e}, buffers by "
                        f"{diffs['max_buffer_rel_diff']:.2e} (relative)")
