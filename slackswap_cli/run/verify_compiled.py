@@ -1,10 +1,13 @@
 """`slackswap verify patched.py --compile`: does the compiled graph carry the plan out?
 
-Two copies of the workload from the same weights: one eager, one through the patched module's
-`compile_planned` (backend inductor or aot_eager). `steps` AdamW steps from the same seed
-compare losses, gradients, parameters and buffers (aot_eager runs the same aten ops: bitwise;
-inductor fuses and reorders: within the fp32 tolerance, and runs with `fallback_random` so that
-dropout draws eager's random numbers). Tensors are compared by `scaled_diff`: max|a-b| relative
+Copies of the workload from the same weights: one eager, one through the patched module's
+`compile_planned` (backend inductor or aot_eager) and, with inductor, one through plain
+`torch.compile` with the same options. `steps` AdamW steps from the same seed compare losses,
+gradients, parameters and buffers against the reference (`reference`): aot_eager runs the same
+aten ops as eager: bitwise against eager; inductor fuses and reorders (torch.compile itself
+differs from eager by up to 1e-3): within the fp32 tolerance of plain torch.compile, both with
+`fallback_random` so that dropout draws eager's random numbers; the eager figures under
+`vs_eager`. Tensors are compared by `scaled_diff`: max|a-b| relative
 to the tensor's own max|a|, with a floor of 1e-3 of the largest tensor of its kind (a gradient
 that is zero up to rounding, a convolution's bias before BatchNorm, would otherwise read as a
 difference of 18x). The partition function's reports give what the partitioned forward and
@@ -29,7 +32,11 @@ against the whole plan, counted as the graphs hold it (`plan.kept_bytes_in_graph
 bool (`plan.resized_roots`: how many roots are held in another size); a root whose op the
 partitioner's CSE merged into an identical earlier one (Llama's second causal mask) is not held
 twice (`plan.merged_roots`: their ops). Saved plus offloaded within 2% of kept plus swapped;
-offloaded equal to swapped; no recomputed compute op outside the chains.
+offloaded equal to swapped; no recomputed compute op outside the chains. With inductor, whose
+decompositions (layer norm, batch norm, log-softmax backward, the loss) save other values
+than the profile's ops, the total is shown and not checked (`notes` say why); offloaded is
+checked against the swapped bytes backward reads (`plan.swapped_bytes_read`), lined-up saved
+bytes against the plan's kept bytes (at most, +2%).
 `plan.lined_up_kept_bytes`/`lined_up_swapped_bytes`: the plan's bytes of the roots whose ops
 lined up.
 """
