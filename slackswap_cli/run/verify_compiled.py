@@ -112,8 +112,9 @@ def _notes(got: dict, plan: dict) -> list[str]:
                      f"values no profiled op makes, so saved plus offloaded against the plan's "
                      f"kept plus swapped is shown, not checked")
     if plan["unread_swapped_roots"]:
-        notes.append(f"backward does not read {plan['swapped_bytes_in_graph'] - plan['swapped_bytes_read']}"
-                     f" B the plan swaps (results of {', '.join(plan['unread_swapped_roots'])}: "
+        unread = plan["swapped_bytes_in_graph"] - plan["swapped_bytes_read"]
+        notes.append(f"backward does not read {unread} B the plan swaps (results of "
+                     f"{', '.join(plan['unread_swapped_roots'])}: "
                      f"a decomposed consumer reads another value), so the offload check counts "
                      f"the {plan['swapped_bytes_read']} B backward reads")
     return notes
