@@ -266,6 +266,9 @@ def test_inductor_byte_checks_still_fail_on_what_the_plan_does_not_do():
     assert "native_layer_norm" in notes[0] and "300 B" in notes[0]
     assert "100 B" in notes[1] and "mul" in notes[1]
     assert len(_reasons(got, plan, diffs, 0.0, 0.0, "eager")) == 2   # total and offload
+    plain = {**got, "decomposed_saves": []}     # nothing decomposed, all read: total checked
+    assert len(_reasons(plain, {**plan, "unread_swapped_roots": []}, diffs, 1e-5, 1e-4,
+                        "torch.compile")) == 2
     for change, words in (({"offloaded_bytes": 500}, "offload 500"),
                           ({"saved_bytes": 1400}, "more than the plan keeps"),
                           ({"off_plan_recomputes": ["gelu"]}, "gelu")):
