@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--inductor-only", action="store_true", help="skip aot_eager")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compiled_check"))
     a = ap.parse_args()
+    import torch
     from slackswap_cli.run.emit import apply_plan
     from slackswap_cli.run.verify_compiled import verify_compiled
     from workloads import ROOT as TROOT, SOURCES, plan_at
@@ -75,6 +76,9 @@ def main() -> None:
             backends = ([] if a.inductor_only else ["aot_eager"]) + \
                 (["inductor"] if str(frac) in a.inductor.split(",") else [])
             for backend in backends:
+                # each verify compiles the same model code anew (inductor: twice, planned and
+                # plain); past dynamo's recompile_limit (8) it would run eager and capture no graph
+                torch._dynamo.reset()
                 r = verify_compiled(str(mod), backend=backend, steps=3)
                 rows.append({"model": name, "budget": frac, **r})
                 print(_line(rows[-1]), flush=True)
