@@ -763,7 +763,9 @@ def verify_compiled_view(report: dict, backend: str) -> Text:
     """`verify --compile`: the partitioned graphs' saved, offloaded and recomputed against the
     plan, and the differences from eager."""
     c, p = report["compiled"], report["plan"]
-    lines = [f"compiled ({backend}): {c['graphs']} graph(s), {c['lined_up_ops']} of "
+    lines = [f"{'PASSED' if report['passed'] else 'FAILED'}: compile_planned "
+             f"({backend}) against the plan and {report.get('reference', 'eager')}",
+             f"compiled ({backend}): {c['graphs']} graph(s), {c['lined_up_ops']} of "
              f"{c['graph_ops']} forward ops line up",
              f"{'':<20}{'compiled':>11}{'plan':>11}{'in graph':>11}"]
     for label, got, key in (("saved / kept B", c["saved_bytes"], "kept_bytes"),
@@ -772,9 +774,22 @@ def verify_compiled_view(report: dict, backend: str) -> Text:
     lines += [f"{'recomputed ops':<21}{c['recomputed_ops']:>10}{p['recomputed_ops']:>11}"
               f"   (+ {c['rederived_views']} views re-derived)",
               f"saved by ops that did not line up: {c['saved_bytes_not_lined_up']} B",
-              f"vs eager (relative): loss {report['max_loss_rel_diff']:.1e}, gradients "
-              f"{report['max_grad_rel_diff']:.1e}, parameters {report['max_param_rel_diff']:.1e}"]
+              *(f"vs {name} (relative): loss {d['max_loss_rel_diff']:.1e}, gradients "
+                f"{d['max_grad_rel_diff']:.1e}, parameters {d['max_param_rel_diff']:.1e}"
+                f"{suffix}" for name, d, suffix in _compiled_diffs(report)),
+              *(f"note: {n}" for n in report.get("notes", ()))]
     return Text("\n".join(lines))
+
+
+def _compiled_diffs(report: dict) -> list[tuple[str, dict, str]]:
+    """verify --compile's differences: against its reference (checked, with the tolerance),
+    and against eager where the reference is not eager (shown, not checked)."""
+    ref = report.get("reference", "eager")
+    tol = report["tolerances"]
+    rows = [(ref, report, f" (tolerance {tol['loss']:g} / {tol['grad']:g})")]
+    if ref != "eager" and "vs_eager" in report:
+        rows.append(("eager", report["vs_eager"], f" (not checked: {ref} itself differs)"))
+    return rows
 
 
 def patch_usage(module: str) -> Text:

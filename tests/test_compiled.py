@@ -240,8 +240,43 @@ def test_inductor_compile_offloads_and_matches_eager_and_plain_torch_compile(fil
     report = verify_compiled(str(path), backend="inductor", steps=3)
     assert report["passed"], report["reasons"]
     assert report["compiled"]["offloaded_bytes"] == report["plan"]["swapped_bytes"] > 0
+    assert report["reference"] == "torch.compile"       # judged against plain torch.compile
     assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
+    assert report["vs_eager"]["max_loss_rel_diff"] <= 1e-5
+    assert report["vs_eager"]["max_param_rel_diff"] <= 1e-5
+    assert report["plan"]["swapped_bytes_read"] == report["compiled"]["offloaded_bytes"]
     assert_trains_as_plain_torch_compile(load_patched(str(path)), files["mlp"])
+
+
+def test_inductor_byte_checks_still_fail_on_what_the_plan_does_not_do():
+    """With inductor the total is not checked (decompositions save other values: `notes`),
+    but offloading other than the swapped roots backward reads, keeping more lined-up bytes
+    than the plan keeps and re-running ops outside the chains still fail; aot_eager checks
+    the total."""
+    from slackswap_cli.run.verify_compiled import _notes, _reasons
+    got = {"graphs": 1, "saved_bytes": 1300, "saved_bytes_not_lined_up": 300,
+           "offloaded_bytes": 400, "off_plan_recomputes": [],
+           "decomposed_saves": ["aten.native_layer_norm.default"]}
+    plan = {"kept_bytes_in_graph": 1000, "swapped_bytes_in_graph": 500,
+            "swapped_bytes_read": 400, "unread_swapped_roots": ["mul"]}
+    diffs = dict.fromkeys(("max_loss_rel_diff", "max_grad_rel_diff", "max_param_rel_diff",
+                           "max_buffer_rel_diff"), 0.0)
+    assert _reasons(got, plan, diffs, 1e-5, 1e-4, "torch.compile") == []
+    notes = _notes(got, plan)
+    assert "native_layer_norm" in notes[0] and "300 B" in notes[0]
+    assert "100 B" in notes[1] and "mul" in notes[1]
+    assert len(_reasons(got, plan, diffs, 0.0, 0.0, "eager")) == 2   # total and offload
+    plain = {**got, "decomposed_saves": []}     # nothing decomposed, all read: total checked
+    assert len(_reasons(plain, {**plan, "unread_swapped_roots": []}, diffs, 1e-5, 1e-4,
+                        "torch.compile")) == 2
+    for change, words in (({"offloaded_bytes": 500}, "offload 500"),
+                          ({"saved_bytes": 1400}, "more than the plan keeps"),
+                          ({"off_plan_recomputes": ["gelu"]}, "gelu")):
+        (reason,) = _reasons({**got, **change}, plan, diffs, 1e-5, 1e-4, "torch.compile")
+        assert words in reason
+    (reason,) = _reasons(got, plan, {**diffs, "max_param_rel_diff": 1e-3}, 1e-5, 1e-4,
+                         "torch.compile")
+    assert "differs from torch.compile" in reason
 
 
 # compile_planned (inductor) against plain torch.compile (inductor), both with fallback_random:

@@ -95,6 +95,12 @@ class GraphReport:
     resized_roots: dict = field(default_factory=dict)  # root -> bytes the graph holds it in,
     #                                where not the profile's (a bool dropout mask for float noise)
     refused_offloads: int = 0      # swapped roots the offload insertion cannot carry (kept)
+    unread_swaps: dict = field(default_factory=dict)  # root -> (op, bytes): swapped roots
+    #                                backward does not read (neither saved nor offloaded: a
+    #                                decomposed consumer, inductor's layer norm, reads another
+    #                                value), or a decomposition does not make as a value
+    decomposed_saves: list[str] = field(default_factory=list)  # ops (original_aten) whose
+    #                                decomposition made values saved that did not line up
     rows: list[int] = field(default_factory=list)   # graph_table rows that lined up
     saved_names: list[str] = field(default_factory=list)
     offloaded_names: list[str] = field(default_factory=list)
@@ -450,6 +456,7 @@ def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table) -> GraphReport:
     _measure_saved(rep, fw, num_fwd_outputs, primal, lined)
     _measure_recomputes(rep, bw, graph_ops, matched, views, set(table["recompute_ops"]))
     sizes = {int(k): v for k, v in table["root_bytes"].items()}
+    _measure_unread(rep, matched, sizes)
     for g, (row, _) in matched.items():
         for tag, root, hs in zip(row[4], row[6], g.holders_for(row[2])):
             if tag in ("save", "offload") and root in sizes and hs and \
@@ -479,6 +486,25 @@ def _measure_saved(rep: GraphReport, fw, num_fwd_outputs: int, primal: set[int],
             rep.saved_names.append(n.name)
             if key not in lined:
                 rep.saved_bytes_not_lined_up += nbytes
+                src = n.args[0] if n.target is operator.getitem else n
+                orig = src.meta.get("original_aten")
+                if orig is not None and str(orig) != str(src.target) \
+                        and str(orig) not in rep.decomposed_saves:
+                    rep.decomposed_saves.append(str(orig))
+
+
+def _measure_unread(rep: GraphReport, matched, sizes: dict) -> None:
+    """The swapped roots of lined-up ops that the partitioned forward neither saves nor
+    offloads (backward does not read them), and those a decomposition makes no value for."""
+    held = set(rep.saved_names) | set(rep.offloaded_names)
+    for g, (row, _) in matched.items():
+        for tag, root, hs in zip(row[4], row[6], g.holders_for(row[2])):
+            if tag != "offload" or root not in sizes:
+                continue
+            if not hs and g.decomposed:
+                rep.unread_swaps[root] = (row[0], sizes[root])
+            elif hs and not {h.name for h in hs} & held:
+                rep.unread_swaps[root] = (row[0], hs[0].meta["val"].untyped_storage().nbytes())
 
 
 def _measure_recomputes(rep: GraphReport, bw, graph_ops, matched, views: set[fx.Node],
@@ -625,6 +651,8 @@ def totals(partitions: list[PlanPartition]) -> dict:
         "resized_roots": {k: v for r in reps for k, v in r.resized_roots.items()},
         "merged_rows": sorted({row for r in reps for row in r.merged_rows}),
         "refused_offloads": sum(r.refused_offloads for r in reps),
+        "unread_swaps": {k: v for r in reps for k, v in r.unread_swaps.items()},
+        "decomposed_saves": sorted({o for r in reps for o in r.decomposed_saves}),
     }
 
 
