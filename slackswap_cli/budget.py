@@ -33,7 +33,7 @@ import math
 import re
 
 from .errors import InfeasibleError, InputError
-from .schema import Action, Profile
+from .schema import Profile
 from .units import GIB, KIB, MIB, TIB, fmt_bytes
 
 _UNITS = {
@@ -68,8 +68,7 @@ def parse_budget(text: str | float | int, profile: Profile) -> tuple[int, float 
     if number <= 0:
         raise InputError(f"budget {raw!r} must be positive", hint=_HINT)
     if unit == "" and number <= 1.0:
-        peak = profile.keep_all_peak_bytes
-        return int(math.floor(number * peak)), number
+        return fraction_bytes(number, profile.keep_all_peak_bytes), number
     if unit == "" and "." in m.group(1) and "e" not in m.group(1).lower() and number < 1024:
         # "1.5" or "2.0": a fraction above 1, almost certainly not a byte count
         raise InputError(f"budget fraction {raw} is above 1",
@@ -78,6 +77,18 @@ def parse_budget(text: str | float | int, profile: Profile) -> tuple[int, float 
     if size < 1:
         raise InputError(f"budget {raw!r} is less than one byte", hint=_HINT)
     return int(size), None
+
+
+def fraction_bytes(fraction: float, keep_all_peak_bytes: int) -> int:
+    """The budget a fraction of the keep-all peak stands for, in bytes (rounded down): the one
+    conversion (`parse_budget`, re-planning in a step, verify)."""
+    return int(math.floor(fraction * keep_all_peak_bytes))
+
+
+def keep_all_of(budget_bytes: int, fraction: float) -> int:
+    """The keep-all peak a budget of `fraction` of it was made from (`fraction_bytes` undone,
+    to within its rounding): for a patched module that records only its budget and fraction."""
+    return int(round(budget_bytes / fraction))
 
 
 def parse_size(text: str, option: str) -> int:

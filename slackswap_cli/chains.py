@@ -92,9 +92,9 @@ class Tables:
                     fbu[r] = i
         self.last_use, self.last_fwd_use, self.first_bwd_use = last, lfu, fbu
         self.roots = [j for j in range(n_t) if is_root[j]]
-        # a saved activation root: produced in forward, read (or an alias read) in backward
-        self.saved = [is_root[j] and tensors[j].saved and self.producer[j] < nf and fbu[j] >= 0
-                      for j in range(n_t)]
+        # the saved activation roots: the planner's candidates (`Profile.saved_activations`)
+        saved_ids = {t.id for t in prof.saved_activations}
+        self.saved = [j in saved_ids for j in range(n_t)]
         self.default_action = [KEEP if s else NOT_SAVED for s in self.saved]
         self.saved_roots = [j for j in self.roots if self.saved[j]]
         saved = self.saved
@@ -362,26 +362,20 @@ def candidate_chain(tab: Tables, r: int) -> CandidateChain | None:
     return CandidateChain((p, *sorted(run - {p})), tuple(inputs), tuple(temps))
 
 
-def _last_writes(prof) -> dict[int, int]:
+def _last_writes(prof, writes_in_place: Callable[[str], bool]) -> dict[int, int]:
     out: dict[int, int] = {}
     for t in prof.tensors:
         p = t.producer
         if t.alias_of is not None and p is not None and p < prof.n_forward \
-                and _writes_in_place(prof.ops[p].target):
+                and writes_in_place(prof.ops[p].target):
             out[t.alias_of] = max(out.get(t.alias_of, -1), p)
     return out
-
-
-def _writes_in_place(target: str) -> bool:
-    """`aten.add_.Tensor` and the like (aten names its in-place variants with a trailing _)."""
-    parts = target.split(".")
-    return len(parts) >= 2 and parts[1].endswith("_") and not parts[1].startswith("_")
 
 
 # --------------------------------------------------------------------------------------------
 # What the in-place runtime needs from a layout
 # --------------------------------------------------------------------------------------------
-def runtime_table(prof, decisions) -> dict:
+def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> dict:
     """The plan as the in-place runtime (`replay`) carries it out, in plain Python values.
 
     - `ops`: the forward ops in order, `[name, target, output shapes, output tensor ids,
@@ -397,8 +391,9 @@ def runtime_table(prof, decisions) -> dict:
     - `needs`: recompute root -> the ops of its chain it depends on (all before it);
     - `bwd_use`: saved root -> its first backward reader (how far backward has got);
     - `non_activation`: parameters, buffers and inputs (roots outside activation memory);
-    - `last_write`: root -> the last forward op that writes into it in place (aten's trailing
-      `_`), for roots written after they are made;
+    - `last_write`: root -> the last forward op that writes into it in place, for roots
+      written after they are made (`writes_in_place(op target)`: aten's rule, which lives
+      on the torch side, `trace.aten.is_inplace_target`);
     - `first_use`: swapped root -> the backward op that first needs it (a chain or a reader);
     - `prefetch_at`: swapped root -> the backward op from which its copy back may be issued.
     """
@@ -450,7 +445,7 @@ def runtime_table(prof, decisions) -> dict:
         "op_inputs": op_inputs,
         "needs": needs,
         "bwd_use": {r: tab.first_bwd_use[r] for r in tab.saved_roots},
-        "last_write": _last_writes(prof),
+        "last_write": _last_writes(prof, writes_in_place),
         "first_use": first_use,
         "prefetch_at": {r: min(pin_at.get(r, nf), first_use.get(r, nf)) for r in first_use},
     }

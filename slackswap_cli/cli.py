@@ -1,28 +1,35 @@
-"""The `slackswap` command: parse options, call the library, render, map errors to exit codes.
+"""The `slackswap` command: parse options, call the library, hand the result to the output
+sink, map errors to exit codes.
 
-This is the only module that prints or exits. Library code raises `SlackswapError(message,
-hint)`; here it becomes `Error: ...` / `Hint: ...` on stderr and the error's exit code (2 bad
-input, 3 tracing failed, 4 no plan fits, 5 verify found a mismatch). Usage errors (a missing
-option, an unknown command) get the same two lines and exit 2. Any other exception is a bug in
-slackswap: users see `Error: internal error ...` and exit 1, never a raw traceback, unless
-SLACKSWAP_DEBUG=1 asks for it. Imports of heavy modules (torch, the tracer, the planners)
-happen inside the commands, so `plan`, `show`, `simulate` and `compare` start without
-importing torch.
+A command computes its result (the data --json prints, and the render views that show it)
+and hands it once to `output.Sink`, which decides how it shows (tables, --json, --quiet):
+commands do not branch on the output format. `output.py` alone prints; this module alone
+exits. Library code raises `SlackswapError(message, hint)`; here it becomes `Error: ...` /
+`Hint: ...` on stderr and the error's exit code (2 bad input, 3 tracing failed, 4 no plan
+fits, 5 verify found a mismatch). Usage errors (a missing option, an unknown command) get the
+same two lines and exit 2. Any other exception is a bug in slackswap: users see `Error:
+internal error ...` and exit 1, never a raw traceback, unless SLACKSWAP_DEBUG=1 asks for it.
+
+Planner names, the default planner and what each planner takes come from the registry
+(`planners.PLANNERS`, light to import). Imports of heavy modules (torch, the tracer, the
+planners' code, render) happen inside the commands, so `plan`, `show`, `simulate` and
+`compare` start without importing torch.
 """
 from __future__ import annotations
 
 import errno
 import os
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from typer.core import TyperGroup
 
-from .errors import InputError, SlackswapError
+from .errors import InputError, SlackswapError, require_file
+from .output import Result, Sink, error_lines
+from .planners import DEFAULT_PLANNER, PLANNERS, planner_names
 
 DEBUG_ENV = "SLACKSWAP_DEBUG"
 
@@ -41,23 +48,23 @@ class _Group(TyperGroup):
             raise
         except UsageError as exc:
             sub = exc.ctx.command_path if exc.ctx is not None else "slackswap"
-            _error_lines(exc.format_message(), f"see `{sub} --help`")
+            error_lines(exc.format_message(), f"see `{sub} --help`")
             raise typer.Exit(2) from None
         except ClickException:
             raise
         except SlackswapError as exc:      # raised outside a command's own try block
             _fail(exc)
         except KeyboardInterrupt:
-            _error_lines("interrupted", None)
+            error_lines("interrupted", None)
             raise typer.Exit(130) from None
         except SystemExit as exc:          # our exits are typer.Exit: this one is user code's
             if isinstance(exc.__context__, BrokenPipeError):
                 _closed_pipe()             # Rich's exit when stdout closed early (`| head`)
             who = ("the patched module or the workload" if ctx.invoked_subcommand == "verify"
                    else "the workload")
-            _error_lines(f"{who} called sys.exit({exc.code!r}) while slackswap ran it",
-                         "a module slackswap imports must not exit: put script code under "
-                         "`if __name__ == \"__main__\":`")
+            error_lines(f"{who} called sys.exit({exc.code!r}) while slackswap ran it",
+                        "a module slackswap imports must not exit: put script code under "
+                        "`if __name__ == \"__main__\":`")
             raise typer.Exit(3) from None
         except OSError as exc:
             if exc.errno == errno.EPIPE:   # `slackswap show ... | head`: not an error
@@ -66,10 +73,10 @@ class _Group(TyperGroup):
         except ModuleNotFoundError as exc:
             if (exc.name or "").split(".")[0] != "torch":
                 _internal_error(exc)
-            _error_lines(f"`slackswap {ctx.invoked_subcommand or ''}` needs torch, which is not "
-                         "installed", "pip install 'slackswap[torch]' (or a torch build for your "
-                         "CUDA version from pytorch.org); plan, show, simulate and compare run "
-                         "without it")
+            error_lines(f"`slackswap {ctx.invoked_subcommand or ''}` needs torch, which is not "
+                        "installed", "pip install 'slackswap[torch]' (or a torch build for your "
+                        "CUDA version from pytorch.org); plan, show, simulate and compare run "
+                        "without it")
             raise typer.Exit(2) from None
         except Exception as exc:  # noqa: BLE001 - the boundary: a bug must not print a traceback
             _internal_error(exc)
@@ -97,18 +104,27 @@ app = typer.Typer(cls=_Group, add_completion=True, no_args_is_help=True, rich_ma
                   epilog="Exit codes: 0 ok, 1 internal error (a bug: SLACKSWAP_DEBUG=1 prints its "
                          "traceback), 2 bad input, 3 the model could not be traced, 4 no plan fits "
                          "the budget, 5 verify found a difference.")
-out = Console(highlight=False, soft_wrap=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+PLANNER_HELP = " | ".join(planner_names())
+SLOW_PLANNERS = ", ".join(n for n, spec in PLANNERS.items() if not spec.quick)
 
 
-def _error_lines(message: str, hint: str | None) -> None:
-    err.print(f"[bold red]Error:[/] {escape(message)}", markup=True, highlight=False)
-    if hint:
-        err.print(f"[bold]Hint:[/] {escape(hint)}", markup=True, highlight=False)
+def _json_option(what: str):
+    return typer.Option(False, "--json", help=f"print {what} as JSON")
+
+
+def _quiet_option():
+    return typer.Option(False, "--quiet", "-q", help="print nothing but warnings and errors "
+                                                     "(the exit code and the files say the rest)")
+
+
+def _render():
+    """render.py, imported when a person is shown a view (not for --json or --quiet)."""
+    from . import render
+    return render
 
 
 def _fail(exc: SlackswapError) -> None:
-    _error_lines(exc.message, exc.hint)
+    error_lines(exc.message, exc.hint)
     raise typer.Exit(exc.exit_code)
 
 
@@ -121,34 +137,8 @@ def _internal_error(exc: BaseException) -> None:
         hint = (f"this is a bug in slackswap, not in your input; please report it with the "
                 f"command you ran (run it again with {DEBUG_ENV}=1 to print the traceback)")
     text = str(exc).splitlines()[0][:300] if str(exc) else ""
-    _error_lines(f"internal error: {type(exc).__name__}" + (f": {text}" if text else ""), hint)
+    error_lines(f"internal error: {type(exc).__name__}" + (f": {text}" if text else ""), hint)
     raise typer.Exit(1)
-
-
-def _print_json(data) -> None:
-    from .schema import dumps
-    sys.stdout.write(dumps(data).decode() + "\n")
-
-
-def _render(items) -> None:
-    for item in items:
-        out.print(item)
-
-
-def _working(message: str, quiet: bool = False):
-    """A spinner with the elapsed time on stderr while a slow step runs, on a terminal only
-    (scripts and pipes see nothing; --json output stays the only thing on stdout)."""
-    if quiet or not err.is_terminal:
-        return _nullcontext()
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                        console=err, transient=True)
-    progress.add_task(message, total=None)
-    return progress
-
-
-def _status(message: str) -> None:
-    err.print(f"[dim]{escape(message)}[/]", markup=True)
 
 
 def _check_output_path(path: Path, option: str = "-o", inputs=(), example: str = "out.json") -> None:
@@ -198,18 +188,16 @@ def profile(
     autocast: Optional[str] = typer.Option(None, "--autocast", help="bf16 | fp16: trace the step under torch.autocast in that dtype (forward and loss inside, backward outside)"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file for roofline costs [default: a100-pcie4]"),
     input_shape: List[str] = typer.Option([], "--input-shape", metavar="NAME=SHAPE", help="ONNX only: name=1x3x224x224 for a dynamic input; repeatable"),
-    as_json: bool = typer.Option(False, "--json", help="print the profile summary as JSON instead of tables"),
+    as_json: bool = _json_option("the profile summary"),
+    quiet: bool = _quiet_option(),
 ) -> None:
     """Trace one training step and write its profile (every saved activation, its cost and lifetime)."""
+    sink = Sink(as_json, quiet)
     try:
         from .hardware import load_hardware
         from .schema import save
         hw = load_hardware(hardware)
-        if not model.exists():
-            raise InputError(f"model file {model} does not exist", hint="pass a workload .py file or an .onnx file")
-        if model.is_dir():
-            raise InputError(f"{model} is a directory, not a workload file",
-                             hint="pass a workload .py file or an .onnx file")
+        require_file(model, "model file", hint="pass a workload .py file or an .onnx file")
         if model.suffix.lower() == ".json":
             raise InputError(f"{model} is a JSON file, not a workload",
                              hint="profile takes a workload .py file or an .onnx file; to plan "
@@ -236,31 +224,18 @@ def profile(
             from .trace import profile_workload
             from .trace.workload import parse_workload_args
             args = parse_workload_args(arg)
-            with err.status("tracing the training step...") if err.is_terminal else _nullcontext():
+            with sink.working("tracing the training step"):
                 prof = profile_workload(str(model), entry=entry, args=args, device=device,
-                                        hardware=hw, autocast=autocast, progress=_status)
+                                        hardware=hw, autocast=autocast, progress=sink.status)
         save(prof, target)
     except SlackswapError as exc:
         _fail(exc)
     from .profile_build import attention_warning
-    warnings = [*warnings, *filter(None, [attention_warning(prof)])]
-    for w in warnings:
-        err.print(f"[yellow]Warning:[/] {escape(w)}", markup=True)
-    if as_json:
-        _print_json({"profile": str(target), "fingerprint": prof.fingerprint,
-                     "workload": prof.workload, "env": prof.env, "summary": prof.summary})
-        return
-    from .render import profile_views
-    _render(profile_views(prof))
-    out.print(f"wrote {target}", markup=False)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    for w in [*warnings, *filter(None, [attention_warning(prof)])]:
+        sink.warn(w)
+    sink.show(Result({"profile": str(target), "fingerprint": prof.fingerprint,
+                      "workload": prof.workload, "env": prof.env, "summary": prof.summary},
+                     views=lambda: _render().profile_views(prof), lines=[f"wrote {target}"]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,86 +261,88 @@ def _plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
 def plan(
     profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON from `slackswap profile`"),
     budget: str = typer.Option(..., "--budget", "-b", help="fraction of the keep-all activation peak (0.5) or bytes (20GiB, 512MiB, 2e9)"),
-    planner: str = typer.Option("slackswap", "--planner", "-p", help="slackswap | optimal | recompute-only | swap-all | checkpoint-layers"),
+    planner: str = typer.Option(DEFAULT_PLANNER, "--planner", "-p", help=PLANNER_HELP),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file [default: the profile's, else a100-pcie4]"),
-    time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the whole command may take with --planner optimal"),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", min=1.0, help=f"seconds the whole command may take with a planner that has a time limit ({SLOW_PLANNERS}) [default: the planner's]"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan path [default: <profile name>.plan.json in the current directory]"),
-    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON instead of tables"),
+    as_json: bool = _json_option("a summary of the plan (the file holds it all)"),
+    quiet: bool = _quiet_option(),
 ) -> None:
     """Decide keep / swap / recompute for every saved activation, simulate, write the plan."""
-    import time
     started = time.perf_counter()
+    sink = Sink(as_json, quiet)
     try:
         from .budget import first_feasible_budget, floor_message
-        from .planners import get_planner, plan_and_simulate
+        from .planners import plan_and_simulate, planner_spec
         from .schema import save
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
-        get_planner(planner)
+        spec = planner_spec(planner)
         # below the floor no plan fits, but the planner's closest plan is still written
         below = floor_message(budget_bytes, prof)
         target = output or Path(_sibling(profile_path, ".plan.json").name)
         _check_output_path(target, "-o", [profile_path, hardware])
-        # optimal keeps its own reserve for the simulation and writing that follow
-        left = max(1.0, time_limit - (time.perf_counter() - started))
-        options = {"time_limit_s": left} if planner == "optimal" else {}
-        with _working(f"planning with {planner}", as_json):
+        # a planner with a time limit keeps its own reserve for the simulation and writing
+        options = _time_options(spec, time_limit, started)
+        with sink.working(f"planning with {planner}"):
             result, sim = plan_and_simulate(planner, prof, hw, budget_bytes, fraction,
                                             record=True, **options)
         result = _with_paths(result, profile_path, prof)
         save(result, target)
         reach = None
-        if not result.feasible and below is None and planner != "optimal":
-            reach = first_feasible_budget(prof, hw, planner)   # optimal: a MILP per step
+        if not result.feasible and below is None and spec.quick:   # slow: a solve per step
+            reach = first_feasible_budget(prof, hw, planner)
+        summary = _plan_summary(result, target, prof)
+        if spec.bound:
+            summary["bound_retention"] = spec.bound_retention(prof, hw, budget_bytes)
     except SlackswapError as exc:
         _fail(exc)
-    if as_json:
-        summary = _plan_summary(result, target)
-        if planner == "optimal":
-            summary["bound_retention"] = _bound_retention(planner, prof, hw, budget_bytes)
-        _print_json(summary)
-    else:
-        from .render import plan_views
-        _render(plan_views(result, prof, sim))
-        out.print(f"wrote {target}", markup=False)
+    sink.show(Result(summary, views=lambda: _render().plan_views(result, prof, sim),
+                     lines=[f"wrote {target}"]))
     if not result.feasible:
-        wrote = f"wrote the closest plan found to {target} with feasible: false"
-        if below is not None:
-            _error_lines(f"{below[0]}; {wrote}", below[1])
-        else:
-            from .simulate import budget_floor_bytes
-            from .units import fmt_bytes
-            peak, floor = prof.keep_all_peak_bytes, budget_floor_bytes(prof)
-            fits = ("" if reach is None else
-                    f"; planner {planner} first fits at {fmt_bytes(reach)}"
-                    + (f" ({reach / peak:.3f})" if peak else ""))
-            _error_lines(f"planner {planner} found no plan under the budget{fits}; {wrote}",
-                         f"the floor is {fmt_bytes(floor)}"
-                         + (f" ({floor / peak:.3f})" if peak else "")
-                         + ": `--planner swap-all` fits every budget from there up; or raise "
-                           "--budget, or try --planner optimal")
+        _plan_failed(prof, planner, target, below, reach)
+
+
+def _time_options(spec, time_limit: Optional[float], started: Optional[float] = None) -> dict:
+    """--time-limit as the planner's `time_limit_s` option, for a planner that has one ({} for
+    the others): what is left of it since `started`; without --time-limit, the planner's own
+    default."""
+    limit = spec.option_default("time_limit_s") if time_limit is None else time_limit
+    if limit is None:
+        return {}
+    if started is not None:
+        limit = max(1.0, limit - (time.perf_counter() - started))
+    return spec.accepted(time_limit_s=limit)
+
+
+def _plan_failed(prof, planner: str, target: Path, below, reach: Optional[int]) -> None:
+    """`plan` found no plan under the budget: say where it would fit, and exit 4."""
+    wrote = f"wrote the closest plan found to {target} with feasible: false"
+    if below is not None:
+        error_lines(f"{below[0]}; {wrote}", below[1])
         raise typer.Exit(4)
+    from .simulate import budget_floor_bytes
+    from .units import fmt_bytes
+    peak, floor = prof.keep_all_peak_bytes, budget_floor_bytes(prof)
+    fits = ("" if reach is None else
+            f"; planner {planner} first fits at {fmt_bytes(reach)}"
+            + (f" ({reach / peak:.3f})" if peak else ""))
+    sure = [n for n, spec in PLANNERS.items() if spec.fits_from_floor]
+    exact = [n for n, spec in PLANNERS.items() if spec.bound and n != planner]
+    error_lines(f"planner {planner} found no plan under the budget{fits}; {wrote}",
+                f"the floor is {fmt_bytes(floor)}" + (f" ({floor / peak:.3f})" if peak else "")
+                + (f": `--planner {sure[0]}` fits every budget from there up; or" if sure
+                   else "; ")
+                + " raise --budget" + "".join(f", or try --planner {n}" for n in exact))
+    raise typer.Exit(4)
 
 
-def _plan_summary(p, path: Path) -> dict:
+def _plan_summary(p, path: Path, prof) -> dict:
     """What a script wants from `plan --json`: where the plan is and what it predicts; the
     file holds the whole plan (every decision and the schedule)."""
-    from .schema import Action
-    counts = {a.value: 0 for a in Action}
-    for d in p.decisions:
-        counts[str(d.action)] = counts.get(str(d.action), 0) + 1
     return {"plan": str(path), "planner": p.planner, "feasible": p.feasible,
             "hardware": p.hardware.get("name"), "budget_bytes": p.budget_bytes,
-            "budget_fraction": p.budget_fraction, "actions": counts,
+            "budget_fraction": p.budget_fraction, "actions": p.action_counts(prof),
             "predicted": p.predicted, "solve_ms": p.solve_ms, "notes": list(p.notes)}
-
-
-def _bound_retention(planner: str, prof, hw, budget_bytes: int) -> float | None:
-    """The sound bound `optimal` computed (cached on the profile), None for heuristics or
-    when it was not computed in time."""
-    if planner != "optimal":
-        return None
-    from .planners.bound import sound_bound
-    return sound_bound(prof, hw, budget_bytes, time_limit_s=0.0).retention
 
 
 def _sibling(path: Path, suffix: str) -> Path:
@@ -394,81 +371,76 @@ def compare(
     profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile JSON"),
     budget: str = typer.Option(..., "--budget", "-b", help="fraction (0.5) or bytes (20GiB)"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file"),
-    time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds the optimal planner may take"),
-    planners: Optional[str] = typer.Option(None, "--planners", help="comma-separated subset [default: all]"),
-    as_json: bool = typer.Option(False, "--json", help="print {results: [...]} as JSON"),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", min=1.0, help=f"seconds a planner with a time limit ({SLOW_PLANNERS}) may take [default: the planner's]"),
+    planners: Optional[str] = typer.Option(None, "--planners", help=f"comma-separated subset of: {', '.join(planner_names())} [default: all]"),
+    as_json: bool = _json_option("{results: [...]}"),
     with_torch_compile: bool = typer.Option(False, "--with-torch-compile", help="add a row for torch.compile's own choice: its min-cut partitioner on the profile's graph (re-traced from the workload with fake tensors; needs torch), activation_memory_budget searched to meet the budget"),
     model: Optional[Path] = typer.Option(None, "--model", help="with --with-torch-compile: the workload file [default: the one the profile records]"),
+    quiet: bool = _quiet_option(),
 ) -> None:
     """Every planner side by side on one profile: retention, peak, stall, recompute, solve time."""
+    sink = Sink(as_json, quiet)
     try:
         from .budget import check_budget
-        from .planners import make_plan, planner_names
         if model is not None and not with_torch_compile:
             raise InputError("--model is the workload file for --with-torch-compile",
                              hint="add --with-torch-compile, or leave --model out")
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
         check_budget(budget_bytes, prof)
-        names = planner_names() if planners is None else [p.strip() for p in planners.split(",") if p.strip()]
-        if not names:
-            raise InputError(f"--planners '{planners}' names no planner",
-                             hint=f"a comma-separated subset of: {', '.join(planner_names())}")
-        unknown = [n for n in names if n not in planner_names()]
-        if unknown:   # before any planner runs: optimal alone can take a minute
-            raise InputError(f"unknown planner '{unknown[0]}' in --planners",
-                             hint=f"planners: {', '.join(planner_names())}")
-        rows = []
-        for name in names:
-            if not as_json:
-                _status(f"planning with {name}..." if name != "optimal" else
-                        f"planning with optimal (a MILP, solver limit {time_limit:g} s: set it with "
-                        "--time-limit, or leave optimal out with --planners)...")
-            options = {"time_limit_s": time_limit} if name == "optimal" else {}
-            with _working(f"planning with {name}", as_json):
-                p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction, **options)
-            rows.append({"planner": name, "feasible": p.feasible, "predicted": p.predicted,
-                         "solve_ms": p.solve_ms, "notes": list(p.notes),
-                         "bound_retention": _bound_retention(name, prof, hw, budget_bytes)})
+        names = _compared_planners(planners)
+        rows = [_compare_row(name, prof, hw, budget_bytes, fraction, time_limit, sink)
+                for name in names]
         if with_torch_compile:
             rows.append(_torch_compile_row(prof, profile_path, model, hw, budget_bytes, fraction,
-                                           as_json))
+                                           sink))
     except SlackswapError as exc:
         _fail(exc)
-    if as_json:
-        _print_json({"profile": str(profile_path), "hardware": hw.name, "budget_bytes": budget_bytes,
-                     "budget_fraction": fraction, "results": rows})
-        return
-    from .render import compare_table
-    out.print(compare_table(rows, budget_bytes, hardware=hw.name,
-                            keep_all_bytes=prof.keep_all_peak_bytes))
-    for row in rows:   # say why a planner does not fit, in its own words
-        if "activation_memory_budget" in row:
-            out.print(f"torch.compile: activation_memory_budget={row['activation_memory_budget']:.4g} "
-                      + ("meets the budget" if row["met_budget"] else "(no value meets the budget)")
-                      + f"; {len(row['knob_tried'])} values tried", markup=False)
-        if not row["feasible"] and row["notes"]:
-            from rich.table import Table
-            from rich.text import Text
-            grid = Table.grid(padding=(0, 1))
-            grid.add_column(no_wrap=True)
-            grid.add_column(style="dim")
-            for note in row["notes"]:
-                grid.add_row("  -", Text(str(note)))
-            out.print(f"{row['planner']} does not fit:", style="bold", highlight=False, markup=False)
-            out.print(grid)
+    sink.show(Result({"profile": str(profile_path), "hardware": hw.name,
+                      "budget_bytes": budget_bytes, "budget_fraction": fraction, "results": rows},
+                     views=lambda: _render().compare_views(
+                         rows, budget_bytes, hardware=hw.name,
+                         keep_all_bytes=prof.keep_all_peak_bytes)))
+
+
+def _compared_planners(planners: Optional[str]) -> list[str]:
+    """--planners as a list of names, every one checked before any planner runs (a slow one
+    alone can take a minute)."""
+    names = planner_names() if planners is None else [p.strip() for p in planners.split(",") if p.strip()]
+    if not names:
+        raise InputError(f"--planners '{planners}' names no planner",
+                         hint=f"a comma-separated subset of: {', '.join(planner_names())}")
+    unknown = [n for n in names if n not in planner_names()]
+    if unknown:
+        raise InputError(f"unknown planner '{unknown[0]}' in --planners",
+                         hint=f"planners: {', '.join(planner_names())}")
+    return names
+
+
+def _compare_row(name: str, prof, hw, budget_bytes: int, fraction, time_limit: Optional[float],
+                 sink: Sink) -> dict:
+    """compare's row of one registered planner."""
+    from .planners import make_plan, planner_spec
+    spec = planner_spec(name)
+    options = _time_options(spec, time_limit)
+    sink.status(f"planning with {name}..." if "time_limit_s" not in options else
+                f"planning with {name} ({spec.summary}, limit {options['time_limit_s']:g} s: set "
+                f"it with --time-limit, or leave {name} out with --planners)...")
+    with sink.working(f"planning with {name}"):
+        p = make_plan(name, prof, hw, budget_bytes, budget_fraction=fraction, **options)
+    return {"planner": name, "feasible": p.feasible, "predicted": p.predicted,
+            "solve_ms": p.solve_ms, "notes": list(p.notes),
+            "bound_retention": spec.bound_retention(prof, hw, budget_bytes)}
 
 
 def _torch_compile_row(prof, profile_path: Path, model: Optional[Path], hw, budget_bytes: int,
-                       fraction, quiet: bool) -> dict:
+                       fraction, sink: Sink) -> dict:
     """compare's `torch.compile` row: torch's partitioner on the re-traced step, knob searched."""
     from .trace.torch_choice import PLANNER_NAME, baseline_for
-    if not quiet:
-        _status("re-tracing the workload with fake tensors for torch.compile's partitioner...")
-    with _working("re-tracing the workload", quiet):
+    sink.status("re-tracing the workload with fake tensors for torch.compile's partitioner...")
+    with sink.working("re-tracing the workload"):
         base = baseline_for(prof, profile_path, model)
-    if not quiet:
-        _status("searching torch's activation_memory_budget (a min-cut partition per try)...")
-    with _working("partitioning with torch's min-cut partitioner", quiet):
+    sink.status("searching torch's activation_memory_budget (a min-cut partition per try)...")
+    with sink.working("partitioning with torch's min-cut partitioner"):
         res = base.plan(hw, budget_bytes, fraction)
     p = res.plan
     return {"planner": PLANNER_NAME, "feasible": p.feasible, "predicted": p.predicted,
@@ -484,7 +456,7 @@ def _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, t
     from .budget import parse_size
     from .fit import FitSettings, check_optimizer, default_reserve
     from .hardware import load_hardware
-    from .planners import get_planner
+    from .planners import planner_spec
     hw = load_hardware(hardware)
     if memory is not None:
         hw = dataclasses.replace(hw, memory_bytes=parse_size(memory, "--memory"))
@@ -492,14 +464,14 @@ def _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, t
         raise InputError(f"hardware {hw.name} has no device memory",
                          hint="give the device's memory with --memory 80GiB")
     check_optimizer(optimizer)
-    get_planner(planner)
+    spec = planner_spec(planner)
     if shard < 1:
         raise InputError(f"--shard {shard} must be at least 1", hint="--shard 8 for 8 ranks")
     return FitSettings(hardware=hw, memory_bytes=hw.memory_bytes,
                        reserve_bytes=(default_reserve(hw.memory_bytes) if reserve is None
                                       else parse_size(reserve, "--reserve")),
                        optimizer=optimizer, shard=shard, step_on_device=fused, planner=planner,
-                       planner_options={"time_limit_s": time_limit} if planner == "optimal" else {})
+                       planner_options=_time_options(spec, time_limit))
 
 
 def _write_best(result, plan_target: Path, model: Path) -> Path:
@@ -527,18 +499,20 @@ def fit(
     shard: int = typer.Option(1, "--shard", help="FSDP2 / ZeRO-3 world size: parameters, gradients and optimizer state split over N ranks (figures per rank)"),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="memory kept free for the CUDA context, fragmentation, workspaces [default: 1 GiB + 5% of the device]"),
     batch_arg: str = typer.Option("batch", "--batch-arg", help="the workload argument that sets the batch"),
-    planner: str = typer.Option("slackswap", "--planner", "-p", help="slackswap | optimal | recompute-only | swap-all | checkpoint-layers"),
-    time_limit: float = typer.Option(60.0, "--time-limit", min=1.0, help="seconds per batch with --planner optimal"),
+    planner: str = typer.Option(DEFAULT_PLANNER, "--planner", "-p", help=PLANNER_HELP),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", min=1.0, help=f"seconds per batch for a planner with a time limit ({SLOW_PLANNERS}) [default: the planner's]"),
     entry: str = typer.Option("workload", "--entry", help="function in the workload file that returns (model, inputs[, loss_fn])"),
     arg: List[str] = typer.Option([], "--arg", metavar="KEY=VALUE", help="key=value passed to the entry function; repeatable"),
     device: str = typer.Option("fake", "--device", help="fake (default: nothing allocated, roofline costs) | fake:cpu | cpu | cuda"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="the best plan [default: <model>.fit.plan.json here]; its profile goes next to it"),
     profile_each: bool = typer.Option(False, "--profile-each", help="trace every batch; by default a batch after the first two is derived from the last two traced where that is exact (same step, sizes affine in the batch)"),
     jobs: int = typer.Option(2, "--jobs", min=1, help="traces in forked processes, ahead of planning: 2 overlaps a trace with planning (same rows; helps only with idle cores); 1: one process"),
-    as_json: bool = typer.Option(False, "--json", help="print {rows, best, baselines} as JSON"),
+    as_json: bool = _json_option("{rows, best, baselines}"),
+    quiet: bool = _quiet_option(),
 ) -> None:
     """Profile each batch, take parameters, gradients and optimizer state off the device's
     memory, plan the activations in what is left, and pick the batch that trains fastest."""
+    sink = Sink(as_json, quiet)
     try:
         from .fit import check_static_fits, parse_batches, static_memory, sweep
         from .trace import split_device
@@ -566,7 +540,7 @@ def fit(
                                               step_on_device=s.step_on_device), s),
                             workers=jobs)
         try:
-            result = sweep(batches, profiler, s, progress=_status,
+            result = sweep(batches, profiler, s, progress=sink.status,
                            derive_batch_arg=None if profile_each else batch_arg)
         finally:
             profiler.close()
@@ -575,26 +549,25 @@ def fit(
     except SlackswapError as exc:
         _fail(exc)
     _fit_report(result, s, target if result.best_plan else None,
-                prof_target if result.best_plan else None, as_json)
+                prof_target if result.best_plan else None, sink)
 
 
 def _fit_report(result, s, target: Optional[Path], prof_target: Optional[Path],
-                as_json: bool) -> None:
-    if as_json:
-        _print_json({**result.to_json(), "hardware": s.hardware.name,
-                     "memory_bytes": s.memory_bytes, "reserve_bytes": s.reserve_bytes,
-                     "optimizer": s.optimizer, "shard": s.shard,
-                     "plan": str(target) if target else None,
-                     "profile": str(prof_target) if prof_target else None})
-    else:
+                sink: Sink) -> None:
+    def views():
         from .render_fit import fit_views
-        _render(fit_views(result, planner=s.planner, hardware=s.hardware.name,
-                          memory_bytes=s.memory_bytes, optimizer=s.optimizer, shard=s.shard))
-        if target:
-            out.print(f"wrote {target} (the best batch's plan) and {prof_target}", markup=False)
+        return fit_views(result, planner=s.planner, hardware=s.hardware.name,
+                         memory_bytes=s.memory_bytes, optimizer=s.optimizer, shard=s.shard)
+    sink.show(Result({**result.to_json(), "hardware": s.hardware.name,
+                      "memory_bytes": s.memory_bytes, "reserve_bytes": s.reserve_bytes,
+                      "optimizer": s.optimizer, "shard": s.shard,
+                      "plan": str(target) if target else None,
+                      "profile": str(prof_target) if prof_target else None},
+                     views=views, lines=[f"wrote {target} (the best batch's plan) and "
+                                         f"{prof_target}"] if target else []))
     if target is None:
-        _error_lines("no batch of the sweep fits the device; wrote no plan",
-                     "try smaller batches, --shard N, a lighter --optimizer, or less --reserve")
+        error_lines("no batch of the sweep fits the device; wrote no plan",
+                    "try smaller batches, --shard N, a lighter --optimizer, or less --reserve")
         raise typer.Exit(4)
 
 
@@ -609,9 +582,11 @@ def simulate(
     hardware: Optional[str] = typer.Option(None, "--hardware", help="re-simulate on this preset or JSON file [default: the plan's]"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile JSON [default: the one the plan records]"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace JSON here"),
-    as_json: bool = typer.Option(False, "--json", help="print the prediction as JSON"),
+    as_json: bool = _json_option("the prediction"),
+    quiet: bool = _quiet_option(),
 ) -> None:
     """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline."""
+    sink = Sink(as_json, quiet)
     try:
         from .hardware import HardwareSpec, load_hardware
         from .profile_build import recost
@@ -624,29 +599,28 @@ def simulate(
         if trace is not None:
             _check_output_path(trace, "--trace",
                                [plan_path, profile_path or p.profile_path, hardware])
-        result = run_sim(prof, p.decisions, hw, p.budget_bytes, record=trace is not None or not as_json)
+        result = run_sim(prof, p.decisions, hw, p.budget_bytes, record=True)
         if trace is not None:
             from .chrome_trace import write_chrome_trace
             write_chrome_trace(trace, result, prof, p.budget_bytes)
     except SlackswapError as exc:
         _fail(exc)
-    if as_json:
-        _print_json({"plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
-                     "reason": result.reason, "predicted": result.predicted,
-                     "trace": str(trace) if trace is not None else None})
-    else:
+
+    def views():
         import dataclasses
-        from .render import plan_views
         shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted,
                                     feasible=result.feasible)
-        _render(plan_views(shown, prof, result, planned=p))
-        if trace is not None:
-            out.print(f"wrote {trace} (open it in https://ui.perfetto.dev)", markup=False)
+        return _render().plan_views(shown, prof, result, planned=p)
+    sink.show(Result({"plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
+                      "reason": result.reason, "predicted": result.predicted,
+                      "trace": str(trace) if trace is not None else None}, views=views,
+                     lines=[f"wrote {trace} (open it in https://ui.perfetto.dev)"]
+                     if trace is not None else []))
     if not result.feasible:
-        _error_lines(f"on {hw.name} this plan does not keep activation memory under its "
-                     f"budget" + (f": {result.reason}" if result.reason else ""),
-                     f"plan again for this hardware: slackswap plan PROFILE --budget ... "
-                     f"--hardware {hardware or hw.name}")
+        error_lines(f"on {hw.name} this plan does not keep activation memory under its "
+                    f"budget" + (f": {result.reason}" if result.reason else ""),
+                    f"plan again for this hardware: slackswap plan PROFILE --budget ... "
+                    f"--hardware {hardware or hw.name}")
         raise typer.Exit(4)
 
 
@@ -672,35 +646,32 @@ def _plan_profile(p, profile_path: Optional[Path]):
 def show(
     path: Path = typer.Argument(..., metavar="FILE", help="a profile or a plan JSON"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="for a plan: its profile [default: the one it records]"),
-    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    as_json: bool = _json_option("the summary"),
 ) -> None:
     """Inspect a profile or a plan in the terminal."""
     try:
         from .schema import PROFILE_FORMAT, load_plan, load_profile, sniff_format
-        fmt = sniff_format(path)
-        if fmt == PROFILE_FORMAT:
+        if sniff_format(path) == PROFILE_FORMAT:
             prof = load_profile(path)
-            if as_json:
-                _print_json({"fingerprint": prof.fingerprint, "workload": prof.workload,
-                             "env": prof.env, "summary": prof.summary})
-                return
-            from .render import profile_views
-            _render(profile_views(prof))
-            return
-        p = load_plan(path)
-        if as_json:
-            _print_json(p)
-            return
-        from .hardware import HardwareSpec
-        from .profile_build import recost
-        from .simulate import simulate as run_sim
-        hw = HardwareSpec.from_dict(p.hardware, "plan hardware")
-        prof = recost(_plan_profile(p, profile_path), hw)
-        result = run_sim(prof, p.decisions, hw, p.budget_bytes)
+            result = Result({"fingerprint": prof.fingerprint, "workload": prof.workload,
+                             "env": prof.env, "summary": prof.summary},
+                            views=lambda: _render().profile_views(prof))
+        else:
+            p = load_plan(path)
+            result = Result(p, views=lambda: _simulated_plan_views(p, profile_path))
     except SlackswapError as exc:
         _fail(exc)
-    from .render import plan_views
-    _render(plan_views(p, prof, result))
+    Sink(as_json).show(result)
+
+
+def _simulated_plan_views(p, profile_path: Optional[Path]) -> list:
+    """`show PLAN`: the plan's views, simulated again on its own hardware for the timeline."""
+    from .hardware import HardwareSpec
+    from .profile_build import recost
+    from .simulate import simulate as run_sim
+    hw = HardwareSpec.from_dict(p.hardware, "plan hardware")
+    prof = recost(_plan_profile(p, profile_path), hw)
+    return _render().plan_views(p, prof, run_sim(prof, p.decisions, hw, p.budget_bytes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -713,9 +684,11 @@ def apply(
     output: Path = typer.Option(..., "-o", "--output", help="path of the patched module (.py)"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile JSON [default: the one the plan records]"),
     model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the profile records]"),
-    as_json: bool = typer.Option(False, "--json", help="print {patched, module, plan, ...} as JSON"),
+    as_json: bool = _json_option("{patched, module, plan, ...}"),
+    quiet: bool = _quiet_option(),
 ) -> None:
     """Emit a patched training module that carries the plan out on the real model."""
+    sink = Sink(as_json, quiet)
     try:
         from .run.emit import apply_plan
         from .schema import load_plan, write_atomic
@@ -727,26 +700,18 @@ def apply(
         prof = _plan_profile(p, profile_path)
         _check_output_path(output, "-o", [plan_path, profile_path or p.profile_path, model,
                                           prof.workload.get("path")], example="patched.py")
-        with _working("writing the patched module (re-tracing the model)", as_json):
+        with sink.working("writing the patched module (re-tracing the model)"):
             source = apply_plan(p, prof, model_path=str(model) if model else None)
         write_atomic(output, source.encode())
     except SlackswapError as exc:
         _fail(exc)
-    if as_json:
-        _print_json({"patched": str(output), "module": output.stem,
-                     "importable": output.stem.isidentifier(), "plan": str(plan_path),
-                     "planner": p.planner, "feasible": p.feasible})
-        return
-    out.print(f"wrote {output}", markup=False)
     if not output.stem.isidentifier():
-        err.print(f"[yellow]Warning:[/] '{escape(output.stem)}' is not a Python module name, so "
-                  "`import` cannot load it as is: rename it (letters, digits, underscores) or "
-                  "load it with importlib", markup=True)
-    out.print("use it in your training loop:\n"
-              f"    from {output.stem} import patch\n"
-              "    patch(model)               # in place: same model, hooks, DDP, Trainer\n"
-              "    loss = model(*inputs)      # trains under the plan\n"
-              "    loss.backward(); optimizer.step()", markup=False)
+        sink.warn(f"'{output.stem}' is not a Python module name, so `import` cannot load it as "
+                  "is: rename it (letters, digits, underscores) or load it with importlib")
+    sink.show(Result({"patched": str(output), "module": output.stem,
+                      "importable": output.stem.isidentifier(), "plan": str(plan_path),
+                      "planner": p.planner, "feasible": p.feasible},
+                     views=lambda: [f"wrote {output}", _render().patch_usage(output.stem)]))
 
 
 @app.command(short_help="Compare original and patched: losses, gradients, memory.",
@@ -758,13 +723,15 @@ def verify(
     model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the patched module records]"),
     steps: int = typer.Option(1, "--steps", min=1, help="training steps to compare"),
     plan: Optional[Path] = typer.Option(None, "--plan", help="the plan the module was made from, for the simulator's timeline [default: a matching plan next to the module]"),
-    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    as_json: bool = _json_option("the report"),
     compile_: bool = typer.Option(False, "--compile", help="check compile_planned instead: the partitioned graphs' saved, offloaded and recomputed against the plan, and values against eager"),
     backend: str = typer.Option("inductor", "--backend", help="with --compile: inductor or aot_eager"),
+    quiet: bool = _quiet_option(),
 ) -> None:
     """Run original and patched for N steps: losses and gradients equal, memory (op by op, against the simulator) and time measured."""
+    sink = Sink(as_json, quiet)
     if compile_:
-        _verify_compiled(patched, model, steps, backend, as_json)
+        _verify_compiled(patched, model, steps, backend, sink)
         return
     try:
         from .run.verify import verify as run_verify
@@ -772,58 +739,41 @@ def verify(
         if plan is not None:
             from .schema import load_plan
             plan_obj = load_plan(plan)
-        with _working(f"running original and patched step{'s' if steps > 1 else ''}", as_json):
+        with sink.working(f"running original and patched step{'s' if steps > 1 else ''}"):
             report = run_verify(str(patched), model_path=str(model) if model else None,
-                                steps=steps, plan=plan_obj,
-                                progress=None if err.is_terminal else _status)
+                                steps=steps, plan=plan_obj, progress=sink.progress)
     except SlackswapError as exc:
         _fail(exc)
-    if as_json:
-        import dataclasses
-        _print_json(dataclasses.asdict(report) if dataclasses.is_dataclass(report) else report)
-    else:
-        from .render import verify_memory_view, verify_view
-        out.print(verify_view(report))
-        out.print(verify_memory_view(report))
+    import dataclasses
+    sink.show(Result(dataclasses.asdict(report) if dataclasses.is_dataclass(report) else report,
+                     views=lambda: [_render().verify_view(report),
+                                    _render().verify_memory_view(report)]))
     if not report.passed:
-        _error_lines("verify failed: " + "; ".join(report.reasons),
-                     "if the model or its code changed since it was profiled, run `slackswap "
-                     "profile`, `plan` and `apply` again; a mismatch that persists is a bug in "
-                     "slackswap, please report it")
+        error_lines("verify failed: " + "; ".join(report.reasons),
+                    "if the model or its code changed since it was profiled, run `slackswap "
+                    "profile`, `plan` and `apply` again; a mismatch that persists is a bug in "
+                    "slackswap, please report it")
         raise typer.Exit(5)
 
 
 def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: str,
-                     as_json: bool) -> None:
-    """`verify --compile`: the report of run/verify_compiled.py, as JSON or as lines."""
+                     sink: Sink) -> None:
+    """`verify --compile`: the report of run/verify_compiled.py."""
     if backend not in ("inductor", "aot_eager"):
         _fail(InputError(f"--backend must be inductor or aot_eager, not {backend!r}",
                          hint="compile_planned sets the partitioner of these two backends"))
     try:
         from .run.verify_compiled import verify_compiled
-        with _working(f"compiling with the plan ({backend}) and running eager beside it", as_json):
+        with sink.working(f"compiling with the plan ({backend}) and running eager beside it"):
             report = verify_compiled(str(patched), str(model) if model else None,
                                      backend=backend, steps=steps)
     except SlackswapError as exc:
         _fail(exc)
-    if as_json:
-        _print_json(report)
-    else:
-        c, p = report["compiled"], report["plan"]
-        out.print(f"compiled ({backend}): {c['graphs']} graph(s), {c['lined_up_ops']} of "
-                  f"{c['graph_ops']} forward ops line up")
-        out.print(f"{'':<20}{'compiled':>11}{'plan':>11}{'lined up':>11}")
-        for label, got, key in (("saved / kept B", c["saved_bytes"], "kept_bytes"),
-                                ("offloaded / swapped B", c["offloaded_bytes"], "swapped_bytes")):
-            out.print(f"{label:<21}{got:>10}{p[key]:>11}{p['lined_up_' + key]:>11}")
-        out.print(f"{'recomputed ops':<21}{c['recomputed_ops']:>10}{p['recomputed_ops']:>11}")
-        out.print(f"saved by ops that did not line up: {c['saved_bytes_not_lined_up']} B")
-        out.print(f"vs eager (relative): loss {report['max_loss_rel_diff']:.1e}, gradients "
-                  f"{report['max_grad_rel_diff']:.1e}, parameters {report['max_param_rel_diff']:.1e}")
+    sink.show(Result(report, views=lambda: [_render().verify_compiled_view(report, backend)]))
     if not report["passed"]:
-        _error_lines("verify --compile failed: " + "; ".join(report["reasons"]),
-                     "if the model changed since it was profiled, run `slackswap profile`, "
-                     "`plan` and `apply` again; a mismatch that persists is a bug in slackswap")
+        error_lines("verify --compile failed: " + "; ".join(report["reasons"]),
+                    "if the model changed since it was profiled, run `slackswap profile`, "
+                    "`plan` and `apply` again; a mismatch that persists is a bug in slackswap")
         raise typer.Exit(5)
 
 
@@ -835,7 +785,7 @@ def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: 
              ))
 def hardware_cmd(
     name: Optional[str] = typer.Argument(None, metavar="NAME", help="a preset to print in full"),
-    as_json: bool = typer.Option(False, "--json", help="print as JSON (a starting point for a custom --hardware file)"),
+    as_json: bool = _json_option("the preset(s) (a starting point for a custom --hardware file)"),
 ) -> None:
     """List hardware presets, or print one (its fields are the format of a --hardware JSON file)."""
     from .hardware import PRESETS, load_hardware
@@ -843,13 +793,9 @@ def hardware_cmd(
         specs = [load_hardware(name)] if name else list(PRESETS.values())
     except SlackswapError as exc:
         _fail(exc)
-    if as_json:
-        import orjson   # indented: this is the starting point of a hand-edited --hardware file
-        data = specs[0].to_dict() if name else {s.name: s.to_dict() for s in specs}
-        sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n")
-        return
-    from .render import hardware_table
-    out.print(hardware_table(specs))
+    # indented: the JSON is the starting point of a hand-edited --hardware file
+    Sink(as_json).show(Result(specs[0].to_dict() if name else {s.name: s.to_dict() for s in specs},
+                              views=lambda: [_render().hardware_table(specs)], indent=True))
 
 
 def _version_flag(value: bool) -> None:
@@ -869,20 +815,24 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
              epilog=_examples(
                  "slackswap version --json",
              ))
-def version(as_json: bool = typer.Option(False, "--json", help="print {version, python, torch} as JSON")) -> None:
+def version(as_json: bool = _json_option("{version, python, torch}")) -> None:
     """Print the version (with --json: also Python's and torch's, null if torch is missing)."""
     from . import __version__
-    if not as_json:
-        typer.echo(__version__)
-        return
+    Sink(as_json).show(Result(_versions, views=lambda: [__version__]))
+
+
+def _versions() -> dict:
+    """`version --json`: slackswap's, Python's and torch's (null when torch is missing)."""
     import platform
     from importlib import metadata
+
+    from . import __version__
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = None
-    _print_json({"version": __version__, "python": platform.python_version(),
-                 "torch": torch_version})
+    return {"version": __version__, "python": platform.python_version(),
+            "torch": torch_version}
 
 
 def main() -> None:

@@ -7,6 +7,9 @@ error: cli.py says so itself).
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 
 class SlackswapError(Exception):
     exit_code = 2
@@ -48,3 +51,17 @@ class InfeasibleError(SlackswapError):
     """No plan keeps activation memory under the budget."""
 
     exit_code = 4
+
+
+def require_file(path: str | os.PathLike, what: str, hint: str | None = None, *,
+                 dir_hint: str | None = None) -> Path:
+    """`path` as a Path, when it names a file that exists; else an InputError: "{what} PATH
+    does not exist" (with `hint`), or "PATH is a directory, not a/an {what}" (with `dir_hint`,
+    else `hint`)."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{what} {p} does not exist", hint=hint)
+    if p.is_dir():
+        article = "an" if what[:1].lower() in "aeio" else "a"
+        raise InputError(f"{p} is a directory, not {article} {what}", hint=dir_hint or hint)
+    return p

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import orjson
 
-from .errors import FormatError, InputError
+from .errors import FormatError, InputError, require_file
 
 GB = 1e9  # link and HBM figures are quoted in decimal GB/s
 
@@ -233,12 +233,8 @@ def load_hardware(name_or_path: str | None) -> HardwareSpec:
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists():
         example = "`slackswap hardware a100-pcie4 --json` prints one to start from"
-        if path.is_dir():
-            raise InputError(f"hardware file {path} is a directory",
-                             hint=f"use a preset ({', '.join(PRESETS)}) or a JSON file")
-        if not path.is_file():
-            raise InputError(f"hardware file {path} does not exist",
-                             hint=f"use a preset ({', '.join(PRESETS)}) or a JSON file")
+        require_file(path, "hardware file",
+                     hint=f"use a preset ({', '.join(PRESETS)}) or a JSON file")
         try:
             data = orjson.loads(path.read_bytes())
         except orjson.JSONDecodeError as exc:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .schema import Op, Profile, Tensor, op_fingerprint, validate_profile
+from .schema import Op, Profile, Tensor, op_fingerprint, saved_flags, validate_profile
 from .units import fmt_bytes
 
 # bytes per element of every dtype name a profile may hold (torch's names; the ONNX importer
@@ -97,20 +97,13 @@ class ProfileBuilder:
         for i, op in enumerate(self.ops):
             for tid in dict.fromkeys(op.inputs):  # an op reading a tensor twice consumes it once
                 consumers[tid].append(i)
-        is_bwd = [op.phase == "backward" for op in self.ops]
-        direct_saved = [
-            t.kind == "activation" and t.producer is not None and not is_bwd[t.producer]
-            and any(is_bwd[c] for c in consumers[j])
-            for j, t in enumerate(self.tensors)]
-        root_saved = list(direct_saved)
-        for j, t in enumerate(self.tensors):
-            if t.alias_of is not None and direct_saved[j]:
-                root_saved[t.alias_of] = True
+        saved = saved_flags(self.tensors, consumers,
+                            [op.phase == "backward" for op in self.ops])
         tensors = tuple(
             Tensor(id=j, name=t.name, kind=t.kind, producer=t.producer,
                    consumers=tuple(consumers[j]), shape=t.shape, dtype=t.dtype,
                    size_bytes=t.size_bytes,
-                   saved=root_saved[j] if t.alias_of is None else direct_saved[j],
+                   saved=saved[j],
                    recomputable=t.recomputable and t.kind == "activation",
                    alias_of=t.alias_of)
             for j, t in enumerate(self.tensors))

@@ -445,8 +445,7 @@ def plan_views(plan: Plan, profile: Profile, result=None, top: int = 12,
     belong to the original run."""
     pr: Predicted = result.predicted if result is not None else plan.predicted
     feasible = result.feasible if result is not None else plan.feasible
-    actions = plan.actions()
-    act_of = {t.id: Action(actions.get(t.id, Action.KEEP)) for t in profile.saved_activations}
+    act_of = plan.action_of(profile)
     layers = op_layers(profile)
     return [_plan_summary(plan, profile, pr, feasible, getattr(result, "reason", None), planned),
             _bytes_per_action(profile, act_of),
@@ -650,6 +649,29 @@ def compare_table(rows: Sequence[dict], budget_bytes: int | None = None, *,
                             compact=True, fixed=("planner",)))
 
 
+def compare_views(rows: Sequence[dict], budget_bytes: int, *, hardware: str,
+                  keep_all_bytes: int) -> list:
+    """`compare`: the table, then for torch.compile's row the knob it found, and for every
+    planner that does not fit, why (its notes, in its own words)."""
+    views: list = [compare_table(rows, budget_bytes, hardware=hardware,
+                                 keep_all_bytes=keep_all_bytes)]
+    for row in rows:
+        if "activation_memory_budget" in row:
+            views.append(Text(f"torch.compile: activation_memory_budget="
+                              f"{row['activation_memory_budget']:.4g} "
+                              + ("meets the budget" if row["met_budget"]
+                                 else "(no value meets the budget)")
+                              + f"; {len(row['knob_tried'])} values tried"))
+        if not row["feasible"] and row["notes"]:
+            grid = Table.grid(padding=(0, 1))
+            grid.add_column(no_wrap=True)
+            grid.add_column(style="dim")
+            for note in row["notes"]:
+                grid.add_row("  -", Text(str(note)))
+            views += [Text(f"{row['planner']} does not fit:", style="bold"), grid]
+    return views
+
+
 def _fmt_solve(ms: float) -> str:
     """Solve times span 50 us to minutes: three significant figures are plenty."""
     if ms >= 1000:
@@ -737,6 +759,48 @@ def verify_view(report) -> Group:
 # --------------------------------------------------------------------------------------------
 # verify: measured activation memory against the simulator's, op by op
 # --------------------------------------------------------------------------------------------
+def verify_compiled_view(report: dict, backend: str) -> Text:
+    """`verify --compile`: the partitioned graphs' saved, offloaded and recomputed against the
+    plan, and the differences from eager."""
+    c, p = report["compiled"], report["plan"]
+    lines = [f"{'PASSED' if report['passed'] else 'FAILED'}: compile_planned "
+             f"({backend}) against the plan and {report.get('reference', 'eager')}",
+             f"compiled ({backend}): {c['graphs']} graph(s), {c['lined_up_ops']} of "
+             f"{c['graph_ops']} forward ops line up",
+             f"{'':<20}{'compiled':>11}{'plan':>11}{'in graph':>11}"]
+    for label, got, key in (("saved / kept B", c["saved_bytes"], "kept_bytes"),
+                            ("offloaded / swapped B", c["offloaded_bytes"], "swapped_bytes")):
+        lines.append(f"{label:<21}{got:>10}{p[key]:>11}{p[key + '_in_graph']:>11}")
+    lines += [f"{'recomputed ops':<21}{c['recomputed_ops']:>10}{p['recomputed_ops']:>11}"
+              f"   (+ {c['rederived_views']} views re-derived)",
+              f"saved by ops that did not line up: {c['saved_bytes_not_lined_up']} B",
+              *(f"vs {name} (relative): loss {d['max_loss_rel_diff']:.1e}, gradients "
+                f"{d['max_grad_rel_diff']:.1e}, parameters {d['max_param_rel_diff']:.1e}"
+                f"{suffix}" for name, d, suffix in _compiled_diffs(report)),
+              *(f"note: {n}" for n in report.get("notes", ()))]
+    return Text("\n".join(lines))
+
+
+def _compiled_diffs(report: dict) -> list[tuple[str, dict, str]]:
+    """verify --compile's differences: against its reference (checked, with the tolerance),
+    and against eager where the reference is not eager (shown, not checked)."""
+    ref = report.get("reference", "eager")
+    tol = report["tolerances"]
+    rows = [(ref, report, f" (tolerance {tol['loss']:g} / {tol['grad']:g})")]
+    if ref != "eager" and "vs_eager" in report:
+        rows.append(("eager", report["vs_eager"], f" (not checked: {ref} itself differs)"))
+    return rows
+
+
+def patch_usage(module: str) -> Text:
+    """`apply`: how the patched module is used in a training loop."""
+    return Text("use it in your training loop:\n"
+                f"    from {module} import patch\n"
+                "    patch(model)               # in place: same model, hooks, DDP, Trainer\n"
+                "    loss = model(*inputs)      # trains under the plan\n"
+                "    loss.backward(); optimizer.step()")
+
+
 def two_curve_chart(measured: Sequence[int], predicted: Sequence[int | None],
                     budget_bytes: int | None = None, width: int = 60, height: int = 8) -> Text:
     """Measured (bars) and predicted (dots) memory per op, each column the highest value of

@@ -40,7 +40,7 @@ from typing import Any, Iterable
 
 import orjson
 
-from .errors import FormatError, InputError
+from .errors import FormatError, InputError, require_file
 
 PROFILE_FORMAT = "slackswap.profile"
 PLAN_FORMAT = "slackswap.plan"
@@ -192,6 +192,20 @@ class Profile:
         }
 
 
+def saved_flags(tensors, consumers, is_backward: list[bool]) -> list[bool]:
+    """`Tensor.saved` of every tensor, the one derivation (`ProfileBuilder` sets it,
+    `validate_profile` checks it): a forward-produced activation read by a backward op; on a
+    root, when it or any alias of it is. `tensors[j]` has `kind`, `producer` and `alias_of`,
+    `consumers[j]` are the ops reading it, `is_backward[i]` says op i is a backward op."""
+    direct = [t.kind == "activation" and t.producer is not None and not is_backward[t.producer]
+              and any(is_backward[c] for c in consumers[j]) for j, t in enumerate(tensors)]
+    root_saved = list(direct)
+    for j, t in enumerate(tensors):
+        if t.alias_of is not None and direct[j]:
+            root_saved[t.alias_of] = True
+    return [root_saved[j] if t.alias_of is None else direct[j] for j, t in enumerate(tensors)]
+
+
 def op_fingerprint(ops: Iterable[Op], tensors: Iterable[Tensor]) -> str:
     """Hash of the op sequence (targets, phases, wiring) and tensor shapes/dtypes.
 
@@ -261,6 +275,20 @@ class Plan:
 
     def actions(self) -> dict[int, str]:
         return {d.tensor: d.action for d in self.decisions}
+
+    def action_of(self, profile: Profile) -> dict[int, Action]:
+        """Every saved activation root of `profile` -> its Action (keep where the plan has no
+        decision for it)."""
+        actions = self.actions()
+        return {t.id: Action(actions.get(t.id, Action.KEEP)) for t in profile.saved_activations}
+
+    def action_counts(self, profile: Profile) -> dict[str, int]:
+        """Saved activation roots per action, {"keep": n, "swap": n, "recompute": n}: the one
+        count `plan --json`, the patched module's header and the views show."""
+        counts = {a.value: 0 for a in Action}
+        for action in self.action_of(profile).values():
+            counts[action.value] += 1
+        return counts
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -344,12 +372,8 @@ def _malformed(source: str, exc: Exception) -> FormatError:
 
 
 def _read_json(path: str | os.PathLike) -> Any:
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"file {p} does not exist", hint="check the path")
-    if p.is_dir():
-        raise InputError(f"{p} is a directory, not a file",
-                         hint="pass a profile or plan JSON file inside it")
+    p = require_file(path, "file", hint="check the path",
+                     dir_hint="pass a profile or plan JSON file inside it")
     try:
         data = p.read_bytes()
     except OSError as exc:
@@ -501,16 +525,11 @@ def validate_profile(prof: Profile, source: str = "profile") -> None:
                      f"tensor {j} aliases tensor {t.alias_of}, which does not exist")
             _require(prof.tensors[t.alias_of].alias_of is None, source,
                      f"tensor {j} aliases {t.alias_of}, which is itself an alias; point at the root")
-    # `saved` exactly as ProfileBuilder derives it: a forward-produced activation read by a
-    # backward op (on a root: it or any alias of it)
-    direct = [t.kind == "activation" and t.producer is not None and t.producer < n_forward
-              and any(c >= n_forward for c in t.consumers) for t in prof.tensors]
-    root_saved = list(direct)
+    # `saved` exactly as ProfileBuilder derives it (phases are ordered: checked above)
+    saved = saved_flags(prof.tensors, [t.consumers for t in prof.tensors],
+                        [i >= n_forward for i in range(n_ops)])
     for j, t in enumerate(prof.tensors):
-        if t.alias_of is not None and direct[j]:
-            root_saved[t.alias_of] = True
-    for j, t in enumerate(prof.tensors):
-        expected = root_saved[j] if t.alias_of is None else direct[j]
+        expected = saved[j]
         if t.saved != expected:
             why = ("no backward op reads it" + (" or an alias of it" if t.alias_of is None else "")
                    if not expected else "a backward op reads it")

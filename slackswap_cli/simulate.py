@@ -78,11 +78,14 @@ peak and the plan's recompute time, the least overhead it can have) and `recompu
 
 **Speed.** Planners call `simulate` many times, so per-profile tables are cached on the
 profile object, and the event loop (`_event_loop`) runs on plain lists and ints: what changes
-on every task (time, memory, the task and prefetch cursors) lives in its local variables, so
-it stays one function of about 100 lines on purpose. What happens once per copy or per wait
-(`_CopyEngine`, `_prefetch_done`, `_offload_done`, `_release_and_offload`, `_Waits`), the
-setup (`simulate`: decisions, the task program, the prefetch gates) and the result
-(`_Outcome`) are outside it.
+on every task (time, memory, the task and prefetch cursors) lives in its local variables, and
+a task that does no swap work costs no function call (a call per task made an earlier split
+13% slower). What happens once per copy or per wait is outside it (`_Copies`: both
+`_CopyEngine`s, starting and finishing copies; `_Waits`: why compute waits, the stall totals,
+giving up by raising `_GaveUp`), and so are a recompute task's bookkeeping and, with
+`record`, each task's timeline event (`_task_done`), the setup (`simulate`: decisions, the
+task program, the prefetch gates) and the result (`_Outcome`).
+`benchmarks/simulate_speed.py --against OLD.py` times a change against an older copy.
 """
 from __future__ import annotations
 
@@ -522,9 +525,16 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
     gates = _prefetch_gates(prog, tab, prefetch_at, budget_bytes)
     out = _Outcome(record)
     budget = _INF if budget_bytes is None else float(budget_bytes)
-    if not _event_loop(profile, tab, prog, hw, budget, gates, out, give_up_stall_us):
+    try:
+        _event_loop(profile, tab, prog, hw, budget, gates, out, give_up_stall_us)
+    except _GaveUp:
         return None
     return out.result(tab, prog)
+
+
+class _GaveUp(Exception):
+    """The event loop stops: compute stalled longer than `give_up_stall_us`, or the plan
+    cannot fit (only raised when `give_up_stall_us` is given)."""
 
 
 class _Outcome:
@@ -557,32 +567,25 @@ class _Outcome:
 
 def _event_loop(profile: schema.Profile, tab: Tables, prog: _Program, hw: HardwareSpec,
                 budget: float, gates: tuple[list[int], list[int]], out: _Outcome,
-                give_up: float | None) -> bool:
-    """Run the step's events in time order, filling `out`; False when it gave up (`give_up`:
-    compute stalled longer than that, or the plan cannot fit). The hot state is local."""
-    size, nf, tensors = tab.size, tab.n_fwd, profile.tensors
+                give_up: float | None) -> None:
+    """Run the step's events in time order, filling `out`; raises `_GaveUp` when it gives up
+    (`give_up`: compute stalled longer than that, or the plan cannot fit). What changes on
+    every task is local; what happens once per copy or per wait is in `_Copies` and `_Waits`."""
+    size, nf = tab.size, tab.n_fwd
     task_op, task_owner, alloc, free = prog.task_op, prog.task_owner, prog.alloc, prog.free
-    need, special, queue, rec_root = prog.need, prog.special, prog.queue, prog.rec_root
+    need, special, queue = prog.need, prog.special, prog.queue
     N, nq, has_rec, (earliest, pa_task) = len(task_op), len(queue), prog.n_rec > 0, gates
     dur = [tab.time[o] for o in task_op]
-    duplex, copy_us, record = hw.duplex, hw.copy_us, out.record
-    sched, events, memory = out.sched, out.events, out.memory
-    d2h, h2d, dq = _CopyEngine(), _CopyEngine(), deque()
-    arrived: set[int] = set()
-    off_done: set[int] = set()
-    fwd_over: set[int] = set()
+    duplex, record, memory = hw.duplex, out.record, out.memory
+    link = _Copies(tab, profile.tensors, hw, out)
+    d2h, h2d, dq, arrived, off_done = link.d2h, link.h2d, link.dq, link.arrived, link.off_done
+    waits = _Waits(out, link, profile, prog, tab, give_up)
     now = comp_start = recompute_us = 0.0
     comp_end, t, qi, mem, peak, h_issue, comp_busy, waiting = _INF, 0, 0, 0, 0, -1, False, False
-    waits = _Waits(out)
     while True:
         # -- compute: start the next task if its prefetches are in and its memory fits -------
         if not comp_busy and t < N:
-            missing = -1
-            if special[t] and t in need:
-                for x in need[t]:
-                    if x not in arrived:
-                        missing = x
-                        break
+            missing = _first_missing(need[t], arrived) if special[t] and t in need else -1
             a = alloc[t]
             if missing < 0 and mem + a <= budget:
                 if waiting:
@@ -595,21 +598,14 @@ def _event_loop(profile: schema.Profile, tab: Tables, prog: _Program, hw: Hardwa
                 comp_busy, comp_start, comp_end = True, now, now + dur[t]
         # -- D2H: next offload; H2D: next prefetch, when its offload is done and memory allows
         if dq and d2h.x < 0 and (duplex or h2d.x < 0):
-            x = dq.popleft()
-            d2h.begin(x, now, copy_us, size[x], "d2h", h2d.x >= 0)
-            h2d.retime(now, True)          # a running prefetch slows down from now on
+            link.start_offload(now)
         if (qi < nq and h2d.x < 0 and (duplex or d2h.x < 0) and queue[qi] in off_done
                 and t >= earliest[qi] and t >= pa_task[qi] and mem + size[queue[qi]] <= budget):
             x = queue[qi]
-            qi += 1
+            qi, mem = qi + 1, mem + size[x]
+            peak = max(peak, mem)
             h_issue = _issue_point(task_owner, t, N, comp_busy and comp_start < now)
-            mem += size[x]
-            if mem > peak:
-                peak = mem
-            if record:
-                memory.append((now, mem))
-            h2d.begin(x, now, copy_us, size[x], "h2d", d2h.x >= 0)
-            d2h.retime(now, True)
+            link.start_prefetch(x, now, mem)
         # -- advance to the next event; compute waiting: why, and is there a way out? ------------
         d_end, h_end = d2h.end, h2d.end
         nxt = comp_end
@@ -620,59 +616,65 @@ def _event_loop(profile: schema.Profile, tab: Tables, prog: _Program, hw: Hardwa
         if not comp_busy:
             if t >= N:
                 break
-            cause = (LATE_PREFETCH if missing >= 0 and not (   # unless the prefetch waits for memory
-                h2d.x < 0 and qi < nq and queue[qi] == missing and missing in off_done
-                and mem + size[missing] > budget) else MEMORY_FULL)
-            if nxt == _INF:                # nothing in flight can free memory: it cannot fit
-                if give_up is not None:
-                    return False
-                out.feasible, out.reason = False, _no_room(profile, prog, tab, t, mem, budget, arrived)
-                budget, waiting = _INF, waits.hold(cause, now)
-                continue
-            if not waits.wait(cause, now, task_owner[t], nxt - now, give_up):
-                return False
             waiting = True
+            if waits.idle(now, nxt, t, missing, qi, mem, budget):
+                budget = _INF              # nothing in flight can free memory: it cannot fit
+                continue
         now = nxt
         # -- completions -----------------------------------------------------------------------
         if h_end == now:
-            _prefetch_done(h2d, d2h, now, h_issue, arrived, size, tensors, out)
+            link.prefetch_done(now, h_issue)
         if d2h.end == now:                 # (as re-timed just now)
-            f = _offload_done(d2h, h2d, now, off_done, fwd_over, tab, tensors, out)
-            if f is not None:
-                mem -= f
-                if record:
-                    memory.append((now, mem))
+            mem = link.offload_done(now, mem)
         if comp_end == now:
-            op = task_op[t]
-            is_rec = has_rec and t >= nf and task_owner[t] != op
-            if is_rec:
-                recompute_us += dur[t]
-                sched.append(("recompute", rec_root[t], task_owner[t], comp_start, now))
-            if record:
-                events.append(_compute_event(profile.ops, op, task_owner[t], is_rec,
-                                             rec_root[t] if is_rec else None, comp_start, now))
+            is_rec = has_rec and t >= nf and task_owner[t] != task_op[t]
+            if is_rec or record:
+                recompute_us += _task_done(out, profile.ops, prog, t, is_rec, comp_start, now,
+                                           dur[t])
             f = free[t]
             if special[t]:
-                f += _release_and_offload(prog, t, off_done, fwd_over, size, dq)
+                f += link.release_and_offload(prog, t)
             if f:
                 mem -= f
                 if record:
                     memory.append((now, mem))
             t, comp_busy, comp_end = t + 1, False, _INF
     out.step, out.peak, out.recompute_us = (now if N else 0.0), peak, recompute_us
-    return True
+
+
+def _first_missing(roots: list[int], arrived: set[int]) -> int:
+    """The first of `roots` (prefetched roots a task needs) not arrived yet, else -1."""
+    for x in roots:
+        if x not in arrived:
+            return x
+    return -1
+
+
+def _task_done(out: _Outcome, ops, prog: _Program, t: int, is_rec: bool, start: float,
+               end: float, dur: float) -> float:
+    """Task t ran from `start` to `end`: a recompute goes into the schedule, and with
+    `record` the task into the timeline. Returns its recompute time (`dur`, or 0)."""
+    op, owner = prog.task_op[t], prog.task_owner[t]
+    root = prog.rec_root[t] if is_rec else None
+    if is_rec:
+        out.sched.append(("recompute", root, owner, start, end))
+    if out.record:
+        out.events.append(_compute_event(ops, op, owner, is_rec, root, start, end))
+    return dur if is_rec else 0.0
 
 
 class _Waits:
     """Compute waiting: since when and why; adds the stall time to `out` and, with `record`,
     one stall event per wait."""
 
-    __slots__ = ("cause", "since", "out")
+    __slots__ = ("cause", "since", "out", "link", "profile", "prog", "tab", "give_up")
 
-    def __init__(self, out: _Outcome):
+    def __init__(self, out: _Outcome, link: _Copies, profile: schema.Profile, prog: _Program,
+                 tab: Tables, give_up: float | None):
         self.cause: str | None = None
         self.since = 0.0
-        self.out = out
+        self.out, self.link, self.give_up = out, link, give_up
+        self.profile, self.prog, self.tab = profile, prog, tab
 
     def stop(self, now: float, op: int) -> bool:
         """Compute goes on (or waits for another cause) at `now`, before op `op`; False (no
@@ -682,16 +684,31 @@ class _Waits:
         self.cause = None
         return False
 
-    def hold(self, cause: str, now: float) -> bool:
-        """Compute waits from `now` (a wait already running keeps its start and cause);
-        True (waiting)."""
-        if self.cause is None:
-            self.cause, self.since = cause, now
-        return True
+    def idle(self, now: float, nxt: float, t: int, missing: int, qi: int, mem: int,
+             budget: float) -> bool:
+        """Compute cannot start task t at `now` (`missing`: a prefetch it needs that has not
+        arrived, else -1) and waits until `nxt`, the next event. True when there is none:
+        nothing in flight can free memory, the plan cannot fit (the verdict goes into `out`).
+        Raises `_GaveUp` where the loop is to give up."""
+        h2d, queue, size = self.link.h2d, self.prog.queue, self.tab.size
+        cause = (LATE_PREFETCH if missing >= 0 and not (   # unless the prefetch waits for memory
+            h2d.x < 0 and qi < len(queue) and queue[qi] == missing
+            and missing in self.link.off_done and mem + size[missing] > budget) else MEMORY_FULL)
+        if nxt == _INF:
+            if self.give_up is not None:
+                raise _GaveUp
+            self.out.feasible = False
+            self.out.reason = _no_room(self.profile, self.prog, self.tab, t, mem, budget,
+                                       self.link.arrived)
+            if self.cause is None:         # a wait already running keeps its start and cause
+                self.cause, self.since = cause, now
+            return True
+        self.wait(cause, now, self.prog.task_owner[t], nxt - now)
+        return False
 
-    def wait(self, cause: str, now: float, op: int, us: float, give_up: float | None) -> bool:
-        """Compute waits `us` from `now` before op `op` for `cause`; False once the stalls
-        add up to more than `give_up`."""
+    def wait(self, cause: str, now: float, op: int, us: float) -> None:
+        """Compute waits `us` from `now` before op `op` for `cause`; raises `_GaveUp` once
+        the stalls add up to more than `give_up`."""
         if cause != self.cause:
             if self.cause is not None:
                 self.stop(now, op)
@@ -701,54 +718,85 @@ class _Waits:
             out.stall_mem += us
         else:
             out.stall_late += us
-        return give_up is None or out.stall_mem + out.stall_late <= give_up
+        if self.give_up is not None and out.stall_mem + out.stall_late > self.give_up:
+            raise _GaveUp
 
 
-def _prefetch_done(h2d: _CopyEngine, d2h: _CopyEngine, now: float, h_issue: int,
-                   arrived: set[int], size: list[int], tensors, out: _Outcome) -> None:
-    start = h2d.start
-    x = h2d.finish()
-    arrived.add(x)
-    out.prefetched_bytes += size[x]
-    out.sched.append(("prefetch", x, h_issue, start, now))
-    if out.record:
-        out.events.append(_copy_event("h2d", tensors[x].name, x, start, now, h_issue))
-    d2h.retime(now, False)         # the running offload speeds up again
+class _Copies:
+    """The copy side of the loop: both engines, the offload queue, which roots have arrived,
+    which offloads are done, and which swapped roots forward no longer reads (`fwd_over`).
+    Starting and finishing copies fills `out`; each happens once per copy."""
 
+    __slots__ = ("d2h", "h2d", "dq", "arrived", "off_done", "fwd_over", "copy_us", "size",
+                 "producer", "tensors", "out")
 
-def _offload_done(d2h: _CopyEngine, h2d: _CopyEngine, now: float, off_done: set[int],
-                  fwd_over: set[int], tab: Tables, tensors, out: _Outcome) -> int | None:
-    """Finish the offload in flight; the bytes it frees when forward is done reading the
-    root (None while forward still reads it)."""
-    start = d2h.start
-    x = d2h.finish()
-    off_done.add(x)
-    size, producer = tab.size, tab.producer
-    out.swapped_bytes += size[x]
-    out.sched.append(("offload", x, producer[x], start, now))
-    if out.record:
-        out.events.append(_copy_event("d2h", tensors[x].name, x, start, now, producer[x]))
-    h2d.retime(now, False)
-    return size[x] if x in fwd_over else None
+    def __init__(self, tab: Tables, tensors, hw: HardwareSpec, out: _Outcome):
+        self.d2h, self.h2d, self.dq = _CopyEngine(), _CopyEngine(), deque()
+        self.arrived: set[int] = set()
+        self.off_done: set[int] = set()
+        self.fwd_over: set[int] = set()
+        self.copy_us, self.size, self.producer = hw.copy_us, tab.size, tab.producer
+        self.tensors, self.out = tensors, out
 
+    def start_offload(self, now: float) -> None:
+        x = self.dq.popleft()
+        self.d2h.begin(x, now, self.copy_us, self.size[x], "d2h", self.h2d.x >= 0)
+        self.h2d.retime(now, True)          # a running prefetch slows down from now on
 
-def _release_and_offload(prog: _Program, t: int, off_done: set[int], fwd_over: set[int],
-                         size: list[int], dq: deque) -> int:
-    """Task t ended: swapped roots forward no longer reads are freed when their offload is
-    done (else when it ends: `fwd_over`); offloads of roots it produced are queued. Returns
-    the bytes freed now."""
-    f = 0
-    rl = prog.release.get(t)
-    if rl is not None:
-        for x in rl:
-            if x in off_done:
-                f += size[x]
-            else:
-                fwd_over.add(x)
-    ol = prog.offload.get(t)
-    if ol is not None:
-        dq.extend(ol)
-    return f
+    def start_prefetch(self, x: int, now: float, mem: int) -> None:
+        """Issue the prefetch of root `x` at `now`; `mem`: memory with its bytes held."""
+        if self.out.record:
+            self.out.memory.append((now, mem))
+        self.h2d.begin(x, now, self.copy_us, self.size[x], "h2d", self.d2h.x >= 0)
+        self.d2h.retime(now, True)
+
+    def prefetch_done(self, now: float, h_issue: int) -> None:
+        h2d, out = self.h2d, self.out
+        start = h2d.start
+        x = h2d.finish()
+        self.arrived.add(x)
+        out.prefetched_bytes += self.size[x]
+        out.sched.append(("prefetch", x, h_issue, start, now))
+        if out.record:
+            out.events.append(_copy_event("h2d", self.tensors[x].name, x, start, now, h_issue))
+        self.d2h.retime(now, False)         # the running offload speeds up again
+
+    def offload_done(self, now: float, mem: int) -> int:
+        """Finish the offload in flight; returns memory `mem` less the root's bytes if forward
+        is done reading it (they are freed now), else `mem`."""
+        d2h, out, size, producer = self.d2h, self.out, self.size, self.producer
+        start = d2h.start
+        x = d2h.finish()
+        self.off_done.add(x)
+        out.swapped_bytes += size[x]
+        out.sched.append(("offload", x, producer[x], start, now))
+        if out.record:
+            out.events.append(_copy_event("d2h", self.tensors[x].name, x, start, now,
+                                          producer[x]))
+        self.h2d.retime(now, False)
+        if x not in self.fwd_over:
+            return mem
+        mem -= size[x]
+        if out.record:
+            out.memory.append((now, mem))
+        return mem
+
+    def release_and_offload(self, prog: _Program, t: int) -> int:
+        """Task t ended: swapped roots forward no longer reads are freed when their offload is
+        done (else when it ends: `fwd_over`); offloads of roots it produced are queued.
+        Returns the bytes freed now."""
+        f = 0
+        rl = prog.release.get(t)
+        if rl is not None:
+            for x in rl:
+                if x in self.off_done:
+                    f += self.size[x]
+                else:
+                    self.fwd_over.add(x)
+        ol = prog.offload.get(t)
+        if ol is not None:
+            self.dq.extend(ol)
+        return f
 
 
 def _predicted(step, ideal, peak, stall_mem, stall_late, recompute_us, swapped, prefetched,

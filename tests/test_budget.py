@@ -1,7 +1,7 @@
 """--budget parsing and the floor check, with answers worked out by hand."""
 import pytest
 
-from slackswap_cli.budget import check_budget, parse_budget
+from slackswap_cli.budget import check_budget, fraction_bytes, keep_all_of, parse_budget
 from slackswap_cli.units import fmt_bytes, fmt_us
 from slackswap_cli.errors import InfeasibleError, InputError
 from slackswap_cli.simulate import budget_floor_bytes
@@ -21,6 +21,18 @@ def test_fraction_of_keep_all_peak(prof):
     assert parse_budget("1.0", prof) == (peak, 1.0)
     assert parse_budget(0.25, prof) == ((1 << 20) + 1, 0.25)
     assert parse_budget("50%", prof) == ((2 << 20) + 2, 0.5)
+
+
+def test_fraction_to_bytes_and_back():
+    # the one conversion (parse_budget, re-planning in a step, verify): rounded down; the
+    # keep-all peak a patched module's budget and fraction stand for comes back to within the
+    # rounding (less than 1 / fraction bytes)
+    assert fraction_bytes(0.5, (4 << 20) + 4) == (2 << 20) + 2
+    assert fraction_bytes(0.3, 10) == 3 and fraction_bytes(0.39, 10) == 3
+    for peak in (7, 1000, (4 << 20) + 4, 123_456_789_012):
+        for frac in (0.1, 0.25, 0.5, 0.77, 1.0):
+            assert abs(keep_all_of(fraction_bytes(frac, peak), frac) - peak) <= 1 / frac
+    assert keep_all_of((2 << 20) + 2, 0.5) == (4 << 20) + 4
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -186,3 +186,16 @@ def test_a_chain_that_needs_a_swapped_value_early_fetches_it(files, tmp_path):
     r = verify(str(path), steps=1, check_trace=False)
     assert r.passed, r.reasons
     assert r.max_grad_rel_diff == 0.0
+
+
+def test_the_in_place_test_chains_is_handed_is_atens():
+    # chains is torch-free: runtime_table's `last_write` asks aten's rule (schema `a!` on the
+    # first argument, returned) by the profile's target name, never a naming convention
+    from slackswap_cli.trace.aten import is_inplace_target
+    assert is_inplace_target("aten.add_.Tensor") and is_inplace_target("aten.relu_.default")
+    assert is_inplace_target("aten.__iand__.Tensor")          # in place, no trailing _
+    assert not is_inplace_target("aten.add.Tensor")
+    assert not is_inplace_target("aten.add.out")               # writes `out=`, not its input
+    assert not is_inplace_target("aten.view.default")          # an alias, not a write
+    assert not is_inplace_target("aten.no_such_op_.default")
+    assert not is_inplace_target("onnx.Relu") and not is_inplace_target("getitem")

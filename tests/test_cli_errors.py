@@ -287,13 +287,13 @@ def test_slow_commands_show_a_spinner_on_a_terminal_only(ws, monkeypatch):
 
     from rich.console import Console
 
-    import slackswap_cli.cli as cli
+    import slackswap_cli.output as output
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "err", Console(file=buf, force_terminal=True, width=80))
+    monkeypatch.setattr(output, "err", Console(file=buf, force_terminal=True, width=80))
     assert run(*PLAN).exit_code == 0
     assert "planning with slackswap" in buf.getvalue()
     assert "0:00:0" in buf.getvalue()                 # the elapsed time beside it
     buf.truncate(0)
-    monkeypatch.setattr(cli, "err", Console(file=buf, force_terminal=False, width=80))
+    monkeypatch.setattr(output, "err", Console(file=buf, force_terminal=False, width=80))
     assert run(*PLAN).exit_code == 0
     assert "planning with" not in buf.getvalue()      # a pipe or a log file gets no spinner

@@ -50,8 +50,8 @@ def patched_at(files, tmp_path, name, frac):
     return load_patched(str(write_patched(tmp_path, plan, prof, name=f"{name}_{frac}.py"))), plan
 
 
-def train(model, work, steps=3):
-    opt = torch.optim.AdamW(work.model.parameters(), lr=1e-2)
+def train(model, work, steps=3, lr=1e-2):
+    opt = torch.optim.AdamW(work.model.parameters(), lr=lr)
     losses = []
     torch.manual_seed(1)
     for _ in range(steps):
@@ -71,29 +71,78 @@ def twin(path):
 
 
 def assert_carries_out_the_plan(report):
+    """Item 4 against the whole plan: every forward op lines up; saved + offloaded within 2% of
+    the plan's kept + swapped and offloaded equal to swapped, both at the sizes the graph holds
+    the roots in (only dropout masks differ: bool for the profile's float noise) and without
+    the roots whose ops the partitioner's CSE merged; recomputed ops within the chains."""
     c, p = report["compiled"], report["plan"]
     assert report["passed"], report["reasons"]
-    assert c["lined_up_ops"] >= 0.9 * c["graph_ops"]
-    have = c["saved_bytes"] - c["saved_bytes_not_lined_up"] + c["offloaded_bytes"]
-    want = p["lined_up_kept_bytes"] + p["lined_up_swapped_bytes"]
+    assert c["lined_up_ops"] == c["graph_ops"]
+    have = c["saved_bytes"] + c["offloaded_bytes"]
+    want = p["kept_bytes_in_graph"] + p["swapped_bytes_in_graph"]
     assert abs(have - want) <= 0.02 * want
-    assert c["offloaded_bytes"] == p["lined_up_swapped_bytes"] > 0
-    assert c["off_plan_recomputes"] == []
+    assert c["offloaded_bytes"] == p["swapped_bytes_in_graph"]
+    assert c["off_plan_recomputes"] == [] and c["unplanned_recomputes"] == 0
+    if not p["resized_roots"] and not p["merged_roots"]:
+        assert (p["kept_bytes_in_graph"], p["swapped_bytes_in_graph"]) == \
+            (p["kept_bytes"], p["swapped_bytes"])
 
 
-@pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "llama", "cnn"])
-def test_aot_eager_trains_bitwise_like_eager_and_carries_out_the_plan(name, files, tmp_path):
+@pytest.mark.parametrize("name,frac", [("tiny_gpt", 0.5), ("gpt2", 0.5), ("llama", 0.5),
+                                       ("cnn", 0.5), ("tiny_gpt", 0.3), ("gpt2", 0.3)])
+def test_aot_eager_trains_bitwise_like_eager_and_carries_out_the_plan(name, frac, files,
+                                                                       tmp_path):
     """verify --compile's report: 3 AdamW steps, losses/parameters/buffers bitwise equal to
-    eager; bytes saved + offloaded = the plan's kept + swapped (of what lined up)."""
+    eager; the partitioned graphs hold what the whole plan holds (assert_carries_out_the_plan).
+    At 0.3 the plans recompute attention's dropout result (GPT-2: and views of recomputed
+    position ids, which backward re-derives: counted apart from recomputed ops)."""
     prof = profiled(files, name)
-    plan = plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"])
+    plan = plan_at(prof, frac * prof.summary["peak_activation_bytes"])
     path = write_patched(tmp_path, plan, prof)
     report = verify_compiled(str(path), backend="aot_eager", steps=3)
     assert report["max_loss_rel_diff"] == report["max_param_rel_diff"] == 0.0
     assert report["max_buffer_rel_diff"] == report["max_grad_rel_diff"] == 0.0
     assert_carries_out_the_plan(report)
+    c, p = report["compiled"], report["plan"]
+    if frac == 0.5:
+        assert c["offloaded_bytes"] > 0
     if any(t == "recompute" for o in load_patched(str(path)).GRAPH_TABLE["ops"] for t in o[4]):
-        assert report["compiled"]["recomputed_ops"] > 0
+        assert c["recomputed_ops"] > 0
+    if name in ("tiny_gpt", "gpt2"):       # SDPA's dropout: a CPU run in the profile
+        assert p["resized_roots"] == 2
+        assert p["kept_bytes_in_graph"] + p["swapped_bytes_in_graph"] < \
+            p["kept_bytes"] + p["swapped_bytes"]
+    if name == "llama":                    # the second causal mask, merged by CSE
+        assert p["merged_roots"] == ["where_1"]
+    if (name, frac) == ("tiny_gpt", 0.3):  # the dropout result re-made from the mask
+        assert c["recomputed_ops"] == p["recomputed_ops"]
+    if (name, frac) == ("gpt2", 0.3):
+        assert c["rederived_views"] > 0
+
+
+def test_a_cpu_dropout_run_lines_up_with_native_dropout():
+    """graph_units folds at::dropout's CPU run (empty_like, bernoulli_, div_, mul) into one
+    native_dropout row: its result carries mul's decision, its bool mask the noise's."""
+    from slackswap_cli.run.graph_plan import graph_units, line_up, op_key
+    f32 = [[[2, 8], "float32"]]
+    rows = [["softmax", "aten._softmax.default", f32, "attn", ["save"], [[2, 8]], [1]],
+            ["empty_like", "aten.empty_like.default", f32, "attn", ["offload"], [[2, 8]], [2]],
+            ["bernoulli_", "aten.bernoulli_.float", f32, "attn", ["offload"], [[2, 8]], [2]],
+            ["div_", "aten.div_.Scalar", f32, "attn", ["offload"], [[2, 8]], [2]],
+            ["mul", "aten.mul.Tensor", f32, "attn", ["recompute"], [[2, 8], [2, 8]], [3]],
+            ["_unsafe_view", "aten._unsafe_view.default", f32, "attn", [None], [[2, 8]], [None]]]
+    units = graph_units(rows, list(range(6)))
+    assert [u[1] for u in units] == [[0], [1, 2, 3, 4], [5]]
+    drop = units[1][0]
+    assert drop[1] == "aten.native_dropout.default" and drop[0] == "mul"
+    assert drop[2] == [[[2, 8], "float32"], [[2, 8], "bool"]]
+    assert drop[4] == ["recompute", "offload"] and drop[6] == [3, 2]
+    seen = [op_key("aten._softmax.default", [((2, 8), "float32")]),
+            op_key("aten.native_dropout.default", [((2, 8), "float32"), ((2, 8), "bool")]),
+            op_key("aten.view.default", [((2, 8), "float32")])]
+    assert line_up(seen, [u[0] for u in units]) == [0, 1, 2]
+    rows[3][1] = "aten.mul_.Tensor"        # not the CPU run: nothing folds
+    assert len(graph_units(rows, list(range(6)))) == 6
 
 
 def test_per_block_compile_gets_each_block_its_part_of_the_plan(files, tmp_path):
@@ -183,25 +232,87 @@ def test_sac_policy_in_eager_trains_bitwise_and_saves_what_the_plan_keeps(files,
         mod.context_fn(7)
 
 
-def test_inductor_compile_offloads_and_matches_eager(files, tmp_path):
-    """The one inductor compile of `make test`: a small MLP, a swap and a recompute."""
+def test_inductor_compile_offloads_and_matches_eager_and_plain_torch_compile(files, tmp_path):
+    """The one inductor model of `make test`: a small MLP, a swap and a recompute; equal to
+    eager within 1e-5 and to plain torch.compile (inductor) within INDUCTOR_VS_COMPILE."""
     prof = profiled(files, "mlp")
     path = write_patched(tmp_path, hand_plan(prof, {"gelu": "swap", "addmm": "recompute"}), prof)
     report = verify_compiled(str(path), backend="inductor", steps=3)
     assert report["passed"], report["reasons"]
     assert report["compiled"]["offloaded_bytes"] == report["plan"]["swapped_bytes"] > 0
+    assert report["reference"] == "torch.compile"       # judged against plain torch.compile
     assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
+    assert report["vs_eager"]["max_loss_rel_diff"] <= 1e-5
+    assert report["vs_eager"]["max_param_rel_diff"] <= 1e-5
+    assert report["plan"]["swapped_bytes_read"] == report["compiled"]["offloaded_bytes"]
+    assert_trains_as_plain_torch_compile(load_patched(str(path)), files["mlp"])
+
+
+def test_inductor_byte_checks_still_fail_on_what_the_plan_does_not_do():
+    """With inductor the total is not checked (decompositions save other values: `notes`),
+    but offloading other than the swapped roots backward reads, keeping more lined-up bytes
+    than the plan keeps and re-running ops outside the chains still fail; aot_eager checks
+    the total."""
+    from slackswap_cli.run.verify_compiled import _notes, _reasons
+    got = {"graphs": 1, "saved_bytes": 1300, "saved_bytes_not_lined_up": 300,
+           "offloaded_bytes": 400, "off_plan_recomputes": [],
+           "decomposed_saves": ["aten.native_layer_norm.default"]}
+    plan = {"kept_bytes_in_graph": 1000, "swapped_bytes_in_graph": 500,
+            "swapped_bytes_read": 400, "unread_swapped_roots": ["mul"]}
+    diffs = dict.fromkeys(("max_loss_rel_diff", "max_grad_rel_diff", "max_param_rel_diff",
+                           "max_buffer_rel_diff"), 0.0)
+    assert _reasons(got, plan, diffs, 1e-5, 1e-4, "torch.compile") == []
+    notes = _notes(got, plan)
+    assert "native_layer_norm" in notes[0] and "300 B" in notes[0]
+    assert "100 B" in notes[1] and "mul" in notes[1]
+    assert len(_reasons(got, plan, diffs, 0.0, 0.0, "eager")) == 2   # total and offload
+    plain = {**got, "decomposed_saves": []}     # nothing decomposed, all read: total checked
+    assert len(_reasons(plain, {**plan, "unread_swapped_roots": []}, diffs, 1e-5, 1e-4,
+                        "torch.compile")) == 2
+    for change, words in (({"offloaded_bytes": 500}, "offload 500"),
+                          ({"saved_bytes": 1400}, "more than the plan keeps"),
+                          ({"off_plan_recomputes": ["gelu"]}, "gelu")):
+        (reason,) = _reasons({**got, **change}, plan, diffs, 1e-5, 1e-4, "torch.compile")
+        assert words in reason
+    (reason,) = _reasons(got, plan, {**diffs, "max_param_rel_diff": 1e-3}, 1e-5, 1e-4,
+                         "torch.compile")
+    assert "differs from torch.compile" in reason
+
+
+# compile_planned (inductor) against plain torch.compile (inductor), both with fallback_random:
+# bitwise on tiny GPT, GPT-2, the CNN and the MLP; 2.9e-6 on Llama's parameters after 3 steps
+# (the plan's MUST_SAVE tags change which values inductor's backward kernels read saved and
+# which they recompute; benchmarks/results/compiled_vs_compile.md), both at lr 1e-3 (at lr 1e-2
+# Llama's parameters differ by 2.4e-5: AdamW carries the difference further). Inductor against
+# eager is not within 1e-5 for torch.compile itself (GPT-2 9.4e-4, the CNN's BatchNorm'd bias).
+INDUCTOR_VS_COMPILE = 1e-5
+
+
+def assert_trains_as_plain_torch_compile(mod, path):
+    from slackswap_cli.run.verify_compiled import scaled_diff
+    runs = {}
+    for kind in ("plain", "planned"):
+        work = load_workload(str(path))
+        opts = {"fallback_random": True}
+        model = torch.compile(work.model, options=opts) if kind == "plain" else \
+            mod.compile_planned(work.model, options=opts, quiet=True)
+        runs[kind] = train(model, work, lr=1e-3)
+    (loss_a, state_a), (loss_b, state_b) = runs["plain"], runs["planned"]
+    assert scaled_diff([torch.tensor(loss_a)], [torch.tensor(loss_b)])[0] <= INDUCTOR_VS_COMPILE
+    assert scaled_diff(state_a, state_b)[0] <= INDUCTOR_VS_COMPILE
 
 
 @SLOW
 @pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "llama", "cnn"])
-def test_inductor_matches_eager_within_fp32_tolerance(name, files, tmp_path):
+def test_inductor_trains_as_plain_torch_compile(name, files, tmp_path):
+    """Item 3 with inductor: compile_planned trains as plain torch.compile does (3 AdamW
+    steps, losses, parameters and buffers within INDUCTOR_VS_COMPILE). (Inductor decomposes
+    layer norm, softmax and the loss before partitioning, so its backward reads other values
+    than the profile's ops do: the byte checks of item 4 are aot_eager's.)"""
     prof = profiled(files, name)
     plan = plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"])
-    report = verify_compiled(str(write_patched(tmp_path, plan, prof)), backend="inductor",
-                             steps=3)
-    assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
-    assert report["max_buffer_rel_diff"] <= 1e-5
+    path = write_patched(tmp_path, plan, prof)
+    assert_trains_as_plain_torch_compile(load_patched(str(path)), files[name])
 
 
 def test_other_torch_versions_and_bad_arguments_are_refused(files, tmp_path, monkeypatch):

@@ -331,3 +331,16 @@ def test_a_second_backward_is_a_clear_error_not_wrong_gradients(files, tmp_path)
     loss.backward(retain_graph=True)
     with pytest.raises(InputError, match="second backward"):
         loss.backward()
+
+
+def test_a_slow_planners_plan_is_replanned_by_its_quick_stand_in(files, tmp_path):
+    """A MILP takes a minute: inside a training step the registry's stand-in (optimal's
+    fallback, slackswap) plans the new shape instead."""
+    from slackswap_cli.run.replan import replan_table
+    mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.5)
+    work = load_workload(str(files["tiny_gpt"]))
+    a, kw = split_inputs(work.inputs)
+    short = tuple(x[:, :-3].contiguous() if isinstance(x, torch.Tensor) and x.dim() == 2 else x
+                  for x in a)
+    table, what = replan_table(work.model, None, short, kw, {**mod.META, "planner": "optimal"})
+    assert what.startswith("slackswap at 0.5 of the keep-all peak") and table, what

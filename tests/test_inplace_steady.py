@@ -17,7 +17,9 @@ import torch
 
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import load_patched
-from slackswap_cli.run.inplace import PlanRun, SteadyRun, is_patched
+from slackswap_cli.run.inplace import PlanRun, is_patched
+from slackswap_cli.run.record import _prepare, _Record, _Ref, _view_geometry
+from slackswap_cli.run.steady import SteadyRun
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
@@ -109,6 +111,58 @@ def test_later_calls_run_on_hooks_alone_bitwise_like_eager(name, frac, args, fil
     assert len({h for _, h, _ in got[3]}) == 1                 # the same bytes held each step
     run = _run(work.model)
     assert run.rerun_ops > 0 and run.metas                     # steady state recomputes, swaps
+    if name != "cnn":             # the transformers' replayed views: by geometry, bitwise
+        assert any(rec.geom for rec in run.records)
+
+
+def _geometry(func, base, *args):
+    rec = _Record(func, (_Ref(0, 0), *args), {}, None, None, None, ())
+    _prepare(rec)
+    with torch.no_grad():
+        return rec, func(base, *args), _view_geometry(rec, [base, *args], func(base, *args))
+
+
+@pytest.mark.parametrize("func,args", [
+    (torch.ops.aten.transpose.int, (1, 2)), (torch.ops.aten.view.default, ([4, 6, 5],)),
+    (torch.ops.aten.slice.Tensor, (2, 1, 4)), (torch.ops.aten.split.Tensor, (2, 1)),
+    (torch.ops.aten.expand.default, ([3, 4, 6, 5],))])
+def test_a_replayed_view_is_re_derived_by_its_geometry_with_the_same_aliasing(func, args):
+    base = torch.randn(8, 6, 5)[2:6]        # a view itself, at an offset
+    rec, want, geom = _geometry(func, base, *args)
+    assert geom and geom[0] == (base.shape, base.stride(), base.storage_offset())
+    wants = [want] if isinstance(want, torch.Tensor) else want
+    for w, (size, stride, offset) in zip(wants, geom[1], strict=True):
+        got = torch.Tensor.as_strided(base, size, stride, offset)
+        assert got._base is base._base and torch.equal(got, w)
+        assert (got.shape, got.stride(), got.storage_offset(), got.dtype) == \
+            (w.shape, w.stride(), w.storage_offset(), w.dtype)
+
+
+@pytest.mark.parametrize("func,base,args", [
+    (torch.ops.aten.view.dtype, torch.randn(4, 6), (torch.int32,)),
+    (torch.ops.aten.view_as_real.default, torch.randn(4, 6, dtype=torch.complex64), ()),
+    (torch.ops.aten.transpose.int, torch.randn(4, 6, dtype=torch.complex64).conj(), (0, 1)),
+    (torch.ops.aten.clone.default, torch.randn(4, 6), ())])
+def test_dtype_changing_complex_conjugate_and_non_views_keep_the_op(func, base, args):
+    assert _geometry(func, base, *args)[2] is False
+
+
+def test_a_keep_all_plan_runs_on_hooks_alone_with_no_checks(files, tmp_path):
+    """A keep-all plan's steady state skips the per-pack checks (nothing depends on which
+    tensor is which) and still reports what a run reports: bitwise eager, the same bytes held
+    after forward as its first call, nothing re-run."""
+    args = {"dropout": 0.0}
+    mod, _, _ = _patched(tmp_path, files, "tiny_gpt", actions={}, args=args)
+    eager, work = _twins(files["tiny_gpt"], args)
+    want = _steps(eager, 3)
+    mod.patch(work.model)
+    got = _steps(work, 3, lambda m, i: (type(_run(m)), _run(m).held_device_bytes(),
+                                        _run(m).rerun_ops))
+    _same(want, got)
+    assert [k for k, _, _ in got[3]] == [PlanRun, SteadyRun, SteadyRun]
+    assert _run(work.model).tpl.keep_only and _run(work.model).pack == _run(work.model)._keep
+    assert len({h for _, h, _ in got[3]}) == 1 and got[3][0][1] > 0
+    assert all(n == 0 for _, _, n in got[3])
 
 
 def test_other_control_flow_at_the_same_shapes_is_caught(tmp_path):

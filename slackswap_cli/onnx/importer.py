@@ -45,7 +45,7 @@ from math import prod
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from ..errors import FormatError, InputError
+from ..errors import FormatError, InputError, require_file
 from ..hardware import HardwareSpec
 from .grad_rules import FUSED_ATEN, NodeView, rule_for, unknown_rule
 from ..profile_build import DTYPE_BYTES, ProfileBuilder
@@ -122,10 +122,7 @@ def _onnx():
 
 def _load(p: Path, warnings: list[str]):
     onnx = _onnx()
-    if not p.exists():
-        raise InputError(f"ONNX file {p} does not exist", hint="check the path")
-    if p.is_dir():
-        raise InputError(f"{p} is a directory, not an ONNX file")
+    require_file(p, "ONNX file", hint="check the path")
     hint = "pass a .onnx file written by torch.onnx.export (or another ONNX exporter)"
     try:
         # Weights in external files are not needed (shapes live in the initializers' dims), and
@@ -615,66 +612,8 @@ class _Importer:
         if not work:
             raise InputError(f"{self.p}: the graph computes nothing from its inputs "
                              "(every node folds to a constant)")
-        b = self.b
         unknown: dict[str, int] = {}
-        fwd = []   # (unit, rule, view, in tids, out tids, extra tids)
-        for u in self.units(work):
-            if u.domain == "aten":
-                rule = FUSED_ATEN[u.op_type]
-            else:
-                rule = rule_for(u.op_type, u.domain)
-            if u.op_type == "Dropout" and not self.dropout_active(u):
-                rule = rule_for("Identity")
-            if rule is None:
-                key = f"{u.domain}::{u.op_type}" if u.domain else u.op_type
-                unknown[key] = unknown.get(key, 0) + 1
-                rule = unknown_rule(u.op_type)
-            view = self.view(u)
-            in_tids = [self.tensor(i) if i else None for i in u.inputs]
-            grad_in = range(len(u.inputs)) if rule.grad_inputs is None else rule.grad_inputs
-            in_needs = rule.differentiable and any(
-                i < len(u.inputs) and u.inputs[i]
-                and self.needs_grad(u.inputs[i]) for i in grad_in)
-            out_tids: list[int | None] = []
-            for j, o in enumerate(u.outputs):
-                if not o:
-                    out_tids.append(None)
-                    continue
-                alias_of, kind = None, "activation"
-                if rule.alias and j == 0 and in_tids and in_tids[0] is not None:
-                    root = b.tensors[in_tids[0]]
-                    alias_of = in_tids[0] if root.alias_of is None else root.alias_of
-                    root_kind = b.tensors[alias_of].kind
-                    kind = "activation" if root_kind == "activation" else root_kind
-                t = self.add(o, kind, self.shape(o), self.dtype(o),
-                             recomputable=not rule.random, alias_of=alias_of)
-                self.tid[o] = t
-                out_tids.append(t)
-                grad_out = rule.grad_outputs is None or j in rule.grad_outputs
-                if in_needs and grad_out and self.dtype(o) in _FLOAT_DTYPES:
-                    self.requires_grad.add(o)
-            extra_tids = []
-            for e in rule.extras(view):
-                if e.output is not None and e.output < len(u.outputs) and u.outputs[e.output]:
-                    extra_tids.append(out_tids[e.output])
-                else:
-                    base = next((o for o in u.outputs if o), u.name)
-                    extra_tids.append(self.add(f"{base}.{e.suffix}", "activation", e.shape,
-                                               e.dtype, recomputable=not rule.random))
-            outs_all = [t for t in out_tids if t is not None]
-            outs_all += [t for t in extra_tids if t not in outs_all]
-            ins_all = [t for t in in_tids if t is not None]
-            flops = rule.fwd_flops(view)
-            if rule.alias:
-                nbytes = 0
-            elif rule.gather_like:   # reads as many data bytes as it writes, plus the indices
-                nbytes = 2 * sum(b.tensors[t].size_bytes for t in outs_all) + sum(
-                    b.tensors[t].size_bytes for t in dict.fromkeys(ins_all[1:]))
-            else:
-                nbytes = self.touched(ins_all + outs_all)
-            b.add_op(u.name, u.target, "forward", ins_all, outs_all, module=u.module,
-                     flops=flops, bytes=nbytes, time_us=self.hw.roofline_us(flops, nbytes))
-            fwd.append((u, rule, view, in_tids, out_tids, extra_tids))
+        fwd = [self.forward_unit(u, unknown) for u in self.units(work)]
         if unknown:
             listed = ", ".join(f"{t} (x{c})" for t, c in sorted(unknown.items()))
             self.warnings.append(
@@ -685,6 +624,78 @@ class _Importer:
                 self.warnings.append(f"{u.op_type} node '{u.name}' has a subgraph; its body "
                                      "is treated as one opaque op")
         self.backward(fwd)
+        return self.build(), self.warnings
+
+    def rule(self, u: _Unit, unknown: dict[str, int]):
+        """The gradient rule of unit `u`; a unit without one is counted in `unknown` and gets
+        the conservative rule."""
+        if u.domain == "aten":
+            rule = FUSED_ATEN[u.op_type]
+        else:
+            rule = rule_for(u.op_type, u.domain)
+        if u.op_type == "Dropout" and not self.dropout_active(u):
+            rule = rule_for("Identity")
+        if rule is None:
+            key = f"{u.domain}::{u.op_type}" if u.domain else u.op_type
+            unknown[key] = unknown.get(key, 0) + 1
+            rule = unknown_rule(u.op_type)
+        return rule
+
+    def forward_unit(self, u: _Unit, unknown: dict[str, int]) -> tuple:
+        """Add unit `u`'s forward op and its output tensors to the profile; returns (unit,
+        rule, view, in tids, out tids, extra tids) for `backward`."""
+        b = self.b
+        rule = self.rule(u, unknown)
+        view = self.view(u)
+        in_tids = [self.tensor(i) if i else None for i in u.inputs]
+        grad_in = range(len(u.inputs)) if rule.grad_inputs is None else rule.grad_inputs
+        in_needs = rule.differentiable and any(
+            i < len(u.inputs) and u.inputs[i]
+            and self.needs_grad(u.inputs[i]) for i in grad_in)
+        out_tids: list[int | None] = []
+        for j, o in enumerate(u.outputs):
+            if not o:
+                out_tids.append(None)
+                continue
+            alias_of, kind = None, "activation"
+            if rule.alias and j == 0 and in_tids and in_tids[0] is not None:
+                root = b.tensors[in_tids[0]]
+                alias_of = in_tids[0] if root.alias_of is None else root.alias_of
+                root_kind = b.tensors[alias_of].kind
+                kind = "activation" if root_kind == "activation" else root_kind
+            t = self.add(o, kind, self.shape(o), self.dtype(o),
+                         recomputable=not rule.random, alias_of=alias_of)
+            self.tid[o] = t
+            out_tids.append(t)
+            grad_out = rule.grad_outputs is None or j in rule.grad_outputs
+            if in_needs and grad_out and self.dtype(o) in _FLOAT_DTYPES:
+                self.requires_grad.add(o)
+        extra_tids = []
+        for e in rule.extras(view):
+            if e.output is not None and e.output < len(u.outputs) and u.outputs[e.output]:
+                extra_tids.append(out_tids[e.output])
+            else:
+                base = next((o for o in u.outputs if o), u.name)
+                extra_tids.append(self.add(f"{base}.{e.suffix}", "activation", e.shape,
+                                           e.dtype, recomputable=not rule.random))
+        outs_all = [t for t in out_tids if t is not None]
+        outs_all += [t for t in extra_tids if t not in outs_all]
+        ins_all = [t for t in in_tids if t is not None]
+        flops = rule.fwd_flops(view)
+        if rule.alias:
+            nbytes = 0
+        elif rule.gather_like:   # reads as many data bytes as it writes, plus the indices
+            nbytes = 2 * sum(b.tensors[t].size_bytes for t in outs_all) + sum(
+                b.tensors[t].size_bytes for t in dict.fromkeys(ins_all[1:]))
+        else:
+            nbytes = self.touched(ins_all + outs_all)
+        b.add_op(u.name, u.target, "forward", ins_all, outs_all, module=u.module,
+                 flops=flops, bytes=nbytes, time_us=self.hw.roofline_us(flops, nbytes))
+        return u, rule, view, in_tids, out_tids, extra_tids
+
+    def build(self) -> Profile:
+        """The profile, once forward and backward are in: workload, environment, summary."""
+        b = self.b
         opset = next((o.version for o in self.model.opset_import if o.domain in ("", "ai.onnx")),
                      None)
         producer = " ".join(x for x in (self.model.producer_name, self.model.producer_version) if x)
@@ -698,7 +709,7 @@ class _Importer:
         extra = {"forward_flops": sum(o.flops for o in b.ops if o.phase == "forward"),
                  "backward_flops": sum(o.flops for o in b.ops if o.phase == "backward"),
                  "warnings": list(self.warnings)}
-        return b.build(workload=workload, env=env, summary_extra=extra), self.warnings
+        return b.build(workload=workload, env=env, summary_extra=extra)
 
     def needs_grad(self, name: str) -> bool:
         name = self.canonical.get(name, name)

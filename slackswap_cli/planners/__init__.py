@@ -2,10 +2,18 @@
 
 Every planner is a function `fn(profile, hw, budget_bytes)` returning either a list of
 `schema.Decision` (one per saved activation root) or a `PlannerOutput` (decisions plus notes);
-a planner with tuning takes its settings (a frozen dataclass, `SETTINGS`) as a fourth argument.
+a planner with tuning takes its settings (a frozen dataclass) as a fourth argument.
 `make_plan` runs one by name, times it, simulates its decisions and fills in a `schema.Plan`:
 whether it fits (the simulator's verdict, not the planner's), the schedule and the predicted
 numbers. Planners never print; they explain themselves in `notes`.
+
+`PLANNERS` is the one place that knows the planners: each `PlannerSpec` names its function and
+settings (imported on first use: the CLI reads names, help and traits without numpy or HiGHS)
+and the traits callers ask about (whether it is quick enough for a training step and a budget
+search, the bound it proves). The CLI's --planner help, default, options (`--time-limit`
+goes to a planner whose settings have `time_limit_s`) and special cases, and the re-plan
+inside a training step (run/replan.py), all read it: adding a planner touches its own module
+and this table, nothing else.
 
 - `slackswap` (default): swap what the copy slack hides, recompute the rest (slackswap.py).
 - `optimal`: a MILP over the same choices, solved by HiGHS with a time limit (optimal.py);
@@ -14,35 +22,98 @@ numbers. Planners never print; they explain themselves in `notes`.
 """
 from __future__ import annotations
 
+import importlib
 import time
+from dataclasses import dataclass, fields
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from ..errors import InputError
-from ..hardware import HardwareSpec
-from ..schema import Decision, Plan, Profile
-from . import baselines, optimal, slackswap
-from .common import PlannerOutput
 from .settings import Settings, from_options
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # imported where used: the CLI reads the registry before anything else
+    from ..hardware import HardwareSpec
+    from ..schema import Decision, Plan, Profile
     from ..simulate import SimResult
+    from .common import PlannerOutput
 
 
-PlannerFn = Callable[..., Union[list[Decision], PlannerOutput]]
+PlannerFn = Callable[..., Union["list[Decision]", "PlannerOutput"]]
 
-PLANNERS: dict[str, PlannerFn] = {
-    "slackswap": slackswap.plan,
-    "optimal": partial(optimal.plan, fallback=slackswap.plan),
-    "recompute-only": baselines.recompute_only,
-    "swap-all": baselines.swap_all,
-    "checkpoint-layers": baselines.checkpoint_layers,
-}
 
-# the settings dataclass of each planner that has tuning: its fields are the planner's options
-SETTINGS: dict[str, type[Settings]] = {
-    "slackswap": slackswap.SlackswapSettings,
-    "optimal": optimal.OptimalSettings,
+def _resolve(ref):
+    """A "module:name" reference inside this package, imported now; anything else as is."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+@dataclass(frozen=True)
+class PlannerSpec:
+    """One planner: what it is, where its code is (imported on first use), and its traits."""
+
+    summary: str
+    """One line: what it does (the CLI's status lines and help say it)."""
+
+    plan: str | PlannerFn
+    """Its function: "module:function" in this package, or the function itself."""
+
+    settings: str | type[Settings] | None = None
+    """Its settings dataclass ("module:Class" or the class); None: it takes no options."""
+
+    fallback: str | None = None
+    """A planner whose function is passed to this one as `fallback=` (its plan to beat), and
+    that runs instead where this one is too slow (see `quick`)."""
+
+    quick: bool = True
+    """Fast enough to run inside a training step (a re-plan for new shapes, run/replan.py) and
+    a dozen times over in a budget search (`plan` saying where a planner first fits). A MILP
+    with a time limit of a minute is not."""
+
+    bound: str | Callable[["Profile", "HardwareSpec", int], float | None] | None = None
+    """"module:function" giving the retention bound this planner proved for a budget (None
+    when it had no time to): `plan --json` and `compare` report it beside its plan."""
+
+    fits_from_floor: bool = False
+    """Its plan fits every budget from the floor up (swapping everything leaves only what no
+    plan can free): `plan` suggests it when another planner finds nothing."""
+
+    def function(self) -> PlannerFn:
+        fn = _resolve(self.plan)
+        return partial(fn, fallback=PLANNERS[self.fallback].function()) if self.fallback else fn
+
+    def settings_class(self) -> type[Settings] | None:
+        return _resolve(self.settings)
+
+    def option_default(self, option: str) -> Any:
+        """The default of one of its options (a settings field); None if it has no such one."""
+        cls = self.settings_class()
+        return next((f.default for f in fields(cls) if f.name == option), None) if cls else None
+
+    def accepted(self, **options) -> dict:
+        """Those of `options` it takes (its settings have the field): the CLI's --time-limit
+        goes to the planners with a time limit and no other."""
+        cls = self.settings_class()
+        names = set(cls.option_names()) if cls else set()
+        return {k: v for k, v in options.items() if k in names}
+
+    def bound_retention(self, profile: Profile, hw: HardwareSpec, budget_bytes: int
+                        ) -> float | None:
+        return _resolve(self.bound)(profile, hw, budget_bytes) if self.bound else None
+
+
+DEFAULT_PLANNER = "slackswap"
+
+PLANNERS: dict[str, PlannerSpec] = {
+    "slackswap": PlannerSpec("swap what the copy slack hides, recompute the rest",
+                             "slackswap:plan", "slackswap:SlackswapSettings"),
+    "optimal": PlannerSpec("a MILP solved by HiGHS", "optimal:plan", "optimal:OptimalSettings",
+                           fallback="slackswap", quick=False, bound="optimal:bound_retention"),
+    "recompute-only": PlannerSpec("recompute, never swap", "baselines:recompute_only"),
+    "swap-all": PlannerSpec("swap every saved activation", "baselines:swap_all",
+                            fits_from_floor=True),
+    "checkpoint-layers": PlannerSpec("checkpoint whole blocks", "baselines:checkpoint_layers"),
 }
 
 
@@ -50,23 +121,37 @@ def planner_names() -> list[str]:
     return list(PLANNERS.keys())
 
 
-def get_planner(name: str) -> PlannerFn:
+def planner_spec(name: str) -> PlannerSpec:
+    """The registry's record of planner `name`; an unknown name is an InputError."""
     if name not in PLANNERS:
         raise InputError(f"unknown planner '{name}'",
                          hint=f"planners: {', '.join(planner_names())}")
     return PLANNERS[name]
 
 
+def get_planner(name: str) -> PlannerFn:
+    return planner_spec(name).function()
+
+
+def quick_planner(name: str) -> str:
+    """`name`, or where it is too slow to run here (inside a training step) the planner that
+    stands in for it: its fallback, else the default."""
+    spec = planner_spec(name)
+    return name if spec.quick else spec.fallback or DEFAULT_PLANNER
+
+
 def run_planner(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
                 **options) -> tuple[list[Decision], tuple[str, ...], float]:
     """(decisions, notes, solve_ms) of planner `name`, without simulating.
 
-    `options` set fields of the planner's settings (`SETTINGS`, e.g. `time_limit_s` for
-    `optimal`); an option it has no field for, or a value of the wrong type or out of range, is
-    an InputError.
+    `options` set fields of the planner's settings (`PlannerSpec.settings`, e.g.
+    `time_limit_s` for `optimal`); an option it has no field for, or a value of the wrong type
+    or out of range, is an InputError.
     """
-    fn = get_planner(name)
-    settings = from_options(name, SETTINGS.get(name), options)
+    from .common import PlannerOutput
+    spec = planner_spec(name)
+    fn = spec.function()
+    settings = from_options(name, spec.settings_class(), options)
     t0 = time.perf_counter()
     out = (fn(profile, hw, int(budget_bytes)) if settings is None
            else fn(profile, hw, int(budget_bytes), settings))
@@ -104,6 +189,7 @@ def judge(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
     """Simulate `decisions` (made by `name`: a registered planner, a fixed rule such as `fit`'s
     keep-everything, or torch's partitioner) and fill in the Plan from the simulation: the
     simulator's verdict, schedule and predictions."""
+    from ..schema import Plan
     from ..simulate import simulate
 
     res = simulate(profile, decisions, hw, budget_bytes, record=record)

@@ -528,6 +528,12 @@ def solve(m: Model, budget_bytes: int, settings: OptimalSettings = OptimalSettin
     return lay.actions(np.round(res.x).astype(int)), notes, float(res.fun)
 
 
+def bound_retention(profile: Profile, hw: HardwareSpec, budget_bytes: int) -> float | None:
+    """The sound bound `plan` computed first (cached on the profile; None when it had no
+    time): the registry reports it beside the plan (`plan --json`, `compare`)."""
+    return sound_bound(profile, hw, budget_bytes, time_limit_s=0.0).retention
+
+
 def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
          settings: OptimalSettings = OptimalSettings(), *, fallback: Callable):
     """The `optimal` planner: solve the MILP, repair what the static model still finds over,

@@ -21,6 +21,16 @@ own `min_cut_rematerialization_partition`:
   nodes itself (`saved_for_offloading`) and refuses only what the insertion cannot carry:
   views, non-contiguous tensors, model outputs and graph inputs (counted as `refused`).
 
+A CPU dropout run of the profile (`scaled_dot_product_attention`'s math path calls `at::dropout`
+from C++, traced as `empty_like`, `bernoulli_`, `div_`, `mul`) lines up with the graph's
+`native_dropout` (`graph_plan.graph_units`); where the plan recomputes its result and keeps its
+mask, a graph holding native_dropout as one random node (aot_eager; inductor with
+`fallback_random`) gets the result re-made as `input * mask * scale`, equal bit for bit in
+fp32, so backward can recompute it (inductor without it decomposes native_dropout itself).
+Views of an offloaded or recomputed result are re-derived in backward (tagged MUST_RECOMPUTE;
+`verify` counts them apart from recomputed ops). The partitioner's CSE runs first; rows that
+line up only before it (an op merged into an identical earlier one) are reported as merged.
+
 Ops that do not line up are left to the partitioner; how many line up is said once per graph
 on stderr. Nothing global changes: the backend is an `aot_autograd` backend or inductor with
 `options={"custom_partitioner_fn": ..., "fx_graph_cache": False}`, both scoped to this compiled
@@ -47,7 +57,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import InputError, SlackswapError
-from .graph_plan import block_name, block_rows, line_up, op_key
+from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
 
 TESTED_TORCH = ("2.13",)
 BACKENDS = ("inductor", "aot_eager")
@@ -75,8 +85,22 @@ class GraphReport:
     recomputed_ops: list[str] = field(default_factory=list)   # profile names re-run in bwd
     off_plan_recomputes: list[str] = field(default_factory=list)  # lined up, not a view,
     #                                not in the plan's chains, yet re-run in backward
-    unplanned_recomputes: int = 0  # views and ops that did not line up, re-run in backward
+    rederived_views: int = 0       # views re-derived in backward (of a recomputed, offloaded
+    #                                or saved value: no FLOPs, no memory of their own)
+    remade_constants: int = 0      # ops with no tensor input (scalar_tensor) re-run in backward
+    unplanned_recomputes: int = 0  # compute ops that did not line up, re-run in backward
+    merged_rows: list[int] = field(default_factory=list)  # graph_table rows that line up
+    #                                only before the partitioner's CSE merged them into an
+    #                                identical earlier op (Llama's second causal mask)
+    resized_roots: dict = field(default_factory=dict)  # root -> bytes the graph holds it in,
+    #                                where not the profile's (a bool dropout mask for float noise)
     refused_offloads: int = 0      # swapped roots the offload insertion cannot carry (kept)
+    unread_swaps: dict = field(default_factory=dict)  # root -> (op, bytes): swapped roots
+    #                                backward does not read (neither saved nor offloaded: a
+    #                                decomposed consumer, inductor's layer norm, reads another
+    #                                value), or a decomposition does not make as a value
+    decomposed_saves: list[str] = field(default_factory=list)  # ops (original_aten) whose
+    #                                decomposition made values saved that did not line up
     rows: list[int] = field(default_factory=list)   # graph_table rows that lined up
     saved_names: list[str] = field(default_factory=list)
     offloaded_names: list[str] = field(default_factory=list)
@@ -100,19 +124,24 @@ class PlanPartition:
         from torch._functorch import config as functorch_config
         from torch._functorch.compile_utils import fx_graph_cse
         from torch._functorch.partitioners import min_cut_rematerialization_partition
+        merged: set[int] = set()
         if functorch_config.cse:
             # the partitioner merges identical ops first (Llama's two causal masks): merged
-            # before lining up, a merged op counts as not lined up rather than silently lost
+            # before lining up; the rows that line up only before the merge are reported
+            before = _rows(self._match(_graph_ops(_split(gm)[0])))
             gm.graph = fx_graph_cse(gm.graph)
             gm.recompile()
         fwd_nodes, after_tangent = _split(gm)
         graph_ops = _graph_ops(fwd_nodes)
         matched = self._tag(gm, graph_ops, after_tangent)
+        if functorch_config.cse:
+            merged = before - _rows(matched)
         kwargs.setdefault("compiler", "inductor")
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         refused = _offload(fw, bw, kwargs["num_fwd_outputs"], _on_cuda(gm))
         report = _measure(fw, bw, kwargs["num_fwd_outputs"], graph_ops, matched, self.table)
         report.refused_offloads = refused
+        report.merged_rows = sorted(merged)
         self.reports.append(report)
         if not self.quiet:
             where = f" ({self.label})" if self.label else ""
@@ -123,50 +152,132 @@ class PlanPartition:
                   f"partitioner{extra}", file=sys.stderr)
         return fw, bw
 
-    def _tag(self, gm: fx.GraphModule, graph_ops: list[GraphOp],
-             after_tangent: set[fx.Node]) -> dict[GraphOp, int]:
-        """Line the graph's ops up with the rows and tag what lines up; op -> table row."""
-        from torch.utils.checkpoint import CheckpointPolicy
+    def _match(self, graph_ops: list[GraphOp]) -> dict[GraphOp, tuple[list, list[int]]]:
+        """Line the graph's ops up with the rows; op -> (the row it lined up with, the table
+        rows that row stands for: `graph_plan.graph_units`)."""
         keys = [op_key(g.target, g.results()) for g in graph_ops]
-        offloaded: set[int] = set()      # storages of offloaded and recomputed roots
         ops = self.table["ops"]
 
-        def attempt(start: int) -> dict[GraphOp, int]:
-            rows = self.rows[start:]
-            got = line_up(keys, [ops[r] for r in rows])
-            return {g: rows[k] for g, k in zip(graph_ops, got) if k is not None}
+        def attempt(start: int) -> dict[GraphOp, tuple[list, list[int]]]:
+            units = graph_units(ops, self.rows[start:])
+            got = line_up(keys, [u[0] for u in units])
+            return {g: units[k] for g, k in zip(graph_ops, got) if k is not None}
 
         matched = attempt(self.cursor)
         if self.cursor and len(matched) < 0.5 * len(graph_ops):
             matched = attempt(0)
-        if matched:
-            self.cursor = self.rows.index(max(matched.values())) + 1
-        for g, row in matched.items():
-            tags = ops[row][4]
-            holders = g.holders_for(ops[row][2])
-            if "recompute" in tags:
-                policy = CheckpointPolicy.MUST_RECOMPUTE
-            elif "save" in tags or "offload" in tags:
-                policy = CheckpointPolicy.MUST_SAVE
-            else:
-                continue
-            # a decomposition's inner nodes are left to the partitioner unless recomputed
-            inner = g.nodes if policy == CheckpointPolicy.MUST_RECOMPUTE or not g.decomposed else []
-            for n in [*inner, *[h for hs in holders for h in hs]]:
-                n.meta["recompute"] = policy
-            for tag, hs in zip(tags, holders):
-                for h in hs if tag in ("offload", "recompute") else ():
-                    h.meta["should_offload"] = tag == "offload"
-                    offloaded.add(_storage(h))
-        # the partitioner may save a view of a root instead of the root itself (free, as views
-        # are), and a view cannot be offloaded; a saved view of a recomputed root would keep
-        # its storage: views of an offloaded or recomputed root are re-derived in backward
-        for n in gm.graph.nodes:
-            if (n.op == "call_function" and n.target is not operator.getitem
-                    and "recompute" not in n.meta and _storage(n) in offloaded
-                    and n not in after_tangent):
-                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         return matched
+
+    def _tag(self, gm: fx.GraphModule, graph_ops: list[GraphOp],
+             after_tangent: set[fx.Node]) -> dict[GraphOp, tuple[list, list[int]]]:
+        """Line the graph's ops up (`_match`) and tag what lines up."""
+        matched = self._match(graph_ops)
+        if matched:
+            self.cursor = self.rows.index(max(_rows(matched))) + 1
+        moved: set[fx.Node] = set()      # offloaded and recomputed results
+        for g, (row, _) in matched.items():
+            moved |= _tag_op(g, row)
+        _tag_views(gm, moved, after_tangent)
+        return matched
+
+
+def _rows(matched: dict) -> set[int]:
+    """The table rows a line-up (`PlanPartition._match`) holds."""
+    return {r for _, members in matched.values() for r in members}
+
+
+def _tag_op(g: GraphOp, row: list) -> set[fx.Node]:
+    """Tag one lined-up op as the plan decides its results; returns the result nodes it
+    offloads or recomputes.
+
+    Every node of the op takes the op's policy (a decomposition's inner nodes only when it is
+    recomputed; otherwise they are left to the partitioner). One op whose results the plan
+    decides differently (`native_dropout` standing for a CPU dropout run: its result
+    recomputed, its mask kept) gets a policy per result. Inductor without `fallback_random`
+    decomposes native_dropout (the mask, then the products); otherwise it is one random node
+    that cannot re-run, so its result is re-made from the mask (`_dropout_from_mask`) to be recomputed; where it cannot be
+    (not fp32), the node is saved and its result left to the partitioner (which saves it)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    policy_of = {"recompute": CheckpointPolicy.MUST_RECOMPUTE,
+                 "save": CheckpointPolicy.MUST_SAVE, "offload": CheckpointPolicy.MUST_SAVE}
+    tags = row[4]
+    kept = any(t in ("save", "offload") for t in tags)
+    mixed = kept and "recompute" in tags
+    made = _dropout_from_mask(g) if mixed and not g.decomposed and tags[0] == "recompute" \
+        else None
+    if "recompute" in tags and not mixed:
+        policy = CheckpointPolicy.MUST_RECOMPUTE
+    elif kept:
+        policy = CheckpointPolicy.MUST_SAVE
+    else:
+        return set()
+    for n in g.nodes if policy == CheckpointPolicy.MUST_RECOMPUTE or not g.decomposed else ():
+        n.meta["recompute"] = policy
+    for n in made or ():
+        n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    g.nodes += made or []
+    moved: set[fx.Node] = set()
+    for tag, hs in zip(tags, g.holders_for(row[2])):
+        own = policy if not mixed else None if tag == "recompute" and not g.decomposed \
+            else policy_of.get(tag)
+        for h in hs if own is not None else ():
+            h.meta["recompute"] = own
+            if tag in ("offload", "recompute"):
+                h.meta["should_offload"] = tag == "offload"
+                moved.add(h)
+    return moved
+
+
+def _dropout_from_mask(g: GraphOp) -> list[fx.Node] | None:
+    """For one `native_dropout` node of fp32: its result re-made as `input * mask * scale`
+    (equal to native_dropout's bit for bit in fp32: the mask is 0 or 1), so that backward can
+    recompute it from the saved mask; returns the new nodes, or None where it does not apply."""
+    node = g.nodes[0]
+    if node.target is not torch.ops.aten.native_dropout.default or len(node.args) < 2:
+        return None
+    holders = _holders(node)
+    out, mask = (hs[0] if hs else None for hs in (holders + [[], []])[:2])
+    x, p = node.args[0], node.args[1]
+    if out is None or mask is None or out.meta["val"].dtype != torch.float32 \
+            or not isinstance(p, float) or not 0 < p < 1:
+        return None
+    graph = node.graph
+    with graph.inserting_after(mask):
+        masked = graph.call_function(torch.ops.aten.mul.Tensor, (x, mask))
+    with graph.inserting_after(masked):
+        result = graph.call_function(torch.ops.aten.mul.Tensor, (masked, 1.0 / (1.0 - p)))
+    for n in (masked, result):
+        n.meta["val"] = out.meta["val"]
+    out.replace_all_uses_with(result)
+    graph.erase_node(out)
+    return [masked, result]
+
+
+def _tag_views(gm: fx.GraphModule, moved: set[fx.Node], after_tangent: set[fx.Node]) -> None:
+    """Views of an offloaded or recomputed result are re-derived in backward: the partitioner
+    may save a view of a root instead of the root itself (free, as views are), but a view
+    cannot be offloaded and a saved view of a recomputed root would keep its storage.
+
+    A view is a node sharing such a result's storage, or a view op (by its schema) of one
+    (fake tensors do not always share the storage of a view of a view)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    storages = {_storage(n) for n in moved}
+    derived = set(moved)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem or n in after_tangent:
+            continue
+        base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if n in moved or not (_storage(n) in storages or (_is_view(n) and base in derived)):
+            continue
+        derived.add(n)
+        n.meta.setdefault("recompute", CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether `node` is a view op (its schema says its result aliases an input, unwritten)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 def _split(gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node]]:
@@ -268,8 +379,8 @@ def _outputs(node: fx.Node) -> list[tuple[tuple, str]]:
             return int(s)
         except (TypeError, ValueError):
             return str(s)
-    return [(tuple(dim(s) for s in v.shape), str(v.dtype).removeprefix("torch."))
-            for _, v in _tensor_vals(node)]
+    from ..trace.graph_profile import dtype_name
+    return [(tuple(dim(s) for s in v.shape), dtype_name(v.dtype)) for _, v in _tensor_vals(node)]
 
 
 def _holders(node: fx.Node) -> list[list[fx.Node]]:
@@ -329,22 +440,37 @@ def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda:
 
 def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table) -> GraphReport:
     """Read what the partitioned graphs save, offload and recompute."""
-    from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX
+    rep = GraphReport(graph_ops=len(graph_ops), lined_up_ops=len(matched),
+                      rows=sorted(_rows(matched)))
     primal = {v.untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
               if isinstance(v := n.meta.get("val"), torch.Tensor)}
-    _, saved = _saved(fw, num_fwd_outputs)
-    rep = GraphReport(graph_ops=len(graph_ops), lined_up_ops=len(matched),
-                      rows=sorted(matched.values()))
-    # views (results sharing an input's or an earlier result's storage): free to re-derive
+    # views (a view op, or results sharing an input's or an earlier result's storage, as
+    # split's do): free to re-derive
     views, owned = set(), set(primal)
     for n in (n for g in graph_ops for n in g.nodes):
         keys = {_storage(h) for hs in _holders(n) for h in hs} - {None}
-        if keys and keys <= owned:          # (split's results: all views of its input)
+        if _is_view(n) or (keys and keys <= owned):
             views.add(n)
         owned |= keys
     lined = {_storage(h) for g in matched if not (set(g.nodes) & views) for h in g.outputs()}
+    _measure_saved(rep, fw, num_fwd_outputs, primal, lined)
+    _measure_recomputes(rep, bw, graph_ops, matched, views, set(table["recompute_ops"]))
+    sizes = {int(k): v for k, v in table["root_bytes"].items()}
+    _measure_unread(rep, matched, sizes)
+    for g, (row, _) in matched.items():
+        for tag, root, hs in zip(row[4], row[6], g.holders_for(row[2])):
+            if tag in ("save", "offload") and root in sizes and hs and \
+                    (nbytes := hs[0].meta["val"].untyped_storage().nbytes()) != sizes[root]:
+                rep.resized_roots[root] = nbytes
+    return rep
+
+
+def _measure_saved(rep: GraphReport, fw, num_fwd_outputs: int, primal: set[int],
+                   lined: set[int]) -> None:
+    """Bytes the forward graph saves on the device and offloads (storages once)."""
+    from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX
     seen: set[int] = set()
-    for n in saved:
+    for n in _saved(fw, num_fwd_outputs)[1]:
         v = n.meta["val"]
         offloaded = n.name.startswith(CPU_OFFLOAD_PREFIX)
         key = id(n) if offloaded else v.untyped_storage()._cdata
@@ -360,25 +486,51 @@ def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table) -> GraphReport:
             rep.saved_names.append(n.name)
             if key not in lined:
                 rep.saved_bytes_not_lined_up += nbytes
+                src = n.args[0] if n.target is operator.getitem else n
+                orig = src.meta.get("original_aten")
+                if orig is not None and str(orig) != str(src.target) \
+                        and str(orig) not in rep.decomposed_saves:
+                    rep.decomposed_saves.append(str(orig))
+
+
+def _measure_unread(rep: GraphReport, matched, sizes: dict) -> None:
+    """The swapped roots of lined-up ops that the partitioned forward neither saves nor
+    offloads (backward does not read them), and those a decomposition makes no value for."""
+    held = set(rep.saved_names) | set(rep.offloaded_names)
+    for g, (row, _) in matched.items():
+        for tag, root, hs in zip(row[4], row[6], g.holders_for(row[2])):
+            if tag != "offload" or root not in sizes:
+                continue
+            if not hs and g.decomposed:
+                rep.unread_swaps[root] = (row[0], sizes[root])
+            elif hs and not {h.name for h in hs} & held:
+                rep.unread_swaps[root] = (row[0], hs[0].meta["val"].untyped_storage().nbytes())
+
+
+def _measure_recomputes(rep: GraphReport, bw, graph_ops, matched, views: set[fx.Node],
+                        planned: set[str]) -> None:
+    """Sort the forward ops the backward graph re-runs: ops of the plan's chains, views
+    re-derived, constants re-made (no input: free), lined-up compute ops off the plan, and
+    compute ops that did not line up."""
     op_of = {n.name: g for g in graph_ops for n in g.nodes}
-    ops = table["ops"]
-    planned = set(table["recompute_ops"])
     for n in bw.graph.nodes:
         g = op_of.get(n.name) if n.op == "call_function" else None
         if g is None:
             continue
-        row = matched.get(g)
-        name = ops[row][0] if row is not None else None
+        row = matched[g][0] if g in matched else None
+        name = row[0] if row is not None else None
         if name in planned:
             if name not in rep.recomputed_ops:
                 rep.recomputed_ops.append(name)
-        elif row is not None and not set(g.nodes) & views and \
-                (not g.decomposed or n.name == g.outputs()[0].name):
+        elif set(g.nodes) & views:
+            rep.rederived_views += 1
+        elif not n.all_input_nodes:       # a constant (scalar_tensor, arange): no inputs
+            rep.remade_constants += 1
+        elif row is not None and (not g.decomposed or n.name == g.outputs()[0].name):
             if name not in rep.off_plan_recomputes:
                 rep.off_plan_recomputes.append(name)
         else:
             rep.unplanned_recomputes += 1
-    return rep
 
 
 def _inductor_partitioner(partition: PlanPartition):
@@ -493,8 +645,14 @@ def totals(partitions: list[PlanPartition]) -> dict:
         "offloaded_bytes": sum(r.offloaded_bytes for r in reps),
         "recomputed_ops": sum(len(r.recomputed_ops) for r in reps),
         "off_plan_recomputes": sorted({o for r in reps for o in r.off_plan_recomputes}),
+        "rederived_views": sum(r.rederived_views for r in reps),
+        "remade_constants": sum(r.remade_constants for r in reps),
         "unplanned_recomputes": sum(r.unplanned_recomputes for r in reps),
+        "resized_roots": {k: v for r in reps for k, v in r.resized_roots.items()},
+        "merged_rows": sorted({row for r in reps for row in r.merged_rows}),
         "refused_offloads": sum(r.refused_offloads for r in reps),
+        "unread_swaps": {k: v for r in reps for k, v in r.unread_swaps.items()},
+        "decomposed_saves": sorted({o for r in reps for o in r.decomposed_saves}),
     }
 
 

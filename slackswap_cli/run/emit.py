@@ -23,10 +23,10 @@ import pprint
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, require_file
 from ..trace.retrace import joint_fingerprint, trace_fake, trace_matching, trace_options
 from ..workload_spec import resolve_workload_path
-from ..schema import Plan, Profile
+from ..schema import Action, Plan, Profile
 
 GENERATOR_VERSION = 1
 
@@ -90,21 +90,30 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     `trace_fingerprint`: the profile fingerprint of a fake trace of the workload, which
     `step_module(model, check_trace=True)` compares a fake trace of the user's model against.
     """
-    import torch.utils._pytree as pytree
-
-    from ..chains import runtime_table
-    from .graph_plan import graph_table
     from .step_code import partition, source_lines
 
     params = dict(work.model.named_parameters())
-    buffers = dict(work.model.named_buffers())
-    ref = next(iter(params.values()))
-    device_type = ref.device.type
+    device_type = next(iter(params.values())).device.type
     step = partition(joint.gm, joint.phase, profile, plan, device_type)
+    meta = _meta(joint, work, profile, plan, step, device_type, workload_ref, trace_fingerprint)
+    body = _BODY.format(fwd_args=", ".join(["_s", "_device", *step.forward_args]),
+                        bwd_args=", ".join(["_s", "_device", *step.forward_args, step.tangent]),
+                        forward=source_lines(step.forward), backward=source_lines(step.backward))
+    return _header(joint, profile, plan, step, workload_ref, meta) + body
+
+
+def _meta(joint, work, profile: Profile, plan: Plan, step, device_type: str,
+          workload_ref: dict, trace_fingerprint: str | None) -> dict[str, Any]:
+    """The emitted file's META: what `patch`, `step_module` and `verify` need to know."""
+    import torch.utils._pytree as pytree
+
+    params = dict(work.model.named_parameters())
+    buffers = dict(work.model.named_buffers())
     tensors = [n.meta.get("val") for n in joint.placeholders()]
     n_p, n_b = len(joint.param_names), len(joint.buffer_names)
     input_vals = tensors[n_p + n_b:-1]
-    meta: dict[str, Any] = {
+    actions = plan.actions()
+    return {
         "generator_version": GENERATOR_VERSION,
         "profile_fingerprint": profile.fingerprint,
         "trace_fingerprint": trace_fingerprint,
@@ -129,13 +138,34 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
                       "ideal_us": plan.predicted.ideal_us, "retention": plan.predicted.retention},
         # the plan's decisions, by tensor name (saved activation roots)
         **{key: [t.name for t in profile.saved_activations
-                 if plan.actions().get(t.id, "keep") == action]
-           for key, action in (("kept", "keep"), ("swapped", "swap"),
-                               ("recomputed", "recompute"))},
+                 if actions.get(t.id, Action.KEEP) == action]
+           for key, action in (("kept", Action.KEEP), ("swapped", Action.SWAP),
+                               ("recomputed", Action.RECOMPUTE))},
         "recomputed_ops_in_backward": step.recomputed_ops,
     }
-    fwd_args = ", ".join(["_s", "_device", *step.forward_args])
-    bwd_args = ", ".join(["_s", "_device", *step.forward_args, step.tangent])
+
+
+def _notes(joint, plan: Plan) -> str:
+    """The header's NOTE lines: a plan that does not fit, values baked into the file."""
+    notes = ("" if plan.feasible else
+             "\nNOTE: the simulator found that this plan does not fit its budget.")
+    baked = [str(n.target) for n in joint.gm.graph.nodes if n.op == "get_attr"
+             and getattr(getattr(joint.gm, str(n.target), None), "numel", lambda: 0)() > 0]
+    if baked:
+        notes += ("\nNOTE: the step reads tensors the workload made outside its inputs (say "
+                  "labels a loss_fn\ncloses over); their traced values are written into this "
+                  "file. Pass them as inputs\nto train on other data.")
+    return notes
+
+
+def _header(joint, profile: Profile, plan: Plan, step, workload_ref: dict, meta: dict) -> str:
+    """The emitted file up to its functions: docstring, imports, META, the plan's tables and
+    the placeholder names."""
+    from ..chains import runtime_table
+    from ..trace.aten import is_inplace_target
+    from .graph_plan import graph_table
+
+    n_p, n_b = len(joint.param_names), len(joint.buffer_names)
     names = {"params": joint.param_names, "buffers": joint.buffer_names}
     ph = step.forward_args
     mapping = [f"#   {ph[i]:<16} parameter {names['params'][i]}" for i in range(n_p)]
@@ -143,22 +173,14 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     mapping += [f"#   {ph[n_p + n_b + i]:<16} input {i}" for i in range(len(ph) - n_p - n_b)]
     frac = f" ({plan.budget_fraction:g} of the keep-all peak)" if plan.budget_fraction else ""
     n_saved = len(profile.saved_activations)
-    actions = plan.actions()
-    counts = {a: sum(1 for t in profile.saved_activations if actions.get(t.id, "keep") == a)
-              for a in ("keep", "swap", "recompute")}
-    infeasible = ("" if plan.feasible else
-                  "\nNOTE: the simulator found that this plan does not fit its budget.")
-    baked = [str(n.target) for n in joint.gm.graph.nodes if n.op == "get_attr"
-             and getattr(getattr(joint.gm, str(n.target), None), "numel", lambda: 0)() > 0]
-    if baked:
-        infeasible += ("\nNOTE: the step reads tensors the workload made outside its inputs (say "
-                       "labels a loss_fn\ncloses over); their traced values are written into this "
-                       "file. Pass them as inputs\nto train on other data.")
-    header = f'''\
+    counts = plan.action_counts(profile)
+    infeasible = _notes(joint, plan)
+    table = runtime_table(profile, plan.decisions, is_inplace_target)
+    return f'''\
 """Patched training step of workload '{workload_ref["name"]}', written by `slackswap apply`.
 
 Plan: planner {plan.planner}, activation budget {plan.budget_bytes} bytes{frac}; of {n_saved} saved
-activations it keeps {counts["keep"]}, swaps {counts["swap"]} to host memory and recomputes {counts["recompute"]}.
+activations it keeps {counts[Action.KEEP]}, swaps {counts[Action.SWAP]} to host memory and recomputes {counts[Action.RECOMPUTE]}.
 Predicted: peak {plan.predicted.peak_bytes} bytes, step {plan.predicted.step_us:.1f} us (ideal {plan.predicted.ideal_us:.1f} us).{infeasible}
 
 Use it in training, compiled (GPU users, the fast path):
@@ -192,7 +214,7 @@ META = {pprint.pformat(meta, width=100, sort_dicts=False)}
 
 # The plan as `patch` carries it out (see slackswap_cli/run/inplace.py): the forward ops it
 # aligns the model's with, each saved root's action, and the recompute chains (the simulator's).
-TABLE = {pprint.pformat(runtime_table(profile, plan.decisions), width=100, compact=True)}
+TABLE = {pprint.pformat(table, width=100, compact=True)}
 
 # The plan per forward op, for the graph runtimes (slackswap_cli/run/graph_plan.py):
 # compile_planned and sac_policy line the ops they see up with these rows.
@@ -201,16 +223,20 @@ GRAPH_TABLE = {pprint.pformat(graph_table(profile, plan), width=100, compact=Tru
 # Placeholders:
 {chr(10).join(mapping)}
 '''
-    body = f'''
+
+
+# The emitted file's functions ({fwd_args}, {bwd_args}: the step's arguments; {forward},
+# {backward}: the two steps' code).
+_BODY = '''
 
 def forward_step({fwd_args}):
     """Forward and loss; keeps, offloads or drops each saved activation as the plan says."""
-{source_lines(step.forward)}
+{forward}
 
 
 def backward_step({bwd_args}):
     """Backward; takes kept tensors, waits for swapped ones, recomputes the rest before use."""
-{source_lines(step.backward)}
+{backward}
 
 
 def patch(model, strict=False):
@@ -266,18 +292,13 @@ def step_module(model, check_trace=True):
     """
     return rt.PatchedStep(model, META, forward_step, backward_step, check_trace=check_trace)
 '''
-    return header + body
 
 
 def load_patched(path: str):
     """Import a patched module file (a fresh module object each call)."""
     import importlib.util
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"patched module {p} does not exist", hint="write one with `slackswap apply`")
-    if p.is_dir():
-        raise InputError(f"{p} is a directory, not a patched module",
-                         hint="pass the .py file `slackswap apply -o` wrote")
+    p = require_file(path, "patched module", hint="write one with `slackswap apply`",
+                     dir_hint="pass the .py file `slackswap apply -o` wrote")
     # look before importing: executing a file that is not ours (a training script passed by
     # mistake) would run its top-level code
     try:

@@ -18,13 +18,21 @@ dtypes), and carry out the plan only where an op lines up.
   root, a temporary, a root backward does not read: left to torch); `roots[i]` the saved root
   whose decision result i carries (itself, or the root an in-place op writes), or None;
 - `kept_bytes`, `swapped_bytes`: bytes of the saved roots kept and swapped; `root_bytes`:
-  root id -> bytes, for the kept and swapped roots;
+  root id -> bytes, for the kept and swapped roots; `swapped_roots`: the swapped ones' ids;
   `recompute_ops`: names of the forward ops the plan's chains re-run;
 - `container`: the module path of the repeated blocks (`layers.layer_container`), if any.
 
 `line_up(seen, ops)`: for each key seen (`op_key`), the index of the profile op it lines up
 with, or None; a longest matching of the two key sequences in order (difflib), so an op
 missing on either side (a decomposed op, a wrapper's own op) shifts nothing after it.
+
+`graph_units(ops, rows)`: the rows as a captured graph holds them. A profile traces dropout
+that C++ code calls (`scaled_dot_product_attention`'s math path calls `at::dropout`) as the CPU
+kernel runs it: `empty_like`, `bernoulli_`, `div_` (the scaled noise, a float tensor) and `mul`;
+AOTAutograd decomposes `aten.dropout` into `native_dropout` (the result and a bool mask) on
+every device. Such a run of four rows is one unit, lined up with `native_dropout`: its result
+carries `mul`'s decision, its mask the noise's (a bool mask, a quarter of the float noise's
+bytes in fp32: `verify --compile` counts such a root at the size the graph holds it).
 """
 from __future__ import annotations
 
@@ -33,13 +41,14 @@ import difflib
 from ..chains import runtime_table
 from ..layers import layer_container
 from ..schema import Plan, Profile
+from ..trace.aten import is_inplace_target
 
 ACTION_TAG = {"keep": "save", "swap": "offload", "recompute": "recompute"}
 
 
 def graph_table(profile: Profile, plan: Plan) -> dict:
     """The plan per forward op (see the module docstring)."""
-    rt = runtime_table(profile, plan.decisions)
+    rt = runtime_table(profile, plan.decisions, is_inplace_target)
     nf = rt["n_forward"]
     chain_ops = sorted({p for ops in rt["chains"].values() for p in ops})
     actions = plan.actions()
@@ -58,6 +67,7 @@ def graph_table(profile: Profile, plan: Plan) -> dict:
     return {
         "ops": ops,
         "root_bytes": {t: size[t] for t, a in saved_roots.items() if a in ("keep", "swap")},
+        "swapped_roots": sorted(t for t, a in saved_roots.items() if a == "swap"),
         "kept_bytes": sum(size[t] for t, a in saved_roots.items() if a == "keep"),
         "swapped_bytes": sum(size[t] for t, a in saved_roots.items() if a == "swap"),
         "recompute_ops": [profile.ops[p].name for p in chain_ops],
@@ -73,6 +83,11 @@ FUNCTIONAL_TWINS = {"aten._native_batch_norm_legit_functional.default":
                     "aten.native_batch_norm.default"}
 
 
+# C++ `at::matmul` folds batch dimensions with `_unsafe_view`, its Python decomposition (which
+# AOTAutograd runs) with `view`: the same free view.
+FREE_VIEW_TWINS = {"aten._unsafe_view.default": "aten.view.default"}
+
+
 def _decided(profile: Profile, op, t: int) -> int:
     """The tensor whose decision result `t` of `op` carries in a functional graph: itself, or
     for an in-place op (`relu_`) the root it writes, whose new value the functional twin
@@ -86,6 +101,7 @@ def op_key(target: str, outputs) -> tuple:
     """What two ops must share to line up: the op (its functional form) and its first result's
     shape and dtype."""
     name = FUNCTIONAL_TWINS.get(str(target), str(target))
+    name = FREE_VIEW_TWINS.get(name, name)
     parts = name.split(".")
     if len(parts) == 3 and parts[1].endswith("_") and not parts[1].endswith("__"):
         parts[1] = parts[1][:-1]           # in place -> out of place
@@ -127,3 +143,38 @@ def block_name(table: dict, index: int) -> str:
         raise InputError(f"block {index} ({name}) runs no profiled op",
                          hint=f"blocks are the numbered children of `{container}`")
     return name
+
+
+CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar",
+               "aten.mul.Tensor")
+
+
+def graph_units(ops: list[list], rows: list[int]) -> list[tuple[list, list[int]]]:
+    """`rows` (indices into `ops`) as (row, the rows it stands for): each row itself, or a CPU
+    dropout run folded into one `native_dropout` row (see the module docstring)."""
+    units, k = [], 0
+    while k < len(rows):
+        run = rows[k:k + 4]
+        if _cpu_dropout(ops, run):
+            empty, mul = ops[run[0]], ops[run[3]]
+            mask = [empty[2][0][0], "bool"]
+            units.append(([mul[0], "aten.native_dropout.default", [mul[2][0], mask], mul[3],
+                           [mul[4][0], empty[4][0]], mul[5], [mul[6][0], empty[6][0]]], run))
+            k += 4
+        else:
+            units.append((ops[rows[k]], [rows[k]]))
+            k += 1
+    return units
+
+
+def _cpu_dropout(ops: list[list], run: list[int]) -> bool:
+    """Whether rows `run` are `at::dropout` as the CPU runs it: consecutive, the four ops of
+    CPU_DROPOUT on one shape, `bernoulli_` and `div_` writing `empty_like`'s noise."""
+    if len(run) != 4 or run[3] - run[0] != 3:
+        return False
+    rows = [ops[r] for r in run]
+    if tuple(r[1] for r in rows) != CPU_DROPOUT or any(len(r[2]) != 1 for r in rows):
+        return False
+    shape = rows[0][2][0][0]
+    return (all(r[2][0][0] == shape for r in rows)
+            and rows[1][6][0] == rows[2][6][0] == rows[0][6][0])

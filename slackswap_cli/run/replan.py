@@ -29,9 +29,11 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
     """(table, a line saying what was planned) for `model` called with `args`/`kwargs`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..budget import fraction_bytes
     from ..chains import runtime_table
     from ..hardware import HardwareSpec
-    from ..planners import make_plan
+    from ..planners import DEFAULT_PLANNER, make_plan, quick_planner
+    from ..trace.aten import is_inplace_target
     from ..trace.graph_profile import joint_to_profile
     from ..trace.joint import capture_joint
 
@@ -63,17 +65,16 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
                             env=env, hardware=hw, time_source="roofline")
     peak = prof.summary["peak_activation_bytes"]
     fraction = meta.get("budget_fraction")
-    budget = int(fraction * peak) if fraction else int(meta["budget_bytes"])
-    planner = meta.get("planner") or "slackswap"
-    if planner == "optimal":         # a MILP takes a minute: not inside a training step
-        planner = "slackswap"
+    budget = fraction_bytes(fraction, peak) if fraction else int(meta["budget_bytes"])
+    # a slow planner (a MILP takes a minute) is not run inside a training step
+    planner = quick_planner(meta.get("planner") or DEFAULT_PLANNER)
     plan = make_plan(planner, prof, hw, budget, fraction)
     what = (f"{planner} at {fraction:g} of the keep-all peak" if fraction
             else f"{planner} at {budget} bytes")
     what += f", predicted retention {plan.predicted.retention:.1%}"
     if not plan.feasible:
         what += ", no plan fits: the closest one runs"
-    return runtime_table(prof, plan.decisions), what
+    return runtime_table(prof, plan.decisions, is_inplace_target), what
 
 
 def _fake_copy(model: torch.nn.Module, mode) -> torch.nn.Module:

@@ -41,7 +41,8 @@ import torch.fx as fx
 from ..chains import Layout, action_codes, lay_out
 from ..chains import tables as chain_tables
 from ..errors import InputError
-from ..trace.aten import aliases_input, returns_view, written_positions
+from ..trace.aten import is_inplace as aten_is_inplace
+from ..trace.aten import returns_view, written_positions
 from ..schema import Action, Plan, Profile
 
 RESERVED = {"torch", "aten", "rt", "_s", "_device", "None", "float"}
@@ -143,8 +144,8 @@ def written_args(node: fx.Node) -> list[int]:
 
 def is_inplace(node: fx.Node) -> bool:
     """An op whose result is its first argument, written in place (`relu_`, `bernoulli_`)."""
-    return (isinstance(node.target, torch._ops.OpOverload) and 0 in written_args(node)
-            and aliases_input(node.target))
+    return (isinstance(node.target, torch._ops.OpOverload) and bool(node.args)
+            and aten_is_inplace(node.target))
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,9 +222,35 @@ def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan:
     forward = [n for n in g.nodes if g.is_forward(n)]
     backward = [n for n in g.nodes if n.op in ("call_function", "get_attr")
                 and not g.is_forward(n)]
-    fwd_set = {n.name for n in forward}
+    kept, swap_roots = _saved_values(g, forward, backward, grad_nodes)
+    fstmts = _forward_stmts(g, forward, kept, swap_roots, loss_node, device_type)
+    lay = _layout(profile, plan)
+    em = _BackwardEmitter(g, lay, kept, swap_roots, device_type,
+                          persistent={p.name for p in placeholders})
+    grads = _backward_stmts(em, g, plan, lay, backward, grad_nodes, swap_roots, device_type)
+    bstmts = em.stmts
+    # a kept root whose views backward takes instead (and that no chain re-derives from) is
+    # not stored at all: the store would hold it to the end of the step
+    unused = set(kept) - em.taken
+    fstmts = [st for st in fstmts if not (st.code.startswith("_s.keep(")
+                                          and st.uses and st.uses[0] in unused)]
+    kept = {k: v for k, v in kept.items() if k not in unused}
 
-    # forward values backward reads (the saved values), and what the returned grads need
+    args = [p.name for p in placeholders[:-1]]
+    _insert_frees(fstmts, keep=set(args))
+    _insert_frees(bstmts, keep=set(args) | {tangent})
+    return StepCode(forward=fstmts, backward=bstmts, forward_args=args, tangent=tangent,
+                    loss=loss_node.name, grads=grads, kept=sorted(kept),
+                    swapped=sorted(swap_roots), recomputed=sorted(em.recomputed_roots),
+                    recomputed_ops=em.rerun_ops)
+
+
+def _saved_values(g: _Graph, forward: list[fx.Node], backward: list[fx.Node],
+                  grad_nodes) -> tuple[dict[str, fx.Node], dict[str, fx.Node]]:
+    """The forward values backward reads (and the returned grads need), by how backward gets
+    them: (kept: taken from the store, swapped roots: root name -> root node); the rest is
+    recomputed. Refuses a plan that recomputes what cannot be recomputed."""
+    fwd_set = {n.name for n in forward}
     bneed: dict[str, fx.Node] = {}
     for b in backward:
         for a in b.all_input_nodes:
@@ -232,8 +259,6 @@ def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan:
     for gnode in grad_nodes:
         if isinstance(gnode, fx.Node) and gnode.name in fwd_set:
             bneed.setdefault(gnode.name, gnode)
-
-    # decide, for each saved value, how backward gets it
     kept: dict[str, fx.Node] = {}            # taken from the store
     swap_roots: dict[str, fx.Node] = {}      # root name -> root node
     for name, n in bneed.items():
@@ -249,14 +274,20 @@ def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan:
             kept[name] = n
             if act == Action.KEEP and root is not None and root.name in fwd_set:
                 kept[root.name] = root  # views of a kept root re-derive from it (same storage)
+    tensors = g.profile.tensors
     for tid, act in g.action.items():
-        if act == Action.RECOMPUTE and not profile.tensors[tid].recomputable:
-            raise PlanApplyError(f"the plan recomputes {profile.tensors[tid].name}, which is not "
+        if act == Action.RECOMPUTE and not tensors[tid].recomputable:
+            raise PlanApplyError(f"the plan recomputes {tensors[tid].name}, which is not "
                                  "recomputable (a random op's result or mutated in place)",
                                  hint="re-run `slackswap plan`; planners never recompute these")
+    return kept, swap_roots
 
-    # -- forward ---------------------------------------------------------------------------
-    # a swapped root is copied out after the last op that writes into its storage
+
+def _forward_stmts(g: _Graph, forward: list[fx.Node], kept: dict[str, fx.Node],
+                   swap_roots: dict[str, fx.Node], loss_node: fx.Node,
+                   device_type: str) -> list[Stmt]:
+    """The forward step: every forward op, a swapped root's offload after the last op that
+    writes into its storage, a kept value's `keep`, and the loss returned."""
     copy_after: dict[str, list[str]] = {}
     for rname, root in swap_roots.items():
         last = root
@@ -275,13 +306,17 @@ def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan:
         if n.name in kept:
             fstmts.append(Stmt(f"_s.keep({n.name!r}, {n.name})", uses=(n.name,)))
     fstmts.append(Stmt(f"return {loss_node.name}", uses=(loss_node.name,)))
+    return fstmts
 
-    # -- backward --------------------------------------------------------------------------
-    lay = _layout(profile, plan)
-    em = _BackwardEmitter(g, lay, kept, swap_roots, device_type,
-                          persistent={p.name for p in placeholders})
+
+def _backward_stmts(em: _BackwardEmitter, g: _Graph, plan: Plan, lay: Layout,
+                    backward: list[fx.Node], grad_nodes, swap_roots: dict[str, fx.Node],
+                    device_type: str) -> list[str | None]:
+    """Emit the backward step into `em.stmts`: prefetches at the plan's points, each op's
+    recompute chain before it, its inputs materialised, the gradients returned. Returns the
+    returned gradients' names (None for no gradient)."""
     prefetch_at = _prefetch_points(g, plan, swap_roots, backward, lay)
-    chains = lay.chains(profile.n_forward)
+    chains = lay.chains(g.profile.n_forward)
     for b in backward:
         for rname in prefetch_at.get(b.name, []):
             em.stmts.append(Stmt(f"_s.prefetch({rname!r})", comment="swap: copy back ahead of use"))
@@ -299,23 +334,9 @@ def partition(gm: fx.GraphModule, phase: dict[str, str], profile: Profile, plan:
             grads.append(gnode.name)
         else:
             grads.append(None)
-    bstmts = em.stmts
-    bstmts.append(Stmt("return [" + ", ".join(x or "None" for x in grads) + "]",
-                       uses=tuple(x for x in grads if x)))
-    # a kept root whose views backward takes instead (and that no chain re-derives from) is
-    # not stored at all: the store would hold it to the end of the step
-    unused = set(kept) - em.taken
-    fstmts = [st for st in fstmts if not (st.code.startswith("_s.keep(")
-                                          and st.uses and st.uses[0] in unused)]
-    kept = {k: v for k, v in kept.items() if k not in unused}
-
-    args = [p.name for p in placeholders[:-1]]
-    _insert_frees(fstmts, keep=set(args))
-    _insert_frees(bstmts, keep=set(args) | {tangent})
-    return StepCode(forward=fstmts, backward=bstmts, forward_args=args, tangent=tangent,
-                    loss=loss_node.name, grads=grads, kept=sorted(kept),
-                    swapped=sorted(swap_roots), recomputed=sorted(em.recomputed_roots),
-                    recomputed_ops=em.rerun_ops)
+    em.stmts.append(Stmt("return [" + ", ".join(x or "None" for x in grads) + "]",
+                         uses=tuple(x for x in grads if x)))
+    return grads
 
 
 def _is_view(n: fx.Node) -> bool:

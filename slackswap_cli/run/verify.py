@@ -35,7 +35,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..budget import keep_all_of
 from ..errors import FingerprintMismatch, InputError, ModelChanged
+from ..schema import Action
 from ..units import fmt_bytes
 
 MEMORY_TOLERANCE = 0.05
@@ -157,7 +159,7 @@ def predicted_timeline(profile, plan, hw, budget_bytes, *, issue_at_schedule: bo
     if issue_at_schedule:
         issue = {e.tensor: e.issue_op for e in plan.schedule if e.kind == "prefetch"}
         decisions = [Decision(d.tensor, d.action, issue.get(d.tensor, d.prefetch_at))
-                     if d.action == "swap" else d for d in decisions]
+                     if d.action == Action.SWAP else d for d in decisions]
     res = simulate(prof, decisions, hw, budget_bytes, record=True)
     mem = res.memory
     out = []
@@ -377,9 +379,6 @@ def saved_bytes_original(model, inputs, run_step, exclude) -> tuple[object, int]
     return out, sum(seen.values())
 
 
-_DTYPE_BYTES = {"torch.float64": 8, "torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}
-
-
 def _available_bytes(device: str) -> int | None:
     """Free memory where the step will run: the GPU's free bytes, or the host's MemAvailable."""
     import torch
@@ -404,21 +403,23 @@ def check_fits(meta: dict, device: str) -> None:
     allocator come on top), so only a verify that cannot possibly fit is refused.
     """
     import math
-    param_bytes = sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
+
+    from ..profile_build import DTYPE_BYTES
+    from ..trace.graph_profile import dtype_name
+    param_bytes = sum(math.prod(shape) * DTYPE_BYTES.get(dtype_name(dtype), 4)
                       for _, shape, dtype in meta.get("params", ()))
     budget = int(meta.get("budget_bytes") or 0)
     fraction = meta.get("budget_fraction")
     peak = int((meta.get("predicted") or {}).get("peak_bytes") or 0)
-    keep_all = meta.get("keep_all_peak_bytes") or (budget / fraction if fraction
+    keep_all = meta.get("keep_all_peak_bytes") or (keep_all_of(budget, fraction) if fraction
                                                    else max(budget, peak))
     need = int(4 * param_bytes + keep_all)
     free = _available_bytes(device)
     if free is not None and need > free:
-        gib = 2 ** 30
         raise InputError(
-            f"verify needs at least {need / gib:.1f} GiB on {device} (the model twice with its "
-            f"gradients, {4 * param_bytes / gib:.1f} GiB, and one step keeping every "
-            f"activation, {keep_all / gib:.1f} GiB), but only {free / gib:.1f} GiB is free",
+            f"verify needs at least {fmt_bytes(need)} on {device} (the model twice with its "
+            f"gradients, {fmt_bytes(4 * param_bytes)}, and one step keeping every "
+            f"activation, {fmt_bytes(keep_all)}), but only {fmt_bytes(free)} is free",
             hint="verify runs the real model: check a smaller configuration here (profile, plan "
                  "and apply it with smaller --arg values), or run verify on a machine that "
                  "holds the full one")
@@ -471,10 +472,10 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
             "ops_lined_up": len(run.rec_of_op), "profile_forward_ops": len(run.table["ops"]),
             "ops_rerun": run.rerun_ops, "roots_swapped": len(run.metas),
             "held_bytes_after_forward": held,
-            "planned_recomputes": sum(1 for a in action.values() if a == "recompute"),
+            "planned_recomputes": sum(1 for a in action.values() if a == Action.RECOMPUTE),
             "recomputes_kept": sum(1 for r, a in action.items()
-                                   if a == "recompute" and run.usable.get(r) is False),
-            "planned_swaps": sum(1 for a in action.values() if a == "swap"),
+                                   if a == Action.RECOMPUTE and run.usable.get(r) is False),
+            "planned_swaps": sum(1 for a in action.values() if a == Action.SWAP),
             "reasons": reasons}
 
 
@@ -867,7 +868,7 @@ def _report(s: _Pair, c: _Compared, ms: MeasuredStep, tl: _Timeline, plan, profi
     fraction = meta.get("budget_fraction")
     keep_all = (profile.keep_all_peak_bytes if profile is not None
                 else int(meta.get("keep_all_peak_bytes") or 0)
-                or (int(round(budget / fraction)) if fraction else 0))
+                or (keep_all_of(budget, fraction) if fraction else 0))
     metric = ("cuda max_memory_allocated above the step's start, gradients subtracted" if s.cuda
               else "bytes held for backward at the end of forward (cpu)")
     return VerifyReport(

@@ -100,14 +100,8 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     `progress(line)` receives status lines (for stderr). `on_load(work)` is called with the
     loaded `Workload` before tracing (`fit` reads the parameters there; it may raise).
     """
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .graph_profile import joint_to_profile
-    from .joint import capture_joint
-    from .workload import _load, workload_name
-
-    from .joint import autocast_name
+    from .joint import autocast_name, capture_joint
+    from .workload import workload_name
 
     say = progress or (lambda _line: None)
     device, target = split_device(device)
@@ -118,18 +112,7 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
         raise InputError("--device fake needs a hardware preset for roofline costs",
                          hint="pass --hardware a100-pcie4 (or another preset)")
     t0 = time.perf_counter()
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if device == "fake" else None
-    call = ", ".join(f"{k}={v!r}" for k, v in (args or {}).items())
-    say(f"loading {path}: {entry}({call})")
-    try:
-        work, module = _load(path, entry, args, fake_mode=fake_mode,
-                             device=None if device == "fake" else device)
-    except torch.OutOfMemoryError as exc:
-        raise _does_not_fit(device, exc) from None
-    if autocast and work.autocast and autocast != work.autocast:
-        raise InputError(f"--autocast {autocast}, but the workload asks for autocast "
-                         f"{work.autocast}", hint="give one of them, or make them agree")
-    autocast = autocast or work.autocast
+    work, module, autocast = _load_workload(path, entry, args, device, autocast, say)
     if on_load is not None:
         on_load(work)
     say("tracing forward + loss + backward" + (f" under autocast {autocast}" if autocast else ""))
@@ -149,34 +132,78 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     if autocast:
         header["autocast"] = autocast
     if device == "fake":
-        env = {"torch_version": torch.__version__, "device": "fake",
-               "device_name": "FakeTensorMode (nothing allocated)",
-               "hardware": hardware.to_dict(), "target_device": target}
-        if autocast:
-            env["autocast_device_type"] = _ref_device(work.model)
-        prof = joint_to_profile(joint, workload=header, env=env, hardware=hardware,
-                                time_source="roofline", progress=say)
+        prof = _fake_profile(joint, work, header, hardware, target, autocast, say)
     else:
-        from .measure import measure_joint
-        dev = torch.device(device)
-        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
-        env = {"torch_version": torch.__version__, "device": device, "device_name": name,
-               "hardware": None, "target_device": target}
-        if autocast:
-            env["autocast_device_type"] = _ref_device(work.model)
-        try:
-            m = measure_joint(joint, work.model, work.inputs, device=dev, progress=say)
-        except torch.OutOfMemoryError as exc:
-            raise _does_not_fit(device, exc) from None
-        extra = {"measured_step_us": m["measured_step_us"], "op_sum_us": m["op_sum_us"],
-                 "measure_warmup": m["warmup"], "measure_repeats": m["repeats"]}
-        prof = joint_to_profile(joint, workload=header, env=env, op_times_us=m["op_times_us"],
-                                time_source="measured", storage_keys=m["storage_keys"],
-                                storage_sizes=m["storage_sizes"],
-                                summary_extra=extra, progress=say)
+        prof = _measured_profile(joint, work, header, device, target, autocast, say)
     prof.summary["profile_s"] = round(time.perf_counter() - t0, 3)
     say(f"profiled {prof.summary['n_ops']} ops in {prof.summary['profile_s']:.1f} s")
     return prof
+
+
+def _load_workload(path, entry: str, args: dict | None, device: str, autocast: str | None,
+                   say: Callable[[str], None]):
+    """(work, its module, the autocast to trace under): the workload built on `device`
+    (under FakeTensorMode for `fake`); `autocast` (from the caller) and the workload's own
+    must agree."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .workload import _load
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if device == "fake" else None
+    call = ", ".join(f"{k}={v!r}" for k, v in (args or {}).items())
+    say(f"loading {path}: {entry}({call})")
+    try:
+        work, module = _load(path, entry, args, fake_mode=fake_mode,
+                             device=None if device == "fake" else device)
+    except torch.OutOfMemoryError as exc:
+        raise _does_not_fit(device, exc) from None
+    if autocast and work.autocast and autocast != work.autocast:
+        raise InputError(f"--autocast {autocast}, but the workload asks for autocast "
+                         f"{work.autocast}", hint="give one of them, or make them agree")
+    return work, module, autocast or work.autocast
+
+
+def _fake_profile(joint, work, header: dict, hardware, target: str, autocast: str | None,
+                  say: Callable[[str], None]) -> Profile:
+    """The profile of a fake trace: every op costed by the roofline of `hardware`."""
+    import torch
+
+    from .graph_profile import joint_to_profile
+
+    env = {"torch_version": torch.__version__, "device": "fake",
+           "device_name": "FakeTensorMode (nothing allocated)",
+           "hardware": hardware.to_dict(), "target_device": target}
+    if autocast:
+        env["autocast_device_type"] = _ref_device(work.model)
+    return joint_to_profile(joint, workload=header, env=env, hardware=hardware,
+                            time_source="roofline", progress=say)
+
+
+def _measured_profile(joint, work, header: dict, device: str, target: str,
+                      autocast: str | None, say: Callable[[str], None]) -> Profile:
+    """The profile of a real trace: every op timed on `device` (measure.py)."""
+    import torch
+
+    from .graph_profile import joint_to_profile
+    from .measure import measure_joint
+
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
+    env = {"torch_version": torch.__version__, "device": device, "device_name": name,
+           "hardware": None, "target_device": target}
+    if autocast:
+        env["autocast_device_type"] = _ref_device(work.model)
+    try:
+        m = measure_joint(joint, work.model, work.inputs, device=dev, progress=say)
+    except torch.OutOfMemoryError as exc:
+        raise _does_not_fit(device, exc) from None
+    extra = {"measured_step_us": m["measured_step_us"], "op_sum_us": m["op_sum_us"],
+             "measure_warmup": m["warmup"], "measure_repeats": m["repeats"]}
+    return joint_to_profile(joint, workload=header, env=env, op_times_us=m["op_times_us"],
+                            time_source="measured", storage_keys=m["storage_keys"],
+                            storage_sizes=m["storage_sizes"],
+                            summary_extra=extra, progress=say)
 
 
 # Recurrent kernels whose real result carries a workspace (reserve) buffer that their fake

@@ -4,8 +4,9 @@ profile (`graph_profile`), the written-out step (`partition`) and the in-place p
 - a *view* returns an alias of its input without writing it: the schema says so
   (`view`, `t`, `split`, `detach`, ...), or it is one of the views the schema does not declare
   (`UNDECLARED_VIEWS`);
-- an *in-place* op writes an argument and returns it (`relu_`, `bernoulli_`): the schema's
-  `a!`; BatchNorm in training also writes its running statistics without declaring it
+- an *in-place* op writes its first argument and returns it (`relu_`, `bernoulli_`): the
+  schema's `a!` (`is_inplace`; `is_inplace_target` for a profile's target name, which the
+  torch-free `chains.runtime_table` is handed); BatchNorm in training also writes its running statistics without declaring it
   (`HIDDEN_WRITES`), which a re-run must send to a throwaway copy.
 """
 from __future__ import annotations
@@ -48,6 +49,32 @@ def writes_first(target) -> bool:
 def aliases_input(target) -> bool:
     """A view or an in-place op: its first result shares an input's storage."""
     return _first_return_alias(target) is not None or packet_name(target) in UNDECLARED_VIEWS
+
+
+def is_inplace(target) -> bool:
+    """An in-place op: it writes its first argument and returns it (`relu_`, `add_`,
+    `bernoulli_`; not an `out=` variant, which writes another argument)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    info = schema.arguments[0].alias_info
+    return info is not None and info.is_write and aliases_input(target)
+
+
+@functools.lru_cache(maxsize=None)
+def is_inplace_target(target: str) -> bool:
+    """`is_inplace` of a profile op's target name ("aten.add_.Tensor"), looked up in
+    `torch.ops.aten`; False for anything else (ONNX ops, `getitem`). The torch-free
+    `chains.runtime_table` takes it as its in-place test."""
+    import torch
+    parts = target.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        return False
+    try:
+        overload = getattr(getattr(torch.ops.aten, parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        return False
+    return is_inplace(overload)
 
 
 @functools.lru_cache(maxsize=None)

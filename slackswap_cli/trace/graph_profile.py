@@ -49,7 +49,7 @@ import torch.utils._pytree as pytree
 from ..errors import InputError
 from ..profile_build import ProfileBuilder
 from ..schema import Profile
-from .aten import UNDECLARED_VIEWS
+from .aten import UNDECLARED_VIEWS, packet_name
 from .costs import is_random_op, node_flops, storage_nbytes, tensor_nbytes
 from .joint import JointGraph
 
@@ -65,12 +65,9 @@ def target_name(target) -> str:
     return getattr(target, "__name__", None) or str(target)
 
 
-def _packet_name(target) -> str:
-    packet = getattr(target, "overloadpacket", None)
-    return packet.__name__ if packet is not None else ""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """A profile's dtype name ("float32"; sizes: `profile_build.DTYPE_BYTES`) of a torch dtype
+    or of its `str()` ("torch.float32", as a patched module's META records parameters)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -100,7 +97,7 @@ def _schema_aliases(node: fx.Node) -> tuple[dict[int, fx.Node], list[fx.Node]]:
             match = [alias_args[0][1]]
         if match and isinstance(match[0], fx.Node):
             aliased[i] = match[0]
-    if not aliased and _packet_name(node.target) in UNDECLARED_VIEWS and node.args \
+    if not aliased and packet_name(node.target) in UNDECLARED_VIEWS and node.args \
             and isinstance(node.args[0], fx.Node):
         aliased[0] = node.args[0]
     return aliased, written
@@ -298,7 +295,7 @@ class _GraphProfile:
         holds), each non-view output written once; views move nothing, allocation alone
         writes nothing."""
         b = self.b
-        if (outputs and not writes) or _packet_name(node.target) in ALLOCATING_ONLY:
+        if (outputs and not writes) or packet_name(node.target) in ALLOCATING_ONLY:
             return 0, 0
         nbytes = 0
         for t in inputs:

@@ -38,7 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..workload_spec import Workload
-from ..errors import InputError, SlackswapError, TraceError
+from ..errors import InputError, SlackswapError, TraceError, require_file
 from .fake_build import fake_build
 from .joint import autocast_name
 
@@ -130,12 +130,8 @@ def _one_line(exc: BaseException) -> str:
 def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=None,
           device=None) -> tuple[Workload, Any]:
     """load_workload, also returning the imported module (for its NAME)."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise InputError(f"workload file {p} does not exist", hint="check the path")
-    if p.is_dir():
-        raise InputError(f"{p} is a directory, not a workload file", hint="pass a .py file")
-    p = p.resolve()
+    p = require_file(Path(path).expanduser(), "workload file", hint="check the path",
+                     dir_hint="pass a .py file").resolve()
     module = _import_file(p)
     fn = getattr(module, entry, None)
     if fn is None or not callable(fn):

@@ -1,0 +1,250 @@
+"""The steady state of `patch(model)`: later calls at a signature run the plan on saved-tensor
+hooks alone.
+
+The first call at an input signature (`record.PlanRun`) records every aten op under a
+`TorchDispatchMode`, lines it up with the profile and decides, pack by pack, what autograd holds.
+Once that call's backward ran every chain it deferred, `Template` keeps what a later call needs
+from it; `SteadyRun` is such a later call. What costs what, and why:
+
+- **per forward op: nothing.** No dispatch mode, no module hooks (they are registered for a
+  full record and removed after it): an op that saves nothing for backward runs as in eager.
+- **per saved tensor (pack hook):** a counter, one tuple (`Template.seq`, precomputed) and
+  three checks: shape, dtype and the type of the autograd node that made it, so other control
+  flow at the same shapes is caught (from the first difference on, the call keeps what autograd
+  saves, as eager does, and the next call records again). Then the noted action: *keep* returns
+  the tensor (and, for a value the forward made, a weak reference for `held_device_bytes`);
+  *swap* copies its storage to the host (one copy per storage); *recompute* returns a reference.
+  A pack that hands a value to a chain (the template knows which) binds it by position.
+- **per unpack:** a tensor comes back as it is; a swapped one is fetched (prefetches issued
+  at the plan's points); the first unpack of a recomputed root runs its chain.
+- **per chain:** the records it replays (the ops its deferred roots need) and the roots it
+  makes are worked out on the first steady call and reused (they depend on the template only);
+  each record's arguments were flattened once (`record._prepare`), and whether it is a view or
+  an in-place op was read from its schema once (`record._alias_flags`). A replay then runs the
+  recorded function on this call's values: handed-over ones, current parameters and inputs; a
+  view whose input has the geometry noted at its first replay is `Tensor.as_strided` at the
+  noted output geometry instead (`record._view_geometry`: one C call, not the boxed op), and an
+  unpack's view of a view is one `as_strided` from the value at hand (`_view_base`).
+- **per step:** the signature (a dict lookup on the inputs' shapes and dtypes, the parameters'
+  device and dtype), whether the very parameter and buffer tensors still sit in their module
+  slots and the autocast state is unchanged (`Fingerprint.holds`: a C-level walk over a flat
+  list, no module tree), a few fresh containers.
+- **per new signature:** a full record (the first call), possibly a new plan (`run/replan.py`).
+
+Limits: a divergence that keeps every saved tensor's shape, dtype and producing node type at
+every position before a recomputed one is not caught; `model.forward.__slackswap__.steady =
+False` records every call.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import swap as rt
+from .record import PlanRun, _In, _Record
+from ..schema import Action
+
+__all__ = ["Template", "Fingerprint", "SteadyRun"]
+
+_KEEP, _SWAP, _RECOMPUTE = Action.KEEP, Action.SWAP, Action.RECOMPUTE
+
+
+class Template:
+    """What a later call at the same input signature needs from the first one's full record
+    (`PlanRun`) to run the plan with saved-tensor hooks alone (`SteadyRun`): each pack's
+    expected shape, dtype and node type and its decision, the records of the ops (with the
+    call's inputs as `_In` markers, so later calls' inputs take their place), and, for each
+    value a chain read while it was alive, the pack that hands it over."""
+
+    def __init__(self, run: PlanRun, fingerprint: "Fingerprint"):
+        self.fingerprint = fingerprint
+        self.n = len(run.seq)
+        pos = {id(x): i for i, x in enumerate(run.call_inputs)}
+
+        def sub(a):
+            return _In(pos[id(a)]) if isinstance(a, torch.Tensor) and id(a) in pos else a
+        self.records = [_Record(r.func, pytree.tree_map(sub, r.args),
+                                pytree.tree_map(sub, r.kwargs), None, r.versions, r.op,
+                                r.in_locs) for r in run.records]
+        self.shared = {name: getattr(run, name) for name in (
+            "reads_act", "rec_of_op", "tid_of", "loc_of_tid", "usable", "metas", "device",
+            "prefetch_order", "unmatched", "ptr")}
+        inputs = {rt.storage_key(x) for x in run.call_inputs if x.device.type != "meta"}
+        self.external = run.external - inputs
+        self.chain_reads = {o: tuple(locs) for o, locs in run.live_reads.items()}
+        self.uses: dict[tuple, int] = {}          # loc -> chains that read it
+        for locs in self.chain_reads.values():
+            for loc in locs:
+                self.uses[loc] = self.uses.get(loc, 0) + 1
+        binds = self._binds(run.seq)
+        # each pack: (shape, dtype, type of its grad_fn, action, root, loc, weakly tracked?,
+        # [(loc to hand over, via its _base?)] or None, swap of the root's own storage?)
+        self.seq = [(n[0], n[1], n[8], n[2], n[3], n[4], n[5], binds.get(i), n[7])
+                    for i, n in enumerate(run.seq)]
+        self.tracked = [n[5] for n in run.seq]
+        # a keep-all plan: nothing depends on which tensor is which, nothing to check
+        self.keep_only = all(a == _KEEP for a in run.table["action"].values())
+        self.chain_records: dict[int, list[int]] = {}    # filled by the first steady call
+        self.chain_made: dict[int, list] = {}
+
+    def _binds(self, seq: list) -> dict[int, list]:
+        """pack -> [(loc, via its _base?)]: the pack that hands each value a chain read while
+        it was alive over to this call (the tensor autograd saves, or its `_base`). `ok` is
+        False when a chain read a value autograd does not save (nothing can hand it over)."""
+        first_self, first_base = {}, {}
+        for i, n in enumerate(seq):
+            first_self.setdefault(n[4], i)
+            first_base.setdefault(n[6], i)
+        binds: dict[int, list] = {}
+        self.ok = True
+        for loc in self.uses:
+            if loc in first_self:
+                binds.setdefault(first_self[loc], []).append((loc, False))
+            elif loc in first_base:
+                binds.setdefault(first_base[loc], []).append((loc, True))
+            else:
+                self.ok = False
+        return binds
+
+
+def _autocast_state() -> tuple:
+    return (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
+
+
+class Fingerprint:
+    """What a template is valid for besides the signature: the very parameter and buffer
+    tensors in each module's slots (its records hold them) and the autocast state. `holds()`
+    checks it without walking the module tree (three flat lists, compared at C level)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.autocast = _autocast_state()
+        slots = [(d, name, t) for m in model.modules()
+                 for d in (m._parameters, m._buffers) for name, t in d.items()]
+        self.dicts = [d for d, _, _ in slots]
+        self.names = [name for _, name, _ in slots]
+        self.tensors = [t for _, _, t in slots]
+
+    def holds(self) -> bool:
+        return (_autocast_state() == self.autocast
+                and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.tensors)))
+
+
+def _same(x):
+    return x
+
+
+class SteadyRun(PlanRun):
+    """A later call at a signature whose first call made a `Template`: no recorder, no module
+    hooks; the pack hook follows the template's decisions by position (see the module's
+    docstring for what it checks). Chains replay the template's records on the values this
+    call's packs handed over."""
+    noting = False
+
+    def __init__(self, patched, plan, tpl: Template, inputs: list):
+        # (PlanRun's per-call state, without what only recording needs)
+        self.p, self.t, self.table = patched, plan, plan.table
+        self.__dict__.update(tpl.shared)
+        self.tpl, self.records, self.seq, self.n = tpl, tpl.records, tpl.seq, tpl.n
+        self.kept_refs = []
+        self.i = 0
+        self.broken = False
+        self.call_inputs = inputs
+        self.chain = None
+        self.bound = {}
+        self.swaps = []
+        self.rerun_ops = 0
+        if tpl.keep_only:          # nothing depends on which tensor is which: no checks
+            self.pack, self.unpack = self._keep, _same     # (every pack is the tensor itself)
+            self.tracked = tpl.tracked
+            self.pinned = self.made = self.root_swap = self.by_storage = {}
+            return
+        self.made_by = plan.table["made_by"]
+        self.pinned, self.by_storage, self.root_swap, self.made = {}, {}, {}, {}
+        self.chain_uses = plan.chain_uses.copy()
+        self.packs, self.deferred, self.done_chains = {}, {}, set()
+        self.progress, self.next_prefetch = self.table["n_forward"], 0
+        self.bound_uses = tpl.uses.copy()
+
+    @property
+    def external(self) -> set:
+        """Storages the forward read but did not make (for `held_device_bytes`)."""
+        return self.tpl.external | {rt.storage_key(x) for x in self.call_inputs
+                                    if x.device.type != "meta"}
+
+    def _keep(self, x: torch.Tensor):
+        i = self.i
+        self.i = i + 1
+        if i >= self.n or self.tracked[i]:        # (a value the forward made: counted)
+            self.kept_refs.append(weakref.ref(x))
+        return x
+
+    def pack(self, x: torch.Tensor):
+        i = self.i
+        self.i = i + 1
+        if i >= self.n or self.broken:
+            return self._differs(x)
+        shape, dtype, fn, kind, r, loc, tracked, binds, own = self.seq[i]
+        if x.shape != shape or x.dtype is not dtype or type(x.grad_fn) is not fn:
+            return self._differs(x)
+        if binds is not None:
+            bound = self.bound
+            for bloc, via_base in binds:
+                v = x._base if via_base else x
+                if v is None:
+                    return self._differs(x)
+                bound[bloc] = v
+        if kind is _KEEP:
+            if tracked:
+                self.kept_refs.append(weakref.ref(x))
+            return x
+        if kind is _SWAP:
+            return self._swap(x, r, own)
+        packs = self.packs
+        packs[r] = packs.get(r, 0) + 1
+        owner = self.made_by[r]
+        got = self.deferred.get(owner)
+        if got is None:
+            self.deferred[owner] = {r}
+        else:
+            got.add(r)
+        return [False, _RECOMPUTE, r, loc]
+
+    def _differs(self, x: torch.Tensor):
+        self.broken = True
+        self.kept_refs.append(weakref.ref(x))
+        return x
+
+    def finish(self) -> bool:
+        """After forward: did every pack line up with the template?"""
+        if self.i != self.n and not self.tpl.keep_only:
+            self.broken = True
+        return not self.broken
+
+    def _live(self, loc: tuple[int, int]):
+        return self.bound.get(loc)
+
+    def _chain_records(self, owner: int) -> list[int]:
+        if self.broken:        # (a call that left the template: its own deferred roots)
+            return super()._chain_records(owner)
+        ks = self.tpl.chain_records.get(owner)
+        if ks is None:
+            ks = self.tpl.chain_records[owner] = super()._chain_records(owner)
+        return ks
+
+    def _chain_made(self, owner: int, local: dict) -> list:
+        if self.broken:
+            return super()._chain_made(owner, local)
+        got = self.tpl.chain_made.get(owner)
+        if got is None:
+            got = self.tpl.chain_made[owner] = super()._chain_made(owner, local)
+        return got
+
+    def _chain_ran(self, owner: int) -> None:
+        for loc in self.tpl.chain_reads.get(owner, ()):
+            self.bound_uses[loc] -= 1
+            if self.bound_uses[loc] <= 0:
+                self.bound.pop(loc, None)
