@@ -32,6 +32,29 @@ pass-through dispatch mode's extra time (the issue's target). (The bare replay r
 to back on warm caches, so if anything it is faster than the same ops inside backward: the
 bookkeeping is, if anything, overstated.)
 
+**The same work in place: "0.5 plan's work, in place".** A second reference runs that work
+where the patch runs it. The capture step also notes, for each call and copy, where it ran: the
+index of the saved-tensor pack (host copy, in forward) or unpack (a chain's calls, the copy
+back, in backward) of that step. The reference is a fresh eager model (same weights) whose
+forward alone (not the loss: as `patch`) runs under identity `saved_tensors_hooks`: the pack
+hook counts and, at a pack where the patch copied a storage to the host, copies that pack's
+storage (`record._bytes_of`, as the patch) into a preallocated host buffer; the unpack hook
+counts and, at an unpack where the patch fetched swapped storages and/or ran a chain, copies
+those host buffers into freshly allocated tensors and runs exactly the captured calls (same
+functions, same argument values, as_strided views included) under `no_grad`; both hooks return
+the tensor as is. Lists are precomputed and indexed by the counter (a list lookup and a None
+check per pack and per unpack). So it includes: the identity hooks' cost on every pack and
+unpack, the copies and calls at the same points of the step (between the same autograd nodes,
+with the caches as they are there). It does not include the patch's bookkeeping (checks per
+pack, handles, its own dispatch of the chain's records, releasing). Differences the reference
+keeps: its calls read the captured step's argument tensors (not this step's), its fetched
+copy is dropped at once (autograd reads the original tensor), and eager keeps every saved
+tensor (no freeing and reallocating the way the plan does). It is checked before timing: one
+step records every pack's shape and storage size and every unpack's shape, which must equal
+the patched step's, or the benchmark stops. "bookkeeping vs in-place work" is the patch-0.5
+steady extra time less the in-place reference's extra time (both against the same round's
+eager step), per forward op, with its ratio to the pass-through dispatch mode's.
+
     python benchmarks/inplace_overhead.py [--quick] [--case "short ops"]
     # (--case: only the cases whose label holds it, printed, nothing written); writes benchmarks/results/inplace_overhead.json and inplace_overhead.md
 """
@@ -67,6 +90,7 @@ CASES = [  # (label, workload, args, rounds)
     ("HF Llama (small)", "llama", {}, 80),
 ]
 WORK = "0.5 plan's work, bare"
+IN_PLACE = "0.5 plan's work, in place"
 VARIANTS = ["eager", "identity hooks", "pass-through dispatch mode", "SAC save-all",
             "patch keep-all, first call", "patch 0.5, first call",
             "patch keep-all, steady", "patch 0.5, steady"]
@@ -140,43 +164,151 @@ def _step(work, ctx) -> float:
     return dt
 
 
-def _capture_work(work) -> tuple[list, list]:
+def _capture_work(work) -> dict:
     """One steady-state step of the patched `work.model`, watched: every aten call its chains
-    replayed (function, the argument values it got) and every storage it copied to the host."""
+    replayed (function, the argument values it got) and every storage it copied to the host
+    and back, each tagged with where it ran: the index of the saved-tensor pack (host copy) or
+    unpack (chain call, copy back) of that step; and every pack's and unpack's shape, so the
+    in-place reference can check that its eager step packs and unpacks the same tensors."""
     import slackswap_cli.run.record as rec_mod
     import slackswap_cli.run.swap as rt
+    from slackswap_cli.run.steady import SteadyRun
     strided = rec_mod._as_strided
     state = work.model.forward.__slackswap__
     tpl = next(t for t in state.templates.values() if hasattr(t, "records"))
-    calls, copies = [], []
+    cap = {"calls": [], "copies": [], "fetches": [], "packs": [], "unpacks": []}
+    where = {}                     # id(handle) -> index in cap["copies"]
 
     class watched:                 # the op, telling what it is asked to run
         def __init__(self, func):
             self.func = func
 
         def __call__(self, *a, **kw):
-            calls.append((self.func, a, kw))
+            cap["calls"].append((len(cap["unpacks"]) - 1, self.func, a, kw))
             return self.func(*a, **kw)
 
         def __getattr__(self, name):
             return getattr(self.func, name)
 
     def offload(t, _orig=rt.offload):
-        copies.append(t)
-        return _orig(t)
+        h = _orig(t)
+        where[id(h)] = len(cap["copies"])
+        cap["copies"].append((len(cap["packs"]) - 1, t))
+        return h
+
+    def prefetch(h, _orig=rt.prefetch):
+        if h.device_copy is None:
+            cap["fetches"].append((len(cap["unpacks"]) - 1, where[id(h)]))
+        return _orig(h)
+
+    def pack(self, x, _orig=SteadyRun.pack):
+        cap["packs"].append((tuple(x.shape), x.untyped_storage().nbytes()))
+        return _orig(self, x)
+
+    def unpack(self, packed, _orig=SteadyRun.unpack):
+        i = len(cap["unpacks"])
+        cap["unpacks"].append(None)        # (this unpack's index, while it runs)
+        out = _orig(self, packed)
+        cap["unpacks"][i] = tuple(out.shape)
+        return out
     funcs = [rec.func for rec in tpl.records]
     for rec in tpl.records:
         rec.func = watched(rec.func)
-    rt.offload = offload
+    rt.offload, rt.prefetch = offload, prefetch
+    SteadyRun.pack, SteadyRun.unpack = pack, unpack
     rec_mod._as_strided = watched(strided)     # (views re-derived by their geometry)
     try:
         _step(work, contextlib.nullcontext)
     finally:
-        rt.offload = offload.__defaults__[0]
+        rt.offload, rt.prefetch = offload.__defaults__[0], prefetch.__defaults__[0]
+        SteadyRun.pack = pack.__defaults__[0]
+        del SteadyRun.unpack                   # (inherited from PlanRun again)
         rec_mod._as_strided = strided
         for rec, func in zip(tpl.records, funcs):
             rec.func = func
-    return calls, copies
+    if any(u < 0 for u, *_ in cap["calls"] + cap["fetches"]):
+        raise RuntimeError("a chain call or a copy back ran outside an unpack")
+    return cap
+
+
+def _hooked(model, pack, unpack, reset) -> None:
+    """Run `model`'s forward (only: not the loss, as `patch`) under saved-tensor hooks."""
+    import torch
+    fwd = model.forward
+
+    def forward(*a, **kw):
+        reset()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fwd(*a, **kw)
+    model.forward = forward
+
+
+def _in_place(path: str, args: dict, cap: dict):
+    """The in-place reference: a fresh eager model (same weights) whose forward runs under
+    identity saved-tensor hooks that, at the very pack (host copy) and unpack (copy back,
+    chain's calls) indices where the patched steady step did them, execute exactly the
+    captured host copies and aten calls; lists precomputed, indexed by a counter. Checked
+    first: one step records its packs' and unpacks' shapes, which must be the patched step's."""
+    import torch
+
+    from slackswap_cli.run.record import _bytes_of
+    from slackswap_cli.trace.workload import load_workload
+    work = load_workload(path, args=args)
+    seen = {"packs": [], "unpacks": []}
+
+    def see_pack(x):
+        seen["packs"].append((tuple(x.shape), x.untyped_storage().nbytes()))
+        return x
+
+    def see_unpack(x):
+        seen["unpacks"].append(tuple(x.shape))
+        return x
+    fwd = work.model.forward
+    _hooked(work.model, see_pack, see_unpack, lambda: [v.clear() for v in seen.values()])
+    _step(work, contextlib.nullcontext)
+    work.model.forward = fwd
+    if seen["packs"] != cap["packs"] or seen["unpacks"] != cap["unpacks"]:
+        raise RuntimeError(f"in-place reference: eager packs/unpacks ({len(seen['packs'])}/"
+                           f"{len(seen['unpacks'])}) differ from the patched step's "
+                           f"({len(cap['packs'])}/{len(cap['unpacks'])})")
+    hosts = [torch.empty_like(t) for _, t in cap["copies"]]
+    on_pack = [None] * len(cap["packs"])
+    for (i, _), host in zip(cap["copies"], hosts):
+        on_pack[i] = host
+    fetch = [[] for _ in cap["unpacks"]]
+    run = [[] for _ in cap["unpacks"]]
+    for u, c in cap["fetches"]:
+        fetch[u].append(hosts[c])
+    for u, func, a, kw in cap["calls"]:
+        run[u].append((func, a, kw))
+    on_unpack = [(tuple(f), tuple(r)) if f or r else None for f, r in zip(fetch, run)]
+    n = [0, 0]
+
+    def pack(x):
+        i = n[0]
+        n[0] = i + 1
+        host = on_pack[i]
+        if host is not None:
+            host.copy_(_bytes_of(x))
+        return x
+
+    def unpack(x):
+        u = n[1]
+        n[1] = u + 1
+        todo = on_unpack[u]
+        if todo is not None:
+            for host in todo[0]:
+                torch.empty_like(host).copy_(host)
+            if todo[1]:
+                with torch.no_grad():
+                    for func, a, kw in todo[1]:
+                        func(*a, **kw)
+        return x
+
+    def reset():
+        n[0] = n[1] = 0
+    _hooked(work.model, pack, unpack, reset)
+    return work
 
 
 def _work_step(calls: list, copies: list, hosts: list) -> float:
@@ -216,11 +348,16 @@ def run_case(label: str, path: str, args: dict, rounds: int) -> dict:
         for name in VARIANTS:                  # warm-up (and each patch's first call)
             for _ in range(2):
                 _step(*models[name])
-        calls, copies = _capture_work(models["patch 0.5, steady"][0])
+        cap = _capture_work(models["patch 0.5, steady"][0])
+        calls = [(f, a, kw) for _, f, a, kw in cap["calls"]]
+        copies = [t for _, t in cap["copies"]]
         hosts = [torch.empty_like(t) for t in copies]
-        times = {name: [] for name in [*VARIANTS, WORK]}
+        models[IN_PLACE] = (_in_place(path, args, cap), contextlib.nullcontext)
+        for _ in range(2):
+            _step(*models[IN_PLACE])
+        times = {name: [] for name in [*VARIANTS, IN_PLACE, WORK]}
         for _ in range(rounds):
-            for name in VARIANTS:
+            for name in [*VARIANTS, IN_PLACE]:
                 times[name].append(_step(*models[name]))
             times[WORK].append(_work_step(calls, copies, hosts))
     n = prof.n_forward
@@ -239,7 +376,12 @@ def run_case(label: str, path: str, args: dict, rounds: int) -> dict:
              "bookkeeping_us_per_forward_op": half - work_us,
              "bookkeeping_vs_dispatch_mode": (half - work_us)
              / extra["pass-through dispatch mode"],
-             "replayed_calls": len(calls), "swapped_storages": len(copies),
+             "in_place_work_us_per_forward_op": extra[IN_PLACE],
+             "bookkeeping_vs_in_place_us_per_forward_op": half - extra[IN_PLACE],
+             "bookkeeping_vs_in_place_vs_dispatch_mode": (half - extra[IN_PLACE])
+             / extra["pass-through dispatch mode"],
+             "replayed_calls": len(calls), "unpacks": len(cap["unpacks"]),
+             "unpacks_doing_work": len({u for u, *_ in cap["calls"] + cap["fetches"]}), "swapped_storages": len(copies),
              "swapped_bytes": sum(t.untyped_storage().nbytes() for t in copies)}
     return {"case": label, "args": args, "forward_ops": n, "rounds": rounds,
             "plans": planned, "plan_0.5_steady": split, "step_ms": {k: v * 1e3 for k, v in best.items()},
@@ -266,7 +408,14 @@ def table(results: list[dict]) -> str:
                        f"calls, {h['swapped_storages']} copies)"),
             ("patch 0.5, steady: bookkeeping (steady less the work)",
              lambda h: f"{h['bookkeeping_us_per_forward_op']:+.1f} us/op "
-                       f"({h['bookkeeping_vs_dispatch_mode']:.2f}x dispatch mode)")]
+                       f"({h['bookkeeping_vs_dispatch_mode']:.2f}x dispatch mode)"),
+            ("0.5 plan's work, in place (eager + identity hooks running the same calls and "
+             "copies at the same packs/unpacks)",
+             lambda h: f"{h['in_place_work_us_per_forward_op']:+.1f} us/op (at "
+                       f"{h['unpacks_doing_work']} of {h['unpacks']} unpacks)"),
+            ("patch 0.5, steady: bookkeeping vs in-place work (steady less the in-place work)",
+             lambda h: f"{h['bookkeeping_vs_in_place_us_per_forward_op']:+.1f} us/op "
+                       f"({h['bookkeeping_vs_in_place_vs_dispatch_mode']:.2f}x dispatch mode)")]
     for name, cell in rows:
         lines.append(f"| {name} | " + " | ".join(cell(r["plan_0.5_steady"]) for r in results)
                      + " |")
@@ -301,9 +450,13 @@ def main() -> int:
     head = ("Extra time per forward op over eager (median over interleaved rounds of the "
             "step's thread CPU time less that round's eager step, one thread); patch ratios "
             "against identity saved-tensor hooks and a pass-through dispatch mode. The last "
-            "two rows split the 0.5 plan's steady-state extra time into the plan's own work "
-            "(its replayed ops and host copies, executed bare) and the runtime's bookkeeping "
-            f"(the rest). Load average (1, 5, 15 min) at start {load[0]:.2f} {load[1]:.2f} "
+            "four rows split the 0.5 plan's steady-state extra time into the plan's own work "
+            "and the runtime's bookkeeping (the rest), twice: with the work executed bare (its "
+            "replayed ops and host copies in a plain warm loop) and in place (an eager step "
+            "under identity saved-tensor hooks that run the very same captured calls and "
+            "copies at the same pack/unpack indices as the patch: identity-hook cost, cache "
+            "and position effects included, the patch's bookkeeping not). "
+            f"Load average (1, 5, 15 min) at start {load[0]:.2f} {load[1]:.2f} "
             f"{load[2]:.2f}, at end {load[3]:.2f} {load[4]:.2f} {load[5]:.2f}"
             f"{'; --quick' if quick else ''}.\n\n")
     print(head + md)
