@@ -599,7 +599,9 @@ def simulate(
         if trace is not None:
             _check_output_path(trace, "--trace",
                                [plan_path, profile_path or p.profile_path, hardware])
-        result = run_sim(prof, p.decisions, hw, p.budget_bytes, record=True)
+        # the timeline feeds the trace file and the views; --json and --quiet need neither
+        result = run_sim(prof, p.decisions, hw, p.budget_bytes,
+                         record=trace is not None or sink.human)
         if trace is not None:
             from .chrome_trace import write_chrome_trace
             write_chrome_trace(trace, result, prof, p.budget_bytes)
