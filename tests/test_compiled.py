@@ -23,7 +23,7 @@ from slackswap_cli.run.emit import load_patched
 from slackswap_cli.run.verify_compiled import verify_compiled
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
-from workloads import HW, hand_plan, plan_at, profiled, write_patched
+from workloads import HW, hand_plan, plan_at, profiled, train_on_random_tokens, write_patched
 
 SLOW = pytest.mark.skipif(os.environ.get("SLACKSWAP_SLOW") != "1",
                           reason="inductor on a real model takes minutes: SLACKSWAP_SLOW=1")
@@ -372,18 +372,8 @@ def _fsdp_worker(rank, world, port, patched_path, workload_path, out_dir):
             for block in model.model.layers:
                 fully_shard(block)
             fully_shard(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses = []
             torch.manual_seed(100 + rank)                  # each rank its own data
-            for _ in range(3):
-                ids = torch.randint(0, 128, work.inputs["input_ids"].shape)
-                inputs = {**work.inputs, "input_ids": ids, "labels": ids}
-                a, kw = split_inputs(inputs)
-                loss = loss_from_output(model(*a, **kw), inputs, work.loss_fn)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.detach())
+            losses = train_on_random_tokens(work, model)
             results[label] = {"losses": losses,
                               "params": [p.full_tensor() for p in model.parameters()],
                               "totals": totals(model._slackswap_partitions)

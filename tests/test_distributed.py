@@ -14,7 +14,7 @@ import torch
 
 from slackswap_cli.run.emit import apply_plan
 from helpers import free_port
-from workloads import HW, SOURCES, profiled
+from workloads import HW, profiled, train_on_random_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
@@ -28,7 +28,6 @@ def _worker(rank, world, port, patched_path, workload_path, mode, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from slackswap_cli.run.emit import load_patched
-        from slackswap_cli.trace.joint import loss_from_output, split_inputs
         from slackswap_cli.trace.workload import load_workload
         results = {}
         for label in ("plain", "patched"):
@@ -48,22 +47,8 @@ def _worker(rank, world, port, patched_path, workload_path, mode, out_dir):
                 wrapped = model
             if label == "patched" and mode == "fsdp_first":
                 load_patched(patched_path).patch(model)   # a model sharded before patching
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses = []
             torch.manual_seed(100 + rank)              # each rank its own data and dropout
-            for _ in range(3):
-                inputs = work.inputs
-                if isinstance(inputs, dict):
-                    ids = torch.randint(0, 128, inputs["input_ids"].shape)
-                    inputs = {**inputs, "input_ids": ids, "labels": ids}
-                else:
-                    inputs = tuple(torch.randint(0, 128, x.shape) for x in inputs)
-                a, kw = split_inputs(inputs)
-                loss = loss_from_output(wrapped(*a, **kw), inputs, work.loss_fn)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.detach())
+            losses = train_on_random_tokens(work, model, wrapped)
             params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
                       for p in model.parameters()]
             run = model.forward.__slackswap__.last_run if label == "patched" else None

@@ -120,3 +120,30 @@ def write_patched(tmp_path, plan, prof, name="patched.py", **kw):
     return path
 
 
+
+
+def train_on_random_tokens(work, model, forward=None, steps: int = 3) -> list:
+    """`steps` AdamW steps (lr 1e-2) of `model` on random token ids (0..127) shaped like the
+    workload's inputs, drawn from the caller's seed (in the distributed tests: each rank its
+    own data); `forward` runs the step's forward (a DDP wrapper), `model` by default. The
+    detached losses."""
+    import torch
+
+    from slackswap_cli.trace.joint import loss_from_output, split_inputs
+    forward = forward or model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        inputs = work.inputs
+        if isinstance(inputs, dict):
+            ids = torch.randint(0, 128, inputs["input_ids"].shape)
+            inputs = {**inputs, "input_ids": ids, "labels": ids}
+        else:
+            inputs = tuple(torch.randint(0, 128, x.shape) for x in inputs)
+        a, kw = split_inputs(inputs)
+        loss = loss_from_output(forward(*a, **kw), inputs, work.loss_fn)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
