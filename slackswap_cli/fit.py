@@ -51,6 +51,7 @@ from typing import Callable, Iterator
 
 from .errors import InputError, SlackswapError
 from .hardware import HardwareSpec
+from .planners import DEFAULT_PLANNER
 from .schema import Action, Decision, Plan, Profile
 from .units import fmt_bytes
 
@@ -181,7 +182,7 @@ class FitSettings:
     optimizer: str = "adamw"
     shard: int = 1
     step_on_device: bool = False
-    planner: str = "slackswap"
+    planner: str = DEFAULT_PLANNER
     planner_options: dict = field(default_factory=dict)
 
 
