@@ -223,6 +223,7 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
                     model = work.model
                     if label == "patched":
                         mod.patch(model)
+                        model.forward.__slackswap__.measure_held = not cuda
                     if fsdp:
                         from torch.distributed.fsdp import fully_shard
                         for b in _blocks(model):
@@ -234,7 +235,7 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
                     def run():
                         out = loss_from_output(model(*a, **kw), work.inputs, work.loss_fn)
                         last = getattr(getattr(model.forward, "__slackswap__", None), "last_run", None)
-                        if last is not None:
+                        if last is not None and not cuda:   # (CUDA: the allocator's peak)
                             held.append(last.held_device_bytes())
                         return out
                     m = measure_step(model, run, cuda, steps, seed)
@@ -242,7 +243,7 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
                         m["peak_bytes"] = max(held)     # CPU: bytes held for backward
                     last = getattr(getattr(model.forward, "__slackswap__", None), "last_run", None)
                     if last is not None:
-                        m["steady_state"] = type(last).__name__ == "SteadyRun"
+                        m["steady_state"] = type(last).__name__ in ("SteadyRun", "KeepRun")
                         m["ops_lined_up"] = len(last.rec_of_op)
                         m["profile_forward_ops"] = len(mod.TABLE["ops"])
                         m["ops_rerun"] = last.rerun_ops

@@ -19,7 +19,8 @@ from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.run.inplace import PlanRun, is_patched
 from slackswap_cli.run.record import _prepare, _Record, _Ref, _view_geometry
-from slackswap_cli.run.steady import SteadyRun
+from slackswap_cli.run import steady as steady_mod
+from slackswap_cli.run.steady import KeepRun, SteadyRun
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
@@ -102,6 +103,7 @@ def test_later_calls_run_on_hooks_alone_bitwise_like_eager(name, frac, args, fil
     eager, work = _twins(files[name], args)
     want = _steps(eager, 4)
     mod.patch(work.model)
+    work.model.forward.__slackswap__.measure_held = True
     got = _steps(work, 4, lambda m, i: (type(_run(m)), _run(m).held_device_bytes(),
                                         getattr(_run(m), "broken", None)))
     _same(want, got)
@@ -156,13 +158,38 @@ def test_a_keep_all_plan_runs_on_hooks_alone_with_no_checks(files, tmp_path):
     eager, work = _twins(files["tiny_gpt"], args)
     want = _steps(eager, 3)
     mod.patch(work.model)
+    work.model.forward.__slackswap__.measure_held = True
     got = _steps(work, 3, lambda m, i: (type(_run(m)), _run(m).held_device_bytes(),
                                         _run(m).rerun_ops))
     _same(want, got)
-    assert [k for k, _, _ in got[3]] == [PlanRun, SteadyRun, SteadyRun]
-    assert _run(work.model).tpl.keep_only and _run(work.model).pack == _run(work.model)._keep
+    assert [k for k, _, _ in got[3]] == [PlanRun, KeepRun, KeepRun]
+    assert _run(work.model).tpl.keep_only
     assert len({h for _, h, _ in got[3]}) == 1 and got[3][0][1] > 0
     assert all(n == 0 for _, _, n in got[3])
+    # not measuring (the default): the hooks hand every tensor back and note nothing
+    work.model.forward.__slackswap__.measure_held = False
+    again = _steps(work, 2, lambda m, i: (type(_run(m)), _run(m).pack, _run(m).kept_refs))
+    assert all(k is KeepRun and p is steady_mod._same and r == [] for k, p, r in again[3])
+    with pytest.raises(RuntimeError, match="measure_held = True"):
+        _run(work.model).held_device_bytes()
+
+
+def test_a_later_call_measures_what_it_holds_only_when_asked(files, tmp_path):
+    """`held_device_bytes` costs a weak reference per kept tensor: later calls take them only
+    with `measure_held`, and then report what the first call measured."""
+    mod, _, _ = _patched(tmp_path, files, "tiny_gpt", 0.5, {"dropout": 0.0})
+    _, work = _twins(files["tiny_gpt"], {"dropout": 0.0})
+    mod.patch(work.model)
+    state = work.model.forward.__slackswap__
+
+
+    def each(m, i):          # (after call i's forward: what it noted; then ask for call i+1)
+        got = (len(_run(m).kept_refs), _run(m).held_device_bytes() if i != 1 else None)
+        state.measure_held = i >= 1
+        return got
+    seen = _steps(work, 4, each)[3]
+    assert seen[0][0] > 0 and seen[1][0] == 0          # the second call noted nothing
+    assert seen[0][1] == seen[3][1] > 0                 # first call (recorded) = a measured later one
 
 
 def test_other_control_flow_at_the_same_shapes_is_caught(tmp_path):
@@ -247,6 +274,7 @@ def test_batchnorm_in_training_is_recomputed_with_statistics_updated_once(files,
     eager, work = _twins(files["cnn"])
     want = _steps(eager, 3)
     mod.patch(work.model)
+    work.model.forward.__slackswap__.measure_held = True
     got = _steps(work, 3, lambda m, i: (_run(m).held_device_bytes(), dict(_run(m).usable)))
     _same(want, got)                                 # statistics updated once, bitwise
     kept = sum(prof.tensors[d.tensor].size_bytes for d in plan.decisions if d.action == "keep")

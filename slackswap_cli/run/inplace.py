@@ -55,9 +55,18 @@ def _signature(device_type: str, param_dtype: str, args, kwargs) -> tuple:
 def _leaves(args, kwargs) -> list:
     """pytree's leaves of (args, kwargs), without pytree for flat calls (the common case)."""
     flat = [*args, *kwargs.values()]
-    if any(isinstance(a, (list, tuple, dict)) for a in flat):
-        return pytree.tree_leaves((args, kwargs))
+    for a in flat:
+        if isinstance(a, _NESTED):
+            return pytree.tree_leaves((args, kwargs))
     return flat
+
+
+_NESTED = (list, tuple, dict)
+
+
+def _tensors(args, kwargs) -> list:
+    """The call's tensors, in `_leaves` order."""
+    return [x for x in _leaves(args, kwargs) if isinstance(x, torch.Tensor)]
 
 
 class _Patched:
@@ -81,8 +90,10 @@ class _Patched:
         self.replan = replan
         self.strict = strict
         self.steady = True                      # later calls at a signature: hooks alone
+        self.measure_held = False               # later calls note what autograd holds
         self.templates: dict[tuple, object] = {}
         self.fast_plans: dict[tuple, tuple] = {}    # shapes, dtypes, device -> (plan, sig)
+        self.hot: dict[tuple, tuple] = {}           # the same key -> (plan, sig, template)
         params = meta.get("params") or [[None, None, "torch.float32"]]
         profiled = (meta.get("device_type", "cpu"), params[0][2].removeprefix("torch."),
                     *((tuple(shape), dtype.removeprefix("torch."))
@@ -123,17 +134,32 @@ class _Patched:
         return _Patched(model, self.meta, self.table, fwd, self.had_instance_forward,
                         self.replan, self.strict, dict(self.plans))
 
-    def plan_for(self, args, kwargs, inputs: list) -> tuple["_Table", tuple]:
+    def key(self, args, kwargs) -> tuple[tuple, list]:
+        """What a later call finds its plan and template by (without building `_signature`):
+        the first parameter's device and dtype, the call's tensors' shapes and dtypes; and
+        the call's tensors, in `_leaves` order. (One loop: this runs on every call.)"""
+        slot = self._first
+        ref = slot[2] if slot is not None and slot[0].get(slot[1]) is slot[2] \
+            else self._first_param()
+        key = [None, None] if ref is None else [ref.device, ref.dtype]
+        inputs = []
+        for x in (args if not kwargs else (*args, *kwargs.values())):
+            if isinstance(x, torch.Tensor):
+                inputs.append(x)
+                key += (x.shape, x.dtype)
+            elif isinstance(x, _NESTED):
+                inputs = _tensors(args, kwargs)
+                key = [*key[:2], *(t for y in inputs for t in (y.shape, y.dtype))]
+                break
+        return tuple(key), inputs
+
+    def plan_for(self, args, kwargs, key: tuple) -> tuple["_Table", tuple]:
         """The plan for this call's signature (device, parameter dtype, input shapes and
         dtypes): the profiled one, or one made for it the first time it is seen (said once
-        on stderr), cached; and the signature. `inputs`: the call's tensors, in order (a
-        later call finds its plan by their shapes and dtypes, without building `_signature`)."""
-        ref = self._first_param()
-        fast = (None if ref is None else ref.device, None if ref is None else ref.dtype,
-                *[x.shape for x in inputs], *[x.dtype for x in inputs])
-        got = self.fast_plans.get(fast)
+        on stderr), cached; and the signature. `key`: `self.key`'s."""
+        got = self.fast_plans.get(key)
         if got is None:
-            got = self.fast_plans[fast] = self._plan_for(args, kwargs, ref)
+            got = self.fast_plans[key] = self._plan_for(args, kwargs, self._first_param())
         return got
 
     def _plan_for(self, args, kwargs, ref) -> tuple["_Table", tuple]:
@@ -177,11 +203,18 @@ class _Patched:
                       "model runs unpatched, without the plan (patch the eager model, or use "
                       "the compiled path)")
             return self.original_forward(*args, **kwargs)
-        inputs = [x for x in _leaves(args, kwargs) if isinstance(x, torch.Tensor)]
-        plan, sig = self.plan_for(args, kwargs, inputs)
+        key, inputs = self.key(args, kwargs)
+        hot = self.hot.get(key)        # (a later call at a signature with a template)
+        if hot is not None and self.steady:
+            plan, sig, tpl = hot
+            if tpl.keep_only or tpl.fingerprint.holds():    # (keep-all: reads no parameter)
+                return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
+            self._drop(sig)                     # parameters replaced, or autocast changed
+        plan, sig = self.plan_for(args, kwargs, key)
         tpl = self._template(sig) if self.steady else None
         if tpl is not None:
-            return self._steady(_steady.SteadyRun(self, plan, tpl, inputs), args, kwargs, sig)
+            self.hot[key] = (plan, sig, tpl)
+            return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
         run = PlanRun(self, plan)
         run.inputs = {id(x) for x in inputs}
         run.call_inputs = inputs
@@ -213,7 +246,7 @@ class _Patched:
         finally:
             _STATE.run = None
         if not run.finish():
-            self.templates.pop(sig, None)       # other control flow: the next call records
+            self._drop(sig)                     # other control flow: the next call records
         self.last_run = run
         return out
 
@@ -224,9 +257,9 @@ class _Patched:
         if got is None or got is False:
             return None
         if type(got) is not tuple:
-            if got.fingerprint.holds():
+            if got.keep_only or got.fingerprint.holds():   # (keep-all: reads no parameter)
                 return got
-            self.templates.pop(sig)             # parameters replaced, or autocast changed
+            self._drop(sig)                     # parameters replaced, or autocast changed
             return None
         run, made_with = got
         if not made_with.holds() or not set(run.deferred) <= run.done_chains:
@@ -234,6 +267,11 @@ class _Patched:
         tpl = _steady.Template(run, made_with)
         self.templates[sig] = tpl if tpl.ok else False
         return tpl if tpl.ok else None
+
+    def _drop(self, sig) -> None:
+        """Forget `sig`'s template: the next call at it records again."""
+        self.templates.pop(sig, None)
+        self.hot = {k: v for k, v in self.hot.items() if v[1] != sig}
 
     def _fingerprint(self):
         return _steady.Fingerprint(self.model)

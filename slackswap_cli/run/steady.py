@@ -8,11 +8,18 @@ from it; `SteadyRun` is such a later call. What costs what, and why:
 
 - **per forward op: nothing.** No dispatch mode, no module hooks (they are registered for a
   full record and removed after it): an op that saves nothing for backward runs as in eager.
-- **per saved tensor (pack hook):** a counter, one tuple (`Template.seq`, precomputed) and
+- **per saved tensor (pack hook), keep-all plan:** nothing: the hooks hand the tensor back as
+  it is (nothing depends on which tensor is which: no counter, no checks). Measuring what a
+  call holds (`held_device_bytes`) is opt-in, `model.forward.__slackswap__.measure_held = True`
+  (verify, the benchmarks and the tests set it): then a keep-all pack appends the tensor to a
+  list that becomes weak references when forward returns (a tensor a forward saved and then
+  dropped, in a graph discarded inside forward, lives until forward returns), and any other
+  plan's kept packs take a weak reference each.
+- **per saved tensor (pack hook), any other plan:** a counter, one tuple (`Template.seq`, precomputed) and
   three checks: shape, dtype and the type of the autograd node that made it, so other control
   flow at the same shapes is caught (from the first difference on, the call keeps what autograd
   saves, as eager does, and the next call records again). Then the noted action: *keep* returns
-  the tensor (and, for a value the forward made, a weak reference for `held_device_bytes`);
+  the tensor (and, measuring, a weak reference to a value the forward made);
   *swap* copies its storage to the host (one copy per storage); *recompute* returns a reference.
   A pack that hands a value to a chain (the template knows which) binds it by position.
 - **per unpack:** a tensor comes back as it is; a swapped one is fetched (prefetches issued
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from types import MappingProxyType
 
 import torch
 import torch.utils._pytree as pytree
@@ -47,7 +55,7 @@ from . import swap as rt
 from .record import PlanRun, _In, _Record
 from ..schema import Action
 
-__all__ = ["Template", "Fingerprint", "SteadyRun"]
+__all__ = ["Template", "Fingerprint", "SteadyRun", "KeepRun"]
 
 _KEEP, _SWAP, _RECOMPUTE = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 
@@ -84,11 +92,16 @@ class Template:
         # [(loc to hand over, via its _base?)] or None, swap of the root's own storage?)
         self.seq = [(n[0], n[1], n[8], n[2], n[3], n[4], n[5], binds.get(i), n[7])
                     for i, n in enumerate(run.seq)]
-        self.tracked = [n[5] for n in run.seq]
+        # the same, for a call that does not measure what it holds: nothing weakly tracked
+        self.seq_quiet = [(*n[:6], False, *n[7:]) for n in self.seq]
         # a keep-all plan: nothing depends on which tensor is which, nothing to check
         self.keep_only = all(a == _KEEP for a in run.table["action"].values())
         self.chain_records: dict[int, list[int]] = {}    # filled by the first steady call
         self.chain_made: dict[int, list] = {}
+
+    def start(self, patched, plan, inputs: list) -> "SteadyRun":
+        """A later call's run: `KeepRun` for a keep-all plan, else `SteadyRun`."""
+        return (KeepRun if self.keep_only else SteadyRun)(patched, plan, self, inputs)
 
     def _binds(self, seq: list) -> dict[int, list]:
         """pack -> [(loc, via its _base?)]: the pack that hands each value a chain read while
@@ -148,7 +161,9 @@ class SteadyRun(PlanRun):
         # (PlanRun's per-call state, without what only recording needs)
         self.p, self.t, self.table = patched, plan, plan.table
         self.__dict__.update(tpl.shared)
-        self.tpl, self.records, self.seq, self.n = tpl, tpl.records, tpl.seq, tpl.n
+        self.measuring = measuring = patched.measure_held
+        self.tpl, self.records, self.n = tpl, tpl.records, tpl.n
+        self.seq = tpl.seq if measuring else tpl.seq_quiet
         self.kept_refs = []
         self.i = 0
         self.broken = False
@@ -157,11 +172,6 @@ class SteadyRun(PlanRun):
         self.bound = {}
         self.swaps = []
         self.rerun_ops = 0
-        if tpl.keep_only:          # nothing depends on which tensor is which: no checks
-            self.pack, self.unpack = self._keep, _same     # (every pack is the tensor itself)
-            self.tracked = tpl.tracked
-            self.pinned = self.made = self.root_swap = self.by_storage = {}
-            return
         self.made_by = plan.table["made_by"]
         self.pinned, self.by_storage, self.root_swap, self.made = {}, {}, {}, {}
         self.chain_uses = plan.chain_uses.copy()
@@ -169,18 +179,19 @@ class SteadyRun(PlanRun):
         self.progress, self.next_prefetch = self.table["n_forward"], 0
         self.bound_uses = tpl.uses.copy()
 
+    def held_device_bytes(self) -> int:
+        if not self.measuring:
+            raise RuntimeError(
+                "slackswap: this later call did not note what autograd holds (it costs a weak "
+                "reference per saved tensor); set model.forward.__slackswap__.measure_held = "
+                "True before the call to measure held_device_bytes()")
+        return super().held_device_bytes()
+
     @property
     def external(self) -> set:
         """Storages the forward read but did not make (for `held_device_bytes`)."""
         return self.tpl.external | {rt.storage_key(x) for x in self.call_inputs
                                     if x.device.type != "meta"}
-
-    def _keep(self, x: torch.Tensor):
-        i = self.i
-        self.i = i + 1
-        if i >= self.n or self.tracked[i]:        # (a value the forward made: counted)
-            self.kept_refs.append(weakref.ref(x))
-        return x
 
     def pack(self, x: torch.Tensor):
         i = self.i
@@ -220,7 +231,7 @@ class SteadyRun(PlanRun):
 
     def finish(self) -> bool:
         """After forward: did every pack line up with the template?"""
-        if self.i != self.n and not self.tpl.keep_only:
+        if self.i != self.n:
             self.broken = True
         return not self.broken
 
@@ -248,3 +259,49 @@ class SteadyRun(PlanRun):
             self.bound_uses[loc] -= 1
             if self.bound_uses[loc] <= 0:
                 self.bound.pop(loc, None)
+
+
+class KeepRun(SteadyRun):
+    """A later call of a keep-all plan: the hooks hand every tensor back as it is (nothing
+    depends on which tensor is which: no counter, no checks, and no parameter is read, so no
+    fingerprint either). What a `SteadyRun` holds per call is empty here, at class level; what
+    only reports read (records, `rec_of_op`, ...) is the template's."""
+    pinned = made = bound = root_swap = by_storage = MappingProxyType({})
+    swaps = ()
+    pack = unpack = staticmethod(_same)
+    rerun_ops = 0
+    broken = False
+    chain = None
+    i = 0
+
+    def __init__(self, patched, plan, tpl: Template, inputs: list):
+        self.p, self.t, self.tpl, self.call_inputs = patched, plan, tpl, inputs
+        self.measuring = patched.measure_held
+        self.kept_refs = []
+        if self.measuring:         # noted strongly until forward returns (`finish`), then weakly
+            held = self.held = []
+            hold = held.append
+
+            def keep(x, hold=hold):
+                hold(x)
+                return x
+            self.pack = keep
+
+    def finish(self) -> bool:
+        """After forward (measuring: what the packs held strongly, as autograd does, is held
+        weakly from here on)."""
+        if self.measuring:
+            self.kept_refs = list(map(weakref.ref, self.held))
+            self.held.clear()
+        return True
+
+    def __getattr__(self, name: str):
+        tpl = self.__dict__.get("tpl")
+        if tpl is not None:
+            if name in tpl.shared:
+                return tpl.shared[name]
+            if name in ("records", "seq", "n"):
+                return getattr(tpl, name)
+            if name == "table":
+                return self.t.table
+        raise AttributeError(name)
