@@ -15,7 +15,11 @@ benchmark's size) and on a small Hugging Face Llama, all profiled with `--device
 Each variant's extra time per forward op is the median over rounds of (its step - that round's
 eager step) / the profile's forward ops (the difference of the minima is in the JSON too); the
 ratios compare the patch's extra time with the identity hooks' and with the pass-through
-dispatch mode's.
+dispatch mode's. The order of the variants rotates by one each round, so each follows each
+other equally often: a step's Python runs on caches the previous step left (a step after the
+full recorder's, which touches far more memory, runs slower), and a fixed order would charge
+that to whichever variant comes after the heaviest (1.8x against 1.4x for the keep-all
+steady state over the identity hooks, measured both ways in one session).
 
 **The 0.5 plan's work, apart from the runtime's bookkeeping.** A plan that recomputes and swaps
 makes any runtime do real work on top of eager: run the recomputed ops again in backward, copy
@@ -356,8 +360,10 @@ def run_case(label: str, path: str, args: dict, rounds: int) -> dict:
         for _ in range(2):
             _step(*models[IN_PLACE])
         times = {name: [] for name in [*VARIANTS, IN_PLACE, WORK]}
-        for _ in range(rounds):
-            for name in [*VARIANTS, IN_PLACE]:
+        names = [*VARIANTS, IN_PLACE]
+        for r in range(rounds):      # (order rotated: each variant follows each other alike)
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
                 times[name].append(_step(*models[name]))
             times[WORK].append(_work_step(calls, copies, hosts))
     n = prof.n_forward
@@ -443,8 +449,9 @@ def main() -> int:
             print(f"{label}: done", file=sys.stderr)
     load = (*load, *os.getloadavg())
     out = {"torch": torch.__version__, "threads": 1, "quick": quick,
-           "timing": "median over interleaved rounds of (the step's thread CPU time less "
-                     "that round's eager step); minima in step_ms",
+           "timing": "median over interleaved rounds (order rotated by one each round) of "
+                     "(the step's thread CPU time less that round's eager step); minima in "
+                     "step_ms",
            "load_average_1_5_15_min_at_start_and_end": load, "results": results}
     md = table(results)
     head = ("Extra time per forward op over eager (median over interleaved rounds of the "

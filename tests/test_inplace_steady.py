@@ -10,7 +10,9 @@ mode is recomputed with its statistics updated once; a dtype change re-plans; HF
 checkpointing and torch.compile are said once on stderr.
 """
 import copy
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -19,7 +21,6 @@ from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.run.inplace import PlanRun, is_patched
 from slackswap_cli.run.record import _prepare, _Record, _Ref, _view_geometry
-from slackswap_cli.run import steady as steady_mod
 from slackswap_cli.run.steady import KeepRun, SteadyRun
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
@@ -166,10 +167,10 @@ def test_a_keep_all_plan_runs_on_hooks_alone_with_no_checks(files, tmp_path):
     assert _run(work.model).tpl.keep_only
     assert len({h for _, h, _ in got[3]}) == 1 and got[3][0][1] > 0
     assert all(n == 0 for _, _, n in got[3])
-    # not measuring (the default): the hooks hand every tensor back and note nothing
+    # not measuring (the default): the hooks hand every tensor back (an alias) and note nothing
     work.model.forward.__slackswap__.measure_held = False
     again = _steps(work, 2, lambda m, i: (type(_run(m)), _run(m).pack, _run(m).kept_refs))
-    assert all(k is KeepRun and p is steady_mod._same and r == [] for k, p, r in again[3])
+    assert all(k is KeepRun and p is torch.Tensor.detach and r == [] for k, p, r in again[3])
     with pytest.raises(RuntimeError, match="measure_held = True"):
         _run(work.model).held_device_bytes()
 
@@ -322,3 +323,39 @@ def test_torch_compile_of_a_patched_model_says_it_runs_unpatched(files, tmp_path
     err = capfd.readouterr().err
     assert err.count("the compiled model runs unpatched") == 1
     assert _run(work.model) is None                  # the plan did not run
+
+
+@pytest.mark.parametrize("name,frac,args", [("tiny_gpt", 1.0, {"dropout": 0.0}),
+                                            ("tiny_gpt", 0.5, {"dropout": 0.0}),
+                                            ("llama", 0.3, None), ("cnn", 0.5, None)])
+def test_a_forward_without_backward_leaks_nothing(name, frac, args, files, tmp_path):
+    """A step whose graph is dropped without backward (a skipped non-finite loss, an OOM
+    retry): what autograd held is freed, as in eager. (Handing autograd the saved tensor
+    itself made a cycle, output -> its node -> the output, that Python's collector cannot
+    see: every such call leaked all its kept tensors.)"""
+    mod, _, _ = _patched(tmp_path, files, name, frac, args)
+    _, work = _twins(files[name], args)
+    mod.patch(work.model)
+    a, kw = split_inputs(work.inputs)
+    for _ in range(3):                    # first call, then later calls, with backward
+        loss_from_output(work.model(*a, **kw), work.inputs, work.loss_fn).backward()
+
+    state = work.model.forward.__slackswap__
+    state.measure_held = True             # (each call notes what autograd holds, weakly)
+
+    def forward_only(n):
+        """n calls without backward: were the first n - 1 runs, and all they held, freed?"""
+        runs, held = [], []
+        for _ in range(n):
+            loss_from_output(work.model(*a, **kw), work.inputs, work.loss_fn)
+            runs.append(weakref.ref(state.last_run))
+            held.append(list(state.last_run.kept_refs))
+        gc.collect()
+        assert all(len(h) > 0 for h in held)
+        return ([r() is None for r in runs[:-1]],
+                [sum(t() is not None for t in h) for h in held[:-1]])
+    dead, alive = forward_only(4)
+    assert dead == [True] * 3 and alive == [0] * 3     # (the bug: every kept tensor alive)
+    state.steady = False                               # the first call's runtime too
+    dead, alive = forward_only(3)
+    assert dead == [True] * 2 and alive == [0] * 2

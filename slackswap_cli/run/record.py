@@ -176,6 +176,7 @@ class PlanRun:
         self.modules: list[list] = [["", True]]    # [module path, in its forward body?]
         self.inputs: set[int] = set()              # ids of the call's own tensors (held)
         self.kept_refs: list = []                  # what autograd holds as it is (weak)
+        self.kept_alias: dict = {}                 # output loc -> weak ref to what it holds
         self.external: set = set()                 # storages the forward read but did not make
         self.call_inputs: list = []                # the call's own tensors, in order
         # for a steady-state template (`_Template`): each pack's decision, in order, and the
@@ -237,8 +238,8 @@ class PlanRun:
                     self.tid_of[(k, j)] = tid
                     self.loc_of_tid[tid] = (k, j)
                     r = self.root(tid)
-                    if r == tid and r in self.t.pin_roots:
-                        self.pinned[r] = leaves[j]
+                    if r == tid and r in self.t.pin_roots:     # (an alias: see `_kept`)
+                        self.pinned[r] = leaves[j].detach()
                     if r == tid and self.table["action"].get(r) == Action.SWAP:
                         x = leaves[j]
                         self.metas[r] = (x.dtype, tuple(x.shape), tuple(x.stride()),
@@ -311,9 +312,7 @@ class PlanRun:
         self.seq.append(note)
         tid = None if loc is None else self.tid_of.get(loc)
         if tid is None:
-            if loc is not None:
-                self.kept_refs.append(weakref.ref(x))
-            return x
+            return x.detach() if loc is None else self._kept(x, loc)   # (see `_kept`)
         r = self.root(tid)
         act = self.table["action"].get(r)
         if act == Action.SWAP and self.t.last_write.get(r, -1) >= self.ptr:
@@ -330,8 +329,24 @@ class PlanRun:
             self.packs[r] = self.packs.get(r, 0) + 1
             self.deferred.setdefault(self.table["made_by"][r], set()).add(r)
             return [False, Action.RECOMPUTE, r, loc]
-        self.kept_refs.append(weakref.ref(x))
-        return x
+        return self._kept(x, loc)
+
+    def _kept(self, x: torch.Tensor, loc=None) -> torch.Tensor:
+        """What autograd holds for a kept tensor: `x.detach()` (same storage, same version
+        counter), never `x` itself. A node that saves its own output would hold that output,
+        whose `grad_fn` is the node: a cycle through C++ that Python's collector cannot see,
+        so a graph dropped without backward (a skipped step, an OOM retry) would keep every
+        saved tensor alive for good. For the same reason, what a run holds for its chains
+        (pinned roots, handed-over values, what a chain reads live) are such aliases: the
+        graph holds the run (its unpack hook), so the run must not hold the graph. The weak
+        references (for `held_device_bytes`, and for a chain that reads output `loc` while
+        autograd holds it: `_live`) are to what autograd holds."""
+        kept = x.detach()
+        ref = weakref.ref(kept)
+        self.kept_refs.append(ref)
+        if loc is not None:
+            self.kept_alias.setdefault(loc, ref)
+        return kept
 
     def _swap(self, x: torch.Tensor, r: int, own: bool) -> list:
         """Pack `x` (root `r` or a view of it) as a host copy of its storage. `own`: x's
@@ -522,8 +537,13 @@ class PlanRun:
                 self._release(r)
 
     def _live(self, loc: tuple[int, int]):
-        """Output `loc` of this forward if it is still alive (it may since have changed)."""
+        """Output `loc` of this forward if it is still alive (it may since have changed):
+        the tensor itself, or the alias autograd holds of it."""
         ref = self.records[loc[0]].outs[loc[1]]
+        x = ref() if ref is not None else None
+        if x is not None:
+            return x.detach()          # (a chain's values hold no graph: see `_kept`)
+        ref = self.kept_alias.get(loc)
         return ref() if ref is not None else None
 
     def _replay(self, k: int, local: dict) -> None:

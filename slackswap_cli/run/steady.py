@@ -207,11 +207,11 @@ class SteadyRun(PlanRun):
                 v = x._base if via_base else x
                 if v is None:
                     return self._differs(x)
-                bound[bloc] = v
+                bound[bloc] = v.detach()     # (an alias: see `PlanRun._kept`)
         if kind is _KEEP:
             if tracked:
-                self.kept_refs.append(weakref.ref(x))
-            return x
+                return self._kept(x)
+            return x.detach()          # (never `x` itself: see `PlanRun._kept`)
         if kind is _SWAP:
             return self._swap(x, r, own)
         packs = self.packs
@@ -226,8 +226,7 @@ class SteadyRun(PlanRun):
 
     def _differs(self, x: torch.Tensor):
         self.broken = True
-        self.kept_refs.append(weakref.ref(x))
-        return x
+        return self._kept(x)
 
     def finish(self) -> bool:
         """After forward: did every pack line up with the template?"""
@@ -268,7 +267,8 @@ class KeepRun(SteadyRun):
     only reports read (records, `rec_of_op`, ...) is the template's."""
     pinned = made = bound = root_swap = by_storage = MappingProxyType({})
     swaps = ()
-    pack = unpack = staticmethod(_same)
+    pack = staticmethod(torch.Tensor.detach)     # (never `x` itself: see `PlanRun._kept`)
+    unpack = staticmethod(_same)
     rerun_ops = 0
     broken = False
     chain = None
@@ -283,8 +283,9 @@ class KeepRun(SteadyRun):
             hold = held.append
 
             def keep(x, hold=hold):
-                hold(x)
-                return x
+                kept = x.detach()
+                hold(kept)
+                return kept
             self.pack = keep
 
     def finish(self) -> bool:
