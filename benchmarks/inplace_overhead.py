@@ -10,7 +10,10 @@ benchmark's size) and on a small Hugging Face Llama, all profiled with `--device
   `TorchDispatchMode`; eager selective activation checkpointing (a save-all policy over each
   block): the reference costs;
 - `patch` with a keep-all plan and with the 0.5 plan, on the first call at a shape (the full
-  recorder: forced on every call here) and on later calls (steady state: pack hooks only).
+  recorder: forced on every call here) and on later calls (steady state: pack hooks only; a
+  keep-all plan's later calls run with no hooks at all, nothing to do, unless they measure
+  what they hold: "measuring" is that case, `measure_held`, its pack hook noting each saved
+  tensor's alias: the cost of the hook path when the plan acts on nothing).
 
 Each variant's extra time per forward op is the median over rounds of (its step - that round's
 eager step) / the profile's forward ops (the difference of the minima is in the JSON too); the
@@ -88,16 +91,17 @@ def workload(batch=4, seq=64, hidden=128, layers=2):
 '''
 CASES = [  # (label, workload, args, rounds)
     ("tiny GPT, short ops", "tiny_gpt", {"n_layer": 2, "d_model": 64, "seq": 64, "batch": 4,
-                                          "dropout": 0.0}, 200),
+                                          "dropout": 0.0}, 300),
     ("tiny GPT (previous size)", "tiny_gpt", {"n_layer": 4, "d_model": 256, "seq": 128,
                                                "batch": 8, "dropout": 0.0}, 16),
-    ("HF Llama (small)", "llama", {}, 80),
+    ("HF Llama (small)", "llama", {}, 160),
 ]
 WORK = "0.5 plan's work, bare"
 IN_PLACE = "0.5 plan's work, in place"
 VARIANTS = ["eager", "identity hooks", "pass-through dispatch mode", "SAC save-all",
             "patch keep-all, first call", "patch 0.5, first call",
-            "patch keep-all, steady", "patch 0.5, steady"]
+            "patch keep-all, steady", "patch keep-all, steady, measuring", "patch 0.5, steady"]
+MEASURING = "patch keep-all, steady, measuring"
 
 
 def _blocks(model):
@@ -151,7 +155,8 @@ def _variants(path: str, args: dict, mods: dict):
             _sac(work.model)
         elif name.startswith("patch"):
             mods["keep" if "keep-all" in name else "half"].patch(work.model)
-            work.model.forward.__slackswap__.steady = name.endswith("steady")
+            work.model.forward.__slackswap__.steady = "steady" in name
+            work.model.forward.__slackswap__.measure_held = name == MEASURING
         out[name] = (work, ctx)
     return out
 

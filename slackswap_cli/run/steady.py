@@ -4,24 +4,27 @@ hooks alone.
 The first call at an input signature (`record.PlanRun`) records every aten op under a
 `TorchDispatchMode`, lines it up with the profile and decides, pack by pack, what autograd holds.
 Once that call's backward ran every chain it deferred, `Template` keeps what a later call needs
-from it; `SteadyRun` is such a later call. What costs what, and why:
+from it; `SteadyRun` (or `KeepRun`, for a keep-all plan) is such a later call. What costs
+what, and why:
 
 - **per forward op: nothing.** No dispatch mode, no module hooks (they are registered for a
   full record and removed after it): an op that saves nothing for backward runs as in eager.
-- **per saved tensor (pack hook), keep-all plan:** nothing: the hooks hand the tensor back as
-  it is (nothing depends on which tensor is which: no counter, no checks). Measuring what a
-  call holds (`held_device_bytes`) is opt-in, `model.forward.__slackswap__.measure_held = True`
-  (verify, the benchmarks and the tests set it): then a keep-all pack appends the tensor to a
-  list that becomes weak references when forward returns (a tensor a forward saved and then
-  dropped, in a graph discarded inside forward, lives until forward returns), and any other
-  plan's kept packs take a weak reference each.
-- **per saved tensor (pack hook), any other plan:** a counter, one tuple (`Template.seq`, precomputed) and
-  three checks: shape, dtype and the type of the autograd node that made it, so other control
-  flow at the same shapes is caught (from the first difference on, the call keeps what autograd
-  saves, as eager does, and the next call records again). Then the noted action: *keep* returns
-  the tensor (and, measuring, a weak reference to a value the forward made);
-  *swap* copies its storage to the host (one copy per storage); *recompute* returns a reference.
-  A pack that hands a value to a chain (the template knows which) binds it by position.
+- **per saved tensor, keep-all plan (`KeepRun`):** nothing: there is nothing to do, so the call
+  runs without saved-tensor hooks (autograd saves as in eager) unless it measures.
+- **per saved tensor (pack hook), any other plan (`SteadyRun`):** a counter, one tuple
+  (`Template.seq`, precomputed) and three checks: shape, dtype and the type of the autograd
+  node that made it, so other control flow at the same shapes is caught (from the first
+  difference on, the call keeps what autograd saves, as eager does, and the next call records
+  again). Then the noted action: *keep* returns `x.detach()`; *swap* copies its storage to the
+  host (one copy per storage); *recompute* returns a reference. A pack that hands a value to a
+  chain (the template knows which) binds an alias of it by position.
+- **why aliases:** autograd is never handed `x` itself, and a run holds only aliases (see
+  `record.PlanRun._kept`): otherwise a forward dropped without backward leaks, through cycles
+  Python's collector cannot see.
+- **measuring** what a call holds (`held_device_bytes`) is opt-in on later calls,
+  `model.forward.__slackswap__.measure_held = True` (verify, the benchmarks and the tests set
+  it): then kept packs take a weak reference each (a keep-all call runs with hooks whose pack
+  appends an alias to a list that becomes weak references when forward returns).
 - **per unpack:** a tensor comes back as it is; a swapped one is fetched (prefetches issued
   at the plan's points); the first unpack of a recomputed root runs its chain.
 - **per chain:** the records it replays (the ops its deferred roots need) and the roots it
@@ -32,10 +35,11 @@ from it; `SteadyRun` is such a later call. What costs what, and why:
   view whose input has the geometry noted at its first replay is `Tensor.as_strided` at the
   noted output geometry instead (`record._view_geometry`: one C call, not the boxed op), and an
   unpack's view of a view is one `as_strided` from the value at hand (`_view_base`).
-- **per step:** the signature (a dict lookup on the inputs' shapes and dtypes, the parameters'
-  device and dtype), whether the very parameter and buffer tensors still sit in their module
-  slots and the autocast state is unchanged (`Fingerprint.holds`: a C-level walk over a flat
-  list, no module tree), a few fresh containers.
+- **per step:** one dict lookup (`inplace._Patched.hot`) by the key of the call (the first
+  parameter's device and dtype, the inputs' shapes and dtypes: one loop) for the plan and the
+  template; for a plan that recomputes or swaps, whether the very parameter and buffer tensors
+  still sit in their module slots and the autocast state is unchanged (`Fingerprint.holds`: a
+  C-level walk over a flat list, no module tree); a few fresh containers.
 - **per new signature:** a full record (the first call), possibly a new plan (`run/replan.py`).
 
 Limits: a divergence that keeps every saved tensor's shape, dtype and producing node type at
@@ -261,13 +265,15 @@ class SteadyRun(PlanRun):
 
 
 class KeepRun(SteadyRun):
-    """A later call of a keep-all plan: the hooks hand every tensor back as it is (nothing
-    depends on which tensor is which: no counter, no checks, and no parameter is read, so no
-    fingerprint either). What a `SteadyRun` holds per call is empty here, at class level; what
+    """A later call of a keep-all plan: nothing to do per saved tensor, so no saved-tensor
+    hooks at all (`pack` is None): autograd saves as in eager. Nothing depends on which tensor
+    is which (no counter, no checks) and no parameter is read (no fingerprint either).
+    Measuring (`measure_held`), the hooks are on: the pack notes an alias of each tensor (see
+    `PlanRun._kept`). What a `SteadyRun` holds per call is empty here, at class level; what
     only reports read (records, `rec_of_op`, ...) is the template's."""
     pinned = made = bound = root_swap = by_storage = MappingProxyType({})
     swaps = ()
-    pack = staticmethod(torch.Tensor.detach)     # (never `x` itself: see `PlanRun._kept`)
+    pack = None
     unpack = staticmethod(_same)
     rerun_ops = 0
     broken = False
