@@ -344,3 +344,32 @@ def test_a_slow_planners_plan_is_replanned_by_its_quick_stand_in(files, tmp_path
                   for x in a)
     table, what = replan_table(work.model, None, short, kw, {**mod.META, "planner": "optimal"})
     assert what.startswith("slackswap at 0.5 of the keep-all peak") and table, what
+
+
+@pytest.mark.parametrize("name,frac", [("tiny_gpt", 0.3), ("llama", 0.3), ("cnn", 0.75)])
+def test_two_forwards_then_one_backward_is_exact(name, frac, files, tmp_path):
+    """Two calls whose graphs are alive at once (a loss over two forwards: contrastive pairs,
+    a summed micro-batch), on the first call and on later ones: each call's run serves its own
+    backward, and the step is bitwise eager's."""
+    from slackswap_cli.trace.joint import loss_from_output, split_inputs
+    mod, _ = patched_module(tmp_path, files, name, frac)
+    eager, work = twin(files, name)
+    model = mod.patch(work.model)
+    a, kw = split_inputs(work.inputs)
+    from slackswap_cli.run.steady import SteadyRun
+    grads, kinds = [], []
+    for m in (eager.model, model):
+        torch.manual_seed(1)
+        for _ in range(3):                # first calls, then later calls
+            m.zero_grad(set_to_none=True)
+            first = loss_from_output(m(*a, **kw), work.inputs, work.loss_fn)
+            if m is model:
+                kinds.append(type(run_of(m)))
+            second = loss_from_output(m(*a, **kw), work.inputs, work.loss_fn)
+            if m is model:
+                kinds.append(type(run_of(m)))
+            (first + 2 * second).backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert all(torch.equal(g, h) for g, h in zip(*grads))
+    assert kinds[-2:] == [SteadyRun, SteadyRun]
+    assert run_of(model).rerun_ops > 0 or run_of(model).metas
