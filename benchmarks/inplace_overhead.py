@@ -379,6 +379,9 @@ def run_case(label: str, path: str, args: dict, rounds: int) -> dict:
     extra = {k: statistics.median(t - e for t, e in zip(v, times["eager"])) * 1e6 / n
              for k, v in times.items()}
     extra_min = {k: (v - best["eager"]) * 1e6 / n for k, v in best.items()}
+    # the spread of the paired differences (first and third quartile over rounds)
+    spread = {k: [q * 1e6 / n for q in statistics.quantiles(
+        [t - e for t, e in zip(v, times["eager"])], n=4)[::2]] for k, v in times.items()}
     ratio = {k: {"vs identity hooks": extra[k] / extra["identity hooks"],
                  "vs pass-through dispatch mode": extra[k] / extra["pass-through dispatch mode"]}
              for k in VARIANTS if k.startswith("patch")}
@@ -396,7 +399,8 @@ def run_case(label: str, path: str, args: dict, rounds: int) -> dict:
              "swapped_bytes": sum(t.untyped_storage().nbytes() for t in copies)}
     return {"case": label, "args": args, "forward_ops": n, "rounds": rounds,
             "plans": planned, "plan_0.5_steady": split, "step_ms": {k: v * 1e3 for k, v in best.items()},
-            "extra_us_per_forward_op": extra, "extra_us_per_forward_op_of_minima": extra_min,
+            "extra_us_per_forward_op": extra, "extra_us_per_forward_op_quartiles": spread,
+            "extra_us_per_forward_op_of_minima": extra_min,
             "patch_ratios": ratio}
 
 
