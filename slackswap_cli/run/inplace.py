@@ -207,7 +207,7 @@ class _Patched:
         hot = self.hot.get(key)        # (a later call at a signature with a template)
         if hot is not None and self.steady:
             plan, sig, tpl = hot
-            if tpl.keep_only or tpl.fingerprint.holds():    # (keep-all: reads no parameter)
+            if tpl.holds():
                 return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
             self._drop(sig)                     # parameters replaced, or autocast changed
         plan, sig = self.plan_for(args, kwargs, key)
@@ -260,7 +260,7 @@ class _Patched:
         if got is None or got is False:
             return None
         if type(got) is not tuple:
-            if got.keep_only or got.fingerprint.holds():   # (keep-all: reads no parameter)
+            if got.holds():
                 return got
             self._drop(sig)                     # parameters replaced, or autocast changed
             return None

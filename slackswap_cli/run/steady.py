@@ -23,8 +23,8 @@ what, and why:
   Python's collector cannot see.
 - **measuring** what a call holds (`held_device_bytes`) is opt-in on later calls,
   `model.forward.__slackswap__.measure_held = True` (verify, the benchmarks and the tests set
-  it): then kept packs take a weak reference each (a keep-all call runs with hooks whose pack
-  appends an alias to a list that becomes weak references when forward returns).
+  it): then kept packs take a weak reference each (a keep-all call then runs with hooks, its
+  pack `PlanRun._kept`).
 - **per unpack:** a tensor comes back as it is; a swapped one is fetched (prefetches issued
   at the plan's points); the first unpack of a recomputed root runs its chain.
 - **per chain:** the records it replays (the ops its deferred roots need) and the roots it
@@ -49,7 +49,6 @@ False` records every call.
 from __future__ import annotations
 
 import operator
-import weakref
 from types import MappingProxyType
 
 import torch
@@ -102,6 +101,11 @@ class Template:
         self.keep_only = all(a == _KEEP for a in run.table["action"].values())
         self.chain_records: dict[int, list[int]] = {}    # filled by the first steady call
         self.chain_made: dict[int, list] = {}
+
+    def holds(self) -> bool:
+        """Still valid for a later call: a keep-all plan reads no parameter, any other needs
+        its fingerprint to hold."""
+        return self.keep_only or self.fingerprint.holds()
 
     def start(self, patched, plan, inputs: list) -> "SteadyRun":
         """A later call's run: `KeepRun` for a keep-all plan, else `SteadyRun`."""
@@ -284,22 +288,11 @@ class KeepRun(SteadyRun):
         self.p, self.t, self.tpl, self.call_inputs = patched, plan, tpl, inputs
         self.measuring = patched.measure_held
         self.kept_refs = []
-        if self.measuring:         # noted strongly until forward returns (`finish`), then weakly
-            held = self.held = []
-            hold = held.append
-
-            def keep(x, hold=hold):
-                kept = x.detach()
-                hold(kept)
-                return kept
-            self.pack = keep
+        if self.measuring:
+            self.pack = self._kept
 
     def finish(self) -> bool:
-        """After forward (measuring: what the packs held strongly, as autograd does, is held
-        weakly from here on)."""
-        if self.measuring:
-            self.kept_refs = list(map(weakref.ref, self.held))
-            self.held.clear()
+        """After forward: nothing to line up (every pack is kept as it is)."""
         return True
 
     def __getattr__(self, name: str):
