@@ -514,7 +514,7 @@ def fit(
     memory, plan the activations in what is left, and pick the batch that trains fastest."""
     sink = Sink(as_json, quiet)
     try:
-        from .fit import check_static_fits, parse_batches, static_memory, sweep
+        from .fit import check_static_fits, parse_batches, sweep
         from .trace import split_device
         from .trace.workload import parse_workload_args
         batches = parse_batches(batch)
@@ -535,9 +535,7 @@ def fit(
         check_batch_arg(str(model), entry, batch_arg)
         profiler = Profiler(str(model), entry=entry, args=args, batch_arg=batch_arg,
                             device=device, hardware=s.hardware,
-                            on_facts=lambda f: check_static_fits(
-                                static_memory(f, s.optimizer, shard=s.shard,
-                                              step_on_device=s.step_on_device), s),
+                            on_facts=lambda f: check_static_fits(f, s),
                             workers=jobs)
         try:
             result = sweep(batches, profiler, s, progress=sink.status,

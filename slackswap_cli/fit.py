@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -55,6 +56,7 @@ from .planners import DEFAULT_PLANNER
 from .schema import Action, Decision, Plan, Profile
 from .units import fmt_bytes
 
+MiB = 1024 ** 2
 GiB = 1024 ** 3
 
 # optimizer -> (state tensors per trainable parameter, each like the parameter; has a step counter)
@@ -155,7 +157,7 @@ def parse_batches(text: str) -> list[int]:
         raise InputError("--batch is empty", hint=hint)
     out: list[int] = []
     for item in items:
-        if not item.lstrip("+").isdigit():
+        if not re.fullmatch(r"[+-]?[0-9]+", item):
             raise InputError(f"--batch {item!r} is not an integer", hint=hint)
         value = int(item)
         if value < 1:
@@ -268,27 +270,58 @@ def _no(row: dict, reason: str) -> dict:
     return row
 
 
-def check_static_fits(static: StaticMemory, s: FitSettings) -> None:
-    """InputError when parameters, gradients and optimizer state (with the reserve) leave no
-    room for activations: no batch can fit."""
+def check_static_fits(facts: ModelFacts, s: FitSettings) -> StaticMemory:
+    """The static memory of one rank; InputError when it, with the reserve, leaves no room for
+    activations (no batch can fit). Each hint names a value that leaves room: a --shard found by
+    computing the sharded figures, a --memory, a --reserve."""
+    static = static_memory(facts, s.optimizer, shard=s.shard, step_on_device=s.step_on_device)
     over = static.total + s.reserve_bytes - s.memory_bytes
     if over < 0:
-        return
-    raise InputError(
-        f"the static memory alone ({fmt_bytes(static.total)}: parameters "
-        f"{fmt_bytes(static.params_bytes)}, gradients {fmt_bytes(static.grads_bytes)}, "
-        f"optimizer state {fmt_bytes(static.optimizer_bytes)}) plus the reserve "
-        f"{fmt_bytes(s.reserve_bytes)} exceeds the device's {fmt_bytes(s.memory_bytes)} by "
-        f"{fmt_bytes(over)}",
-        hint=f"shard it across ranks with --shard N (FSDP2 / ZeRO-3: --shard "
-             f"{_shards_needed(static, s)} would leave room), use a lighter --optimizer "
-             "(sgd, none), or a device with more --memory")
+        return static
+    what = (f"the static memory alone ({fmt_bytes(static.total)}: parameters "
+            f"{fmt_bytes(static.params_bytes)}, gradients {fmt_bytes(static.grads_bytes)}, "
+            f"optimizer state {fmt_bytes(static.optimizer_bytes)}) plus the reserve "
+            f"{fmt_bytes(s.reserve_bytes)} exceeds the device's {fmt_bytes(s.memory_bytes)} by "
+            f"{fmt_bytes(over)}")
+    if s.reserve_bytes >= s.memory_bytes:
+        what = (f"the reserve alone ({fmt_bytes(s.reserve_bytes)}) exceeds the device's "
+                f"{fmt_bytes(s.memory_bytes)}; " + what)
+    raise InputError(what, hint=_static_hint(facts, static, s))
 
 
-def _shards_needed(static: StaticMemory, s: FitSettings) -> int:
-    per = static.params_bytes + static.grads_bytes + static.optimizer_bytes
-    room = s.memory_bytes - s.reserve_bytes - static.buffers_bytes - static.inputs_bytes
-    return max(2, 2 ** math.ceil(math.log2(max(1.0, 2 * per / max(room, 1)))))
+def _mib_above(n_bytes: int) -> int:
+    """Whole MiB strictly above `n_bytes` (so a figure written in MiB leaves room)."""
+    return n_bytes // MiB + 1
+
+
+def _static_hint(facts: ModelFacts, static: StaticMemory, s: FitSettings) -> str:
+    """What leaves room for activations, each a value that does (see check_static_fits)."""
+    ways = []
+    shard = _shards_needed(facts, s)
+    if shard is not None:
+        ways.append(f"shard it across ranks with --shard {shard} (FSDP2 / ZeRO-3)")
+    room = s.memory_bytes - static.total
+    if room > MiB:
+        ways.append(f"keep less free with --reserve {room // MiB - 1}MiB")
+    # the least --memory that leaves room, whether the reserve stays as given or is the
+    # default, which grows with the device (1 GiB + 5%)
+    least = max(static.total + s.reserve_bytes, -(-(static.total + GiB) * 20 // 19))
+    ways.append(f"give the device's real size with --memory (--memory {_mib_above(least)}MiB "
+                "is about the least that leaves room)")
+    return "; or ".join(ways) + "; a lighter --optimizer (sgd, none) also saves memory"
+
+
+def _shards_needed(facts: ModelFacts, s: FitSettings, most: int = 4096) -> int | None:
+    """The smallest power-of-two world size above the current one whose per-rank static memory
+    leaves room under the reserve, or None where none up to `most` does."""
+    shard = 2
+    while shard <= most:
+        if shard > s.shard:
+            st = static_memory(facts, s.optimizer, shard=shard, step_on_device=s.step_on_device)
+            if st.total + s.reserve_bytes < s.memory_bytes:
+                return shard
+        shard *= 2
+    return None
 
 
 ProfileAt = Callable[[int], tuple[Profile, ModelFacts]]
@@ -377,9 +410,7 @@ def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
                 rows.append(_no(_row_head(batch, kind, None, s), how))
             t0 = time.perf_counter()
             continue
-        static = static_memory(facts, s.optimizer, shard=s.shard,
-                               step_on_device=s.step_on_device)
-        check_static_fits(static, s)
+        static = check_static_fits(facts, s)
         t1 = time.perf_counter()
         row, plan = plan_row(s.planner, batch, prof, static, s)
         derived = prof.summary.get("derived_from_batches")

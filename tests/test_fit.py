@@ -369,3 +369,41 @@ def test_fit_derives_after_two_traces_and_says_so(tmp_path):
     # the same rows either way (the derived profiles are the traced ones)
     drop = lambda row: {k: v for k, v in row.items() if k != "derived_from"}   # noqa: E731
     assert [drop(x) for x in data["rows"]] == [drop(x) for x in rows_each]
+
+
+def _with(args: list[str], option: str, value: str) -> list[str]:
+    """`args` with `option` set to `value` (replaced where given, else added)."""
+    out = list(args)
+    if option in out:
+        out[out.index(option) + 1] = value
+    else:
+        out += [option, value]
+    return out
+
+
+@pytest.mark.parametrize("given", [["--memory", "1MiB"],                     # the reserve alone
+                                   ["--memory", "1079MiB"],                  # 777 KiB short
+                                   ["--memory", "1MiB", "--reserve", "0"]])  # the model alone
+def test_every_hint_fit_gives_for_static_memory_leaves_room(tmp_path, given):
+    """Each value the hint names (--shard, --reserve, --memory) gets past the error when used."""
+    import re
+    args = [str(ROOT / "examples" / "tiny_gpt.py"), "--batch", "1", *given,
+            "-o", str(tmp_path / "x.plan.json")]
+    r = _fit(args)
+    assert_clean_error(r, 2, "exceeds the device")
+    hint = r.stderr.split("Hint:", 1)[1]
+    followed = re.findall(r"(--shard|--reserve|--memory) (\d+(?:MiB)?)\b", hint)
+    assert "--memory" in dict(followed)          # always offered: it always works
+    if "--reserve" not in given:
+        assert "reserve alone" in r.stderr or "--reserve" in dict(followed)
+    for option, value in followed:
+        again = _fit(_with(args, option, value))
+        assert "exceeds the device" not in again.stderr, (option, value, again.stderr)
+        assert again.exit_code != 2, (option, value, again.stderr)
+
+
+def test_a_negative_batch_is_not_positive():
+    with pytest.raises(InputError, match="'-1' is not positive"):
+        parse_batches("1,-1")
+    with pytest.raises(InputError, match="not an integer"):
+        parse_batches("--1")
