@@ -321,3 +321,27 @@ def test_tensors_a_loss_fn_closes_over_are_embedded_with_a_note(tmp_path):
     labels = load_workload(str(path)).loss_fn.__closure__[0].cell_contents.tolist()
     assert f"torch.tensor({labels!r}, dtype=torch.int64" in src
     assert verify(str(patched), check_trace=False).passed
+
+
+def test_a_module_written_with_another_layout_is_refused(files, tmp_path):
+    """A file whose META records another layout version is refused by every entry point that
+    reads its tables, naming the fix, instead of running with columns read wrongly."""
+    prof = profiled(files, "tiny_gpt")
+    plan = plan_at(prof, prof.summary["peak_activation_bytes"] // 2)
+    path = Path(write_patched(tmp_path, plan, prof))
+    mod = load_patched(str(path))
+    work = load_workload(str(files["tiny_gpt"]))
+    old = dict(mod.META, generator_version=0)
+    from slackswap_cli.run import inplace, step
+    for call in (lambda: inplace.patch(work.model, old, mod.TABLE),
+                 lambda: step.PatchedStep(work.model, old, mod.forward_step, mod.backward_step)):
+        with pytest.raises(InputError, match="layout version 0") as exc:
+            call()
+        assert "slackswap apply" in exc.value.hint
+    assert "forward" not in work.model.__dict__           # nothing was patched
+    text = path.read_text().replace("'generator_version': 1,", "'generator_version': 0,")
+    assert text != path.read_text()
+    edited = tmp_path / "edited.py"
+    edited.write_text(text)
+    with pytest.raises(InputError, match="layout version 0"):
+        load_patched(str(edited))

@@ -27,8 +27,7 @@ from ..errors import InputError, require_file
 from ..trace.retrace import joint_fingerprint, trace_fake, trace_matching, trace_options
 from ..workload_spec import resolve_workload_path
 from ..schema import Action, Plan, Profile
-
-GENERATOR_VERSION = 1
+from .generated import GENERATOR_VERSION, check_generated
 
 
 def plan_fingerprint(plan: Plan) -> str:
@@ -324,6 +323,7 @@ def load_patched(path: str):
         raise InputError(f"{p} is not a module written by `slackswap apply`",
                          hint="pass the file `slackswap apply -o` wrote")
     _check_meta(p, module)
+    check_generated(module.META)
     return module
 
 

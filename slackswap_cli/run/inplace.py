@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 
 from . import steady as _steady
 from ..schema import Action
+from .generated import check_generated
 from .record import _STATE, ALIGN_WARN, PlanRun, _body_hook, _leave_hook, _Recorder
 
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
@@ -336,6 +337,7 @@ def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = Tru
     with fake tensors and plan for them (same planner, hardware and budget fraction), once per
     shape; with False the profiled plan is used (and lines up where it can). `strict`: refuse
     (FingerprintMismatch) any call at shapes or on a device other than the profiled ones."""
+    check_generated(meta)
     inner = _unwrap(model)
     if inner is not model:
         patch(inner, meta, table, replan=replan, strict=strict)   # the wrapper calls it

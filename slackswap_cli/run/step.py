@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .generated import check_generated
 from .swap import StepStore
 
 __all__ = ["PatchedStep"]
@@ -85,6 +86,7 @@ class PatchedStep(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, meta: dict, forward_fn, backward_fn,
                  check_trace: bool = True):
+        check_generated(meta)
         super().__init__()
         self.model = model
         self.meta = meta

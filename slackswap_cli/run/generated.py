@@ -1,0 +1,25 @@
+"""The layout of the files `slackswap apply` writes, and the check that a file has it.
+
+GENERATOR_VERSION is written into every patched module's META. Code that runs such a file
+(`patch`, `step_module`, `verify`, `load_patched`) refuses one written with another layout:
+its tables would be read by the wrong columns, silently. Raise it whenever META, TABLE or
+GRAPH_TABLE change shape.
+"""
+from __future__ import annotations
+
+from ..errors import InputError
+
+GENERATOR_VERSION = 1
+
+
+def check_generated(meta) -> None:
+    """InputError unless `meta` (a patched module's META) was written with this layout."""
+    found = meta.get("generator_version") if isinstance(meta, dict) else None
+    if found == GENERATOR_VERSION:
+        return
+    said = ("records no layout version" if found is None
+            else f"was written with layout version {found!r}")
+    raise InputError(f"this patched module {said}; this slackswap runs layout version "
+                     f"{GENERATOR_VERSION} only",
+                     hint="write it again with `slackswap apply PLAN.json -o FILE` "
+                          "(the plan and profile files are unchanged)")
