@@ -43,6 +43,7 @@ memory budget). The best row of each is the feasible one with the most samples/s
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import re
@@ -289,11 +290,6 @@ def check_static_fits(facts: ModelFacts, s: FitSettings) -> StaticMemory:
     raise InputError(what, hint=_static_hint(facts, static, s))
 
 
-def _mib_above(n_bytes: int) -> int:
-    """Whole MiB strictly above `n_bytes` (so a figure written in MiB leaves room)."""
-    return n_bytes // MiB + 1
-
-
 def _static_hint(facts: ModelFacts, static: StaticMemory, s: FitSettings) -> str:
     """What leaves room for activations, each a value that does (see check_static_fits)."""
     ways = []
@@ -303,12 +299,19 @@ def _static_hint(facts: ModelFacts, static: StaticMemory, s: FitSettings) -> str
     room = s.memory_bytes - static.total
     if room > MiB:
         ways.append(f"keep less free with --reserve {room // MiB - 1}MiB")
-    # the least --memory that leaves room, whether the reserve stays as given or is the
-    # default, which grows with the device (1 GiB + 5%)
-    least = max(static.total + s.reserve_bytes, -(-(static.total + GiB) * 20 // 19))
-    ways.append(f"give the device's real size with --memory (--memory {_mib_above(least)}MiB "
-                "is about the least that leaves room)")
+    ways.append(f"give the device's real size with --memory (--memory "
+                f"{_least_memory_mib(static, s)}MiB is the least that leaves room)")
     return "; or ".join(ways) + "; a lighter --optimizer (sgd, none) also saves memory"
+
+
+def _least_memory_mib(static: StaticMemory, s: FitSettings) -> int:
+    """The least whole MiB of --memory that leaves room for activations, whether the reserve
+    stays as given or is the default (`default_reserve`, which grows with the device)."""
+    def leaves_room(mib: int) -> bool:
+        memory = mib * MiB
+        return memory - max(s.reserve_bytes, default_reserve(memory)) > static.total
+    most = -(-2 * (static.total + s.reserve_bytes + GiB) // MiB)   # leaves room: 5% < half
+    return bisect.bisect_left(range(most + 1), True, key=leaves_room)
 
 
 def _shards_needed(facts: ModelFacts, s: FitSettings, most: int = 4096) -> int | None:
