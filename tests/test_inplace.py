@@ -258,7 +258,7 @@ def test_without_replanning_another_shape_runs_unplanned_and_says_so(files, tmp_
     got, _, _ = train(model, work, steps=2)
     assert got == want
     err = capfd.readouterr().err
-    assert err.count("lined up") == 1 and "Re-profile" in err
+    assert err.count("lined up") == 1 and "re-profile at these shapes" in err
 
 
 def test_a_compiled_model_is_refused_and_a_ddp_wrapper_patches_its_module(files, tmp_path):

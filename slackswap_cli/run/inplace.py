@@ -28,8 +28,11 @@ __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
 class _Table:
     """One plan's table (`chains.runtime_table`) and the lookups derived from it."""
 
-    def __init__(self, table: dict):
+    def __init__(self, table: dict, budget_bytes: int | None = None):
         self.table = table
+        # what the guard holds a call to (`guard.py`): the plan's budget (none: no limit)
+        limit = table.get("budget_bytes", budget_bytes)
+        self.limit = limit if limit and limit > 0 else None
         self.op_inputs = table["op_inputs"]
         self.non_activation = set(table["non_activation"])
         self.last_write = {int(k): v for k, v in table.get("last_write", {}).items()}
@@ -82,7 +85,6 @@ class _Patched:
         self._forward = original_forward       # None: the class's forward
         self.had_instance_forward = had_instance_forward
         self.last_run: PlanRun | None = None
-        self.warned = False
         self.said: set[str] = set()             # notes already given on stderr
         self.module_hooks: dict[int, tuple] = {}
         self._names: dict | None = None
@@ -99,7 +101,8 @@ class _Patched:
         profiled = (meta.get("device_type", "cpu"), params[0][2].removeprefix("torch."),
                     *((tuple(shape), dtype.removeprefix("torch."))
                       for shape, dtype in meta.get("input_tensors", [])))
-        self.plans: dict[tuple, _Table | None] = plans or {profiled: _Table(table)}
+        self.plans: dict[tuple, _Table | None] = plans or {
+            profiled: _Table(table, meta.get("budget_bytes"))}
         self.default = next(iter(self.plans.values()))
 
     @property
@@ -223,9 +226,11 @@ class _Patched:
         self._say_checkpointing()
         prev = getattr(_STATE, "run", None)
         _STATE.run = run
-        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.nn.modules.module import (register_module_forward_hook,
+                                             register_module_forward_pre_hook)
         self._last_hooks()
-        hooks = [register_module_forward_pre_hook(run._enter)]
+        hooks = [register_module_forward_pre_hook(run._enter),
+                 register_module_forward_hook(run._left, always_call=True)]
         try:
             with _Recorder(run), torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
                 out = self.original_forward(*args, **kwargs)
@@ -236,7 +241,7 @@ class _Patched:
             self.remove_hooks()      # off the model until the next full record
         self.last_run = run
         self.templates[sig] = (run, self._fingerprint())
-        self._check_alignment(run)
+        self._check_run(run, sig)
         return out
 
     def _steady(self, run, args, kwargs, sig):
@@ -251,6 +256,7 @@ class _Patched:
             _STATE.run = None
         if not run.finish():
             self._drop(sig)                     # other control flow: the next call records
+            self._check_run(run, sig)
         self.last_run = run
         return out
 
@@ -315,18 +321,39 @@ class _Patched:
                 h.remove()
         self.module_hooks.clear()
 
-    def _check_alignment(self, run: PlanRun) -> None:
-        """Say once, on stderr, when most of the profile's ops did not line up: the plan then
-        saves little (correctness is not at stake: unmatched values are kept as eager keeps
-        them)."""
-        n = len(run.table["ops"])
-        matched = len(run.rec_of_op)
-        if n and matched < ALIGN_WARN * n and not self.warned:
-            self.warned = True
-            import sys
-            print(f"slackswap: only {matched} of the profile's {n} forward ops lined up with "
-                  "this step's (another input shape, device, dtype or model?): the plan ran "
-                  "for those alone. Re-profile for this setup to get all of it.", file=sys.stderr)
+    @property
+    def last_report(self) -> dict | None:
+        """What the last training call did (`PlanRun.report`): how much of the profile lined
+        up, what the guard swapped, bytes held for backward against the plan's budget."""
+        return None if self.last_run is None else self.last_run.report()
+
+    def _check_run(self, run: PlanRun, sig) -> None:
+        """Say once per signature, on stderr, when less than 99% of the profile's forward ops
+        lined up or the guard swapped what the plan could not place: what, what it cost and
+        what to do (correctness is not at stake either way)."""
+        rep = run.report()
+        low, acted = rep["fraction"] < ALIGN_WARN, rep["guard_swaps"] > 0
+        if not (low or acted) or ("run", sig) in self.said:
+            return
+        self.said.add(("run", sig))
+        from ..units import fmt_bytes
+        text = (f"{rep['lined_up']} of the profile's {rep['expected']} forward ops lined up "
+                f"({rep['fraction']:.1%}) at {_shapes(sig)}")
+        if acted:
+            text += (f"; the guard swapped {rep['guard_swaps']} saved tensors the plan could not "
+                     f"place ({fmt_bytes(rep['guard_swapped_bytes'])})")
+        if rep["budget_bytes"]:
+            over = rep["held_bytes"] > rep["budget_bytes"]
+            text += (f"; {fmt_bytes(rep['held_bytes'])} held for backward, "
+                     f"{rep['held_bytes'] / rep['budget_bytes']:.2f}x the budget of "
+                     f"{fmt_bytes(rep['budget_bytes'])}"
+                     + (" (what the plan itself keeps is over it)" if over else ""))
+        import sys
+        print(f"slackswap: {text}. The run took another path than the profiled trace "
+              "(other shapes, routing, device or dtype, or a library that branches otherwise "
+              "under fake tensors than in eager): re-profile at these shapes on this device for "
+              "the whole plan; see docs/training.md, 'When the run departs from the plan' (model.forward.__slackswap__.last_report has each call's "
+              "figures)", file=sys.stderr)
 
 
 def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = True,

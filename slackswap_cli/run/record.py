@@ -53,13 +53,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import swap as rt
+from ..guard import Guard
 from ..schema import Action
 from ..trace.aten import aliases_input, writes_first, written_positions, written_returns
 
 __all__ = ["PlanRun"]
 
 WINDOW = 256            # how far ahead an op may match an expected op
-ALIGN_WARN = 0.5        # warn when fewer of the profile's forward ops than this line up
+ALIGN_WARN = 0.99       # say so when fewer of the profile's forward ops than this line up
+# ops a trace has that eager never runs: make_fx writes a `detach` of each value autograd
+# saves of an op's output; eager's autograd saves it without an op. Not counted as missed.
+TRACE_ONLY = frozenset({"aten.detach.default"})
+# the name eager runs an op under -> the name the profile's trace gives it
+_TRACED_AS = {"aten.lift_fresh.default": "aten.lift_fresh_copy.default"}
 _STATE = threading.local()
 
 
@@ -173,7 +179,8 @@ class PlanRun:
         self.rerun_ops = 0
         self.device = None
         self.recording = True       # off while a hook of ours runs (its copies are not the model's)
-        self.modules: list[list] = [["", True]]    # [module path, in its forward body?]
+        # [module path, in its forward body?, id of a module not the model's (else None)]
+        self.modules: list[list] = [["", True, None]]
         self.inputs: set[int] = set()              # ids of the call's own tensors (held)
         self.kept_refs: list = []                  # what autograd holds as it is (weak)
         self.kept_alias: dict = {}                 # output loc -> weak ref to what it holds
@@ -185,6 +192,7 @@ class PlanRun:
         self.live_reads: dict[int, set] = {}
         self.chain = None                          # the chain replaying now
         self.bound: dict[tuple[int, int], torch.Tensor] = {}   # steady state: loc -> value
+        self.guard = Guard(plan.limit)              # what the plan cannot place (`guard.py`)
 
     # -- forward: recording and alignment ------------------------------------------------
     def record(self, func, args, kwargs, out, alias: bool = False) -> None:
@@ -240,6 +248,7 @@ class PlanRun:
                     r = self.root(tid)
                     if r == tid and r in self.t.pin_roots:     # (an alias: see `_kept`)
                         self.pinned[r] = leaves[j].detach()
+                        self._count(leaves[j])
                     if r == tid and self.table["action"].get(r) == Action.SWAP:
                         x = leaves[j]
                         self.metas[r] = (x.dtype, tuple(x.shape), tuple(x.stride()),
@@ -259,6 +268,7 @@ class PlanRun:
         block's input, cannot pass for a model's op)."""
         ops = self.table["ops"]
         name = str(func)
+        name = _TRACED_AS.get(name, name)
         first = next((list(x.shape) for x in leaves if isinstance(x, torch.Tensor)), None)
         module = self.modules[-1][0]
         end = min(len(ops), self.ptr + WINDOW)
@@ -271,6 +281,34 @@ class PlanRun:
         self.unmatched += 1
         return None
 
+    def report(self) -> dict:
+        """What this call did, for `model.forward.__slackswap__.last_report` and `verify`:
+        `alignment()`'s figures, the guard's swaps (count and bytes), the bytes held for
+        backward as counted in forward (`guard.py`'s count: kept storages, planned or not)
+        against the plan's budget (None: the plan has none)."""
+        g = self.guard
+        return {**self.alignment(), "guard_swaps": g.swaps if g else 0,
+                "guard_swapped_bytes": g.swapped_bytes if g else 0,
+                "held_bytes": self.held_at_end(),
+                "budget_bytes": self.t.limit}
+
+    def held_at_end(self) -> int:
+        """The guard's count of bytes held for backward, as forward left it."""
+        return self.guard.held
+
+    def alignment(self) -> dict:
+        """How this call lined up with the profile: `lined_up` of the profile's `expected`
+        forward ops (its trace-only ops, `TRACE_ONLY`, not counted) matched an op of the run;
+        `run_ops` ops of the run were recorded, `run_unmatched` of them matched none."""
+        ops = self.table["ops"]
+        only = {i for i, o in enumerate(ops) if o[1] in TRACE_ONLY}
+        expected = len(ops) - len(only)
+        lined = sum(1 for i in self.rec_of_op if i not in only)
+        return {"lined_up": lined, "expected": expected,
+                "fraction": lined / expected if expected else 1.0,
+                "run_ops": len(self.rec_of_op) + self.unmatched,
+                "run_unmatched": self.unmatched}
+
     # Which module runs, as the profile's trace attributes ops (the innermost module), and
     # whether in its forward body or in its hooks: a global pre-hook (called before every
     # module's own pre-hooks) enters a module's hooks; our own pre-hook, kept last in each
@@ -279,7 +317,17 @@ class PlanRun:
     # are not recorded, and their results are outside values to the ops that read them.
     def _enter(self, mod, args) -> None:
         name = self.p.names.get(id(mod))
-        self.modules.append([self.modules[-1][0] if name is None else name, False])
+        if name is None:
+            # not one of the model's modules (a loss module made inside forward): it has no
+            # hooks of ours, so its body is entered now and left by the global forward hook
+            # (`_left`); the profile's trace attributes its ops to the module around it
+            self.modules.append([self.modules[-1][0], self.modules[-1][1], id(mod)])
+        else:
+            self.modules.append([name, False, None])
+
+    def _left(self, mod, args, out) -> None:
+        if len(self.modules) > 1 and self.modules[-1][2] == id(mod):
+            self.modules.pop()
 
     def _body(self) -> None:
         if len(self.modules) > 1:
@@ -308,16 +356,22 @@ class PlanRun:
         base = x._base
         # what a later call at these shapes checks and does at this pack (`steady.Template`)
         note = [x.shape, x.dtype, Action.KEEP, None, loc, loc is not None,
-                None if base is None else self.where.get(base), None, type(x.grad_fn)]
+                None if base is None else self.where.get(base), None, type(x.grad_fn),
+                self.guard.held]
         self.seq.append(note)
         tid = None if loc is None else self.tid_of.get(loc)
-        if tid is None:
-            return x.detach() if loc is None else self._kept(x, loc)   # (see `_kept`)
+        if tid is None:       # not the profile's (or not made by this forward: not counted)
+            return x.detach() if loc is None else self._unplaced(x, loc, note)
         r = self.root(tid)
         act = self.table["action"].get(r)
+        if act is None and r not in self.table["bwd_use"] and r not in self.t.non_activation:
+            # a value the profile's backward does not read but eager's autograd saves (a
+            # node that saves more than the traced backward needs): not the plan's to place
+            return self._unplaced(x, loc, note)
         if act == Action.SWAP and self.t.last_write.get(r, -1) >= self.ptr:
-            act = None    # still to be written in place (a GRU cell's gates): a copy made
-            #               now would miss those writes, so it is kept as eager keeps it
+            # still to be written in place (a GRU cell's gates): a copy made now would miss
+            # those writes, so it is kept as eager keeps it (and counted)
+            return self._kept(x, loc)
         if act == Action.SWAP:
             mine = self.root_storage.get(r)
             note[2:4] = Action.SWAP, r
@@ -329,7 +383,26 @@ class PlanRun:
             self.packs[r] = self.packs.get(r, 0) + 1
             self.deferred.setdefault(self.table["made_by"][r], set()).add(r)
             return [False, Action.RECOMPUTE, r, loc]
+        if act == Action.RECOMPUTE:        # its chain did not line up
+            return self._unplaced(x, loc, note)
         return self._kept(x, loc)
+
+    def _unplaced(self, x: torch.Tensor, loc, note: list):
+        """A saved tensor the plan cannot place: kept while the guard admits it, else swapped
+        (`guard.py`'s rule); the note tells later calls at this signature which."""
+        if x.device.type == "meta" or self.guard.admit(rt.storage_key(x), rt.storage_bytes(x)):
+            return self._kept(x, loc)
+        note[2:4] = Action.SWAP, None
+        note[7] = False
+        return self._swap(x, None, False)
+
+    def _count(self, x: torch.Tensor) -> None:
+        """Count a storage this forward holds for backward as planned (`Guard.hold`)."""
+        guard = self.guard
+        if guard is not None and x.device.type != "meta":
+            key = rt.storage_key(x)
+            if key not in self.external:
+                guard.hold(key, rt.storage_bytes(x))
 
     def _kept(self, x: torch.Tensor, loc=None) -> torch.Tensor:
         """What autograd holds for a kept tensor: `x.detach()` (same storage, same version
@@ -342,6 +415,7 @@ class PlanRun:
         references (for `held_device_bytes`, and for a chain that reads output `loc` while
         autograd holds it: `_live`) are to what autograd holds."""
         kept = x.detach()
+        self._count(x)
         ref = weakref.ref(kept)
         self.kept_refs.append(ref)
         if loc is not None:
@@ -363,7 +437,9 @@ class PlanRun:
             self.swaps.append(sw)
         if own:
             self.root_swap[r] = sw
-            self.pinned.pop(r, None)      # the host copy serves a chain that reads it
+            held = self.pinned.pop(r, None)      # the host copy serves a chain that reads it
+            if held is not None and self.guard is not None:
+                self.guard.drop(key, rt.storage_bytes(held))
         sw.packs += 1
         self.packs[r] = self.packs.get(r, 0) + 1
         return [False, Action.SWAP, r, sw, x.dtype, tuple(x.shape), tuple(x.stride()),
@@ -544,7 +620,12 @@ class PlanRun:
         if x is not None:
             return x.detach()          # (a chain's values hold no graph: see `_kept`)
         ref = self.kept_alias.get(loc)
-        return ref() if ref is not None else None
+        x = ref() if ref is not None else None
+        if x is None:       # a root held for a chain that autograd saves only views of
+            tid = self.tid_of.get(loc)
+            if tid is not None and self.loc_of_tid.get(tid) == loc:
+                x = self.pinned.get(tid)
+        return x
 
     def _replay(self, k: int, local: dict) -> None:
         rec = self.records[k]

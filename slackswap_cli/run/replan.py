@@ -74,7 +74,9 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
     what += f", predicted retention {plan.predicted.retention:.1%}"
     if not plan.feasible:
         what += ", no plan fits: the closest one runs"
-    return runtime_table(prof, plan.decisions, is_inplace_target), what
+    table = runtime_table(prof, plan.decisions, is_inplace_target)
+    table["budget_bytes"] = budget         # (what the guard holds calls at these shapes to)
+    return table, what
 
 
 def _fake_copy(model: torch.nn.Module, mode) -> torch.nn.Module:

@@ -56,6 +56,7 @@ import torch.utils._pytree as pytree
 
 from . import swap as rt
 from .record import PlanRun, _In, _Record
+from ..guard import Guard
 from ..schema import Action
 
 __all__ = ["Template", "Fingerprint", "SteadyRun", "KeepRun"]
@@ -95,6 +96,9 @@ class Template:
         # [(loc to hand over, via its _base?)] or None, swap of the root's own storage?)
         self.seq = [(n[0], n[1], n[8], n[2], n[3], n[4], n[5], binds.get(i), n[7])
                     for i, n in enumerate(run.seq)]
+        # the guard's count before each pack, and after the last (`guard.py`): where a later
+        # call that leaves the template resumes counting
+        self.held_at = [n[9] for n in run.seq] + [run.guard.held]
         # the same, for a call that does not measure what it holds: nothing weakly tracked
         self.seq_quiet = [(*n[:6], False, *n[7:]) for n in self.seq]
         # a keep-all plan: nothing depends on which tensor is which, nothing to check
@@ -186,6 +190,7 @@ class SteadyRun(PlanRun):
         self.packs, self.deferred, self.done_chains = {}, {}, set()
         self.progress, self.next_prefetch = self.table["n_forward"], 0
         self.bound_uses = tpl.uses.copy()
+        self.guard = None              # counting starts where a call leaves the template
 
     def held_device_bytes(self) -> int:
         if not self.measuring:
@@ -233,8 +238,17 @@ class SteadyRun(PlanRun):
         return [False, _RECOMPUTE, r, loc]
 
     def _differs(self, x: torch.Tensor):
-        self.broken = True
-        return self._kept(x)
+        """A pack that left the template (other control flow at the same shapes): from here
+        on what autograd saves is the plan's no longer, so the guard decides (`guard.py`),
+        counting on from where the first call's count stood at this pack."""
+        if not self.broken:
+            self.broken = True
+            self.guard = Guard(self.t.limit)
+            self.guard.held = self.tpl.held_at[min(self.i - 1, self.n)]
+        return self._unplaced(x, None, [None] * 10)
+
+    def held_at_end(self) -> int:
+        return self.tpl.held_at[-1] if self.guard is None else self.guard.held
 
     def finish(self) -> bool:
         """After forward: did every pack line up with the template?"""
@@ -282,6 +296,7 @@ class KeepRun(SteadyRun):
     rerun_ops = 0
     broken = False
     chain = None
+    guard = None
     i = 0
 
     def __init__(self, patched, plan, tpl: Template, inputs: list):

@@ -1,0 +1,92 @@
+"""The memory guard: what a run does with a saved tensor its plan cannot place.
+
+A plan names saved activations by their place in the profiled step. A run that departs from
+it (a library branching otherwise in eager than under fake tensors, another routing, an op
+the trace does not have) saves tensors the plan does not name, and recomputes it cannot
+carry out (an op its chain needs did not line up). Eager would keep them all; on a GPU that
+is the out-of-memory error the plan exists to prevent. The guard's rule, one for the runtime
+(`run/record.py`, pack by pack) and for the simulator (`guarded_decisions`):
+
+- the bytes held for backward are counted in forward order: every saved storage kept (by
+  the plan or by the guard) counts once, from the moment autograd saves it; swapped and
+  recomputed ones do not count;
+- a saved tensor the plan cannot place is **kept if holding it leaves the count at or under
+  the limit** (the plan's budget), **else swapped** to host memory (a copy of its storage,
+  brought back in backward: bit for bit, so training is unchanged);
+- what the plan places (keep, swap, recompute as planned) is never changed: the guard only
+  decides what the plan left undecided. Swapping is the fallback because it needs nothing of
+  the profile: a recompute needs the ops before it lined up, which is exactly what failed.
+
+Assumption (as eager's autograd makes it): a saved tensor is not written in place after it
+was saved, except roots the profile knows are written later (`last_write`), which the
+runtime keeps and counts.
+
+This module is the torch-free core's; `run/record.py` holds the torch side.
+"""
+from __future__ import annotations
+
+from .schema import Action, Decision, Profile
+
+__all__ = ["Guard", "guarded_decisions"]
+
+
+class Guard:
+    """The running count of one forward and the rule applied to it. `limit`: the byte count
+    held for backward may reach (None: no limit, everything is kept)."""
+    __slots__ = ("limit", "held", "seen", "swaps", "swapped_bytes", "kept_over")
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.held = 0
+        self.seen: set = set()
+        self.swaps = 0              # saved tensors the guard swapped
+        self.swapped_bytes = 0
+        self.kept_over = 0          # bytes the plan itself keeps beyond the limit
+
+    def hold(self, key, nbytes: int) -> None:
+        """Count a storage the plan holds (kept as planned): once per storage."""
+        if key not in self.seen:
+            self.seen.add(key)
+            self.held += nbytes
+            if self.limit is not None and self.held > self.limit:
+                self.kept_over = self.held - self.limit
+
+    def drop(self, key, nbytes: int) -> None:
+        """A counted storage is no longer held (the plan swapped a root it held for a chain)."""
+        if key in self.seen:
+            self.seen.discard(key)
+            self.held -= nbytes
+
+    def admit(self, key, nbytes: int) -> bool:
+        """May the run keep a saved storage the plan cannot place? True: keep it (counted);
+        False: swap it (counted among the guard's swaps, not as held)."""
+        if key in self.seen:
+            return True                 # already held: keeping another view costs nothing
+        if self.limit is None or self.held + nbytes <= self.limit:
+            self.seen.add(key)
+            self.held += nbytes
+            return True
+        self.swaps += 1
+        self.swapped_bytes += nbytes
+        return False
+
+
+def guarded_decisions(profile: Profile, decisions, limit: int,
+                      unplaced: set[int]) -> tuple[Decision, ...]:
+    """The decisions a run carries out when the saved roots `unplaced` cannot be placed as
+    decided (the plan's decision for them does not hold): each of them, in production order,
+    is kept while the bytes held for backward so far (kept roots produced before it, plan's
+    and guard's alike, each counted once) plus its own stay within `limit`, else swapped. The
+    simulator then judges the result like any plan."""
+    by_id = {d.tensor: d for d in decisions}
+    guard = Guard(limit)
+    out = []
+    for t in profile.saved_activations:
+        d = by_id.get(t.id, Decision(t.id, Action.KEEP.value))
+        if t.id in unplaced:
+            keep = guard.admit(t.id, t.size_bytes)
+            d = Decision(t.id, Action.KEEP.value if keep else Action.SWAP.value)
+        elif d.action == Action.KEEP.value:
+            guard.hold(t.id, t.size_bytes)
+        out.append(d)
+    return tuple(out)
