@@ -1,7 +1,37 @@
-"""slackswap: fit training into GPU memory by keeping, swapping or recomputing saved activations."""
+"""slackswap: fit training into GPU memory by keeping, swapping or recomputing saved activations.
+
+From a training script (docs/training.md, "The library API"):
+
+    plan = slackswap_cli.plan_model(model, inputs, budget=0.5)
+    slackswap_cli.patch(model, plan)          # or model = slackswap_cli.compile(model, plan)
+
+`plan_model`, `patch`, `compile`, `Plan` (slackswap_cli/run/api.py) and `SlackswapCallback`
+(the Hugging Face Trainer's, slackswap_cli/run/hf.py) need torch; they are imported when first
+used, so `import slackswap_cli` and the planning core stay torch-free.
+"""
 from __future__ import annotations
+
+import importlib
 
 from .workload_spec import Workload
 
 __version__ = "0.1.0"
-__all__ = ["Workload", "__version__"]
+__all__ = ["Workload", "__version__", "plan_model", "patch", "compile", "Plan",
+           "SlackswapCallback"]
+
+_LAZY = {"plan_model": "slackswap_cli.run.api", "patch": "slackswap_cli.run.api",
+         "compile": "slackswap_cli.run.api", "Plan": "slackswap_cli.run.api",
+         "SlackswapCallback": "slackswap_cli.run.hf"}
+
+
+def __getattr__(name: str):
+    """The torch side of the library face, imported on first use (see the module docstring)."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'slackswap_cli' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})
