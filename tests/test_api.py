@@ -109,6 +109,10 @@ def test_patched_model_trains_bitwise_like_eager(tmp_path):
     got = _train(work.model, work)
     assert got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     assert work.model.forward.__slackswap__.last_run.rerun_ops > 0
+    with pytest.raises(InputError, match="already patched"):
+        slackswap.plan_model(work.model, work.inputs, budget=0.5)
+    assert slackswap.unpatch(work.model) is work.model
+    assert slackswap.plan_model(work.model, work.inputs, budget=0.5).feasible
 
 
 def test_loss_fn_and_compile_with_aot_eager_train_like_eager():
@@ -241,7 +245,8 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
 
 
 def test_the_library_face_is_lazy_and_listed():
-    assert {"plan_model", "patch", "compile", "Plan", "SlackswapCallback"} <= set(dir(slackswap))
+    assert {"plan_model", "patch", "unpatch", "compile", "Plan", "SlackswapCallback"} <= set(
+        dir(slackswap))
     with pytest.raises(AttributeError):
         slackswap.no_such_thing
     assert slackswap.plan_model is sys.modules["slackswap_cli.run.api"].plan_model

@@ -35,7 +35,7 @@ from ..errors import InfeasibleError, InputError, SlackswapError, TraceError
 from ..schema import Plan as PlanFile, Profile
 from ..workload_spec import Workload
 
-__all__ = ["Plan", "plan_model", "patch", "compile"]
+__all__ = ["Plan", "plan_model", "patch", "unpatch", "compile"]
 
 
 class Plan:
@@ -95,8 +95,12 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     from ..planning import plan_inputs, plan_profile
     from ..trace.joint import autocast_name
 
+    from .inplace import is_patched
     started = time.perf_counter()
     work = _checked(model, inputs, loss_fn)
+    if is_patched(model):
+        raise InputError("this model is already patched by slackswap, so its forward runs a plan",
+                         hint="slackswap_cli.unpatch(model) first, then plan it again")
     planner_spec(planner)                       # an unknown planner before any tracing
     autocast = autocast_name(autocast)
     how, target = _where(model, device)
@@ -122,10 +126,16 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
 def patch(model: torch.nn.Module, plan: Plan, *, strict: bool = False,
           replan: bool = True) -> torch.nn.Module:
     """Patch `model` in place to train under `plan` (the emitted module's `patch`); returns
-    `model`. `unpatch` it with `slackswap_cli.run.inplace.unpatch(model)`."""
+    `model`. `unpatch(model)` undoes it."""
     from . import inplace
     _is_plan(plan, "patch")
     return inplace.patch(model, plan.meta, plan.table, strict=strict, replan=replan)
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `patch`: the model's own forward again; returns `model`."""
+    from . import inplace
+    return inplace.unpatch(model)
 
 
 def compile(model: torch.nn.Module, plan: Plan, *, block=None, per_block: bool = False,

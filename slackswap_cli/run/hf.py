@@ -46,6 +46,11 @@ class _PlanOnFirstCall:
         self.model, self.options, self.owner = model, options, owner
         self.previous = model.__dict__.get("forward")   # an instance forward (accelerate's)
 
+    @property
+    def __wrapped__(self):
+        """What `inspect.signature(model.forward)` reads (the Trainer looks at it)."""
+        return self.previous or type(self.model).forward.__get__(self.model)
+
     def _restore(self) -> None:
         if self.previous is None:
             self.model.__dict__.pop("forward", None)
@@ -55,8 +60,7 @@ class _PlanOnFirstCall:
     def __call__(self, *args, **kwargs):
         model = self.model
         if not (model.training and torch.is_grad_enabled()):
-            forward = self.previous or type(model).forward.__get__(model)
-            return forward(*args, **kwargs)
+            return self.__wrapped__(*args, **kwargs)
         self._restore()
         if args and kwargs:
             raise InputError("the model's first training call mixes positional and keyword "
