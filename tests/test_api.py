@@ -128,6 +128,34 @@ def test_loss_fn_and_compile_with_aot_eager_train_like_eager():
     assert got[0] == want[0]
 
 
+def test_a_loss_fn_model_replans_at_another_batch_with_that_loss_fn():
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+            self.head = torch.nn.Linear(16, 10)
+
+        def forward(self, x):
+            for fc in self.fc:
+                x = torch.tanh(fc(x))
+            return self.head(x)
+
+    def loss_fn(out, inputs):
+        return torch.nn.functional.cross_entropy(out, inputs[1])
+
+    torch.manual_seed(0)
+    eager, model = Logits(), Logits()
+    model.load_state_dict(eager.state_dict())
+    plan = slackswap.plan_model(model, (torch.randn(64, 16),), budget=0.6,
+                                loss_fn=lambda out, inputs: out.logsumexp(-1).mean())
+    slackswap.patch(model, plan)
+    x, y = torch.randn(5, 16), torch.randint(0, 10, (5,))      # another batch: re-planned
+    for m in (eager, model):
+        loss_fn(m(x), (x, y)).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+    assert len(model.forward.__slackswap__.plans) >= 2
+
+
 def test_errors_are_slackswap_errors_with_hints():
     work = load_workload(str(TINY_GPT))
     cases = [
