@@ -109,6 +109,9 @@ def test_patched_model_trains_bitwise_like_eager(tmp_path):
     got = _train(work.model, work)
     assert got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     assert work.model.forward.__slackswap__.last_run.rerun_ops > 0
+    import pickle
+    from slackswap_cli.run.inplace import is_patched
+    assert is_patched(pickle.loads(pickle.dumps(work.model)))    # torch.save(model) keeps it
     with pytest.raises(InputError, match="already patched"):
         slackswap.plan_model(work.model, work.inputs, budget=0.5)
     assert slackswap.unpatch(work.model) is work.model
