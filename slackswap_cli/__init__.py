@@ -28,7 +28,16 @@ _LAZY = {"plan_model": "slackswap_cli.run.api", "patch": "slackswap_cli.run.api"
 def __getattr__(name: str):
     """The torch side of the library face, imported on first use (see the module docstring)."""
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as exc:
+            need = (exc.name or "").split(".")[0]
+            if need not in ("torch", "transformers"):
+                raise
+            how = "'slackswap[torch]'" if need == "torch" else "transformers"
+            raise ImportError(f"slackswap_cli.{name} needs {need}, which is not installed: "
+                              f"pip install {how}", name=need) from None
+        value = getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'slackswap_cli' has no attribute {name!r}")

@@ -281,3 +281,17 @@ def test_the_library_face_is_lazy_and_listed():
     with pytest.raises(AttributeError):
         slackswap.no_such_thing
     assert slackswap.plan_model is sys.modules["slackswap_cli.run.api"].plan_model
+
+
+def test_without_torch_the_library_face_says_what_to_install():
+    from helpers import run_torch_blocked
+    r = run_torch_blocked("""
+        import slackswap_cli
+        try:
+            slackswap_cli.plan_model
+        except ImportError as exc:
+            assert "needs torch" in str(exc) and "pip install" in str(exc), exc
+            print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("ok")
