@@ -17,11 +17,15 @@ On a CUDA machine this script
    1), and with a plan from a `--device fake` profile (made as on a CPU-only machine: fake CPU
    tensors, roofline costs) applied on this device: losses against eager, how many of the
    profile's forward ops lined up, ops re-run, peak memory and step time,
-6. runs `compile_planned(model)` (the plan inside torch.compile: inductor; aot_eager in the
+6. runs the library API (`slackswap_cli.plan_model` profiling in this process, then
+   `patch(model, plan)`) at the same budgets and at `budget="auto"` (the device's memory less
+   parameters, gradients, AdamW state and fit's reserve; the dry run checks that "auto" is
+   refused on a CPU): losses against eager, predicted vs measured peak,
+7. runs `compile_planned(model)` (the plan inside torch.compile: inductor; aot_eager in the
    dry run) at the same budgets, beside the torch.compile activation_memory_budget rows of 4
    and the in-place rows of 5: predicted vs measured peak and step time, losses against
    eager, and the bytes the compiled graphs save and offload and the ops they recompute,
-7. writes JSON (`--out`, default benchmarks/results/gpu_check.json): for every row, predicted
+8. writes JSON (`--out`, default benchmarks/results/gpu_check.json): for every row, predicted
    vs measured peak activation memory and step time, and measured retention (eager keep-all
    step time / step time).
 
@@ -265,6 +269,95 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
     return rows
 
 
+# --------------------------------------------------------------------------------------------
+# The library API (issue 33): plan_model + patch in the training process
+# --------------------------------------------------------------------------------------------
+def run_library_api(hw, args: dict, fractions: list[float], cuda: bool, steps: int,
+                    seed: int) -> list[dict]:
+    """`slackswap_cli.plan_model(model, inputs, budget=...)` then `patch(model, plan)` on the
+    model the script built: on CUDA profiled there with op times measured (device="auto"), on
+    the dry run's CPU with fake tensors (fake:cpu). Rows at each budget fraction and at
+    budget="auto" (CUDA: the device's memory less parameters, gradients and AdamW state, less
+    fit's reserve; on the CPU it must be refused with a SlackswapError saying it needs CUDA)."""
+    import slackswap_cli as slackswap
+    from slackswap_cli.errors import InputError
+    rows = []
+    for budget in ["auto", *fractions]:
+        row: dict = {"method": "slackswap-api", "budget_fraction": budget}
+        try:
+            if budget == "auto" and not cuda:
+                try:
+                    slackswap.plan_model(*_api_twins(args, None)[1], budget="auto")
+                    row.update(passed=False, error="budget='auto' on the CPU was not refused")
+                except InputError as exc:
+                    row.update(passed="needs a CUDA device" in exc.message, refused=exc.message)
+                rows.append(row)
+                continue
+            eager, (model, inputs) = _api_twins(args, "cuda" if cuda else None)
+            plan = slackswap.plan_model(model, inputs, budget=budget, hardware=hw)
+            row.update({"budget_bytes": plan.budget_bytes, "feasible": plan.feasible,
+                        "time_source": plan.profile.summary.get("time_source"),
+                        "profiled_on": plan.profile.env.get("device"),
+                        "predicted_peak_bytes": plan.predicted.peak_bytes,
+                        "predicted_retention": plan.predicted.retention,
+                        "actions": plan.actions()})
+            if budget == "auto":      # within 64 MiB of the figure made by hand
+                row.update(_auto_budget_check(model, inputs))
+                row["auto_budget_ok"] = (0 < plan.budget_bytes and abs(
+                    plan.budget_bytes - row["auto_budget_by_hand"]) <= 64 << 20)
+            slackswap.patch(model, plan)
+            model.forward.__slackswap__.measure_held = not cuda
+            e, p_ = (_api_measure(m, inputs, cuda, steps, seed) for m in (eager[0], model))
+            row.update({"passed": plan.feasible and e["losses"] == p_["losses"]
+                        and row.get("auto_budget_ok", True),
+                        "measured_peak_bytes": p_["peak_bytes"], "eager_peak_bytes": e["peak_bytes"],
+                        "measured_step_ms": p_["step_ms"], "eager_step_ms": e["step_ms"]})
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            row["error"] = _err(exc)
+            row["traceback"] = traceback.format_exc().splitlines()[-6:]
+        rows.append(row)
+    return rows
+
+
+def _api_measure(model, inputs, cuda: bool, steps: int, seed: int) -> dict:
+    """measure_step of `model` on `inputs`; on the CPU a patched model's peak is the bytes its
+    run held for backward (as run_inplace measures it)."""
+    a, kw = split_inputs(inputs)
+    held = []
+
+    def run():
+        out = loss_from_output(model(*a, **kw), inputs, None)
+        last = getattr(getattr(model.forward, "__slackswap__", None), "last_run", None)
+        if last is not None and not cuda:
+            held.append(last.held_device_bytes())
+        return out
+    m = measure_step(model, run, cuda, steps, seed)
+    if held:
+        m["peak_bytes"] = max(held)
+    return m
+
+
+def _api_twins(args: dict, device):
+    """((eager model, inputs), (model, inputs)): two copies of the workload, same weights."""
+    a = load_workload(str(WORKLOAD), args=args, device=device)
+    b = load_workload(str(WORKLOAD), args=args, device=device)
+    b.model.load_state_dict(a.model.state_dict())
+    return (a.model, a.inputs), (b.model, b.inputs)
+
+
+def _auto_budget_check(model, inputs) -> dict:
+    """budget="auto" on CUDA, recomputed here from its parts: the device's total less what
+    other processes hold, the static memory with AdamW, and fit's default reserve."""
+    from slackswap_cli.fit import default_reserve, static_memory
+    from slackswap_cli.trace.static_memory import model_facts
+    free, total = torch.cuda.mem_get_info()
+    static = static_memory(model_facts(model, inputs), "adamw")
+    others = max(0, total - free - torch.cuda.memory_reserved())
+    return {"device_total_bytes": total, "device_free_bytes": free, "others_bytes": others,
+            "static_bytes": static.total, "reserve_bytes": default_reserve(total),
+            "auto_budget_by_hand": total - others - static.total - default_reserve(total)}
+
+
 def _host_vs_device(eager: dict, patched: dict) -> dict:
     """Is the patched step bound by Python (host time per step against device time per step),
     and the retention with the patch's extra host time taken out (an estimate: the measured
@@ -474,6 +567,8 @@ def main(argv=None) -> int:
     fake_prof = profile_workload(str(WORKLOAD), args=args, device="fake", hardware=hw)
     result["rows"] += run_inplace(fake_prof, hw, args, fractions, cuda, opts.steps, opts.seed,
                                   "slackswap-inplace-fake-cpu-profile")
+    say("the library API: plan_model + patch in this process (budget fractions and 'auto')")
+    result["rows"] += run_library_api(hw, args, fractions, cuda, opts.steps, opts.seed)
     say("compile_planned: the plan inside torch.compile")
     result["rows"] += run_compile_planned(prof, hw, args, fractions, cuda, opts.steps, opts.seed,
                                           eager_ms or 1.0, deadline=t_start + opts.time_limit_s)

@@ -240,16 +240,9 @@ def profile(
 
 # --------------------------------------------------------------------------------------------
 def _plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
-    from .budget import parse_budget
-    from .hardware import load_hardware, stored_hardware
+    from .planning import plan_inputs
     from .schema import load_profile
-    from .profile_build import recost
-    prof = load_profile(profile_path)
-    hw = (load_hardware(hardware) if hardware else
-          stored_hardware(prof.env.get("hardware"), str(profile_path)) or load_hardware(None))
-    prof = recost(prof, hw)  # a roofline profile is re-timed for the hardware planned for
-    budget_bytes, fraction = parse_budget(budget, prof)
-    return prof, hw, budget_bytes, fraction
+    return plan_inputs(load_profile(profile_path), budget, hardware, str(profile_path))
 
 
 @app.command(short_help="Decide keep / swap / recompute; simulate; write the plan.",
@@ -273,7 +266,8 @@ def plan(
     sink = Sink(as_json, quiet)
     try:
         from .budget import first_feasible_budget, floor_message
-        from .planners import plan_and_simulate, planner_spec
+        from .planners import planner_spec
+        from .planning import plan_profile
         from .schema import save
         prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
         spec = planner_spec(planner)
@@ -282,10 +276,9 @@ def plan(
         target = output or Path(_sibling(profile_path, ".plan.json").name)
         _check_output_path(target, "-o", [profile_path, hardware])
         # a planner with a time limit keeps its own reserve for the simulation and writing
-        options = _time_options(spec, time_limit, started)
         with sink.working(f"planning with {planner}"):
-            result, sim = plan_and_simulate(planner, prof, hw, budget_bytes, fraction,
-                                            record=True, **options)
+            result, sim = plan_profile(prof, hw, budget_bytes, fraction, planner,
+                                       time_limit=time_limit, started=started, record=True)
         result = _with_paths(result, profile_path, prof)
         save(result, target)
         reach = None
@@ -303,36 +296,15 @@ def plan(
 
 
 def _time_options(spec, time_limit: Optional[float], started: Optional[float] = None) -> dict:
-    """--time-limit as the planner's `time_limit_s` option, for a planner that has one ({} for
-    the others): what is left of it since `started`; without --time-limit, the planner's own
-    default."""
-    limit = spec.option_default("time_limit_s") if time_limit is None else time_limit
-    if limit is None:
-        return {}
-    if started is not None:
-        limit = max(1.0, limit - (time.perf_counter() - started))
-    return spec.accepted(time_limit_s=limit)
+    from .planning import planner_time_options
+    return planner_time_options(spec, time_limit, started)
 
 
 def _plan_failed(prof, planner: str, target: Path, below, reach: Optional[int]) -> None:
     """`plan` found no plan under the budget: say where it would fit, and exit 4."""
-    wrote = f"wrote the closest plan found to {target} with feasible: false"
-    if below is not None:
-        error_lines(f"{below[0]}; {wrote}", below[1])
-        raise typer.Exit(4)
-    from .simulate import budget_floor_bytes
-    from .units import fmt_bytes
-    peak, floor = prof.keep_all_peak_bytes, budget_floor_bytes(prof)
-    fits = ("" if reach is None else
-            f"; planner {planner} first fits at {fmt_bytes(reach)}"
-            + (f" ({reach / peak:.3f})" if peak else ""))
-    sure = [n for n, spec in PLANNERS.items() if spec.fits_from_floor]
-    exact = [n for n, spec in PLANNERS.items() if spec.bound and n != planner]
-    error_lines(f"planner {planner} found no plan under the budget{fits}; {wrote}",
-                f"the floor is {fmt_bytes(floor)}" + (f" ({floor / peak:.3f})" if peak else "")
-                + (f": `--planner {sure[0]}` fits every budget from there up; or" if sure
-                   else "; ")
-                + " raise --budget" + "".join(f", or try --planner {n}" for n in exact))
+    from .planning import infeasible_message
+    message, hint = infeasible_message(prof, planner, below, reach)
+    error_lines(f"{message}; wrote the closest plan found to {target} with feasible: false", hint)
     raise typer.Exit(4)
 
 
@@ -346,18 +318,13 @@ def _plan_summary(p, path: Path, prof) -> dict:
 
 
 def _sibling(path: Path, suffix: str) -> Path:
-    name = path.name
-    for ext in (".profile.json", ".plan.json", ".json"):
-        if name.endswith(ext):
-            name = name[: -len(ext)]
-            break
-    return path.with_name(name + suffix)
+    from .planning import sibling_path
+    return sibling_path(path, suffix)
 
 
 def _with_paths(plan_obj, profile_path: Path, prof):
-    import dataclasses
-    return dataclasses.replace(plan_obj, profile_path=str(profile_path.resolve()),
-                               model_path=prof.workload.get("path"))
+    from .planning import with_paths
+    return with_paths(plan_obj, profile_path, prof)
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,11 +443,8 @@ def _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, t
 
 def _write_best(result, plan_target: Path, model: Path) -> Path:
     """The best row's plan, and next to it the profile it was made from."""
-    from .schema import save
-    prof_target = _sibling(plan_target, ".profile.json")
-    save(result.best_profile, prof_target)
-    save(_with_paths(result.best_plan, prof_target, result.best_profile), plan_target)
-    return prof_target
+    from .planning import save_with_profile
+    return save_with_profile(result.best_plan, result.best_profile, plan_target)
 
 
 @app.command(short_help="Sweep batch sizes on the whole device; write the best plan.",

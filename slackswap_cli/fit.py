@@ -150,6 +150,17 @@ def default_reserve(memory_bytes: int) -> int:
     return GiB + memory_bytes // 20
 
 
+def device_budget(total_bytes: int, free_bytes: int, torch_reserved_bytes: int,
+                  static: StaticMemory, reserve_bytes: int | None = None) -> int:
+    """The activation budget of a device as `fit` computes it (device memory - static memory
+    - reserve), less what other processes hold on it: `total - free - torch_reserved` (the
+    device's used bytes that are not this process's allocator's, which holds the model). The
+    reserve is `default_reserve(total)` unless given. May be zero or negative: nothing left."""
+    reserve = default_reserve(total_bytes) if reserve_bytes is None else reserve_bytes
+    others = max(0, total_bytes - free_bytes - torch_reserved_bytes)
+    return total_bytes - others - static.total - reserve
+
+
 def parse_batches(text: str) -> list[int]:
     """`"8,1,2,4"` -> [1, 2, 4, 8]: positive integers, each once, smallest first."""
     hint = "a comma-separated list of positive integers, e.g. --batch 1,2,4,8,16"

@@ -104,6 +104,15 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
 def _meta(joint, work, profile: Profile, plan: Plan, step, device_type: str,
           workload_ref: dict, trace_fingerprint: str | None) -> dict[str, Any]:
     """The emitted file's META: what `patch`, `step_module` and `verify` need to know."""
+    return {**patch_meta(joint, work, profile, plan, device_type, workload_ref,
+                         trace_fingerprint),
+            "recomputed_ops_in_backward": step.recomputed_ops}
+
+
+def patch_meta(joint, work, profile: Profile, plan: Plan, device_type: str,
+               workload_ref: dict, trace_fingerprint: str | None = None) -> dict[str, Any]:
+    """META without what the written-out step adds: all `patch` (run/inplace.py) reads, for
+    the emitted module and for the library's `slackswap_cli.patch(model, plan)`."""
     import torch.utils._pytree as pytree
 
     params = dict(work.model.named_parameters())
@@ -140,7 +149,6 @@ def _meta(joint, work, profile: Profile, plan: Plan, step, device_type: str,
                  if actions.get(t.id, Action.KEEP) == action]
            for key, action in (("kept", Action.KEEP), ("swapped", Action.SWAP),
                                ("recomputed", Action.RECOMPUTE))},
-        "recomputed_ops_in_backward": step.recomputed_ops,
     }
 
 
@@ -348,5 +356,5 @@ def _check_meta(p: Path, module) -> None:
                          hint="write it again with `slackswap apply PLAN.json -o FILE`")
 
 
-__all__ = ["apply_plan", "emit_module", "plan_fingerprint", "trace_fake", "joint_fingerprint",
+__all__ = ["apply_plan", "emit_module", "patch_meta", "plan_fingerprint", "trace_fake", "joint_fingerprint",
            "load_patched"]

@@ -100,6 +100,8 @@ def _workload_loss_fn(meta: dict):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..trace.workload import load_workload
+    if meta.get("loss_fn") is not None:   # a plan made in the training process (run/api.py)
+        return meta["loss_fn"]
     w = meta.get("workload") or {}
     if not w.get("path"):
         raise InputError("the model's output is no loss and the workload is unknown",

@@ -100,7 +100,7 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     `progress(line)` receives status lines (for stderr). `on_load(work)` is called with the
     loaded `Workload` before tracing (`fit` reads the parameters there; it may raise).
     """
-    from .joint import autocast_name, capture_joint
+    from .joint import autocast_name
     from .workload import workload_name
 
     say = progress or (lambda _line: None)
@@ -115,6 +115,25 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     work, module, autocast = _load_workload(path, entry, args, device, autocast, say)
     if on_load is not None:
         on_load(work)
+    header = {"name": workload_name(module, path), "path": str(Path(path).resolve()),
+              "entry": entry, "args": dict(args or {})}
+    return profile_traced(work, header, device=device, target=target, hardware=hardware,
+                          autocast=autocast, progress=say, started=t0)[0]
+
+
+def profile_traced(work, header: dict, *, device: str, target: str, hardware=None,
+                   autocast: str | None = None, progress: Callable[[str], None] | None = None,
+                   started: float | None = None) -> tuple[Profile, "JointGraph"]:
+    """(profile, joint graph) of a loaded workload (`work`: model and inputs on `device`, FakeTensors
+    for "fake"): its step traced (under `autocast`, random ops as on `target`), every op
+    costed (the roofline of `hardware` for "fake", else timed on `device`). `header` is the
+    profile's `workload` (name, path, entry, args); the inputs' shapes and dtypes are added.
+    What `profile_workload` does once the workload is loaded, and what the library's
+    `plan_model` calls on a model it is handed."""
+    from .joint import capture_joint
+
+    say = progress or (lambda _line: None)
+    t0 = time.perf_counter() if started is None else started
     say("tracing forward + loss + backward" + (f" under autocast {autocast}" if autocast else ""))
     joint = capture_joint(work.model, work.inputs, work.loss_fn, autocast=autocast,
                           target_device=target)
@@ -126,9 +145,7 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
             "the plan decides what to recompute")
     say(f"traced {n_nodes} graph nodes in {time.perf_counter() - t0:.1f} s")
     shapes, dtypes = _input_info(work.inputs)
-    header = {"name": workload_name(module, path), "path": str(Path(path).resolve()),
-              "entry": entry, "args": dict(args or {}), "input_shapes": shapes,
-              "input_dtypes": dtypes}
+    header = {**header, "input_shapes": shapes, "input_dtypes": dtypes}
     if autocast:
         header["autocast"] = autocast
     if device == "fake":
@@ -137,7 +154,7 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
         prof = _measured_profile(joint, work, header, device, target, autocast, say)
     prof.summary["profile_s"] = round(time.perf_counter() - t0, 3)
     say(f"profiled {prof.summary['n_ops']} ops in {prof.summary['profile_s']:.1f} s")
-    return prof
+    return prof, joint
 
 
 def _load_workload(path, entry: str, args: dict | None, device: str, autocast: str | None,

@@ -1,0 +1,313 @@
+"""slackswap from the training script: plan the model the script built, patch it, train.
+
+    import slackswap_cli as slackswap
+    plan = slackswap.plan_model(model, batch, budget=0.5)   # profile + plan, in this process
+    slackswap.patch(model, plan)                             # or: model = slackswap.compile(model, plan)
+
+`plan_model` is `slackswap profile` + `slackswap plan` on a live model: the same tracer
+(`trace.profile_traced`, what `profile_workload` runs once it has loaded a workload file), the
+same budget reading, hardware choice and planner run (`planning.py`, what `slackswap plan`
+calls). Where the step is traced:
+
+- `device="auto"`: on the model's device when it is CUDA, op times measured there; otherwise
+  with fake tensors (a FakeTensor copy of the model: nothing allocated, the model untouched)
+  and the roofline of `hardware`, random ops traced as the model's device draws them;
+- `"cpu"` / `"cuda"`: measured on that device (the model must be on it); `"fake"`,
+  `"fake:cpu"`, `"fake:cuda"`: as `slackswap profile --device` reads them.
+
+Planning leaves the model as it was: parameters and buffers keep their values (a measured
+trace's buffer updates, BatchNorm statistics, are undone), nothing gets a `.grad`, the random
+number generators are restored, and nothing is written unless `Plan.save` is called.
+
+`patch(model, plan)` is the emitted module's `patch` (run/inplace.py, from the same META and
+TABLE an emitted file holds) and `compile(model, plan)` its `compile_planned` (run/compiled.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import InfeasibleError, InputError, SlackswapError, TraceError
+from ..schema import Plan as PlanFile, Profile
+from ..workload_spec import Workload
+
+__all__ = ["Plan", "plan_model", "patch", "unpatch", "compile"]
+
+
+class Plan:
+    """What `plan_model` returns: the profile, the plan (`schema.Plan`, what a plan file
+    holds) and the tables the runtimes follow. `save(path)` writes the files the CLI reads."""
+
+    def __init__(self, profile: Profile, plan: PlanFile, meta: dict, table: dict,
+                 graph_table: dict):
+        self.profile, self.plan = profile, plan
+        self.meta, self.table, self.graph_table = meta, table, graph_table
+
+    feasible = property(lambda self: self.plan.feasible)
+    predicted = property(lambda self: self.plan.predicted)
+    budget_bytes = property(lambda self: self.plan.budget_bytes)
+    planner = property(lambda self: self.plan.planner)
+    decisions = property(lambda self: self.plan.decisions)
+
+    def actions(self) -> dict[str, int]:
+        """{"keep": n, "swap": n, "recompute": n} over the saved activations."""
+        return dict(self.plan.action_counts(self.profile))
+
+    def save(self, path) -> tuple[str, str]:
+        """Write the plan to `path` (e.g. `model.plan.json`) and its profile next to it
+        (`model.profile.json`), for `slackswap show / simulate / compare / apply`; returns
+        (plan path, profile path). `apply` also needs the workload file: `--model FILE`."""
+        from pathlib import Path
+
+        from ..planning import save_with_profile
+        prof_path = save_with_profile(self.plan, self.profile, Path(path))
+        return str(path), str(prof_path)
+
+    def __repr__(self) -> str:
+        c = self.actions()
+        return (f"<slackswap Plan {self.planner}: budget {self.budget_bytes} bytes, keep "
+                f"{c.get('keep', 0)}, swap {c.get('swap', 0)}, recompute {c.get('recompute', 0)}, "
+                f"feasible {self.feasible}, retention {self.predicted.retention:.1%}>")
+
+
+def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
+               loss_fn: Callable | None = None, device: str = "auto",
+               planner: str = "slackswap", autocast: str | None = None, optimizer="adamw",
+               time_limit: float | None = None,
+               progress: Callable[[str], None] | None = None) -> Plan:
+    """Profile one training step of `model` on `inputs` in this process and plan it.
+
+    `inputs`: a tuple of positional arguments, a dict of keyword arguments or one tensor (as a
+    workload returns them); `loss_fn(output, inputs)` when the output is not the loss (nor has
+    a `.loss`). `budget`: what `slackswap plan --budget` takes (0.5, "50%", "20GiB", bytes),
+    or "auto" on a CUDA device: what the device holds after the model, its gradients and the
+    state of `optimizer` (a torch.optim optimizer or a `slackswap fit --optimizer` name), less
+    fit's reserve. `hardware`: a preset, a JSON file or a HardwareSpec (the roofline of a fake
+    trace, and the copy engine the plan is simulated on). `planner`, `autocast`, `time_limit`:
+    as the CLI's options. Raises SlackswapError subclasses: InputError (bad arguments),
+    TraceError (the model cannot be traced), InfeasibleError (no plan fits; its `.plan` is
+    the closest one)."""
+    from ..planners import planner_spec
+    from ..planning import plan_inputs, plan_profile
+    from ..trace.joint import autocast_name
+
+    from .inplace import is_patched
+    started = time.perf_counter()
+    work = _checked(model, inputs, loss_fn)
+    if is_patched(model):
+        raise InputError("this model is already patched by slackswap, so its forward runs a plan",
+                         hint="slackswap_cli.unpatch(model) first, then plan it again")
+    planner_spec(planner)                       # an unknown planner before any tracing
+    autocast = autocast_name(autocast)
+    how, target = _where(model, device)
+    if budget == "auto" and how != "cuda":
+        raise InputError("budget='auto' needs a CUDA device: it plans into the memory the GPU "
+                         f"has free, and this model is profiled on {how}",
+                         hint="give the budget as a fraction (0.5) or a size ('20GiB'), or "
+                              "move the model to a GPU first")
+    hw = _hardware(hardware)
+    with _untouched(model):
+        prof, joint, traced = _profile(work, how, target, hw, autocast, progress, started)
+    if budget == "auto":
+        budget = str(_auto_budget(model, work.inputs, optimizer))
+    prof, hw, budget_bytes, fraction = plan_inputs(prof, budget, hw, "plan_model")
+    result, _ = plan_profile(prof, hw, budget_bytes, fraction, planner, time_limit=time_limit,
+                             started=started)
+    out = _plan_of(prof, result, joint, traced, loss_fn)
+    if not result.feasible:
+        raise _infeasible(prof, planner, hw, budget_bytes, out)
+    return out
+
+
+def patch(model: torch.nn.Module, plan: Plan, *, strict: bool = False,
+          replan: bool = True) -> torch.nn.Module:
+    """Patch `model` in place to train under `plan` (the emitted module's `patch`); returns
+    `model`. `unpatch(model)` undoes it."""
+    from . import inplace
+    _is_plan(plan, "patch")
+    return inplace.patch(model, plan.meta, plan.table, strict=strict, replan=replan)
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `patch`: the model's own forward again; returns `model`."""
+    from . import inplace
+    return inplace.unpatch(model)
+
+
+def compile(model: torch.nn.Module, plan: Plan, *, block=None, per_block: bool = False,
+            **torch_compile_kwargs):
+    """`torch.compile(model, **torch_compile_kwargs)` with `plan` in its joint graphs (the
+    emitted module's `compile_planned`, run/compiled.py)."""
+    from . import compiled
+    _is_plan(plan, "compile")
+    return compiled.compile_planned(model, plan.graph_table, block=block, per_block=per_block,
+                                    **torch_compile_kwargs)
+
+
+def _is_plan(plan, what: str) -> None:
+    if not isinstance(plan, Plan):
+        raise InputError(f"{what}() takes the Plan that plan_model returned, not a "
+                         f"{type(plan).__name__}",
+                         hint="plan = slackswap_cli.plan_model(model, inputs, budget=0.5)")
+
+
+def _checked(model, inputs, loss_fn) -> Workload:
+    """The model and inputs as a Workload, refused plainly when they are not what a step
+    needs (the workload loader's own checks)."""
+    from ..trace.workload import _as_workload
+    try:
+        return _as_workload(Workload(model, inputs, loss_fn), "plan_model")
+    except TraceError as exc:
+        raise InputError(exc.message.replace("plan_model() returned", "plan_model() got"),
+                         hint="plan_model(model, inputs, budget=...): inputs a tuple of "
+                              "positional arguments, a dict of keyword arguments or a tensor"
+                         ) from None
+
+
+def _where(model: torch.nn.Module, device: str) -> tuple[str, str]:
+    """(how the step is traced: "fake", "cpu" or "cuda"; the device the plan is for)."""
+    from ..trace import split_device
+    how, target = split_device(device)
+    first = next(iter(model.parameters()), None)
+    on = first.device.type if first is not None else "cpu"
+    if how == "auto":
+        return ("cuda", "cuda") if on == "cuda" else ("fake", on)
+    if how == "fake":
+        return how, target
+    if how != on:
+        raise InputError(f"device={device!r}, but the model's parameters are on {on}",
+                         hint=f"move the model with model.to({device!r}) first, or pass "
+                              f"device='fake:{on}' for a roofline estimate")
+    if how == "cuda" and not torch.cuda.is_available():     # pragma: no cover - CUDA only
+        raise InputError("device='cuda', but torch sees no CUDA device", hint="use device='cpu'")
+    return how, how
+
+
+def _hardware(hardware):
+    from ..hardware import HardwareSpec, load_hardware
+    return hardware if isinstance(hardware, HardwareSpec) else load_hardware(hardware)
+
+
+@contextlib.contextmanager
+def _untouched(model: torch.nn.Module):
+    """Random number generators restored, and the buffers' values too (a measured trace runs
+    BatchNorm's statistics updates), when the block ends."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+def _profile(work: Workload, how: str, target: str, hw, autocast, progress, started):
+    """(profile, joint graph, the traced Workload): the step traced as `how` says."""
+    from ..trace import profile_traced
+    from .replan import _fake_copy
+    header = {"name": type(work.model).__name__, "path": None, "entry": None, "args": {}}
+    if how == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        traced = Workload(_fake_copy(work.model, mode), pytree.tree_map(
+            lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, work.inputs),
+            work.loss_fn)
+    else:
+        dev = torch.device(how)
+        traced = Workload(work.model, pytree.tree_map(
+            lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, work.inputs),
+            work.loss_fn)
+    try:
+        prof, joint = profile_traced(traced, header, device=how, target=target,
+                                     hardware=hw if how == "fake" else None, autocast=autocast,
+                                     progress=progress, started=started)
+    except SlackswapError:
+        raise
+    except torch.OutOfMemoryError as exc:     # pragma: no cover - CUDA only
+        from ..trace import _does_not_fit
+        raise _does_not_fit(how, exc) from None
+    except Exception as exc:  # noqa: BLE001 - one clear error, not a traceback from inside
+        text = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise TraceError(f"tracing {header['name']}'s training step failed: "
+                         f"{type(exc).__name__}: {text}",
+                         hint="check that `loss = model(...)` (or loss_fn) trains eagerly on "
+                              "these inputs; device='cpu' traces with real tensors") from None
+    return prof, joint, traced
+
+
+def _plan_of(prof: Profile, result: PlanFile, joint, traced: Workload, loss_fn) -> Plan:
+    """The Plan with the tables `patch` and `compile` follow (an emitted module's META, TABLE
+    and GRAPH_TABLE)."""
+    from ..chains import runtime_table
+    from ..trace.aten import is_inplace_target
+    from .emit import patch_meta
+    from .graph_plan import graph_table
+    device_type = next(iter(dict(traced.model.named_parameters()).values())).device.type
+    ref = {"path": None, "entry": None, "args": {}, "name": prof.workload.get("name", "")}
+    meta = patch_meta(joint, traced, prof, result, device_type, ref)
+    if loss_fn is not None:
+        meta["loss_fn"] = loss_fn        # for a re-plan at other shapes (run/replan.py)
+    return Plan(prof, result, meta, runtime_table(prof, result.decisions, is_inplace_target),
+                graph_table(prof, result))
+
+
+def _auto_budget(model: torch.nn.Module, inputs, optimizer) -> int:  # pragma: no cover - CUDA
+    """budget="auto": the device's memory less the static memory `fit` counts (parameters,
+    gradients, optimizer state, buffers, the batch), less fit's reserve and what other
+    processes hold (`fit.device_budget`)."""
+    from ..fit import device_budget, static_memory
+    from ..trace.static_memory import model_facts
+    from ..units import fmt_bytes
+    name, on_device = optimizer_name(optimizer)
+    dev = next(model.parameters()).device
+    free, total = torch.cuda.mem_get_info(dev)
+    static = static_memory(model_facts(model, inputs), name, step_on_device=on_device)
+    budget = device_budget(total, free, torch.cuda.memory_reserved(dev), static)
+    if budget <= 1:
+        raise InfeasibleError(
+            f"budget='auto': {torch.cuda.get_device_name(dev)} has {fmt_bytes(total)}, and "
+            f"parameters, gradients and {name} state take {fmt_bytes(static.total)} of it "
+            "with fit's reserve: nothing is left for activations",
+            hint="use a lighter optimizer, shard the model (FSDP), or give a budget in bytes")
+    return budget
+
+
+def optimizer_name(optimizer) -> tuple[str, bool]:
+    """(fit's name of `optimizer`, whether its step counters live on the device): a name is
+    checked as `--optimizer` is; a torch.optim Adam/AdamW/SGD instance is read."""
+    from ..fit import check_optimizer
+    if isinstance(optimizer, str):
+        return check_optimizer(optimizer), False
+    if optimizer is None:
+        return "none", False
+    kind = type(optimizer).__name__.lower()
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    if kind in ("adam", "adamw"):
+        return kind + ("-amsgrad" if group.get("amsgrad") else ""), on_device
+    if kind == "sgd":
+        return ("sgd-momentum" if group.get("momentum") else "sgd"), False
+    raise InputError(f"budget='auto' cannot count the state of a {type(optimizer).__name__}",
+                     hint="pass optimizer= one of adamw, adam, sgd, sgd-momentum, none (the "
+                          "closest), or give the budget in bytes")
+
+
+def _infeasible(prof: Profile, planner: str, hw, budget_bytes: int, out: Plan) -> InfeasibleError:
+    """No plan fits: `slackswap plan`'s message and hint, the closest plan attached."""
+    from ..budget import first_feasible_budget, floor_message
+    from ..planners import planner_spec
+    from ..planning import infeasible_message
+    below = floor_message(budget_bytes, prof)
+    reach = (first_feasible_budget(prof, hw, planner)
+             if below is None and planner_spec(planner).quick else None)
+    message, hint = infeasible_message(prof, planner, below, reach)
+    exc = InfeasibleError(message, hint=hint.replace("--planner ", "planner=")
+                          .replace("--budget", "budget"))
+    exc.plan = out
+    return exc
