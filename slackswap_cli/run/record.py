@@ -286,11 +286,13 @@ class PlanRun:
         `alignment()`'s figures, the guard's swaps (count and bytes), the bytes held for
         backward as counted in forward (`guard.py`'s count: kept storages, planned or not)
         against the plan's budget (None: the plan has none)."""
-        g = self.guard
-        return {**self.alignment(), "guard_swaps": g.swaps if g else 0,
-                "guard_swapped_bytes": g.swapped_bytes if g else 0,
-                "held_bytes": self.held_at_end(),
-                "budget_bytes": self.t.limit}
+        swaps, swapped = self.guarded()
+        return {**self.alignment(), "guard_swaps": swaps, "guard_swapped_bytes": swapped,
+                "held_bytes": self.held_at_end(), "budget_bytes": self.t.limit}
+
+    def guarded(self) -> tuple[int, int]:
+        """(saved tensors, bytes) the guard swapped in this call."""
+        return self.guard.swaps, self.guard.swapped_bytes
 
     def held_at_end(self) -> int:
         """The guard's count of bytes held for backward, as forward left it."""

@@ -99,6 +99,7 @@ class Template:
         # the guard's count before each pack, and after the last (`guard.py`): where a later
         # call that leaves the template resumes counting
         self.held_at = [n[9] for n in run.seq] + [run.guard.held]
+        self.guarded = (run.guard.swaps, run.guard.swapped_bytes)   # followed by later calls
         # the same, for a call that does not measure what it holds: nothing weakly tracked
         self.seq_quiet = [(*n[:6], False, *n[7:]) for n in self.seq]
         # a keep-all plan: nothing depends on which tensor is which, nothing to check
@@ -162,6 +163,16 @@ def _same(x):
     return x
 
 
+# autograd nodes that record the same thing under another name: `reshape` is `_reshape_alias`
+# in plain eager and `view` under a Python dispatch mode (the first call's recorder)
+_ALIKE = ({"ViewBackward0", "ReshapeAliasBackward0"},)
+
+
+def _same_node(got, want) -> bool:
+    names = {getattr(got, "__name__", None), getattr(want, "__name__", None)}
+    return any(names <= alike for alike in _ALIKE)
+
+
 class SteadyRun(PlanRun):
     """A later call at a signature whose first call made a `Template`: no recorder, no module
     hooks; the pack hook follows the template's decisions by position (see the module's
@@ -212,7 +223,8 @@ class SteadyRun(PlanRun):
         if i >= self.n or self.broken:
             return self._differs(x)
         shape, dtype, fn, kind, r, loc, tracked, binds, own = self.seq[i]
-        if x.shape != shape or x.dtype is not dtype or type(x.grad_fn) is not fn:
+        if x.shape != shape or x.dtype is not dtype or (
+                type(x.grad_fn) is not fn and not _same_node(type(x.grad_fn), fn)):
             return self._differs(x)
         if binds is not None:
             bound = self.bound
@@ -249,6 +261,14 @@ class SteadyRun(PlanRun):
 
     def held_at_end(self) -> int:
         return self.tpl.held_at[-1] if self.guard is None else self.guard.held
+
+    def guarded(self) -> tuple[int, int]:
+        """The first call's guard swaps this call followed, then its own after it left the
+        template."""
+        swaps, swapped = self.tpl.guarded
+        if self.guard is not None:
+            return swaps + self.guard.swaps, swapped + self.guard.swapped_bytes
+        return swaps, swapped
 
     def finish(self) -> bool:
         """After forward: did every pack line up with the template?"""

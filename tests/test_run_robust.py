@@ -1,0 +1,96 @@
+"""The plan holds where the run departs from the profiled trace: models nobody on the team
+wrote line up op for op (`benchmarks/robust_models.py`), and what the plan cannot place is
+held to the budget by the guard (`slackswap_cli/guard.py`), exactly."""
+import pytest
+import torch
+
+from benchmarks.robust_models import MODELS
+from slackswap_cli.hardware import PRESETS
+from slackswap_cli.planners import make_plan
+from slackswap_cli.run.emit import apply_plan, load_patched
+from slackswap_cli.trace import profile_workload
+from slackswap_cli.trace.joint import loss_from_output, split_inputs
+from slackswap_cli.trace.workload import load_workload
+
+HW = PRESETS["a100-pcie4"]
+
+# a library that branches on "am I traced?": the fake trace takes the cheap branch, eager
+# saves three tensors per layer the profile never saw
+FAKE_BRANCH = '''
+import torch, torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+class Net(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.fc = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+    def forward(s, x):
+        h = x
+        for fc in s.fc:
+            h = fc(h)
+            h = torch.relu(h) if isinstance(h, FakeTensor) else torch.sigmoid(h) * torch.tanh(h)
+        return h.pow(2).mean()
+def workload(batch=64):
+    torch.manual_seed(0)
+    return Net(), (torch.randn(batch, 32),)
+'''
+
+
+def _patched(tmp_path, name: str, source: str, device: str, fraction: float = 0.5):
+    src = tmp_path / f"{name}.py"
+    src.write_text(source)
+    prof = profile_workload(str(src), device=device, hardware=HW)
+    peak = prof.summary["peak_activation_bytes"]
+    plan = make_plan("slackswap", prof, HW, int(peak * fraction), fraction)
+    out = tmp_path / f"{name}_patched.py"
+    out.write_text(apply_plan(plan, prof))
+    return load_patched(str(out)), src
+
+
+def _steps(mod, src, steps: int = 2):
+    """`steps` SGD steps of an eager model and of one patched in place: losses equal, and
+    per patched call its report and the bytes it held for backward after forward."""
+    eager, work = load_workload(str(src)), load_workload(str(src))
+    mod.patch(work.model)
+    state = work.model.forward.__slackswap__
+    state.measure_held = True
+    opts = [torch.optim.SGD(w.model.parameters(), lr=0.1) for w in (eager, work)]
+    calls = []
+    for k in range(steps):
+        losses = []
+        for w, opt in zip((eager, work), opts):
+            torch.manual_seed(k)
+            a, kw = split_inputs(w.inputs)
+            loss = loss_from_output(w.model(*a, **kw), w.inputs, w.loss_fn)
+            if w is work:
+                calls.append((state.last_report, state.last_run.held_device_bytes()))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        assert torch.equal(*losses)
+    assert all(torch.equal(p, q) for p, q in zip(eager.model.parameters(),
+                                                  work.model.parameters()))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["bert", "t5", "vit", "transformer-encoder", "mha"])
+def test_models_nobody_here_wrote_line_up_and_train_bitwise(tmp_path, name, capfd):
+    mod, src = _patched(tmp_path, name, MODELS[name], "fake:cpu")
+    (rep, held), _ = _steps(mod, src)
+    assert rep["fraction"] >= 0.99, rep
+    assert rep["guard_swaps"] == 0 and held <= 1.05 * rep["budget_bytes"], (rep, held)
+    assert "lined up" not in capfd.readouterr().err
+
+
+def test_a_run_that_branches_otherwise_than_its_trace_is_held_to_the_budget(tmp_path, capfd):
+    mod, src = _patched(tmp_path, "fake_branch", FAKE_BRANCH, "fake:cpu")
+    first, later = _steps(mod, src, steps=3)[::2]       # the recording call, a steady one
+    budget = first[0]["budget_bytes"]
+    for rep, held in (first, later):
+        assert rep["guard_swaps"] > 0, rep
+        assert held <= 1.05 * budget, (held, budget)
+        assert rep["held_bytes"] == held       # the guard's count is what the run holds
+    # unguarded, eager holds far more than the budget: the guard is what keeps it there
+    assert first[0]["held_bytes"] + first[0]["guard_swapped_bytes"] > 1.5 * budget
+    err = capfd.readouterr().err
+    assert err.count("the guard swapped") == 1 and "x the budget" in err
