@@ -735,7 +735,10 @@ def verify_view(report) -> Group:
             f"patch(model): loss {ip['max_loss_rel_diff']:.2g}, gradients "
             f"{ip['max_grad_rel_diff']:.2g} max rel. difference; {ip['ops_lined_up']} of "
             f"{ip['profile_forward_ops']} ops lined up, {ip['ops_rerun']} re-run, "
-            f"{fmt_bytes(ip['held_bytes_after_forward'])} held after forward",
+            f"{fmt_bytes(ip['held_bytes_after_forward'])} held after forward"
+            + (f"; the guard swapped {ip['guard_swaps']} saved tensors the plan could not "
+               f"place ({fmt_bytes(ip['guard_swapped_bytes'])})" if ip.get("guard_swaps")
+               else ""),
             style="green" if ip["max_loss_rel_diff"] <= get("loss_tolerance")
             and ip["max_grad_rel_diff"] <= get("grad_tolerance") else "red")))
     checks = _kv_table("", rows)

@@ -109,9 +109,12 @@ def test_later_calls_run_on_hooks_alone_bitwise_like_eager(name, frac, args, fil
                                         getattr(_run(m), "broken", None)))
     _same(want, got)
     kinds = [k for k, _, _ in got[3]]
-    assert kinds == [PlanRun, SteadyRun, SteadyRun, SteadyRun]
-    assert not any(b for _, _, b in got[3][1:])               # every pack lined up
-    assert len({h for _, h, _ in got[3]}) == 1                 # the same bytes held each step
+    # the HF Llama's first call plans again along eager's branches (no mask in eager: see
+    # run/branches.py), so the second records that plan
+    records = 2 if name == "llama" else 1
+    assert kinds == [PlanRun] * records + [SteadyRun] * (4 - records)
+    assert not any(b for _, _, b in got[3][records:])         # every pack lined up
+    assert len({h for _, h, _ in got[3][records - 1:]}) == 1   # the same bytes held each step
     run = _run(work.model)
     assert run.rerun_ops > 0 and run.metas                     # steady state recomputes, swaps
     if name != "cnn":             # the transformers' replayed views: by geometry, bitwise

@@ -82,6 +82,24 @@ def test_models_nobody_here_wrote_line_up_and_train_bitwise(tmp_path, name, capf
     assert "lined up" not in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("name,device", [("qwen2", "fake:cpu"), ("llama", "cpu"),
+                                         ("mistral", "fake:cpu"), ("gpt2", "fake:cpu")])
+def test_causal_lms_plan_again_along_eager_branches_then_line_up(tmp_path, name, device, capfd):
+    """transformers builds a mask and repeats grouped-query keys under fake tensors, not in
+    eager: the first call lines up less and is held to the budget; it plans again along the
+    branches it took, and every later call lines up."""
+    mod, src = _patched(tmp_path, name, MODELS[name], device)
+    calls = _steps(mod, src, steps=3)
+    (first, held), later = calls[0], calls[1:]
+    assert first["fraction"] < 0.99 and held <= 1.05 * first["budget_bytes"], first
+    for rep, held in later:
+        assert rep["fraction"] >= 0.99 and rep["run_unmatched"] == 0, rep
+        assert held <= 1.05 * rep["budget_bytes"], (rep, held)
+        assert rep["budget_bytes"] == first["budget_bytes"]       # the same budget, in bytes
+    err = capfd.readouterr().err
+    assert err.count("planned again along the branches this call took") == 1, err
+
+
 def test_a_run_that_branches_otherwise_than_its_trace_is_held_to_the_budget(tmp_path, capfd):
     mod, src = _patched(tmp_path, "fake_branch", FAKE_BRANCH, "fake:cpu")
     first, later = _steps(mod, src, steps=3)[::2]       # the recording call, a steady one

@@ -20,7 +20,8 @@ import torch.utils._pytree as pytree
 from . import steady as _steady
 from ..schema import Action
 from .generated import check_generated
-from .record import _STATE, ALIGN_WARN, PlanRun, _body_hook, _leave_hook, _Recorder
+from .record import (_STATE, ALIGN_WARN, PlanRun, _body_hook, _leave_hook, _Recorder,
+                     trace_only_ops)
 
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
 
@@ -45,6 +46,7 @@ class _Table:
                 self.chain_uses[r] = self.chain_uses.get(r, 0) + 1
         self.pin_roots = {r for r in self.chain_uses
                           if table["action"].get(r) != Action.RECOMPUTE}
+        self.trace_only = trace_only_ops(table["ops"])      # not counted as missed
 
 
 def _signature(device_type: str, param_dtype: str, args, kwargs) -> tuple:
@@ -242,7 +244,35 @@ class _Patched:
         self.last_run = run
         self.templates[sig] = (run, self._fingerprint())
         self._check_run(run, sig)
+        self._follow_branches(run, sig, args, kwargs)
         return out
+
+    def _follow_branches(self, run: PlanRun, sig, args, kwargs) -> None:
+        """After a first call at `sig` that lined up less than 99%: plan again, once, from a
+        fake trace along the branches this call took (`branches.py`: a library that branches
+        otherwise under fake tensors), into the same budget; the next call runs that plan."""
+        if not self.replan or not run.values or ("branches", sig) in self.said \
+                or run.alignment()["fraction"] >= ALIGN_WARN:
+            return          # (no value read: no branch a trace could take otherwise)
+        self.said.add(("branches", sig))
+        import sys
+        import time
+        from .replan import replan_table
+        t0 = time.perf_counter()
+        try:
+            table, what = replan_table(self.model, self.original_forward, args, kwargs,
+                                       self.meta, values=run.values, budget_bytes=run.t.limit)
+        except Exception as exc:  # noqa: BLE001 - the run goes on with the plan it has
+            print(f"slackswap: could not plan along the branches this call took "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+                  "; the guard holds the plan's budget", file=sys.stderr)
+            return
+        self.plans[sig] = _Table(table)
+        self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
+        self._drop(sig)
+        print(f"slackswap: planned again along the branches this call took ({what}) in "
+              f"{time.perf_counter() - t0:.1f} s; the next call at {_shapes(sig)} runs it",
+              file=sys.stderr)
 
     def _steady(self, run, args, kwargs, sig):
         _STATE.run = run            # (None before: `forward` checked)

@@ -67,11 +67,34 @@ TRACE_ONLY = frozenset({"aten.detach.default"})
 # the name eager runs an op under -> the name the profile's trace gives it
 _TRACED_AS = {"aten.lift_fresh.default": "aten.lift_fresh_copy.default"}
 _STATE = threading.local()
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default   # a value Python reads
 
 
 def _is_random(rec: "_Record") -> bool:
     from ..trace.costs import is_random_call
     return is_random_call(rec.func, rec.args, rec.kwargs)
+
+
+def trace_only_ops(ops: list) -> frozenset[int]:
+    """The positions of the profile's forward ops (`table["ops"]`) that eager does not run as
+    ops: make_fx's `detach` of each saved output (`TRACE_ONLY`), and a view no later forward op
+    reads (autograd re-creating a view after an in-place write to it, which a trace replays
+    as an op and eager does inside the autograd node)."""
+    read = {t for o in ops for t in o[6]}
+    only = set()
+    for i, o in enumerate(ops):
+        if o[1] in TRACE_ONLY or (_is_view_name(o[1]) and not any(t in read for t in o[3])):
+            only.add(i)
+    return frozenset(only)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_view_name(name: str) -> bool:
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        return False
+    op = getattr(getattr(torch.ops.aten, parts[1], None), parts[2], None)
+    return op is not None and aliases_input(op) and not writes_first(op)
 
 
 class _Ref:
@@ -193,6 +216,7 @@ class PlanRun:
         self.chain = None                          # the chain replaying now
         self.bound: dict[tuple[int, int], torch.Tensor] = {}   # steady state: loc -> value
         self.guard = Guard(plan.limit)              # what the plan cannot place (`guard.py`)
+        self.values: list = []      # values Python read of tensors, in order (`branches.py`)
 
     # -- forward: recording and alignment ------------------------------------------------
     def record(self, func, args, kwargs, out, alias: bool = False) -> None:
@@ -300,12 +324,12 @@ class PlanRun:
 
     def alignment(self) -> dict:
         """How this call lined up with the profile: `lined_up` of the profile's `expected`
-        forward ops (its trace-only ops, `TRACE_ONLY`, not counted) matched an op of the run;
+        forward ops matched an op of the run (its trace-only ops, `trace_only_ops`, count only
+        when eager ran them too);
         `run_ops` ops of the run were recorded, `run_unmatched` of them matched none."""
         ops = self.table["ops"]
-        only = {i for i, o in enumerate(ops) if o[1] in TRACE_ONLY}
-        expected = len(ops) - len(only)
-        lined = sum(1 for i in self.rec_of_op if i not in only)
+        lined = len(self.rec_of_op)
+        expected = len(ops) - sum(1 for i in self.t.trace_only if i not in self.rec_of_op)
         return {"lined_up": lined, "expected": expected,
                 "fraction": lined / expected if expected else 1.0,
                 "run_ops": len(self.rec_of_op) + self.unmatched,
@@ -841,6 +865,10 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         run = self.run
+        if func is _LOCAL_SCALAR:        # a Python value, not an op of the step's graph
+            if run.recording:
+                run.values.append(out)
+            return out
         if run.recording:
             if run.in_body():
                 run.record(func, args, kwargs, out)

@@ -14,6 +14,7 @@ already sharded by FSDP2 cannot be copied, so it keeps the profiled plan.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -24,9 +25,13 @@ from ..errors import InputError, TraceError
 __all__ = ["replan_table"]
 
 
-def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: dict
+def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: dict, *,
+                 values: list | None = None, budget_bytes: int | None = None
                  ) -> tuple[dict, str]:
-    """(table, a line saying what was planned) for `model` called with `args`/`kwargs`."""
+    """(table, a line saying what was planned) for `model` called with `args`/`kwargs`.
+    `values`: the values an eager call at these inputs read, in order: the trace takes its
+    branches (`branches.eager_branches`). `budget_bytes`: plan into these bytes (default: the
+    plan's fraction of the new keep-all peak, or its byte budget)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..budget import fraction_bytes
@@ -35,7 +40,6 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
     from ..planners import DEFAULT_PLANNER, make_plan, quick_planner
     from ..trace.aten import is_inplace_target
     from ..trace.graph_profile import joint_to_profile
-    from ..trace.joint import capture_joint
 
     if args and kwargs:
         raise InputError("the call mixes positional and keyword tensors",
@@ -53,30 +57,45 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
             lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
         loss_fn = None
         try:
-            joint = capture_joint(shadow, fake_inputs, None, autocast=meta.get("autocast"),
-                                  target_device=meta.get("target_device"))
+            joint = _trace(shadow, fake_inputs, None, meta, values)
         except TraceError:
             loss_fn = _workload_loss_fn(meta)  # the output is no loss: the workload's loss_fn
-            joint = capture_joint(shadow, fake_inputs, loss_fn, autocast=meta.get("autocast"),
-                                  target_device=meta.get("target_device"))
+            joint = _trace(shadow, fake_inputs, loss_fn, meta, values)
     env = {"torch_version": torch.__version__, "device": "fake", "hardware": hw.to_dict(),
            "target_device": meta.get("target_device") or meta.get("device_type")}
     prof = joint_to_profile(joint, workload={"name": meta.get("workload", {}).get("name", "")},
                             env=env, hardware=hw, time_source="roofline")
     peak = prof.summary["peak_activation_bytes"]
     fraction = meta.get("budget_fraction")
-    budget = fraction_bytes(fraction, peak) if fraction else int(meta["budget_bytes"])
+    budget = budget_bytes if budget_bytes is not None else (
+        fraction_bytes(fraction, peak) if fraction else int(meta["budget_bytes"]))
     # a slow planner (a MILP takes a minute) is not run inside a training step
     planner = quick_planner(meta.get("planner") or DEFAULT_PLANNER)
     plan = make_plan(planner, prof, hw, budget, fraction)
-    what = (f"{planner} at {fraction:g} of the keep-all peak" if fraction
-            else f"{planner} at {budget} bytes")
+    what = (f"{planner} at {fraction:g} of the keep-all peak"
+            if fraction and budget_bytes is None else f"{planner} at {budget} bytes")
     what += f", predicted retention {plan.predicted.retention:.1%}"
     if not plan.feasible:
         what += ", no plan fits: the closest one runs"
     table = runtime_table(prof, plan.decisions, is_inplace_target)
     table["budget_bytes"] = budget         # (what the guard holds calls at these shapes to)
     return table, what
+
+
+def _trace(shadow, fake_inputs, loss_fn, meta: dict, values: list | None):
+    """The joint graph of `shadow` on `fake_inputs`, along an eager call's branches when its
+    `values` are given (`BranchesDiffer` when the trace reads others)."""
+    from ..trace.joint import capture_joint
+    from .branches import BranchesDiffer, eager_branches
+    ctx = contextlib.nullcontext() if values is None else eager_branches(shadow, values)
+    try:
+        with ctx:
+            return capture_joint(shadow, fake_inputs, loss_fn, autocast=meta.get("autocast"),
+                                 target_device=meta.get("target_device"))
+    except TraceError as exc:
+        if isinstance(exc.__cause__, BranchesDiffer) or "BranchesDiffer" in str(exc):
+            raise BranchesDiffer(str(exc)) from exc
+        raise
 
 
 def _fake_copy(model: torch.nn.Module, mode) -> torch.nn.Module:

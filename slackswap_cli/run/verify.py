@@ -445,6 +445,7 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
     opts = [torch.optim.SGD(w.model.parameters(), lr=1e-3) for w in models]
     max_loss = max_grad = 0.0
     held = 0
+    calls = []         # per patched call: `PlanRun.report` and what it held after forward
     for k in range(steps):
         losses, grads = [], []
         for w, opt in zip(models, opts):
@@ -456,6 +457,8 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
                 loss = loss_from_output(w.model(*a, **kw), w.inputs, w.loss_fn)
             if w is work:      # what the step holds for backward, measured before it runs
                 held = work.model.forward.__slackswap__.last_run.held_device_bytes()
+                calls.append({**work.model.forward.__slackswap__.last_report,
+                              "held_device_bytes": held})
             loss.backward()
             losses.append(loss.detach())
             grads.append({n: p.grad for n, p in w.model.named_parameters()})
@@ -470,7 +473,9 @@ def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol
                        f"gradients by {max_grad:.2e} (relative)")
     action = run.table["action"]
     return {"max_loss_rel_diff": max_loss, "max_grad_rel_diff": max_grad,
-            "ops_lined_up": len(run.rec_of_op), "profile_forward_ops": len(run.table["ops"]),
+            "ops_lined_up": calls[-1]["lined_up"], "profile_forward_ops": calls[-1]["expected"],
+            "guard_swaps": calls[-1]["guard_swaps"],
+            "guard_swapped_bytes": calls[-1]["guard_swapped_bytes"], "calls": calls,
             "ops_rerun": run.rerun_ops, "roots_swapped": len(run.metas),
             "held_bytes_after_forward": held,
             "planned_recomputes": sum(1 for a in action.values() if a == Action.RECOMPUTE),
