@@ -395,7 +395,8 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
       written after they are made (`writes_in_place(op target)`: aten's rule, which lives
       on the torch side, `trace.aten.is_inplace_target`);
     - `first_use`: swapped root -> the backward op that first needs it (a chain or a reader);
-    - `prefetch_at`: swapped root -> the backward op from which its copy back may be issued.
+    - `prefetch_at`: swapped root -> the backward op from which its copy back may be issued;
+    - `keep_after`: per forward op, the bytes of kept saved roots it and later ops produce.
     """
     tab = tables(prof)
     action = action_codes(tab, decisions)
@@ -448,4 +449,18 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
         "last_write": _last_writes(prof, writes_in_place),
         "first_use": first_use,
         "prefetch_at": {r: min(pin_at.get(r, nf), first_use.get(r, nf)) for r in first_use},
+        "keep_after": _keep_after(tab, action, nf),
     }
+
+
+def _keep_after(tab, action, nf: int) -> list[int]:
+    """Per forward op i (and one past the last): the bytes of saved roots the plan keeps that
+    ops i.. produce: what the guard leaves room for (`guard.py`)."""
+    per_op = [0] * (nf + 1)
+    for r in tab.saved_roots:
+        p = tab.producer[r]
+        if action[r] not in (SWAP, RECOMPUTE) and p is not None and p < nf:
+            per_op[p] += tab.size[r]
+    for i in range(nf - 1, -1, -1):
+        per_op[i] += per_op[i + 1]
+    return per_op

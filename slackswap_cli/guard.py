@@ -10,9 +10,10 @@ is the out-of-memory error the plan exists to prevent. The guard's rule, one for
 - the bytes held for backward are counted in forward order: every saved storage kept (by
   the plan or by the guard) counts once, from the moment autograd saves it; swapped and
   recomputed ones do not count;
-- a saved tensor the plan cannot place is **kept if holding it leaves the count at or under
-  the limit** (the plan's budget), **else swapped** to host memory (a copy of its storage,
-  brought back in backward: bit for bit, so training is unchanged);
+- a saved tensor the plan cannot place is **kept if holding it leaves the count, plus what
+  the plan keeps later in forward (the reserve), at or under the limit** (the plan's budget),
+  **else swapped** to host memory (a copy of its storage, brought back in backward: bit for
+  bit, so training is unchanged);
 - what the plan places (keep, swap, recompute as planned) is never changed: the guard only
   decides what the plan left undecided. Swapping is the fallback because it needs nothing of
   the profile: a recompute needs the ops before it lined up, which is exactly what failed.
@@ -57,12 +58,13 @@ class Guard:
             self.seen.discard(key)
             self.held -= nbytes
 
-    def admit(self, key, nbytes: int) -> bool:
-        """May the run keep a saved storage the plan cannot place? True: keep it (counted);
-        False: swap it (counted among the guard's swaps, not as held)."""
+    def admit(self, key, nbytes: int, reserve: int = 0) -> bool:
+        """May the run keep a saved storage the plan cannot place, leaving `reserve` bytes for
+        what the plan keeps later in forward? True: keep it (counted); False: swap it (counted
+        among the guard's swaps, not as held)."""
         if key in self.seen:
             return True                 # already held: keeping another view costs nothing
-        if self.limit is None or self.held + nbytes <= self.limit:
+        if self.limit is None or self.held + nbytes + reserve <= self.limit:
             self.seen.add(key)
             self.held += nbytes
             return True
@@ -76,15 +78,22 @@ def guarded_decisions(profile: Profile, decisions, limit: int,
     """The decisions a run carries out when the saved roots `unplaced` cannot be placed as
     decided (the plan's decision for them does not hold): each of them, in production order,
     is kept while the bytes held for backward so far (kept roots produced before it, plan's
-    and guard's alike, each counted once) plus its own stay within `limit`, else swapped. The
-    simulator then judges the result like any plan."""
+    and guard's alike, each counted once) plus its own plus the plan's kept roots produced
+    after it stay within `limit`, else swapped. The simulator then judges the result like
+    any plan."""
     by_id = {d.tensor: d for d in decisions}
     guard = Guard(limit)
+    saved = profile.saved_activations
+    planned = [t.size_bytes if t.id not in unplaced and by_id.get(
+        t.id, Decision(t.id, Action.KEEP.value)).action == Action.KEEP.value else 0 for t in saved]
+    reserve = [0] * (len(saved) + 1)          # what the plan keeps later: left room for
+    for i in range(len(saved) - 1, -1, -1):
+        reserve[i] = reserve[i + 1] + planned[i]
     out = []
-    for t in profile.saved_activations:
+    for i, t in enumerate(saved):
         d = by_id.get(t.id, Decision(t.id, Action.KEEP.value))
         if t.id in unplaced:
-            keep = guard.admit(t.id, t.size_bytes)
+            keep = guard.admit(t.id, t.size_bytes, reserve[i + 1])
             d = Decision(t.id, Action.KEEP.value if keep else Action.SWAP.value)
         elif d.action == Action.KEEP.value:
             guard.hold(t.id, t.size_bytes)

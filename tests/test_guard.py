@@ -49,3 +49,18 @@ def test_guarded_decisions_swap_the_unplaced_roots_beyond_the_limit_in_forward_o
     guarded = simulate(prof, got, hw, None)
     assert guarded.predicted.peak_bytes < kept.predicted.peak_bytes
     assert guarded.predicted.swapped_bytes == 2 * MB
+
+
+def test_the_guard_leaves_room_for_what_the_plan_keeps_later_in_forward():
+    prof = chain_profile(5, act_bytes=MB)
+    a = [t.id for t in prof.saved_activations]
+    plan = [Decision(a[0], "keep"), Decision(a[1], "recompute"), Decision(a[2], "recompute"),
+            Decision(a[3], "keep"), Decision(a[4], "keep")]
+    # a1, a2 unplaced: a0 (1 MB) + a1 (1 MB) + a3, a4 still to come (2 MB) = 4 MB > 3 MB
+    got = guarded_decisions(prof, plan, 3 * MB, unplaced={a[1], a[2]})
+    assert [d.action for d in got] == ["keep", "swap", "swap", "keep", "keep"]
+    # with 4 MB, a1 fits beside the reserve, a2 no longer does
+    got = guarded_decisions(prof, plan, 4 * MB, unplaced={a[1], a[2]})
+    assert [d.action for d in got] == ["keep", "keep", "swap", "keep", "keep"]
+    g = Guard(3 * MB)
+    assert not g.admit("x", MB, reserve=2 * MB + 1) and g.admit("x", MB, reserve=2 * MB)

@@ -4,7 +4,7 @@ held to the budget by the guard (`slackswap_cli/guard.py`), exactly."""
 import pytest
 import torch
 
-from benchmarks.robust_models import MODELS
+from benchmarks.robust_models import MODELS, MOE
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import apply_plan, load_patched
@@ -112,3 +112,30 @@ def test_a_run_that_branches_otherwise_than_its_trace_is_held_to_the_budget(tmp_
     assert first[0]["held_bytes"] + first[0]["guard_swapped_bytes"] > 1.5 * budget
     err = capfd.readouterr().err
     assert err.count("the guard swapped") == 1 and "x the budget" in err
+
+
+def test_a_mixture_of_experts_on_other_routings_is_held_to_the_budget_exactly(tmp_path):
+    """Profiled at one batch's routing (a real trace): on batches routed otherwise the experts
+    save tensors of other sizes, which the plan cannot place; each call holds at most its
+    budget and trains bitwise like eager."""
+    mod, src = _patched(tmp_path, "moe", MOE, "cpu")
+    eager, work = load_workload(str(src)), load_workload(str(src))
+    mod.patch(work.model)
+    state = work.model.forward.__slackswap__
+    state.measure_held = True
+    acted = 0
+    for seed in (0, 1, 2, 1):
+        (x,) = load_workload(str(src), args={"seed": seed}).inputs
+        got = []
+        for m in (eager.model, work.model):
+            loss = m(x)
+            if m is work.model:
+                rep, held = state.last_report, state.last_run.held_device_bytes()
+                assert held <= 1.05 * rep["budget_bytes"], (seed, rep, held)
+                assert rep["held_bytes"] == held
+                acted += rep["guard_swaps"] > 0
+            loss.backward()
+            got.append([loss.detach(), *(p.grad for p in m.parameters())])
+            m.zero_grad(set_to_none=True)
+        assert all(torch.equal(p, q) for p, q in zip(*got)), seed
+    assert acted >= 2                          # the other routings needed the guard

@@ -168,6 +168,7 @@ def _prepare(rec: _Record) -> tuple:
 class PlanRun:
     """One training step's recorded forward and the state its backward needs."""
     noting = True       # note what each chain reads (for a steady-state template)
+    recorded = True     # (a first call: recorded op by op)
 
     def __init__(self, patched, plan):
         """`patched`: the model's `inplace._Patched`; `plan`: its `inplace._Table` for this
@@ -307,11 +308,16 @@ class PlanRun:
 
     def report(self) -> dict:
         """What this call did, for `model.forward.__slackswap__.last_report` and `verify`:
-        `alignment()`'s figures, the guard's swaps (count and bytes), the bytes held for
+        `alignment()`'s figures (a later call that follows the first one's template reports
+        the first one's; `recorded`: this call was recorded; `left_template`: a later call
+        whose saved tensors stopped matching the template), the guard's swaps (count and
+        bytes), the bytes held for
         backward as counted in forward (`guard.py`'s count: kept storages, planned or not)
         against the plan's budget (None: the plan has none)."""
         swaps, swapped = self.guarded()
-        return {**self.alignment(), "guard_swaps": swaps, "guard_swapped_bytes": swapped,
+        return {**self.alignment(), "recorded": self.recorded,
+                "left_template": bool(getattr(self, "broken", False)),
+                "guard_swaps": swaps, "guard_swapped_bytes": swapped,
                 "held_bytes": self.held_at_end(), "budget_bytes": self.t.limit}
 
     def guarded(self) -> tuple[int, int]:
@@ -416,11 +422,22 @@ class PlanRun:
     def _unplaced(self, x: torch.Tensor, loc, note: list):
         """A saved tensor the plan cannot place: kept while the guard admits it, else swapped
         (`guard.py`'s rule); the note tells later calls at this signature which."""
-        if x.device.type == "meta" or self.guard.admit(rt.storage_key(x), rt.storage_bytes(x)):
+        if x.device.type == "meta":
+            return self._kept(x, loc)
+        key = rt.storage_key(x)
+        if key in self.external:           # a parameter, buffer or input: not held for it
+            return x.detach()
+        if self.guard.admit(key, rt.storage_bytes(x), self._reserve()):
             return self._kept(x, loc)
         note[2:4] = Action.SWAP, None
         note[7] = False
         return self._swap(x, None, False)
+
+    def _reserve(self) -> int:
+        """Bytes the plan keeps from the next expected op on (`keep_after`): room the guard
+        leaves. (0 for a table written before it was kept, and after the last op.)"""
+        after = self.table.get("keep_after")
+        return after[min(self.ptr, len(after) - 1)] if after else 0
 
     def _count(self, x: torch.Tensor) -> None:
         """Count a storage this forward holds for backward as planned (`Guard.hold`)."""

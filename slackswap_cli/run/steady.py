@@ -179,6 +179,7 @@ class SteadyRun(PlanRun):
     docstring for what it checks). Chains replay the template's records on the values this
     call's packs handed over."""
     noting = False
+    recorded = False
 
     def __init__(self, patched, plan, tpl: Template, inputs: list):
         # (PlanRun's per-call state, without what only recording needs)
@@ -214,8 +215,11 @@ class SteadyRun(PlanRun):
     @property
     def external(self) -> set:
         """Storages the forward read but did not make (for `held_device_bytes`)."""
-        return self.tpl.external | {rt.storage_key(x) for x in self.call_inputs
-                                    if x.device.type != "meta"}
+        got = self.__dict__.get("_external")
+        if got is None:
+            got = self._external = self.tpl.external | {
+                rt.storage_key(x) for x in self.call_inputs if x.device.type != "meta"}
+        return got
 
     def pack(self, x: torch.Tensor):
         i = self.i
