@@ -46,6 +46,19 @@ def workload(batch=2, seq=16):
     ids = torch.randint(0, 128, (batch, seq))
     return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
 '''
+# ViT's loss sets config.problem_type on its first call: dynamo's guard on it fails at the
+# second step, so the whole model recompiles once
+HF_VIT = '''
+import torch
+from transformers import ViTConfig, ViTForImageClassification
+def workload(batch=2):
+    torch.manual_seed(0)
+    cfg = ViTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                    intermediate_size=64, image_size=16, patch_size=4, num_labels=3,
+                    hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    return ViTForImageClassification(cfg), {"pixel_values": torch.randn(batch, 3, 16, 16),
+                                            "labels": torch.tensor([0, 2])}
+'''
 CNN = '''
 import torch, torch.nn as nn, torch.nn.functional as F
 class Net(nn.Module):
@@ -73,7 +86,7 @@ def workload():
     torch.manual_seed(0)
     return MLP(), (torch.randn(4, 16),)
 '''
-SOURCES = {"gpt2": HF_GPT2, "bert": HF_BERT, "llama": HF_LLAMA, "cnn": CNN,
+SOURCES = {"gpt2": HF_GPT2, "bert": HF_BERT, "llama": HF_LLAMA, "vit": HF_VIT, "cnn": CNN,
            "mlp": MLP.replace("ACT", "gelu")}
 _PROFILES: dict = {}
 

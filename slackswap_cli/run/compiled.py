@@ -102,6 +102,8 @@ class GraphReport:
     decomposed_saves: list[str] = field(default_factory=list)  # ops (original_aten) whose
     #                                decomposition made values saved that did not line up
     rows: list[int] = field(default_factory=list)   # graph_table rows that lined up
+    compile_id: str = ""           # dynamo's "frame/compile of that frame" ("0/1": frame 0's
+    #                                first recompile: a guard failure, another shape)
     saved_names: list[str] = field(default_factory=list)
     offloaded_names: list[str] = field(default_factory=list)
 
@@ -142,6 +144,7 @@ class PlanPartition:
         report = _measure(fw, bw, kwargs["num_fwd_outputs"], graph_ops, matched, self.table)
         report.refused_offloads = refused
         report.merged_rows = sorted(merged)
+        report.compile_id = _compile_id()
         self.reports.append(report)
         if not self.quiet:
             where = f" ({self.label})" if self.label else ""
@@ -179,6 +182,13 @@ class PlanPartition:
             moved |= _tag_op(g, row)
         _tag_views(gm, moved, after_tangent)
         return matched
+
+
+def _compile_id() -> str:
+    """Dynamo's id of the compile running now ("frame/compile of that frame"), or ""."""
+    from torch._guards import CompileContext
+    cid = CompileContext.current_compile_id()
+    return "" if cid is None else f"{cid.frame_id}/{cid.frame_compile_id}"
 
 
 def _rows(matched: dict) -> set[int]:
@@ -632,12 +642,36 @@ def _compile_blocks(model, table, *, backend, quiet, **compile_kwargs):
     return model
 
 
-def totals(partitions: list[PlanPartition]) -> dict:
-    """The reports of every graph compiled so far, summed."""
-    reps = [r for p in partitions for r in p.reports]
+def graph_sets(partitions: list[PlanPartition]) -> list[list[GraphReport]]:
+    """The graphs compiled so far as the steps ran them: set 0 holds each frame's first
+    compile (one of each graph the first step ran: a graph break's pieces, every block's
+    graph); set k holds the k-th recompile of a frame (a guard failure, another input shape),
+    which replaces that frame's graph in the steps after it. Recompiles share their frame
+    (dynamo's `frame/compile` id), counted per compiled object (`per_block` compiles one code
+    object once per block)."""
+    sets: list[list[GraphReport]] = []
+    for p in partitions:
+        seen: dict[str, int] = {}
+        for r in p.reports:
+            frame = r.compile_id.split("/")[0] if r.compile_id else f"#{len(seen)}"
+            k = seen[frame] = seen.get(frame, -1) + 1
+            while len(sets) <= k:
+                sets.append([])
+            sets[k].append(r)
+    return sets or [[]]
+
+
+def totals(partitions: list[PlanPartition], graph_set: int = 0) -> dict:
+    """The reports of one graph set (`graph_sets`: by default the graphs the first step ran,
+    each once; never a recompile summed into them), summed; `recompiled_graph_sets`: how
+    many sets came after it."""
+    sets = graph_sets(partitions)
+    reps = sets[graph_set] if graph_set < len(sets) else []
     return {
         "lined_up_rows": sorted({row for r in reps for row in r.rows}),
         "graphs": len(reps),
+        "compile_ids": [r.compile_id for r in reps],
+        "recompiled_graph_sets": len(sets) - 1,
         "graph_ops": sum(r.graph_ops for r in reps),
         "lined_up_ops": sum(r.lined_up_ops for r in reps),
         "saved_bytes": sum(r.saved_bytes for r in reps),
