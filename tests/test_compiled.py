@@ -120,6 +120,36 @@ def test_aot_eager_trains_bitwise_like_eager_and_carries_out_the_plan(name, frac
         assert c["rederived_views"] > 0
 
 
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_gqa", "qwen2_gqa"])
+def test_grouped_query_attention_lines_up_and_offloads_what_the_plan_swaps(name, files,
+                                                                           tmp_path):
+    """Item 5 with aot_eager: Llama, Mistral and Qwen2 with 4 key/value heads for 8 (profiled
+    for the CPU, as users profile without a GPU) at 0.5: every forward op lines up (repeat_kv's
+    expand, clone and _unsafe_view too) and the graphs offload exactly the plan's swaps."""
+    prof = profiled(files, name, device="fake:cpu")
+    path = write_patched(tmp_path, plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"]),
+                         prof)
+    report = verify_compiled(str(path), backend="aot_eager", steps=1)
+    assert_carries_out_the_plan(report)
+    assert report["compiled"]["offloaded_bytes"] > 0
+
+
+def test_grouped_query_attention_under_inductor_lines_up_every_forward_op(files, tmp_path):
+    """Item 5 with inductor, GQA Llama: every forward op lines up (inductor's joint-graph pass
+    rewrites nll_loss's backward into new untagged nodes - iota, eq, two scalar_tensors - that
+    read only the labels: backward's, not forward ops), the graphs offload exactly the swaps
+    backward reads, and verify passes."""
+    prof = profiled(files, "llama_gqa", device="fake:cpu")
+    path = write_patched(tmp_path, plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"]),
+                         prof)
+    report = verify_compiled(str(path), backend="inductor", steps=1)
+    assert report["passed"], report["reasons"]
+    c, p = report["compiled"], report["plan"]
+    assert c["lined_up_ops"] == c["graph_ops"]
+    assert c["offloaded_bytes"] == p["swapped_bytes_read"] == p["swapped_bytes_in_graph"] > 0
+    assert c["off_plan_recomputes"] == []
+
+
 def test_a_cpu_dropout_run_lines_up_with_native_dropout():
     """graph_units folds at::dropout's CPU run (empty_like, bernoulli_, div_, mul) into one
     native_dropout row: its result carries mul's decision, its bool mask the noise's."""

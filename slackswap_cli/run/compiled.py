@@ -127,13 +127,14 @@ class PlanPartition:
         from torch._functorch.compile_utils import fx_graph_cse
         from torch._functorch.partitioners import min_cut_rematerialization_partition
         merged: set[int] = set()
+        n_out = kwargs["num_fwd_outputs"]
         if functorch_config.cse:
             # the partitioner merges identical ops first (Llama's two causal masks): merged
             # before lining up; the rows that line up only before the merge are reported
-            before = _rows(self._match(_graph_ops(_split(gm)[0])))
+            before = _rows(self._match(_graph_ops(_split(gm, n_out)[0])))
             gm.graph = fx_graph_cse(gm.graph)
             gm.recompile()
-        fwd_nodes, after_tangent = _split(gm)
+        fwd_nodes, after_tangent = _split(gm, n_out)
         graph_ops = _graph_ops(fwd_nodes)
         matched = self._tag(gm, graph_ops, after_tangent)
         if functorch_config.cse:
@@ -283,28 +284,58 @@ def _tag_views(gm: fx.GraphModule, moved: set[fx.Node], after_tangent: set[fx.No
         n.meta.setdefault("recompute", CheckpointPolicy.MUST_RECOMPUTE)
 
 
+# ops that make a view of their input without saying so in their schema: `_unsafe_view`
+# (C++ `at::matmul` folds batch dimensions with it, `reshape` of an expanded tensor - grouped-
+# query attention's repeat_kv - is `clone` then `_unsafe_view`) is a free view of its input
+UNSAID_VIEWS = ("aten._unsafe_view.default",)
+
+
 def _is_view(node: fx.Node) -> bool:
-    """Whether `node` is a view op (its schema says its result aliases an input, unwritten)."""
+    """Whether `node` is a view op (its schema says its result aliases an input, unwritten;
+    or an op of UNSAID_VIEWS)."""
+    if str(node.target) in UNSAID_VIEWS:
+        return True
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(
         r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-def _split(gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node]]:
+def _split(gm: fx.GraphModule, num_fwd_outputs: int | None = None
+           ) -> tuple[list[fx.Node], set[fx.Node]]:
     """(the joint graph's forward ops in order, the nodes that depend on a tangent).
 
     Forward ops: call_function nodes that depend on no tangent and that AOTAutograd did not
-    tag as backward (weight transposes for backward matmuls depend on no tangent either);
-    getitems count as part of their op."""
+    tag as backward (weight transposes for backward matmuls depend on no tangent either),
+    nor untagged nodes that feed only backward (no forward output is computed from them:
+    inductor's joint-graph passes replace backward ops with new nodes without AOTAutograd's
+    tag, as nll_loss's backward with `iota`, `eq` and `scalar_tensor`s that read only the
+    labels); getitems count as part of their op."""
     after: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if (n.op == "placeholder" and n.name.startswith("tangent")) or \
                 any(a in after for a in n.all_input_nodes):
             after.add(n)
+    feeds = _feeding_forward(gm, num_fwd_outputs)
     fwd = [n for n in gm.graph.nodes if n.op == "call_function" and n not in after
            and n.target is not operator.getitem and not _writes_back(n)
-           and n.meta.get("partitioner_tag") != "is_backward"]
+           and n.meta.get("partitioner_tag") != "is_backward"
+           and (feeds is None or n in feeds or n.meta.get("partitioner_tag") == "is_forward")]
     return fwd, after
+
+
+def _feeding_forward(gm: fx.GraphModule, num_fwd_outputs: int | None) -> set[fx.Node] | None:
+    """The nodes some forward output of the joint graph is computed from (None: unknown)."""
+    if num_fwd_outputs is None:
+        return None
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    stack = [a for a in list(outs)[:num_fwd_outputs] if isinstance(a, fx.Node)]
+    seen: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 @dataclass(eq=False)
