@@ -792,7 +792,7 @@ def _in_graph_lines(p: dict) -> list[str]:
     why = []
     if p.get("resized_roots"):
         why.append(f"{p['resized_roots']} root(s) held in another size (a dropout mask: a "
-                   f"1-byte bool in the graph, float noise in a CPU profile)")
+                   f"1-byte bool in the graph, float noise in the profile)")
     if p.get("merged_roots"):
         why.append(f"merged by the partitioner's CSE into an identical earlier op: "
                    f"{', '.join(p['merged_roots'])}")
