@@ -814,7 +814,7 @@ def _compiled_diffs(report: dict) -> list[tuple[str, dict, str]]:
     tol = report["tolerances"]
     if ref == "eager":
         return [("vs eager", report, f" (tolerance {tol['loss']:g} / {tol['grad']:g})")]
-    rows = [(f"vs {ref}", report, " (0: bitwise)")]
+    rows = [(f"vs {ref}", report, " (0 is bitwise)")]
     if "vs_eager" in report:
         ratio = tol.get("ratio_to_reference", 1)
         rows.append(("vs eager", report["vs_eager"],
