@@ -241,7 +241,9 @@ def test_a_recompile_is_its_own_graph_set_never_summed_into_the_step(files, tmp_
     assert c["saved_bytes"] + c["offloaded_bytes"] == \
         p["kept_bytes_in_graph"] + p["swapped_bytes_in_graph"]
     (rc,) = report["recompiles"]
-    assert rc["compile_ids"] == [f"{frame[0]}/1"] and rc["judged"] and rc["reasons"] == []
+    (again,) = [cid.split("/") for cid in rc["compile_ids"]]   # ids are process-wide: the
+    assert again[0] == frame[0] and int(again[1]) > int(frame[1])   # HF wrapper's frame again
+    assert rc["judged"] and rc["reasons"] == []
     assert (rc["saved_bytes"], rc["offloaded_bytes"]) == (c["saved_bytes"], c["offloaded_bytes"])
     assert any("recompile" in n for n in report["notes"])
     from slackswap_cli.render import verify_compiled_view
@@ -261,9 +263,10 @@ def test_a_recompile_is_its_own_graph_set_never_summed_into_the_step(files, tmp_
     for batch in (4, 4, 6):
         compiled(torch.randn(batch, 16)).backward()
     first, again = graph_sets(compiled._slackswap_partitions)
-    frames = [r.compile_id.split("/")[0] for r in first]      # dynamo's ids: process-wide
-    assert [r.compile_id for r in first] == [f"{f}/0" for f in frames]
-    assert [r.compile_id for r in again] == [f"{f}/1" for f in frames]
+    frames = [r.compile_id.split("/")[0] for r in first]
+    assert [r.compile_id.split("/")[0] for r in again] == frames
+    assert all(int(b.compile_id.split("/")[1]) > int(a.compile_id.split("/")[1])
+               for a, b in zip(first, again))
     t = totals(compiled._slackswap_partitions)
     assert t["graphs"] == 2 and t["offloaded_bytes"] == first[0].offloaded_bytes == 4 * 32 * 4
     assert totals(compiled._slackswap_partitions, 1)["graphs"] == 2
