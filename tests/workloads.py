@@ -46,6 +46,37 @@ def workload(batch=2, seq=16):
     ids = torch.randint(0, 128, (batch, seq))
     return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
 '''
+# grouped-query attention as current LLMs have it: 4 key/value heads for 8 heads (repeat_kv:
+# unsqueeze, expand, clone, _unsafe_view), for Llama, Mistral (sliding window) and Qwen2 (whose
+# q/k/v projections have biases)
+HF_GQA = '''
+import torch
+from transformers import CONFIG, MODEL
+def workload(batch=2, seq=16):
+    torch.manual_seed(0)
+    cfg = CONFIG(num_hidden_layers=2, hidden_size=64, num_attention_heads=8,
+                 num_key_value_heads=4, intermediate_size=128, vocab_size=128,
+                 max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
+                 pad_token_id=0, use_cache=False EXTRA)
+    ids = torch.randint(0, 128, (batch, seq))
+    return MODEL(cfg), {"input_ids": ids, "labels": ids}
+'''
+GQA = {"llama_gqa": ("LlamaConfig", "LlamaForCausalLM", ""),
+       "mistral_gqa": ("MistralConfig", "MistralForCausalLM", ", sliding_window=8"),
+       "qwen2_gqa": ("Qwen2Config", "Qwen2ForCausalLM", "")}
+# ViT's loss sets config.problem_type on its first call: dynamo's guard on it fails at the
+# second step, so the whole model recompiles once
+HF_VIT = '''
+import torch
+from transformers import ViTConfig, ViTForImageClassification
+def workload(batch=2):
+    torch.manual_seed(0)
+    cfg = ViTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                    intermediate_size=64, image_size=16, patch_size=4, num_labels=3,
+                    hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    return ViTForImageClassification(cfg), {"pixel_values": torch.randn(batch, 3, 16, 16),
+                                            "labels": torch.tensor([0, 2])}
+'''
 CNN = '''
 import torch, torch.nn as nn, torch.nn.functional as F
 class Net(nn.Module):
@@ -73,15 +104,18 @@ def workload():
     torch.manual_seed(0)
     return MLP(), (torch.randn(4, 16),)
 '''
-SOURCES = {"gpt2": HF_GPT2, "bert": HF_BERT, "llama": HF_LLAMA, "cnn": CNN,
-           "mlp": MLP.replace("ACT", "gelu")}
+SOURCES = {"gpt2": HF_GPT2, "bert": HF_BERT, "llama": HF_LLAMA, "vit": HF_VIT, "cnn": CNN,
+           "mlp": MLP.replace("ACT", "gelu"),
+           **{name: HF_GQA.replace("CONFIG", c).replace("MODEL", m).replace(" EXTRA", x)
+              for name, (c, m, x) in GQA.items()}}
 _PROFILES: dict = {}
 
 
-def profiled(files, name):
-    if name not in _PROFILES:
-        _PROFILES[name] = profile_workload(str(files[name]), device="fake", hardware=HW)
-    return _PROFILES[name]
+def profiled(files, name, device="fake"):
+    """The profile of workload `name` (made once per session and device)."""
+    if (name, device) not in _PROFILES:
+        _PROFILES[name, device] = profile_workload(str(files[name]), device=device, hardware=HW)
+    return _PROFILES[name, device]
 
 
 def plan_at(prof, budget_bytes):

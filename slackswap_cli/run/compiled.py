@@ -102,6 +102,8 @@ class GraphReport:
     decomposed_saves: list[str] = field(default_factory=list)  # ops (original_aten) whose
     #                                decomposition made values saved that did not line up
     rows: list[int] = field(default_factory=list)   # graph_table rows that lined up
+    compile_id: str = ""           # dynamo's "frame/compile of that frame" ("0/1": frame 0's
+    #                                first recompile: a guard failure, another shape)
     saved_names: list[str] = field(default_factory=list)
     offloaded_names: list[str] = field(default_factory=list)
 
@@ -125,13 +127,14 @@ class PlanPartition:
         from torch._functorch.compile_utils import fx_graph_cse
         from torch._functorch.partitioners import min_cut_rematerialization_partition
         merged: set[int] = set()
+        n_out = kwargs["num_fwd_outputs"]
         if functorch_config.cse:
             # the partitioner merges identical ops first (Llama's two causal masks): merged
             # before lining up; the rows that line up only before the merge are reported
-            before = _rows(self._match(_graph_ops(_split(gm)[0])))
+            before = _rows(self._match(_graph_ops(_split(gm, n_out)[0])))
             gm.graph = fx_graph_cse(gm.graph)
             gm.recompile()
-        fwd_nodes, after_tangent = _split(gm)
+        fwd_nodes, after_tangent = _split(gm, n_out)
         graph_ops = _graph_ops(fwd_nodes)
         matched = self._tag(gm, graph_ops, after_tangent)
         if functorch_config.cse:
@@ -142,6 +145,7 @@ class PlanPartition:
         report = _measure(fw, bw, kwargs["num_fwd_outputs"], graph_ops, matched, self.table)
         report.refused_offloads = refused
         report.merged_rows = sorted(merged)
+        report.compile_id = _compile_id()
         self.reports.append(report)
         if not self.quiet:
             where = f" ({self.label})" if self.label else ""
@@ -179,6 +183,13 @@ class PlanPartition:
             moved |= _tag_op(g, row)
         _tag_views(gm, moved, after_tangent)
         return matched
+
+
+def _compile_id() -> str:
+    """Dynamo's id of the compile running now ("frame/compile of that frame"), or ""."""
+    from torch._guards import CompileContext
+    cid = CompileContext.current_compile_id()
+    return "" if cid is None else f"{cid.frame_id}/{cid.frame_compile_id}"
 
 
 def _rows(matched: dict) -> set[int]:
@@ -273,28 +284,58 @@ def _tag_views(gm: fx.GraphModule, moved: set[fx.Node], after_tangent: set[fx.No
         n.meta.setdefault("recompute", CheckpointPolicy.MUST_RECOMPUTE)
 
 
+# ops that make a view of their input without saying so in their schema: `_unsafe_view`
+# (C++ `at::matmul` folds batch dimensions with it, `reshape` of an expanded tensor - grouped-
+# query attention's repeat_kv - is `clone` then `_unsafe_view`) is a free view of its input
+UNSAID_VIEWS = ("aten._unsafe_view.default",)
+
+
 def _is_view(node: fx.Node) -> bool:
-    """Whether `node` is a view op (its schema says its result aliases an input, unwritten)."""
+    """Whether `node` is a view op (its schema says its result aliases an input, unwritten;
+    or an op of UNSAID_VIEWS)."""
+    if str(node.target) in UNSAID_VIEWS:
+        return True
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(
         r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-def _split(gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node]]:
+def _split(gm: fx.GraphModule, num_fwd_outputs: int | None = None
+           ) -> tuple[list[fx.Node], set[fx.Node]]:
     """(the joint graph's forward ops in order, the nodes that depend on a tangent).
 
     Forward ops: call_function nodes that depend on no tangent and that AOTAutograd did not
-    tag as backward (weight transposes for backward matmuls depend on no tangent either);
-    getitems count as part of their op."""
+    tag as backward (weight transposes for backward matmuls depend on no tangent either),
+    nor untagged nodes that feed only backward (no forward output is computed from them:
+    inductor's joint-graph passes replace backward ops with new nodes without AOTAutograd's
+    tag, as nll_loss's backward with `iota`, `eq` and `scalar_tensor`s that read only the
+    labels); getitems count as part of their op."""
     after: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if (n.op == "placeholder" and n.name.startswith("tangent")) or \
                 any(a in after for a in n.all_input_nodes):
             after.add(n)
+    feeds = _feeding_forward(gm, num_fwd_outputs)
     fwd = [n for n in gm.graph.nodes if n.op == "call_function" and n not in after
            and n.target is not operator.getitem and not _writes_back(n)
-           and n.meta.get("partitioner_tag") != "is_backward"]
+           and n.meta.get("partitioner_tag") != "is_backward"
+           and (feeds is None or n in feeds or n.meta.get("partitioner_tag") == "is_forward")]
     return fwd, after
+
+
+def _feeding_forward(gm: fx.GraphModule, num_fwd_outputs: int | None) -> set[fx.Node] | None:
+    """The nodes some forward output of the joint graph is computed from (None: unknown)."""
+    if num_fwd_outputs is None:
+        return None
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    stack = [a for a in list(outs)[:num_fwd_outputs] if isinstance(a, fx.Node)]
+    seen: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 @dataclass(eq=False)
@@ -632,12 +673,36 @@ def _compile_blocks(model, table, *, backend, quiet, **compile_kwargs):
     return model
 
 
-def totals(partitions: list[PlanPartition]) -> dict:
-    """The reports of every graph compiled so far, summed."""
-    reps = [r for p in partitions for r in p.reports]
+def graph_sets(partitions: list[PlanPartition]) -> list[list[GraphReport]]:
+    """The graphs compiled so far as the steps ran them: set 0 holds each frame's first
+    compile (one of each graph the first step ran: a graph break's pieces, every block's
+    graph); set k holds the k-th recompile of a frame (a guard failure, another input shape),
+    which replaces that frame's graph in the steps after it. Recompiles share their frame
+    (dynamo's `frame/compile` id), counted per compiled object (`per_block` compiles one code
+    object once per block)."""
+    sets: list[list[GraphReport]] = []
+    for p in partitions:
+        seen: dict[str, int] = {}
+        for r in p.reports:
+            frame = r.compile_id.split("/")[0] if r.compile_id else f"#{len(seen)}"
+            k = seen[frame] = seen.get(frame, -1) + 1
+            while len(sets) <= k:
+                sets.append([])
+            sets[k].append(r)
+    return sets or [[]]
+
+
+def totals(partitions: list[PlanPartition], graph_set: int = 0) -> dict:
+    """The reports of one graph set (`graph_sets`: by default the graphs the first step ran,
+    each once; never a recompile summed into them), summed; `recompiled_graph_sets`: how
+    many sets came after it."""
+    sets = graph_sets(partitions)
+    reps = sets[graph_set] if graph_set < len(sets) else []
     return {
         "lined_up_rows": sorted({row for r in reps for row in r.rows}),
         "graphs": len(reps),
+        "compile_ids": [r.compile_id for r in reps],
+        "recompiled_graph_sets": len(sets) - 1,
         "graph_ops": sum(r.graph_ops for r in reps),
         "lined_up_ops": sum(r.lined_up_ops for r in reps),
         "saved_bytes": sum(r.saved_bytes for r in reps),
