@@ -139,3 +139,33 @@ def test_a_mixture_of_experts_on_other_routings_is_held_to_the_budget_exactly(tm
             m.zero_grad(set_to_none=True)
         assert all(torch.equal(p, q) for p, q in zip(*got)), seed
     assert acted >= 2                          # the other routings needed the guard
+
+
+def test_a_new_length_after_a_branchy_first_call_costs_one_trace_and_lines_up(tmp_path, capfd):
+    """Once a model's calls had to be planned along their own branches, a new sequence length
+    runs its first call on the profiled plan held by the guard (no trace before it), then one
+    trace along that call's branches plans for the calls after it."""
+    mod, src = _patched(tmp_path, "llama", MODELS["llama"], "fake:cpu")
+    eager, work = load_workload(str(src)), load_workload(str(src))
+    mod.patch(work.model)
+    state = work.model.forward.__slackswap__
+    state.measure_held = True
+    reps = []
+    for seq in (16, 16, 24, 24):
+        batch = load_workload(str(src), args={"seq": seq}).inputs
+        got = []
+        for m in (eager.model, work.model):
+            a, kw = split_inputs(batch)
+            loss = loss_from_output(m(*a, **kw), batch, None)
+            if m is work.model:
+                reps.append((state.last_report, state.last_run.held_device_bytes()))
+            loss.backward()
+            got.append([loss.detach(), *(p.grad for p in m.parameters())])
+            m.zero_grad(set_to_none=True)
+        assert all(torch.equal(p, q) for p, q in zip(*got)), seq
+    (_, _), (at16, _), (first24, held24), (later24, _) = reps
+    assert at16["fraction"] >= 0.99 and later24["fraction"] >= 0.99, (at16, later24)
+    assert first24["fraction"] < 0.5 and held24 <= 1.05 * first24["budget_bytes"]
+    err = capfd.readouterr().err
+    assert err.count("planned again along the branches") == 2     # at 16, then at 24
+    assert "new inputs" not in err                                  # no trace before a call

@@ -93,6 +93,7 @@ class _Patched:
         self._first = None
         self.buffer_ids: set[int] = set()
         self.replan = replan
+        self.branchy = False                    # a call planned again along its branches
         self.strict = strict
         self.steady = True                      # later calls at a signature: hooks alone
         self.measure_held = False               # later calls note what autograd holds
@@ -182,6 +183,12 @@ class _Patched:
                 hint="re-profile at these shapes, or patch without strict=True to plan for "
                      "them on the fly")
         plan = None
+        if self.replan and self.branchy:
+            # this model's calls read values its fake trace cannot (`branches.py`): the first
+            # call at these shapes runs held by the guard, then one trace along its branches
+            # plans for the calls after it (`_follow_branches`), instead of two traces
+            self.plans[sig] = None
+            return self.default, sig
         if self.replan:
             import sys
             import time
@@ -260,14 +267,19 @@ class _Patched:
         from .replan import replan_table
         t0 = time.perf_counter()
         try:
+            # the budget: this signature's plan's bytes; at new shapes (no plan of their own
+            # yet) the plan's fraction of the new keep-all peak, as a re-plan for them takes
+            own = self.plans.get(sig) is not None
             table, what = replan_table(self.model, self.original_forward, args, kwargs,
-                                       self.meta, values=run.values, budget_bytes=run.t.limit)
+                                       self.meta, values=run.values,
+                                       budget_bytes=run.t.limit if own else None)
         except Exception as exc:  # noqa: BLE001 - the run goes on with the plan it has
             print(f"slackswap: could not plan along the branches this call took "
                   f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
                   "; the guard holds the plan's budget", file=sys.stderr)
             return
         self.plans[sig] = _Table(table)
+        self.branchy = True
         self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
         self._drop(sig)
         print(f"slackswap: planned again along the branches this call took ({what}) in "
