@@ -10,11 +10,11 @@ tensor id of the profile and a decision of the plan.
 
 The emitted file imports only torch and slackswap_cli's run side (`step`, `inplace`, and, when
 called, `compiled` and `sac`).
-`patch(model)` patches the model in place (`replay`): the plan runs inside its own forward and
+`patch(model)` patches the model in place (`run/inplace.py`): the plan runs inside its own forward and
 autograd's backward, from the table of `chains.runtime_table`. `step_module(model)` returns a
 module sharing the model's parameters and buffers whose forward takes the workload's inputs and
 returns the loss; the two written-out steps run inside one `torch.autograd.Function`
-(`runtime.PatchedStep`), so `loss.backward()` fills `.grad` of the original parameters.
+(`step.PatchedStep`), so `loss.backward()` fills `.grad` of the original parameters.
 """
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def _tensors(args, kwargs) -> list:
 
 class _Patched:
     """What `patch` attaches to a model: its plans (one per input signature), the first call's
-    record at each signature (`_Template`, for the calls after it) and state. Nothing of the
+    record at each signature (`steady.Template`, for the calls after it) and state. Nothing of the
     model is read before its first call (a model being unpickled or deep-copied is empty when
     this is made)."""
 

@@ -16,8 +16,8 @@ things:
   unplanned.
 - **saved-tensor hooks**: when autograd saves a tensor for backward, the plan's action for its
   storage root decides what autograd holds instead. *keep*: the tensor. *swap*: a handle to a
-  host copy of the tensor's whole storage (`runtime.offload`, on a side stream on CUDA), one
-  per storage, brought back once (`runtime.prefetch`/`wait`) and shared by every view saved of
+  host copy of the tensor's whole storage (`swap.offload`, on a side stream on CUDA), one
+  per storage, brought back once (`swap.prefetch`/`wait`) and shared by every view saved of
   it; copies back are issued ahead of need as backward progresses (the plan's prefetch
   points). A root that an in-place op still has to write is kept, not copied. *recompute*: a
   reference; on first use in backward the ops the root needs of its chain (`table["chains"]`,
@@ -210,7 +210,7 @@ class PlanRun:
         self.kept_alias: dict = {}                 # output loc -> weak ref to what it holds
         self.external: set = set()                 # storages the forward read but did not make
         self.call_inputs: list = []                # the call's own tensors, in order
-        # for a steady-state template (`_Template`): each pack's decision, in order, and the
+        # for a steady-state template (`steady.Template`): each pack's decision, in order, and the
         # values each chain read that were alive (held by autograd or pinned) when it ran
         self.seq: list[tuple] = []
         self.live_reads: dict[int, set] = {}

@@ -71,7 +71,7 @@ class VerifyReport:
     recomputed: int
     passed: bool
     reasons: list[str] = field(default_factory=list)
-    # activation memory over the step, measured op by op (trace.memtrace) on both devices
+    # activation memory over the step, measured op by op (run/memtrace.py) on both devices
     measured_peak_bytes: int = 0            # patched step
     measured_peak_at: str = ""              # the statement of the patched module at the peak
     measured_original_peak_bytes: int = 0   # eager step
