@@ -9,6 +9,7 @@
   `--device cpu` (each op timed on this CPU), so the roofline figures are not what costs them.
 - `one_thread()`: torch (and inductor's compile workers) on one thread.
 - `profile_and_plan()`: the profile and slackswap's plans at fractions of its keep-all peak.
+- `stepper()`: one training step of a model (compiled or patched) as a call;
 - `paired()`: interleaved rounds, order rotated each round, thread CPU time per call;
   `ratio_stats()`: median and quartiles of the per-round ratio of two of them.
 
@@ -107,6 +108,19 @@ def load_patched(plan, prof, path: Path, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def stepper(f, model, work) -> Callable[[], None]:
+    """One training step of `f` (the model, compiled or patched) on the workload's inputs:
+    forward, loss, backward, `model`'s grads set to None."""
+    from slackswap_cli.trace.joint import loss_from_output, split_inputs
+    a, kw = split_inputs(work.inputs)
+
+    def step():
+        loss_from_output(f(*a, **kw), work.inputs, work.loss_fn).backward()
+        for p in model.parameters():
+            p.grad = None
+    return step
 
 
 def paired(fns: dict[str, Callable[[], object]], rounds: int, *, warmup: int = 2,

@@ -209,17 +209,6 @@ _PLAIN = None
 # --------------------------------------------------------------------------------------------
 # one model
 # --------------------------------------------------------------------------------------------
-def _stepper(f, model, work):
-    from slackswap_cli.trace.joint import loss_from_output, split_inputs
-    a, kw = split_inputs(work.inputs)
-
-    def step():
-        loss_from_output(f(*a, **kw), work.inputs, work.loss_fn).backward()
-        for p in model.parameters():
-            p.grad = None
-    return step
-
-
 def run_model(name: str, path: Path, args: dict, hw, budgets, rounds: int, tries: int,
               tmp: Path) -> dict:
     import torch
@@ -237,7 +226,7 @@ def run_model(name: str, path: Path, args: dict, hw, budgets, rounds: int, tries
         t = time.perf_counter()
         with context, recording(got):
             f = make(model)
-            step = _stepper(f, model, work)
+            step = ct.stepper(f, model, work)
             step()                     # compiles forward and backward
         compile_s[key] = round(time.perf_counter() - t, 1)
         if len(got) != 1:
