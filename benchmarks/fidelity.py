@@ -140,7 +140,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def step_time(models: list[str], budgets, rounds: int, quick: bool) -> dict:
+def step_time(models: list[str], budgets, rounds: int, quick: bool, out: Path) -> dict:
     """Predicted vs measured slowdown of `patch(model)` over eager on this CPU (see the module
     docstring, `--step-time`)."""
     import copy
@@ -181,9 +181,20 @@ def step_time(models: list[str], budgets, rounds: int, quick: bool) -> dict:
                     "measured_slowdown": ct.ratio_stats(mine, times["eager"]),
                     "predicted_extra_ms": (p.predicted.step_us - p.predicted.ideal_us) / 1e3,
                     "measured_extra_ms": 1e3 * extra[len(extra) // 2],
+                    "unexplained_us_per_forward_op": (1e3 * extra[len(extra) // 2]
+                                                      - (p.predicted.step_us
+                                                         - p.predicted.ideal_us) / 1e3)
+                    * 1e3 / prof.n_forward,
                 })
+                if rows[-1]["swapped"]:
+                    # a swap over a 1e3 B/s link: keep the profile that led there
+                    saved = Path(out) / f"fidelity_step_time_{name}.profile.json"
+                    write_atomic(saved, dumps(prof.to_dict()))
+                    rows[-1]["profile_saved_to"] = str(saved.relative_to(ROOT)) \
+                        if saved.is_relative_to(ROOT) else str(saved)
             res["models"].append({
                 "model": name, "args": args, "n_ops": prof.summary["n_ops"],
+                "n_forward_ops": prof.n_forward,
                 "keep_all_peak_bytes": prof.summary["peak_activation_bytes"],
                 "profile_op_sum_ms": prof.summary["op_sum_us"] / 1e3,
                 "profile_step_ms": prof.summary["measured_step_us"] / 1e3,
@@ -213,15 +224,20 @@ def step_time_md(res: dict) -> str:
              "patched / eager. Predicted: the plan's simulated step over the keep-all step. "
              "Extra ms: the step time the plan adds, predicted (the simulated recompute) and "
              "measured (median of patched - eager per round).", "",
+             "Unexplained: measured minus predicted extra time per forward op.", "",
              "| model | budget | recomputed roots | predicted | measured | predicted - measured "
-             "(points) | extra ms: predicted / measured |", "|---|---|---|---|---|---|---|"]
+             "(points) | extra ms: predicted / measured | unexplained us / forward op |",
+             "|---|---|---|---|---|---|---|---|"]
     for m in res["models"]:
         for r in m["rows"]:
             gap = 100 * (r["predicted_slowdown"] - r["measured_slowdown"]["median"])
             lines.append(f"| {m['model']} | {r['budget_fraction']} | {r['recomputed']} | "
                          f"{r['predicted_slowdown']:.3f} | {ct.fmt_ratio(r['measured_slowdown'])}"
                          f" | {gap:+.1f} | {r['predicted_extra_ms']:.1f} / "
-                         f"{r['measured_extra_ms']:.1f} |")
+                         f"{r['measured_extra_ms']:.1f} | "
+                         f"{r['unexplained_us_per_forward_op']:.1f} |"
+                         + (f" (swaps {r['swapped']}: {r['profile_saved_to']})"
+                            if r.get("swapped") else ""))
     lines += ["", "Models: " + "; ".join(
         f"{m['model']} {m['args']} ({m['n_ops']} ops; eager step {m['eager_step_ms']:.1f} ms "
         f"measured here, the profile's op times sum to {m['profile_op_sum_ms']:.1f} ms)"
@@ -245,9 +261,9 @@ def main_step_time(a) -> int:
     import cpu_timing as ct
     models = a.models.split(",") if a.models else list(ct.MODELS)
     budgets = (0.5,) if a.quick else tuple(float(x) for x in a.budgets.split(","))
-    res = step_time(models, budgets, 3 if a.quick else a.rounds, a.quick)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    res = step_time(models, budgets, 3 if a.quick else a.rounds, a.quick, out)
     data = {**_previous(out), "step_time": res}
     write_atomic(out / "fidelity.json", orjson.dumps(data, option=orjson.OPT_INDENT_2))
     try:

@@ -353,6 +353,10 @@ def main(argv=None) -> int:
     ap.add_argument("-o", default=str(ROOT / "benchmarks" / "results" / "vs_torch_compile_cpu"))
     a = ap.parse_args(argv)
     ct.one_thread()
+    # every variant compiles the same forward code (each its own copy of the model): one
+    # dynamo cache entry each, more than the default limit of 8
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
     _PLAIN = partitioners.min_cut_rematerialization_partition
     models = ct.QUICK if a.quick else ct.MODELS
     budgets = (0.5,) if a.quick else tuple(float(x) for x in a.budgets.split(","))
