@@ -161,7 +161,9 @@ def step_time(models: list[str], budgets, rounds: int, quick: bool, out: Path) -
             prof, plans = ct.profile_and_plan(path, args, hw, budgets)
             work = load_workload(str(path), args=dict(args))
             eager = copy.deepcopy(work.model)
-            steps = {"eager": ct.stepper(eager, eager, work)}
+            again = copy.deepcopy(work.model)      # the A/A control: eager against eager
+            steps = {"eager": ct.stepper(eager, eager, work),
+                     "eager again": ct.stepper(again, again, work)}
             for b in budgets:
                 mod = ct.load_patched(plans[b], prof, Path(d) / f"{name}_{b}.py",
                                       f"st_{name.replace('-', '_')}_{int(b * 100)}")
@@ -199,6 +201,8 @@ def step_time(models: list[str], budgets, rounds: int, quick: bool, out: Path) -
                 "profile_op_sum_ms": prof.summary["op_sum_us"] / 1e3,
                 "profile_step_ms": prof.summary["measured_step_us"] / 1e3,
                 "eager_step_ms": 1e3 * sorted(times["eager"])[rounds // 2],
+                "a_a": ct.ratio_stats(times["eager again"], times["eager"]),
+                "times_s": times,
                 "seconds": round(time.perf_counter() - t0, 1), "rows": rows})
             m = res["models"][-1]
             print(f"{name}: eager {m['eager_step_ms']:.1f} ms (profile: ops "
@@ -238,6 +242,9 @@ def step_time_md(res: dict) -> str:
                          f"{r['unexplained_us_per_forward_op']:.1f} |"
                          + (f" (swaps {r['swapped']}: {r['profile_saved_to']})"
                             if r.get("swapped") else ""))
+    lines += ["", "A/A (eager against a second eager copy, the same rounds): " + "; ".join(
+        f"{m['model']} {ct.fmt_ratio(m['a_a'])}" for m in res["models"] if "a_a" in m)
+        + ": the spread two identical steps show on this machine."]
     lines += ["", "Models: " + "; ".join(
         f"{m['model']} {m['args']} ({m['n_ops']} ops; eager step {m['eager_step_ms']:.1f} ms "
         f"measured here, the profile's op times sum to {m['profile_op_sum_ms']:.1f} ms)"
