@@ -29,7 +29,7 @@ its own section of fidelity.md, and leaves the memory rows as they are (a run wi
 keeps the step-time rows it finds).
 
     python benchmarks/fidelity.py [--models tiny-gpt,gpt2,...] [--budgets 0.3,0.5,0.7]
-    python benchmarks/fidelity.py --step-time [--models tiny-gpt,llama] [--rounds 15] [--quick]
+    python benchmarks/fidelity.py --step-time [--models tiny-gpt,llama] [--rounds 30] [--quick]
 """
 from __future__ import annotations
 
@@ -140,7 +140,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def step_time(models: list[str], budgets, rounds: int, quick: bool, out: Path) -> dict:
+def step_time(models: list[str], budgets, rounds: int, calls: int, quick: bool,
+              out: Path) -> dict:
     """Predicted vs measured slowdown of `patch(model)` over eager on this CPU (see the module
     docstring, `--step-time`)."""
     import copy
@@ -152,7 +153,7 @@ def step_time(models: list[str], budgets, rounds: int, quick: bool, out: Path) -
     ct.one_thread()
     hw = ct.cpu_hardware()
     configs = ct.QUICK if quick else ct.MODELS
-    res = {"torch": torch.__version__, "quick": quick, "rounds": rounds,
+    res = {"torch": torch.__version__, "quick": quick, "rounds": rounds, "calls": calls,
            "hardware": hw.to_dict(), "planner": "slackswap", "models": []}
     with tempfile.TemporaryDirectory() as d:
         for name in models:
@@ -169,11 +170,13 @@ def step_time(models: list[str], budgets, rounds: int, quick: bool, out: Path) -
                                       f"st_{name.replace('-', '_')}_{int(b * 100)}")
                 model = mod.patch(copy.deepcopy(work.model))
                 steps[f"patch {b}"] = ct.stepper(model, model, work)
-            times = ct.paired(steps, rounds)
+            times = ct.paired(steps, rounds, calls=calls)
+            # the reference: both eager copies of each round (halves the reference's noise)
+            both = [(x + y) / 2 for x, y in zip(times["eager"], times["eager again"])]
             rows = []
             for b in budgets:
                 p, mine = plans[b], times[f"patch {b}"]
-                extra = sorted(x - y for x, y in zip(mine, times["eager"]))
+                extra = sorted((x - y) / calls for x, y in zip(mine, both))
                 rows.append({
                     "budget_fraction": b, "budget_bytes": p.budget_bytes,
                     "feasible": p.feasible,
@@ -181,6 +184,7 @@ def step_time(models: list[str], budgets, rounds: int, quick: bool, out: Path) -
                     "swapped": sum(d.action == "swap" for d in p.decisions),
                     "predicted_slowdown": p.predicted.step_us / p.predicted.ideal_us,
                     "measured_slowdown": ct.ratio_stats(mine, times["eager"]),
+                    "measured_slowdown_both": ct.ratio_stats(mine, both),
                     "predicted_extra_ms": (p.predicted.step_us - p.predicted.ideal_us) / 1e3,
                     "measured_extra_ms": 1e3 * extra[len(extra) // 2],
                     "unexplained_us_per_forward_op": (1e3 * extra[len(extra) // 2]
@@ -200,7 +204,7 @@ def step_time(models: list[str], budgets, rounds: int, quick: bool, out: Path) -
                 "keep_all_peak_bytes": prof.summary["peak_activation_bytes"],
                 "profile_op_sum_ms": prof.summary["op_sum_us"] / 1e3,
                 "profile_step_ms": prof.summary["measured_step_us"] / 1e3,
-                "eager_step_ms": 1e3 * sorted(times["eager"])[rounds // 2],
+                "eager_step_ms": 1e3 * sorted(times["eager"])[rounds // 2] / calls,
                 "a_a": ct.ratio_stats(times["eager again"], times["eager"]),
                 "times_s": times,
                 "seconds": round(time.perf_counter() - t0, 1), "rows": rows})
@@ -210,7 +214,8 @@ def step_time(models: list[str], budgets, rounds: int, quick: bool, out: Path) -
                   flush=True)
             for r in rows:
                 print(f"  {r['budget_fraction']}: predicted {r['predicted_slowdown']:.3f}, "
-                      f"measured {ct.fmt_ratio(r['measured_slowdown'])}; extra ms predicted "
+                      f"measured {ct.fmt_ratio(r['measured_slowdown'])} (over both eager "
+                      f"copies {ct.fmt_ratio(r['measured_slowdown_both'])}); extra ms predicted "
                       f"{r['predicted_extra_ms']:.1f}, measured {r['measured_extra_ms']:.1f}",
                       flush=True)
     return res
@@ -223,21 +228,25 @@ def step_time_md(res: dict) -> str:
              + f"` (torch {res['torch']}): `--device cpu` profiles (each op timed on this CPU) "
              f"on a hardware file of this CPU ({res['hardware']['name']}) whose host link is "
              "at its minimum, so the plans keep and recompute only; slackswap's plans. "
-             f"Thread CPU time of one training step, one thread, {res['rounds']} paired "
-             "interleaved rounds (order rotated): median [quartiles] of the per-round ratio "
-             "patched / eager. Predicted: the plan's simulated step over the keep-all step. "
-             "Extra ms: the step time the plan adds, predicted (the simulated recompute) and "
-             "measured (median of patched - eager per round).", "",
+             f"Thread CPU time of {res.get('calls', 1)} training step(s) per variant a round, "
+             f"one thread, {res['rounds']} paired interleaved rounds (order rotated): median "
+             "[quartiles] of the per-round ratio patched / eager, over the first eager copy "
+             "and over the mean of both eager copies of the round (the A/A control below). "
+             "Predicted: the plan's simulated step over the keep-all step. Extra ms: the step "
+             "time the plan adds, predicted (the simulated recompute) and measured (median of "
+             "patched - eager per step and round, both eager copies).", "",
              "Unexplained: measured minus predicted extra time per forward op.", "",
-             "| model | budget | recomputed roots | predicted | measured | predicted - measured "
-             "(points) | extra ms: predicted / measured | unexplained us / forward op |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | budget | recomputed roots | predicted | measured | over both eager "
+             "copies | predicted - measured (points) | extra ms: predicted / measured | "
+             "unexplained us / forward op |", "|---|---|---|---|---|---|---|---|---|"]
     for m in res["models"]:
         for r in m["rows"]:
-            gap = 100 * (r["predicted_slowdown"] - r["measured_slowdown"]["median"])
+            ref = r.get("measured_slowdown_both", r["measured_slowdown"])
+            both = ct.fmt_ratio(ref) if "measured_slowdown_both" in r else "-"
+            gap = 100 * (r["predicted_slowdown"] - ref["median"])
             lines.append(f"| {m['model']} | {r['budget_fraction']} | {r['recomputed']} | "
                          f"{r['predicted_slowdown']:.3f} | {ct.fmt_ratio(r['measured_slowdown'])}"
-                         f" | {gap:+.1f} | {r['predicted_extra_ms']:.1f} / "
+                         f" | {both} | {gap:+.1f} | {r['predicted_extra_ms']:.1f} / "
                          f"{r['measured_extra_ms']:.1f} | "
                          f"{r['unexplained_us_per_forward_op']:.1f} |"
                          + (f" (swaps {r['swapped']}: {r['profile_saved_to']})"
@@ -270,7 +279,8 @@ def main_step_time(a) -> int:
     budgets = (0.5,) if a.quick else tuple(float(x) for x in a.budgets.split(","))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = step_time(models, budgets, 3 if a.quick else a.rounds, a.quick, out)
+    res = step_time(models, budgets, 3 if a.quick else a.rounds, 1 if a.quick else a.calls,
+                    a.quick, out)
     data = {**_previous(out), "step_time": res}
     write_atomic(out / "fidelity.json", orjson.dumps(data, option=orjson.OPT_INDENT_2))
     try:
@@ -294,7 +304,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--step-time", action="store_true",
                     help="predicted vs measured slowdown of patch(model) over eager on this CPU")
-    ap.add_argument("--rounds", type=int, default=15, help="--step-time: paired rounds")
+    ap.add_argument("--rounds", type=int, default=30, help="--step-time: paired rounds")
+    ap.add_argument("--calls", type=int, default=2,
+                    help="--step-time: training steps per variant a round")
     ap.add_argument("--quick", action="store_true",
                     help="--step-time: small models, budget 0.5, 3 rounds (a smoke run)")
     a = ap.parse_args(argv)
