@@ -21,15 +21,22 @@ peak):
 - plain `torch.compile` (knob 1.0), the reference for the slowdowns.
 
 Every variant trains its own copy of the model; one step = forward, loss, backward, grads set
-to None. Thread CPU time of one step per variant per round, all variants in each round, order
-rotated (`cpu_timing.paired`); per-round ratios, median and quartiles. Predicted slowdown of
-compile_planned over plain torch.compile: the plan's simulated step time over the keep-all step
-(1 / retention), the simulator costing ops by their eager times on this CPU.
+to None. Thread CPU time of `--calls` steps per variant per round, all variants in each round,
+order rotated (`cpu_timing.paired`); per-round ratios, median and quartiles. An A/A control:
+plain torch.compile on a second copy of the model (dynamo reuses the compiled graphs), timed as
+a variant of its own. Predicted slowdown of compile_planned over plain torch.compile: the
+plan's simulated step time over the keep-all step (1 / retention), the simulator costing ops by
+their eager times on this CPU.
+
+Runtime: about 4 minutes of compiling and bisecting per model, and 11 variants x 32 rounds x 2
+steps of about 0.15 s of CPU each; on the shared 2-core machine (load average 3.5) the whole
+run took 23 minutes of wall time, `--rounds 15 --calls 1` about half of the timing.
+`--quick` (small models, budget 0.5, 3 rounds) runs in under a minute a model.
 
 Writes benchmarks/results/vs_torch_compile_cpu.{json,md}.
 
     python benchmarks/vs_torch_compile_cpu.py [--models tiny-gpt,llama] [--budgets 0.3,0.5,0.7]
-        [--rounds 15] [--quick]
+        [--rounds 30] [--calls 2] [--quick] [--markdown-only]
 """
 from __future__ import annotations
 
@@ -336,9 +343,10 @@ def markdown(res: dict) -> str:
             lines.append(f"| {m['model']} | {r['budget_fraction']} | {t['knob']:.4g} | "
                          f"{_bytes(t)} | {fr(t['planned_over_it'])} | "
                          f"{a['knob']:.4g} | {_bytes(a)} | {fr(a['planned_over_it'])} |")
-    lines += ["", "A/A (plain torch.compile on a second copy of the model, one over the other): " + "; ".join(
-        f"{m['model']} {fr(m['a_a'])}" for m in res["models"] if "a_a" in m)
-        + ": the spread two identical graphs show on this machine."]
+    lines += ["", "A/A (plain torch.compile on a second copy of the model, one over the "
+              "other): " + "; ".join(f"{m['model']} {fr(m['a_a'])}" for m in res["models"]
+                                     if "a_a" in m)
+              + ": the spread two identical graphs show on this machine."]
     lines += ["", "\\* no knob value saves compile_planned's bytes within 2%: torch's saved "
               "bytes jump between the knob values tried (the `tried` lists in the JSON), and "
               "the nearest is shown; that row compares unequal memory."]
