@@ -41,7 +41,8 @@ samples: install
 
 # Every benchmark in benchmarks/, each writing its numbers to benchmarks/results/ (slow: paper_table
 # and local_search run the MILP with a time limit of up to a minute per case).
-# gpu_check.py needs a CUDA GPU: skipped, saying so, where there is none.
+# gpu_check.py needs a CUDA GPU: skipped, saying so, where there is none. fidelity.py runs twice:
+# its memory rows, then (--step-time) predicted vs measured step time on this CPU.
 bench: install
 	@set -e; for b in benchmarks/*.py; do \
 	  if [ "$$b" = benchmarks/gpu_check.py ] && ! $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
@@ -49,6 +50,7 @@ bench: install
 	    continue; fi; \
 	  echo "== $(PY) $$b"; $(PY) $$b; \
 	done
+	$(PY) benchmarks/fidelity.py --step-time
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
