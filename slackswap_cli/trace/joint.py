@@ -46,6 +46,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from ..errors import InputError, SlackswapError, TraceError
+from ..torch_api import PARTS, is_tested
 from .costs import is_random_op
 
 
@@ -376,7 +377,7 @@ def _quiet_torch_logs():
             lg.disabled = was
 
 
-_GROUPED_MM_TORCH = "2.13"
+_GROUPED_MM_TORCH = "/".join(PARTS["grouped_mm_lift"].tested)
 
 
 @contextlib.contextmanager
@@ -391,13 +392,13 @@ def _cpu_grouped_mm():
     rule runs on meta tensors, which do not say which device they stand for: a CUDA run of an
     fp32 `_grouped_mm` fails in eager as it would without slackswap). The
     helper and the rule are private to torch (`torch._meta_registrations`): the lift applies
-    on torch 2.13.x (tested) only, and fails safe (torch's error) elsewhere.
+    on torch 2.13.x (tested) only, and fails safe (torch's error) elsewhere; torch 2.15's own
+    rule takes fp32 and fp16, so it needs none (`torch_api.PARTS["grouped_mm_lift"]`).
     """
     import torch._meta_registrations as meta_reg
     original = getattr(meta_reg, "_meta_grouped_mm_common", None)
     make_out = getattr(meta_reg, "_create_grouped_mm_output_tensor", None)
-    if (original is None or make_out is None
-            or not torch.__version__.startswith(_GROUPED_MM_TORCH + ".")):
+    if original is None or make_out is None or not is_tested("grouped_mm_lift"):
         yield
         return
 
