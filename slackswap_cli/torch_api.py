@@ -99,17 +99,17 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch._subclasses.fake_tensor (FakeTensorMode, FakeTensor, "
                "unset_fake_temporarily, DataDependentOutputException, "
                "DynamicOutputShapeException)",
-               "trace/*, run/api.py, run/step.py, run/replan.py, run/branches.py, cli.py", _ALL,
-               "--device fake profiling and replanning cannot run; --device cpu still works"),
+               "trace/*, run/api.py, run/step.py, run/replan.py, run/branches.py", _ALL,
+               "no fallback: profiling, replanning and patch(model) need fake tensors"),
     PrivateAPI("torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT, "
                "FakeTensorMode.fake_tensor_converter",
                "trace/fake_build.py", _ALL,
-               "read with getattr: a small torch.linspace stays a non-constant fake tensor"),
+               "no fallback: building a model under fake tensors fails"),
     PrivateAPI("torch._guards.detect_fake_mode", "trace/joint.py", _ALL,
                "tracing a model built under fake tensors fails"),
     PrivateAPI("torch.fx.experimental.proxy_tensor.make_fx (tracing_mode=, "
                "_allow_non_fake_inputs=, _error_on_data_dependent_ops=), get_proxy_mode",
-               "trace/joint.py, run/record.py", _ALL, "profiling cannot trace: no fallback"),
+               "trace/joint.py", _ALL, "profiling cannot trace: no fallback"),
     PrivateAPI("torch.nn.init._no_grad_trunc_normal_", "trace/fake_build.py", _ALL,
                "read with getattr: skipped where missing"),
     PrivateAPI("FakeTensor.__deepcopy__, torch.linspace, torch.utils.swap_tensors (replaced "

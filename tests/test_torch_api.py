@@ -97,3 +97,10 @@ def test_tensor_internals_are_in_this_torch():
     x.add_(1)
     assert x._version == before + 1
     assert isinstance(x.untyped_storage()._cdata, int)
+
+
+def test_the_design_doc_shows_every_row():
+    text = (SRC.parent / "docs" / "design.md").read_text()
+    for a in torch_api.PRIVATE_API:
+        row = f"| `{a.api}` | {a.used_in} | {', '.join(a.tested)} | {a.without} |"
+        assert row in text, f"docs/design.md section 10 lacks (or has another) row: {row}"
