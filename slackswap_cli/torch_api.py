@@ -110,6 +110,11 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch.fx.experimental.proxy_tensor.make_fx (tracing_mode=, "
                "_allow_non_fake_inputs=, _error_on_data_dependent_ops=), get_proxy_mode",
                "trace/joint.py", _ALL, "profiling cannot trace: no fallback"),
+    PrivateAPI("torch.utils.checkpoint._checkpoint_without_reentrant_generator (2.13), "
+               "_checkpoint_without_reentrant_generator_impl (2.15), CheckpointFunction",
+               "trace/joint.py", _ALL,
+               "a name missing is not replaced: checkpoint regions would trace with their "
+               "RNG restore, which is refused"),
     PrivateAPI("torch.nn.init._no_grad_trunc_normal_", "trace/fake_build.py", _ALL,
                "read with getattr: skipped where missing"),
     PrivateAPI("FakeTensor.__deepcopy__, torch.linspace, torch.utils.swap_tensors (replaced "

@@ -287,12 +287,17 @@ def _inline_checkpoints():
     patched step would compute other gradients than eager. Tracing the region as a plain call
     gives the values and gradients eager computes (checkpointing changes only what is held),
     and leaves the choice of what to recompute to the plan, which never re-runs a random op.
-    Both variants are inlined: non-reentrant (a generator around the call) and reentrant
+    Both variants are inlined: non-reentrant (a generator around the call: torch 2.15's
+    `checkpoint` calls `_checkpoint_without_reentrant_generator_impl`, 2.13's the name without
+    `_impl`, which 2.15 keeps for other callers: both are replaced) and reentrant
     (`CheckpointFunction`, which runs the region without grad when no input needs one).
     """
     import torch.utils.checkpoint as ckpt
     count = {"n": 0}
-    generator, function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+    generators = {name: getattr(ckpt, name) for name in (
+        "_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
+        if hasattr(ckpt, name)}
+    function = ckpt.CheckpointFunction
 
     def plain_generator(fn, *args, **kwargs):
         count["n"] += 1
@@ -307,12 +312,14 @@ def _inline_checkpoints():
             with torch.no_grad():
                 return run_function(*args)
 
-    ckpt._checkpoint_without_reentrant_generator = plain_generator
+    for name in generators:
+        setattr(ckpt, name, plain_generator)
     ckpt.CheckpointFunction = PlainCall
     try:
         yield count
     finally:
-        ckpt._checkpoint_without_reentrant_generator = generator
+        for name, generator in generators.items():
+            setattr(ckpt, name, generator)
         ckpt.CheckpointFunction = function
 
 
