@@ -63,10 +63,10 @@ from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
 
 TESTED_TORCH = PARTS["compile"].tested
 BACKENDS = ("inductor", "aot_eager")
-# AOTAutograd's graph detaches some saved outputs (attention's, log_softmax's); torch 2.13's
-# make_fx recorded such detaches in the profile's trace too, 2.15's records none: a detach
-# that lines up with no profile op is autograd's bookkeeping (a view: no FLOPs, no bytes),
-# not an op of the model, and is not counted as a graph op
+# AOTAutograd's graph detaches some saved outputs (attention's, log_softmax's); the profile's
+# trace has them as `detach` (torch 2.13's make_fx) or `alias` (2.15's), which line up
+# (graph_plan.FREE_VIEW_TWINS). A detach that still lines up with no profile op is autograd's
+# bookkeeping (a view: no FLOPs, no bytes), not an op of the model: not counted as a graph op
 AUTOGRAD_ONLY = frozenset({"aten.detach.default"})
 
 
