@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slackswap-installed
 
-.PHONY: install demo test fuzz samples bench clean
+.PHONY: install demo test test-torch fuzz samples bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,24 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The tests on another torch, in a virtualenv of its own: `make test-torch TORCH=2.15.0` builds
+# .venv-torch-2.15.0 (no system site packages) with PyPI's torch==$(TORCH) and the project's
+# other dependencies, then runs the suite there. PyPI's Linux x86_64 wheels are CUDA builds
+# (the venv is about 5.3 GB) that run on a CPU. Never part of `make test` or CI.
+# PIP_CONSTRAINT=/dev/null: a constraints file pinning the CI torch would refuse this one;
+# torch==$(TORCH) is passed again with the project so pip keeps it.
+TORCH ?=
+TORCH_VENV := .venv-torch-$(TORCH)
+
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.15.0" >&2; exit 2; }
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$(TORCH)')" 2>/dev/null \
+		|| PIP_CONSTRAINT=/dev/null $(TORCH_VENV)/bin/python -m pip install -q "torch==$(TORCH)"
+	PIP_CONSTRAINT=/dev/null $(TORCH_VENV)/bin/python -m pip install -q -e ".[dev]" "torch==$(TORCH)"
+	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # 3000 structurally mutated profiles, plans and hardware files (about a minute of CPU).
 fuzz: install
@@ -54,3 +72,4 @@ bench: install
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
+	@ls -d .venv-torch-* 2>/dev/null | sed 's/^/left in place (make test-torch): /' || true

@@ -306,7 +306,9 @@ def test_verify_checks_the_in_place_patch_too(files, tmp_path):
     assert r.passed, r.reasons
     ip = r.inplace
     assert ip["max_loss_rel_diff"] == 0 and ip["max_grad_rel_diff"] == 0
-    assert ip["ops_lined_up"] == ip["profile_forward_ops"]      # (make_fx's detaches: not counted)
+    # every op: make_fx's detaches (2.13's profile has them, 2.15's none) are not counted as
+    # missed (run/record.py's TRACE_ONLY)
+    assert ip["ops_lined_up"] == ip["profile_forward_ops"]
     assert ip["held_bytes_after_forward"] == r.patched_peak_bytes
 
 

@@ -169,7 +169,8 @@ def test_cli_errors(deep, tmp_path):
 def test_other_torch_versions_are_refused():
     check_torch_version("2.13.0+cpu")
     check_torch_version("2.13.1")
-    for v in ("2.12.1", "2.14.0", "2.130.0"):
+    check_torch_version("2.15.0+cu132")
+    for v in ("2.12.1", "2.14.0", "2.130.0", "2.150.0"):
         with pytest.raises(InputError, match=v.replace(".", r"\.")):
             check_torch_version(v)
 

@@ -37,7 +37,8 @@ on stderr. Nothing global changes: the backend is an `aot_autograd` backend or i
 object (the FX-graph and AOTAutograd caches key on the captured graph, not on the plan, so a
 cached graph would skip the partition: they are off for it).
 
-Private torch API used (pinned: `TESTED_TORCH`, other versions are refused by name):
+Private torch API used (tested with torch 2.13 and 2.15: `torch_api.PARTS["compile"]`, other
+versions are refused by name; the list of all of slackswap's is `torch_api.PRIVATE_API`):
 `torch._functorch.partitioners.min_cut_rematerialization_partition` (and `get_default_op_list`),
 `torch._functorch.compile_utils.fx_graph_cse`, `torch._functorch.config.cse`,
 `torch._functorch._activation_offloading.activation_offloading` (offload_chosen_sets,
@@ -56,28 +57,30 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..errors import InputError, SlackswapError
+from ..errors import InputError
+from ..torch_api import PARTS, refuse_untested
 from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
 
-TESTED_TORCH = ("2.13",)
+TESTED_TORCH = PARTS["compile"].tested
 BACKENDS = ("inductor", "aot_eager")
+# AOTAutograd's graph detaches some saved outputs (attention's, log_softmax's); the profile's
+# trace has them as `detach` (torch 2.13's make_fx) or `alias` (2.15's), which line up
+# (graph_plan.FREE_VIEW_TWINS). A detach that still lines up with no profile op is autograd's
+# bookkeeping (a view: no FLOPs, no bytes), not an op of the model: not counted as a graph op
+AUTOGRAD_ONLY = frozenset({"aten.detach.default"})
 
 
 def check_torch_version() -> None:
-    """Refuse a torch whose partitioner internals this runtime was not tested with."""
-    version = torch.__version__.split("+")[0]
-    if not any(version == v or version.startswith(v + ".") for v in TESTED_TORCH):
-        raise SlackswapError(
-            f"compile_planned was tested with torch {', '.join(TESTED_TORCH)}.x only, and this "
-            f"is torch {torch.__version__}: it relies on private partitioner and activation-"
-            "offloading internals that change between versions",
-            hint="use torch 2.13, or run the plan in eager with patch(model)")
+    """Refuse a torch whose partitioner internals this runtime was not tested with
+    (`torch_api.PARTS["compile"]`)."""
+    refuse_untested("compile")
 
 
 @dataclass
 class GraphReport:
     """What one partitioned graph carries out (bytes dedupe storages)."""
-    graph_ops: int                 # forward ops of the joint graph (getitems not counted)
+    graph_ops: int                 # forward ops of the joint graph (getitems not counted, nor
+    #                                a detach that lines up with no profile op: AUTOGRAD_ONLY)
     lined_up_ops: int              # of those, lined up with a profile op
     saved_bytes: int = 0           # activation bytes saved for backward on the device
     saved_bytes_not_lined_up: int = 0   # of those, results of ops that did not line up
@@ -124,7 +127,6 @@ class PlanPartition:
     # the partitioner ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         from torch._functorch import config as functorch_config
-        from torch._functorch.compile_utils import fx_graph_cse
         from torch._functorch.partitioners import min_cut_rematerialization_partition
         merged: set[int] = set()
         n_out = kwargs["num_fwd_outputs"]
@@ -132,7 +134,7 @@ class PlanPartition:
             # the partitioner merges identical ops first (Llama's two causal masks): merged
             # before lining up; the rows that line up only before the merge are reported
             before = _rows(self._match(_graph_ops(_split(gm, n_out)[0])))
-            gm.graph = fx_graph_cse(gm.graph)
+            gm.graph = _partitioner_cse(gm, n_out)
             gm.recompile()
         fwd_nodes, after_tangent = _split(gm, n_out)
         graph_ops = _graph_ops(fwd_nodes)
@@ -437,6 +439,28 @@ def _holders(node: fx.Node) -> list[list[fx.Node]]:
     return [picks.get(i, []) for i, _ in _tensor_vals(node)]
 
 
+def _partitioner_cse(gm: fx.GraphModule, num_fwd_outputs: int) -> fx.Graph:
+    """The CSE the partitioner runs first, as it runs it (run here so the merged graph is the one
+    lined up). torch 2.13: `fx_graph_cse(graph)`. torch 2.15 keys each node on whether backward
+    depends on it as well (`extra_node_key`), so that a forward-only value is not merged into
+    one backward reads (which would be saved as an extra forward output): the same key here,
+    else our merge would join what torch's keeps apart and its own CSE could not undo it."""
+    import inspect
+    from torch._functorch.compile_utils import fx_graph_cse
+    if "extra_node_key" not in inspect.signature(fx_graph_cse).parameters:
+        return fx_graph_cse(gm.graph)
+    from torch._functorch.partitioners import _extract_fwd_bwd_outputs
+    _, bwd_outputs, _, _ = _extract_fwd_bwd_outputs(gm, num_fwd_outputs=num_fwd_outputs)
+    needed: set[fx.Node] = set()
+    stack = [o for o in bwd_outputs if o is not None and o.op != "output"]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    return fx_graph_cse(gm.graph, extra_node_key=lambda node: node in needed)
+
+
 def _on_cuda(gm: fx.GraphModule) -> bool:
     return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
                for n in gm.graph.nodes if n.op == "placeholder")
@@ -481,7 +505,8 @@ def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda:
 
 def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table) -> GraphReport:
     """Read what the partitioned graphs save, offload and recompute."""
-    rep = GraphReport(graph_ops=len(graph_ops), lined_up_ops=len(matched),
+    counted = [g for g in graph_ops if g in matched or g.target not in AUTOGRAD_ONLY]
+    rep = GraphReport(graph_ops=len(counted), lined_up_ops=len(matched),
                       rows=sorted(_rows(matched)))
     primal = {v.untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
               if isinstance(v := n.meta.get("val"), torch.Tensor)}

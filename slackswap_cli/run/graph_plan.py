@@ -84,8 +84,11 @@ FUNCTIONAL_TWINS = {"aten._native_batch_norm_legit_functional.default":
 
 
 # C++ `at::matmul` folds batch dimensions with `_unsafe_view`, its Python decomposition (which
-# AOTAutograd runs) with `view`: the same free view.
-FREE_VIEW_TWINS = {"aten._unsafe_view.default": "aten.view.default"}
+# AOTAutograd runs) with `view`: the same free view. Autograd's view of a saved output is
+# `detach` in AOTAutograd's graph (and in torch 2.13's make_fx trace, the profile's) and
+# `alias` in torch 2.15's make_fx trace: the same free view.
+FREE_VIEW_TWINS = {"aten._unsafe_view.default": "aten.view.default",
+                   "aten.alias.default": "aten.detach.default"}
 
 
 def _decided(profile: Profile, op, t: int) -> int:

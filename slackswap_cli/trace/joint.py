@@ -46,6 +46,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from ..errors import InputError, SlackswapError, TraceError
+from ..torch_api import PARTS, is_tested
 from .costs import is_random_op
 
 
@@ -286,12 +287,17 @@ def _inline_checkpoints():
     patched step would compute other gradients than eager. Tracing the region as a plain call
     gives the values and gradients eager computes (checkpointing changes only what is held),
     and leaves the choice of what to recompute to the plan, which never re-runs a random op.
-    Both variants are inlined: non-reentrant (a generator around the call) and reentrant
+    Both variants are inlined: non-reentrant (a generator around the call: torch 2.15's
+    `checkpoint` calls `_checkpoint_without_reentrant_generator_impl`, 2.13's the name without
+    `_impl`, which 2.15 keeps for other callers: both are replaced) and reentrant
     (`CheckpointFunction`, which runs the region without grad when no input needs one).
     """
     import torch.utils.checkpoint as ckpt
     count = {"n": 0}
-    generator, function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+    generators = {name: getattr(ckpt, name) for name in (
+        "_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
+        if hasattr(ckpt, name)}
+    function = ckpt.CheckpointFunction
 
     def plain_generator(fn, *args, **kwargs):
         count["n"] += 1
@@ -306,12 +312,14 @@ def _inline_checkpoints():
             with torch.no_grad():
                 return run_function(*args)
 
-    ckpt._checkpoint_without_reentrant_generator = plain_generator
+    for name in generators:
+        setattr(ckpt, name, plain_generator)
     ckpt.CheckpointFunction = PlainCall
     try:
         yield count
     finally:
-        ckpt._checkpoint_without_reentrant_generator = generator
+        for name, generator in generators.items():
+            setattr(ckpt, name, generator)
         ckpt.CheckpointFunction = function
 
 
@@ -376,7 +384,7 @@ def _quiet_torch_logs():
             lg.disabled = was
 
 
-_GROUPED_MM_TORCH = "2.13"
+_GROUPED_MM_TORCH = "/".join(PARTS["grouped_mm_lift"].tested)
 
 
 @contextlib.contextmanager
@@ -391,13 +399,13 @@ def _cpu_grouped_mm():
     rule runs on meta tensors, which do not say which device they stand for: a CUDA run of an
     fp32 `_grouped_mm` fails in eager as it would without slackswap). The
     helper and the rule are private to torch (`torch._meta_registrations`): the lift applies
-    on torch 2.13.x (tested) only, and fails safe (torch's error) elsewhere.
+    on torch 2.13.x (tested) only, and fails safe (torch's error) elsewhere; torch 2.15's own
+    rule takes fp32 and fp16, so it needs none (`torch_api.PARTS["grouped_mm_lift"]`).
     """
     import torch._meta_registrations as meta_reg
     original = getattr(meta_reg, "_meta_grouped_mm_common", None)
     make_out = getattr(meta_reg, "_create_grouped_mm_output_tensor", None)
-    if (original is None or make_out is None
-            or not torch.__version__.startswith(_GROUPED_MM_TORCH + ".")):
+    if original is None or make_out is None or not is_tested("grouped_mm_lift"):
         yield
         return
 

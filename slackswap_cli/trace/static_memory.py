@@ -90,7 +90,10 @@ class Profiler:
     With `workers` > 1 (and fork available) it also has `submit(batch)`: the same call in a
     forked child process (`_Traced`), so `fit.profiles` traces the next batches while this
     process plans the last one; at most two traces are in flight there. `close()` stops the
-    children still running (a sweep ended by an error)."""
+    children still running (a sweep ended by an error). A child that cannot run autograd
+    (torch refuses autograd in a fork of a process whose autograd engine started device
+    threads: on a CUDA build without a GPU, torch 2.15, any backward after a FakeTensorMode
+    was entered) is traced again here, and later batches are traced here too."""
 
     def __init__(self, path: str, *, entry: str, args: dict, batch_arg: str, device: str,
                  hardware, progress: Callable[[str], None] | None = None,
@@ -99,6 +102,7 @@ class Profiler:
         self.device, self.hardware, self.progress = device, hardware, progress
         self.on_facts = on_facts
         self.children: list[_Traced] = []
+        self.fork_failed = False
         fork = "fork" in multiprocessing.get_all_start_methods()
         self.submit = self._submit if workers > 1 and fork else None
 
@@ -116,7 +120,9 @@ class Profiler:
                                 on_load=lambda work: self._read(work, facts))
         return prof, facts[0]
 
-    def _submit(self, batch: int) -> "_Traced":
+    def _submit(self, batch: int) -> "_Traced | _Here":
+        if self.fork_failed:
+            return _Here(self, batch)
         child = _Traced(self, batch)
         self.children.append(child)
         return child
@@ -126,12 +132,31 @@ class Profiler:
             child.stop()
 
 
+# in torch's error when autograd runs in a forked child it cannot run in
+_AUTOGRAD_FORK = "Autograd-and-Fork"
+
+
+class _Here:
+    """`profiler(batch)` run in this process when `result()` is called (forks fail here)."""
+
+    def __init__(self, profiler: Profiler, batch: int):
+        self.profiler, self.batch = profiler, batch
+
+    def result(self):
+        return self.profiler(self.batch)
+
+    def stop(self) -> None:
+        pass
+
+
 class _Traced:
     """`profiler(batch)` running in a forked child; `result()` returns what it returned or
     raises what it raised (an error that does not pickle comes back as a SlackswapError with
-    the same "Type: message" text `fit.profiles` would have written)."""
+    the same "Type: message" text `fit.profiles` would have written). Where torch refused
+    autograd in the child, the batch is traced in this process instead."""
 
     def __init__(self, profiler: Profiler, batch: int):
+        self.profiler, self.batch = profiler, batch
         ctx = multiprocessing.get_context("fork")
         self.recv, send = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=_child, args=(profiler, batch, send), daemon=True)
@@ -146,6 +171,9 @@ class _Traced:
             raise SlackswapError(f"the tracing process ended with exit code "
                                  f"{self.proc.exitcode} (out of memory?)") from None
         self.proc.join()
+        if not ok and _AUTOGRAD_FORK in str(value):
+            self.profiler.fork_failed = True
+            return self.profiler(self.batch)
         if not ok:
             raise value
         return value

@@ -24,8 +24,8 @@ the `saved_values` it passes to `_extract_fwd_bwd_modules` (a private function, 
 duration of the call; we stop there, since the forward and backward modules it would go on to
 build are not needed, and extracting them fails on graphs with in-place ops that AOTAutograd
 would have functionalized first). Private torch API used: that function's name and its second
-argument, `config.activation_memory_budget`; tested with torch 2.13, other versions refused
-(`TESTED_TORCH`).
+argument, `config.activation_memory_budget`; tested with torch 2.13 and 2.15, other versions
+refused (`torch_api.PARTS["torch_choice"]`).
 
 **From torch's saved set to a plan** (one decision per saved activation root of the profile):
 
@@ -70,23 +70,18 @@ from ..chains import tables as chain_tables
 from ..workload_spec import resolve_workload_path
 from ..errors import InputError, TraceError
 from ..schema import Action, Decision, Plan, Profile
+from ..torch_api import PARTS, refuse_untested
 
 PLANNER_NAME = "torch.compile"
-TESTED_TORCH = ("2.13",)
+TESTED_TORCH = PARTS["torch_choice"].tested
 GRID = (0.0, 0.25, 0.5, 0.75)   # knob values tried when torch's default (1.0) does not fit
 SEARCH_STEPS = 4                # bisection steps after the grid: a resolution of 1/64
 
 
 def check_torch_version(version: str | None = None) -> None:
-    """Refuse a torch the partitioner hook was not tested with (it reads a private function)."""
-    version = version or torch.__version__
-    if not any(version == v or version.startswith(v + ".") or version.startswith(v + "+")
-               for v in TESTED_TORCH):
-        raise InputError(
-            f"--with-torch-compile reads torch's partitioner through private API tested with "
-            f"torch {', '.join(TESTED_TORCH)}, but this is torch {version}",
-            hint=f"install torch {TESTED_TORCH[-1]}.x to compare with torch.compile's choice, or "
-                 "leave --with-torch-compile out")
+    """Refuse a torch the partitioner hook was not tested with (it reads a private function;
+    `torch_api.PARTS["torch_choice"]`)."""
+    refuse_untested("torch_choice", version, error=InputError)
 
 
 def resolve_workload(profile: Profile, profile_path: str | Path | None,

@@ -269,14 +269,17 @@ def _to_fake(work: Workload, fake_mode) -> Workload:
             hint="construct the model in the entry function, or profile with --device cpu")
     inputs = pytree.tree_map(conv, work.inputs)
     # Fake CUDA tensors on a torch without CUDA abort the whole process (a C++ terminate) at
-    # the first op that needs a device guard: refuse them while we still can.
+    # the first op that needs a device guard: refuse them while we still can. A CUDA build on
+    # a machine without a GPU (PyPI's wheels) gets here too: it makes fake CUDA tensors
+    # without complaint, so the CPU build's own "not compiled with CUDA" error never comes.
     if not torch.cuda.is_available():
         tensors = [*work.model.parameters(), *work.model.buffers(),
                    *(x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor))]
         on = sorted({t.device.type for t in tensors} - {"cpu"})
         if on:
             raise InputError(
-                f"the workload puts tensors on {', '.join(on)}, which this torch build lacks",
+                f"the workload puts tensors on {', '.join(on)}, but this torch sees no CUDA "
+                "device (a build without CUDA, or no GPU)",
                 hint=_CPU_HINT)
     return dataclasses.replace(work, inputs=inputs)
 
