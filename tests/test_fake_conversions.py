@@ -227,3 +227,33 @@ def test_hugging_face_convnext_with_drop_path_profiles_under_fake_tensors(tmp_pa
     """)
     prof = profile_workload(str(path), device="fake", hardware=HW)
     assert prof.saved_activations
+
+
+def test_process_wide_replacements_are_undone_after_an_exception():
+    """`fake_build` replaces torch functions process-wide while a fake model is built, and
+    `branches.eager_branches` tells transformers its tensors are not fake during one trace:
+    both put everything back when the code inside raises."""
+    import pytest
+    from torch._subclasses import fake_tensor as ft
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from slackswap_cli.run.branches import eager_branches
+    from slackswap_cli.trace.fake_build import fake_build
+    import transformers.utils.import_utils as tu
+
+    def state():
+        return (torch.utils.swap_tensors, torch.linspace, ft.CONSTANT_NUMEL_LIMIT,
+                FakeTensor.__dict__.get("__deepcopy__"),
+                getattr(torch.nn.init, "_no_grad_trunc_normal_", None), tu.is_fake_tensor)
+    before = state()
+    with pytest.raises(RuntimeError, match="inside"):
+        with fake_build(FakeTensorMode()):
+            assert torch.linspace is not before[1]           # (replaced while active)
+            raise RuntimeError("inside")
+    assert all(a is b for a, b in zip(state(), before))
+    shadow = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="inside"):
+        with eager_branches(shadow, []):
+            assert not tu.is_fake_tensor(FakeTensorMode().from_tensor(torch.ones(1)))
+            raise RuntimeError("inside")
+    assert all(a is b for a, b in zip(state(), before)) and "forward" not in shadow.__dict__

@@ -169,3 +169,30 @@ def test_a_new_length_after_a_branchy_first_call_costs_one_trace_and_lines_up(tm
     err = capfd.readouterr().err
     assert err.count("planned again along the branches") == 2     # at 16, then at 24
     assert "new inputs" not in err                                  # no trace before a call
+
+
+def test_a_fake_trace_is_answered_the_values_eager_read_and_refuses_other_branches():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from slackswap_cli.run.branches import BranchesDiffer, eager_branches
+
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if bool((x > 0).all()) else x - 1
+    from torch.fx.experimental.proxy_tensor import make_fx
+    mode = FakeTensorMode()
+    m = Branchy()
+    x = mode.from_tensor(torch.ones(3))
+    for answer, op, other in ((True, "mul", "sub"), (False, "sub", "mul")):   # eager decides
+        with eager_branches(m, [answer]):
+            graph = str(make_fx(lambda t: m(t), tracing_mode="fake")(torch.ones(3)).graph)
+        assert f"aten.{op}" in graph and f"aten.{other}" not in graph, graph
+    with pytest.raises(BranchesDiffer, match="more values"):
+        with eager_branches(m, []), mode:
+            m(x)
+    with pytest.raises(BranchesDiffer, match="1 of the eager call's 2"):
+        with eager_branches(m, [True, True]), mode:
+            m(x)
+    with pytest.raises(BranchesDiffer, match="int"):
+        with eager_branches(m, [3]), mode:
+            m(x)
