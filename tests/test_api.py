@@ -11,9 +11,8 @@ from typer.testing import CliRunner
 import slackswap_cli as slackswap
 from slackswap_cli.cli import app
 from slackswap_cli.errors import InfeasibleError, InputError, SlackswapError, TraceError
-from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
-from workloads import ROOT
+from workloads import ROOT, adamw_steps, token_dataset
 
 TINY_GPT = ROOT / "examples" / "tiny_gpt.py"
 
@@ -31,18 +30,7 @@ def _same_state(model, state):
             and all(torch.equal(b, v) for b, v in zip(model.buffers(), buffers)))
 
 
-def _train(model, work, steps=3):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    torch.manual_seed(0)
-    losses = []
-    for _ in range(steps):
-        a, kw = split_inputs(work.inputs)
-        loss = loss_from_output(model(*a, **kw), work.inputs, work.loss_fn)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()]
+_train = adamw_steps
 
 
 def _twins(path, **args):
@@ -227,18 +215,11 @@ def _hf_train(files, tmp_path, callbacks):
     work = load_workload(str(files["llama"]))
     ids = work.inputs["input_ids"]
 
-    class Data(torch.utils.data.Dataset):
-        def __len__(self):
-            return 6
-
-        def __getitem__(self, i):
-            return {"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]}
-
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
                              max_steps=3, learning_rate=1e-2, logging_steps=1, seed=0,
                              report_to=[], save_strategy="no", use_cpu=True,
                              dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=work.model, args=args, train_dataset=Data(), callbacks=callbacks)
+    trainer = Trainer(model=work.model, args=args, train_dataset=token_dataset(ids), callbacks=callbacks)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return losses, [p.detach().clone() for p in work.model.parameters()], work.model

@@ -21,9 +21,9 @@ import torch
 from slackswap_cli.errors import InputError, SlackswapError
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.run.verify_compiled import verify_compiled
-from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
-from workloads import HW, hand_plan, plan_at, profiled, train_on_random_tokens, write_patched
+from workloads import (HW, adamw_steps, hand_plan, plan_at, profiled, train_on_random_tokens,
+                       write_patched)
 
 SLOW = pytest.mark.skipif(os.environ.get("SLACKSWAP_SLOW") != "1",
                           reason="inductor on a real model takes minutes: SLACKSWAP_SLOW=1")
@@ -50,18 +50,7 @@ def patched_at(files, tmp_path, name, frac):
     return load_patched(str(write_patched(tmp_path, plan, prof, name=f"{name}_{frac}.py"))), plan
 
 
-def train(model, work, steps=3, lr=1e-2):
-    opt = torch.optim.AdamW(work.model.parameters(), lr=lr)
-    losses = []
-    torch.manual_seed(1)
-    for _ in range(steps):
-        a, kw = split_inputs(work.inputs)
-        loss = loss_from_output(model(*a, **kw), work.inputs, work.loss_fn)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, [t.detach().clone() for t in [*work.model.parameters(), *work.model.buffers()]]
+train = adamw_steps
 
 
 def twin(path):

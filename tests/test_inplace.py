@@ -14,7 +14,7 @@ from slackswap_cli.run.emit import apply_plan, load_patched
 from slackswap_cli.errors import InputError
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
-from workloads import HW, profiled
+from workloads import HW, profiled, token_dataset
 
 
 _NO_DROPOUT: dict = {}
@@ -180,20 +180,13 @@ def test_hf_trainer_trains_the_patched_model_like_the_original(files, tmp_path):
     eager, work = twin(files, "gpt2")
     ids = work.inputs["input_ids"]
 
-    class Data(torch.utils.data.Dataset):
-        def __len__(self):
-            return 6
-
-        def __getitem__(self, i):
-            return {"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]}
-
     results = []
     for model in (eager.model, mod.patch(work.model)):
         args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
                                  max_steps=3, learning_rate=1e-2, logging_steps=1, seed=0,
                                  report_to=[], save_strategy="no", use_cpu=True,
                                  dataloader_num_workers=0)
-        trainer = Trainer(model=model, args=args, train_dataset=Data())
+        trainer = Trainer(model=model, args=args, train_dataset=token_dataset(ids))
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         results.append((losses, [p.detach().clone() for p in model.parameters()]))

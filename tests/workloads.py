@@ -181,3 +181,37 @@ def train_on_random_tokens(work, model, forward=None, steps: int = 3) -> list:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     return losses
+
+
+def adamw_steps(model, work, steps: int = 3, lr: float = 1e-2):
+    """`steps` AdamW steps of `model` (the workload's model, or what wraps or compiles it) on
+    the workload's own inputs, from seed 1: the losses and the parameters and buffers after."""
+    import torch
+
+    from slackswap_cli.trace.joint import loss_from_output, split_inputs
+    opt = torch.optim.AdamW(work.model.parameters(), lr=lr)
+    losses = []
+    torch.manual_seed(1)
+    for _ in range(steps):
+        a, kw = split_inputs(work.inputs)
+        loss = loss_from_output(model(*a, **kw), work.inputs, work.loss_fn)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, [t.detach().clone() for t in [*work.model.parameters(), *work.model.buffers()]]
+
+
+def token_dataset(ids, n: int = 6):
+    """A Hugging Face Trainer dataset of `n` items cycling through the rows of `ids`, each its
+    own labels."""
+    import torch
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]}
+    return Data()
+
