@@ -354,9 +354,9 @@ def run_case(label: str, path: str, args: dict, rounds: int) -> dict:
             f.write_text(apply_plan(plan, prof, args=args))
             mods[key] = load_patched(str(f))
         models = _variants(path, args, mods)
-        for name in VARIANTS:                  # warm-up (and each patch's first call)
-            for _ in range(2):
-                _step(*models[name])
+        for name in VARIANTS:                  # warm-up (and each patch's first call; a
+            for _ in range(3):                 # model planned again along its branches
+                _step(*models[name])           # records once more before its template)
         cap = _capture_work(models["patch 0.5, steady"][0])
         calls = [(f, a, kw) for _, f, a, kw in cap["calls"]]
         copies = [t for _, t in cap["copies"]]

@@ -25,6 +25,8 @@ from .record import (_STATE, ALIGN_WARN, PlanRun, _body_hook, _leave_hook, _Reco
 
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
 
+SAY_MAX = 3             # signatures a kind of note is printed for (`_Patched._say_capped`)
+
 
 class _Table:
     """One plan's table (`chains.runtime_table`) and the lookups derived from it."""
@@ -88,6 +90,7 @@ class _Patched:
         self.had_instance_forward = had_instance_forward
         self.last_run: PlanRun | None = None
         self.said: set[str] = set()             # notes already given on stderr
+        self.said_count: dict[str, int] = {}    # notes given per kind (`_say_capped`)
         self.module_hooks: dict[int, tuple] = {}
         self._names: dict | None = None
         self._first = None
@@ -282,9 +285,9 @@ class _Patched:
         self.branchy = True
         self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
         self._drop(sig)
-        print(f"slackswap: planned again along the branches this call took ({what}) in "
-              f"{time.perf_counter() - t0:.1f} s; the next call at {_shapes(sig)} runs it",
-              file=sys.stderr)
+        self._say_capped("re-plan", f"planned again along the branches this call took ({what}) "
+                         f"in {time.perf_counter() - t0:.1f} s; the next call at {_shapes(sig)} "
+                         "runs it")
 
     def _steady(self, run, args, kwargs, sig):
         _STATE.run = run            # (None before: `forward` checked)
@@ -378,6 +381,8 @@ class _Patched:
         if not (low or acted) or ("run", sig) in self.said:
             return
         self.said.add(("run", sig))
+        if self.branchy and self.plans.get(sig) is None and not acted:
+            return      # a new shape on the profiled plan, planned along its branches next
         from ..units import fmt_bytes
         text = (f"{rep['lined_up']} of the profile's {rep['expected']} forward ops lined up "
                 f"({rep['fraction']:.1%}) at {_shapes(sig)}")
@@ -390,12 +395,25 @@ class _Patched:
                      f"{rep['held_bytes'] / rep['budget_bytes']:.2f}x the budget of "
                      f"{fmt_bytes(rep['budget_bytes'])}"
                      + (" (what the plan itself keeps is over it)" if over else ""))
+        self._say_capped("run", f"{text}. The run took another path than the profiled trace "
+                         "(other shapes, routing, device or dtype, or a library that branches "
+                         "otherwise under fake tensors than in eager): re-profile at these "
+                         "shapes on this device for the whole plan; see docs/training.md, 'When "
+                         "the run departs from the plan' (model.forward.__slackswap__"
+                         ".last_report has each call's figures)")
+
+    def _say_capped(self, kind: str, text: str) -> None:
+        """A note on stderr for the first `SAY_MAX` signatures of a kind, then one line saying
+        that later ones are not printed (dynamic padding meets hundreds of shapes)."""
         import sys
-        print(f"slackswap: {text}. The run took another path than the profiled trace "
-              "(other shapes, routing, device or dtype, or a library that branches otherwise "
-              "under fake tensors than in eager): re-profile at these shapes on this device for "
-              "the whole plan; see docs/training.md, 'When the run departs from the plan' (model.forward.__slackswap__.last_report has each call's "
-              "figures)", file=sys.stderr)
+        n = self.said_count.get(kind, 0)
+        self.said_count[kind] = n + 1
+        if n < SAY_MAX:
+            print(f"slackswap: {text}", file=sys.stderr)
+        elif n == SAY_MAX:
+            print(f"slackswap: ({kind} notes for further input signatures are not printed; "
+                  "model.forward.__slackswap__.last_report has each call's figures)",
+                  file=sys.stderr)
 
 
 def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = True,
