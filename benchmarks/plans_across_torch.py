@@ -74,10 +74,15 @@ def markdown(results: list[dict], label: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--other", required=True, help="folder of the re-profiled samples")
+    ap.add_argument("--other", help="folder of the re-profiled samples (needs another torch: "
+                    "without it, as in `make bench`, nothing is run)")
     ap.add_argument("--label", default="the other torch")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
+    if a.other is None:
+        print("plans_across_torch: skipped (pass --other DIR: the samples profiled on another "
+              "torch, see this script's docstring)", file=sys.stderr)
+        return
     results = [compare(name, Path(a.other)) for name in SAMPLES]
     out = Path(a.out)
     write_atomic(out / "plans_across_torch.json", orjson.dumps(results, option=orjson.OPT_INDENT_2))
