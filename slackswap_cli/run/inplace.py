@@ -205,7 +205,7 @@ class _Patched:
                       f"{time.perf_counter() - t0:.1f} s ({what})", file=sys.stderr)
             except Exception as exc:  # noqa: BLE001 - the step still runs, with the old plan
                 print(f"slackswap: new inputs {_shapes(sig)}: could not plan for them "
-                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                      f"({_brief(exc)}); "
                       "running with the profiled plan", file=sys.stderr)
         self.plans[sig] = plan
         return plan or self.default, sig
@@ -253,16 +253,17 @@ class _Patched:
             self.remove_hooks()      # off the model until the next full record
         self.last_run = run
         self.templates[sig] = (run, self._fingerprint())
-        self._check_run(run, sig)
-        self._follow_branches(run, sig, args, kwargs)
+        rep = self._check_run(run, sig)
+        self._follow_branches(run, sig, args, kwargs, rep)
         return out
 
-    def _follow_branches(self, run: PlanRun, sig, args, kwargs) -> None:
-        """After a first call at `sig` that lined up less than 99%: plan again, once, from a
-        fake trace along the branches this call took (`branches.py`: a library that branches
-        otherwise under fake tensors), into the same budget; the next call runs that plan."""
+    def _follow_branches(self, run: PlanRun, sig, args, kwargs, rep: dict) -> None:
+        """After a first call at `sig` that lined up less than 99% (`rep`: its report): plan
+        again, once, from a fake trace along the branches this call took (`branches.py`: a
+        library that branches otherwise under fake tensors), into the same budget; the next
+        call runs that plan."""
         if not self.replan or not run.values or ("branches", sig) in self.said \
-                or run.alignment()["fraction"] >= ALIGN_WARN:
+                or rep["fraction"] >= ALIGN_WARN:
             return          # (no value read: no branch a trace could take otherwise)
         self.said.add(("branches", sig))
         import sys
@@ -277,8 +278,7 @@ class _Patched:
                                        self.meta, values=run.values,
                                        budget_bytes=run.t.limit if own else None)
         except Exception as exc:  # noqa: BLE001 - the run goes on with the plan it has
-            print(f"slackswap: could not plan along the branches this call took "
-                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+            print(f"slackswap: could not plan along the branches this call took ({_brief(exc)})"
                   "; the guard holds the plan's budget", file=sys.stderr)
             return
         self.plans[sig] = _Table(table)
@@ -372,17 +372,17 @@ class _Patched:
         up, what the guard swapped, bytes held for backward against the plan's budget."""
         return None if self.last_run is None else self.last_run.report()
 
-    def _check_run(self, run: PlanRun, sig) -> None:
+    def _check_run(self, run: PlanRun, sig) -> dict:
         """Say once per signature, on stderr, when less than 99% of the profile's forward ops
         lined up or the guard swapped what the plan could not place: what, what it cost and
-        what to do (correctness is not at stake either way)."""
+        what to do (correctness is not at stake either way). Returns the call's report."""
         rep = run.report()
         low, acted = rep["fraction"] < ALIGN_WARN, rep["guard_swaps"] > 0
         if not (low or acted) or ("run", sig) in self.said:
-            return
+            return rep
         self.said.add(("run", sig))
         if self.branchy and self.plans.get(sig) is None and not acted:
-            return      # a new shape on the profiled plan, planned along its branches next
+            return rep  # a new shape on the profiled plan, planned along its branches next
         from ..units import fmt_bytes
         text = (f"{rep['lined_up']} of the profile's {rep['expected']} forward ops lined up "
                 f"({rep['fraction']:.1%}) at {_shapes(sig)}")
@@ -401,6 +401,7 @@ class _Patched:
                          "shapes on this device for the whole plan; see docs/training.md, 'When "
                          "the run departs from the plan' (model.forward.__slackswap__"
                          ".last_report has each call's figures)")
+        return rep
 
     def _say_capped(self, kind: str, text: str) -> None:
         """A note on stderr for the first `SAY_MAX` signatures of a kind, then one line saying
@@ -508,6 +509,11 @@ def is_patched(model: torch.nn.Module) -> bool:
 def _shapes(sig: tuple) -> str:
     return ", ".join("x".join(map(str, shape)) or "scalar" for shape, _ in sig[2:]) \
         + f" on {sig[0]}, {sig[1]} parameters"
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception as one line of a note: its type and its message's first line."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
 def _error(message: str, hint: str):

@@ -55,7 +55,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from . import swap as rt
 from ..guard import Guard
 from ..schema import Action
-from ..trace.aten import aliases_input, writes_first, written_positions, written_returns
+from ..trace.aten import (aliases_input, is_view_target, writes_first, written_positions,
+                          written_returns)
 
 __all__ = ["PlanRun"]
 
@@ -83,18 +84,9 @@ def trace_only_ops(ops: list) -> frozenset[int]:
     read = {t for o in ops for t in o[6]}
     only = set()
     for i, o in enumerate(ops):
-        if o[1] in TRACE_ONLY or (_is_view_name(o[1]) and not any(t in read for t in o[3])):
+        if o[1] in TRACE_ONLY or (is_view_target(o[1]) and not any(t in read for t in o[3])):
             only.add(i)
     return frozenset(only)
-
-
-@functools.lru_cache(maxsize=None)
-def _is_view_name(name: str) -> bool:
-    parts = name.split(".")
-    if len(parts) != 3 or parts[0] != "aten":
-        return False
-    op = getattr(getattr(torch.ops.aten, parts[1], None), parts[2], None)
-    return op is not None and aliases_input(op) and not writes_first(op)
 
 
 class _Ref:

@@ -93,7 +93,7 @@ def _trace(shadow, fake_inputs, loss_fn, meta: dict, values: list | None):
             return capture_joint(shadow, fake_inputs, loss_fn, autocast=meta.get("autocast"),
                                  target_device=meta.get("target_device"))
     except TraceError as exc:
-        if isinstance(exc.__cause__, BranchesDiffer) or "BranchesDiffer" in str(exc):
+        if isinstance(exc.__cause__, BranchesDiffer):
             raise BranchesDiffer(str(exc)) from exc
         raise
 

@@ -62,19 +62,31 @@ def is_inplace(target) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def is_inplace_target(target: str) -> bool:
-    """`is_inplace` of a profile op's target name ("aten.add_.Tensor"), looked up in
-    `torch.ops.aten`; False for anything else (ONNX ops, `getitem`). The torch-free
-    `chains.runtime_table` takes it as its in-place test."""
+def _overload(target: str):
+    """The `torch.ops.aten` overload a profile op's target name ("aten.add_.Tensor") names, or
+    None for anything else (ONNX ops, `getitem`)."""
     import torch
     parts = target.split(".")
     if len(parts) != 3 or parts[0] != "aten":
-        return False
+        return None
     try:
-        overload = getattr(getattr(torch.ops.aten, parts[1]), parts[2])
+        return getattr(getattr(torch.ops.aten, parts[1]), parts[2])
     except (AttributeError, RuntimeError):
-        return False
-    return is_inplace(overload)
+        return None
+
+
+def is_inplace_target(target: str) -> bool:
+    """`is_inplace` of a profile op's target name ("aten.add_.Tensor"); False for anything
+    else. The torch-free `chains.runtime_table` takes it as its in-place test."""
+    overload = _overload(target)
+    return overload is not None and is_inplace(overload)
+
+
+@functools.lru_cache(maxsize=None)
+def is_view_target(target: str) -> bool:
+    """`returns_view` of a profile op's target name; False for anything else."""
+    overload = _overload(target)
+    return overload is not None and returns_view(overload)
 
 
 @functools.lru_cache(maxsize=None)
