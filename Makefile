@@ -25,6 +25,7 @@ demo: install
 		--planners slackswap,recompute-only,swap-all,checkpoint-layers
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 # The tests on another torch, in a virtualenv of its own: `make test-torch TORCH=2.15.0` builds

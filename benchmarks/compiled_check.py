@@ -57,11 +57,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compiled_check"))
     a = ap.parse_args()
     import torch
+    from workloads import HW, SOURCES, plan_at
+    from workloads import ROOT as TROOT
+
     from slackswap_cli.run.emit import apply_plan
     from slackswap_cli.run.verify_compiled import verify_compiled
-    from workloads import ROOT as TROOT, SOURCES, plan_at
     from slackswap_cli.trace import profile_workload
-    from workloads import HW
     tmp = Path(tempfile.mkdtemp())
     rows = []
     for name in a.models.split(","):

@@ -49,6 +49,7 @@ def _measure(a: dict, b: dict, kind: str) -> dict:
 
 def _train(kind, model, patched, work, steps=3):
     import torch
+
     from slackswap_cli.trace.joint import loss_from_output, split_inputs
     m = copy.deepcopy(model)
     opts = {"fallback_random": True}
@@ -86,10 +87,11 @@ def _load(path: Path, name: str):
 
 
 def run(name: str, tmp: Path) -> list[dict]:
+    from workloads import HW, SOURCES, plan_at
+
     from slackswap_cli.run.emit import apply_plan
     from slackswap_cli.trace import profile_workload
     from slackswap_cli.trace.workload import load_workload
-    from workloads import HW, SOURCES, plan_at
     path = ROOT / "examples" / "tiny_gpt.py" if name == "tiny_gpt" else tmp / f"{name}.py"
     if name != "tiny_gpt":
         path.write_text(SOURCES[name])

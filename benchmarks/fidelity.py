@@ -48,9 +48,9 @@ if str(ROOT / "benchmarks") not in sys.path:
 
 import orjson  # noqa: E402
 
-from slackswap_cli.run.emit import apply_plan  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.planners import make_plan  # noqa: E402
+from slackswap_cli.run.emit import apply_plan  # noqa: E402
 from slackswap_cli.schema import dumps, write_atomic  # noqa: E402
 
 EX = ROOT / "examples"
@@ -146,9 +146,9 @@ def step_time(models: list[str], budgets, rounds: int, calls: int, quick: bool,
     docstring, `--step-time`)."""
     import copy
 
+    import cpu_timing as ct
     import torch
 
-    import cpu_timing as ct
     from slackswap_cli.trace.workload import load_workload
     ct.one_thread()
     hw = ct.cpu_hardware()
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
             for b in (float(x) for x in a.budgets.split(",")):
                 try:
                     row = run_one(name, b, prof, tmp, device)
-                except Exception as exc:  # noqa: BLE001 - a failed row is reported, not hidden
+                except Exception as exc:
                     row = {"model": name, "budget_fraction": b,
                            "error": f"{type(exc).__name__}: {exc}"}
                 rows.append(row)

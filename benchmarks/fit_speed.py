@@ -90,7 +90,7 @@ def main() -> None:
             for line in r["progress"]:
                 print("   ", line, flush=True)
     out = {"machine": {"cpus": os.cpu_count()}, "results": results}
-    drop = lambda rows: [{k: v for k, v in x.items() if k != "derived_from"} for x in rows]  # noqa: E731
+    drop = lambda rows: [{k: v for k, v in x.items() if k != "derived_from"} for x in rows]
     for key, (a_name, b_name) in SAME_ROWS.items():
         if a_name in results and b_name in results:
             out[key] = drop(results[a_name]["rows"]) == drop(results[b_name]["rows"])

@@ -28,8 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from slackswap_cli.fit import (BASELINES, FitSettings, best_row, default_reserve,  # noqa: E402
-                               plan_row, static_memory)
+from slackswap_cli.fit import (  # noqa: E402
+    BASELINES,
+    FitSettings,
+    best_row,
+    default_reserve,
+    plan_row,
+    static_memory,
+)
 from slackswap_cli.fit import profiles as fit_profiles  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.profile_build import recost  # noqa: E402
@@ -57,7 +63,7 @@ def rows_for(kind: str, profiles, s: FitSettings) -> list[dict]:
     from slackswap_cli.planners import make_plan
     plan_fn = None
     if kind == "checkpoint-layers (any k)":      # as the registry runs it: the largest k that fits
-        plan_fn = lambda prof, hw, budget: make_plan("checkpoint-layers", prof, hw, budget)  # noqa: E731
+        plan_fn = lambda prof, hw, budget: make_plan("checkpoint-layers", prof, hw, budget)
     s = dataclasses.replace(s, planner=kind,
                             planner_options={"time_limit_s": 10.0} if kind == "optimal" else {})
     rows = []

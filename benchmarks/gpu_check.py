@@ -55,13 +55,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from slackswap_cli.run.emit import apply_plan  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.planners import make_plan  # noqa: E402
+from slackswap_cli.run.emit import apply_plan  # noqa: E402
+from slackswap_cli.run.verify import saved_bytes_original, verify  # noqa: E402
 from slackswap_cli.trace import profile_workload  # noqa: E402
 from slackswap_cli.trace.joint import loss_from_output, split_inputs  # noqa: E402
 from slackswap_cli.trace.workload import load_workload  # noqa: E402
-from slackswap_cli.run.verify import saved_bytes_original, verify  # noqa: E402
 
 WORKLOAD = ROOT / "examples" / "tiny_gpt.py"
 GPT2_MEDIUM = {"n_layer": 24, "d_model": 1024, "n_head": 16, "seq": 1024, "batch": 2,
@@ -204,6 +204,7 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
     rows = []
     if fsdp:
         import os
+
         import torch.distributed as dist
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -262,7 +263,7 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
                             **_host_vs_device(e, p_),
                             **{k: p_[k] for k in ("ops_lined_up", "profile_forward_ops", "ops_rerun",
                                                   "roots_swapped", "steady_state") if k in p_}})
-            except Exception as exc:  # noqa: BLE001 - record and go on
+            except Exception as exc:
                 row["error"] = _err(exc)
                 row["traceback"] = traceback.format_exc().splitlines()[-6:]
             rows.append(row)
@@ -312,7 +313,7 @@ def run_library_api(hw, args: dict, fractions: list[float], cuda: bool, steps: i
                         and row.get("auto_budget_ok", True),
                         "measured_peak_bytes": p_["peak_bytes"], "eager_peak_bytes": e["peak_bytes"],
                         "measured_step_ms": p_["step_ms"], "eager_step_ms": e["step_ms"]})
-        except Exception as exc:  # noqa: BLE001 - record and go on
+        except Exception as exc:
             row["error"] = _err(exc)
             row["traceback"] = traceback.format_exc().splitlines()[-6:]
         rows.append(row)
@@ -392,7 +393,7 @@ def run_baselines(args: dict, fractions: list[float], cuda: bool, steps: int, se
                      "note": None if cuda else "cpu: saved_tensors_hooks miss what checkpoint "
                                                 "stores itself (block inputs)"})
         del w
-    except Exception as exc:  # noqa: BLE001 - a baseline failing is a result, not a crash
+    except Exception as exc:
         rows.append({"method": "torch.utils.checkpoint (every block)", "error": _err(exc)})
     import torch._functorch.config as fconfig
     backend = "inductor" if cuda else "aot_eager_decomp_partition"
@@ -416,7 +417,7 @@ def run_baselines(args: dict, fractions: list[float], cuda: bool, steps: int, se
             if not cuda:
                 row["note"] = "cpu: compiled graphs save through autograd.Function; bytes from hooks"
             del w, compiled
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             row["error"] = _err(exc)
         rows.append(row)
     return rows
@@ -471,7 +472,7 @@ def run_compile_planned(prof, hw, args: dict, fractions: list[float], cuda: bool
                 tol = 1e-5 * max(abs(x) for x in eager["losses"]) if cuda else 0.0
                 row["passed"] = row["max_loss_abs_diff"] <= tol
                 del w, compiled
-            except Exception as exc:  # noqa: BLE001 - record and go on
+            except Exception as exc:
                 row["error"] = _err(exc)
                 row["traceback"] = traceback.format_exc().splitlines()[-6:]
             rows.append(row)
@@ -554,7 +555,7 @@ def main(argv=None) -> int:
                             "eager_step_ms": r.original_step_ms,
                             "measured_retention": (eager_ms or r.original_step_ms) / r.patched_step_ms,
                             "swapped_bytes_per_step": r.swapped_bytes_per_step})
-            except Exception as exc:  # noqa: BLE001 - record and go on with the next budget
+            except Exception as exc:
                 row["error"] = _err(exc)
                 row["traceback"] = traceback.format_exc().splitlines()[-6:]
             result["rows"].append(row)

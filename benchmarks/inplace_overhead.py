@@ -113,8 +113,11 @@ def _sac(model) -> None:
     """Wrap each block's forward in selective checkpointing that saves every op."""
     import functools
 
-    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                        create_selective_checkpoint_contexts)
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE

@@ -31,9 +31,9 @@ from slackswap_cli.budget import parse_budget  # noqa: E402
 from slackswap_cli.hardware import load_hardware  # noqa: E402
 from slackswap_cli.planners import make_plan  # noqa: E402
 from slackswap_cli.planners.bound import sound_bound  # noqa: E402
-from slackswap_testkit.local_search import improve  # noqa: E402
 from slackswap_cli.profile_build import recost  # noqa: E402
 from slackswap_cli.schema import dumps, load_profile, write_atomic  # noqa: E402
+from slackswap_testkit.local_search import improve  # noqa: E402
 
 SAMPLES = ["sample_profiles/bert-large.json", "sample_profiles/gpt2-xl.json",
            "sample_profiles/llama-7b.json", "sample_profiles/resnet50.json"]

@@ -16,7 +16,12 @@ Python-level ops that each save their output for backward (about 16 extra bytes 
 hidden unit per layer). Pass `--arg activation=gelu_new` to profile the slow variant.
 """
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, GPT2Config
+from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    AutoModelForCausalLM,
+    GPT2Config,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "gpt2-xl"

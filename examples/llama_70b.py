@@ -6,7 +6,12 @@ intermediate 28672, vocab 32000, seq 4096, batch 1, bf16, attention through
 laptop. See llama_7b.py for why attention is registered as "sdpa_causal".
 """
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, LlamaConfig
+from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    AutoModelForCausalLM,
+    LlamaConfig,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "llama-70b"

@@ -6,7 +6,12 @@ allocated with `--device fake`. Make it tiny with `--arg n_layer=2 --arg hidden=
 --arg n_head=4 --arg intermediate=172 --arg seq=32 --arg vocab=128`.
 """
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, LlamaConfig
+from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    AutoModelForCausalLM,
+    LlamaConfig,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "llama-7b"

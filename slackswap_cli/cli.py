@@ -78,7 +78,7 @@ class _Group(TyperGroup):
                         "CUDA version from pytorch.org); plan, show, simulate and compare run "
                         "without it")
             raise typer.Exit(2) from None
-        except Exception as exc:  # noqa: BLE001 - the boundary: a bug must not print a traceback
+        except Exception as exc:
             _internal_error(exc)
 
 
@@ -420,6 +420,7 @@ def _torch_compile_row(prof, profile_path: Path, model: Optional[Path], hw, budg
 # --------------------------------------------------------------------------------------------
 def _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, time_limit):
     import dataclasses
+
     from .budget import parse_size
     from .fit import FitSettings, check_optimizer, default_reserve
     from .hardware import load_hardware

@@ -390,7 +390,7 @@ def profiles(batches: list[int], profile_at: ProfileAt, hw: HardwareSpec,
                 prof, facts = future.result() if future is not None else profile_at(batch)
             except InputError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a batch whose trace fails is a row, not the end
+            except Exception as exc:
                 why = exc.message if isinstance(exc, SlackswapError) else f"{type(exc).__name__}: {exc}"
                 how = f"profiling failed: {why.splitlines()[0][:300] if why else ''}"
                 say(f"{tag}: {how}")

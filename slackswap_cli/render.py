@@ -25,7 +25,7 @@ from rich.text import Text
 from .hardware import HardwareSpec
 from .layers import layer_index, op_layers
 from .schema import Action, Plan, Predicted, Profile
-from .units import GIB, MIB, fmt_bytes, fmt_us  # noqa: F401 - re-exported for the views' callers
+from .units import GIB, MIB, fmt_bytes, fmt_us
 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
 

@@ -92,13 +92,14 @@ from __future__ import annotations
 import operator
 from bisect import bisect_left
 from collections import deque
+from dataclasses import dataclass
 from itertools import accumulate
 from operator import sub
-from dataclasses import dataclass
 from typing import Mapping
 
 from . import schema
-from .chains import ACTION_CODES as _CODES, KEEP, NOT_SAVED, RECOMPUTE, SWAP, Tables, lay_out
+from .chains import ACTION_CODES as _CODES
+from .chains import KEEP, NOT_SAVED, RECOMPUTE, SWAP, Tables, lay_out
 from .chains import tables as _tables
 from .errors import InputError
 from .hardware import HardwareSpec

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import HardwareSpec
+from slackswap_cli.planners.polish import neighbourhood
 from slackswap_cli.schema import Decision, Profile
 from slackswap_cli.simulate import simulate
-from slackswap_cli.planners.polish import neighbourhood
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ import sys
 import pytest
 import torch
 from typer.testing import CliRunner
+from workloads import ROOT, adamw_steps, token_dataset
 
 import slackswap_cli as slackswap
 from slackswap_cli.cli import app
 from slackswap_cli.errors import InfeasibleError, InputError, SlackswapError, TraceError
 from slackswap_cli.trace.workload import load_workload
-from workloads import ROOT, adamw_steps, token_dataset
 
 TINY_GPT = ROOT / "examples" / "tiny_gpt.py"
 
@@ -98,6 +98,7 @@ def test_patched_model_trains_bitwise_like_eager(tmp_path):
     assert got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     assert work.model.forward.__slackswap__.last_run.rerun_ops > 0
     import pickle
+
     from slackswap_cli.run.inplace import is_patched
     assert is_patched(pickle.loads(pickle.dumps(work.model)))    # torch.save(model) keeps it
     with pytest.raises(InputError, match="already patched"):

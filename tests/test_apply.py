@@ -14,17 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from workloads import (  # noqa: F401
+    HW,
+    MLP,
+    ROOT,
+    SOURCES,
+    hand_plan,
+    plan_at,
+    profiled,
+    smallest_feasible,
+    write_patched,
+)
 
-from slackswap_cli.run.emit import apply_plan, load_patched
 from slackswap_cli.errors import FingerprintMismatch, InputError
-from slackswap_cli.hardware import PRESETS
-from slackswap_cli.planners import make_plan
-from slackswap_cli.schema import Decision, Plan, Predicted
-from slackswap_cli.simulate import budget_floor_bytes
+from slackswap_cli.run.emit import apply_plan, load_patched
+from slackswap_cli.run.verify import verify
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.workload import load_workload
-from slackswap_cli.run.verify import verify
-from workloads import HW, MLP, ROOT, SOURCES, hand_plan, plan_at, profiled, smallest_feasible, write_patched  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
 _CPU_TARGET: dict = {}

@@ -3,15 +3,14 @@ profiles), it is exact where the answer is known by hand, and `optimal` reports 
 import random
 
 import pytest
+from helpers import hand_hw, random_decisions, random_hw
 
-from helpers import random_decisions, random_hw, hand_hw
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.planners import planner_names, run_planner
 from slackswap_cli.planners.bound import sound_bound
-from slackswap_testkit.local_search import improve
-from slackswap_cli.schema import Decision
 from slackswap_cli.simulate import budget_floor_bytes, simulate
+from slackswap_testkit.local_search import improve
 from slackswap_testkit.synthetic import chain_profile, random_profile
 
 MB = 1_000_000
@@ -113,6 +112,7 @@ def test_local_search_on_a_sample_stays_under_the_bound():
     # BERT-Large at half its activation peak: a 1-move search from slackswap's plan (tens of
     # seconds) finds nothing above the sound bound, and never loses what it started from
     from pathlib import Path
+
     from slackswap_cli.budget import parse_budget
     from slackswap_cli.hardware import PRESETS
     from slackswap_cli.profile_build import recost
@@ -156,6 +156,7 @@ def test_slackswap_is_a_local_optimum_on_resnet50(fraction):
     # nothing better (before slackswap's polish it found +0.27 / +0.21 / 0 points), and the
     # plan stays under the sound bound
     from pathlib import Path
+
     from slackswap_cli.budget import parse_budget
     from slackswap_cli.hardware import PRESETS
     from slackswap_cli.profile_build import recost

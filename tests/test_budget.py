@@ -2,9 +2,9 @@
 import pytest
 
 from slackswap_cli.budget import check_budget, fraction_bytes, keep_all_of, parse_budget
-from slackswap_cli.units import fmt_bytes, fmt_us
 from slackswap_cli.errors import InfeasibleError, InputError
 from slackswap_cli.simulate import budget_floor_bytes
+from slackswap_cli.units import fmt_bytes, fmt_us
 from slackswap_testkit.synthetic import chain_profile
 
 

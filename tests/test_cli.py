@@ -1,12 +1,12 @@
 """End-to-end tests of the `slackswap` commands on synthetic profiles (fast, no torch needed)."""
 import orjson
 import pytest
+from helpers import assert_clean_error
 from typer.testing import CliRunner
 
 from slackswap_cli import schema
 from slackswap_cli.cli import app
 from slackswap_testkit.synthetic import chain_profile
-from helpers import assert_clean_error
 
 runner = CliRunner()
 
@@ -132,6 +132,7 @@ def _roofline(prof, hw):
 def test_a_profile_costed_on_a_custom_spec_plans_without_naming_it_again(tmp_path):
     """`profile --hardware my-a100.json` then `plan p.json`: the profile carries the spec."""
     import dataclasses
+
     from slackswap_cli.hardware import PRESETS
     # an edited copy that even keeps the preset's name: its own numbers are what count
     mine = dataclasses.replace(PRESETS["a100-pcie4"], h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)

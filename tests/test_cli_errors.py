@@ -12,12 +12,12 @@ from pathlib import Path
 
 import orjson
 import pytest
+from helpers import assert_clean_error
 from typer.testing import CliRunner
 
 from slackswap_cli import schema
 from slackswap_cli.cli import app
 from slackswap_testkit.synthetic import chain_profile
-from helpers import assert_clean_error
 
 runner = CliRunner()
 MiB = 1 << 20

@@ -17,13 +17,20 @@ import sys
 
 import pytest
 import torch
+from workloads import (
+    HW,
+    adamw_steps,
+    hand_plan,
+    plan_at,
+    profiled,
+    train_on_random_tokens,
+    write_patched,
+)
 
 from slackswap_cli.errors import InputError, SlackswapError
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.run.verify_compiled import verify_compiled
 from slackswap_cli.trace.workload import load_workload
-from workloads import (HW, adamw_steps, hand_plan, plan_at, profiled, train_on_random_tokens,
-                       write_patched)
 
 SLOW = pytest.mark.skipif(os.environ.get("SLACKSWAP_SLOW") != "1",
                           reason="inductor on a real model takes minutes: SLACKSWAP_SLOW=1")

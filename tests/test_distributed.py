@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from slackswap_cli.run.emit import apply_plan
 from helpers import free_port
 from workloads import HW, profiled, train_on_random_tokens
+
+from slackswap_cli.run.emit import apply_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),

@@ -13,22 +13,21 @@ Each tiny model goes profile -> plan -> apply -> verify, and must match eager Py
   planner's miss just above the floor into a plan that runs exactly, and `plan` below the floor
   writes the closest plan with `feasible: false` (exit 4).
 """
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from slackswap_cli import schema
-from slackswap_cli.run.emit import apply_plan
 from slackswap_cli.budget import first_feasible_budget
-from slackswap_testkit.repair import repair_to_fit
 from slackswap_cli.cli import app
 from slackswap_cli.errors import TraceError
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
+from slackswap_cli.run.emit import apply_plan
+from slackswap_cli.run.verify import verify
 from slackswap_cli.simulate import budget_floor_bytes, min_peak_bytes, simulate
 from slackswap_cli.trace import profile_workload
-from slackswap_cli.run.verify import verify
+from slackswap_testkit.repair import repair_to_fit
 
 HW = PRESETS["a100-pcie4"]
 

@@ -234,12 +234,12 @@ def test_process_wide_replacements_are_undone_after_an_exception():
     `branches.eager_branches` tells transformers its tensors are not fake during one trace:
     both put everything back when the code inside raises."""
     import pytest
+    import transformers.utils.import_utils as tu
     from torch._subclasses import fake_tensor as ft
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from slackswap_cli.run.branches import eager_branches
     from slackswap_cli.trace.fake_build import fake_build
-    import transformers.utils.import_utils as tu
 
     def state():
         return (torch.utils.swap_tensors, torch.linspace, ft.CONSTANT_NUMEL_LIMIT,

@@ -8,15 +8,13 @@ from pathlib import Path
 import orjson
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from helpers import assert_clean_error
+from typer.testing import CliRunner
 from workloads import ROOT
 
 from slackswap_cli.cli import app
-from slackswap_cli.fit import (ModelFacts, ParamFact, default_reserve, parse_batches,
-                               static_memory)
 from slackswap_cli.errors import InputError
+from slackswap_cli.fit import ModelFacts, ParamFact, default_reserve, parse_batches, static_memory
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.static_memory import model_facts
 from slackswap_cli.trace.workload import load_workload
@@ -291,6 +289,7 @@ def test_a_batch_whose_trace_fails_is_a_row_and_the_sweep_goes_on(tmp_path):
 
 def test_checkpoint_layers_with_k1_checkpoints_every_block(files):
     from workloads import HW, profiled
+
     from slackswap_cli.planners import baselines
     prof = profiled(files, "gpt2")
     big = 10 * prof.keep_all_peak_bytes
@@ -367,7 +366,7 @@ def test_fit_derives_after_two_traces_and_says_so(tmp_path):
     rows_each = orjson.loads(each.stdout)["rows"]
     assert [x["derived_from"] for x in rows_each] == [None] * 4
     # the same rows either way (the derived profiles are the traced ones)
-    drop = lambda row: {k: v for k, v in row.items() if k != "derived_from"}   # noqa: E731
+    drop = lambda row: {k: v for k, v in row.items() if k != "derived_from"}
     assert [drop(x) for x in data["rows"]] == [drop(x) for x in rows_each]
 
 

@@ -5,12 +5,11 @@ import time
 import orjson
 import pytest
 from typer.testing import CliRunner
-
 from workloads import ROOT
 
 from slackswap_cli.cli import app
-from slackswap_cli.hardware import PRESETS
 from slackswap_cli.errors import SlackswapError
+from slackswap_cli.hardware import PRESETS
 from slackswap_cli.trace.static_memory import Profiler, _Traced
 
 UNPICKLABLE = '''
@@ -54,7 +53,7 @@ def test_jobs_2_gives_the_rows_of_jobs_1(tmp_path):
     two, err2 = _fit_json([*args, "--jobs", "2"], tmp_path / "two.plan.json")
     assert one == two
     assert [x["derived_from"] for x in two["rows"]] == [None, None, None, [2, 4]]
-    decided = lambda err: [x for x in err.splitlines() if x.endswith(("profiling", "4"))]  # noqa: E731
+    decided = lambda err: [x for x in err.splitlines() if x.endswith(("profiling", "4"))]
     assert decided(err1) == decided(err2)
 
 

@@ -12,13 +12,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from slackswap_cli.budget import first_feasible_budget
-from slackswap_testkit.repair import repair_to_fit
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan, planner_names, run_planner
 from slackswap_cli.profile_build import ProfileBuilder
 from slackswap_cli.schema import Decision
 from slackswap_cli.simulate import budget_floor_bytes, min_peak_bytes, recompute_chains, simulate
+from slackswap_testkit.repair import repair_to_fit
 
 HW = PRESETS["a100-pcie4"]
 KB = 1 << 10

@@ -1,12 +1,12 @@
 """The memory guard's rule (`slackswap_cli/guard.py`), on cases computed by hand: what a run
 keeps and swaps of what its plan cannot place, and the same rule as decisions the simulator
 judges."""
+from helpers import hand_hw
+
 from slackswap_cli.guard import Guard, guarded_decisions
 from slackswap_cli.schema import Decision
 from slackswap_cli.simulate import simulate
 from slackswap_testkit.synthetic import chain_profile
-
-from helpers import hand_hw
 
 MB = 1_000_000
 

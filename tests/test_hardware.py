@@ -80,8 +80,9 @@ def test_hardware_numbers_are_bounded(field, value):
 
 def test_a_custom_file_may_not_reuse_a_presets_name_with_other_figures(tmp_path):
     """Plans and reports show the name: `a100-pcie4` must mean the preset's figures."""
-    from typer.testing import CliRunner
     from helpers import assert_clean_error
+    from typer.testing import CliRunner
+
     from slackswap_cli.cli import app
     edited = PRESETS["a100-pcie4"].to_dict() | {"h2d_bytes_per_s": 1e9}
     path = tmp_path / "mine.json"

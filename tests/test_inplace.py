@@ -9,13 +9,12 @@ budget falls. The model object is the same, returns what it returned (a Hugging 
 
 import pytest
 import torch
-
-from slackswap_cli.run.emit import apply_plan, load_patched
-from slackswap_cli.errors import InputError
-from slackswap_cli.trace.joint import loss_from_output, split_inputs
-from slackswap_cli.trace.workload import load_workload
 from workloads import HW, profiled, token_dataset
 
+from slackswap_cli.errors import InputError
+from slackswap_cli.run.emit import apply_plan, load_patched
+from slackswap_cli.trace.joint import loss_from_output, split_inputs
+from slackswap_cli.trace.workload import load_workload
 
 _NO_DROPOUT: dict = {}
 
@@ -288,8 +287,8 @@ def test_verify_checks_the_in_place_patch_too(files, tmp_path):
     profile (random ops as a CPU draws them) every op lines up and the in-place step holds
     what the written-out step holds."""
     from slackswap_cli.planners import make_plan
-    from slackswap_cli.trace import profile_workload
     from slackswap_cli.run.verify import verify
+    from slackswap_cli.trace import profile_workload
     prof = profile_workload(str(files["tiny_gpt"]), device="fake:cpu", hardware=HW)
     peak = prof.summary["peak_activation_bytes"]
     plan = make_plan("slackswap", prof, HW, int(peak * 0.4), 0.4)

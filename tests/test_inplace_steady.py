@@ -16,6 +16,7 @@ import weakref
 
 import pytest
 import torch
+from workloads import HW, hand_plan, profiled, write_patched
 
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import load_patched
@@ -25,7 +26,6 @@ from slackswap_cli.run.steady import KeepRun, SteadyRun
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
-from workloads import HW, hand_plan, profiled, write_patched
 
 _PROFILES: dict = {}
 BRANCHY = '''

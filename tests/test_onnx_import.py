@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 onnx = pytest.importorskip("onnx")
-import onnx.numpy_helper  # noqa: E402
-from onnx import TensorProto, helper  # noqa: E402
+from helpers import run_torch_blocked  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from slackswap_cli.errors import FormatError, InputError  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.onnx.importer import parse_input_shapes, profile_onnx  # noqa: E402
-from helpers import run_torch_blocked  # noqa: E402
 
 HW = PRESETS["a100-pcie4"]
 F32 = TensorProto.FLOAT
@@ -29,7 +28,7 @@ def _save(tmp_path, nodes, inputs, outputs, inits=(), name="g.onnx", opset=17):
 
 
 def _weight(name, *shape):
-    return onnx.numpy_helper.from_array(np.full(shape, 0.01, dtype=np.float32), name)
+    return numpy_helper.from_array(np.full(shape, 0.01, dtype=np.float32), name)
 
 
 def _by_name(prof, name):

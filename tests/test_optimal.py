@@ -1,7 +1,7 @@
 """The MILP planner on an instance whose optimum is known by hand."""
 import pytest
-
 from helpers import hand_hw
+
 from slackswap_cli.planners import make_plan
 from slackswap_cli.planners.common import build_model
 from slackswap_cli.planners.optimal import OptimalSettings, solve
@@ -88,8 +88,10 @@ def test_a_spill_the_simulator_hides_is_not_charged_in_the_next_round():
     # for none of them (0 us of overhead). The next round does not charge that spill and
     # starts from that plan: its objective is what the simulator says.
     import random
-    from slackswap_testkit.synthetic import random_profile
+
     from helpers import random_hw
+
+    from slackswap_testkit.synthetic import random_profile
     prof = random_profile(5)
     hw = random_hw(random.Random(5))
     budget = int(0.8 * prof.keep_all_peak_bytes)

@@ -6,14 +6,13 @@ times are given per op, so every expected action can be worked out by hand.
 import re
 
 import pytest
+from helpers import hand_hw
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import hand_hw
 from slackswap_cli.errors import InputError
-from slackswap_cli.planners import PLANNERS, make_plan, planner_names, run_planner
 from slackswap_cli.layers import op_layer_indices
-from slackswap_cli.planners.common import build_model
+from slackswap_cli.planners import PLANNERS, make_plan, planner_names, run_planner
 from slackswap_cli.profile_build import ProfileBuilder
 from slackswap_cli.simulate import budget_floor_bytes, simulate
 from slackswap_testkit.synthetic import chain_profile
@@ -293,9 +292,10 @@ def test_price_ladder_finds_what_the_dearest_price_misses():
     # GPT-2 XL at 0.5: pricing every swap at the dearest recompute of the plan without swaps
     # fills the slack with masks, residuals and norm statistics; a lower price on the ladder
     # swaps matmul outputs instead, and the simulator prefers that plan
+    from pathlib import Path
+
     from slackswap_cli.hardware import PRESETS
     from slackswap_cli.schema import load_profile
-    from pathlib import Path
     p = load_profile(Path(__file__).resolve().parents[1] / "sample_profiles" / "gpt2-xl.json")
     hw = PRESETS["a100-pcie4"]
     budget = int(0.5 * p.keep_all_peak_bytes)
@@ -343,6 +343,7 @@ def test_transformer_profile_every_planner_judged_by_the_simulator(arch):
 
 def test_paper_table_runs_on_given_profiles(tmp_path):
     import orjson
+
     from slackswap_cli import schema
     from slackswap_cli.hardware import PRESETS
     from slackswap_testkit.synthetic import transformer_profile

@@ -2,13 +2,14 @@
 (recompute time and least peak of a plan, no timing) and `simulate(give_up_stall_us=...)`."""
 import random
 
+from helpers import random_decisions, random_hw
+
 from slackswap_cli.errors import InputError
 from slackswap_cli.planners import run_planner
 from slackswap_cli.planners.polish import STATIC_SHARE, polish
 from slackswap_cli.schema import Decision
 from slackswap_cli.simulate import simulate, static_costs
 from slackswap_testkit.synthetic import random_profile
-from helpers import random_decisions, random_hw
 
 
 def _instances(n: int):
@@ -107,6 +108,7 @@ def test_polish_finds_the_one_swap_a_layer_can_hide_on_gpt2_xl():
     # static pass, and once the simulator refuses a move, the same move on the other layers'
     # alike tensors (same sizes and times) waits for the second sweep.
     from pathlib import Path
+
     from slackswap_cli.hardware import PRESETS
     from slackswap_cli.planners import make_plan
     from slackswap_cli.schema import load_profile

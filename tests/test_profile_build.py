@@ -4,6 +4,7 @@ import pytest
 
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.profile_build import ProfileBuilder, recost
+from slackswap_cli.schema import Profile
 from slackswap_testkit.synthetic import chain_profile
 
 

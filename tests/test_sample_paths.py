@@ -5,11 +5,11 @@ import shutil
 
 import orjson
 import pytest
+from workloads import ROOT, plan_at, profiled, write_patched
 
 from slackswap_cli.schema import load_profile
 from slackswap_cli.workload_spec import resolve_workload_path
 from slackswap_testkit.sample_paths import relative_workload_path
-from workloads import ROOT, plan_at, profiled, write_patched
 
 SAMPLES = sorted((ROOT / "sample_profiles").glob("*.json"))
 

@@ -6,16 +6,22 @@ is busy (derate 0.5).
 """
 
 import pytest
+from helpers import hand_hw
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from helpers import hand_hw
 from slackswap_cli import schema
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.profile_build import ProfileBuilder
-from slackswap_cli.simulate import (SimResult, budget_floor_bytes, ideal_us, min_peak_bytes,
-                                    recompute_chains, simulate)
+from slackswap_cli.simulate import (
+    SimResult,
+    budget_floor_bytes,
+    ideal_us,
+    min_peak_bytes,
+    recompute_chains,
+    simulate,
+)
 from slackswap_testkit.synthetic import chain_profile
 
 MB = 1_000_000   # 100 us to copy on HW
@@ -599,8 +605,9 @@ def test_prefetch_issue_point_is_never_before_the_simulated_issue():
     # compute stalled right there (then the module issues it at the stall's start)
     import random
 
-    from slackswap_testkit.synthetic import random_profile
     from helpers import random_decisions, random_hw
+
+    from slackswap_testkit.synthetic import random_profile
     checked = moved = 0
     for seed in range(80):
         rng = random.Random(seed)

@@ -3,17 +3,23 @@ trace/torch_choice.py): torch's min-cut partitioner on the profile's re-traced j
 import json
 
 import pytest
-from typer.testing import CliRunner
-
 from helpers import assert_clean_error
+from typer.testing import CliRunner
+from workloads import HW
+
 from slackswap_cli.cli import app
 from slackswap_cli.errors import FingerprintMismatch, InputError
 from slackswap_cli.schema import save
 from slackswap_cli.trace import profile_workload
-from slackswap_cli.trace.torch_choice import (PLANNER_NAME, SEARCH_STEPS, baseline_for,
-                                              check_torch_version, choice_from_saved,
-                                              resolve_workload, torch_saved)
-from workloads import HW
+from slackswap_cli.trace.torch_choice import (
+    PLANNER_NAME,
+    SEARCH_STEPS,
+    baseline_for,
+    check_torch_version,
+    choice_from_saved,
+    resolve_workload,
+    torch_saved,
+)
 
 # Four Linear+GELU layers: backward reads each addmm (gelu_backward) and each gelu (the next
 # layer's weight gradient). torch keeps the matmul outputs and recomputes the cheap GELUs first.

@@ -124,7 +124,7 @@ def test_kinds(gpt):
     assert all(t.kind == "activation" for t in gpt.saved_activations)
     # one gradient root per parameter, as large as it (a bias gradient's root may keep a
     # reduced dimension of size 1: compare element counts)
-    numel = lambda shape: torch.Size(shape).numel()  # noqa: E731
+    numel = lambda shape: torch.Size(shape).numel()
     assert sorted(numel(t.shape) for t in by_kind["gradient"]) == \
         sorted(p.numel() for p in work.model.parameters())
 

@@ -11,10 +11,10 @@
 import pytest
 import torch
 
+from slackswap_cli.errors import TraceError
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import apply_plan, load_patched
-from slackswap_cli.errors import TraceError
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
@@ -266,8 +266,9 @@ def test_sparse_moe_profiled_on_cpu_trains_patched_on_other_routings(files, tmp_
 
 # -- item 7: RNN kernels' workspace --------------------------------------------------------------
 def test_lstm_fake_profile_is_refused_with_a_hint_to_profile_on_the_device(files, tmp_path):
-    from typer.testing import CliRunner
     from helpers import assert_clean_error
+    from typer.testing import CliRunner
+
     from slackswap_cli.cli import app
     out = tmp_path / "lstm.json"
     r = CliRunner().invoke(app, ["profile", str(files["lstm"]), "--device", "fake:cpu",

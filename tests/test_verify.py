@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from slackswap_cli.run.emit import apply_plan
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
-from slackswap_cli.trace import profile_workload
+from slackswap_cli.run.emit import apply_plan
 from slackswap_cli.run.verify import verify
+from slackswap_cli.trace import profile_workload
 
 HW = PRESETS["a100-pcie4"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,6 +291,7 @@ def test_in_place_on_another_device_is_held_to_the_budget_and_progress_is_shown(
     line up, and eager alone would hold more than the budget; the guard swaps what the plan
     cannot place, so verify passes and says so."""
     from typer.testing import CliRunner
+
     from slackswap_cli.cli import app
     _, path = cuda_profiled_mlp
     res = CliRunner().invoke(app, ["verify", str(path)])    # stderr is not a terminal here
@@ -320,8 +321,9 @@ def test_in_place_memory_reason_names_kept_recomputes_and_passes_within_5_percen
 
 
 def test_a_changed_model_exits_5_and_an_emptied_meta_exits_2(cuda_profiled_mlp, tmp_path):
-    from typer.testing import CliRunner
     from helpers import assert_clean_error
+    from typer.testing import CliRunner
+
     from slackswap_cli.cli import app
     src, path = cuda_profiled_mlp
     other = tmp_path / "other.py"

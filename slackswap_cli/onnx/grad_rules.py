@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Callable
 
+
 @dataclass(frozen=True)
 class NodeView:
     """One node with static shapes: what a rule may look at."""

@@ -47,9 +47,9 @@ from typing import Iterable, Mapping
 
 from ..errors import FormatError, InputError, require_file
 from ..hardware import HardwareSpec
-from .grad_rules import FUSED_ATEN, NodeView, rule_for, unknown_rule
 from ..profile_build import DTYPE_BYTES, ProfileBuilder
 from ..schema import Profile
+from .grad_rules import FUSED_ATEN, NodeView, rule_for, unknown_rule
 
 SHAPE_HINT = "export with static input shapes, or pass --input-shape name=1x3x224x224"
 

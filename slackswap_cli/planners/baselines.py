@@ -18,10 +18,19 @@ from __future__ import annotations
 import numpy as np
 
 from ..hardware import HardwareSpec
-from ..schema import Decision, Profile
 from ..layers import op_layer_indices
-from .common import (KEEP, RECOMPUTE, SWAP, PlannerOutput, State, build_chains, build_model,
-                     memory, recompute_until_fits)
+from ..schema import Decision, Profile
+from .common import (
+    KEEP,
+    RECOMPUTE,
+    SWAP,
+    PlannerOutput,
+    State,
+    build_chains,
+    build_model,
+    memory,
+    recompute_until_fits,
+)
 
 
 def recompute_only(profile: Profile, hw: HardwareSpec, budget_bytes: int):

@@ -213,7 +213,7 @@ def _child(fn, kwargs, conn):
     try:
         try:
             conn.send((True, _quiet_call(fn, kwargs)))
-        except Exception as exc:     # noqa: BLE001 - sent to the parent, which raises it
+        except Exception as exc:
             conn.send((False, exc))
     finally:
         conn.close()

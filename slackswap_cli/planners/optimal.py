@@ -70,9 +70,22 @@ import numpy as np
 from ..hardware import HardwareSpec
 from ..schema import Profile
 from .bound import run_quietly, sound_bound
-from .common import KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, State, StaticSettings, \
-    build_chains, build_model, d2h_fifo, h2d_just_in_time, memory, prefetch_points, \
-    recompute_until_fits
+from .common import (
+    KEEP,
+    RECOMPUTE,
+    SWAP,
+    Model,
+    PlannerOutput,
+    State,
+    StaticSettings,
+    build_chains,
+    build_model,
+    d2h_fifo,
+    h2d_just_in_time,
+    memory,
+    prefetch_points,
+    recompute_until_fits,
+)
 from .polish import polish
 
 

@@ -41,9 +41,21 @@ import numpy as np
 from ..hardware import HardwareSpec
 from ..schema import Profile
 from ..units import fmt_us
-from .common import (KEEP, RECOMPUTE, SWAP, Model, PlannerOutput, SlackLedger, State,
-                     StaticSettings, build_model, copy_schedule, memory, prefetch_points,
-                     recompute_until_fits)
+from .common import (
+    KEEP,
+    RECOMPUTE,
+    SWAP,
+    Model,
+    PlannerOutput,
+    SlackLedger,
+    State,
+    StaticSettings,
+    build_model,
+    copy_schedule,
+    memory,
+    prefetch_points,
+    recompute_until_fits,
+)
 from .polish import polish
 
 
@@ -388,6 +400,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
             prices = list(dict.fromkeys(
                 float(per_byte[int(round(q * (len(per_byte) - 1)))])
                 for q in s.price_quantiles))
+    best_price = None   # set after the first pass; later passes try only that price
     for k, (safety, pin) in enumerate(s.repairs):
         clean = False
         for price in (prices if k == 0 else [best_price]):

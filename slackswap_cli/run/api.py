@@ -32,7 +32,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import InfeasibleError, InputError, SlackswapError, TraceError
-from ..schema import Plan as PlanFile, Profile
+from ..schema import Plan as PlanFile
+from ..schema import Profile
 from ..workload_spec import Workload
 
 __all__ = ["Plan", "plan_model", "patch", "unpatch", "compile"]
@@ -94,7 +95,6 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     from ..planners import planner_spec
     from ..planning import plan_inputs, plan_profile
     from ..trace.joint import autocast_name
-
     from .inplace import is_patched
     started = time.perf_counter()
     work = _checked(model, inputs, loss_fn)
@@ -232,7 +232,7 @@ def _profile(work: Workload, how: str, target: str, hw, autocast, progress, star
     except torch.OutOfMemoryError as exc:     # pragma: no cover - CUDA only
         from ..trace import _does_not_fit
         raise _does_not_fit(how, exc) from None
-    except Exception as exc:  # noqa: BLE001 - one clear error, not a traceback from inside
+    except Exception as exc:
         text = (str(exc).strip().splitlines() or [""])[0][:300]
         raise TraceError(f"tracing {header['name']}'s training step failed: "
                          f"{type(exc).__name__}: {text}",

@@ -446,6 +446,7 @@ def _partitioner_cse(gm: fx.GraphModule, num_fwd_outputs: int) -> fx.Graph:
     one backward reads (which would be saved as an extra forward output): the same key here,
     else our merge would join what torch's keeps apart and its own CSE could not undo it."""
     import inspect
+
     from torch._functorch.compile_utils import fx_graph_cse
     if "extra_node_key" not in inspect.signature(fx_graph_cse).parameters:
         return fx_graph_cse(gm.graph)

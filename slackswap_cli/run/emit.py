@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, require_file
+from ..schema import Action, Plan, Profile
 from ..trace.retrace import joint_fingerprint, trace_fake, trace_matching, trace_options
 from ..workload_spec import resolve_workload_path
-from ..schema import Action, Plan, Profile
 from .generated import GENERATOR_VERSION, check_generated
 
 
@@ -324,7 +324,7 @@ def load_patched(path: str):
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise InputError(f"importing {p} failed: {type(exc).__name__}: {exc}",
                          hint="regenerate it with `slackswap apply`") from None
     if not hasattr(module, "patch") or not hasattr(module, "META"):

@@ -17,11 +17,10 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from . import steady as _steady
 from ..schema import Action
+from . import steady as _steady
 from .generated import check_generated
-from .record import (_STATE, ALIGN_WARN, PlanRun, _body_hook, _leave_hook, _Recorder,
-                     trace_only_ops)
+from .record import _STATE, ALIGN_WARN, PlanRun, _body_hook, _leave_hook, _Recorder, trace_only_ops
 
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
 
@@ -195,6 +194,7 @@ class _Patched:
         if self.replan:
             import sys
             import time
+
             from .replan import replan_table
             t0 = time.perf_counter()
             try:
@@ -203,7 +203,7 @@ class _Patched:
                 plan = _Table(table)
                 print(f"slackswap: new inputs {_shapes(sig)}: planned for them in "
                       f"{time.perf_counter() - t0:.1f} s ({what})", file=sys.stderr)
-            except Exception as exc:  # noqa: BLE001 - the step still runs, with the old plan
+            except Exception as exc:
                 print(f"slackswap: new inputs {_shapes(sig)}: could not plan for them "
                       f"({_brief(exc)}); "
                       "running with the profiled plan", file=sys.stderr)
@@ -238,8 +238,10 @@ class _Patched:
         self._say_checkpointing()
         prev = getattr(_STATE, "run", None)
         _STATE.run = run
-        from torch.nn.modules.module import (register_module_forward_hook,
-                                             register_module_forward_pre_hook)
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
         self._last_hooks()
         hooks = [register_module_forward_pre_hook(run._enter),
                  register_module_forward_hook(run._left, always_call=True)]
@@ -268,6 +270,7 @@ class _Patched:
         self.said.add(("branches", sig))
         import sys
         import time
+
         from .replan import replan_table
         t0 = time.perf_counter()
         try:
@@ -277,7 +280,7 @@ class _Patched:
             table, what = replan_table(self.model, self.original_forward, args, kwargs,
                                        self.meta, values=run.values,
                                        budget_bytes=run.t.limit if own else None)
-        except Exception as exc:  # noqa: BLE001 - the run goes on with the plan it has
+        except Exception as exc:
             print(f"slackswap: could not plan along the branches this call took ({_brief(exc)})"
                   "; the guard holds the plan's budget", file=sys.stderr)
             return

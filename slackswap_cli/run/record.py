@@ -52,11 +52,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from . import swap as rt
 from ..guard import Guard
 from ..schema import Action
-from ..trace.aten import (aliases_input, is_view_target, writes_first, written_positions,
-                          written_returns)
+from ..trace.aten import (
+    aliases_input,
+    is_view_target,
+    writes_first,
+    written_positions,
+    written_returns,
+)
+from . import swap as rt
 
 __all__ = ["PlanRun"]
 

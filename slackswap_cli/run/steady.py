@@ -54,10 +54,10 @@ from types import MappingProxyType
 import torch
 import torch.utils._pytree as pytree
 
-from . import swap as rt
-from .record import PlanRun, _In, _Record
 from ..guard import Guard
 from ..schema import Action
+from . import swap as rt
+from .record import PlanRun, _In, _Record
 
 __all__ = ["Template", "Fingerprint", "SteadyRun", "KeepRun"]
 

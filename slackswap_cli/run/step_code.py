@@ -41,9 +41,9 @@ import torch.fx as fx
 from ..chains import Layout, action_codes, lay_out
 from ..chains import tables as chain_tables
 from ..errors import InputError
+from ..schema import Action, Plan, Profile
 from ..trace.aten import is_inplace as aten_is_inplace
 from ..trace.aten import returns_view, written_positions
-from ..schema import Action, Plan, Profile
 
 RESERVED = {"torch", "aten", "rt", "_s", "_device", "None", "float"}
 

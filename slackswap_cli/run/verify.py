@@ -118,9 +118,9 @@ class TimelineRow:
 def find_plan(patched_path: str, meta: dict):
     """The plan a patched module was made from: a `*.json` next to it (or in the current
     directory) whose decisions hash to the module's `plan_fingerprint`; None if none does."""
-    from .emit import plan_fingerprint
     from ..errors import SlackswapError
     from ..schema import load_plan
+    from .emit import plan_fingerprint
     want = meta.get("plan_fingerprint")
     dirs = [Path(patched_path).resolve().parent, Path.cwd()]
     for d in dict.fromkeys(dirs):
@@ -426,7 +426,7 @@ def check_fits(meta: dict, device: str) -> None:
 
 
 def _check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol: float,
-                    grad_tol: float, autocast: str | None = None) -> dict:  # noqa: PLR0913
+                    grad_tol: float, autocast: str | None = None) -> dict:
     """`steps` SGD steps of a fresh eager model and of a fresh one patched in place, from the
     same seed: the largest loss and gradient differences, how much of the profile lined up,
     ops re-run and bytes held for backward after forward (CPU: storages, as `held_device_bytes`)."""
@@ -603,9 +603,9 @@ def _load_pair(patched_path: str, model_path: str | None, entry: str | None,
     """Load the patched module and two copies of its workload from the same weights."""
     import torch
 
-    from .emit import load_patched
     from ..trace.joint import split_inputs
     from ..trace.workload import load_workload
+    from .emit import load_patched
     mod = load_patched(patched_path)
     meta = mod.META
     w = meta["workload"]
@@ -868,7 +868,7 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
 
 def _report(s: _Pair, c: _Compared, ms: MeasuredStep, tl: _Timeline, plan, profile, steps: int,
             budget: int, peak_orig: int, inplace: dict, reasons: list[str],
-            patched_path: str) -> VerifyReport:  # noqa: PLR0913
+            patched_path: str) -> VerifyReport:
     meta = s.meta
     pred = meta.get("predicted", {})
     fraction = meta.get("budget_fraction")

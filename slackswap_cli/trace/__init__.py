@@ -14,10 +14,13 @@ from __future__ import annotations
 import platform
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import InputError, TraceError
 from ..schema import Profile
+
+if TYPE_CHECKING:   # the joint graph module imports torch; only its name is needed here
+    from .joint import JointGraph
 
 
 DEVICES = ("auto", "cuda", "cpu", "fake", "fake:cuda", "fake:cpu")
@@ -66,6 +69,7 @@ def _cpu_name() -> str:
 def _input_info(inputs) -> tuple[dict, dict]:
     import torch
     import torch.utils._pytree as pytree
+
     from .graph_profile import dtype_name
     from .joint import split_inputs
     args, kwargs = split_inputs(inputs)

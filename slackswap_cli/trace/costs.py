@@ -73,7 +73,7 @@ def node_flops(node: fx.Node) -> int:
         if "attention" in name and bound_args(op, args, kwargs).get("is_causal") is True:
             flops //= 2
         return int(flops)
-    except Exception:  # noqa: BLE001 - a formula that cannot read these shapes counts nothing
+    except Exception:
         return 0
 
 
@@ -86,7 +86,7 @@ def storage_nbytes(t: torch.Tensor) -> int:
     """Bytes of the storage under `t` (what allocating it costs); numel x itemsize if unknown."""
     try:
         return int(t.untyped_storage().nbytes())
-    except Exception:  # noqa: BLE001 - sparse/functional tensors have no plain storage
+    except Exception:
         return tensor_nbytes(t)
 
 

@@ -117,7 +117,7 @@ def fake_build(fake_mode):
             real = linspace_original(*args, **kwargs)
         return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, real, make_constant=True)
 
-    from torch._subclasses import fake_tensor as fake_tensor_module   # private to torch
+    from torch._subclasses import fake_tensor as fake_tensor_module  # private to torch
     limit_original = fake_tensor_module.CONSTANT_NUMEL_LIMIT
     torch.utils.swap_tensors = swap_tensors
     torch.linspace = linspace

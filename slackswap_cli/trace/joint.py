@@ -159,8 +159,10 @@ class _ModuleTracker:
             self.events.append((n, self.stack[-1] if self.stack else ""))
 
     def __enter__(self):
-        from torch.nn.modules.module import (register_module_forward_hook,
-                                             register_module_forward_pre_hook)
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
         self.handles = [register_module_forward_pre_hook(self._pre),
                         register_module_forward_hook(self._post)]
         return self
@@ -235,7 +237,7 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
                 gm, real_sizes = _trace_real_tensors(step, [*traced, tangent], tracker, boundary)
     except SlackswapError:   # already says what is wrong (a loss that is not a loss, ...)
         raise
-    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one clear error
+    except Exception as exc:
         raise _explain(exc, fake=fake_mode is not None) from exc
     finally:
         model.train(was_training)
@@ -498,7 +500,7 @@ def _trace_real_tensors(step, args: list, tracker, boundary: dict) -> tuple[fx.G
         if _symbolic_sizes(gm):
             raise RuntimeError("data-dependent output sizes")
         return gm, False
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         if not needs_values(exc):
             raise
     tracker.events.clear()

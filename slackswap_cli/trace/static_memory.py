@@ -187,11 +187,11 @@ class _Traced:
 def _child(profiler: Profiler, batch: int, send) -> None:
     try:
         out = (True, profiler(batch))
-    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+    except BaseException as exc:
         out = (False, exc)
     try:
         send.send(out)
-    except Exception:  # noqa: BLE001 - an exception that does not pickle
+    except Exception:
         exc = out[1]
         why = exc.message if isinstance(exc, SlackswapError) else f"{type(exc).__name__}: {exc}"
         send.send((False, SlackswapError(why)))

@@ -62,15 +62,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
-import torch
 import torch.fx as fx
 
 from ..chains import candidate_chain
 from ..chains import tables as chain_tables
-from ..workload_spec import resolve_workload_path
 from ..errors import InputError, TraceError
 from ..schema import Action, Decision, Plan, Profile
 from ..torch_api import PARTS, refuse_untested
+from ..workload_spec import resolve_workload_path
 
 PLANNER_NAME = "torch.compile"
 TESTED_TORCH = PARTS["torch_choice"].tested
@@ -153,7 +152,7 @@ def torch_saved(joint, knob: float) -> list[str]:
             partitioners.min_cut_rematerialization_partition(gm, None, num_fwd_outputs=1)
     except _Chosen as done:
         return [n.name for n in done.saved if isinstance(n, fx.Node)]
-    except Exception as exc:  # noqa: BLE001 - torch's own failure, said in one line
+    except Exception as exc:
         text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         raise TraceError(f"torch's min-cut partitioner failed on this step's graph: {text}",
                          hint="compare without --with-torch-compile; the other planners do not "

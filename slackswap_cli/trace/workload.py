@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..workload_spec import Workload
 from ..errors import InputError, SlackswapError, TraceError, require_file
+from ..workload_spec import Workload
 from .fake_build import fake_build
 from .joint import autocast_name
 
@@ -108,7 +108,7 @@ def _import_file(path: Path):
     except KeyboardInterrupt:
         sys.modules.pop(name, None)
         raise
-    except BaseException as exc:  # noqa: BLE001 - any import failure (SystemExit too) is one clear error
+    except BaseException as exc:
         sys.modules.pop(name, None)
         raise TraceError(f"importing {path} failed: {_one_line(exc)}",
                          hint="run `python FILE` to see the full error; missing packages must be "
@@ -158,7 +158,7 @@ def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=
             result = fn(**args)
     except SlackswapError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         text = str(exc)
         if "not linked with support for cuda" in text or "Torch not compiled with CUDA" in text:
             raise InputError(f"{entry}() in {p.name} puts tensors on CUDA, which this torch "
@@ -190,8 +190,10 @@ def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=
 
 
 def _data_dependent(exc: BaseException) -> bool:
-    from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                               DynamicOutputShapeException)
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
     return (isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException))
             or "data-dependent" in str(exc))
 
@@ -289,7 +291,7 @@ def _to_device(work: Workload, device: torch.device) -> Workload:
         return t.to(device) if isinstance(t, torch.Tensor) else t
     try:
         model = work.model.to(device)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise TraceError(f"moving the model to {device} failed: {_one_line(exc)}",
                          hint="check that the device exists and the model fits in its memory") from None
     return dataclasses.replace(work, model=model, inputs=pytree.tree_map(move, work.inputs))
