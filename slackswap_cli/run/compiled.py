@@ -60,6 +60,7 @@ import torch.fx as fx
 from ..errors import InputError
 from ..torch_api import PARTS, refuse_untested
 from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
+from .sym_sizes import SymSizes, solve
 
 TESTED_TORCH = PARTS["compile"].tested
 BACKENDS = ("inductor", "aot_eager")
@@ -109,6 +110,9 @@ class GraphReport:
     #                                first recompile: a guard failure, another shape)
     saved_names: list[str] = field(default_factory=list)
     offloaded_names: list[str] = field(default_factory=list)
+    symbolic: bool = False         # captured with symbolic sizes (dynamic shapes): lined up
+    #                                and counted at the profiled sizes
+    symbols: dict = field(default_factory=dict)   # symbol -> its value in the profiled step
 
 
 class PlanPartition:
@@ -128,35 +132,58 @@ class PlanPartition:
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         from torch._functorch import config as functorch_config
         from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        from ..trace.graph_profile import dtype_name
         merged: set[int] = set()
         n_out = kwargs["num_fwd_outputs"]
+        sizes = solve(gm, self._candidates(), dtype_name)
         if functorch_config.cse:
             # the partitioner merges identical ops first (Llama's two causal masks): merged
             # before lining up; the rows that line up only before the merge are reported
-            before = _rows(self._match(_graph_ops(_split(gm, n_out)[0])))
+            before = _rows(self._match(_graph_ops(_split(gm, n_out)[0], sizes)))
             gm.graph = _partitioner_cse(gm, n_out)
             gm.recompile()
         fwd_nodes, after_tangent = _split(gm, n_out)
-        graph_ops = _graph_ops(fwd_nodes)
+        graph_ops = _graph_ops(fwd_nodes, sizes)
         matched = self._tag(gm, graph_ops, after_tangent)
         if functorch_config.cse:
             merged = before - _rows(matched)
         kwargs.setdefault("compiler", "inductor")
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        refused = _offload(fw, bw, kwargs["num_fwd_outputs"], _on_cuda(gm))
-        report = _measure(fw, bw, kwargs["num_fwd_outputs"], graph_ops, matched, self.table)
+        refused = _offload(fw, bw, kwargs["num_fwd_outputs"], _on_cuda(gm), sizes)
+        report = _measure(fw, bw, kwargs["num_fwd_outputs"], graph_ops, matched, self.table,
+                          sizes)
         report.refused_offloads = refused
         report.merged_rows = sorted(merged)
         report.compile_id = _compile_id()
+        report.symbolic, report.symbols = sizes.symbolic, sizes.solved()
         self.reports.append(report)
         if not self.quiet:
-            where = f" ({self.label})" if self.label else ""
-            extra = f"; {refused} swap(s) kept: not offloadable" if refused else ""
-            print(f"slackswap: compiled graph {len(self.reports)}{where}: "
-                  f"{report.lined_up_ops} of {report.graph_ops} forward ops line up with the "
-                  f"profile, {report.graph_ops - report.lined_up_ops} left to torch's "
-                  f"partitioner{extra}", file=sys.stderr)
+            self._say(report)
         return fw, bw
+
+    def _say(self, report: GraphReport) -> None:
+        """One line on stderr per graph: how much of it lines up."""
+        where = f" ({self.label})" if self.label else ""
+        extra = f"; {report.refused_offloads} swap(s) kept: not offloadable" \
+            if report.refused_offloads else ""
+        if report.symbolic:
+            at = ", ".join(f"{k}={v}" for k, v in report.symbols.items())
+            extra += (f"; dynamic shapes, lined up at the profiled sizes ({at}): the plan holds "
+                      f"at every size" if at else "; dynamic shapes whose sizes match no "
+                      "profiled input: re-profile at a shape this graph takes")
+        print(f"slackswap: compiled graph {len(self.reports)}{where}: "
+              f"{report.lined_up_ops} of {report.graph_ops} forward ops line up with the "
+              f"profile, {report.graph_ops - report.lined_up_ops} left to torch's "
+              f"partitioner{extra}", file=sys.stderr)
+
+    def _candidates(self) -> list[tuple[list, str | None]]:
+        """The shapes a graph's inputs may have had in the profiled step: the model's inputs,
+        then the inputs of this object's rows in order (a block's graph reads hidden states)."""
+        ops = self.table["ops"]
+        out = [(list(s), d) for s, d in self.table.get("inputs", ())]
+        out += [(list(s), None) for r in self.rows for s in ops[r][5]]
+        return out
 
     def _match(self, graph_ops: list[GraphOp]) -> dict[GraphOp, tuple[list, list[int]]]:
         """Line the graph's ops up with the rows; op -> (the row it lined up with, the table
@@ -349,6 +376,7 @@ class GraphOp:
     target: str
     decomposed: bool
     order: dict          # node -> position in the graph (shared by the graph's ops)
+    sizes: SymSizes      # how its sizes read (symbolic ones at the profiled values)
 
     def outputs(self) -> list[fx.Node]:
         """The nodes holding the op's tensor results: for one node, its result (or the first
@@ -367,8 +395,8 @@ class GraphOp:
         return sorted(outs, key=lambda m: m is not (main or outs)[-1])
 
     def results(self) -> list[tuple[tuple, str]]:
-        return [_outputs(n)[0] for n in self.outputs()] if self.decomposed else \
-            _outputs(self.nodes[0])
+        return [_outputs(n, self.sizes)[0] for n in self.outputs()] if self.decomposed else \
+            _outputs(self.nodes[0], self.sizes)
 
     def holders_for(self, row_outputs: list) -> list[list[fx.Node]]:
         """For each result of the profile's op (`[shape, dtype]`), the nodes holding it here:
@@ -383,19 +411,36 @@ class GraphOp:
         return out
 
 
-def _graph_ops(fwd_nodes: list[fx.Node]) -> list[GraphOp]:
-    """The forward nodes as the model's ops (see GraphOp)."""
+SYM_VALUES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _graph_ops(fwd_nodes: list[fx.Node], sizes: SymSizes) -> list[GraphOp]:
+    """The forward nodes as the model's ops (see GraphOp); a graph with symbolic sizes computes
+    sizes too (`sym_size`, products of them): those nodes are no ops of the model."""
     ops: list[GraphOp] = []
     order = {n: i for i, n in enumerate(fwd_nodes[0].graph.nodes)} if fwd_nodes else {}
     for n in fwd_nodes:
+        if isinstance(n.meta.get("val"), SYM_VALUES):
+            continue
         orig = n.meta.get("original_aten")
         decomposed = orig is not None and str(orig) != str(n.target)
         if decomposed and ops and ops[-1].decomposed and ops[-1].target == str(orig):
             ops[-1].nodes.append(n)
         else:
             ops.append(GraphOp([n], str(orig) if decomposed else str(n.target), decomposed,
-                               order))
+                               order, sizes))
     return ops
+
+
+def _identity_slice(g: GraphOp) -> bool:
+    """A slice that takes the whole of its input (at the profiled sizes): a static trace drops
+    it, a graph with symbolic sizes keeps it (`x[:, :n]` where n is the length itself cannot be
+    proven whole for every size). A free view, not an op of the profile's."""
+    node = g.nodes[0]
+    if g.decomposed or node.target is not torch.ops.aten.slice.Tensor or not node.args:
+        return False
+    src = node.args[0]
+    return isinstance(src, fx.Node) and g.results()[:1] == _outputs(src, g.sizes)[:1]
 
 
 def _writes_back(node: fx.Node) -> bool:
@@ -416,14 +461,10 @@ def _tensor_vals(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
     return [(i, v) for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
 
 
-def _outputs(node: fx.Node) -> list[tuple[tuple, str]]:
-    def dim(s):
-        try:
-            return int(s)
-        except (TypeError, ValueError):
-            return str(s)
+def _outputs(node: fx.Node, sizes: SymSizes) -> list[tuple[tuple, str]]:
     from ..trace.graph_profile import dtype_name
-    return [(tuple(dim(s) for s in v.shape), dtype_name(v.dtype)) for _, v in _tensor_vals(node)]
+    return [(tuple(sizes.dim(s) for s in v.shape), dtype_name(v.dtype))
+            for _, v in _tensor_vals(node)]
 
 
 def _holders(node: fx.Node) -> list[list[fx.Node]]:
@@ -474,7 +515,8 @@ def _saved(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[list[fx.Node], lis
                                     and isinstance(n.meta.get("val"), torch.Tensor)]
 
 
-def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda: bool) -> int:
+def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda: bool,
+             sizes: SymSizes) -> int:
     """Offload the saved values marked `should_offload`; returns how many could not be."""
     from torch._functorch._activation_offloading import activation_offloading as ao
     from torch._functorch.partitioners import get_default_op_list
@@ -485,7 +527,7 @@ def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda:
         if not n.meta.get("should_offload"):
             continue
         if (n.op != "call_function" or n in model_outs or views.is_view(n)
-                or not _dense(n.meta["val"])):
+                or not sizes.dense(n.meta["val"])):
             refused += 1
             continue
         n.meta["saved_for_offloading"] = True
@@ -504,9 +546,10 @@ def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda:
     return refused
 
 
-def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table) -> GraphReport:
+def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table, sizes: SymSizes) -> GraphReport:
     """Read what the partitioned graphs save, offload and recompute."""
-    counted = [g for g in graph_ops if g in matched or g.target not in AUTOGRAD_ONLY]
+    counted = [g for g in graph_ops if g in matched or not (g.target in AUTOGRAD_ONLY
+                                                            or _identity_slice(g))]
     rep = GraphReport(graph_ops=len(counted), lined_up_ops=len(matched),
                       rows=sorted(_rows(matched)))
     primal = {v.untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
@@ -520,20 +563,20 @@ def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table) -> GraphReport:
             views.add(n)
         owned |= keys
     lined = {_storage(h) for g in matched if not (set(g.nodes) & views) for h in g.outputs()}
-    _measure_saved(rep, fw, num_fwd_outputs, primal, lined)
+    _measure_saved(rep, fw, num_fwd_outputs, primal, lined, sizes)
     _measure_recomputes(rep, bw, graph_ops, matched, views, set(table["recompute_ops"]))
-    sizes = {int(k): v for k, v in table["root_bytes"].items()}
-    _measure_unread(rep, matched, sizes)
+    roots = {int(k): v for k, v in table["root_bytes"].items()}
+    _measure_unread(rep, matched, roots, sizes)
     for g, (row, _) in matched.items():
         for tag, root, hs in zip(row[4], row[6], g.holders_for(row[2])):
-            if tag in ("save", "offload") and root in sizes and hs and \
-                    (nbytes := hs[0].meta["val"].untyped_storage().nbytes()) != sizes[root]:
+            if tag in ("save", "offload") and root in roots and hs and \
+                    (nbytes := sizes.nbytes(hs[0].meta["val"])) != roots[root]:
                 rep.resized_roots[root] = nbytes
     return rep
 
 
 def _measure_saved(rep: GraphReport, fw, num_fwd_outputs: int, primal: set[int],
-                   lined: set[int]) -> None:
+                   lined: set[int], sizes: SymSizes) -> None:
     """Bytes the forward graph saves on the device and offloads (storages once)."""
     from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX
     seen: set[int] = set()
@@ -544,7 +587,7 @@ def _measure_saved(rep: GraphReport, fw, num_fwd_outputs: int, primal: set[int],
         if key in primal or key in seen:
             continue
         seen.add(key)
-        nbytes = v.untyped_storage().nbytes()
+        nbytes = sizes.nbytes(v)
         if offloaded:
             rep.offloaded_bytes += nbytes
             rep.offloaded_names.append(n.name.removeprefix(CPU_OFFLOAD_PREFIX))
@@ -560,18 +603,18 @@ def _measure_saved(rep: GraphReport, fw, num_fwd_outputs: int, primal: set[int],
                     rep.decomposed_saves.append(str(orig))
 
 
-def _measure_unread(rep: GraphReport, matched, sizes: dict) -> None:
+def _measure_unread(rep: GraphReport, matched, roots: dict, sizes: SymSizes) -> None:
     """The swapped roots of lined-up ops that the partitioned forward neither saves nor
     offloads (backward does not read them), and those a decomposition makes no value for."""
     held = set(rep.saved_names) | set(rep.offloaded_names)
     for g, (row, _) in matched.items():
         for tag, root, hs in zip(row[4], row[6], g.holders_for(row[2])):
-            if tag != "offload" or root not in sizes:
+            if tag != "offload" or root not in roots:
                 continue
             if not hs and g.decomposed:
-                rep.unread_swaps[root] = (row[0], sizes[root])
+                rep.unread_swaps[root] = (row[0], roots[root])
             elif hs and not {h.name for h in hs} & held:
-                rep.unread_swaps[root] = (row[0], hs[0].meta["val"].untyped_storage().nbytes())
+                rep.unread_swaps[root] = (row[0], sizes.nbytes(hs[0].meta["val"]))
 
 
 def _measure_recomputes(rep: GraphReport, bw, graph_ops, matched, views: set[fx.Node],
@@ -744,11 +787,7 @@ def totals(partitions: list[PlanPartition], graph_set: int = 0) -> dict:
         "refused_offloads": sum(r.refused_offloads for r in reps),
         "unread_swaps": {k: v for r in reps for k, v in r.unread_swaps.items()},
         "decomposed_saves": sorted({o for r in reps for o in r.decomposed_saves}),
+        "symbolic": any(r.symbolic for r in reps),
+        "symbols": {k: v for r in reps for k, v in r.symbols.items()},
     }
 
-
-def _dense(v: torch.Tensor) -> bool:
-    """Whether `v` covers its storage exactly (non-contiguous strides are fine: the copy to
-    the host and back keeps them); a view into a bigger storage is not."""
-    return (v.storage_offset() == 0 and 0 not in v.stride()
-            and v.untyped_storage().nbytes() == v.numel() * v.element_size())

@@ -20,7 +20,9 @@ dtypes), and carry out the plan only where an op lines up.
 - `kept_bytes`, `swapped_bytes`: bytes of the saved roots kept and swapped; `root_bytes`:
   root id -> bytes, for the kept and swapped roots; `swapped_roots`: the swapped ones' ids;
   `recompute_ops`: names of the forward ops the plan's chains re-run;
-- `container`: the module path of the repeated blocks (`layers.layer_container`), if any.
+- `container`: the module path of the repeated blocks (`layers.layer_container`), if any;
+- `inputs`: `[shape, dtype]` of the profiled step's inputs (a graph with symbolic sizes is
+  read at these: `run/sym_sizes.py`).
 
 `line_up(seen, ops)`: for each key seen (`op_key`), the index of the profile op it lines up
 with, or None; a longest matching of the two key sequences in order (difflib), so an op
@@ -72,6 +74,9 @@ def graph_table(profile: Profile, plan: Plan) -> dict:
         "swapped_bytes": sum(size[t] for t, a in saved_roots.items() if a == "swap"),
         "recompute_ops": [profile.ops[p].name for p in chain_ops],
         "container": layer_container(o.module for o in profile.ops[:nf]),
+        # the model's inputs in the profiled step: a graph captured with symbolic sizes
+        # reads them at these (run/sym_sizes.py)
+        "inputs": [[list(t.shape), t.dtype] for t in profile.tensors if t.kind == "input"],
     }
 
 

@@ -57,9 +57,12 @@ BYTES_TOLERANCE = 0.02
 
 
 def verify_compiled(patched_path: str, model_path: str | None = None, *,
-                    backend: str = "inductor", steps: int = 1, seed: int = 0) -> dict:
+                    backend: str = "inductor", steps: int = 1, seed: int = 0,
+                    also_at: dict | None = None) -> dict:
     """Compile the workload with its plan and compare it with eager and with the plan (see the
-    module docstring); returns the report as plain values (`passed`, `reasons`)."""
+    module docstring); returns the report as plain values (`passed`, `reasons`). `also_at`:
+    workload arguments (`{"seq": 24}`) whose inputs `steps` more steps take after the profiled
+    ones (another shape: torch recompiles with symbolic sizes, which the plan must reach)."""
     import torch
 
     from .emit import load_patched
@@ -74,7 +77,10 @@ def verify_compiled(patched_path: str, model_path: str | None = None, *,
         raise InputError("the patched module was made for CUDA, but no GPU is visible",
                          hint="run verify on the machine the profile was made on")
     compiled, runs = _runs(mod, model_path, backend, seed)
-    diffs = _compare(runs, steps, seed)
+    schedule = [None] * steps
+    if also_at:
+        schedule += [_inputs_at(mod, model_path, also_at, seed)] * steps
+    diffs = _compare(runs, schedule, seed)
     eager = runs[0][0]
     loss_tol, grad_tol = (0.0, 0.0) if backend == "aot_eager" else \
         _tolerances(next(eager.model.parameters()).dtype)
@@ -86,7 +92,8 @@ def verify_compiled(patched_path: str, model_path: str | None = None, *,
         notes.append(f"{len(recompiles)} recompile(s) after the first step's graphs (a guard "
                      "failure, another input shape): each is its own graph set under "
                      "`recompiles`, not summed into the step's figures")
-    return {"backend": backend, "steps": steps, "reference": REFERENCE[backend],
+    return {"backend": backend, "steps": len(schedule), "also_at": dict(also_at or {}),
+            "reference": REFERENCE[backend],
             "compiled": got, "plan": plan, "recompiles": recompiles, **diffs,
             "tolerances": {"loss": loss_tol, "grad": grad_tol, "bytes": BYTES_TOLERANCE,
                            "ratio_to_reference": RATIO_TO_REFERENCE},
@@ -119,6 +126,19 @@ def _runs(mod, model_path, backend: str, seed: int) -> tuple:
     return compiled, runs
 
 
+def _inputs_at(mod, model_path, args: dict, seed: int):
+    """The workload's inputs with `args` changed (its model is not used: the steps run the
+    profiled model's weights)."""
+    import torch
+
+    from ..trace.workload import load_workload
+    w = mod.META["workload"]
+    dev = None if mod.META["device_type"] == "cpu" else mod.META["device_type"]
+    torch.manual_seed(seed)
+    return load_workload(model_path or w["path"], w["entry"], {**w["args"], **args},
+                         device=dev).inputs
+
+
 def _judge_graphs(table: dict, partitions, backend: str, graph_set: int = 0) -> tuple:
     """One graph set (`compiled.graph_sets`; 0: the graphs the first step ran, each once)
     against the plan: (its totals, the plan's figures beside them, notes, byte reasons)."""
@@ -139,18 +159,22 @@ def _judge_graphs(table: dict, partitions, backend: str, graph_set: int = 0) -> 
 def _recompiles(table: dict, partitions, backend: str, first: dict) -> list[dict]:
     """The graph sets after the first (recompiles), each reported on its own. A set that
     recompiles every graph of the first (the same frames, as many forward ops: a guard failure
-    on the whole model) is judged against the plan as the first is; a partial one is shown."""
+    on the whole model) is judged against the plan as the first is, and so is one with symbolic
+    sizes (dynamic shapes: lined up and counted at the profiled sizes) of the same frames whose
+    every forward op lined up; a partial one is shown."""
     from .compiled import graph_sets
     out = []
     frames = sorted(c.split("/")[0] for c in first["compile_ids"])
     for k in range(1, len(graph_sets(partitions))):
         got, plan, _, reasons = _judge_graphs(table, partitions, backend, k)
-        whole = sorted(c.split("/")[0] for c in got["compile_ids"]) == frames \
-            and got["graph_ops"] == first["graph_ops"]
+        same_frames = sorted(c.split("/")[0] for c in got["compile_ids"]) == frames
+        whole = same_frames and (got["graph_ops"] == first["graph_ops"] or (
+            got["symbolic"] and got["lined_up_ops"] == got["graph_ops"]))
         out.append({"graph_set": k, "compile_ids": got["compile_ids"], "graphs": got["graphs"],
                     "graph_ops": got["graph_ops"], "lined_up_ops": got["lined_up_ops"],
                     "saved_bytes": got["saved_bytes"], "offloaded_bytes": got["offloaded_bytes"],
                     "recomputed_ops": got["recomputed_ops"], "judged": whole,
+                    "symbolic": got["symbolic"], "symbols": got["symbols"],
                     "reasons": [f"recompile {k} ({', '.join(got['compile_ids'])}): {r}"
                                 for r in reasons] if whole else []})
     return out
@@ -179,9 +203,10 @@ KEYS = ("max_loss_rel_diff", "max_grad_rel_diff", "first_grad_rel_diff", "max_pa
         "max_buffer_rel_diff")
 
 
-def _compare(runs: list, steps: int, seed: int) -> dict:
-    """`steps` AdamW steps of each of `runs` ((workload, callable): eager, compile_planned and,
-    with inductor, plain torch.compile) from the same seed; the largest relative differences
+def _compare(runs: list, schedule: list, seed: int) -> dict:
+    """An AdamW step per entry of `schedule` (the inputs of that step: None for each run's own
+    workload inputs) of each of `runs` ((workload, callable): eager, compile_planned and, with
+    inductor, plain torch.compile) from the same seed; the largest relative differences
     (losses: `_rel`; gradients each step and at step 1, parameters and buffers after the last
     step: `scaled_diff`) of compile_planned against the reference (the last run) at the top
     level, against eager under `vs_eager`, and with inductor plain torch.compile's own against
@@ -195,13 +220,14 @@ def _compare(runs: list, steps: int, seed: int) -> dict:
     if len(runs) > 2:
         pairs["reference_vs_eager"] = (0, 2)
     out = {name: dict.fromkeys(KEYS, 0.0) for name in pairs}
-    for k in range(steps):
+    for k, given in enumerate(schedule):
         losses, grads = [], []
         for (w, model), opt in zip(runs, opts):
             w.model.train()
             torch.manual_seed(seed + 1 + k)
-            a, kw = split_inputs(w.inputs)
-            loss = loss_from_output(model(*a, **kw), w.inputs, w.loss_fn)
+            inputs = w.inputs if given is None else given
+            a, kw = split_inputs(inputs)
+            loss = loss_from_output(model(*a, **kw), inputs, w.loss_fn)
             loss.backward()
             losses.append(loss.detach())
             grads.append([p.grad for p in w.model.parameters()])
