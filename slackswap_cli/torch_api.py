@@ -157,7 +157,8 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch._inductor.custom_graph_pass.CustomPartitionerFn, inductor options "
                "custom_partitioner_fn, fx_graph_cache", "run/compiled.py", _ALL,
                "refused by version (PARTS['compile'])"),
-    PrivateAPI("SymInt.node (SymNode.expr: the sympy size expression, SymNode.hint)",
+    PrivateAPI("SymInt.node (torch.fx.experimental.sym_node.SymNode: .expr, the sympy size "
+               "expression; .hint)",
                "run/sym_sizes.py", ("2.13",),
                "refused by version (PARTS['compile']): a graph with symbolic sizes is read "
                "without guards through them"),

@@ -83,6 +83,7 @@ def test_every_private_torch_name_the_code_spells_is_listed():
     "torch._dynamo.backends.common.aot_autograd",
     "torch._dynamo.backends.debugging.boxed_nop",
     "torch._inductor.custom_graph_pass.CustomPartitionerFn",
+    "torch.fx.experimental.sym_node.SymNode",
 ])
 def test_the_private_api_is_in_this_torch(name):
     module, attr = name.rsplit(".", 1)
