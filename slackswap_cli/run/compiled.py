@@ -37,8 +37,8 @@ on stderr. Nothing global changes: the backend is an `aot_autograd` backend or i
 object (the FX-graph and AOTAutograd caches key on the captured graph, not on the plan, so a
 cached graph would skip the partition: they are off for it).
 
-Private torch API used (tested with torch 2.13 and 2.15: `torch_api.PARTS["compile"]`, other
-versions are refused by name; the list of all of slackswap's is `torch_api.PRIVATE_API`):
+Private torch API used (tested with torch 2.13, 2.14 and 2.15: `torch_api.PARTS["compile"]`,
+other versions are refused by name; the list of all of slackswap's is `torch_api.PRIVATE_API`):
 `torch._functorch.partitioners.min_cut_rematerialization_partition` (and `get_default_op_list`),
 `torch._functorch.compile_utils.fx_graph_cse`, `torch._functorch.config.cse`,
 `torch._functorch._activation_offloading.activation_offloading` (offload_chosen_sets,
@@ -65,7 +65,7 @@ from .sym_sizes import SymSizes, solve
 TESTED_TORCH = PARTS["compile"].tested
 BACKENDS = ("inductor", "aot_eager")
 # AOTAutograd's graph detaches some saved outputs (attention's, log_softmax's); the profile's
-# trace has them as `detach` (torch 2.13's make_fx) or `alias` (2.15's), which line up
+# trace has them as `detach` (torch 2.13's make_fx) or `alias` (2.14's, 2.15's), which line up
 # (graph_plan.FREE_VIEW_TWINS). A detach that still lines up with no profile op is autograd's
 # bookkeeping (a view: no FLOPs, no bytes), not an op of the model: not counted as a graph op
 AUTOGRAD_ONLY = frozenset({"aten.detach.default"})
@@ -424,12 +424,23 @@ def _graph_ops(fwd_nodes: list[fx.Node], sizes: SymSizes) -> list[GraphOp]:
             continue
         orig = n.meta.get("original_aten")
         decomposed = orig is not None and str(orig) != str(n.target)
-        if decomposed and ops and ops[-1].decomposed and ops[-1].target == str(orig):
+        if decomposed and ops and ops[-1].decomposed and ops[-1].target == str(orig) \
+                and _source(ops[-1].nodes[-1]) == _source(n):
             ops[-1].nodes.append(n)
         else:
             ops.append(GraphOp([n], str(orig) if decomposed else str(n.target), decomposed,
                                order, sizes))
     return ops
+
+
+def _source(node: fx.Node) -> tuple | None:
+    """The captured-graph nodes `node` was made from (`meta["from_node"]`; None where absent).
+    A decomposition's nodes share it; two ops in a row that inductor's no-op removal left with
+    the same `original_aten` do not (torch 2.14's joint-graph pass drops `x * 1.0` and copies
+    the mul's meta onto x: Llama's rotary `cos() * attention_scaling` and `sin() * ...` are
+    then `cos` and `sin`, each naming `mul`: two ops, not one decomposed mul)."""
+    src = node.meta.get("from_node")
+    return tuple(getattr(s, "name", s) for s in src) if isinstance(src, (list, tuple)) else None
 
 
 def _identity_slice(g: GraphOp) -> bool:
@@ -482,10 +493,11 @@ def _holders(node: fx.Node) -> list[list[fx.Node]]:
 
 def _partitioner_cse(gm: fx.GraphModule, num_fwd_outputs: int) -> fx.Graph:
     """The CSE the partitioner runs first, as it runs it (run here so the merged graph is the one
-    lined up). torch 2.13: `fx_graph_cse(graph)`. torch 2.15 keys each node on whether backward
-    depends on it as well (`extra_node_key`), so that a forward-only value is not merged into
-    one backward reads (which would be saved as an extra forward output): the same key here,
-    else our merge would join what torch's keeps apart and its own CSE could not undo it."""
+    lined up). torch 2.13: `fx_graph_cse(graph)`. torch 2.14 and 2.15 key each node on whether
+    backward depends on it as well (`extra_node_key`), so that a forward-only value is not
+    merged into one backward reads (which would be saved as an extra forward output): the same
+    key here, else our merge would join what torch's keeps apart and its own CSE could not undo
+    it."""
     import inspect
 
     from torch._functorch.compile_utils import fx_graph_cse
