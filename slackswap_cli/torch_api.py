@@ -8,10 +8,10 @@ it; docs/design.md ("Private torch API") shows the same table, and tests/test_to
 checks that every private torch name the code spells is listed here and that the running
 torch has each one.
 
-How a version was tested: the whole test suite passed on it (2.13.0: CI, `make test`; 2.15.0:
-`make test-torch TORCH=2.15.0`, a PyPI CUDA build run on a CPU). 2.14 has not been run: add it
-to a part's versions after `make test-torch TORCH=2.14.x` passes (and diff
-`torch/_functorch/partitioners.py` against 2.13's and 2.15's for the compiled path).
+How a version was tested: the whole test suite passed on it (2.13.0: CI, `make test`; 2.14.1
+and 2.15.0: `make test-torch TORCH=...`, PyPI CUDA builds run on a CPU). Another version: add
+it to a part's versions after `make test-torch TORCH=x.y.z` passes (and diff
+`torch/_functorch/partitioners.py` against the tested ones' for the compiled path).
 
 This module imports no torch at import time (the planners run without torch).
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: minor versions the whole suite passed on
-TESTED_TORCH = ("2.13", "2.15")
+TESTED_TORCH = ("2.13", "2.14", "2.15")
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,11 @@ PARTS = {
     "torch_choice": Part("compare --with-torch-compile", TESTED_TORCH,
                          "leave --with-torch-compile out: the other planners do not need "
                          "torch's partitioner"),
-    # joint._cpu_grouped_mm: fp32/fp16 `_grouped_mm` through 2.13's bf16-only meta rule.
-    # 2.15's own rule takes fp32/fp16, so the lift is not needed (nor applied) there.
-    "grouped_mm_lift": Part("tracing fp32/fp16 aten._grouped_mm with fake tensors", ("2.13",),
+    # joint._cpu_grouped_mm: fp32/fp16 `_grouped_mm` through 2.13's bf16-only meta rule
+    # (2.14's takes bf16 and fp16, not fp32). 2.15's own rule takes fp32/fp16, so the lift is
+    # not needed (nor applied) there.
+    "grouped_mm_lift": Part("tracing fp32/fp16 aten._grouped_mm with fake tensors",
+                            ("2.13", "2.14"),
                             "build the model in bf16, or profile with --device cpu"),
 }
 
@@ -111,7 +113,7 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "_allow_non_fake_inputs=, _error_on_data_dependent_ops=), get_proxy_mode",
                "trace/joint.py", _ALL, "profiling cannot trace: no fallback"),
     PrivateAPI("torch.utils.checkpoint._checkpoint_without_reentrant_generator (2.13), "
-               "_checkpoint_without_reentrant_generator_impl (2.15), CheckpointFunction",
+               "_checkpoint_without_reentrant_generator_impl (2.14, 2.15), CheckpointFunction",
                "trace/joint.py", _ALL,
                "a name missing is not replaced: checkpoint regions would trace with their "
                "RNG restore, which is refused"),
@@ -127,9 +129,9 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "torch.fx.experimental.proxy_tensor, torch.fx.experimental.symbolic_shapes",
                "trace/joint.py", _ALL, "a renamed logger is simply not silenced"),
     PrivateAPI("torch._meta_registrations._meta_grouped_mm_common, "
-               "_create_grouped_mm_output_tensor", "trace/joint.py", ("2.13",),
-               "only 2.13 needs it (its meta rule is bf16-only); elsewhere torch's rule runs "
-               "unchanged (2.15's takes fp32/fp16 itself)"),
+               "_create_grouped_mm_output_tensor", "trace/joint.py", ("2.13", "2.14"),
+               "only 2.13 and 2.14 need it (their meta rules refuse fp32); elsewhere torch's "
+               "rule runs unchanged (2.15's takes fp32/fp16 itself)"),
     # compiled path: compile_planned, verify --compile, compare --with-torch-compile --------
     PrivateAPI("torch._functorch.partitioners.min_cut_rematerialization_partition, "
                "get_default_op_list", "run/compiled.py, trace/torch_choice.py", _ALL,
@@ -138,9 +140,9 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "saved_values)", "trace/torch_choice.py", _ALL,
                "refused by version (PARTS['torch_choice'])"),
     PrivateAPI("torch._functorch.partitioners._extract_fwd_bwd_outputs",
-               "run/compiled.py (2.15's CSE key only)", ("2.15",),
-               "used where fx_graph_cse takes extra_node_key (2.15); not on 2.13"),
-    PrivateAPI("torch._functorch.compile_utils.fx_graph_cse (extra_node_key= on 2.15)",
+               "run/compiled.py (the CSE key of 2.14 and 2.15 only)", ("2.14", "2.15"),
+               "used where fx_graph_cse takes extra_node_key (2.14, 2.15); not on 2.13"),
+    PrivateAPI("torch._functorch.compile_utils.fx_graph_cse (extra_node_key= on 2.14, 2.15)",
                "run/compiled.py", _ALL, "refused by version (PARTS['compile'])"),
     PrivateAPI("torch._functorch.config (cse, activation_memory_budget, patch)",
                "run/compiled.py, trace/torch_choice.py", _ALL, "refused by version"),
@@ -149,7 +151,7 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "activation_reload_prefetch_async, CPU_OFFLOAD_PREFIX)",
                "run/compiled.py", _ALL, "refused by version (PARTS['compile'])"),
     PrivateAPI("node.meta keys recompute (CheckpointPolicy), should_offload, "
-               "saved_for_offloading, original_aten, val", "run/compiled.py", _ALL,
+               "saved_for_offloading, original_aten, from_node, val", "run/compiled.py", _ALL,
                "refused by version (PARTS['compile'])"),
     PrivateAPI("torch._dynamo.backends.common.aot_autograd, "
                "torch._dynamo.backends.debugging.boxed_nop", "run/compiled.py", _ALL,
@@ -159,7 +161,7 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "refused by version (PARTS['compile'])"),
     PrivateAPI("SymInt.node (torch.fx.experimental.sym_node.SymNode: .expr, the sympy size "
                "expression; .hint)",
-               "run/sym_sizes.py", ("2.13",),
+               "run/sym_sizes.py", ("2.13", "2.14"),
                "refused by version (PARTS['compile']): a graph with symbolic sizes is read "
                "without guards through them"),
 )

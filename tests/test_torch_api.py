@@ -17,12 +17,13 @@ def test_release_and_refusal_name_the_versions():
     assert torch_api.release("2.15.0+cu132") == "2.15"
     assert torch_api.release("2.13.1") == "2.13"
     assert torch_api.is_tested("compile", "2.13.0+cpu")
+    assert torch_api.is_tested("compile", "2.14.1")
     assert torch_api.is_tested("compile", "2.15.0")
-    assert not torch_api.is_tested("compile", "2.14.1")
+    assert not torch_api.is_tested("compile", "2.16.0")
     assert not torch_api.is_tested("compile", "2.150.0")
-    with pytest.raises(SlackswapError, match=r"torch 2\.13\.x, 2\.15\.x only, and this is "
-                                             r"torch 2\.14\.1") as e:
-        torch_api.refuse_untested("compile", "2.14.1")
+    with pytest.raises(SlackswapError, match=r"torch 2\.13\.x, 2\.14\.x, 2\.15\.x only, and "
+                                             r"this is torch 2\.16\.0") as e:
+        torch_api.refuse_untested("compile", "2.16.0")
     assert "patch(model)" in e.value.hint
     with pytest.raises(InputError, match=r"torch 2\.12\.0"):
         torch_api.refuse_untested("torch_choice", "2.12.0", error=InputError)

@@ -175,8 +175,9 @@ def test_cli_errors(deep, tmp_path):
 def test_other_torch_versions_are_refused():
     check_torch_version("2.13.0+cpu")
     check_torch_version("2.13.1")
+    check_torch_version("2.14.1")
     check_torch_version("2.15.0+cu132")
-    for v in ("2.12.1", "2.14.0", "2.130.0", "2.150.0"):
+    for v in ("2.12.1", "2.16.0", "2.130.0", "2.150.0"):
         with pytest.raises(InputError, match=v.replace(".", r"\.")):
             check_torch_version(v)
 

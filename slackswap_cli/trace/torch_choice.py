@@ -24,7 +24,7 @@ the `saved_values` it passes to `_extract_fwd_bwd_modules` (a private function, 
 duration of the call; we stop there, since the forward and backward modules it would go on to
 build are not needed, and extracting them fails on graphs with in-place ops that AOTAutograd
 would have functionalized first). Private torch API used: that function's name and its second
-argument, `config.activation_memory_budget`; tested with torch 2.13 and 2.15, other versions
+argument, `config.activation_memory_budget`; tested with torch 2.13, 2.14 and 2.15, other versions
 refused (`torch_api.PARTS["torch_choice"]`).
 
 **From torch's saved set to a plan** (one decision per saved activation root of the profile):
