@@ -58,7 +58,8 @@ import torch  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.planners import make_plan  # noqa: E402
 from slackswap_cli.run.emit import apply_plan  # noqa: E402
-from slackswap_cli.run.verify import saved_bytes_original, verify  # noqa: E402
+from slackswap_cli.run.verify import verify  # noqa: E402
+from slackswap_cli.run.verify_memory import saved_bytes_original  # noqa: E402
 from slackswap_cli.trace import profile_workload  # noqa: E402
 from slackswap_cli.trace.joint import loss_from_output, split_inputs  # noqa: E402
 from slackswap_cli.trace.workload import load_workload  # noqa: E402

@@ -204,7 +204,7 @@ def test_written_files_are_readable_by_others_under_a_normal_umask(ws):
 def test_a_failed_write_leaves_no_temp_file(ws, monkeypatch):
     def full(*_a, **_k):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(schema.os, "replace", full)
+    monkeypatch.setattr(os, "replace", full)   # schema.write.os: the one os module
     r = run(*PLAN)
     assert_clean_error(r, 2, "No space left")
     assert not [p for p in ws.iterdir() if p.name.startswith(".") or p.name == "out.json"]

@@ -310,12 +310,12 @@ def test_in_place_on_another_device_is_held_to_the_budget_and_progress_is_shown(
 
 
 def test_in_place_memory_reason_names_kept_recomputes_and_passes_within_5_percent():
-    from slackswap_cli.run.verify import _inplace_memory_reason
+    from slackswap_cli.run.verify_memory import inplace_memory_reason
     inplace = {"held_bytes_after_forward": 1040, "recomputes_kept": 2, "planned_recomputes": 5,
                "ops_lined_up": 20, "profile_forward_ops": 23}
     meta = {"target_device": "cpu"}
-    assert _inplace_memory_reason(inplace, 1000, meta, "cpu") is None        # 1.04x
-    why = _inplace_memory_reason({**inplace, "held_bytes_after_forward": 1200}, 1000, meta, "cpu")
+    assert inplace_memory_reason(inplace, 1000, meta, "cpu") is None        # 1.04x
+    why = inplace_memory_reason({**inplace, "held_bytes_after_forward": 1200}, 1000, meta, "cpu")
     assert "1.20x" in why and "2 of the plan's 5 recomputed tensors were kept" in why
     assert "fake:cpu" not in why                                              # same device
 

@@ -52,6 +52,7 @@ lined up.
 from __future__ import annotations
 
 from ..errors import InputError
+from .verify_steps import rel_diff, tolerances
 
 BYTES_TOLERANCE = 0.02
 
@@ -66,7 +67,6 @@ def verify_compiled(patched_path: str, model_path: str | None = None, *,
     import torch
 
     from .emit import load_patched
-    from .verify import _tolerances
     mod = load_patched(patched_path)
     table = getattr(mod, "GRAPH_TABLE", None)
     if table is None:
@@ -83,7 +83,7 @@ def verify_compiled(patched_path: str, model_path: str | None = None, *,
     diffs = _compare(runs, schedule, seed)
     eager = runs[0][0]
     loss_tol, grad_tol = (0.0, 0.0) if backend == "aot_eager" else \
-        _tolerances(next(eager.model.parameters()).dtype)
+        tolerances(next(eager.model.parameters()).dtype)
     got, plan, notes, reasons = _judge_graphs(table, compiled._slackswap_partitions, backend)
     recompiles = _recompiles(table, compiled._slackswap_partitions, backend, got)
     reasons += [r for rc in recompiles for r in rc["reasons"]]
@@ -207,14 +207,13 @@ def _compare(runs: list, schedule: list, seed: int) -> dict:
     """An AdamW step per entry of `schedule` (the inputs of that step: None for each run's own
     workload inputs) of each of `runs` ((workload, callable): eager, compile_planned and, with
     inductor, plain torch.compile) from the same seed; the largest relative differences
-    (losses: `_rel`; gradients each step and at step 1, parameters and buffers after the last
+    (losses: `rel_diff`; gradients each step and at step 1, parameters and buffers after the last
     step: `scaled_diff`) of compile_planned against the reference (the last run) at the top
     level, against eager under `vs_eager`, and with inductor plain torch.compile's own against
     eager under `reference_vs_eager`."""
     import torch
 
     from ..trace.joint import loss_from_output, split_inputs
-    from .verify import _rel
     opts = [torch.optim.AdamW(w.model.parameters(), lr=1e-2) for w, _ in runs]
     pairs = {"ref": (len(runs) - 1, 1), "vs_eager": (0, 1)}
     if len(runs) > 2:
@@ -235,7 +234,7 @@ def _compare(runs: list, schedule: list, seed: int) -> dict:
             opt.zero_grad(set_to_none=True)
         for name, (x, y) in pairs.items():
             d = out[name]
-            d["max_loss_rel_diff"] = max(d["max_loss_rel_diff"], _rel(losses[x], losses[y]))
+            d["max_loss_rel_diff"] = max(d["max_loss_rel_diff"], rel_diff(losses[x], losses[y]))
             g = scaled_diff(grads[x], grads[y])[0]
             d["max_grad_rel_diff"] = max(d["max_grad_rel_diff"], g)
             d["first_grad_rel_diff"] = g if k == 0 else d["first_grad_rel_diff"]
