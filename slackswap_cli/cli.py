@@ -52,7 +52,7 @@ class _Group(TyperGroup):
             raise typer.Exit(2) from None
         except ClickException:
             raise
-        except SlackswapError as exc:      # raised outside a command's own try block
+        except SlackswapError as exc:      # the one handler of every command's errors
             _fail(exc)
         except KeyboardInterrupt:
             error_lines("interrupted", None)
@@ -193,43 +193,40 @@ def profile(
 ) -> None:
     """Trace one training step and write its profile (every saved activation, its cost and lifetime)."""
     sink = Sink(as_json, quiet)
-    try:
-        from .hardware import load_hardware
-        from .schema import save
-        hw = load_hardware(hardware)
-        require_file(model, "model file", hint="pass a workload .py file or an .onnx file")
-        if model.suffix.lower() == ".json":
-            raise InputError(f"{model} is a JSON file, not a workload",
-                             hint="profile takes a workload .py file or an .onnx file; to plan "
-                                  f"an existing profile run `slackswap plan {model} --budget 0.5`")
-        from .trace import split_device
-        split_device(device)   # refuses an unknown --device before anything is written
-        target = output or model.with_suffix(".profile.json")
-        _check_output_path(target, "-o", [model, hardware])
-        warnings: list[str] = []
-        if hardware and not device.startswith("fake") and model.suffix.lower() != ".onnx":
-            warnings.append(f"--hardware {hardware} is not used: --device {device} measures op "
-                            "times (the roofline costs only --device fake and ONNX profiles)")
-        if model.suffix.lower() == ".onnx":
-            from .onnx.importer import parse_input_shapes, profile_onnx
-            if autocast:
-                raise InputError("--autocast applies to workload files only",
-                                 hint="an ONNX graph's dtypes are the ones it was exported with")
-            shapes = parse_input_shapes(input_shape)
-            prof, warnings = profile_onnx(str(model), hw, input_shapes=shapes or None)
-        else:
-            if input_shape:
-                raise InputError("--input-shape applies to ONNX files only",
-                                 hint="for a workload file, set shapes with --arg")
-            from .trace import profile_workload
-            from .trace.workload import parse_workload_args
-            args = parse_workload_args(arg)
-            with sink.working("tracing the training step"):
-                prof = profile_workload(str(model), entry=entry, args=args, device=device,
-                                        hardware=hw, autocast=autocast, progress=sink.status)
-        save(prof, target)
-    except SlackswapError as exc:
-        _fail(exc)
+    from .hardware import load_hardware
+    from .schema import save
+    hw = load_hardware(hardware)
+    require_file(model, "model file", hint="pass a workload .py file or an .onnx file")
+    if model.suffix.lower() == ".json":
+        raise InputError(f"{model} is a JSON file, not a workload",
+                         hint="profile takes a workload .py file or an .onnx file; to plan "
+                              f"an existing profile run `slackswap plan {model} --budget 0.5`")
+    from .trace import split_device
+    split_device(device)   # refuses an unknown --device before anything is written
+    target = output or model.with_suffix(".profile.json")
+    _check_output_path(target, "-o", [model, hardware])
+    warnings: list[str] = []
+    if hardware and not device.startswith("fake") and model.suffix.lower() != ".onnx":
+        warnings.append(f"--hardware {hardware} is not used: --device {device} measures op "
+                        "times (the roofline costs only --device fake and ONNX profiles)")
+    if model.suffix.lower() == ".onnx":
+        from .onnx.importer import parse_input_shapes, profile_onnx
+        if autocast:
+            raise InputError("--autocast applies to workload files only",
+                             hint="an ONNX graph's dtypes are the ones it was exported with")
+        shapes = parse_input_shapes(input_shape)
+        prof, warnings = profile_onnx(str(model), hw, input_shapes=shapes or None)
+    else:
+        if input_shape:
+            raise InputError("--input-shape applies to ONNX files only",
+                             hint="for a workload file, set shapes with --arg")
+        from .trace import profile_workload
+        from .trace.workload import parse_workload_args
+        args = parse_workload_args(arg)
+        with sink.working("tracing the training step"):
+            prof = profile_workload(str(model), entry=entry, args=args, device=device,
+                                    hardware=hw, autocast=autocast, progress=sink.status)
+    save(prof, target)
     from .profile_build import attention_warning
     for w in [*warnings, *filter(None, [attention_warning(prof)])]:
         sink.warn(w)
@@ -264,31 +261,28 @@ def plan(
     """Decide keep / swap / recompute for every saved activation, simulate, write the plan."""
     started = time.perf_counter()
     sink = Sink(as_json, quiet)
-    try:
-        from .budget import first_feasible_budget, floor_message
-        from .planners import planner_spec
-        from .planning import plan_profile
-        from .schema import save
-        prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
-        spec = planner_spec(planner)
-        # below the floor no plan fits, but the planner's closest plan is still written
-        below = floor_message(budget_bytes, prof)
-        target = output or Path(_sibling(profile_path, ".plan.json").name)
-        _check_output_path(target, "-o", [profile_path, hardware])
-        # a planner with a time limit keeps its own reserve for the simulation and writing
-        with sink.working(f"planning with {planner}"):
-            result, sim = plan_profile(prof, hw, budget_bytes, fraction, planner,
-                                       time_limit=time_limit, started=started, record=True)
-        result = _with_paths(result, profile_path, prof)
-        save(result, target)
-        reach = None
-        if not result.feasible and below is None and spec.quick:   # slow: a solve per step
-            reach = first_feasible_budget(prof, hw, planner)
-        summary = _plan_summary(result, target, prof)
-        if spec.bound:
-            summary["bound_retention"] = spec.bound_retention(prof, hw, budget_bytes)
-    except SlackswapError as exc:
-        _fail(exc)
+    from .budget import first_feasible_budget, floor_message
+    from .planners import planner_spec
+    from .planning import plan_profile
+    from .schema import save
+    prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
+    spec = planner_spec(planner)
+    # below the floor no plan fits, but the planner's closest plan is still written
+    below = floor_message(budget_bytes, prof)
+    target = output or Path(_sibling(profile_path, ".plan.json").name)
+    _check_output_path(target, "-o", [profile_path, hardware])
+    # a planner with a time limit keeps its own reserve for the simulation and writing
+    with sink.working(f"planning with {planner}"):
+        result, sim = plan_profile(prof, hw, budget_bytes, fraction, planner,
+                                   time_limit=time_limit, started=started, record=True)
+    result = _with_paths(result, profile_path, prof)
+    save(result, target)
+    reach = None
+    if not result.feasible and below is None and spec.quick:   # slow: a solve per step
+        reach = first_feasible_budget(prof, hw, planner)
+    summary = _plan_summary(result, target, prof)
+    if spec.bound:
+        summary["bound_retention"] = spec.bound_retention(prof, hw, budget_bytes)
     sink.show(Result(summary, views=lambda: _render().plan_views(result, prof, sim),
                      lines=[f"wrote {target}"]))
     if not result.feasible:
@@ -347,21 +341,18 @@ def compare(
 ) -> None:
     """Every planner side by side on one profile: retention, peak, stall, recompute, solve time."""
     sink = Sink(as_json, quiet)
-    try:
-        from .budget import check_budget
-        if model is not None and not with_torch_compile:
-            raise InputError("--model is the workload file for --with-torch-compile",
-                             hint="add --with-torch-compile, or leave --model out")
-        prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
-        check_budget(budget_bytes, prof)
-        names = _compared_planners(planners)
-        rows = [_compare_row(name, prof, hw, budget_bytes, fraction, time_limit, sink)
-                for name in names]
-        if with_torch_compile:
-            rows.append(_torch_compile_row(prof, profile_path, model, hw, budget_bytes, fraction,
-                                           sink))
-    except SlackswapError as exc:
-        _fail(exc)
+    from .budget import check_budget
+    if model is not None and not with_torch_compile:
+        raise InputError("--model is the workload file for --with-torch-compile",
+                         hint="add --with-torch-compile, or leave --model out")
+    prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
+    check_budget(budget_bytes, prof)
+    names = _compared_planners(planners)
+    rows = [_compare_row(name, prof, hw, budget_bytes, fraction, time_limit, sink)
+            for name in names]
+    if with_torch_compile:
+        rows.append(_torch_compile_row(prof, profile_path, model, hw, budget_bytes, fraction,
+                                       sink))
     sink.show(Result({"profile": str(profile_path), "hardware": hw.name,
                       "budget_bytes": budget_bytes, "budget_fraction": fraction, "results": rows},
                      views=lambda: _render().compare_views(
@@ -478,39 +469,36 @@ def fit(
     """Profile each batch, take parameters, gradients and optimizer state off the device's
     memory, plan the activations in what is left, and pick the batch that trains fastest."""
     sink = Sink(as_json, quiet)
+    from .fit import check_static_fits, parse_batches, sweep
+    from .trace import split_device
+    from .trace.workload import parse_workload_args
+    batches = parse_batches(batch)
+    s = _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, time_limit)
+    args = parse_workload_args(arg)
+    if batch_arg in args:
+        raise InputError(f"--arg {batch_arg}=... sets the batch, which --batch sweeps",
+                         hint=f"leave --arg {batch_arg} out")
+    split_device(device)
+    if not model.is_file() or model.suffix.lower() != ".py":
+        raise InputError(f"{model} is not a workload file" if model.exists()
+                         else f"model file {model} does not exist",
+                         hint="fit takes a workload .py file with a workload() function")
+    target = output or Path(model.stem + ".fit.plan.json")
+    _check_output_path(target, "-o", [model, hardware])
+    _check_output_path(_sibling(target, ".profile.json"), "-o", [model, hardware])
+    from .trace.static_memory import Profiler, check_batch_arg
+    check_batch_arg(str(model), entry, batch_arg)
+    profiler = Profiler(str(model), entry=entry, args=args, batch_arg=batch_arg,
+                        device=device, hardware=s.hardware,
+                        on_facts=lambda f: check_static_fits(f, s),
+                        workers=jobs)
     try:
-        from .fit import check_static_fits, parse_batches, sweep
-        from .trace import split_device
-        from .trace.workload import parse_workload_args
-        batches = parse_batches(batch)
-        s = _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, time_limit)
-        args = parse_workload_args(arg)
-        if batch_arg in args:
-            raise InputError(f"--arg {batch_arg}=... sets the batch, which --batch sweeps",
-                             hint=f"leave --arg {batch_arg} out")
-        split_device(device)
-        if not model.is_file() or model.suffix.lower() != ".py":
-            raise InputError(f"{model} is not a workload file" if model.exists()
-                             else f"model file {model} does not exist",
-                             hint="fit takes a workload .py file with a workload() function")
-        target = output or Path(model.stem + ".fit.plan.json")
-        _check_output_path(target, "-o", [model, hardware])
-        _check_output_path(_sibling(target, ".profile.json"), "-o", [model, hardware])
-        from .trace.static_memory import Profiler, check_batch_arg
-        check_batch_arg(str(model), entry, batch_arg)
-        profiler = Profiler(str(model), entry=entry, args=args, batch_arg=batch_arg,
-                            device=device, hardware=s.hardware,
-                            on_facts=lambda f: check_static_fits(f, s),
-                            workers=jobs)
-        try:
-            result = sweep(batches, profiler, s, progress=sink.status,
-                           derive_batch_arg=None if profile_each else batch_arg)
-        finally:
-            profiler.close()
-        if result.best_plan is not None:
-            prof_target = _write_best(result, target, model)
-    except SlackswapError as exc:
-        _fail(exc)
+        result = sweep(batches, profiler, s, progress=sink.status,
+                       derive_batch_arg=None if profile_each else batch_arg)
+    finally:
+        profiler.close()
+    if result.best_plan is not None:
+        prof_target = _write_best(result, target, model)
     _fit_report(result, s, target if result.best_plan else None,
                 prof_target if result.best_plan else None, sink)
 
@@ -550,26 +538,23 @@ def simulate(
 ) -> None:
     """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline."""
     sink = Sink(as_json, quiet)
-    try:
-        from .hardware import HardwareSpec, load_hardware
-        from .profile_build import recost
-        from .schema import load_plan
-        from .simulate import simulate as run_sim
-        p = load_plan(plan_path)
-        prof = _plan_profile(p, profile_path)
-        hw = load_hardware(hardware) if hardware else HardwareSpec.from_dict(p.hardware, "plan hardware")
-        prof = recost(prof, hw)  # what-if: a roofline profile's ops are re-timed on `hw` too
-        if trace is not None:
-            _check_output_path(trace, "--trace",
-                               [plan_path, profile_path or p.profile_path, hardware])
-        # the timeline feeds the trace file and the views; --json and --quiet need neither
-        result = run_sim(prof, p.decisions, hw, p.budget_bytes,
-                         record=trace is not None or sink.human)
-        if trace is not None:
-            from .chrome_trace import write_chrome_trace
-            write_chrome_trace(trace, result, prof, p.budget_bytes)
-    except SlackswapError as exc:
-        _fail(exc)
+    from .hardware import HardwareSpec, load_hardware
+    from .profile_build import recost
+    from .schema import load_plan
+    from .simulate import simulate as run_sim
+    p = load_plan(plan_path)
+    prof = _plan_profile(p, profile_path)
+    hw = load_hardware(hardware) if hardware else HardwareSpec.from_dict(p.hardware, "plan hardware")
+    prof = recost(prof, hw)  # what-if: a roofline profile's ops are re-timed on `hw` too
+    if trace is not None:
+        _check_output_path(trace, "--trace",
+                           [plan_path, profile_path or p.profile_path, hardware])
+    # the timeline feeds the trace file and the views; --json and --quiet need neither
+    result = run_sim(prof, p.decisions, hw, p.budget_bytes,
+                     record=trace is not None or sink.human)
+    if trace is not None:
+        from .chrome_trace import write_chrome_trace
+        write_chrome_trace(trace, result, prof, p.budget_bytes)
 
     def views():
         import dataclasses
@@ -614,18 +599,15 @@ def show(
     as_json: bool = _json_option("the summary"),
 ) -> None:
     """Inspect a profile or a plan in the terminal."""
-    try:
-        from .schema import PROFILE_FORMAT, load_plan, load_profile, sniff_format
-        if sniff_format(path) == PROFILE_FORMAT:
-            prof = load_profile(path)
-            result = Result({"fingerprint": prof.fingerprint, "workload": prof.workload,
-                             "env": prof.env, "summary": prof.summary},
-                            views=lambda: _render().profile_views(prof))
-        else:
-            p = load_plan(path)
-            result = Result(p, views=lambda: _simulated_plan_views(p, profile_path))
-    except SlackswapError as exc:
-        _fail(exc)
+    from .schema import PROFILE_FORMAT, load_plan, load_profile, sniff_format
+    if sniff_format(path) == PROFILE_FORMAT:
+        prof = load_profile(path)
+        result = Result({"fingerprint": prof.fingerprint, "workload": prof.workload,
+                         "env": prof.env, "summary": prof.summary},
+                        views=lambda: _render().profile_views(prof))
+    else:
+        p = load_plan(path)
+        result = Result(p, views=lambda: _simulated_plan_views(p, profile_path))
     Sink(as_json).show(result)
 
 
@@ -654,22 +636,19 @@ def apply(
 ) -> None:
     """Emit a patched training module that carries the plan out on the real model."""
     sink = Sink(as_json, quiet)
-    try:
-        from .run.emit import apply_plan
-        from .schema import load_plan, write_atomic
-        if output.suffix != ".py":
-            raise InputError(f"output {output} does not end in .py",
-                             hint="the patched module is imported by your training script: "
-                                  f"name it e.g. {output.with_suffix('.py').name}")
-        p = load_plan(plan_path)
-        prof = _plan_profile(p, profile_path)
-        _check_output_path(output, "-o", [plan_path, profile_path or p.profile_path, model,
-                                          prof.workload.get("path")], example="patched.py")
-        with sink.working("writing the patched module (re-tracing the model)"):
-            source = apply_plan(p, prof, model_path=str(model) if model else None)
-        write_atomic(output, source.encode())
-    except SlackswapError as exc:
-        _fail(exc)
+    from .run.emit import apply_plan
+    from .schema import load_plan, write_atomic
+    if output.suffix != ".py":
+        raise InputError(f"output {output} does not end in .py",
+                         hint="the patched module is imported by your training script: "
+                              f"name it e.g. {output.with_suffix('.py').name}")
+    p = load_plan(plan_path)
+    prof = _plan_profile(p, profile_path)
+    _check_output_path(output, "-o", [plan_path, profile_path or p.profile_path, model,
+                                      prof.workload.get("path")], example="patched.py")
+    with sink.working("writing the patched module (re-tracing the model)"):
+        source = apply_plan(p, prof, model_path=str(model) if model else None)
+    write_atomic(output, source.encode())
     if not output.stem.isidentifier():
         sink.warn(f"'{output.stem}' is not a Python module name, so `import` cannot load it as "
                   "is: rename it (letters, digits, underscores) or load it with importlib")
@@ -698,17 +677,14 @@ def verify(
     if compile_:
         _verify_compiled(patched, model, steps, backend, sink)
         return
-    try:
-        from .run.verify import verify as run_verify
-        plan_obj = None
-        if plan is not None:
-            from .schema import load_plan
-            plan_obj = load_plan(plan)
-        with sink.working(f"running original and patched step{'s' if steps > 1 else ''}"):
-            report = run_verify(str(patched), model_path=str(model) if model else None,
-                                steps=steps, plan=plan_obj, progress=sink.progress)
-    except SlackswapError as exc:
-        _fail(exc)
+    from .run.verify import verify as run_verify
+    plan_obj = None
+    if plan is not None:
+        from .schema import load_plan
+        plan_obj = load_plan(plan)
+    with sink.working(f"running original and patched step{'s' if steps > 1 else ''}"):
+        report = run_verify(str(patched), model_path=str(model) if model else None,
+                            steps=steps, plan=plan_obj, progress=sink.progress)
     import dataclasses
     sink.show(Result(dataclasses.asdict(report) if dataclasses.is_dataclass(report) else report,
                      views=lambda: [_render().verify_view(report),
@@ -725,15 +701,12 @@ def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: 
                      sink: Sink) -> None:
     """`verify --compile`: the report of run/verify_compiled.py."""
     if backend not in ("inductor", "aot_eager"):
-        _fail(InputError(f"--backend must be inductor or aot_eager, not {backend!r}",
-                         hint="compile_planned sets the partitioner of these two backends"))
-    try:
-        from .run.verify_compiled import verify_compiled
-        with sink.working(f"compiling with the plan ({backend}) and running eager beside it"):
-            report = verify_compiled(str(patched), str(model) if model else None,
-                                     backend=backend, steps=steps)
-    except SlackswapError as exc:
-        _fail(exc)
+        raise InputError(f"--backend must be inductor or aot_eager, not {backend!r}",
+                         hint="compile_planned sets the partitioner of these two backends")
+    from .run.verify_compiled import verify_compiled
+    with sink.working(f"compiling with the plan ({backend}) and running eager beside it"):
+        report = verify_compiled(str(patched), str(model) if model else None,
+                                 backend=backend, steps=steps)
     sink.show(Result(report, views=lambda: [_render().verify_compiled_view(report, backend)]))
     if not report["passed"]:
         error_lines("verify --compile failed: " + "; ".join(report["reasons"]),
@@ -754,10 +727,7 @@ def hardware_cmd(
 ) -> None:
     """List hardware presets, or print one (its fields are the format of a --hardware JSON file)."""
     from .hardware import PRESETS, load_hardware
-    try:
-        specs = [load_hardware(name)] if name else list(PRESETS.values())
-    except SlackswapError as exc:
-        _fail(exc)
+    specs = [load_hardware(name)] if name else list(PRESETS.values())
     # indented: the JSON is the starting point of a hand-edited --hardware file
     Sink(as_json).show(Result(specs[0].to_dict() if name else {s.name: s.to_dict() for s in specs},
                               views=lambda: [_render().hardware_table(specs)], indent=True))
