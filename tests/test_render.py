@@ -3,10 +3,11 @@ import re
 
 from rich.console import Console
 
-from slackswap_cli import render, schema
+from slackswap_cli import schema
+from slackswap_cli.cli import render
+from slackswap_cli.cli.render import fmt_bytes, fmt_us
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.layers import UNATTRIBUTED, layer_container, layer_of
-from slackswap_cli.render import fmt_bytes, fmt_us
 from slackswap_cli.simulate import simulate
 from slackswap_testkit.synthetic import chain_profile
 

@@ -1,8 +1,8 @@
 """Terminal views of profiles, plans and simulated steps, as Rich renderables.
 
 Every function here takes data and returns renderables (tables, text); none prints or exits,
-so `cli.py` decides where output goes and tests render into a recording console. This and
-`render_fit.py` (the views of `fit`) are the only modules besides `cli.py` that import Rich.
+so the commands decide where output goes and tests render into a recording console. This and
+`render_fit.py` (the views of `fit`) are the only modules besides `output.py` that import Rich.
 
 **Layers.** A model of 48 identical blocks should read as one row, not 48. `layers` finds the
 repeated blocks from the module paths (`transformer.h.3.mlp` is in block `transformer.h.3`;
@@ -22,10 +22,10 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from .hardware import HardwareSpec
-from .layers import layer_index, op_layers
-from .schema import Action, Plan, Predicted, Profile
-from .units import GIB, MIB, fmt_bytes, fmt_us
+from ..hardware import HardwareSpec
+from ..layers import layer_index, op_layers
+from ..schema import Action, Plan, Predicted, Profile
+from ..units import GIB, MIB, fmt_bytes, fmt_us
 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
 
@@ -420,8 +420,8 @@ def _idle(profile: Profile, tensor_id: int) -> dict:
 
 def _chain_rows(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
     """One summary row on recompute chains, when the plan has any."""
-    from .errors import SlackswapError
-    from .simulate import recompute_chains
+    from ..errors import SlackswapError
+    from ..simulate import recompute_chains
     try:
         chains = recompute_chains(profile, plan.decisions)
     except SlackswapError:

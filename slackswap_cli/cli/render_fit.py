@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from .fit import FitResult, best_row
+from ..fit import FitResult, best_row
+from ..units import fmt_bytes, fmt_us
 from .render import _Fit, _rows_table, fmt_pct
-from .units import fmt_bytes, fmt_us
 
 # the chart's marks: the planner's sweep, then the baselines in fit.BASELINES order
 _MARKS = ("●", "k", "c", "r")
