@@ -27,8 +27,9 @@ CORE = (
 # the CLI and its presentation: torch-free at import (the commands import torch when they run)
 PRESENTATION = (
     "slackswap_cli.cli", "slackswap_cli.cli.boundary", "slackswap_cli.cli.common",
-    "slackswap_cli.cli.output", "slackswap_cli.cli.render", "slackswap_cli.cli.render_fit",
-    "slackswap_cli.cli.chrome_trace",
+    "slackswap_cli.cli.output", "slackswap_cli.cli.chrome_trace", "slackswap_cli.cli.render",
+    *(f"slackswap_cli.cli.render.{f.stem}" for f in sorted((ROOT / "cli" / "render").glob("*.py"))
+      if f.stem != "__init__"),
     *(f"slackswap_cli.cli.{f.stem}" for f in sorted((ROOT / "cli").glob("cmd_*.py"))),
 )
 
@@ -62,7 +63,8 @@ def test_core_imports_and_plans_with_torch_blocked(tmp_path):
     r = run_torch_blocked(f"""
         from slackswap_cli import schema, hardware, profile_build, simulate, budget
         from slackswap_cli import planners, units, chains, layers, fit, profile_scale
-        from slackswap_cli.cli import chrome_trace, render, render_fit
+        from slackswap_cli.cli import chrome_trace, render
+        from slackswap_cli.cli.render import fit as render_fit
         from slackswap_testkit import synthetic
         from slackswap_cli.cli import app
         from slackswap_cli.hardware import PRESETS

@@ -10,7 +10,7 @@ commands do not branch on the output format. `output.py` alone prints; the error
 
 - common.py: the Typer `app` and what the commands share
 - cmd_*.py: the commands, one module per command or pair of related commands
-- output.py: the output sink; render/ and render_fit.py: the views; chrome_trace.py: the
+- output.py: the output sink; render/: the views; chrome_trace.py: the
   Perfetto trace of `simulate --trace`
 
 Planner names, the default planner and what each planner takes come from the registry

@@ -119,7 +119,7 @@ def fit(
 def _fit_report(result, s, target: Optional[Path], prof_target: Optional[Path],
                 sink: Sink) -> None:
     def views():
-        from .render_fit import fit_views
+        from .render.fit import fit_views
         return fit_views(result, planner=s.planner, hardware=s.hardware.name,
                          memory_bytes=s.memory_bytes, optimizer=s.optimizer, shard=s.shard)
     sink.show(Result({**result.to_json(), "hardware": s.hardware.name,

@@ -43,7 +43,7 @@ def _quiet_option():
 
 
 def _render():
-    """render.py, imported when a person is shown a view (not for --json or --quiet)."""
+    """The render package, imported when a person is shown a view (not for --json or --quiet)."""
     from . import render
     return render
 

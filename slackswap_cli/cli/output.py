@@ -1,7 +1,7 @@
 """The output sink: a command hands its result here once, and the sink decides how it shows.
 
 A command computes a `Result`: the data `--json` prints (a dict, a dataclass such as a Plan)
-and the views that show it to a person (render.py's tables, built only when shown, so render
+and the views that show it to a person (the render package's tables, built only when shown, so render
 and what it needs are imported only then). `Sink.show` prints it one of three ways:
 
 - human (the default): the views on stdout (Rich), then the closing lines (`wrote ...`);
@@ -38,7 +38,7 @@ class Result:
     returning it, where making it costs what a person does not need (`version`)."""
 
     views: Callable[[], Iterable] | None = None
-    """The renderables that show it to a person (render.py's), made only when shown."""
+    """The renderables that show it to a person (the render package's), made only when shown."""
 
     lines: Sequence[str] = ()
     """Plain lines after the views (`wrote model.plan.json`), printed as written."""
