@@ -20,6 +20,8 @@ from .common import (
 from .output import Result, Sink, error_lines
 
 
+# The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
+# and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command(short_help="Emit a patched training module that carries a plan out.",
              epilog=_examples(
                  "slackswap apply model.plan.json -o model_patched.py",

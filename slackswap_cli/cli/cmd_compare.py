@@ -21,6 +21,8 @@ from .common import (
 from .output import Result, Sink
 
 
+# The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
+# and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command(short_help="Every planner side by side on one profile.",
              epilog=_examples(
                  "slackswap compare model.profile.json --budget 0.5",

@@ -22,6 +22,8 @@ from .common import (
 from .output import Result, Sink, error_lines
 
 
+# The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
+# and `compare` start without importing torch (tests/test_torch_free.py).
 def _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, time_limit):
     import dataclasses
 

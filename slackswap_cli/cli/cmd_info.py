@@ -14,6 +14,8 @@ from .common import (
 from .output import Result, Sink
 
 
+# The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
+# and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command("hardware", short_help="List hardware presets, or print one.",
              epilog=_examples(
                  "slackswap hardware",

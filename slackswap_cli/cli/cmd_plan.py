@@ -24,6 +24,8 @@ from .common import (
 from .output import Result, Sink, error_lines
 
 
+# The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
+# and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command(short_help="Decide keep / swap / recompute; simulate; write the plan.",
              epilog=_examples(
                  "slackswap plan model.profile.json --budget 0.5",

@@ -18,6 +18,8 @@ from .common import (
 from .output import Result, Sink
 
 
+# The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
+# and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command(short_help="Trace one training step and write its profile.",
              epilog=_examples(
                  "slackswap profile model.py --device fake -o model.profile.json",

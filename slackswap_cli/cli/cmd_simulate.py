@@ -19,6 +19,8 @@ from .common import (
 from .output import Result, Sink, error_lines
 
 
+# The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
+# and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command(short_help="Re-simulate a plan (what-if on other hardware).",
              epilog=_examples(
                  "slackswap simulate model.plan.json --hardware gh200-c2c",
