@@ -25,11 +25,7 @@ app = typer.Typer(cls=_Group, add_completion=True, no_args_is_help=True, rich_ma
                   epilog="Exit codes: 0 ok, 1 internal error (a bug: SLACKSWAP_DEBUG=1 prints its "
                          "traceback), 2 bad input, 3 the model could not be traced, 4 no plan fits "
                          "the budget, 5 verify found a difference.")
-
-
 PLANNER_HELP = " | ".join(planner_names())
-
-
 SLOW_PLANNERS = ", ".join(n for n, spec in PLANNERS.items() if not spec.quick)
 
 
