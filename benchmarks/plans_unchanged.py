@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from rich.console import Console  # noqa: E402
 
+from slackswap_cli.cli.render import plan_views, profile_views  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.planners import PLANNERS, plan_and_simulate, planner_names  # noqa: E402
-from slackswap_cli.render import plan_views, profile_views  # noqa: E402
 from slackswap_cli.schema import dumps, load_profile  # noqa: E402
 from slackswap_cli.simulate import simulate  # noqa: E402
 from slackswap_testkit.synthetic import random_profile, transformer_profile  # noqa: E402

@@ -1,9 +1,10 @@
-"""Errors the library raises; only cli.py turns them into `Error:` / `Hint:` lines and exit codes.
+"""Errors the library raises; only the CLI's error boundary (cli/boundary.py) turns them into
+`Error:` / `Hint:` lines and exit codes.
 
 Every error carries a message (what went wrong, naming the file, tensor or option) and a hint
 (what the user can do about it). Exit codes: 2 bad input, 3 the model could not be traced or
 run, 4 no plan fits the budget; `verify` exits 5 when it finds a mismatch (a finding, not an
-error: cli.py says so itself).
+error: the verify command says so itself).
 """
 from __future__ import annotations
 

@@ -2,7 +2,12 @@ import json
 
 import pytest
 
-from slackswap_cli.chrome_trace import MEMORY_COUNTER, TRACKS, to_chrome_trace, write_chrome_trace
+from slackswap_cli.cli.chrome_trace import (
+    MEMORY_COUNTER,
+    TRACKS,
+    to_chrome_trace,
+    write_chrome_trace,
+)
 from slackswap_cli.errors import InputError
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.simulate import simulate

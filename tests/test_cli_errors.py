@@ -220,7 +220,7 @@ def test_unwritable_directory(ws):
 
 
 def test_a_bug_is_an_internal_error_without_traceback(ws, monkeypatch):
-    import slackswap_cli.render as render
+    import slackswap_cli.cli.render as render
 
     def broken(*_a, **_k):
         raise ZeroDivisionError("division by zero")
@@ -287,7 +287,7 @@ def test_slow_commands_show_a_spinner_on_a_terminal_only(ws, monkeypatch):
 
     from rich.console import Console
 
-    import slackswap_cli.output as output
+    import slackswap_cli.cli.output as output
     buf = io.StringIO()
     monkeypatch.setattr(output, "err", Console(file=buf, force_terminal=True, width=80))
     assert run(*PLAN).exit_code == 0

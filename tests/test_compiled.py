@@ -246,7 +246,7 @@ def test_a_recompile_is_its_own_graph_set_never_summed_into_the_step(files, tmp_
     assert rc["judged"] and rc["reasons"] == []
     assert (rc["saved_bytes"], rc["offloaded_bytes"]) == (c["saved_bytes"], c["offloaded_bytes"])
     assert any("recompile" in n for n in report["notes"])
-    from slackswap_cli.render import verify_compiled_view
+    from slackswap_cli.cli.render import verify_compiled_view
     text = verify_compiled_view(report, "aot_eager").plain      # item 3: the figures named
     assert "1 graph(s) of the step" in text and "recompile 1 (" in text
     assert "plan: the whole plan's kept and swapped bytes" in text and "in graph: the same" in text

@@ -3,10 +3,12 @@ import re
 
 from rich.console import Console
 
-from slackswap_cli import render, schema
+from slackswap_cli import schema
+from slackswap_cli.cli import render
+from slackswap_cli.cli.render import fmt_bytes, fmt_us
+from slackswap_cli.cli.render.plan import _idle, _why
 from slackswap_cli.hardware import HardwareSpec
 from slackswap_cli.layers import UNATTRIBUTED, layer_container, layer_of
-from slackswap_cli.render import fmt_bytes, fmt_us
 from slackswap_cli.simulate import simulate
 from slackswap_testkit.synthetic import chain_profile
 
@@ -185,11 +187,11 @@ def test_why_a_tensor_is_kept_is_its_own_reason():
     p = chain_profile(4, act_bytes=MiB, fwd_us=100.0)
     t_last = p.saved_activations[-1]       # a3: read by the loss, then at once by backward
     t_first = p.saved_activations[0]       # a0: idle through the whole rest of the step
-    gap = render._idle(p, t_first.id)
+    gap = _idle(p, t_first.id)
     assert gap["gap_ops"] > 3 and gap["gap_us"] > 0
     # plenty of idle time, plan fits: the reason is that it fits, not a recompute cost
-    assert render._why("keep", t_first, 100.0, 1.0, None, feasible=True, **gap).startswith(
+    assert _why("keep", t_first, 100.0, 1.0, None, feasible=True, **gap).startswith(
         "keep: the budget holds with it resident")
-    last = render._idle(p, t_last.id)
-    why = render._why("keep", t_last, 100.0, 1e6, None, feasible=True, **last)
+    last = _idle(p, t_last.id)
+    why = _why("keep", t_last, 100.0, 1e6, None, feasible=True, **last)
     assert "idle only" in why or "no idle time" in why

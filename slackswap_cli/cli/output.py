@@ -1,7 +1,7 @@
 """The output sink: a command hands its result here once, and the sink decides how it shows.
 
 A command computes a `Result`: the data `--json` prints (a dict, a dataclass such as a Plan)
-and the views that show it to a person (render.py's tables, built only when shown, so render
+and the views that show it to a person (the render package's tables, built only when shown, so render
 and what it needs are imported only then). `Sink.show` prints it one of three ways:
 
 - human (the default): the views on stdout (Rich), then the closing lines (`wrote ...`);
@@ -11,8 +11,9 @@ and what it needs are imported only then). `Sink.show` prints it one of three wa
 - `--quiet`: nothing on stdout and no status lines: the exit code and the files written say it.
 
 Warnings go to stderr in every mode (they are about the result, not its progress). Errors
-are `error_lines` (`Error:` / `Hint:` on stderr, whatever the mode) and cli.py's exit code.
-This module is the only one that prints; cli.py alone exits.
+are `error_lines` (`Error:` / `Hint:` on stderr, whatever the mode) and an exit code (the
+error boundary's, boundary.py). This module is the only one that prints; only the cli package
+exits.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Result:
     returning it, where making it costs what a person does not need (`version`)."""
 
     views: Callable[[], Iterable] | None = None
-    """The renderables that show it to a person (render.py's), made only when shown."""
+    """The renderables that show it to a person (the render package's), made only when shown."""
 
     lines: Sequence[str] = ()
     """Plain lines after the views (`wrote model.plan.json`), printed as written."""
@@ -98,13 +99,13 @@ def write_json(data: Any, indent: bool = False) -> None:
     """One JSON document on stdout (schema.dumps: dataclasses, numpy scalars, non-str keys)."""
     import orjson
 
-    from .schema import dumps
+    from ..schema import dumps
     text = (orjson.dumps(data, option=orjson.OPT_INDENT_2) if indent else dumps(data)).decode()
     sys.stdout.write(text + "\n")
 
 
 def error_lines(message: str, hint: str | None) -> None:
-    """`Error: ...` and `Hint: ...` on stderr, in every mode (cli.py exits after them)."""
+    """`Error: ...` and `Hint: ...` on stderr, in every mode (the CLI exits after them)."""
     err.print(f"[bold red]Error:[/] {escape(message)}", markup=True, highlight=False)
     if hint:
         err.print(f"[bold]Hint:[/] {escape(hint)}", markup=True, highlight=False)

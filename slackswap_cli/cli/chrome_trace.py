@@ -20,9 +20,9 @@ import os
 
 import orjson
 
-from .errors import InputError
-from .schema import Profile, write_atomic
-from .simulate import SimResult
+from ..errors import InputError
+from ..schema import Profile, write_atomic
+from ..simulate import SimResult
 
 PID = 1
 TRACKS = {"compute": 1, "d2h": 2, "h2d": 3}

@@ -1,12 +1,12 @@
 """Terminal views of `slackswap fit`: the sweep's table, the baselines beside it, and a chart
-of samples/s against batch (the style of render.py's charts; no printing here)."""
+of samples/s against batch (the style of format.py's bar charts; no printing here)."""
 from __future__ import annotations
 
 from rich.text import Text
 
-from .fit import FitResult, best_row
-from .render import _Fit, _rows_table, fmt_pct
-from .units import fmt_bytes, fmt_us
+from ...fit import FitResult, best_row
+from ...units import fmt_bytes, fmt_us
+from .format import _Fit, _rows_table, fmt_pct
 
 # the chart's marks: the planner's sweep, then the baselines in fit.BASELINES order
 _MARKS = ("●", "k", "c", "r")

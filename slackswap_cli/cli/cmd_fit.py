@@ -1,0 +1,137 @@
+"""`slackswap fit`: sweep batch sizes on the whole device and write the best batch's plan."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..errors import InputError
+from ..planners import DEFAULT_PLANNER
+from .common import (
+    PLANNER_HELP,
+    SLOW_PLANNERS,
+    _check_output_path,
+    _examples,
+    _json_option,
+    _quiet_option,
+    _sibling,
+    _time_options,
+    app,
+)
+from .output import Result, Sink, error_lines
+
+
+# The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
+# and `compare` start without importing torch (tests/test_torch_free.py).
+def _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, time_limit):
+    import dataclasses
+
+    from ..budget import parse_size
+    from ..fit import FitSettings, check_optimizer, default_reserve
+    from ..hardware import load_hardware
+    from ..planners import planner_spec
+    hw = load_hardware(hardware)
+    if memory is not None:
+        hw = dataclasses.replace(hw, memory_bytes=parse_size(memory, "--memory"))
+    if hw.memory_bytes <= 0:
+        raise InputError(f"hardware {hw.name} has no device memory",
+                         hint="give the device's memory with --memory 80GiB")
+    check_optimizer(optimizer)
+    spec = planner_spec(planner)
+    if shard < 1:
+        raise InputError(f"--shard {shard} must be at least 1", hint="--shard 8 for 8 ranks")
+    return FitSettings(hardware=hw, memory_bytes=hw.memory_bytes,
+                       reserve_bytes=(default_reserve(hw.memory_bytes) if reserve is None
+                                      else parse_size(reserve, "--reserve")),
+                       optimizer=optimizer, shard=shard, step_on_device=fused, planner=planner,
+                       planner_options=_time_options(spec, time_limit))
+
+
+def _write_best(result, plan_target: Path, model: Path) -> Path:
+    """The best row's plan, and next to it the profile it was made from."""
+    from ..planning import save_with_profile
+    return save_with_profile(result.best_plan, result.best_profile, plan_target)
+
+
+@app.command(short_help="Sweep batch sizes on the whole device; write the best plan.",
+             epilog=_examples(
+                 "slackswap fit model.py --hardware h100-pcie5 --batch 1,2,4,8,16",
+                 "slackswap fit llama_70b.py --hardware h100-pcie5 --shard 8 --batch 1,2,4",
+                 "slackswap fit model.py --hardware a100-pcie4 --memory 40GiB --batch 8,16",
+             ))
+def fit(
+    model: Path = typer.Argument(..., metavar="MODEL", help="workload file (model.py with a workload() function)"),
+    batch: str = typer.Option(..., "--batch", help="batch sizes to try, comma-separated: 1,2,4,8,16"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file [default: a100-pcie4]"),
+    memory: Optional[str] = typer.Option(None, "--memory", help="device memory, overriding the hardware's (80GiB, 40GB)"),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | adam | adamw-amsgrad | adam-amsgrad | sgd | sgd-momentum | none"),
+    fused: bool = typer.Option(False, "--fused", help="the optimizer runs with fused=True or capturable=True: its step counters live on the device"),
+    shard: int = typer.Option(1, "--shard", help="FSDP2 / ZeRO-3 world size: parameters, gradients and optimizer state split over N ranks (figures per rank)"),
+    reserve: Optional[str] = typer.Option(None, "--reserve", help="memory kept free for the CUDA context, fragmentation, workspaces [default: 1 GiB + 5% of the device]"),
+    batch_arg: str = typer.Option("batch", "--batch-arg", help="the workload argument that sets the batch"),
+    planner: str = typer.Option(DEFAULT_PLANNER, "--planner", "-p", help=PLANNER_HELP),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", min=1.0, help=f"seconds per batch for a planner with a time limit ({SLOW_PLANNERS}) [default: the planner's]"),
+    entry: str = typer.Option("workload", "--entry", help="function in the workload file that returns (model, inputs[, loss_fn])"),
+    arg: List[str] = typer.Option([], "--arg", metavar="KEY=VALUE", help="key=value passed to the entry function; repeatable"),
+    device: str = typer.Option("fake", "--device", help="fake (default: nothing allocated, roofline costs) | fake:cpu | cpu | cuda"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="the best plan [default: <model>.fit.plan.json here]; its profile goes next to it"),
+    profile_each: bool = typer.Option(False, "--profile-each", help="trace every batch; by default a batch after the first two is derived from the last two traced where that is exact (same step, sizes affine in the batch)"),
+    jobs: int = typer.Option(2, "--jobs", min=1, help="traces in forked processes, ahead of planning: 2 overlaps a trace with planning (same rows; helps only with idle cores); 1: one process"),
+    as_json: bool = _json_option("{rows, best, baselines}"),
+    quiet: bool = _quiet_option(),
+) -> None:
+    """Profile each batch, take parameters, gradients and optimizer state off the device's
+    memory, plan the activations in what is left, and pick the batch that trains fastest."""
+    sink = Sink(as_json, quiet)
+    from ..fit import check_static_fits, parse_batches, sweep
+    from ..trace import split_device
+    from ..trace.workload import parse_workload_args
+    batches = parse_batches(batch)
+    s = _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, time_limit)
+    args = parse_workload_args(arg)
+    if batch_arg in args:
+        raise InputError(f"--arg {batch_arg}=... sets the batch, which --batch sweeps",
+                         hint=f"leave --arg {batch_arg} out")
+    split_device(device)
+    if not model.is_file() or model.suffix.lower() != ".py":
+        raise InputError(f"{model} is not a workload file" if model.exists()
+                         else f"model file {model} does not exist",
+                         hint="fit takes a workload .py file with a workload() function")
+    target = output or Path(model.stem + ".fit.plan.json")
+    _check_output_path(target, "-o", [model, hardware])
+    _check_output_path(_sibling(target, ".profile.json"), "-o", [model, hardware])
+    from ..trace.static_memory import Profiler, check_batch_arg
+    check_batch_arg(str(model), entry, batch_arg)
+    profiler = Profiler(str(model), entry=entry, args=args, batch_arg=batch_arg,
+                        device=device, hardware=s.hardware,
+                        on_facts=lambda f: check_static_fits(f, s),
+                        workers=jobs)
+    try:
+        result = sweep(batches, profiler, s, progress=sink.status,
+                       derive_batch_arg=None if profile_each else batch_arg)
+    finally:
+        profiler.close()
+    if result.best_plan is not None:
+        prof_target = _write_best(result, target, model)
+    _fit_report(result, s, target if result.best_plan else None,
+                prof_target if result.best_plan else None, sink)
+
+
+def _fit_report(result, s, target: Optional[Path], prof_target: Optional[Path],
+                sink: Sink) -> None:
+    def views():
+        from .render.fit import fit_views
+        return fit_views(result, planner=s.planner, hardware=s.hardware.name,
+                         memory_bytes=s.memory_bytes, optimizer=s.optimizer, shard=s.shard)
+    sink.show(Result({**result.to_json(), "hardware": s.hardware.name,
+                      "memory_bytes": s.memory_bytes, "reserve_bytes": s.reserve_bytes,
+                      "optimizer": s.optimizer, "shard": s.shard,
+                      "plan": str(target) if target else None,
+                      "profile": str(prof_target) if prof_target else None},
+                     views=views, lines=[f"wrote {target} (the best batch's plan) and "
+                                         f"{prof_target}"] if target else []))
+    if target is None:
+        error_lines("no batch of the sweep fits the device; wrote no plan",
+                    "try smaller batches, --shard N, a lighter --optimizer, or less --reserve")
+        raise typer.Exit(4)

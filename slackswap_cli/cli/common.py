@@ -1,0 +1,122 @@
+"""The Typer app and what its commands share: option helpers, help epilogs, the lazy import
+of the render views, the output-path check, and the inputs of the commands that read a
+profile or a plan."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import InputError
+from ..planners import PLANNERS, planner_names
+from .boundary import _Group
+
+
+def _examples(*lines: str) -> str:
+    """A command's help epilog: example command lines, kept as written (click's \\b)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+app = typer.Typer(cls=_Group, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
+                  pretty_exceptions_enable=False,
+                  help="Fit training into GPU memory: keep, swap or recompute each saved activation.",
+                  epilog="Exit codes: 0 ok, 1 internal error (a bug: SLACKSWAP_DEBUG=1 prints its "
+                         "traceback), 2 bad input, 3 the model could not be traced, 4 no plan fits "
+                         "the budget, 5 verify found a difference.")
+PLANNER_HELP = " | ".join(planner_names())
+SLOW_PLANNERS = ", ".join(n for n, spec in PLANNERS.items() if not spec.quick)
+
+
+def _json_option(what: str):
+    return typer.Option(False, "--json", help=f"print {what} as JSON")
+
+
+def _quiet_option():
+    return typer.Option(False, "--quiet", "-q", help="print nothing but warnings and errors "
+                                                     "(the exit code and the files say the rest)")
+
+
+def _render():
+    """The render package, imported when a person is shown a view (not for --json or --quiet)."""
+    from . import render
+    return render
+
+
+def _check_output_path(path: Path, option: str = "-o", inputs=(), example: str = "out.json") -> None:
+    """Refuse, before any work is done, an output that cannot be written or that would
+    overwrite one of the command's own inputs (`-o model.py` must not eat the model).
+    A missing parent directory is fine: it is created when the file is written."""
+    if path.is_dir():
+        raise InputError(f"output path {path} is a directory",
+                         hint=f"pass a file name with {option}, e.g. {path / example}, "
+                              "or another name for the file")
+    if path.exists():
+        for src in inputs:
+            if src is None:
+                continue
+            try:
+                same = Path(src).exists() and os.path.samefile(path, src)
+            except OSError:
+                same = False
+            if same:
+                raise InputError(f"output path {path} is also an input of this command; "
+                                 "writing it would destroy the input",
+                                 hint=f"choose another file name with {option}")
+    parent = path.parent if str(path.parent) else Path(".")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"cannot write {path}: {parent} is not a directory",
+                         hint=f"choose another path with {option}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write {path}: directory {parent} is not writable",
+                         hint=f"choose another path with {option}")
+
+
+def _plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
+    from ..planning import plan_inputs
+    from ..schema import load_profile
+    return plan_inputs(load_profile(profile_path), budget, hardware, str(profile_path))
+
+
+def _time_options(spec, time_limit: Optional[float], started: Optional[float] = None) -> dict:
+    from ..planning import planner_time_options
+    return planner_time_options(spec, time_limit, started)
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    from ..planning import sibling_path
+    return sibling_path(path, suffix)
+
+
+def _with_paths(plan_obj, profile_path: Path, prof):
+    from ..planning import with_paths
+    return with_paths(plan_obj, profile_path, prof)
+
+
+def _plan_profile(p, profile_path: Optional[Path]):
+    from ..schema import load_profile
+    path = profile_path or (Path(p.profile_path) if p.profile_path else None)
+    if path is None:
+        raise InputError("the plan does not record its profile", hint="pass --profile PROFILE.json")
+    if not path.exists():
+        raise InputError(f"the plan's profile {path} does not exist",
+                         hint="pass --profile PROFILE.json")
+    prof = load_profile(path)
+    p.check_profile(prof)
+    return prof
+
+
+def _version_flag(value: bool) -> None:
+    if value:
+        from .. import __version__
+        typer.echo(__version__)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version_flag,
+                                       help="print the version and exit")) -> None:
+    pass
