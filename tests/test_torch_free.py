@@ -11,7 +11,7 @@ from helpers import run_torch_blocked
 
 ROOT = Path(__file__).resolve().parents[1] / "slackswap_cli"
 
-# the core: every module at the top level of slackswap_cli, and the planners
+# the core: every module at the top level of slackswap_cli, the schema package and the planners
 CORE = (
     "slackswap_cli", "slackswap_cli.workload_spec", "slackswap_cli.errors",
     "slackswap_cli.units", "slackswap_cli.schema", "slackswap_cli.hardware",
@@ -23,6 +23,8 @@ CORE = (
     "slackswap_cli.planners.slackswap", "slackswap_cli.planners.optimal",
     "slackswap_cli.planners.baselines", "slackswap_cli.planners.bound",
     "slackswap_cli.planners.polish",
+    "slackswap_cli.schema.types", "slackswap_cli.schema.load", "slackswap_cli.schema.validate",
+    "slackswap_cli.schema.write",
 )
 # the CLI and its presentation: torch-free at import (the commands import torch when they run)
 PRESENTATION = (
@@ -35,12 +37,14 @@ PRESENTATION = (
 
 
 def test_core_is_the_top_level_and_the_planners():
-    # every module at the top level (and in planners/) is named in CORE, and nothing else is
+    # every module at the top level (and in schema/ and planners/) is named in CORE, and
+    # nothing else is
     found = {"slackswap_cli"} | {f"slackswap_cli.{f.stem}" for f in ROOT.glob("*.py")
                                   if f.stem != "__init__"}
-    found |= {"slackswap_cli.planners"} | {f"slackswap_cli.planners.{f.stem}"
-                                           for f in (ROOT / "planners").glob("*.py")
-                                           if f.stem != "__init__"}
+    for pkg in ("schema", "planners"):
+        found |= {f"slackswap_cli.{pkg}"} | {f"slackswap_cli.{pkg}.{f.stem}"
+                                             for f in (ROOT / pkg).glob("*.py")
+                                             if f.stem != "__init__"}
     assert found == set(CORE), (sorted(found - set(CORE)), sorted(set(CORE) - found))
 
 
