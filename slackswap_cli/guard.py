@@ -22,13 +22,18 @@ Assumption (as eager's autograd makes it): a saved tensor is not written in plac
 was saved, except roots the profile knows are written later (`last_write`), which the
 runtime keeps and counts.
 
+At input shapes the plan was not made for, the first call follows the plan of a call at
+other shapes (`run/shape_run.py`) and the guard holds it to the budget at these shapes: the
+plan's fraction of what a keep-all run holds at them, which `Scale` predicts pack by pack
+before the call has seen it all.
+
 This module is the torch-free core's; `run/record.py` holds the torch side.
 """
 from __future__ import annotations
 
 from .schema import Action, Decision, Profile
 
-__all__ = ["Guard", "guarded_decisions"]
+__all__ = ["Guard", "Scale", "guarded_decisions"]
 
 
 class Guard:
@@ -71,6 +76,47 @@ class Guard:
         self.swaps += 1
         self.swapped_bytes += nbytes
         return False
+
+
+class Scale:
+    """Predicts a saved tensor's shape at new input shapes from its shape at the ones a plan
+    was made for. Each input dimension that changed maps its old size to its new one (the
+    first input that changes a size decides); a shape is predicted by mapping each of its
+    dimensions, and once a tensor of an old shape was seen at the new inputs
+    (`observe`), what it became is the prediction for that old shape from then on (a
+    flattened batch times sequence, or a size equal to a changed one by chance, is learned
+    from the first tensor of that shape). Assumption: tensors of one old shape have one new
+    shape."""
+    __slots__ = ("dims", "seen")
+
+    def __init__(self, old: list[tuple[int, ...]], new: list[tuple[int, ...]]):
+        self.dims: dict[int, int] = {}
+        for a, b in zip(old, new):
+            for x, y in zip(a, b):
+                if x != y:
+                    self.dims.setdefault(x, y)
+        self.seen: dict[tuple, tuple] = {}
+
+    def shape(self, old: tuple[int, ...]) -> tuple[int, ...]:
+        got = self.seen.get(old)
+        if got is None:
+            got = tuple(self.dims.get(d, d) for d in old)
+        return got
+
+    def ratio(self, old: tuple[int, ...]) -> float:
+        """Predicted element count at the new inputs over the old one (1.0 for no elements)."""
+        a, b = 1, 1
+        for x, y in zip(old, self.shape(old)):
+            a, b = a * x, b * y
+        return b / a if a else 1.0
+
+    def observe(self, old: tuple[int, ...], new: tuple[int, ...]) -> bool:
+        """Note what a tensor of shape `old` became; True when that changed the prediction."""
+        if old in self.seen:
+            return False
+        before = self.shape(old)
+        self.seen[old] = new
+        return before != new
 
 
 def guarded_decisions(profile: Profile, decisions, limit: int,

@@ -64,3 +64,19 @@ def test_the_guard_leaves_room_for_what_the_plan_keeps_later_in_forward():
     assert [d.action for d in got] == ["keep", "keep", "swap", "keep", "keep"]
     g = Guard(3 * MB)
     assert not g.admit("x", MB, reserve=2 * MB + 1) and g.admit("x", MB, reserve=2 * MB)
+
+
+def test_scale_maps_the_changed_input_sizes_and_learns_what_it_did_not_foresee():
+    from slackswap_cli.guard import Scale
+    # inputs [2, 32] (ids) and [2, 32] (labels) become [2, 20]: 32 -> 20, 2 unchanged
+    s = Scale([(2, 32), (2, 32)], [(2, 20), (2, 20)])
+    assert s.shape((2, 32, 64)) == (2, 20, 64)
+    assert s.shape((2, 4, 32, 32)) == (2, 4, 20, 20)
+    assert s.ratio((2, 4, 32, 32)) == 400 / 1024
+    # a flattened batch x sequence (64 = 2 x 32) is not foreseen: 1.0 until one is seen
+    assert s.ratio((64, 64)) == 1.0
+    assert s.observe((64, 64), (40, 64)) is True
+    assert s.shape((64, 64)) == (40, 64) and s.ratio((64, 64)) == 40 / 64
+    assert s.observe((64, 64), (40, 64)) is False          # (known already)
+    assert s.observe((2, 32, 64), (2, 20, 64)) is False    # as predicted
+    assert s.ratio((0, 32)) == 1.0                         # no elements

@@ -14,13 +14,17 @@ copy of a patched model is patched too, for its own parameters.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.utils._pytree as pytree
 
+from ..guard import Scale
 from ..schema import Action
 from . import steady as _steady
 from .generated import check_generated
 from .record import _STATE, ALIGN_WARN, PlanRun, _body_hook, _leave_hook, _Recorder, trace_only_ops
+from .shape_run import ShapeRun
 
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
 
@@ -28,7 +32,13 @@ SAY_MAX = 3             # signatures a kind of note is printed for (`_Patched._s
 
 
 class _Table:
-    """One plan's table (`chains.runtime_table`) and the lookups derived from it."""
+    """One plan's table (`chains.runtime_table`) and the lookups derived from it. A table
+    `borrow`ed for other input shapes (`shape_run.py`) has its own byte figures: the guard's
+    limit, what the plan keeps after each pack (`pack_reserve`, once a call at those shapes
+    saw them) or the factor `keep_after` is scaled by."""
+    borrowed = False
+    pack_reserve: list[int] | None = None
+    scale = 1.0
 
     def __init__(self, table: dict, budget_bytes: int | None = None):
         self.table = table
@@ -48,6 +58,12 @@ class _Table:
         self.pin_roots = {r for r in self.chain_uses
                           if table["action"].get(r) != Action.RECOMPUTE}
         self.trace_only = trace_only_ops(table["ops"])      # not counted as missed
+
+    def borrow(self) -> "_Table":
+        """This plan for other input shapes: the same table, its byte figures its own."""
+        got = copy.copy(self)
+        got.borrowed = True
+        return got
 
 
 def _signature(device_type: str, param_dtype: str, args, kwargs) -> tuple:
@@ -102,6 +118,7 @@ class _Patched:
         self.templates: dict[tuple, object] = {}
         self.fast_plans: dict[tuple, tuple] = {}    # shapes, dtypes, device -> (plan, sig)
         self.hot: dict[tuple, tuple] = {}           # the same key -> (plan, sig, template)
+        self.first_at: dict[tuple, tuple] = {}      # new shapes -> (template, Scale) to follow
         params = meta.get("params") or [[None, None, "torch.float32"]]
         profiled = (meta.get("device_type", "cpu"), params[0][2].removeprefix("torch."),
                     *((tuple(shape), dtype.removeprefix("torch."))
@@ -138,7 +155,6 @@ class _Patched:
     def copy_for(self, model, memo: dict) -> "_Patched":
         """This patch for `model`, a deep copy of the patched one: its own parameters, the
         same plans; the first call at each signature records again."""
-        import copy
         fwd = None if self._forward is None else copy.deepcopy(self._forward, memo)
         return _Patched(model, self.meta, self.table, fwd, self.had_instance_forward,
                         self.replan, self.strict, dict(self.plans))
@@ -185,6 +201,10 @@ class _Patched:
                 hint="re-profile at these shapes, or patch without strict=True to plan for "
                      "them on the fly")
         plan = None
+        if self.replan and self.steady:
+            got = self._borrow(sig)
+            if got is not None:
+                return got, sig
         if self.replan and self.branchy:
             # this model's calls read values its fake trace cannot (`branches.py`): the first
             # call at these shapes runs held by the guard, then one trace along its branches
@@ -210,6 +230,26 @@ class _Patched:
         self.plans[sig] = plan
         return plan or self.default, sig
 
+    def _borrow(self, sig) -> "_Table | None":
+        """A plan for new input shapes without a trace (`shape_run.py`): the plan of a
+        signature that differs from `sig` only in its shapes (same device, dtypes and ranks)
+        and whose first call made a template, borrowed; the first call at `sig` follows that
+        template (`self.first_at`). None when no such signature has a template yet."""
+        for other, plan in self.plans.items():
+            if plan is None or plan.borrowed or not _alike(other, sig):
+                continue
+            tpl = self._template(other)
+            if tpl is None:
+                continue
+            got = self.plans[sig] = plan.borrow()
+            if tpl.keep_only:              # keeps everything, at any shape: nothing to scale
+                self.templates[sig] = tpl
+            else:
+                self.first_at[sig] = (tpl, Scale([s for s, _ in other[2:]],
+                                                 [s for s, _ in sig[2:]]))
+            return got
+        return None
+
     def forward(self, *args, **kwargs):
         if not (self.model.training and torch.is_grad_enabled()) or \
                 getattr(_STATE, "run", None) is not None:
@@ -231,6 +271,12 @@ class _Patched:
         if tpl is not None:
             self.hot[key] = (plan, sig, tpl)
             return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
+        first = self.first_at.pop(sig, None)
+        if first is not None:           # new shapes: another shape's template, no trace
+            run = ShapeRun(self, plan, first[0], inputs, first[1])
+            out = self._steady(run, args, kwargs, sig)
+            self._check_run(run, sig)
+            return out
         run = PlanRun(self, plan)
         run.inputs = {id(x) for x in inputs}
         run.call_inputs = inputs
@@ -260,13 +306,14 @@ class _Patched:
         return out
 
     def _follow_branches(self, run: PlanRun, sig, args, kwargs, rep: dict) -> None:
-        """After a first call at `sig` that lined up less than 99% (`rep`: its report): plan
-        again, once, from a fake trace along the branches this call took (`branches.py`: a
-        library that branches otherwise under fake tensors), into the same budget; the next
-        call runs that plan."""
-        if not self.replan or not run.values or ("branches", sig) in self.said \
-                or rep["fraction"] >= ALIGN_WARN:
-            return          # (no value read: no branch a trace could take otherwise)
+        """After a recorded call at `sig` that lined up less than 99% (`rep`: its report):
+        plan again, once, from a fake trace along the branches this call took (`branches.py`:
+        a library that branches otherwise under fake tensors), into the same budget; or, for
+        a plan borrowed from other shapes that did not line up here (other ops at these
+        shapes), from a trace at these shapes. The next call runs that plan."""
+        if not self.replan or ("branches", sig) in self.said or rep["fraction"] >= ALIGN_WARN \
+                or not (run.values or run.t.borrowed):
+            return          # (no value read, own plan: no branch a trace could take otherwise)
         self.said.add(("branches", sig))
         import sys
         import time
@@ -276,20 +323,22 @@ class _Patched:
         try:
             # the budget: this signature's plan's bytes; at new shapes (no plan of their own
             # yet) the plan's fraction of the new keep-all peak, as a re-plan for them takes
-            own = self.plans.get(sig) is not None
+            own = self.plans.get(sig) is not None and not run.t.borrowed
             table, what = replan_table(self.model, self.original_forward, args, kwargs,
-                                       self.meta, values=run.values,
+                                       self.meta, values=run.values or None,
                                        budget_bytes=run.t.limit if own else None)
         except Exception as exc:
             print(f"slackswap: could not plan along the branches this call took ({_brief(exc)})"
                   "; the guard holds the plan's budget", file=sys.stderr)
             return
         self.plans[sig] = _Table(table)
-        self.branchy = True
+        self.branchy = self.branchy or bool(run.values)
         self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
         self._drop(sig)
-        self._say_capped("re-plan", f"planned again along the branches this call took ({what}) "
-                         f"in {time.perf_counter() - t0:.1f} s; the next call at {_shapes(sig)} "
+        how = ("along the branches this call took" if run.values else
+               "at these shapes, where the plan of other shapes did not line up")
+        self._say_capped("re-plan", f"planned again {how} ({what}) in "
+                         f"{time.perf_counter() - t0:.1f} s; the next call at {_shapes(sig)} "
                          "runs it")
 
     def _steady(self, run, args, kwargs, sig):
@@ -507,6 +556,13 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_patched(model: torch.nn.Module) -> bool:
     return getattr(model.__dict__.get("forward"), "__slackswap__", None) is not None
+
+
+def _alike(a: tuple, b: tuple) -> bool:
+    """Do signatures `a` and `b` differ only in their shapes (device, parameter dtype, each
+    input's dtype and rank the same)?"""
+    return a[:2] == b[:2] and len(a) == len(b) and all(
+        x[1] == y[1] and len(x[0]) == len(y[0]) for x, y in zip(a[2:], b[2:]))
 
 
 def _shapes(sig: tuple) -> str:

@@ -205,7 +205,7 @@ class PlanRun:
         self.inputs: set[int] = set()              # ids of the call's own tensors (held)
         self.kept_refs: list = []                  # what autograd holds as it is (weak)
         self.kept_alias: dict = {}                 # output loc -> weak ref to what it holds
-        self.external: set = set()                 # storages the forward read but did not make
+        self.external = Storages()                  # storages the forward read but did not make
         self.call_inputs: list = []                # the call's own tensors, in order
         # for a steady-state template (`steady.Template`): each pack's decision, in order, and the
         # values each chain read that were alive (held by autograd or pinned) when it ran
@@ -214,6 +214,9 @@ class PlanRun:
         self.chain = None                          # the chain replaying now
         self.bound: dict[tuple[int, int], torch.Tensor] = {}   # steady state: loc -> value
         self.guard = Guard(plan.limit)              # what the plan cannot place (`guard.py`)
+        # what a keep-all run would hold: each storage this forward made that autograd saved,
+        # once (a plan at other shapes is scaled by it: `shape_run.py`)
+        self.saved_keys = Storages()
         self.values: list = []      # values Python read of tensors, in order (`branches.py`)
 
     # -- forward: recording and alignment ------------------------------------------------
@@ -237,7 +240,7 @@ class PlanRun:
                     in_locs.append(loc)
                     return _Ref(*loc)
                 if x.device.type != "meta":
-                    self.external.add(rt.storage_key(x))   # a parameter, buffer or input
+                    self.external.add(x)      # a parameter, buffer, input or a hook's value
                 if not isinstance(x, torch.nn.Parameter) and id(x) not in self.inputs \
                         and id(x) not in self.p.buffer_ids:
                     return _Ext(x)     # held weakly: a replay may not rely on it
@@ -284,7 +287,8 @@ class PlanRun:
         return self.reads_act[loc[0]]
 
     def _align(self, func, leaves, reads_act: bool, known: set) -> int | None:
-        """The next expected op with this op's target, first output shape and module, that
+        """The next expected op with this op's target, first output shape (its rank, for a
+        plan borrowed from other shapes) and module, that
         reads activations exactly when this op does, and reads no profile value it does not
         (so an op of a wrapper's hook, such as FSDP2's views of gathered weights or of a
         block's input, cannot pass for a model's op)."""
@@ -294,9 +298,15 @@ class PlanRun:
         first = next((list(x.shape) for x in leaves if isinstance(x, torch.Tensor)), None)
         module = self.modules[-1][0]
         end = min(len(ops), self.ptr + WINDOW)
+        ranks = self.t.borrowed       # a plan made at other shapes: the same ranks, not sizes
+        if ranks and first is not None:
+            first = len(first)
         for i in range(self.ptr, end):
             o = ops[i]
-            if (o[1] == name and o[4] == module and (o[2][0] if o[2] else None) == first
+            shape = o[2][0] if o[2] else None
+            if ranks and shape is not None:
+                shape = len(shape)
+            if (o[1] == name and o[4] == module and shape == first
                     and o[5] == reads_act and known.issubset(o[6])):
                 self.ptr = i + 1
                 return i
@@ -307,13 +317,15 @@ class PlanRun:
         """What this call did, for `model.forward.__slackswap__.last_report` and `verify`:
         `alignment()`'s figures (a later call that follows the first one's template reports
         the first one's; `recorded`: this call was recorded; `left_template`: a later call
-        whose saved tensors stopped matching the template), the guard's swaps (count and
+        whose saved tensors stopped matching the template; `borrowed`: the plan was made at
+        other shapes, `shape_run.py`), the guard's swaps (count and
         bytes), the bytes held for
         backward as counted in forward (`guard.py`'s count: kept storages, planned or not)
         against the plan's budget (None: the plan has none)."""
         swaps, swapped = self.guarded()
         return {**self.alignment(), "recorded": self.recorded,
                 "left_template": bool(getattr(self, "broken", False)),
+                "borrowed": self.t.borrowed,
                 "guard_swaps": swaps, "guard_swapped_bytes": swapped,
                 "held_bytes": self.held_at_end(), "budget_bytes": self.t.limit}
 
@@ -386,7 +398,7 @@ class PlanRun:
         # what a later call at these shapes checks and does at this pack (`steady.Template`)
         note = [x.shape, x.dtype, Action.KEEP, None, loc, loc is not None,
                 None if base is None else self.where.get(base), None, type(x.grad_fn),
-                self.guard.held]
+                self.guard.held, self._fresh(x, loc)]
         self.seq.append(note)
         tid = None if loc is None else self.tid_of.get(loc)
         if tid is None:       # not the profile's (or not made by this forward: not counted)
@@ -407,14 +419,26 @@ class PlanRun:
             note[7] = (mine is not None and mine[0] == rt.storage_key(x)
                        and not mine[1].expired())
             return self._swap(x, r, note[7])
-        if act == Action.RECOMPUTE and self._usable(r):
+        if act == Action.RECOMPUTE and self._usable(r) and self._known(loc):
             note[2:4] = Action.RECOMPUTE, r
             self.packs[r] = self.packs.get(r, 0) + 1
             self.deferred.setdefault(self.table["made_by"][r], set()).add(r)
             return [False, Action.RECOMPUTE, r, loc]
-        if act == Action.RECOMPUTE:        # its chain did not line up
+        if act == Action.RECOMPUTE or self.t.borrowed:
+            # its chain did not line up, or a plan made at other shapes: the guard decides
             return self._unplaced(x, loc, note)
         return self._kept(x, loc)
+
+    def _fresh(self, x: torch.Tensor, loc) -> int:
+        """The bytes of `x`'s storage if this is the first time autograd saves it and this
+        forward made it (parameters, buffers and inputs are not counted), else 0."""
+        if loc is None or x.device.type == "meta":
+            return 0
+        key = rt.storage_key(x)
+        if key in self.saved_keys or key in self.external:
+            return 0
+        self.saved_keys.add(x)
+        return rt.storage_bytes(x)
 
     def _unplaced(self, x: torch.Tensor, loc, note: list):
         """A saved tensor the plan cannot place: kept while the guard admits it, else swapped
@@ -432,9 +456,14 @@ class PlanRun:
 
     def _reserve(self) -> int:
         """Bytes the plan keeps from the next expected op on (`keep_after`): room the guard
-        leaves. (0 for a table written before it was kept, and after the last op.)"""
+        leaves. (0 for a table written before it was kept, and after the last op.) A plan
+        borrowed from other shapes has them per pack, as the first call at these shapes saw
+        them (`pack_reserve`), or `keep_after` scaled."""
+        t = self.t
+        if t.pack_reserve is not None:
+            return t.pack_reserve[min(len(self.seq), len(t.pack_reserve) - 1)]
         after = self.table.get("keep_after")
-        return after[min(self.ptr, len(after) - 1)] if after else 0
+        return int(after[min(self.ptr, len(after) - 1)] * t.scale) if after else 0
 
     def _count(self, x: torch.Tensor) -> None:
         """Count a storage this forward holds for backward as planned (`Guard.hold`)."""
@@ -779,6 +808,37 @@ class PlanRun:
             f"slackswap: backward needs output {j} of {rec.func} (recorded op {k}, profile "
             f"tensor {tid}), which the plan neither kept "
             "nor can recompute here; this is a bug in slackswap, please report it")
+
+
+class Storages:
+    """A set of storages by storage key (`key in storages`), each held weakly: once one is
+    freed (a hook's temporary, a swapped activation), a later tensor that reuses its address
+    is not taken for it. What a forward read but did not make (parameters, buffers, the call's
+    inputs, a hook's values) and what autograd saved are such sets."""
+    __slots__ = ("refs",)
+
+    def __init__(self, refs: dict | None = None):
+        self.refs: dict = {} if refs is None else refs
+
+    def add(self, x: torch.Tensor) -> None:
+        key = rt.storage_key(x)
+        ref = self.refs.get(key)
+        if ref is None or ref.expired():
+            self.refs[key] = StorageWeakRef(x.untyped_storage())
+
+    def __contains__(self, key) -> bool:
+        ref = self.refs.get(key)
+        return ref is not None and not ref.expired()
+
+    def without(self, keys: set) -> "Storages":
+        return Storages({k: r for k, r in self.refs.items() if k not in keys})
+
+    def with_tensors(self, xs: list) -> "Storages":
+        got = Storages(dict(self.refs))
+        for x in xs:
+            if x.device.type != "meta":
+                got.add(x)
+        return got
 
 
 class _Swap:

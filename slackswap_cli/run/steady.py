@@ -57,7 +57,7 @@ import torch.utils._pytree as pytree
 from ..guard import Guard
 from ..schema import Action
 from . import swap as rt
-from .record import PlanRun, _In, _Record
+from .record import PlanRun, Storages, _In, _Record
 
 __all__ = ["Template", "Fingerprint", "SteadyRun", "KeepRun"]
 
@@ -85,7 +85,7 @@ class Template:
             "reads_act", "rec_of_op", "tid_of", "loc_of_tid", "usable", "metas", "device",
             "prefetch_order", "unmatched", "ptr")}
         inputs = {rt.storage_key(x) for x in run.call_inputs if x.device.type != "meta"}
-        self.external = run.external - inputs
+        self.external = run.external.without(inputs)
         self.chain_reads = {o: tuple(locs) for o, locs in run.live_reads.items()}
         self.uses: dict[tuple, int] = {}          # loc -> chains that read it
         for locs in self.chain_reads.values():
@@ -99,6 +99,10 @@ class Template:
         # the guard's count before each pack, and after the last (`guard.py`): where a later
         # call that leaves the template resumes counting
         self.held_at = [n[9] for n in run.seq] + [run.guard.held]
+        # the bytes each pack added to what a keep-all run holds (its storage's, the first
+        # time it is saved), and their sum: what a first call at other shapes scales by
+        self.fresh = [n[10] for n in run.seq]
+        self.saved_total = sum(self.fresh)
         self.guarded = (run.guard.swaps, run.guard.swapped_bytes)   # followed by later calls
         # the same, for a call that does not measure what it holds: nothing weakly tracked
         self.seq_quiet = [(*n[:6], False, *n[7:]) for n in self.seq]
@@ -213,12 +217,11 @@ class SteadyRun(PlanRun):
         return super().held_device_bytes()
 
     @property
-    def external(self) -> set:
+    def external(self) -> "Storages":
         """Storages the forward read but did not make (for `held_device_bytes`)."""
         got = self.__dict__.get("_external")
         if got is None:
-            got = self._external = self.tpl.external | {
-                rt.storage_key(x) for x in self.call_inputs if x.device.type != "meta"}
+            got = self._external = self.tpl.external.with_tensors(self.call_inputs)
         return got
 
     def pack(self, x: torch.Tensor):
@@ -261,7 +264,7 @@ class SteadyRun(PlanRun):
             self.broken = True
             self.guard = Guard(self.t.limit)
             self.guard.held = self.tpl.held_at[min(self.i - 1, self.n)]
-        return self._unplaced(x, None, [None] * 10)
+        return self._unplaced(x, None, [None] * 11)
 
     def held_at_end(self) -> int:
         return self.tpl.held_at[-1] if self.guard is None else self.guard.held

@@ -1,0 +1,182 @@
+"""New input shapes without a trace (`slackswap_cli/run/shape_run.py`): after a recorded call,
+the first call at another sequence length or batch size follows that call's template, held
+by the guard to the plan's fraction of what a keep-all run holds at the new shapes; the next
+call records on the borrowed plan and the calls after it run the steady state. Every call is
+bitwise eager's."""
+import pytest
+import torch
+
+from benchmarks.robust_models import MODELS
+from slackswap_cli.hardware import PRESETS
+from slackswap_cli.planners import make_plan
+from slackswap_cli.run.emit import apply_plan, load_patched
+from slackswap_cli.trace import profile_workload
+from slackswap_cli.trace.joint import loss_from_output, split_inputs
+from slackswap_cli.trace.workload import load_workload
+
+HW = PRESETS["a100-pcie4"]
+FRACTION = 0.5
+
+# GPT-2 whose forward leaves the final norm out below 20 tokens: other ops at short lengths
+BRANCHY = MODELS["gpt2"].replace("seq=16", "seq=24").replace(
+    "    return GPT2LMHeadModel(cfg)",
+    "    m = GPT2LMHeadModel(cfg)\n"
+    "    norm = m.transformer.ln_f\n"
+    "    m.transformer.ln_f = _Skip(norm)\n"
+    "    return m") + '''
+class _Skip(torch.nn.Module):
+    def __init__(s, norm):
+        super().__init__()
+        s.norm = norm
+    def forward(s, h):
+        return h if h.shape[1] < 20 else s.norm(h)
+'''
+
+# a model of our own that leaves its norm out below 20 tokens and reads no tensor's value
+SKIPPY = '''
+import torch, torch.nn as nn
+class Net(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.emb = nn.Embedding(64, 32)
+        s.fc = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        s.norm = nn.LayerNorm(32)
+    def forward(s, ids, labels):
+        h = s.emb(ids)
+        for fc in s.fc:
+            h = torch.tanh(fc(h)) * torch.sigmoid(h)
+        if ids.shape[1] >= 20:
+            h = s.norm(h)
+        return nn.functional.cross_entropy(h.flatten(0, 1), labels.flatten())
+def workload(batch=2, seq=24):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (batch, seq))
+    return Net(), {"ids": ids, "labels": ids}
+'''
+
+
+def _patched(tmp_path, name: str, source: str):
+    src = tmp_path / f"{name}.py"
+    src.write_text(source)
+    prof = profile_workload(str(src), device="fake:cpu", hardware=HW)
+    peak = prof.summary["peak_activation_bytes"]
+    plan = make_plan("slackswap", prof, HW, int(peak * FRACTION), FRACTION)
+    assert any(d.action == "recompute" for d in plan.decisions)
+    out = tmp_path / f"{name}_patched.py"
+    out.write_text(apply_plan(plan, prof))
+    return load_patched(str(out)), src
+
+
+def _keep_all(model, batch) -> int:
+    """What eager autograd holds for backward after forward (each storage saved once, not
+    parameters, buffers or inputs), measured with saved-tensor hooks on the unpatched model."""
+    outside = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    outside |= {t.untyped_storage().data_ptr() for t in batch.values()}
+    seen = {}
+
+    def pack(x):
+        p = x.untyped_storage().data_ptr()
+        if p not in outside:
+            seen[p] = x.untyped_storage().nbytes()
+        return x
+    fwd = model.__dict__.pop("forward")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            a, kw = split_inputs(batch)
+            loss = loss_from_output(model(*a, **kw), batch, None)
+    finally:
+        model.forward = fwd
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def _run(tmp_path, name, source, shapes):
+    """One training call per (batch, seq) of `shapes`, eager and patched from the same seed:
+    gradients bitwise equal; per patched call, its kind, report and held bytes, and the keep-all
+    bytes at its shapes."""
+    mod, src = _patched(tmp_path, name, source)
+    eager, work = load_workload(str(src)), load_workload(str(src))
+    mod.patch(work.model)
+    state = work.model.forward.__slackswap__
+    state.measure_held = True
+    calls = []
+    for batch_size, seq in shapes:
+        batch = load_workload(str(src), args={"batch": batch_size, "seq": seq}).inputs
+        keep_all = _keep_all(work.model, batch)
+        grads = []
+        for m in (eager.model, work.model):
+            torch.manual_seed(0)
+            a, kw = split_inputs(batch)
+            loss = loss_from_output(m(*a, **kw), batch, None)
+            if m is work.model:
+                calls.append((type(state.last_run).__name__, state.last_report,
+                              state.last_run.held_device_bytes(), keep_all))
+            loss.backward()
+            grads.append([loss.detach(), *(p.grad for p in m.parameters())])
+            m.zero_grad(set_to_none=True)
+        assert all(x is None and y is None or torch.equal(x, y) for x, y in zip(*grads)), seq
+    return mod, calls
+
+
+def _budget(mod, calls) -> float:
+    """The plan's budget as a fraction of what eager holds at the profiled shapes (the first
+    call's)."""
+    return calls[0][1]["budget_bytes"] / calls[0][3]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_new_lengths_follow_a_recorded_call_without_a_trace_within_the_budget(
+        tmp_path, name, capfd):
+    shapes = [(2, 16), (2, 16), (2, 16), (2, 24), (2, 24), (2, 24), (2, 10), (2, 10), (3, 16)]
+    mod, calls = _run(tmp_path, name, MODELS[name], shapes)
+    kinds = [c[0] for c in calls]
+    # (the second call at 16 runs a plan made along the branches the first one took)
+    assert kinds == ["PlanRun", "PlanRun", "SteadyRun", "ShapeRun", "PlanRun", "SteadyRun",
+                     "ShapeRun", "PlanRun", "ShapeRun"], kinds
+    err = capfd.readouterr().err
+    assert "new inputs" not in err                    # no fake trace for a new shape
+    fraction = _budget(mod, calls)
+    for kind, rep, held, keep_all in calls[3:]:
+        # the budget at these shapes: the plan's fraction of what eager holds at them
+        assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
+        assert rep["held_bytes"] <= 1.05 * fraction * keep_all, (kind, rep)
+        assert rep["borrowed"], rep
+    for kind, rep, _, _ in calls[4:6]:
+        assert rep["fraction"] >= 0.99, rep           # the borrowed plan lines up by rank
+    assert not calls[3][1]["recorded"] and calls[4][1]["recorded"]
+
+
+def test_a_shape_run_holds_its_budget_where_the_plan_keeps_more_than_it(tmp_path):
+    """At 8 tokens of a model profiled at 16, a plan's kept tensors (linear in the length)
+    weigh more against the keep-all bytes than at 16 (attention scores shrink
+    quadratically): the guard swaps kept tensors to stay in the budget, exactly."""
+    shapes = [(2, 16), (2, 16), (2, 16), (2, 6), (2, 6), (2, 6)]
+    mod, calls = _run(tmp_path, "gpt2", MODELS["gpt2"], shapes)
+    fraction = _budget(mod, calls)
+    assert calls[3][0] == "ShapeRun" and calls[3][1]["guard_swaps"] > 0, calls[3]
+    for kind, rep, held, keep_all in calls[3:]:
+        assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
+
+
+@pytest.mark.parametrize("name, said", [
+    ("skippy", "at these shapes, where the plan of other shapes did not line up"),
+    ("branchy", "along the branches this call took")])   # (HF's GPT-2 reads values)
+def test_a_step_that_leaves_ops_out_at_a_new_length_is_planned_for_it(tmp_path, capfd,
+                                                                       name, said):
+    """Below 20 tokens the model runs other ops: the first call leaves the template (the guard
+    holds the rest), the next lines up less than 99% on the borrowed plan, so these shapes
+    get a plan of their own from a trace; the call after it lines up."""
+    shapes = [(2, 24), (2, 24), (2, 24), (2, 12), (2, 12), (2, 12), (2, 12)]
+    mod, calls = _run(tmp_path, name, {"skippy": SKIPPY, "branchy": BRANCHY}[name], shapes)
+    kinds = [c[0] for c in calls[3:]]
+    assert kinds == ["ShapeRun", "PlanRun", "PlanRun", "SteadyRun"], kinds
+    assert calls[3][1]["left_template"]
+    assert calls[4][1]["fraction"] < 0.99 and calls[5][1]["fraction"] >= 0.99
+    assert not calls[5][1]["borrowed"] and calls[5][1]["recorded"]
+    err = capfd.readouterr().err
+    assert f"planned again {said}" in err and err.count("at 2x12, 2x12 on cpu, float32 "
+                                                         "parameters runs it") == 1
+    fraction = _budget(mod, calls)
+    for kind, rep, held, keep_all in calls[3:]:
+        assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
