@@ -106,14 +106,17 @@ def run_moe(tmp: Path) -> list[dict]:
 
 
 LENGTHS = (16, 24, 32, 40, 48, 56, 64, 20)
+PADDED = ("gpt2", "llama")            # the models of the dynamic-padding runs
 
 
 def run_padding(tmp: Path, name: str = "gpt2", steps: int = 24) -> list[dict]:
     """A dynamic-padding run: `steps` training calls over the lengths of `LENGTHS` (each 3
     times, in a shuffled order, seed 0), patched in place from a profile at length 16. Per
-    length: the first call's cost in eager steps of that length (thread CPU time of the call,
-    forward and backward, including planning for the new shape, over the median of eager
-    steps at that length), and what each call held against its budget."""
+    call: its cost in eager steps of that length (thread CPU time of the call, forward and
+    backward, including planning for a new shape, over the median of eager steps at that
+    length), which kind of call it was (`PlanRun` recorded, `ShapeRun` the first at a new
+    length after a recorded call, `SteadyRun`) and what it held against its budget at that
+    length (the plan's fraction of what a keep-all run holds there)."""
     import random
     import time
     src = tmp / f"{name}.py"
@@ -147,7 +150,8 @@ def run_padding(tmp: Path, name: str = "gpt2", steps: int = 24) -> list[dict]:
                 eager_t.setdefault(seq, []).append(dt)
         first = seq not in seen
         seen.add(seq)
-        rows.append({"seq": seq, "first_at_length": first, "patched_s": dt,
+        rows.append({"model": name, "seq": seq, "first_at_length": first, "patched_s": dt,
+                     "run": type(state.last_run).__name__,
                      "eager_s": sorted(eager_t[seq])[len(eager_t[seq]) // 2], **rep})
     return rows
 
@@ -181,12 +185,18 @@ def _row(r: dict) -> str:
 
 
 def padding_table(rows: list[dict]) -> str:
-    head = ("| step | seq | first at this length | cost in eager steps | lined up | "
-            "held/budget |\n|---|---|---|---|---|---|\n")
-    return head + "".join(
-        f"| {i + 1} | {r['seq']} | {'yes' if r['first_at_length'] else ''} | "
-        f"{r['patched_s'] / r['eager_s']:.1f} | {r['fraction']:.1%} | "
-        f"{r['held_device_bytes'] / r['budget_bytes']:.2f} |\n" for i, r in enumerate(rows))
+    head = ("| model | step | seq | first at this length | call | cost in eager steps | "
+            "lined up | held/budget | guard swaps |\n|---|---|---|---|---|---|---|---|---|\n")
+    steps: dict[str, int] = {}
+    out = []
+    for r in rows:
+        name = r.get("model", "gpt2")
+        steps[name] = steps.get(name, 0) + 1
+        out.append(f"| {name} | {steps[name]} | {r['seq']} | "
+                   f"{'yes' if r['first_at_length'] else ''} | {r.get('run', '')} | "
+                   f"{r['patched_s'] / r['eager_s']:.1f} | {r['fraction']:.1%} | "
+                   f"{r['held_device_bytes'] / r['budget_bytes']:.2f} | {r['guard_swaps']} |\n")
+    return head + "".join(out)
 
 
 def main() -> None:
@@ -195,13 +205,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--markdown-only", action="store_true",
                     help="rewrite the .md from the .json of an earlier run")
+    ap.add_argument("--padding-only", action="store_true",
+                    help="measure the dynamic-padding runs again, keep the models' rows")
     a = ap.parse_args()
     out = Path(a.out)
-    if a.markdown_only:
+    if a.markdown_only or a.padding_only:
         got = orjson.loads((out / "run_robustness.json").read_bytes())
         rows, padding = got["models"], got["padding"]
-    else:
+    if a.padding_only:
+        padding = measure_padding()
+    elif not a.markdown_only:
         rows, padding = measure(a.models.split(","))
+    if not a.markdown_only:
         write_atomic(out / "run_robustness.json", orjson.dumps(
             {"models": rows, "padding": padding}, option=orjson.OPT_INDENT_2))
     write_markdown(out, rows, padding)
@@ -215,8 +230,13 @@ def measure(models: list[str]) -> tuple[list[dict], list[dict]]:
             rows += run_model(name, Path(d))
             print(table(rows[-2:]).splitlines()[-1], file=sys.stderr)
         rows += run_moe(Path(d))
-        padding = run_padding(Path(d))
-    return rows, padding
+    return rows, measure_padding()
+
+
+def measure_padding() -> list[dict]:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as d:
+        return [r for name in PADDED for r in run_padding(Path(d), name)]
 
 
 def write_markdown(out: Path, rows: list[dict], padding: list[dict]) -> None:
@@ -227,13 +247,19 @@ def write_markdown(out: Path, rows: list[dict], padding: list[dict]) -> None:
           "against the plan's budget. Call 1 is the recorded first call; where it lined up "
           "less than 99% and read values, it planned again along its own branches, which "
           "call 3 runs.\n\n" + table(rows)
-          + "\n## Dynamic padding: Hugging Face GPT-2, 24 steps over 8 lengths\n\n"
+          + "\n## Dynamic padding: Hugging Face GPT-2 and Llama, 24 steps over 8 lengths\n\n"
           "Profiled at length 16 (`--device fake:cpu`), planned at 0.5. Cost: thread CPU time "
           "of the patched call (forward, backward and, at a new length, planning for it) over "
-          "the median eager step at that length, one thread. A call after the first at a "
-          "length costs what the plan does (recomputes, and copies that are synchronous on a "
-          "CPU) besides the runtime's own work; the first call at a new length costs the "
-          "record and a fake trace to plan for it.\n\n" + padding_table(padding))
+          "the median eager step at that length, one thread. Call: `PlanRun` is recorded "
+          "op by op (the run's first call, planned by a fake trace when its length is not the "
+          "profiled one; the second call at a length, on the plan borrowed from another "
+          "length); `ShapeRun` is the first call at a new length after a recorded call: "
+          "another length's template followed without a trace "
+          "(`slackswap_cli/run/shape_run.py`); `SteadyRun` the calls after. held/budget: "
+          "bytes held for backward after forward against the budget at that length (the "
+          "plan's fraction of what a keep-all run holds there). A call's cost beyond the "
+          "runtime's own work is what the plan does (recomputes; copies, synchronous on a "
+          "CPU).\n\n" + padding_table(padding))
     write_atomic(out / "run_robustness.md", md.encode())
     print(md)
 

@@ -180,3 +180,19 @@ def test_a_step_that_leaves_ops_out_at_a_new_length_is_planned_for_it(tmp_path, 
     fraction = _budget(mod, calls)
     for kind, rep, held, keep_all in calls[3:]:
         assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
+
+
+def test_a_new_length_right_after_a_plan_was_made_is_recorded_on_it_without_a_trace(
+        tmp_path, capfd):
+    """HF GPT-2's first call is planned again along its branches, so no call has followed
+    that plan yet when a new length comes: the new length's first call is recorded on it
+    (its limit scaled by the inputs' sizes until the call has counted its keep-all bytes)."""
+    shapes = [(2, 16), (2, 24), (2, 24), (2, 24)]
+    mod, calls = _run(tmp_path, "gpt2", MODELS["gpt2"], shapes)
+    assert [c[0] for c in calls] == ["PlanRun", "PlanRun", "SteadyRun", "SteadyRun"]
+    assert calls[1][1]["borrowed"] and calls[1][1]["fraction"] >= 0.99
+    assert "new inputs" not in capfd.readouterr().err
+    fraction = _budget(mod, calls)
+    for kind, rep, held, keep_all in calls[1:]:
+        assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
+        assert rep["budget_bytes"] <= 1.05 * fraction * keep_all, rep

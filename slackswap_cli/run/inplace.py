@@ -39,6 +39,8 @@ class _Table:
     borrowed = False
     pack_reserve: list[int] | None = None
     scale = 1.0
+    fraction: float | None = None   # borrowed, limit not settled: of the keep-all bytes
+    limit_made_at = 0               # (then: the limit at the shapes it was made for)
 
     def __init__(self, table: dict, budget_bytes: int | None = None):
         self.table = table
@@ -62,7 +64,7 @@ class _Table:
     def borrow(self) -> "_Table":
         """This plan for other input shapes: the same table, its byte figures its own."""
         got = copy.copy(self)
-        got.borrowed = True
+        got.borrowed, got.pack_reserve = True, None
         return got
 
 
@@ -119,6 +121,7 @@ class _Patched:
         self.fast_plans: dict[tuple, tuple] = {}    # shapes, dtypes, device -> (plan, sig)
         self.hot: dict[tuple, tuple] = {}           # the same key -> (plan, sig, template)
         self.first_at: dict[tuple, tuple] = {}      # new shapes -> (template, Scale) to follow
+        self.keep_all: dict[tuple, int] = {}        # signature -> bytes a keep-all run holds
         params = meta.get("params") or [[None, None, "torch.float32"]]
         profiled = (meta.get("device_type", "cpu"), params[0][2].removeprefix("torch."),
                     *((tuple(shape), dtype.removeprefix("torch."))
@@ -234,10 +237,11 @@ class _Patched:
         """A plan for new input shapes without a trace (`shape_run.py`): the plan of a
         signature that differs from `sig` only in its shapes (same device, dtypes and ranks)
         and whose first call made a template, borrowed; the first call at `sig` follows that
-        template (`self.first_at`). None when no such signature has a template yet."""
-        for other, plan in self.plans.items():
-            if plan is None or plan.borrowed or not _alike(other, sig):
-                continue
+        template (`self.first_at`). Where no such signature has a template yet but one has a
+        plan and a recorded call, that plan, recorded at `sig`. None when neither."""
+        alike = [(other, plan) for other, plan in self.plans.items()
+                 if plan is not None and plan.fraction is None and _alike(other, sig)]
+        for other, plan in alike:
             tpl = self._template(other)
             if tpl is None:
                 continue
@@ -248,6 +252,17 @@ class _Patched:
                 self.first_at[sig] = (tpl, Scale([s for s, _ in other[2:]],
                                                  [s for s, _ in sig[2:]]))
             return got
+        for other, plan in alike:
+            # no template yet (its plan was just made): the first call at `sig` is recorded
+            # on that plan, its limit scaled by the inputs' sizes until the call has counted
+            # what a keep-all run holds here (then the plan's fraction of it)
+            made_at = self.keep_all.get(other)
+            if made_at and plan.limit is not None:
+                got = self.plans[sig] = plan.borrow()
+                ratio = _size_ratio(other, sig)
+                got.fraction, got.limit_made_at = plan.limit / made_at, plan.limit
+                got.limit, got.scale = int(plan.limit * ratio), ratio
+                return got
         return None
 
     def forward(self, *args, **kwargs):
@@ -301,6 +316,11 @@ class _Patched:
             self.remove_hooks()      # off the model until the next full record
         self.last_run = run
         self.templates[sig] = (run, self._fingerprint())
+        self.keep_all[sig] = run.saved_bytes
+        if plan.fraction is not None:     # borrowed, no template followed: settle its limit
+            plan.limit = int(plan.fraction * run.saved_bytes)
+            plan.scale = plan.limit / plan.limit_made_at
+            plan.fraction = None
         rep = self._check_run(run, sig)
         self._follow_branches(run, sig, args, kwargs, rep)
         return out
@@ -563,6 +583,20 @@ def _alike(a: tuple, b: tuple) -> bool:
     input's dtype and rank the same)?"""
     return a[:2] == b[:2] and len(a) == len(b) and all(
         x[1] == y[1] and len(x[0]) == len(y[0]) for x, y in zip(a[2:], b[2:]))
+
+
+def _size_ratio(a: tuple, b: tuple) -> float:
+    """How much bigger `b`'s largest input is than `a`'s (elements): a first guess at how
+    activation bytes scale from `a` to `b`."""
+    def numel(shape) -> int:
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+    big = max(range(len(a) - 2), key=lambda i: numel(a[2 + i][0]), default=None)
+    if big is None or not numel(a[2 + big][0]):
+        return 1.0
+    return numel(b[2 + big][0]) / numel(a[2 + big][0])
 
 
 def _shapes(sig: tuple) -> str:

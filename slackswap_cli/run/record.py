@@ -217,6 +217,7 @@ class PlanRun:
         # what a keep-all run would hold: each storage this forward made that autograd saved,
         # once (a plan at other shapes is scaled by it: `shape_run.py`)
         self.saved_keys = Storages()
+        self.saved_bytes = 0
         self.values: list = []      # values Python read of tensors, in order (`branches.py`)
 
     # -- forward: recording and alignment ------------------------------------------------
@@ -438,7 +439,9 @@ class PlanRun:
         if key in self.saved_keys or key in self.external:
             return 0
         self.saved_keys.add(x)
-        return rt.storage_bytes(x)
+        n = rt.storage_bytes(x)
+        self.saved_bytes += n
+        return n
 
     def _unplaced(self, x: torch.Tensor, loc, note: list):
         """A saved tensor the plan cannot place: kept while the guard admits it, else swapped
