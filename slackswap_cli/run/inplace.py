@@ -467,6 +467,11 @@ class _Patched:
                      f"{rep['held_bytes'] / rep['budget_bytes']:.2f}x the budget of "
                      f"{fmt_bytes(rep['budget_bytes'])}"
                      + (" (what the plan itself keeps is over it)" if over else ""))
+        if rep.get("borrowed") and not low:
+            self._say_capped("run", f"{text}. The plan was made at other shapes: the guard "
+                             "holds it to the budget at these (model.forward.__slackswap__"
+                             ".last_report has each call's figures)")
+            return rep
         self._say_capped("run", f"{text}. The run took another path than the profiled trace "
                          "(other shapes, routing, device or dtype, or a library that branches "
                          "otherwise under fake tensors than in eager): re-profile at these "
