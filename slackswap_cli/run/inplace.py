@@ -15,6 +15,7 @@ copy of a patched model is patched too, for its own parameters.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.utils._pytree as pytree
@@ -259,7 +260,9 @@ class _Patched:
             made_at = self.keep_all.get(other)
             if made_at and plan.limit is not None:
                 got = self.plans[sig] = plan.borrow()
-                ratio = _size_ratio(other, sig)
+                old = [shape for shape, _ in other[2:]]
+                big = max(old, key=math.prod, default=())     # (its elements: a first guess)
+                ratio = Scale(old, [shape for shape, _ in sig[2:]]).ratio(big)
                 got.fraction, got.limit_made_at = plan.limit / made_at, plan.limit
                 got.limit, got.scale = int(plan.limit * ratio), ratio
                 return got
@@ -588,20 +591,6 @@ def _alike(a: tuple, b: tuple) -> bool:
     input's dtype and rank the same)?"""
     return a[:2] == b[:2] and len(a) == len(b) and all(
         x[1] == y[1] and len(x[0]) == len(y[0]) for x, y in zip(a[2:], b[2:]))
-
-
-def _size_ratio(a: tuple, b: tuple) -> float:
-    """How much bigger `b`'s largest input is than `a`'s (elements): a first guess at how
-    activation bytes scale from `a` to `b`."""
-    def numel(shape) -> int:
-        n = 1
-        for d in shape:
-            n *= d
-        return n
-    big = max(range(len(a) - 2), key=lambda i: numel(a[2 + i][0]), default=None)
-    if big is None or not numel(a[2 + big][0]):
-        return 1.0
-    return numel(b[2 + big][0]) / numel(a[2 + big][0])
 
 
 def _shapes(sig: tuple) -> str:
