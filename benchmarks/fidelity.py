@@ -4,7 +4,7 @@ For each model (small configurations of the shipped examples: our tiny GPT, Hugg
 BERT and Llama, and a BatchNorm CNN) and each budget, this profiles the step with fake tensors
 on the `a100-pcie4` roofline, plans it with `slackswap`, applies the plan, and runs
 `verify` (CPU here, CUDA where present), which measures activation memory op by op
-(`trace.memtrace`) and aligns it with the simulator's timeline. Per row:
+(`run/memtrace.py`) and aligns it with the simulator's timeline. Per row:
 
 - `predicted_peak_bytes`: the plan's own prediction (its hardware, copies taking PCIe time);
 - `predicted_device_peak_bytes`: the same decisions re-simulated with copies as this device
@@ -17,7 +17,7 @@ on the `a100-pcie4` roofline, plans it with `slackswap`, applies the plan, and r
 
 Writes `<out>/fidelity.json` and `<out>/fidelity.md`.
 
-`--step-time` (issue 30, item 7) measures instead how well the simulator predicts the step time
+`--step-time` measures instead how well the simulator predicts the step time
 `patch(model)` costs over eager on this CPU: the tiny GPT and Llama of
 `benchmarks/cpu_timing.py` (larger than the ones above, so ops outweigh Python), profiled with
 `--device cpu` (each op timed here) on a hardware file of this CPU whose host link is at its

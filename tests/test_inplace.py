@@ -241,11 +241,11 @@ def test_another_input_shape_is_planned_for_once_and_trains_exactly(files, tmp_p
 
 def test_without_replanning_another_shape_runs_unplanned_and_says_so(files, tmp_path, capfd):
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.4)
-    from slackswap_cli.run import inplace as replay
+    from slackswap_cli.run import inplace
     from slackswap_cli.trace.workload import load_workload as load
     eager = load(str(files["tiny_gpt"]), args={"batch": 3})
     work = load(str(files["tiny_gpt"]), args={"batch": 3})
-    model = replay.patch(work.model, mod.META, mod.TABLE, replan=False)
+    model = inplace.patch(work.model, mod.META, mod.TABLE, replan=False)
     want, _, _ = train(eager.model, eager, steps=2)
     got, _, _ = train(model, work, steps=2)
     assert got == want

@@ -160,9 +160,9 @@ def test_eager_peak_matches_keep_all_without_dropout(tmp_path):
 
 
 def test_no_kept_root_is_held_past_its_last_use(tiny_profile, tmp_path):
-    """The divergence this check found: partition stored a root whose views backward took
-    instead, and the store held it until the step ended. Now every kept value is taken, and
-    verify finds nothing held past its last use."""
+    """The divergence this check found: the written-out step (`run/step_code.py`) stored a root
+    whose views backward took instead, and the store held it until the step ended. Now every
+    kept value is taken, and verify finds nothing held past its last use."""
     prof = tiny_profile
     path, plan = patched_file(prof, 0.5, tmp_path, "raw.py")
     src = path.read_text()
@@ -256,7 +256,7 @@ def test_measured_peak_within_5_percent_of_predicted(name, tmp_path):
             assert r.measured_peak_bytes <= 1.05 * plan.budget_bytes, (name, fraction)
 
 
-# -- issue 24: the in-place path's memory, a changed model, an emptied META, progress ----------
+# -- the in-place path's memory, a changed model, an emptied META, progress ------------------------
 DROPOUT_MLP = '''
 import torch, torch.nn as nn, torch.nn.functional as F
 class MLP(nn.Module):

@@ -25,7 +25,7 @@ floats), buffers within the gradient tolerance, and measured memory at most 5% a
 budget (the report names the quantity compared), for the whole-step module and for the model
 patched in place (what training runs: the bytes it holds for backward after forward); an
 in-place excess names its cause where it is known (a profile made for another device, planned
-recomputes the replay kept).
+recomputes the in-place run kept).
 
 The jobs, one module each: `verify_steps` (the two models stepped and compared),
 `verify_timeline` (memory op by op against the simulator), `verify_memory` (does it fit, why a

@@ -92,7 +92,7 @@ def inplace_memory_reason(inplace: dict, budget: int, meta: dict, device: str) -
     """Why the model patched in place holds more after forward than the plan's budget allows
     (None: within 5%), with the cause where it is known: a profile made for another device
     (a `--device fake` profile is CUDA's: its dropout masks and kernels' workspace are not a
-    CPU's), or planned recomputes the replay kept (their chains did not line up or cannot be
+    CPU's), or planned recomputes the in-place run kept (their chains did not line up or cannot be
     re-run)."""
     held = inplace["held_bytes_after_forward"]
     if not (budget > 0 and held > budget * (1 + MEMORY_TOLERANCE)):
