@@ -1,5 +1,5 @@
 """compile_planned on the four small models: does the compiled graph carry the plan out, and
-does it train like eager? (issue 20, items 3 and 4; CPU).
+does it train like eager? (CPU).
 
 For tiny GPT (dropout on), HF GPT-2 (dropout on), Llama and the BatchNorm CNN, profiled with
 fake tensors and planned by slackswap at 0.3/0.5/0.7 of the keep-all peak, `verify --compile`

@@ -1,4 +1,4 @@
-"""compile_planned against plain torch.compile and eager, per backend (issue 20, item 3; CPU).
+"""compile_planned against plain torch.compile and eager, per backend (CPU).
 
 For each model (tiny GPT with dropout, HF GPT-2 with dropout, HF Llama, the BatchNorm CNN;
 `tests/workloads.py`), profiled with fake tensors and planned by slackswap at 0.5 of its

@@ -1,4 +1,4 @@
-"""Issue 22, item 3: how long the whole `slackswap fit` takes.
+"""How long the whole `slackswap fit` takes.
 
 - Llama-7B-style (`examples/llama_7b.py`, seq 4096) on h100-pcie5, batch 1,2,4,8,16
   (target: 90 s);

@@ -1,4 +1,4 @@
-"""Issue 22, item 4: the best `fit` row against the best row of every baseline and every other
+"""The best `fit` row against the best row of every baseline and every other
 planner, on the four sample workloads, on a100-pcie4 with 40 GiB and h100-pcie5 with 80 GiB.
 
 Each (workload, batch) is profiled once with fake tensors (costed on h100-pcie5; batches after

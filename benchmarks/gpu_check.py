@@ -272,7 +272,7 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
 
 
 # --------------------------------------------------------------------------------------------
-# The library API (issue 33): plan_model + patch in the training process
+# The library API: plan_model + patch in the training process
 # --------------------------------------------------------------------------------------------
 def run_library_api(hw, args: dict, fractions: list[float], cuda: bool, steps: int,
                     seed: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""What the in-place patch costs per forward op, as ratios measured in one run (issue 21).
+"""What the in-place patch costs per forward op, as ratios measured in one run.
 
 Interleaved in one process on one thread, min over many rounds of one training step each
 (forward + backward, timed as this thread's CPU time: on one thread CPU autograd runs
@@ -35,7 +35,7 @@ storage it copied to the host; each round then executes exactly those calls in a
 a preallocated host buffer and the copy back into a freshly allocated tensor (the pool reuses
 host buffers; memory freed in forward must be allocated again in backward). The bookkeeping is
 the patch-0.5 steady extra time less that work, per forward op, and is compared with the
-pass-through dispatch mode's extra time (the issue's target). (The bare replay runs its ops back
+pass-through dispatch mode's extra time (the target). (The bare replay runs its ops back
 to back on warm caches, so if anything it is faster than the same ops inside backward: the
 bookkeeping is, if anything, overstated.)
 

@@ -1,5 +1,4 @@
-"""compile_planned against torch.compile's own activation_memory_budget, measured on this CPU
-(issue 30, item 6).
+"""compile_planned against torch.compile's own activation_memory_budget, measured on this CPU.
 
 For each model (`cpu_timing.MODELS`: tiny GPT 4 x 256, seq 256, and a small Hugging Face Llama;
 fp32) profiled with `--device cpu` on a hardware file of this CPU whose host link is at its

@@ -1,4 +1,4 @@
-"""The library face (issue 33): `plan_model`, `patch`, `compile`, `Plan.save` and the Hugging
+"""The library face: `plan_model`, `patch`, `compile`, `Plan.save` and the Hugging
 Face Trainer callback, from a training script, on the CPU (fake tensors and device="cpu")."""
 import json
 import re

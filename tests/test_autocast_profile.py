@@ -140,7 +140,7 @@ def test_unknown_device_is_refused_with_the_choices(tmp_path):
 
 
 def test_fake_cpu_bf16_profile_with_dropout_verifies_on_cpu(tmp_path):
-    """The issue's case: a fake bf16 profile of a model with dropout, planned, applied and
+    """A fake bf16 profile of a model with dropout, planned, applied and
     verified on this CPU. `fake:cpu` traces CPU dropout, so the plan's gradients equal eager's."""
     path = write(tmp_path)
     args = ["--arg", "dropout=0.1", "--arg", "dtype=bfloat16"]

@@ -67,7 +67,7 @@ def twin(path):
 
 
 def assert_carries_out_the_plan(report):
-    """Item 4 against the whole plan: every forward op lines up; saved + offloaded within 2% of
+    """Against the whole plan: every forward op lines up; saved + offloaded within 2% of
     the plan's kept + swapped and offloaded equal to swapped, both at the sizes the graph holds
     the roots in (only dropout masks differ: bool for the profile's float noise) and without
     the roots whose ops the partitioner's CSE merged; recomputed ops within the chains."""
@@ -119,9 +119,10 @@ def test_aot_eager_trains_bitwise_like_eager_and_carries_out_the_plan(name, frac
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_gqa", "qwen2_gqa"])
 def test_grouped_query_attention_lines_up_and_offloads_what_the_plan_swaps(name, files,
                                                                            tmp_path):
-    """Item 5 with aot_eager: Llama, Mistral and Qwen2 with 4 key/value heads for 8 (profiled
-    for the CPU, as users profile without a GPU) at 0.5: every forward op lines up (repeat_kv's
-    expand, clone and _unsafe_view too) and the graphs offload exactly the plan's swaps."""
+    """Grouped-query attention with aot_eager: Llama, Mistral and Qwen2 with 4 key/value heads
+    for 8 (profiled for the CPU, as users profile without a GPU) at 0.5: every forward op lines
+    up (repeat_kv's expand, clone and _unsafe_view too) and the graphs offload exactly the plan's
+    swaps."""
     prof = profiled(files, name, device="fake:cpu")
     path = write_patched(tmp_path, plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"]),
                          prof)
@@ -134,8 +135,8 @@ def test_grouped_query_attention_lines_up_and_offloads_what_the_plan_swaps(name,
                                   pytest.param("qwen2_gqa", marks=SLOW)])
 def test_grouped_query_attention_under_inductor_lines_up_every_forward_op(name, files,
                                                                           tmp_path):
-    """Item 5 with inductor, GQA Llama (Mistral and Qwen2 with SLACKSWAP_SLOW=1): every
-    forward op lines up (inductor's joint-graph pass
+    """Grouped-query attention with inductor, GQA Llama (Mistral and Qwen2 with
+    SLACKSWAP_SLOW=1): every forward op lines up (inductor's joint-graph pass
     rewrites nll_loss's backward into new untagged nodes - iota, eq, two scalar_tensors - that
     read only the labels: backward's, not forward ops), the graphs offload exactly the swaps
     backward reads, and verify passes."""
@@ -224,7 +225,7 @@ def test_a_graph_break_splits_the_plan_between_the_graphs(tmp_path, capfd):
 
 
 def test_a_recompile_is_its_own_graph_set_never_summed_into_the_step(files, tmp_path):
-    """Item 1: HF ViT recompiles at the second step (its loss sets config.problem_type, a
+    """A recompile: HF ViT recompiles at the second step (its loss sets config.problem_type, a
     guard); verify --compile judges the first step's graph once: its saved plus offloaded
     equal the plan's in-graph figures once (not twice), and the recompile is reported on its
     own (the whole model again: judged like the step). A graph break's two graphs at two
@@ -247,7 +248,7 @@ def test_a_recompile_is_its_own_graph_set_never_summed_into_the_step(files, tmp_
     assert (rc["saved_bytes"], rc["offloaded_bytes"]) == (c["saved_bytes"], c["offloaded_bytes"])
     assert any("recompile" in n for n in report["notes"])
     from slackswap_cli.cli.render import verify_compiled_view
-    text = verify_compiled_view(report, "aot_eager").plain      # item 3: the figures named
+    text = verify_compiled_view(report, "aot_eager").plain      # the figures named
     assert "1 graph(s) of the step" in text and "recompile 1 (" in text
     assert "plan: the whole plan's kept and swapped bytes" in text and "in graph: the same" in text
     assert "held in another size (a dropout mask: a 1-byte bool" in text
@@ -329,7 +330,7 @@ def test_inductor_compile_offloads_and_matches_eager_and_plain_torch_compile(fil
 
 def test_inductor_passes_a_correct_plan_on_bert_whose_key_biases_have_no_gradient(files,
                                                                                  tmp_path):
-    """Item 2: BERT's attention key biases have a true gradient of 0; inductor and eager give
+    """Tolerance: BERT's attention key biases have a true gradient of 0; inductor and eager give
     them rounding-level gradients that AdamW turns into lr-sized steps, so parameters after 3
     steps differ from eager by ~1e-3 for plain torch.compile itself. A correct plan is no
     further from eager than torch.compile is: it passes."""
@@ -343,7 +344,7 @@ def test_inductor_passes_a_correct_plan_on_bert_whose_key_biases_have_no_gradien
 
 
 def test_inductor_fails_a_wrong_plan_on_bert(files, tmp_path):
-    """Item 2, the other side: on the same BERT plan, a wrong tag (a swapped root tagged kept
+    """The tolerance's other side: on the same BERT plan, a wrong tag (a swapped root tagged kept
     in the graph table) and gradients off by 1e-3 (what a wrong recompute would give; the
     corruption test_verify uses) each fail, while torch.compile is ~1e-7 from eager there."""
     prof = profiled(files, "bert")
@@ -410,7 +411,7 @@ def _value_reasons_of(diffs, **change):
 
 
 def test_inductor_values_are_judged_against_torch_compiles_own_distance_from_eager():
-    """Item 2: with inductor, compile_planned passes per kind when bitwise equal to plain
+    """With inductor, compile_planned passes per kind when bitwise equal to plain
     torch.compile, or no further from eager than RATIO_TO_REFERENCE times torch.compile's own
     distance plus the fp32 tolerance (BERT's key biases: parameters ~1e-3 from eager for
     both); step-1 gradients as well as parameters after the last step."""
@@ -456,10 +457,10 @@ def assert_trains_as_plain_torch_compile(mod, path):
 @SLOW
 @pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "llama", "cnn"])
 def test_inductor_trains_as_plain_torch_compile(name, files, tmp_path):
-    """Item 3 with inductor: compile_planned trains as plain torch.compile does (3 AdamW
+    """Training with inductor: compile_planned trains as plain torch.compile does (3 AdamW
     steps, losses, parameters and buffers within INDUCTOR_VS_COMPILE). (Inductor decomposes
     layer norm, softmax and the loss before partitioning, so its backward reads other values
-    than the profile's ops do: the byte checks of item 4 are aot_eager's.)"""
+    than the profile's ops do: the byte checks (assert_carries_out_the_plan) are aot_eager's.)"""
     prof = profiled(files, name)
     plan = plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"])
     path = write_patched(tmp_path, plan, prof)

@@ -1,4 +1,4 @@
-"""Exact gradients on model kinds the other apply tests do not cover (issue 9, items 1-6).
+"""Exact gradients on model kinds the other apply tests do not cover.
 
 Each tiny model goes profile -> plan -> apply -> verify, and must match eager PyTorch within
 `verify`'s tolerances (or be refused cleanly):
@@ -201,7 +201,7 @@ def test_a_hand_written_rng_replay_is_refused_at_profile(files):
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_rnn_fake_profile_is_refused_and_cpu_applies_exactly(files, tmp_path, kind):
     # the CPU LSTM kernel (oneDNN) keeps a workspace a fake trace cannot see (empty under
-    # FakeTensorMode): refused, with the way that works (issue 24, item 7); the CPU GRU runs
+    # FakeTensorMode): refused, with the way that works; the CPU GRU runs
     # as plain ops, which a fake trace sees as they are
     cpu = profile_workload(str(files["rnn"]), args={"kind": kind}, device="cpu")
     for device in ("fake", "fake:cpu"):

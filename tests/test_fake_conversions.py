@@ -172,7 +172,7 @@ def test_real_cpu_to_bf16_still_works_and_matches_a_fake_cpu_trace(tmp_path):
 
 @pytest.mark.slow
 def test_llama_written_with_to_bf16_profiles_plans_applies_and_verifies(tmp_path):
-    """The issue's case, tiny: `LlamaForCausalLM(config).to(torch.bfloat16)` profiled with
+    """A tiny `LlamaForCausalLM(config).to(torch.bfloat16)` profiled with
     --device fake (exit 3 before), planned at half its peak, applied and verified on this CPU."""
     pytest.importorskip("transformers")
     tiny = ["--arg", "n_layer=1", "--arg", "hidden=32", "--arg", "n_head=2",

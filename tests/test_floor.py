@@ -1,4 +1,4 @@
-"""The budget floor is exact, on random small profiles (issue 9, item 5).
+"""The budget floor is exact, on random small profiles.
 
 - no plan has a least peak below the floor (`min_peak_bytes` of random decisions);
 - the swap-everything plan fits every budget from the floor up;

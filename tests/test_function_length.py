@@ -1,4 +1,4 @@
-"""Functions fit a screen: none in slackswap_cli/ runs over 80 lines (issue 23, item 4).
+"""Functions fit a screen: none in slackswap_cli/ runs over 80 lines.
 
 A function is counted from its `def` line to its last line, docstring, comments and blank
 lines included (nested functions count toward the function around them too).

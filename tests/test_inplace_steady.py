@@ -1,5 +1,5 @@
 """patch: later calls at the same signature run on saved-tensor hooks alone (steady state), and
-what users do to a patched model (issue 24 items 1, 4 and 9, in place).
+what users do to a patched model (in place).
 
 The first call at a signature records every op; the calls after it follow that call's pack
 decisions by position and give bitwise the eager losses, gradients and buffers, with the same

@@ -1,4 +1,4 @@
-"""Models users bring that the team did not write (issue 24, items 2, 5, 6, 7).
+"""Models users bring that the team did not write.
 
 - built with `copy.deepcopy` (every `nn.TransformerEncoder` clones its layer): profiles with
   fake, fake:cpu and cpu alike, applies, and trains bitwise equal under `patch(model)`;
@@ -165,7 +165,7 @@ def trains_bitwise_like_eager(path, mod, args=None):
     return run
 
 
-# -- item 2: models built with copy.deepcopy -----------------------------------------------------
+# -- models built with copy.deepcopy ---------------------------------------------------------------
 _PROFILES: dict = {}
 
 
@@ -200,7 +200,7 @@ def test_deepcopy_built_model_profiled_on_cpu_applies(files, tmp_path):
     trains_bitwise_like_eager(files["encoder_lm"], mod)
 
 
-# -- item 5: ConvNeXt at its default depths ------------------------------------------------------
+# -- ConvNeXt at its default depths ----------------------------------------------------------------
 @pytest.mark.slow
 def test_convnext_default_depths_profiles_with_fake_tensors(files):
     prof = profile_workload(str(files["convnext"]), device="fake", hardware=HW)
@@ -214,7 +214,7 @@ def test_convnext_default_depths_profiles_with_fake_tensors(files):
     assert len(dropping) == 17 and "convnext.encoder.stages.0.layers.0" not in dropping
 
 
-# -- item 6: mixture of experts ------------------------------------------------------------------
+# -- mixture of experts ----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_mixtral_default_experts_profile_and_train_patched_bitwise(files, tmp_path, capfd):
     """The default experts call `_grouped_mm`, whose shape rule takes bf16 only: fp32 traces,
@@ -264,7 +264,7 @@ def test_sparse_moe_profiled_on_cpu_trains_patched_on_other_routings(files, tmp_
     assert lined[0] == n_ops and min(lined[1:]) < n_ops, (lined, n_ops)   # other routings
 
 
-# -- item 7: RNN kernels' workspace --------------------------------------------------------------
+# -- RNN kernels' workspace ------------------------------------------------------------------------
 def test_lstm_fake_profile_is_refused_with_a_hint_to_profile_on_the_device(files, tmp_path):
     from helpers import assert_clean_error
     from typer.testing import CliRunner
