@@ -1,19 +1,9 @@
 """The run side: carrying a plan out on the real model, and checking that it was.
 
-    emit.py       plan -> the patched module file (`slackswap apply`); load_patched
-    inplace.py    `patch(model)`: the plan carried out inside the model's own forward (what
-                  users train with): op recorder, saved-tensor hooks, replay of chains
-    step_code.py  the joint graph split by the plan's layout, written as a forward step and a
-                  backward step (Python source in the emitted file)
-    step.py       `step_module(model)`: runs those two steps as one autograd node
-    swap.py       the swap engine both runtimes use: host pool, side streams, StepStore
-    replan.py     a plan for new input shapes, from inside a patched model
-    memtrace.py   activation memory measured op by op (verify, benchmarks)
-    verify.py     original vs patched: runs the checks below in order, the VerifyReport
-    verify_steps.py     the two models stepped side by side; losses, gradients, buffers
-    verify_timeline.py  memory op by op, aligned with the simulator's prediction
-    verify_memory.py    does the run fit here; why a measured peak fails the budget
-    verify_inplace.py   the model patched in place against eager
+The modules, one line each, are listed in docs/design.md, section 3 (the one list of the
+layout): the emitted file (emit.py), the plan inside the model's own forward (inplace.py and the
+modules it runs: record, steady, shape_run, swap), the written-out step (step_code.py, step.py),
+torch.compile (compiled.py, sac.py) and the checks (verify*.py).
 
 Everything here imports torch; the planning core (schema, simulate, planners, ...) never imports
 this package (tests/test_torch_free.py).
