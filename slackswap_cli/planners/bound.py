@@ -76,14 +76,14 @@ memory and is ignored.
 
 Rows (e) are what make the bound tight on transformers: without them the LP lets the
 offloads still queued at the end of forward run during all of backward's recompute, even at
-the first backward op (BERT-Large at 0.5: 94.02% without, 93.37% with).
+the first backward op (docs/results.md, "Figures behind the planners' design", has the
+figures of this section).
 
-**Where it is loose.** On the ResNet-50 sample it stays 0.06-0.21 points above slackswap's
-plans, and 0.16 above the best plan found at 0.5 (`optimal`'s, 93.57%). Tried, at 0.5:
-integer decisions (a MILP over the same rows: 93.71% at best, against 93.73%), rows at every
-window start (93.70%, 4x the rows), and rows with the D2H queue's order (a root is copied only after
-every swapped root queued before it, copies of roots forward still reads take engine time
-too) at every over-budget op (93.70%, 30x the rows). What the LP still leaves out: chain
+**Where it is loose.** On the ResNet-50 sample it stays a few tenths of a point above the
+best plans. Tried, and no tighter: integer decisions (a MILP over the same rows), rows at every
+window start, and rows with the D2H queue's order (a root is copied only after every swapped
+root queued before it, copies of roots forward still reads take engine time too) at every
+over-budget op. What the LP still leaves out: chain
 temporaries and chains pulling inputs back early (ResNet's conv-BN-ReLU chains allocate
 temporaries as large as the tensors they recompute), the duplex derate, and that each row
 may assume its own set of finished copies.
@@ -278,7 +278,7 @@ def sound_bound(prof: Profile, hw: HardwareSpec, budget_bytes: int,
 
     With `time_limit_s` the LP may stop unsolved (an unfinished LP proves nothing). So under a
     limit a coarser LP comes first, without rows (e) (still sound, looser, several times
-    faster: Llama-7B at 0.3 in about 6 s against 24 s), given at most `COARSE_SHARE` of the
+    faster: docs/results.md), given at most `COARSE_SHARE` of the
     limit; the full LP gets the rest, and the coarse bound is returned, said in its message,
     when the full one does not finish. When neither finishes, `retention` is None."""
     key = (tuple(sorted(hw.to_dict().items())), int(budget_bytes))

@@ -29,18 +29,16 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   round's plan fits the static model, spills past forward's end and simulates without any
   stall, the next round does not charge that much spill (`free_spill_us`), its windows widen
   to that plan's queue, and HiGHS starts from that plan (a MIP start, so the round ends no
-  worse than it in the model). On Llama-7B at 0.3 the first round charges 125 us for a spill
-  nothing waits on (its objective 0.27% above the simulation); the second round's optimum is
-  the same plan at its simulated cost (0.00%).
+  worse than it in the model): a spill nothing waits on is charged by the first round only
+  (design.md, section 7, has the Llama-7B case).
 - **Not modelled**: stalls that shift later ops, the duplex derate, the delay a swap adds to
   the copies queued behind it, and chains pulling evicted inputs back early (their memory).
   A plan that still overflows is repaired in the static model of `common` (extra recompute)
   and the simulator judges it; notes give the MILP's objective, its proven lower bound (on
   this model, not on the simulator: a plan can beat it) and gap, and how far the simulation
-  of the MILP's own plan is from its objective (the model's error on that plan: 0.00% in
-  the 11 sample runs of `benchmarks/results/local_search.md` where the MILP has a plan within
-  30 s; an earlier time-limited GPT-2 XL 0.3 plan was at -1.70%, a spill charged whose round
-  after had no time to run).
+  of the MILP's own plan is from its objective (the model's error on that plan: column "MILP
+  error" of `benchmarks/results/local_search.md`; a time limit can cut off the round that
+  would stop charging a spill).
   The MILP's plan then gets
   slackswap's last pass, `polish` (moves of one or two
   decisions the simulator judges better). When the MILP has no answer in time, or the

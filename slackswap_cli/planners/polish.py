@@ -27,12 +27,12 @@ when everything else is at hand):
 left (small profiles, or plans the moves above settle quickly), the rest of the allowance goes
 to first-improvement passes over a plain local search's moves (`neighbourhood`: every 1-move,
 and exchanges between tensors of neighbouring sizes, the same moves `local_search` measures
-planners with), each simulated. On the tiny GPT at 0.3 this finds a kept tensor swapped in
-exchange for a recompute kept (87.9% to 89.5%); on the four samples the allowance is spent or
-the moves above already left a local optimum of this neighbourhood.
+planners with), each simulated (docs/results.md, "Figures behind the planners' design", has
+what it finds on the tiny GPT); on the four samples the allowance is spent or the moves above
+already left a local optimum of this neighbourhood.
 
 **Filter.** A plan's step is its ideal time plus recompute time plus stalls, so a move whose
-recompute time (exact, from `simulate.static_costs`: one static pass, about 0.4 of a
+recompute time (exact, from `simulate.static_costs`: one static pass, `STATIC_SHARE` of a
 simulation) is not below the current plan's overhead, or whose least peak is over the
 budget, cannot help and is not simulated; a simulation gives up once its stalls leave no
 room to win. A recompute that becomes a swap skips the static pass (its recompute time only
@@ -59,10 +59,10 @@ from ..hardware import HardwareSpec
 from ..schema import Action, Decision, Profile
 
 KEEP, SWAP, RECOMPUTE = Action.KEEP, Action.SWAP, Action.RECOMPUTE
-WORK_OPS = 300_000        # default allowance in op-visits: about 0.4 s on the Llama-7B sample
+WORK_OPS = 300_000        # default allowance in op-visits (its time: docs/results.md)
 MIN_SIMULATIONS = 1_000   # ... but at least this many simulations' worth on a profile of
 SMALL_OPS = 1_000         # at most this many ops (a simulation there takes under a millisecond)
-STATIC_SHARE = 0.4        # a static pass's cost in simulations (measured: 0.37-0.51 on the samples)
+STATIC_SHARE = 0.4        # a static pass's cost in simulations (measured: docs/results.md)
 
 
 @dataclass(frozen=True)
