@@ -40,15 +40,15 @@ from slackswap_cli.fit import profiles as fit_profiles  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.profile_build import recost  # noqa: E402
 from slackswap_cli.trace.static_memory import Profiler  # noqa: E402
+from slackswap_cli.units import GIB  # noqa: E402
 
-GiB = 1024 ** 3
 WORKLOADS = {          # example -> (batches, shard on the 40 GiB A100)
     "llama_7b": ([1, 2, 4], 2),
     "gpt2_xl": ([4, 8, 16, 32], 1),
     "bert_large": ([16, 32, 64, 128], 1),
     "resnet50": ([64, 128, 256, 512], 1),
 }
-DEVICES = {"a100-pcie4": 40 * GiB, "h100-pcie5": 80 * GiB}
+DEVICES = {"a100-pcie4": 40 * GIB, "h100-pcie5": 80 * GIB}
 FIT = "slackswap"
 OTHERS = [*BASELINES, "optimal", "swap-all", "checkpoint-layers (any k)"]
 
@@ -92,7 +92,7 @@ def main() -> None:
                 raise SystemExit(f"{name} batch {b}: {how}")
             profiles[b] = (prof, facts)
         for hw_name, memory in DEVICES.items():
-            s = settings(hw_name, memory, shard40 if memory == 40 * GiB else 1)
+            s = settings(hw_name, memory, shard40 if memory == 40 * GIB else 1)
             costed = {b: (recost(p, s.hardware), f) for b, (p, f) in profiles.items()}
             sweeps = {kind: rows_for(kind, costed, s) for kind in [FIT, *OTHERS]}
             best = {k: best_row(r) for k, r in sweeps.items()}
@@ -124,7 +124,7 @@ def markdown(out: dict) -> str:
              "(`benchmarks/fit_table.py`).", "", head,
              "|" + "---|" * (len(kinds) + 3)]
     for e in out["results"]:
-        dev = f"{e['hardware']} {e['memory_bytes'] // GiB} GiB" + (
+        dev = f"{e['hardware']} {e['memory_bytes'] // GIB} GiB" + (
             f", shard {e['shard']}" if e["shard"] > 1 else "")
         cells = []
         for k in kinds:

@@ -24,8 +24,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGET_S, TARGET_RSS_BYTES = 60.0, 2 * 1024**3
-TARGETS = {"llama_70b": (120.0, 3 * 1024**3)}     # (wall s, peak RSS bytes) where not the above
+sys.path.insert(0, str(ROOT))
+from slackswap_cli.units import GIB, MIB  # noqa: E402
+
+TARGET_S, TARGET_RSS_BYTES = 60.0, 2 * GIB
+TARGETS = {"llama_70b": (120.0, 3 * GIB)}     # (wall s, peak RSS bytes) where not the above
 
 CHILD = r"""
 import json, resource, sys, time
@@ -75,7 +78,7 @@ def main() -> None:
         r = run_one(ex)
         report["results"][ex] = r
         print(f"{ex}: {r['wall_s']:.1f} s wall (profile {r['profile_s']:.1f} s), "
-              f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, {r['n_ops']} ops, "
+              f"peak RSS {r['peak_rss_bytes'] / MIB:.0f} MiB, {r['n_ops']} ops, "
               f"{r['n_tensors']} tensors, within target: {r['within_target']}")
     path = Path(opts.o)
     path.parent.mkdir(parents=True, exist_ok=True)

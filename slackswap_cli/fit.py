@@ -55,10 +55,7 @@ from .errors import InputError, SlackswapError
 from .hardware import HardwareSpec
 from .planners import DEFAULT_PLANNER
 from .schema import Action, Decision, Plan, Profile
-from .units import fmt_bytes
-
-MiB = 1024 ** 2
-GiB = 1024 ** 3
+from .units import GIB, MIB, fmt_bytes
 
 # optimizer -> (state tensors per trainable parameter, each like the parameter; has a step counter)
 OPTIMIZERS: dict[str, tuple[int, bool]] = {
@@ -147,7 +144,7 @@ def static_memory(facts: ModelFacts, optimizer: str = "adamw", *, shard: int = 1
 
 def default_reserve(memory_bytes: int) -> int:
     """1 GiB (CUDA context, cuBLAS/cuDNN workspaces) plus 5% of the device (fragmentation)."""
-    return GiB + memory_bytes // 20
+    return GIB + memory_bytes // 20
 
 
 def device_budget(total_bytes: int, free_bytes: int, torch_reserved_bytes: int,
@@ -308,8 +305,8 @@ def _static_hint(facts: ModelFacts, static: StaticMemory, s: FitSettings) -> str
     if shard is not None:
         ways.append(f"shard it across ranks with --shard {shard} (FSDP2 / ZeRO-3)")
     room = s.memory_bytes - static.total
-    if room > MiB:
-        ways.append(f"keep less free with --reserve {room // MiB - 1}MiB")
+    if room > MIB:
+        ways.append(f"keep less free with --reserve {room // MIB - 1}MiB")
     ways.append(f"give the device's real size with --memory (--memory "
                 f"{_least_memory_mib(static, s)}MiB is the least that leaves room)")
     return "; or ".join(ways) + "; a lighter --optimizer (sgd, none) also saves memory"
@@ -319,9 +316,9 @@ def _least_memory_mib(static: StaticMemory, s: FitSettings) -> int:
     """The least whole MiB of --memory that leaves room for activations, whether the reserve
     stays as given or is the default (`default_reserve`, which grows with the device)."""
     def leaves_room(mib: int) -> bool:
-        memory = mib * MiB
+        memory = mib * MIB
         return memory - max(s.reserve_bytes, default_reserve(memory)) > static.total
-    most = -(-2 * (static.total + s.reserve_bytes + GiB) // MiB)   # leaves room: 5% < half
+    most = -(-2 * (static.total + s.reserve_bytes + GIB) // MIB)   # leaves room: 5% < half
     return bisect.bisect_left(range(most + 1), True, key=leaves_room)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import orjson
 
 from .errors import FormatError, InputError, require_file
+from .units import GIB
 
 GB = 1e9  # link and HBM figures are quoted in decimal GB/s
 
@@ -160,7 +161,7 @@ PRESETS: dict[str, HardwareSpec] = {
         matmul_efficiency=0.72,              # [EFF]
         hbm_bytes_per_s=2039 * GB,           # [A100]
         hbm_efficiency=0.85,                 # [EFF]
-        memory_bytes=80 * 1024**3,           # [A100]
+        memory_bytes=80 * GIB,               # [A100]
         h2d_bytes_per_s=25.7 * GB,           # [PCIe4]
         d2h_bytes_per_s=25.7 * GB,           # [PCIe4]
         copy_latency_us=8.0,                 # [LAT]
@@ -173,7 +174,7 @@ PRESETS: dict[str, HardwareSpec] = {
         matmul_efficiency=0.70,              # [EFF]
         hbm_bytes_per_s=3350 * GB,           # [H100]
         hbm_efficiency=0.85,                 # [EFF]
-        memory_bytes=80 * 1024**3,           # [H100]
+        memory_bytes=80 * GIB,               # [H100]
         h2d_bytes_per_s=55.0 * GB,           # [PCIe5]
         d2h_bytes_per_s=55.0 * GB,           # [PCIe5]
         copy_latency_us=6.0,                 # [LAT]
@@ -212,7 +213,7 @@ PRESETS: dict[str, HardwareSpec] = {
         matmul_efficiency=0.75,              # [EFF]
         hbm_bytes_per_s=1008 * GB,           # [4090]
         hbm_efficiency=0.85,                 # [EFF]
-        memory_bytes=24 * 1024**3,           # [4090]
+        memory_bytes=24 * GIB,               # [4090]
         h2d_bytes_per_s=25.0 * GB,           # [PCIe4]
         d2h_bytes_per_s=25.0 * GB,           # [PCIe4]
         copy_latency_us=8.0,                 # [LAT]

@@ -193,14 +193,15 @@ def test_a_model_that_cannot_be_traced_says_so():
 
 
 def test_budget_from_the_device_arithmetic():
-    from slackswap_cli.fit import GiB, StaticMemory, default_reserve, device_budget
+    from slackswap_cli.fit import StaticMemory, default_reserve, device_budget
     from slackswap_cli.run.api import optimizer_name
-    static = StaticMemory(10 * GiB, 10 * GiB, 20 * GiB, 0, 0, 0)
-    total = 80 * GiB
+    from slackswap_cli.units import GIB
+    static = StaticMemory(10 * GIB, 10 * GIB, 20 * GIB, 0, 0, 0)
+    total = 80 * GIB
     # nobody else on the device: fit's arithmetic
-    assert device_budget(total, 30 * GiB, 50 * GiB, static) == 40 * GiB - default_reserve(total)
+    assert device_budget(total, 30 * GIB, 50 * GIB, static) == 40 * GIB - default_reserve(total)
     # another process holds 5 GiB
-    assert device_budget(total, 25 * GiB, 50 * GiB, static) == 35 * GiB - default_reserve(total)
+    assert device_budget(total, 25 * GIB, 50 * GIB, static) == 35 * GIB - default_reserve(total)
     lin = torch.nn.Linear(2, 2)
     assert optimizer_name(torch.optim.AdamW(lin.parameters())) == ("adamw", False)
     assert optimizer_name(torch.optim.Adam(lin.parameters(), amsgrad=True))[0] == "adam-amsgrad"
