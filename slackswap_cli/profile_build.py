@@ -30,6 +30,11 @@ DTYPE_BYTES = {
 }
 
 
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name: `DTYPE_BYTES`, and 4 (float32's) for a name not in it."""
+    return DTYPE_BYTES.get(dtype, 4)
+
+
 @dataclass
 class _T:
     name: str
@@ -71,7 +76,7 @@ class ProfileBuilder:
             n = 1
             for s in shape:
                 n *= s
-            size_bytes = n * DTYPE_BYTES.get(dtype, 4)
+            size_bytes = n * dtype_bytes(dtype)
         if recomputable is None:
             recomputable = kind == "activation"
         self.tensors.append(_T(name, kind, shape, dtype, int(size_bytes), bool(recomputable),

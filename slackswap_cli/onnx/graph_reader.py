@@ -14,7 +14,7 @@ from math import prod
 from pathlib import Path
 
 from ..errors import FormatError, InputError
-from ..profile_build import DTYPE_BYTES
+from ..profile_build import dtype_bytes
 
 SHAPE_HINT = "export with static input shapes, or pass --input-shape name=1x3x224x224"
 
@@ -65,7 +65,7 @@ class GraphReader:
         return self.vinfo.get(name, (None, "float32", ""))[1]
 
     def size_bytes(self, shape, dtype) -> int:
-        return prod(shape) * DTYPE_BYTES.get(dtype, 4)
+        return prod(shape) * dtype_bytes(dtype)
 
     def check_inputs(self) -> None:
         bad = []

@@ -57,9 +57,9 @@ def check_fits(meta: dict, device: str) -> None:
     """
     import math
 
-    from ..profile_build import DTYPE_BYTES
+    from ..profile_build import dtype_bytes
     from ..trace.graph_profile import dtype_name
-    param_bytes = sum(math.prod(shape) * DTYPE_BYTES.get(dtype_name(dtype), 4)
+    param_bytes = sum(math.prod(shape) * dtype_bytes(dtype_name(dtype))
                       for _, shape, dtype in meta.get("params", ()))
     budget = int(meta.get("budget_bytes") or 0)
     fraction = meta.get("budget_fraction")
