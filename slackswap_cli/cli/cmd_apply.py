@@ -100,8 +100,9 @@ def verify(
 def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: str,
                      sink: Sink) -> None:
     """`verify --compile`: the report of run/verify_compiled.py."""
-    if backend not in ("inductor", "aot_eager"):
-        raise InputError(f"--backend must be inductor or aot_eager, not {backend!r}",
+    from ..run.compiled import BACKENDS  # torch: a command imports it when it runs
+    if backend not in BACKENDS:
+        raise InputError(f"--backend must be {' or '.join(BACKENDS)}, not {backend!r}",
                          hint="compile_planned sets the partitioner of these two backends")
     from ..run.verify_compiled import verify_compiled
     with sink.working(f"compiling with the plan ({backend}) and running eager beside it"):
