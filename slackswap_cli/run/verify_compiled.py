@@ -52,6 +52,7 @@ lined up.
 from __future__ import annotations
 
 from ..errors import InputError
+from .graph_plan import ACTION_TAG
 from .verify_steps import rel_diff, tolerances
 
 BYTES_TOLERANCE = 0.02
@@ -310,8 +311,8 @@ def _roots(table: dict, rows, size: dict) -> tuple[set[int], set[int]]:
     swapped: set[int] = set()
     for r in rows:
         for tag, root in zip(table["ops"][r][4], table["ops"][r][6]):
-            if root in size and tag in ("save", "offload"):
-                (swapped if tag == "offload" else kept).add(root)
+            if root in size and tag in (ACTION_TAG["keep"], ACTION_TAG["swap"]):
+                (swapped if tag == ACTION_TAG["swap"] else kept).add(root)
     return kept, swapped
 
 
