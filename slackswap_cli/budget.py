@@ -33,7 +33,9 @@ import math
 import re
 
 from .errors import InfeasibleError, InputError
+from .planners import make_plan
 from .schema import Profile
+from .simulate import budget_floor_bytes
 from .units import GIB, KIB, MIB, TIB, fmt_bytes
 
 _UNITS = {
@@ -120,8 +122,6 @@ def _ceil3(x: float) -> float:
 
 def floor_message(budget_bytes: int, profile: Profile) -> tuple[str, str] | None:
     """(error, hint) when `budget_bytes` is below the floor, else None (see `check_budget`)."""
-    from .simulate import budget_floor_bytes  # late: keeps budget importable on its own
-
     floor = budget_floor_bytes(profile)
     if budget_bytes >= floor:
         return None
@@ -142,9 +142,6 @@ def first_feasible_budget(profile: Profile, hw, planner: str, *, hi: int | None 
     succeeds, provided its success is monotone in the budget (a heuristic's need not be: the
     result is a budget where it fits, not a proof that it fits nowhere below).
     """
-    from .planners import make_plan
-    from .simulate import budget_floor_bytes
-
     def fits(budget: int) -> bool:
         try:
             return make_plan(planner, profile, hw, budget, **options).feasible

@@ -53,8 +53,10 @@ from typing import Callable, Iterator
 
 from .errors import InputError, SlackswapError
 from .hardware import HardwareSpec
-from .planners import DEFAULT_PLANNER
+from .planners import DEFAULT_PLANNER, baselines, judge, make_plan
+from .profile_scale import affine, derive
 from .schema import Action, Decision, Plan, Profile
+from .simulate import budget_floor_bytes
 from .units import GIB, MIB, fmt_bytes
 
 # optimizer -> (state tensors per trainable parameter, each like the parameter; has a step counter)
@@ -217,7 +219,6 @@ def best_row(rows: list[dict]) -> dict | None:
 
 
 def _plan(kind: str, prof: Profile, hw: HardwareSpec, budget: int, options: dict) -> Plan:
-    from .planners import baselines, judge, make_plan
     if kind == "keep-all":
         keep = [Decision(tensor=t.id, action=Action.KEEP) for t in prof.saved_activations]
         return judge("keep-all", prof, hw, budget, keep)[0]
@@ -235,7 +236,6 @@ def plan_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: FitS
     """One row of the sweep: the budget left for activations, `kind`'s plan for it (made by
     `plan_fn(profile, hw, budget)` when given), and what the simulator predicts (None fields
     where nothing fits)."""
-    from .simulate import budget_floor_bytes
     budget = s.memory_bytes - static.total - s.reserve_bytes
     row = _row_head(batch, kind, static, s)
     row.update(budget_bytes=budget, keep_all_peak_bytes=prof.keep_all_peak_bytes)
@@ -341,7 +341,6 @@ ProfileAt = Callable[[int], tuple[Profile, ModelFacts]]
 def _derived(traced: list, batch: int, hw: HardwareSpec, batch_arg: str | None):
     """(profile, facts) at `batch` from the last two traced batches (profile_scale.derive), or
     None where that is not exact or not asked for."""
-    from .profile_scale import affine, derive
     if batch_arg is None or len(traced) < 2:
         return None
     (a, pa, fa), (b, pb, fb) = traced[-2:]

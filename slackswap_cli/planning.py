@@ -11,10 +11,18 @@ Torch-free, like the rest of the planning core.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 from typing import Optional
 
-from .schema import Profile
+from .budget import parse_budget
+from .hardware import HardwareSpec, load_hardware, stored_hardware
+from .planners import PLANNERS, plan_and_simulate, planner_spec
+from .profile_build import recost
+from .schema import Profile, save
+from .simulate import budget_floor_bytes
+from .units import fmt_bytes
 
 __all__ = ["plan_inputs", "planner_time_options", "plan_profile"]
 
@@ -25,9 +33,6 @@ def plan_inputs(prof: Profile, budget, hardware=None, source: str = "profile"):
     `hardware`: a preset name, a JSON file or a `HardwareSpec`; None takes the profile's own
     (`env.hardware`), else the default preset. `budget`: what `--budget` takes (0.5, "50%",
     "20GiB", bytes). `source` names the profile in errors."""
-    from .budget import parse_budget
-    from .hardware import HardwareSpec, load_hardware, stored_hardware
-    from .profile_build import recost
     if isinstance(hardware, HardwareSpec):
         hw = hardware
     else:
@@ -56,7 +61,6 @@ def plan_profile(prof: Profile, hw, budget_bytes: int, fraction: Optional[float]
                  started: Optional[float] = None, record: bool = False):
     """(plan, its simulation) of `planner` on `prof` at `budget_bytes`, as `slackswap plan`
     makes it (a planner with a time limit gets what is left of it since `started`)."""
-    from .planners import plan_and_simulate, planner_spec
     options = planner_time_options(planner_spec(planner), time_limit, started)
     return plan_and_simulate(planner, prof, hw, budget_bytes, fraction, record=record,
                              **options)
@@ -64,7 +68,6 @@ def plan_profile(prof: Profile, hw, budget_bytes: int, fraction: Optional[float]
 
 def sibling_path(path, suffix: str):
     """`model.plan.json` -> `model<suffix>` beside it (".profile.json", ".plan.json")."""
-    from pathlib import Path
     path = Path(path)
     name = path.name
     for ext in (".profile.json", ".plan.json", ".json"):
@@ -76,8 +79,6 @@ def sibling_path(path, suffix: str):
 
 def with_paths(plan_obj, profile_path, prof):
     """The plan recording where its profile lies and the profile's workload file."""
-    import dataclasses
-    from pathlib import Path
     return dataclasses.replace(plan_obj, profile_path=str(Path(profile_path).resolve()),
                                model_path=prof.workload.get("path"))
 
@@ -86,7 +87,6 @@ def save_with_profile(plan_obj, prof: Profile, plan_target):
     """Write `prof` next to `plan_target` (`X.plan.json` -> `X.profile.json`) and the plan,
     recording it, at `plan_target`: the two files `show`, `simulate`, `compare` and `apply`
     read. Returns the profile's path."""
-    from .schema import save
     prof_target = sibling_path(plan_target, ".profile.json")
     save(prof, prof_target)
     save(with_paths(plan_obj, prof_target, prof), plan_target)
@@ -100,9 +100,6 @@ def infeasible_message(prof: Profile, planner: str, below, reach: Optional[int]
     the planner fits (`first_feasible_budget`) when known."""
     if below is not None:
         return below
-    from .planners import PLANNERS
-    from .simulate import budget_floor_bytes
-    from .units import fmt_bytes
     peak, floor = prof.keep_all_peak_bytes, budget_floor_bytes(prof)
     fits = ("" if reach is None else
             f"; planner {planner} first fits at {fmt_bytes(reach)}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .hardware import PRESETS
 from .schema import Op, Profile, Tensor, op_fingerprint, saved_flags, validate_profile
 from .units import fmt_bytes
 
@@ -161,7 +162,6 @@ def recost(prof: Profile, hw) -> Profile:
 
 
 def _is_preset(hw) -> bool:
-    from .hardware import PRESETS
     return PRESETS.get(hw.name) == hw
 
 

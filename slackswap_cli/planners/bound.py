@@ -102,13 +102,17 @@ level (`quiet_fds`); with a time limit it runs in a forked child stopped at the 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import os
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import linprog
+from scipy.sparse import coo_matrix, vstack
 
 from ..chains import candidate_chain
 from ..chains import tables as chain_tables
@@ -173,7 +177,6 @@ def run_quietly(fn, kwargs: dict, limit_s: float | None = None):
     checks its own time limit only now and then); it returns None when stopped. The result
     must pickle. Where fork is not available it runs here, unbounded.
     """
-    import multiprocessing as mp
     if limit_s is not None:
         try:
             ctx = mp.get_context("fork")
@@ -203,7 +206,6 @@ def run_quietly(fn, kwargs: dict, limit_s: float | None = None):
 
 
 def _quiet_call(fn, kwargs):
-    import warnings
     with warnings.catch_warnings(), quiet_fds():
         warnings.simplefilter("ignore", RuntimeWarning)
         return fn(**kwargs)
@@ -554,8 +556,6 @@ class _LP:
 
     def solve(self, time_limit_s: float | None):
         """Minimise R + Zt with scipy's HiGHS (deterministic)."""
-        from scipy.optimize import linprog
-        from scipy.sparse import coo_matrix
         f, N, nc = self.f, self.N, len(self.f.cands)
         A = coo_matrix((self.V, (self.R, self.C)), shape=(self.nrow, N)).tocsr()
         ub = np.full(N, np.inf)
@@ -593,5 +593,4 @@ def _refined_positions(over, nf: int, n: int) -> list[int]:
 
 
 def _vstack(a, b):
-    from scipy.sparse import vstack
     return vstack([a, b]).tocsr()

@@ -63,10 +63,14 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import highspy
 import numpy as np
+from scipy.optimize import LinearConstraint
+from scipy.sparse import coo_matrix
 
 from ..hardware import HardwareSpec
 from ..schema import Profile
+from ..simulate import simulate
 from .bound import run_quietly, sound_bound
 from .common import (
     KEEP,
@@ -307,8 +311,6 @@ class _Rows:
         self.n += len(lo)
 
     def constraint(self, n_vars: int):
-        from scipy.optimize import LinearConstraint
-        from scipy.sparse import coo_matrix
         A = coo_matrix((np.concatenate(self.vals),
                         (np.concatenate(self.rows), np.concatenate(self.cols))),
                        shape=(self.n, n_vars)).tocsr()
@@ -444,7 +446,6 @@ def _run_highs(lay: _Layout, cost: np.ndarray, constraint, left: float,
 
 def _highs(lay: _Layout, cost: np.ndarray, constraint, time_limit: float,
            settings: OptimalSettings, start: np.ndarray | None) -> _Solved:
-    import highspy
     A = constraint.A.tocsr()
     inf = highspy.kHighsInf
     lp = highspy.HighsLp()
@@ -733,7 +734,6 @@ def _agreement(objective: float | None, judged: tuple[bool, float], ideal: float
 
 
 def _simulate(profile, decisions, hw, budget_bytes):
-    from ..simulate import simulate
     return simulate(profile, decisions, hw, budget_bytes, record=False)
 
 

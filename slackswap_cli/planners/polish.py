@@ -57,6 +57,7 @@ from ..chains import tables as chain_tables
 from ..errors import InputError
 from ..hardware import HardwareSpec
 from ..schema import Action, Decision, Profile
+from ..simulate import MEMORY_FULL, simulate, static_costs
 
 KEEP, SWAP, RECOMPUTE = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 WORK_OPS = 300_000        # default allowance in op-visits (its time: docs/results.md)
@@ -183,7 +184,6 @@ class _Polisher:
 
     def forward_memory(self) -> np.ndarray:
         """The current plan's least memory during each forward op (one static pass)."""
-        from ..simulate import static_costs
         self.spent += self.static_ops
         return np.asarray(static_costs(self.prof, list(self.cur.values())).forward_req,
                           dtype=np.int64)
@@ -259,7 +259,6 @@ class _Polisher:
         waits for memory (one recorded simulation), the `pairs` biggest kept tensors live
         across it become swaps, ranked by that wait (the most they can save): their bytes can
         leave during the wait instead of staying until backward."""
-        from ..simulate import MEMORY_FULL, simulate
         if not self.best_res.predicted.stall_by_cause.get(MEMORY_FULL):
             return []
         self.spent += self.n_ops
@@ -319,7 +318,6 @@ class _Polisher:
         over the plain local-search neighbourhood (`neighbourhood`), every move simulated
         (giving up once its stalls alone leave it no better), until a pass finds nothing or
         the allowance is spent."""
-        from ..simulate import simulate
         tab = self.tab
         size = {t: tab.size[t] for t in self.ids}
         rec = {t: tab.recomputable[t] for t in self.ids}
@@ -361,7 +359,6 @@ class _Polisher:
 
     def _static_recompute(self, trial) -> float | None:
         """The trial's recompute time when it fits and could beat the current plan."""
-        from ..simulate import static_costs
         self.spent += self.static_ops
         self.laid_out += 1
         try:
@@ -377,7 +374,6 @@ class _Polisher:
         """Simulate the trial (giving up once its stalls leave it no better); take it if it
         is better. True: taken; False: the simulator refused it; None: not simulated (its
         recompute alone leaves it no better)."""
-        from ..simulate import simulate
         ideal, gain = self.ideal, self.min_gain
         if ideal / (ideal + rec) <= self.best + gain:
             return None

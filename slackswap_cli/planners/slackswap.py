@@ -40,6 +40,7 @@ import numpy as np
 
 from ..hardware import HardwareSpec
 from ..schema import Profile
+from ..simulate import simulate
 from ..units import fmt_us
 from .common import (
     KEEP,
@@ -324,7 +325,6 @@ def _fix_stalls(m: Model, state: State, profile: Profile, hw: HardwareSpec,
     are. The greedy then frees whatever memory that costs. Returns the repaired state and how
     many swaps it changed; None when nothing stalled.
     """
-    from ..simulate import simulate
     res = simulate(profile, state.decisions(), hw, budget_bytes, record=True)
     stalls = [e for e in res.events if e.kind == "stall" and e.op is not None]
     if not stalls:
@@ -374,7 +374,6 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     It tries `settings.repairs` in order, and a plan without swaps too (so slackswap never
     loses to recomputing alone); the best plan the simulator saw is kept.
     """
-    from ..simulate import simulate
     s = settings
     m = build_model(profile, hw)
     ideal = m.ideal_us
