@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import SlackswapError
+
 #: minor versions the whole suite passed on
 TESTED_TORCH = ("2.13", "2.14", "2.15")
 
@@ -52,7 +54,7 @@ PARTS = {
 def release(version: str | None = None) -> str:
     """'2.15.0+cu132' -> '2.15' (the running torch's when `version` is None)."""
     if version is None:
-        import torch
+        import torch  # only here: this module is torch-free ([no torch], design.md)
         version = torch.__version__
     parts = version.split("+")[0].split(".")
     return ".".join(parts[:2])
@@ -69,7 +71,6 @@ def refuse_untested(part: str, version: str | None = None, *, error=None) -> Non
         version = torch.__version__
     if is_tested(part, version):
         return
-    from .errors import SlackswapError
     p = PARTS[part]
     raise (error or SlackswapError)(
         f"{p.what} relies on private torch API that changes between versions; it was tested "

@@ -13,6 +13,8 @@ from math import prod
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
+
 from ..errors import FormatError, InputError, require_file
 from .grad_rules import rule_for
 from .graph_reader import SHAPE_HINT, fmt_dims, shape_of
@@ -127,8 +129,7 @@ def _unknown_shapes(model) -> int:
 def _fold_small_constants(model):
     """A copy of `model` with small static values computed (by onnx's reference evaluator) and
     stored as initializers, or None when that cannot give any unknown shape a value."""
-    import numpy as np
-    onnx = require_onnx()
+    onnx = require_onnx()   # onnx is optional: imported when a file is read, after this check
     from onnx import numpy_helper
     from onnx.reference import ReferenceEvaluator
 

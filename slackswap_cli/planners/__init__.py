@@ -148,6 +148,8 @@ def run_planner(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int
     `time_limit_s` for `optimal`); an option it has no field for, or a value of the wrong type
     or out of range, is an InputError.
     """
+    # deferred, as the planners' modules are: the CLI imports this registry at start-up, and
+    # common (numpy), the schema and the simulator load only when a plan is made
     from .common import PlannerOutput
     spec = planner_spec(name)
     fn = spec.function()
