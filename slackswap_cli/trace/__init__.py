@@ -43,6 +43,8 @@ def split_device(device: str) -> tuple[str, str | None]:
 
 def resolve_device(device: str) -> str:
     """auto -> cuda when available, else cpu; checks that cuda exists when asked for."""
+    # torch and the tracer's modules load inside the functions: the CLI imports this package
+    # for `split_device`, and an ONNX profile runs without torch
     import torch
     if device not in DEVICES or device.startswith("fake:"):
         raise InputError(f"unknown device '{device}'", hint=_DEVICE_HINT)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 # Views the schema does not declare as aliasing (autograd-invisible views), by overload packet.
 UNDECLARED_VIEWS = {"_unsafe_view", "_reshape_alias", "_reshape_copy_alias"}
 # Ops that update BatchNorm running statistics in place without declaring it in their schema:
@@ -66,7 +68,6 @@ def is_inplace(target) -> bool:
 def _overload(target: str):
     """The `torch.ops.aten` overload a profile op's target name ("aten.add_.Tensor") names, or
     None for anything else (ONNX ops, `getitem`)."""
-    import torch
     parts = target.split(".")
     if len(parts) != 3 or parts[0] != "aten":
         return None

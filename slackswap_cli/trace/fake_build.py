@@ -38,10 +38,13 @@ torch's own path unchanged.
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses import fake_tensor as fake_tensor_module  # private to torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 _CONSTANT_NUMEL = 4096   # a linspace this small is a setting, not data worth not allocating
 
@@ -57,7 +60,6 @@ def _forget(memo, tensor) -> None:
 
 def _fake_deepcopy(tensor, memo: dict, fake_mode):
     """A copy of `tensor` (a FakeTensor of `fake_mode`) in that same mode, as deepcopy makes it."""
-    import copy
     if id(tensor) in memo:
         return memo[id(tensor)]
     if not tensor.is_leaf:
@@ -78,8 +80,6 @@ def _fake_deepcopy(tensor, memo: dict, fake_mode):
 @contextlib.contextmanager
 def fake_build(fake_mode):
     """While active: module conversions and `trunc_normal_` work on `fake_mode`'s FakeTensors."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     # private to torch: should a later torch move it, conversions fail as they did before
     converter = getattr(getattr(fake_mode, "fake_tensor_converter", None), "meta_converter", None)
     memo = getattr(converter, "tensor_memo", None)
@@ -112,12 +112,10 @@ def fake_build(fake_mode):
                  and not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))))
         if not (small and isinstance(out, FakeTensor) and out.fake_mode is fake_mode):
             return out
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
         with unset_fake_temporarily():
             real = linspace_original(*args, **kwargs)
         return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, real, make_constant=True)
 
-    from torch._subclasses import fake_tensor as fake_tensor_module  # private to torch
     limit_original = fake_tensor_module.CONSTANT_NUMEL_LIMIT
     torch.utils.swap_tensors = swap_tensors
     torch.linspace = linspace

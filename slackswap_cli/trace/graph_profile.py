@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import InputError
 from ..profile_build import ProfileBuilder
@@ -110,7 +111,6 @@ def storage_keys_from_fake(joint: JointGraph) -> dict[str, int]:
     storage exactly like real ones. A graph whose values carry no FakeTensors gives {} (the
     schema then decides; a real run can supply keys: `measure.storage_keys_from_run`).
     """
-    from torch._subclasses.fake_tensor import FakeTensor
     keys: dict[str, int] = {}
     for node in joint.gm.graph.nodes:
         val = node.meta.get("val")

@@ -37,13 +37,20 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint as ckpt
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 
 from ..errors import InputError, SlackswapError, TraceError
 from ..torch_api import PARTS, is_tested
@@ -159,10 +166,6 @@ class _ModuleTracker:
             self.events.append((n, self.stack[-1] if self.stack else ""))
 
     def __enter__(self):
-        from torch.nn.modules.module import (
-            register_module_forward_hook,
-            register_module_forward_pre_hook,
-        )
         self.handles = [register_module_forward_pre_hook(self._pre),
                         register_module_forward_hook(self._post)]
         return self
@@ -294,7 +297,6 @@ def _inline_checkpoints():
     `_impl`, which 2.15 keeps for other callers: both are replaced) and reentrant
     (`CheckpointFunction`, which runs the region without grad when no input needs one).
     """
-    import torch.utils.checkpoint as ckpt
     count = {"n": 0}
     generators = {name: getattr(ckpt, name) for name in (
         "_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
@@ -374,7 +376,6 @@ _QUIET_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.proxy_
 def _quiet_torch_logs():
     """torch logs a failing op's traceback (22 lines) before raising; the caller reports the
     error itself, in one line, so torch's loggers say nothing while the step is traced."""
-    import logging
     loggers = [logging.getLogger(n) for n in _QUIET_LOGGERS]
     before = [lg.disabled for lg in loggers]
     for lg in loggers:
@@ -404,7 +405,7 @@ def _cpu_grouped_mm():
     on torch 2.13.x (tested) only, and fails safe (torch's error) elsewhere; torch 2.15's own
     rule takes fp32 and fp16, so it needs none (`torch_api.PARTS["grouped_mm_lift"]`).
     """
-    import torch._meta_registrations as meta_reg
+    import torch._meta_registrations as meta_reg  # private: loaded only for the lift
     original = getattr(meta_reg, "_meta_grouped_mm_common", None)
     make_out = getattr(meta_reg, "_create_grouped_mm_output_tensor", None)
     if original is None or make_out is None or not is_tested("grouped_mm_lift"):
@@ -529,7 +530,6 @@ def _trace_real(step, args: list) -> fx.GraphModule:
         # values read in Python (`.item()`, `if expert_hit:`) are this batch's, as the sizes
         gm = make_fx(step, tracing_mode="real", _error_on_data_dependent_ops=False)(*args)
     flat = pytree.tree_leaves(args)
-    from torch._subclasses.fake_tensor import FakeTensorMode
     fake = FakeTensorMode(allow_non_fake_inputs=True)
 
     def to_fake(t):     # one converter: storages shared in the run are shared by the fakes

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ..errors import FingerprintMismatch, TraceError
+from ..hardware import PRESETS
 
 __all__ = ["trace_fake", "joint_fingerprint", "trace_matching", "trace_options"]
 
@@ -18,6 +19,7 @@ def trace_fake(path: str, entry: str, args: dict | None, device: str | None, rea
     traced for real. `autocast` and `target_device` are the profile's (its trace
     ran under that autocast, and took the random ops of that device).
     """
+    # torch and the tracer load when a trace runs: run/emit.py imports this module at its top
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .joint import capture_joint, needs_values
@@ -75,7 +77,6 @@ def trace_matching(profile, path: str, entry: str | None = None, args: dict | No
         joint, work = trace_fake(str(path), entry, args, device, real=True, **how)
         fp = joint_fingerprint(joint)
     if fp != profile.fingerprint:
-        from ..hardware import PRESETS
         from .graph_profile import first_difference, joint_to_profile
         got = joint_to_profile(joint, workload={}, env={}, hardware=PRESETS["a100-pcie4"])
         raise FingerprintMismatch(

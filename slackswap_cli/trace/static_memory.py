@@ -25,6 +25,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import InputError, SlackswapError
 from ..fit import ModelFacts, ParamFact
+from . import profile_workload
+from .workload import _import_file
 
 
 def _blocks(model: torch.nn.Module) -> list[str]:
@@ -67,7 +69,6 @@ def model_facts(model: torch.nn.Module, inputs=None) -> ModelFacts:
 
 def check_batch_arg(path: str, entry: str, batch_arg: str) -> None:
     """InputError unless the workload's entry function takes `batch_arg`."""
-    from .workload import _import_file
     fn = getattr(_import_file(Path(path)), entry, None)
     if fn is None or not callable(fn):
         return                      # profiling says what is missing, with its own hint
@@ -112,7 +113,6 @@ class Profiler:
             self.on_facts(facts[0])
 
     def __call__(self, batch: int):
-        from . import profile_workload
         facts = []
         prof = profile_workload(self.path, entry=self.entry,
                                 args={**self.args, self.batch_arg: batch}, device=self.device,

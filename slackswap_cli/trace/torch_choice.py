@@ -67,9 +67,12 @@ import torch.fx as fx
 from ..chains import candidate_chain
 from ..chains import tables as chain_tables
 from ..errors import InputError, TraceError
+from ..planners import judge
 from ..schema import Action, Decision, Plan, Profile
 from ..torch_api import PARTS, refuse_untested
+from ..units import fmt_bytes
 from ..workload_spec import resolve_workload_path
+from .retrace import trace_matching
 
 PLANNER_NAME = "torch.compile"
 TESTED_TORCH = PARTS["torch_choice"].tested
@@ -139,6 +142,7 @@ def _aot_form(gm: fx.GraphModule) -> fx.GraphModule:
 def torch_saved(joint, knob: float) -> list[str]:
     """Names of the joint graph's nodes torch's min-cut partitioner saves for backward with
     `activation_memory_budget=knob` (inputs and parameters included)."""
+    # private to torch: loaded only when torch's own choice is asked for
     from torch._functorch import config as fconfig
     from torch._functorch import partitioners
 
@@ -177,7 +181,6 @@ class Choice:
     from_off_profile: set = field(default_factory=set)      # roots kept: torch recomputes them from those
 
     def notes(self, profile: Profile) -> list[str]:
-        from ..units import fmt_bytes
         out = [f"activation_memory_budget={self.knob:.4g}: torch saves {self.kept_saved} of "
                f"the profile's saved roots and recomputes {self.recomputed}"]
         if self.kept_stand_in:
@@ -291,7 +294,6 @@ class TorchCompileBaseline:
     def plan(self, hw, budget_bytes: int, budget_fraction: float | None = None, *,
              steps: int = SEARCH_STEPS) -> TorchCompileResult:
         """Search the knob so torch's plan fits `budget_bytes` in the simulator (module docstring)."""
-        from ..planners import judge
         spent0 = self.partition_s
         tried, plans = [], {}
 
@@ -346,7 +348,6 @@ def _around_lowest_peak(plans: dict) -> list[float]:
 def baseline_for(profile: Profile, profile_path=None, model=None) -> TorchCompileBaseline:
     """Re-trace the profile's workload with fake tensors (checked against its fingerprint)
     and wrap it for the knob search."""
-    from .retrace import trace_matching
     check_torch_version()
     path = resolve_workload(profile, profile_path, model)
     joint, _, _ = trace_matching(profile, str(path))

@@ -31,11 +31,17 @@ import importlib.util
 import inspect
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+)
 
 from ..errors import InputError, SlackswapError, TraceError, require_file
 from ..workload_spec import Workload
@@ -190,17 +196,12 @@ def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=
 
 
 def _data_dependent(exc: BaseException) -> bool:
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
     return (isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException))
             or "data-dependent" in str(exc))
 
 
 def _where(exc: BaseException) -> str:
     """`file.py:12` of the innermost frame outside torch that led to `exc`."""
-    import traceback
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if "/torch/" not in f.filename and f.filename != __file__]
     if not frames:
@@ -253,8 +254,6 @@ def _as_workload(result: Any, entry: str) -> Workload:
 
 def _to_fake(work: Workload, fake_mode) -> Workload:
     """Real tensors the workload made outside the mode (say at import time) become fake too."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     def conv(t):
         if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
             return fake_mode.from_tensor(t)
