@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 # Views the schema does not declare as aliasing (autograd-invisible views), by overload packet.
 UNDECLARED_VIEWS = {"_unsafe_view", "_reshape_alias", "_reshape_copy_alias"}
 # Ops that update BatchNorm running statistics in place without declaring it in their schema:
@@ -68,6 +66,7 @@ def is_inplace(target) -> bool:
 def _overload(target: str):
     """The `torch.ops.aten` overload a profile op's target name ("aten.add_.Tensor") names, or
     None for anything else (ONNX ops, `getitem`)."""
+    import torch  # only here: run/graph_plan.py and run/emit.py import this module torch-free
     parts = target.split(".")
     if len(parts) != 3 or parts[0] != "aten":
         return None
