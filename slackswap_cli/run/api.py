@@ -26,15 +26,33 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..budget import first_feasible_budget, floor_message
+from ..chains import runtime_table
 from ..errors import InfeasibleError, InputError, SlackswapError, TraceError
+from ..fit import check_optimizer, device_budget, static_memory
+from ..hardware import HardwareSpec, load_hardware
+from ..planners import planner_spec
+from ..planning import infeasible_message, plan_inputs, plan_profile, save_with_profile
 from ..schema import Plan as PlanFile
 from ..schema import Profile
+from ..trace import _does_not_fit, profile_traced, split_device
+from ..trace.aten import is_inplace_target
+from ..trace.joint import autocast_name
+from ..trace.static_memory import model_facts
+from ..trace.workload import _as_workload
+from ..units import fmt_bytes
 from ..workload_spec import Workload
+from . import compiled, inplace
+from .emit import patch_meta
+from .inplace import is_patched
+from .replan import _fake_copy
 
 __all__ = ["Plan", "plan_model", "patch", "unpatch", "compile"]
 
@@ -62,9 +80,6 @@ class Plan:
         """Write the plan to `path` (e.g. `model.plan.json`) and its profile next to it
         (`model.profile.json`), for `slackswap show / simulate / compare / apply`; returns
         (plan path, profile path). `apply` also needs the workload file: `--model FILE`."""
-        from pathlib import Path
-
-        from ..planning import save_with_profile
         prof_path = save_with_profile(self.plan, self.profile, Path(path))
         return str(path), str(prof_path)
 
@@ -92,10 +107,6 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     as the CLI's options. Raises SlackswapError subclasses: InputError (bad arguments),
     TraceError (the model cannot be traced), InfeasibleError (no plan fits; its `.plan` is
     the closest one)."""
-    from ..planners import planner_spec
-    from ..planning import plan_inputs, plan_profile
-    from ..trace.joint import autocast_name
-    from .inplace import is_patched
     started = time.perf_counter()
     work = _checked(model, inputs, loss_fn)
     if is_patched(model):
@@ -127,14 +138,12 @@ def patch(model: torch.nn.Module, plan: Plan, *, strict: bool = False,
           replan: bool = True) -> torch.nn.Module:
     """Patch `model` in place to train under `plan` (the emitted module's `patch`); returns
     `model`. `unpatch(model)` undoes it."""
-    from . import inplace
     _is_plan(plan, "patch")
     return inplace.patch(model, plan.meta, plan.table, strict=strict, replan=replan)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `patch`: the model's own forward again; returns `model`."""
-    from . import inplace
     return inplace.unpatch(model)
 
 
@@ -142,7 +151,6 @@ def compile(model: torch.nn.Module, plan: Plan, *, block=None, per_block: bool =
             **torch_compile_kwargs):
     """`torch.compile(model, **torch_compile_kwargs)` with `plan` in its joint graphs (the
     emitted module's `compile_planned`, run/compiled.py)."""
-    from . import compiled
     _is_plan(plan, "compile")
     return compiled.compile_planned(model, plan.graph_table, block=block, per_block=per_block,
                                     **torch_compile_kwargs)
@@ -158,7 +166,6 @@ def _is_plan(plan, what: str) -> None:
 def _checked(model, inputs, loss_fn) -> Workload:
     """The model and inputs as a Workload, refused plainly when they are not what a step
     needs (the workload loader's own checks)."""
-    from ..trace.workload import _as_workload
     try:
         return _as_workload(Workload(model, inputs, loss_fn), "plan_model")
     except TraceError as exc:
@@ -170,7 +177,6 @@ def _checked(model, inputs, loss_fn) -> Workload:
 
 def _where(model: torch.nn.Module, device: str) -> tuple[str, str]:
     """(how the step is traced: "fake", "cpu" or "cuda"; the device the plan is for)."""
-    from ..trace import split_device
     how, target = split_device(device)
     first = next(iter(model.parameters()), None)
     on = first.device.type if first is not None else "cpu"
@@ -188,7 +194,6 @@ def _where(model: torch.nn.Module, device: str) -> tuple[str, str]:
 
 
 def _hardware(hardware):
-    from ..hardware import HardwareSpec, load_hardware
     return hardware if isinstance(hardware, HardwareSpec) else load_hardware(hardware)
 
 
@@ -209,11 +214,8 @@ def _untouched(model: torch.nn.Module):
 
 def _profile(work: Workload, how: str, target: str, hw, autocast, progress, started):
     """(profile, joint graph, the traced Workload): the step traced as `how` says."""
-    from ..trace import profile_traced
-    from .replan import _fake_copy
     header = {"name": type(work.model).__name__, "path": None, "entry": None, "args": {}}
     if how == "fake":
-        from torch._subclasses.fake_tensor import FakeTensorMode
         mode = FakeTensorMode(allow_non_fake_inputs=False)
         traced = Workload(_fake_copy(work.model, mode), pytree.tree_map(
             lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, work.inputs),
@@ -230,7 +232,6 @@ def _profile(work: Workload, how: str, target: str, hw, autocast, progress, star
     except SlackswapError:
         raise
     except torch.OutOfMemoryError as exc:     # pragma: no cover - CUDA only
-        from ..trace import _does_not_fit
         raise _does_not_fit(how, exc) from None
     except Exception as exc:
         text = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -244,10 +245,7 @@ def _profile(work: Workload, how: str, target: str, hw, autocast, progress, star
 def _plan_of(prof: Profile, result: PlanFile, joint, traced: Workload, loss_fn) -> Plan:
     """The Plan with the tables `patch` and `compile` follow (an emitted module's META, TABLE
     and GRAPH_TABLE)."""
-    from ..chains import runtime_table
-    from ..trace.aten import is_inplace_target
-    from .emit import patch_meta
-    from .graph_plan import graph_table
+    from .graph_plan import graph_table  # here: Plan has a field of this name
     device_type = next(iter(dict(traced.model.named_parameters()).values())).device.type
     ref = {"path": None, "entry": None, "args": {}, "name": prof.workload.get("name", "")}
     meta = patch_meta(joint, traced, prof, result, device_type, ref)
@@ -261,9 +259,6 @@ def _auto_budget(model: torch.nn.Module, inputs, optimizer) -> int:  # pragma: n
     """budget="auto": the device's memory less the static memory `fit` counts (parameters,
     gradients, optimizer state, buffers, the batch), less fit's reserve and what other
     processes hold (`fit.device_budget`)."""
-    from ..fit import device_budget, static_memory
-    from ..trace.static_memory import model_facts
-    from ..units import fmt_bytes
     name, on_device = optimizer_name(optimizer)
     dev = next(model.parameters()).device
     free, total = torch.cuda.mem_get_info(dev)
@@ -281,7 +276,6 @@ def _auto_budget(model: torch.nn.Module, inputs, optimizer) -> int:  # pragma: n
 def optimizer_name(optimizer) -> tuple[str, bool]:
     """(fit's name of `optimizer`, whether its step counters live on the device): a name is
     checked as `--optimizer` is; a torch.optim Adam/AdamW/SGD instance is read."""
-    from ..fit import check_optimizer
     if isinstance(optimizer, str):
         return check_optimizer(optimizer), False
     if optimizer is None:
@@ -300,9 +294,6 @@ def optimizer_name(optimizer) -> tuple[str, bool]:
 
 def _infeasible(prof: Profile, planner: str, hw, budget_bytes: int, out: Plan) -> InfeasibleError:
     """No plan fits: `slackswap plan`'s message and hint, the closest plan attached."""
-    from ..budget import first_feasible_budget, floor_message
-    from ..planners import planner_spec
-    from ..planning import infeasible_message
     below = floor_message(budget_bytes, prof)
     reach = (first_feasible_budget(prof, hw, planner)
              if below is None and planner_spec(planner).quick else None)

@@ -16,15 +16,25 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
+import time
 
 import torch
 import torch.utils._pytree as pytree
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import FingerprintMismatch, InputError
 from ..guard import Scale
 from ..schema import Action
+from ..units import fmt_bytes
 from . import steady as _steady
 from .generated import check_generated
 from .record import _STATE, ALIGN_WARN, PlanRun, _body_hook, _leave_hook, _Recorder, trace_only_ops
+from .replan import replan_table
 from .shape_run import ShapeRun
 
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
@@ -197,7 +207,6 @@ class _Patched:
         if sig in self.plans:
             return self.plans[sig] or self.default, sig
         if self.strict:
-            from ..errors import FingerprintMismatch
             profiled = next(iter(self.plans))
             raise FingerprintMismatch(
                 f"the model was called with {_shapes(sig)}, the plan was made for "
@@ -216,10 +225,6 @@ class _Patched:
             self.plans[sig] = None
             return self.default, sig
         if self.replan:
-            import sys
-            import time
-
-            from .replan import replan_table
             t0 = time.perf_counter()
             try:
                 table, what = replan_table(self.model, self.original_forward, args, kwargs,
@@ -302,10 +307,6 @@ class _Patched:
         self._say_checkpointing()
         prev = getattr(_STATE, "run", None)
         _STATE.run = run
-        from torch.nn.modules.module import (
-            register_module_forward_hook,
-            register_module_forward_pre_hook,
-        )
         self._last_hooks()
         hooks = [register_module_forward_pre_hook(run._enter),
                  register_module_forward_hook(run._left, always_call=True)]
@@ -338,10 +339,7 @@ class _Patched:
                 or not (run.values or run.t.borrowed):
             return          # (no value read, own plan: no branch a trace could take otherwise)
         self.said.add(("branches", sig))
-        import sys
-        import time
 
-        from .replan import replan_table
         t0 = time.perf_counter()
         try:
             # the budget: this signature's plan's bytes; at new shapes (no plan of their own
@@ -409,7 +407,6 @@ class _Patched:
     def _say(self, key: str, text: str) -> None:
         if key not in self.said:
             self.said.add(key)
-            import sys
             print(f"slackswap: {text}", file=sys.stderr)
 
     def _say_checkpointing(self) -> None:
@@ -458,7 +455,6 @@ class _Patched:
         self.said.add(("run", sig))
         if self.branchy and self.plans.get(sig) is None and not acted:
             return rep  # a new shape on the profiled plan, planned along its branches next
-        from ..units import fmt_bytes
         text = (f"{rep['lined_up']} of the profile's {rep['expected']} forward ops lined up "
                 f"({rep['fraction']:.1%}) at {_shapes(sig)}")
         if acted:
@@ -486,7 +482,6 @@ class _Patched:
     def _say_capped(self, kind: str, text: str) -> None:
         """A note on stderr for the first `SAY_MAX` signatures of a kind, then one line saying
         that later ones are not printed (dynamic padding meets hundreds of shapes)."""
-        import sys
         n = self.said_count.get(kind, 0)
         self.said_count[kind] = n + 1
         if n < SAY_MAX:
@@ -559,7 +554,6 @@ def _unwrap(model):
     if type(model).__name__ == "OptimizedModule":
         raise _error("this model is compiled with torch.compile; slackswap patches the eager "
                      "model", "call patch(model) before torch.compile(model), or train uncompiled")
-    from torch.nn.parallel import DistributedDataParallel
     if isinstance(model, (DistributedDataParallel, torch.nn.DataParallel)):
         return model.module
     return model
@@ -604,5 +598,4 @@ def _brief(exc: BaseException) -> str:
 
 
 def _error(message: str, hint: str):
-    from ..errors import InputError
     return InputError(message, hint=hint)

@@ -19,8 +19,18 @@ import copy
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..budget import fraction_bytes
+from ..chains import runtime_table
 from ..errors import InputError, TraceError
+from ..hardware import HardwareSpec
+from ..planners import DEFAULT_PLANNER, make_plan, quick_planner
+from ..trace.aten import is_inplace_target
+from ..trace.graph_profile import joint_to_profile
+from ..trace.joint import capture_joint
+from ..trace.workload import load_workload
+from .branches import BranchesDiffer, eager_branches
 
 __all__ = ["replan_table"]
 
@@ -32,15 +42,6 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
     `values`: the values an eager call at these inputs read, in order: the trace takes its
     branches (`branches.eager_branches`). `budget_bytes`: plan into these bytes (default: the
     plan's fraction of the new keep-all peak, or its byte budget)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ..budget import fraction_bytes
-    from ..chains import runtime_table
-    from ..hardware import HardwareSpec
-    from ..planners import DEFAULT_PLANNER, make_plan, quick_planner
-    from ..trace.aten import is_inplace_target
-    from ..trace.graph_profile import joint_to_profile
-
     if args and kwargs:
         raise InputError("the call mixes positional and keyword tensors",
                          hint="call the model with one kind to let slackswap re-plan")
@@ -85,8 +86,6 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
 def _trace(shadow, fake_inputs, loss_fn, meta: dict, values: list | None):
     """The joint graph of `shadow` on `fake_inputs`, along an eager call's branches when its
     `values` are given (`BranchesDiffer` when the trace reads others)."""
-    from ..trace.joint import capture_joint
-    from .branches import BranchesDiffer, eager_branches
     ctx = contextlib.nullcontext() if values is None else eager_branches(shadow, values)
     try:
         with ctx:
@@ -116,9 +115,6 @@ def _fake_copy(model: torch.nn.Module, mode) -> torch.nn.Module:
 
 
 def _workload_loss_fn(meta: dict):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ..trace.workload import load_workload
     if meta.get("loss_fn") is not None:   # a plan made in the training process (run/api.py)
         return meta["loss_fn"]
     w = meta.get("workload") or {}

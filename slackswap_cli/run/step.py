@@ -7,11 +7,18 @@ shapes; `verify` uses it to check the plan op for op and to measure its memory t
 """
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..errors import FingerprintMismatch, InputError
+from ..trace.joint import capture_joint
+from ..trace.retrace import joint_fingerprint
+from ..trace.workload import load_workload
 from .generated import check_generated
 from .swap import StepStore
 
@@ -69,7 +76,6 @@ class _StepFunction(torch.autograd.Function):
 
 def _mismatch(message: str, hint: str = "re-run `slackswap profile`, `slackswap plan` and "
                                          "`slackswap apply` for this model and these inputs"):
-    from ..errors import FingerprintMismatch
     return FingerprintMismatch(message, hint=hint)
 
 
@@ -94,7 +100,6 @@ class PatchedStep(torch.nn.Module):
         self.backward_fn = backward_fn
         self.last_store = None
         self.held_bytes_after_forward = 0
-        import torch.utils._pytree as pytree
         self._spec = pytree.treespec_loads(meta["input_spec"])
         self._check_model()
         if check_trace:
@@ -130,11 +135,6 @@ class PatchedStep(torch.nn.Module):
             self._check_trace_inner()
 
     def _check_trace_inner(self) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        from ..trace.joint import capture_joint
-        from ..trace.retrace import joint_fingerprint
-        from ..trace.workload import load_workload
         w = self.meta["workload"]
         expected = self.meta.get("trace_fingerprint")
         if expected is None:  # the workload could not be traced with fake tensors at apply time
@@ -149,11 +149,9 @@ class PatchedStep(torch.nn.Module):
             fake = fake_mode.from_tensor(t)
             memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) \
                 if isinstance(t, torch.nn.Parameter) else fake
-        import copy
         shadow = copy.deepcopy(self.model, memo)
         inputs = work.inputs
         if self.meta["device_type"] != "cpu":
-            import torch.utils._pytree as pytree
             inputs = pytree.tree_map(lambda x: x.to(self.meta["device_type"])
                                      if isinstance(x, torch.Tensor) else x, inputs)
         joint = capture_joint(shadow, inputs, work.loss_fn, autocast=self.meta.get("autocast"),
@@ -164,7 +162,6 @@ class PatchedStep(torch.nn.Module):
                             f"{expected}")
 
     def _flat_inputs(self, args, kwargs) -> list[torch.Tensor]:
-        import torch.utils._pytree as pytree
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self._spec:
             raise _mismatch("the patched step was called with inputs of another structure than "
@@ -191,19 +188,16 @@ class PatchedStep(torch.nn.Module):
     # -- the step --------------------------------------------------------------------------
     def forward(self, *args, **kwargs) -> torch.Tensor:
         if not self.model.training:
-            from ..errors import InputError
             raise InputError("the patched module runs training steps, but the model is in eval mode",
                              hint="call model.train() first, or call the model itself for evaluation")
         dev_type = self.meta["device_type"]
         if torch.is_autocast_enabled(dev_type) and not self.meta.get("autocast"):
-            from ..errors import InputError
             raise InputError("the patched step was called under torch.autocast, but the profile "
                              "was traced without it",
                              hint="re-profile with `slackswap profile --autocast bf16` (or fp16), "
                                   "so the casts are part of the traced step")
         inputs = self._flat_inputs(args, kwargs)
         if any(x.requires_grad for x in inputs):
-            from ..errors import InputError
             raise InputError("an input of the patched step requires grad, but the traced step "
                              "computes gradients of the parameters only",
                              hint="detach the inputs, or make the tensor that needs a gradient a "

@@ -44,6 +44,7 @@ from ..errors import InputError
 from ..schema import Action, Plan, Profile
 from ..trace.aten import is_inplace as aten_is_inplace
 from ..trace.aten import returns_view, written_positions
+from ..trace.graph_profile import is_random_op
 
 RESERVED = {"torch", "aten", "rt", "_s", "_device", "None", "float"}
 
@@ -133,7 +134,6 @@ def _uses(node: fx.Node) -> tuple[str, ...]:
 
 def is_random(node: fx.Node) -> bool:
     """Draws random numbers (dropout, bernoulli_, attention with dropout_p > 0): never re-run."""
-    from ..trace.graph_profile import is_random_op
     return is_random_op(node)
 
 

@@ -37,8 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..budget import keep_all_of
-from ..errors import InputError
+from ..errors import InputError, SlackswapError
+from ..schema import load_plan, load_profile
+from .emit import plan_fingerprint
 from .verify_inplace import check_in_place
 from .verify_memory import device_cause, inplace_memory_reason, memory_reason
 from .verify_steps import Compared, Pair, compare_steps, load_pair, value_reasons, warmup_step
@@ -108,9 +112,6 @@ class VerifyReport:
 def find_plan(patched_path: str, meta: dict):
     """The plan a patched module was made from: a `*.json` next to it (or in the current
     directory) whose decisions hash to the module's `plan_fingerprint`; None if none does."""
-    from ..errors import SlackswapError
-    from ..schema import load_plan
-    from .emit import plan_fingerprint
     want = meta.get("plan_fingerprint")
     dirs = [Path(patched_path).resolve().parent, Path.cwd()]
     for d in dict.fromkeys(dirs):
@@ -130,7 +131,6 @@ def find_plan(patched_path: str, meta: dict):
 def _plan_and_profile(patched_path: str, meta: dict, plan, profile):
     """The Plan the module was made from and its profile, where they are found and match the
     module (else None): the simulator's timeline needs both."""
-    from ..schema import load_profile
     if plan is None:
         plan = find_plan(patched_path, meta)
     if plan is not None and profile is None and plan.profile_path \
@@ -156,8 +156,6 @@ def verify(patched_path: str, model_path: str | None = None, entry: str | None =
     the measured memory timeline is aligned with the simulator's. `progress(line)` receives
     status lines (for stderr).
     """
-    import torch
-
     say = progress or (lambda _line: None)
     if steps < 1:
         raise InputError(f"steps must be at least 1, got {steps}")

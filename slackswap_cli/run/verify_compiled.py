@@ -51,7 +51,13 @@ lined up.
 """
 from __future__ import annotations
 
+import torch
+
 from ..errors import InputError
+from ..trace.joint import loss_from_output, split_inputs
+from ..trace.workload import load_workload
+from .compiled import graph_sets, totals
+from .emit import load_patched
 from .graph_plan import ACTION_TAG
 from .verify_steps import rel_diff, tolerances
 
@@ -65,9 +71,6 @@ def verify_compiled(patched_path: str, model_path: str | None = None, *,
     module docstring); returns the report as plain values (`passed`, `reasons`). `also_at`:
     workload arguments (`{"seq": 24}`) whose inputs `steps` more steps take after the profiled
     ones (another shape: torch recompiles with symbolic sizes, which the plan must reach)."""
-    import torch
-
-    from .emit import load_patched
     mod = load_patched(patched_path)
     table = getattr(mod, "GRAPH_TABLE", None)
     if table is None:
@@ -104,9 +107,6 @@ def verify_compiled(patched_path: str, model_path: str | None = None, *,
 def _runs(mod, model_path, backend: str, seed: int) -> tuple:
     """Copies of the workload from the same weights: (the compile_planned callable, [(workload,
     callable)]: eager, compile_planned and, with inductor, plain torch.compile)."""
-    import torch
-
-    from ..trace.workload import load_workload
     w = mod.META["workload"]
     dev = None if mod.META["device_type"] == "cpu" else mod.META["device_type"]
     models = []
@@ -130,9 +130,6 @@ def _runs(mod, model_path, backend: str, seed: int) -> tuple:
 def _inputs_at(mod, model_path, args: dict, seed: int):
     """The workload's inputs with `args` changed (its model is not used: the steps run the
     profiled model's weights)."""
-    import torch
-
-    from ..trace.workload import load_workload
     w = mod.META["workload"]
     dev = None if mod.META["device_type"] == "cpu" else mod.META["device_type"]
     torch.manual_seed(seed)
@@ -143,7 +140,6 @@ def _inputs_at(mod, model_path, args: dict, seed: int):
 def _judge_graphs(table: dict, partitions, backend: str, graph_set: int = 0) -> tuple:
     """One graph set (`compiled.graph_sets`; 0: the graphs the first step ran, each once)
     against the plan: (its totals, the plan's figures beside them, notes, byte reasons)."""
-    from .compiled import totals
     got = totals(partitions, graph_set)
     plan = _plan_numbers(table, got["lined_up_rows"], got.pop("resized_roots"),
                          got.pop("merged_rows"))
@@ -163,7 +159,6 @@ def _recompiles(table: dict, partitions, backend: str, first: dict) -> list[dict
     on the whole model) is judged against the plan as the first is, and so is one with symbolic
     sizes (dynamic shapes: lined up and counted at the profiled sizes) of the same frames whose
     every forward op lined up; a partial one is shown."""
-    from .compiled import graph_sets
     out = []
     frames = sorted(c.split("/")[0] for c in first["compile_ids"])
     for k in range(1, len(graph_sets(partitions))):
@@ -212,9 +207,6 @@ def _compare(runs: list, schedule: list, seed: int) -> dict:
     step: `scaled_diff`) of compile_planned against the reference (the last run) at the top
     level, against eager under `vs_eager`, and with inductor plain torch.compile's own against
     eager under `reference_vs_eager`."""
-    import torch
-
-    from ..trace.joint import loss_from_output, split_inputs
     opts = [torch.optim.AdamW(w.model.parameters(), lr=1e-2) for w, _ in runs]
     pairs = {"ref": (len(runs) - 1, 1), "vs_eager": (0, 1)}
     if len(runs) > 2:

@@ -4,7 +4,11 @@ up, ops re-run and the bytes held for backward after forward.
 """
 from __future__ import annotations
 
+import torch
+
 from ..schema import Action
+from ..trace.joint import autocast_region, loss_from_output, split_inputs
+from ..trace.workload import load_workload
 from .verify_steps import device_type, rel_diff
 
 
@@ -13,10 +17,6 @@ def check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol:
     """`steps` SGD steps of a fresh eager model and of a fresh one patched in place, from the
     same seed: the largest loss and gradient differences, how much of the profile lined up,
     ops re-run and bytes held for backward after forward (CPU: storages, as `held_device_bytes`)."""
-    import torch
-
-    from ..trace.joint import autocast_region, loss_from_output, split_inputs
-    from ..trace.workload import load_workload
     models = []
     for _ in range(2):
         torch.manual_seed(seed)

@@ -5,9 +5,16 @@ fails the plan's budget, naming the cause where it is known (`memory_reason`,
 """
 from __future__ import annotations
 
+import math
+
+import torch
+
 from ..budget import keep_all_of
 from ..errors import InputError
+from ..profile_build import dtype_bytes
+from ..trace.graph_profile import dtype_name
 from ..units import fmt_bytes
+from .swap import storage_bytes, storage_key
 from .verify_timeline import MeasuredStep
 
 MEMORY_TOLERANCE = 0.05
@@ -15,9 +22,6 @@ MEMORY_TOLERANCE = 0.05
 
 def saved_bytes_original(model, inputs, run_step, exclude) -> tuple[object, int]:
     """Run `run_step()` (the forward) under saved_tensors_hooks; bytes it saves for backward."""
-    import torch
-
-    from .swap import storage_bytes, storage_key
     skip = {storage_key(t) for t in exclude}
     seen: dict = {}
 
@@ -34,7 +38,6 @@ def saved_bytes_original(model, inputs, run_step, exclude) -> tuple[object, int]
 
 def _available_bytes(device: str) -> int | None:
     """Free memory where the step will run: the GPU's free bytes, or the host's MemAvailable."""
-    import torch
     if device == "cuda":
         return int(torch.cuda.mem_get_info()[0])
     try:
@@ -55,10 +58,6 @@ def check_fits(meta: dict, device: str) -> None:
     the kernel, without a word. The estimate is a floor (optimizer state, temporaries and the
     allocator come on top), so only a verify that cannot possibly fit is refused.
     """
-    import math
-
-    from ..profile_build import dtype_bytes
-    from ..trace.graph_profile import dtype_name
     param_bytes = sum(math.prod(shape) * dtype_bytes(dtype_name(dtype))
                       for _, shape, dtype in meta.get("params", ()))
     budget = int(meta.get("budget_bytes") or 0)

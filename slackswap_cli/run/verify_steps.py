@@ -8,7 +8,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+import torch.utils._pytree as pytree
+
 from ..errors import FingerprintMismatch, InputError, ModelChanged
+from ..trace.joint import autocast_region, loss_from_output, split_inputs
+from ..trace.workload import load_workload
+from .emit import load_patched
 from .verify_memory import check_fits, saved_bytes_original
 
 
@@ -23,7 +29,6 @@ def rel_diff(a, b) -> float:
 
 
 def tolerances(dtype) -> tuple[float, float]:
-    import torch
     if dtype in (torch.float16, torch.bfloat16):
         return 1e-3, 1e-2
     return 1e-5, 1e-4
@@ -36,7 +41,6 @@ def device_type(model) -> str:
 
 def warmup_step(model, run) -> None:
     """One untimed step; weights, buffers, gradients and the RNG are put back afterwards."""
-    import torch
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
@@ -75,7 +79,6 @@ class Pair:
         return self.device == "cuda"
 
     def run_original(self):
-        from ..trace.joint import autocast_region, loss_from_output
         a, kw = self.o_call
         with autocast_region(self.meta.get("autocast"), device_type(self.orig.model)):
             return loss_from_output(self.orig.model(*a, **kw), self.orig.inputs,
@@ -87,7 +90,6 @@ class Pair:
 
     def sync(self) -> None:
         if self.cuda:
-            import torch
             torch.cuda.synchronize()
 
     def start(self) -> int:
@@ -95,7 +97,6 @@ class Pair:
         self.sync()
         if not self.cuda:
             return 0
-        import torch
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()
 
@@ -103,7 +104,6 @@ class Pair:
         """After the step: CUDA peak over it less gradients, or the CPU bytes held for backward."""
         if not self.cuda:
             return held_bytes
-        import torch
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                     if p.grad is not None)
         return torch.cuda.max_memory_allocated() - base - grads
@@ -112,11 +112,6 @@ class Pair:
 def load_pair(patched_path: str, model_path: str | None, entry: str | None,
                args: dict | None, seed: int, check_trace: bool) -> Pair:
     """Load the patched module and two copies of its workload from the same weights."""
-    import torch
-
-    from ..trace.joint import split_inputs
-    from ..trace.workload import load_workload
-    from .emit import load_patched
     mod = load_patched(patched_path)
     meta = mod.META
     w = meta["workload"]
@@ -170,8 +165,6 @@ class Compared:
 
 def _step_original(s: Pair, seed: int, out: Compared):
     """One step of the original model, timed; its loss (memory: into `out`)."""
-    import torch
-    import torch.utils._pytree as pytree
     orig = s.orig
     s.opt_o.zero_grad(set_to_none=True)
     exclude_o = [*orig.model.parameters(), *orig.model.buffers(),
@@ -189,7 +182,6 @@ def _step_original(s: Pair, seed: int, out: Compared):
 
 def _step_patched(s: Pair, seed: int, out: Compared):
     """One step of the patched step module, timed; its loss (memory, copies: into `out`)."""
-    import torch
     s.opt_p.zero_grad(set_to_none=True)
     base = s.start()
     torch.manual_seed(seed)
@@ -207,7 +199,6 @@ def _step_patched(s: Pair, seed: int, out: Compared):
 
 def _compare(s: Pair, loss_o, loss_p, out: Compared) -> None:
     """Losses, gradients and buffers of the two models after one step (worst into `out`)."""
-    import torch
     out.losses_o.append(float(loss_o.detach()))
     out.losses_p.append(float(loss_p.detach()))
     out.max_loss = max(out.max_loss, rel_diff(loss_o, loss_p))
@@ -225,7 +216,6 @@ def _compare(s: Pair, loss_o, loss_p, out: Compared) -> None:
 
 def compare_steps(s: Pair, steps: int, seed: int) -> Compared:
     """`steps` SGD steps of both models from the same RNG state, compared after each."""
-    import torch
     out = Compared()
     for k in range(steps):
         loss_o = _step_original(s, seed + 1 + k, out)

@@ -10,7 +10,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..schema import Action
+from ..hardware import HardwareSpec
+from ..profile_build import recost
+from ..schema import Action, Decision
+from ..simulate import simulate
+from . import swap
+from .memtrace import SKIP, MemTracker, caller_line
 
 _DEF = re.compile(r"^\s*(\w+) = (?:aten|torch\.ops)\.")
 _STORE = re.compile(r"_s\.(?:prefetch|wait|offload)\('(\w+)'")
@@ -42,8 +47,6 @@ def predicted_timeline(profile, plan, hw, budget_bytes, *, issue_at_schedule: bo
     has an interval of its own (the schedule does not change by any measurable amount).
     `issue_at_schedule`: prefetches no earlier than where the plan's schedule issued them,
     which is where the patched module issues them."""
-    from ..schema import Decision
-    from ..simulate import simulate
     ops = tuple(o if o.time_us > 0 else dataclasses.replace(o, time_us=1e-6) for o in profile.ops)
     prof = dataclasses.replace(profile, ops=ops)
     decisions = list(plan.decisions)
@@ -84,11 +87,9 @@ def measure_patched_step(mod, patched, p_args, p_kwargs, profile=None) -> Measur
     backward_step). Host buffers of the swap engine and calls outside the two steps
     (autograd's own bookkeeping) allocate no activation memory; the gradients the backward
     returns are taken off the timeline (the profile's `gradient` tensors)."""
-    from . import swap as runtime
-    from .memtrace import SKIP, MemTracker, caller_line
     src = Path(mod.__file__).read_text().splitlines()
     codes = {mod.forward_step.__code__: "forward", mod.backward_step.__code__: "backward",
-             runtime.HostPool.get.__code__: SKIP}
+             swap.HostPool.get.__code__: SKIP}
     grads: list = []
     inner = patched.backward_fn
 
@@ -225,7 +226,6 @@ def is_view_op(profile, op: int) -> bool:
 def measure_eager_step(model, run) -> int:
     """Activation peak of one eager training step (`run()` returns the loss): the same
     accounting, gradients left out."""
-    from .memtrace import MemTracker
     tracker = MemTracker()
     with tracker:
         run().backward()
@@ -248,8 +248,6 @@ class Timeline:
 def aligned_timeline(ms: MeasuredStep, plan, profile, cuda: bool) -> Timeline:
     """Each measured row with the plan's predicted bytes and this device's (CPU: synchronous
     copies), when the profile is known; the measured bytes alone otherwise."""
-    from ..hardware import HardwareSpec
-    from ..profile_build import recost
     if profile is None:
         return Timeline(rows=[{"op": r.op, "name": r.name, "recompute": r.recompute,
                                 "measured_bytes": r.measured_bytes, "predicted_bytes": None,
