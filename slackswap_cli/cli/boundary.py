@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import traceback
 
 import typer
 from typer.core import TyperGroup
@@ -88,7 +89,6 @@ def _fail(exc: SlackswapError) -> None:
 
 def _internal_error(exc: BaseException) -> None:
     if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
-        import traceback
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         hint = "this is a bug in slackswap; please report it with the traceback above"
     else:

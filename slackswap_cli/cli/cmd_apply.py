@@ -2,6 +2,7 @@
 eager or --compile): the commands of the run side, which need torch."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -85,7 +86,6 @@ def verify(
     with sink.working(f"running original and patched step{'s' if steps > 1 else ''}"):
         report = run_verify(str(patched), model_path=str(model) if model else None,
                             steps=steps, plan=plan_obj, progress=sink.progress)
-    import dataclasses
     sink.show(Result(dataclasses.asdict(report) if dataclasses.is_dataclass(report) else report,
                      views=lambda: [_render().verify_view(report),
                                     _render().verify_memory_view(report)]))

@@ -1,6 +1,7 @@
 """`slackswap fit`: sweep batch sizes on the whole device and write the best batch's plan."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import List, Optional
 
@@ -25,8 +26,6 @@ from .output import Result, Sink, error_lines
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
 # and `compare` start without importing torch (tests/test_torch_free.py).
 def _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, time_limit):
-    import dataclasses
-
     from ..budget import parse_size
     from ..fit import FitSettings, check_optimizer, default_reserve
     from ..hardware import load_hardware

@@ -1,6 +1,7 @@
 """`slackswap hardware` (the presets) and `slackswap version`."""
 from __future__ import annotations
 
+import platform
 from typing import Optional
 
 import typer
@@ -45,8 +46,7 @@ def version(as_json: bool = _json_option("{version, python, torch}")) -> None:
 
 def _versions() -> dict:
     """`version --json`: slackswap's, Python's and torch's (null when torch is missing)."""
-    import platform
-    from importlib import metadata
+    from importlib import metadata  # slow to import: only `version` needs it
 
     from .. import __version__
     try:

@@ -2,6 +2,7 @@
 profile or a plan in the terminal)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -55,7 +56,6 @@ def simulate(
         write_chrome_trace(trace, result, prof, p.budget_bytes)
 
     def views():
-        import dataclasses
         shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted,
                                     feasible=result.feasible)
         return _render().plan_views(shown, prof, result, planned=p)

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+import orjson
 from rich.console import Console
 from rich.markup import escape
 
@@ -74,6 +75,7 @@ class Sink:
         terminal only (scripts and pipes see nothing)."""
         if not self.human or not err.is_terminal:
             return nullcontext()
+        # rich.progress loads only when a spinner shows (the CLI's start-up stays short)
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
         progress = Progress(SpinnerColumn(), TextColumn("{task.description}"),
                             TimeElapsedColumn(), console=err, transient=True)
@@ -97,8 +99,6 @@ class Sink:
 
 def write_json(data: Any, indent: bool = False) -> None:
     """One JSON document on stdout (schema.dumps: dataclasses, numpy scalars, non-str keys)."""
-    import orjson
-
     from ..schema import dumps
     text = (orjson.dumps(data, option=orjson.OPT_INDENT_2) if indent else dumps(data)).decode()
     sys.stdout.write(text + "\n")
