@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from .. import __version__
 from ..errors import InputError
 from ..planners import PLANNERS, planner_names
 from .boundary import _Group
@@ -76,6 +77,7 @@ def _check_output_path(path: Path, option: str = "-o", inputs=(), example: str =
 
 
 def _plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
+    # the library loads inside these helpers, when a command runs: the app starts light
     from ..planning import plan_inputs
     from ..schema import load_profile
     return plan_inputs(load_profile(profile_path), budget, hardware, str(profile_path))
@@ -111,7 +113,6 @@ def _plan_profile(p, profile_path: Optional[Path]):
 
 def _version_flag(value: bool) -> None:
     if value:
-        from .. import __version__
         typer.echo(__version__)
         raise typer.Exit(0)
 

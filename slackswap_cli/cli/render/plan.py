@@ -11,9 +11,11 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from ...errors import SlackswapError
 from ...hardware import HardwareSpec
 from ...layers import op_layers
 from ...schema import Action, Plan, Predicted, Profile
+from ...simulate import recompute_chains
 from ...units import MIB, fmt_bytes, fmt_us
 from .format import _Fit, _kv_table, bar_chart, fmt_pct
 from .layer_rows import _collapse, _ordered_layers
@@ -138,8 +140,6 @@ def _idle(profile: Profile, tensor_id: int) -> dict:
 
 def _chain_rows(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
     """One summary row on recompute chains, when the plan has any."""
-    from ...errors import SlackswapError
-    from ...simulate import recompute_chains
     try:
         chains = recompute_chains(profile, plan.decisions)
     except SlackswapError:
