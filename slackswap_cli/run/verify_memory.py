@@ -9,15 +9,13 @@ import math
 
 import torch
 
-from ..budget import keep_all_of
+from ..budget import MEMORY_TOLERANCE, keep_all_of
 from ..errors import InputError
 from ..profile_build import dtype_bytes
 from ..trace.graph_profile import dtype_name
 from ..units import fmt_bytes
 from .swap import storage_bytes, storage_key
 from .verify_timeline import MeasuredStep
-
-MEMORY_TOLERANCE = 0.05
 
 
 def saved_bytes_original(model, inputs, run_step, exclude) -> tuple[object, int]:
@@ -127,5 +125,5 @@ def memory_reason(ms: MeasuredStep, budget: int, worst: dict | None,
                f"op {worst['op']} ({worst['name']})"
                + (f", held past their last use: {names}" if names else ""))
     return (f"measured activation peak {fmt_bytes(ms.peak_bytes)} ({ms.peak_bytes} "
-            f"bytes) at `{at[:80]}` is more than 5% above the plan's budget of "
+            f"bytes) at `{at[:80]}` is more than {MEMORY_TOLERANCE:.0%} above the plan's budget of "
             f"{fmt_bytes(budget)}" + why + (f"; {cause}" if cause else ""))

@@ -8,6 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ...budget import MEMORY_TOLERANCE
 from ...units import fmt_bytes, fmt_us
 from .format import _kv_table, bar_chart
 
@@ -107,7 +108,7 @@ def two_curve_chart(measured: Sequence[int], predicted: Sequence[int | None],
     peak = max(max(cols_m), max((p for p in cols_p if p is not None), default=0))
     return bar_chart(cols_m, peak, budget_bytes, height, axis="─" * width,
                      under="op 1" + f"op {n}".rjust(width - 4), dense_labels=False,
-                     dots=cols_p, over_factor=1.05)
+                     dots=cols_p, over_factor=1 + MEMORY_TOLERANCE)
 
 
 def verify_memory_view(report) -> Group:
