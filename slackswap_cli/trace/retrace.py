@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..errors import FingerprintMismatch, TraceError
-from ..hardware import PRESETS
+from ..hardware import DEFAULT_PRESET, PRESETS
 
 __all__ = ["trace_fake", "joint_fingerprint", "trace_matching", "trace_options"]
 
@@ -78,7 +78,7 @@ def trace_matching(profile, path: str, entry: str | None = None, args: dict | No
         fp = joint_fingerprint(joint)
     if fp != profile.fingerprint:
         from .graph_profile import first_difference, joint_to_profile
-        got = joint_to_profile(joint, workload={}, env={}, hardware=PRESETS["a100-pcie4"])
+        got = joint_to_profile(joint, workload={}, env={}, hardware=PRESETS[DEFAULT_PRESET])
         raise FingerprintMismatch(
             f"{path} now traces to graph {fp}, but the profile was made from graph "
             f"{profile.fingerprint}; {first_difference(profile, got)}",
