@@ -41,6 +41,7 @@ from typing import Callable
 
 from .errors import InputError
 from .schema import Action
+from .table_rows import OpRow
 
 # Int codes of the actions for the hot loops (the simulator's, the layout's); the one place
 # they are derived from `schema.Action`. NOT_SAVED marks a root that takes no decision.
@@ -376,10 +377,10 @@ def _last_writes(prof, writes_in_place: Callable[[str], bool]) -> dict[int, int]
 # What the in-place runtime needs from a layout
 # --------------------------------------------------------------------------------------------
 def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> dict:
-    """The plan as the in-place runtime (`replay`) carries it out, in plain Python values.
+    """The plan as the in-place runtime (`run/record.py`) carries it out, in plain Python
+    values and `OpRow`s.
 
-    - `ops`: the forward ops in order, `[name, target, output shapes, output tensor ids,
-      module path, reads activations, the activations it reads]` (the runtime aligns the ops
+    - `ops`: the forward ops in order, each a `table_rows.OpRow` (the runtime aligns the ops
       it sees with these);
     - `root`: activation tensor id -> its storage root (aliases only);
     - `action`: root -> "swap" | "recompute" (every other root is kept);
@@ -417,8 +418,9 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
     root_of = tab.root
     for o in prof.ops[:nf]:
         acts = [t for t in o.inputs if prof.tensors[root_of[t]].kind == "activation"]
-        ops.append([o.name, o.target, [list(prof.tensors[t].shape) for t in o.outputs],
-                    list(o.outputs), o.module, bool(acts), acts])
+        ops.append(OpRow(name=o.name, target=o.target, module=o.module,
+                         shapes=[list(prof.tensors[t].shape) for t in o.outputs],
+                         outputs=list(o.outputs), reads_act=bool(acts), acts=acts))
     op_inputs = {p: list(tab.in_roots[p]) for ops_ in chains.values() for p in ops_}
     needs: dict[int, list[int]] = {}
     for owner, ops_ in chains.items():

@@ -61,7 +61,7 @@ from ..trace.aten import (
     written_positions,
     written_returns,
 )
-from . import swap as rt
+from . import swap
 
 __all__ = ["PlanRun"]
 
@@ -86,10 +86,11 @@ def trace_only_ops(ops: list) -> frozenset[int]:
     ops: make_fx's `detach` of each saved output (`TRACE_ONLY`), and a view no later forward op
     reads (autograd re-creating a view after an in-place write to it, which a trace replays
     as an op and eager does inside the autograd node)."""
-    read = {t for o in ops for t in o[6]}
+    read = {t for o in ops for t in o.acts}
     only = set()
     for i, o in enumerate(ops):
-        if o[1] in TRACE_ONLY or (is_view_target(o[1]) and not any(t in read for t in o[3])):
+        if o.target in TRACE_ONLY or (is_view_target(o.target)
+                                      and not any(t in read for t in o.outputs)):
             only.add(i)
     return frozenset(only)
 
@@ -266,7 +267,7 @@ class PlanRun:
             self.tid_of[(k, 0)] = self.tid_of[in_locs[0]]
         if op is not None:
             self.rec_of_op[op] = k
-            tids = self.table["ops"][op][3]
+            tids = self.table["ops"][op].outputs
             for j, tid in enumerate(tids):
                 if j < len(leaves) and isinstance(leaves[j], torch.Tensor):
                     self.tid_of[(k, j)] = tid
@@ -304,11 +305,11 @@ class PlanRun:
             first = len(first)
         for i in range(self.ptr, end):
             o = ops[i]
-            shape = o[2][0] if o[2] else None
+            shape = o.shapes[0] if o.shapes else None
             if ranks and shape is not None:
                 shape = len(shape)
-            if (o[1] == name and o[4] == module and shape == first
-                    and o[5] == reads_act and known.issubset(o[6])):
+            if (o.target == name and o.module == module and shape == first
+                    and o.reads_act == reads_act and known.issubset(o.acts)):
                 self.ptr = i + 1
                 return i
         self.unmatched += 1
@@ -417,7 +418,7 @@ class PlanRun:
         if act == Action.SWAP:
             mine = self.root_storage.get(r)
             note[2:4] = Action.SWAP, r
-            note[7] = (mine is not None and mine[0] == rt.storage_key(x)
+            note[7] = (mine is not None and mine[0] == swap.storage_key(x)
                        and not mine[1].expired())
             return self._swap(x, r, note[7])
         if act == Action.RECOMPUTE and self._usable(r) and self._known(loc):
@@ -435,11 +436,11 @@ class PlanRun:
         forward made it (parameters, buffers and inputs are not counted), else 0."""
         if loc is None or x.device.type == "meta":
             return 0
-        key = rt.storage_key(x)
+        key = swap.storage_key(x)
         if key in self.saved_keys or key in self.external:
             return 0
         self.saved_keys.add(x)
-        n = rt.storage_bytes(x)
+        n = swap.storage_bytes(x)
         self.saved_bytes += n
         return n
 
@@ -448,10 +449,10 @@ class PlanRun:
         (`guard.py`'s rule); the note tells later calls at this signature which."""
         if x.device.type == "meta":
             return self._kept(x, loc)
-        key = rt.storage_key(x)
+        key = swap.storage_key(x)
         if key in self.external:           # a parameter, buffer or input: not held for it
             return x.detach()
-        if self.guard.admit(key, rt.storage_bytes(x), self._reserve()):
+        if self.guard.admit(key, swap.storage_bytes(x), self._reserve()):
             return self._kept(x, loc)
         note[2:4] = Action.SWAP, None
         note[7] = False
@@ -472,9 +473,9 @@ class PlanRun:
         """Count a storage this forward holds for backward as planned (`Guard.hold`)."""
         guard = self.guard
         if guard is not None and x.device.type != "meta":
-            key = rt.storage_key(x)
+            key = swap.storage_key(x)
             if key not in self.external:
-                guard.hold(key, rt.storage_bytes(x))
+                guard.hold(key, swap.storage_bytes(x))
 
     def _kept(self, x: torch.Tensor, loc=None) -> torch.Tensor:
         """What autograd holds for a kept tensor: `x.detach()` (same storage, same version
@@ -505,13 +506,13 @@ class PlanRun:
         if sw is None or sw.ref.expired() or sw.version != x._version:
             # (a storage written since its copy, say a buffer filled step by step, is
             # copied again: a copy serves only the contents it saw)
-            sw = self.by_storage[key] = _Swap(ref, rt.offload(_bytes_of(x)), x._version)
+            sw = self.by_storage[key] = _Swap(ref, swap.offload(_bytes_of(x)), x._version)
             self.swaps.append(sw)
         if own:
             self.root_swap[r] = sw
             held = self.pinned.pop(r, None)      # the host copy serves a chain that reads it
             if held is not None and self.guard is not None:
-                self.guard.drop(key, rt.storage_bytes(held))
+                self.guard.drop(key, swap.storage_bytes(held))
         sw.packs += 1
         self.packs[r] = self.packs.get(r, 0) + 1
         return [False, Action.SWAP, r, sw, x.dtype, tuple(x.shape), tuple(x.stride()),
@@ -570,10 +571,10 @@ class PlanRun:
         for t in tensors:
             if t is None or t.device.type == "meta":
                 continue
-            key = rt.storage_key(t)
+            key = swap.storage_key(t)
             if key not in seen and key not in self.external:
                 seen.add(key)
-                total += rt.storage_bytes(t)
+                total += swap.storage_bytes(t)
         for sw in self.swaps:
             h = sw.handle
             if h is not None and h.d2h_done is not None and not h.d2h_done.query():
@@ -640,7 +641,7 @@ class PlanRun:
             self.next_prefetch += 1
             sw = self.root_swap.get(r)
             if sw is not None and sw.handle is not None:
-                rt.prefetch(sw.handle)
+                swap.prefetch(sw.handle)
 
     # -- chains ----------------------------------------------------------------------------
     def _chain_records(self, owner: int) -> list[int]:
@@ -824,7 +825,7 @@ class Storages:
         self.refs: dict = {} if refs is None else refs
 
     def add(self, x: torch.Tensor) -> None:
-        key = rt.storage_key(x)
+        key = swap.storage_key(x)
         ref = self.refs.get(key)
         if ref is None or ref.expired():
             self.refs[key] = StorageWeakRef(x.untyped_storage())
@@ -859,7 +860,7 @@ class _Swap:
             if self.handle is None:
                 raise RuntimeError("slackswap: a swapped tensor was read after its last use; "
                                    "this is a bug in slackswap, please report it")
-            self.dev = rt.wait(self.handle)
+            self.dev = swap.wait(self.handle)
             self.handle = None
         return self.dev
 

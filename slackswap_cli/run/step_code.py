@@ -45,7 +45,8 @@ from ..schema import Action, Plan, Profile
 from ..trace.aten import is_inplace as aten_is_inplace
 from ..trace.aten import returns_view, written_positions
 
-RESERVED = {"torch", "aten", "rt", "_s", "_device", "None", "float"}
+RESERVED = {"torch", "aten", "inplace", "step_runtime", "GraphRow", "OpRow", "_s", "_device",
+            "None", "float"}
 
 
 
