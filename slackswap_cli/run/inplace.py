@@ -24,7 +24,15 @@ from ..guard import Scale
 from ..schema import Action
 from . import steady as _steady
 from .generated import check_generated
-from .record import _STATE, ALIGN_WARN, PlanRun, _body_hook, _leave_hook, _Recorder, trace_only_ops
+from .record import (
+    ALIGN_WARN,
+    STATE,
+    PlanRun,
+    Recorder,
+    body_hook,
+    leave_hook,
+    trace_only_ops,
+)
 from .shape_run import ShapeRun
 
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
@@ -270,7 +278,7 @@ class _Patched:
 
     def forward(self, *args, **kwargs):
         if not (self.model.training and torch.is_grad_enabled()) or \
-                getattr(_STATE, "run", None) is not None:
+                getattr(STATE, "run", None) is not None:
             return self.original_forward(*args, **kwargs)
         if torch.compiler.is_compiling():
             self._say("compile", "torch.compile traces the model's own forward: the compiled "
@@ -300,20 +308,20 @@ class _Patched:
         run.call_inputs = inputs
         self.buffer_ids = {id(b) for b in self.model.buffers()}
         self._say_checkpointing()
-        prev = getattr(_STATE, "run", None)
-        _STATE.run = run
+        prev = getattr(STATE, "run", None)
+        STATE.run = run
         from torch.nn.modules.module import (
             register_module_forward_hook,
             register_module_forward_pre_hook,
         )
         self._last_hooks()
-        hooks = [register_module_forward_pre_hook(run._enter),
-                 register_module_forward_hook(run._left, always_call=True)]
+        hooks = [register_module_forward_pre_hook(run.lineup.enter),
+                 register_module_forward_hook(run.lineup.left, always_call=True)]
         try:
-            with _Recorder(run), torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+            with Recorder(run), torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
                 out = self.original_forward(*args, **kwargs)
         finally:
-            _STATE.run = prev
+            STATE.run = prev
             for h in hooks:
                 h.remove()
             self.remove_hooks()      # off the model until the next full record
@@ -365,7 +373,7 @@ class _Patched:
                          "runs it")
 
     def _steady(self, run, args, kwargs, sig):
-        _STATE.run = run            # (None before: `forward` checked)
+        STATE.run = run            # (None before: `forward` checked)
         try:
             if run.pack is None:    # (a keep-all plan, not measuring: nothing to do)
                 out = self.original_forward(*args, **kwargs)
@@ -373,7 +381,7 @@ class _Patched:
                 with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
                     out = self.original_forward(*args, **kwargs)
         finally:
-            _STATE.run = None
+            STATE.run = None
         if not run.finish():
             self._drop(sig)                     # other control flow: the next call records
             self._check_run(run, sig)
@@ -432,8 +440,8 @@ class _Patched:
             if mine is not None:
                 for h in mine:
                     h.remove()
-            self.module_hooks[id(mod)] = (mod.register_forward_pre_hook(_body_hook),
-                                          mod.register_forward_hook(_leave_hook, always_call=True))
+            self.module_hooks[id(mod)] = (mod.register_forward_pre_hook(body_hook),
+                                          mod.register_forward_hook(leave_hook, always_call=True))
 
     def remove_hooks(self) -> None:
         for hooks in self.module_hooks.values():

@@ -32,8 +32,8 @@ import torch
 from ..guard import Guard, Scale
 from ..schema import Action
 from . import swap
-from .record import Storages
 from .steady import SteadyRun, Template, _same_node
+from .swap import Storages
 
 __all__ = ["ShapeRun"]
 
