@@ -60,6 +60,7 @@ import torch.fx as fx
 from ..errors import InputError
 from ..table_rows import GraphRow
 from ..torch_api import PARTS, refuse_untested
+from ..trace.storage import storage_object_key
 from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
 from .sym_sizes import SymSizes, solve
 
@@ -464,7 +465,7 @@ def _writes_back(node: fx.Node) -> bool:
 
 def _storage(node: fx.Node) -> int | None:
     v = node.meta.get("val")
-    return v.untyped_storage()._cdata if isinstance(v, torch.Tensor) else None
+    return storage_object_key(v) if isinstance(v, torch.Tensor) else None
 
 
 def _tensor_vals(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
@@ -565,7 +566,7 @@ def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table, sizes: SymSizes
                                                             or _identity_slice(g))]
     rep = GraphReport(graph_ops=len(counted), lined_up_ops=len(matched),
                       rows=sorted(_rows(matched)))
-    primal = {v.untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
+    primal = {storage_object_key(v) for n in fw.graph.find_nodes(op="placeholder")
               if isinstance(v := n.meta.get("val"), torch.Tensor)}
     # views (a view op, or results sharing an input's or an earlier result's storage, as
     # split's do): free to re-derive
@@ -596,7 +597,7 @@ def _measure_saved(rep: GraphReport, fw, num_fwd_outputs: int, primal: set[int],
     for n in _saved(fw, num_fwd_outputs)[1]:
         v = n.meta["val"]
         offloaded = n.name.startswith(CPU_OFFLOAD_PREFIX)
-        key = id(n) if offloaded else v.untyped_storage()._cdata
+        key = id(n) if offloaded else storage_object_key(v)
         if key in primal or key in seen:
             continue
         seen.add(key)

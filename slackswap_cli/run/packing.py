@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..schema import Action
+from ..trace.storage import storage_id, storage_key, storage_nbytes
 from . import swap
 from .recorded import ExtRef, OutRef, is_random_record
 
@@ -61,7 +62,7 @@ class Packing:
         if act == Action.SWAP:
             mine = self.root_storage.get(r)
             note[2:4] = Action.SWAP, r
-            note[7] = (mine is not None and mine[0] == swap.storage_key(x)
+            note[7] = (mine is not None and mine[0] == storage_key(x)
                        and not mine[1].expired())
             return self._swap(x, r, note[7])
         if act == Action.RECOMPUTE and self._usable(r) and self._known(loc):
@@ -79,11 +80,11 @@ class Packing:
         forward made it (parameters, buffers and inputs are not counted), else 0."""
         if loc is None or x.device.type == "meta":
             return 0
-        key = swap.storage_key(x)
+        key = storage_key(x)
         if key in self.saved_keys or key in self.external:
             return 0
         self.saved_keys.add(x)
-        n = swap.storage_bytes(x)
+        n = storage_nbytes(x)
         self.saved_bytes += n
         return n
 
@@ -92,10 +93,10 @@ class Packing:
         (`guard.py`'s rule); the note tells later calls at this signature which."""
         if x.device.type == "meta":
             return self._kept(x, loc)
-        key = swap.storage_key(x)
+        key = storage_key(x)
         if key in self.external:           # a parameter, buffer or input: not held for it
             return x.detach()
-        if self.guard.admit(key, swap.storage_bytes(x), self._reserve()):
+        if self.guard.admit(key, storage_nbytes(x), self._reserve()):
             return self._kept(x, loc)
         note[2:4] = Action.SWAP, None
         note[7] = False
@@ -116,9 +117,9 @@ class Packing:
         """Count a storage this forward holds for backward as planned (`Guard.hold`)."""
         guard = self.guard
         if guard is not None and x.device.type != "meta":
-            key = swap.storage_key(x)
+            key = storage_key(x)
             if key not in self.external:
-                guard.hold(key, swap.storage_bytes(x))
+                guard.hold(key, storage_nbytes(x))
 
     def _kept(self, x: torch.Tensor, loc=None) -> torch.Tensor:
         """What autograd holds for a kept tensor: `x.detach()` (same storage, same version
@@ -144,7 +145,7 @@ class Packing:
         first call, followed later."""
         # one copy per storage (a root and its views), found by the storage itself: an
         # address alone may be a new tensor's, once a swapped one's memory was freed
-        key, ref = swap.storage_id(x)
+        key, ref = storage_id(x)
         sw = self.by_storage.get(key)
         if sw is None or sw.ref.expired() or sw.version != x._version:
             # (a storage written since its copy, say a buffer filled step by step, is
@@ -155,7 +156,7 @@ class Packing:
             self.root_swap[r] = sw
             held = self.pinned.pop(r, None)      # the host copy serves a chain that reads it
             if held is not None and self.guard is not None:
-                self.guard.drop(key, swap.storage_bytes(held))
+                self.guard.drop(key, storage_nbytes(held))
         sw.packs += 1
         self.packs[r] = self.packs.get(r, 0) + 1
         return [False, Action.SWAP, r, sw, x.dtype, tuple(x.shape), tuple(x.stride()),
@@ -214,10 +215,10 @@ class Packing:
         for t in tensors:
             if t is None or t.device.type == "meta":
                 continue
-            key = swap.storage_key(t)
+            key = storage_key(t)
             if key not in seen and key not in self.external:
                 seen.add(key)
-                total += swap.storage_bytes(t)
+                total += storage_nbytes(t)
         for sw in self.swaps:
             h = sw.handle
             if h is not None and h.d2h_done is not None and not h.d2h_done.query():

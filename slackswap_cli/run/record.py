@@ -57,6 +57,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..guard import Guard
 from ..schema import Action
 from ..trace.aten import written_returns
+from ..trace.storage import storage_id
 from . import swap
 from .lineup import ALIGN_WARN, LineUp, trace_only_ops
 from .packing import Packing
@@ -186,7 +187,7 @@ class PlanRun(Packing, Unpacking, Rerun):
                         x = leaves[j]
                         self.metas[r] = (x.dtype, tuple(x.shape), tuple(x.stride()),
                                          x.storage_offset())
-                        self.root_storage[r] = swap.storage_id(x)
+                        self.root_storage[r] = storage_id(x)
 
     def _activation(self, loc: tuple[int, int]) -> bool:
         tid = self.tid_of.get(loc)

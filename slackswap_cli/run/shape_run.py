@@ -31,7 +31,7 @@ import torch
 
 from ..guard import Guard, Scale
 from ..schema import Action
-from . import swap
+from ..trace.storage import storage_key, storage_nbytes
 from .steady import SteadyRun, Template, _same_node
 from .swap import Storages
 
@@ -107,10 +107,10 @@ class ShapeRun(SteadyRun):
                 self.rest_kept[key] -= old
                 self.pred_kept -= old * ratio
         if x.device.type != "meta":
-            skey = swap.storage_key(x)
+            skey = storage_key(x)
             if skey not in self.keys_seen and skey not in self.external:
                 self.keys_seen.add(x)
-                self.fresh[i] = nbytes = swap.storage_bytes(x)
+                self.fresh[i] = nbytes = storage_nbytes(x)
                 self.seen_bytes += nbytes
         if self.scale.observe(key, tuple(x.shape)):
             now = self.ratio[key] = self.scale.ratio(key)
@@ -123,10 +123,10 @@ class ShapeRun(SteadyRun):
         """A tensor the plan keeps: kept while the guard admits it, else swapped."""
         if x.device.type == "meta":
             return x.detach()
-        key = swap.storage_key(x)
+        key = storage_key(x)
         if key in self.external:        # a parameter, buffer or input: not held for it
             return x.detach()
-        if self.guard.admit(key, swap.storage_bytes(x), self._reserve()):
+        if self.guard.admit(key, storage_nbytes(x), self._reserve()):
             return self._kept(x) if tracked else x.detach()
         return self._swap(x, None, False)
 

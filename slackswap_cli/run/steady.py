@@ -56,7 +56,7 @@ import torch.utils._pytree as pytree
 
 from ..guard import Guard
 from ..schema import Action
-from . import swap
+from ..trace.storage import storage_key
 from .record import PlanRun
 from .recorded import InputRef, OpRecord
 from .swap import Storages
@@ -86,7 +86,7 @@ class Template:
         self.shared = {name: getattr(run, name) for name in (
             "reads_act", "rec_of_op", "tid_of", "loc_of_tid", "usable", "metas", "device",
             "prefetch_order", "lineup")}
-        inputs = {swap.storage_key(x) for x in run.call_inputs if x.device.type != "meta"}
+        inputs = {storage_key(x) for x in run.call_inputs if x.device.type != "meta"}
         self.external = run.external.without(inputs)
         self.chain_reads = {o: tuple(locs) for o, locs in run.live_reads.items()}
         self.uses: dict[tuple, int] = {}          # loc -> chains that read it

@@ -38,9 +38,10 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..trace.storage import storage_key, storage_nbytes
+
 __all__ = ["HostPool", "Handle", "StepStore", "offload", "prefetch", "wait", "host_pool",
-           "side_streams", "storage_key", "storage_bytes", "storage_id", "storage_as_bytes",
-           "Storages", "StorageCopy"]
+           "side_streams", "storage_as_bytes", "Storages", "StorageCopy"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,22 +108,6 @@ def side_streams(device: torch.device) -> tuple[Any, Any]:
 # --------------------------------------------------------------------------------------------
 # Storage accounting
 # --------------------------------------------------------------------------------------------
-def storage_key(t: torch.Tensor) -> tuple:
-    """Identity of the memory behind `t` (views share it)."""
-    s = t.untyped_storage()
-    return (t.device.type, t.device.index, s.data_ptr())
-
-
-def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
-
-
-def storage_id(x: torch.Tensor) -> tuple:
-    """(address key, weak reference) of x's storage: the key finds it, the reference tells
-    whether it is still the same storage."""
-    return storage_key(x), StorageWeakRef(x.untyped_storage())
-
-
 def storage_as_bytes(x: torch.Tensor) -> torch.Tensor:
     """A flat uint8 tensor over all of x's storage (a swap moves the whole root)."""
     s = x.untyped_storage()
@@ -354,7 +339,7 @@ class StepStore:
             if key in seen or key in self._exclude:
                 continue
             seen.add(key)
-            total += storage_bytes(t)
+            total += storage_nbytes(t)
         for h in self.swapped.values():
             if h.device_copy is not None:
                 total += h.nbytes

@@ -17,14 +17,14 @@ def saved_bytes_original(model, inputs, run_step, exclude) -> tuple[object, int]
     """Run `run_step()` (the forward) under saved_tensors_hooks; bytes it saves for backward."""
     import torch
 
-    from .swap import storage_bytes, storage_key
+    from ..trace.storage import storage_key, storage_nbytes
     skip = {storage_key(t) for t in exclude}
     seen: dict = {}
 
     def pack(t):
         key = storage_key(t)
         if key not in skip and t.device.type != "meta":
-            seen[key] = storage_bytes(t)
+            seen[key] = storage_nbytes(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
