@@ -47,7 +47,8 @@ from .table_rows import OpRow
 # they are derived from `schema.Action`. NOT_SAVED marks a root that takes no decision.
 ACTION_CODES: dict[str, int] = {a: i for i, a in enumerate(Action)}
 ACTION_OF_CODE: tuple[Action, ...] = tuple(Action)
-KEEP, SWAP, RECOMPUTE = (ACTION_CODES[a] for a in (Action.KEEP, Action.SWAP, Action.RECOMPUTE))
+KEEP_CODE, SWAP_CODE, RECOMPUTE_CODE = (ACTION_CODES[a]
+                                         for a in (Action.KEEP, Action.SWAP, Action.RECOMPUTE))
 NOT_SAVED = len(ACTION_CODES)
 
 
@@ -96,7 +97,7 @@ class Tables:
         # the saved activation roots: the planner's candidates (`Profile.saved_activations`)
         saved_ids = {t.id for t in prof.saved_activations}
         self.saved = [j in saved_ids for j in range(n_t)]
-        self.default_action = [KEEP if s else NOT_SAVED for s in self.saved]
+        self.default_action = [KEEP_CODE if s else NOT_SAVED for s in self.saved]
         self.saved_roots = [j for j in self.roots if self.saved[j]]
         saved = self.saved
         self.bwd_saved_in = [()] * nf + [tuple(r for r in in_roots[i] if saved[r])
@@ -224,7 +225,7 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
 
     def resident(x: int, i: int) -> bool:
         a = action[x]
-        if a == KEEP:
+        if a == KEEP_CODE:
             return last_use[x] >= i
         if a == NOT_SAVED:
             return producer[x] >= nf   # produced in backward: alive while read
@@ -236,7 +237,7 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
     # only backward ops that read an evicted root get a chain or a fetch; the others run as
     # they are, like ops that read no saved activation
     readers_of = tab.bwd_readers_of
-    evicted_readers = sorted({i for x in tab.saved_roots if action[x] in (SWAP, RECOMPUTE)
+    evicted_readers = sorted({i for x in tab.saved_roots if action[x] in (SWAP_CODE, RECOMPUTE_CODE)
                               for i in readers_of.get(x, ())})
     for i in evicted_readers:
         if i > nxt:                    # ops in between read none: they run as they are
@@ -245,12 +246,12 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
             op_task[nxt:i] = range(T, T + i - nxt)
             T += i - nxt
         ins = bwd_saved_in[i]
-        targets = [r for r in ins if action[r] == RECOMPUTE and r not in mat]
+        targets = [r for r in ins if action[r] == RECOMPUTE_CODE and r not in mat]
         if targets:
             _insert_chain(prof, tab, action, lay, mat, resident, i, targets)
             T = len(task_op)
         for r in ins:
-            if action[r] == SWAP and r not in mat:
+            if action[r] == SWAP_CODE and r not in mat:
                 mat.add(r)
                 need_task[r] = T
         op_task[i] = T
@@ -270,8 +271,8 @@ def _chain_closure(prof, tab: Tables, action: list[int], mat: set[int], resident
     """`closure` for the chain before backward op `i`; a chain through a random op's output
     that backward does not save is an InputError naming both."""
     def at_hand(x: int) -> bool:
-        return (action[x] == KEEP or resident(x, i)
-                or (action[x] == SWAP and x not in mat))
+        return (action[x] == KEEP_CODE or resident(x, i)
+                or (action[x] == SWAP_CODE and x not in mat))
     try:
         return closure(tab, targets, at_hand)
     except ChainImpossible as exc:
@@ -304,7 +305,7 @@ def _insert_chain(prof, tab: Tables, action: list[int], lay: Layout, mat: set[in
         for x in in_roots[p]:
             if x in produced:
                 last_reader[x] = T
-            elif action[x] == SWAP and x not in mat:
+            elif action[x] == SWAP_CODE and x not in mat:
                 if x not in need_task:
                     need_task[x] = T
                     fetched.append(x)
@@ -316,7 +317,7 @@ def _insert_chain(prof, tab: Tables, action: list[int], lay: Layout, mat: set[in
             if o not in produced and resident(o, i):
                 continue                       # already there: not made again
             nbytes += size[o]
-            if action[o] == RECOMPUTE and o not in mat:
+            if action[o] == RECOMPUTE_CODE and o not in mat:
                 made_at.append((o, T))
                 made.append(o)
                 if main < 0 or o in targets:
@@ -441,7 +442,7 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
         "non_activation": [t.id for t in prof.tensors
                            if t.kind != "activation" and t.alias_of is None],
         "action": {r: ACTION_OF_CODE[action[r]].value      # plain strings: pformat-ed
-                   for r in tab.saved_roots if action[r] in (SWAP, RECOMPUTE)},
+                   for r in tab.saved_roots if action[r] in (SWAP_CODE, RECOMPUTE_CODE)},
         "chains": {k: list(v) for k, v in chains.items()},
         "made_by": made_by,
         "chain_inputs": chain_inputs,
@@ -461,7 +462,7 @@ def _keep_after(tab, action, nf: int) -> list[int]:
     per_op = [0] * (nf + 1)
     for r in tab.saved_roots:
         p = tab.producer[r]
-        if action[r] not in (SWAP, RECOMPUTE) and p is not None and p < nf:
+        if action[r] not in (SWAP_CODE, RECOMPUTE_CODE) and p is not None and p < nf:
             per_op[p] += tab.size[r]
     for i in range(nf - 1, -1, -1):
         per_op[i] += per_op[i + 1]
