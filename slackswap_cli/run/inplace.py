@@ -9,7 +9,9 @@ backward); later calls at that signature run on saved-tensor hooks alone (`run/s
 `SteadyRun`, following the first call's decisions).
 
 Each input signature (device type, shapes and dtypes) gets its own plan: the profiled one, or
-one made on the fly (`run/replan.py`), or, with `strict`, a refusal. A deep copy or a pickled
+one made at other shapes, borrowed without a trace (`_Patched._borrow`, `run/shape_run.py`), or
+one made on the fly from a fake trace (`run/replan.py`: another device or dtype, or where the
+plan borrowed does not line up), or, with `strict`, a refusal. A deep copy or a pickled
 copy of a patched model is patched too, for its own parameters.
 """
 from __future__ import annotations
@@ -239,7 +241,10 @@ class _Patched:
         signature that differs from `sig` only in its shapes (same device, dtypes and ranks)
         and whose first call made a template, borrowed; the first call at `sig` follows that
         template (`self.first_at`). Where no such signature has a template yet but one has a
-        plan and a recorded call, that plan, recorded at `sig`. None when neither."""
+        plan and a recorded call, that plan, recorded at `sig`; where none has had a call yet
+        (the run's first call, at other shapes than the profiled ones), the plan, recorded at
+        `sig`, its limit first guessed from its profile (`_first_guess`). None when neither
+        (a table written before it named its saved bytes)."""
         alike = [(other, plan) for other, plan in self.plans.items()
                  if plan is not None and plan.fraction is None and _alike(other, sig)]
         for other, plan in alike:
@@ -265,6 +270,13 @@ class _Patched:
                 ratio = Scale(old, [shape for shape, _ in sig[2:]]).ratio(big)
                 got.fraction, got.limit_made_at = plan.limit / made_at, plan.limit
                 got.limit, got.scale = int(plan.limit * ratio), ratio
+                return got
+        for other, plan in alike:
+            guess = _first_guess(plan, other, sig)
+            if guess is not None:
+                got = self.plans[sig] = plan.borrow()
+                got.fraction, got.limit_made_at = guess[0], plan.limit
+                got.limit, got.scale = int(plan.limit * guess[1]), guess[1]
                 return got
         return None
 
@@ -501,9 +513,11 @@ def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = Tru
           strict: bool = False) -> torch.nn.Module:
     """Patch `model` in place to run `table`'s plan in training; returns `model`.
 
-    `replan`: on input shapes other than the profiled ones, trace the model at those shapes
-    with fake tensors and plan for them (same planner, hardware and budget fraction), once per
-    shape; with False the profiled plan is used (and lines up where it can). `strict`: refuse
+    `replan`: on input shapes other than the profiled ones, borrow the plan of other shapes
+    without a trace (the guard holds it to the plan's fraction of the keep-all bytes there),
+    and where it does not line up, or on another device or dtype, trace the model at those
+    shapes with fake tensors and plan for them (same planner, hardware and budget fraction),
+    once per shape; with False the profiled plan is used (and lines up where it can). `strict`: refuse
     (FingerprintMismatch) any call at shapes or on a device other than the profiled ones."""
     check_generated(meta)
     inner = _unwrap(model)
@@ -584,6 +598,28 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_patched(model: torch.nn.Module) -> bool:
     return getattr(model.__dict__.get("forward"), "__slackswap__", None) is not None
+
+
+def _first_guess(plan: _Table, old: tuple, new: tuple) -> tuple[float, float] | None:
+    """For a call at signature `new` recorded on `plan`, made at `old`, before any call ran on
+    it: (the plan's fraction of the keep-all bytes, as its profile saved them at `old`; the
+    factor those bytes are guessed to grow by at `new`). The guess is the lower of two
+    `guard.Scale` predictions, each saved shape's (`saved_by_shape`: it over-predicts where a
+    dimension equals a changed size by chance, a head dimension of 16 at length 16) and the
+    largest input's (it under-predicts tensors quadratic in the length, such as attention
+    scores, where the length grows). The lower one, because the guard holds the call to the
+    guessed limit and what it holds is judged against the limit the call settles (the plan's
+    fraction of what it saved): a guess too high would let it hold more. None:
+    the plan has no limit or its table no saved bytes (written before it named them)."""
+    by_shape = plan.table.get("saved_by_shape")
+    made_at = sum(b for _, b in by_shape) if by_shape else 0
+    if not made_at or plan.limit is None or plan.borrowed:
+        return None
+    shapes = [shape for shape, _ in old[2:]]
+    scale = Scale(shapes, [shape for shape, _ in new[2:]])
+    per_shape = sum(b * scale.ratio(tuple(shape)) for shape, b in by_shape) / made_at
+    big = scale.ratio(max(shapes, key=math.prod, default=()))
+    return plan.limit / made_at, min(per_shape, big)
 
 
 def _alike(a: tuple, b: tuple) -> bool:
