@@ -182,15 +182,23 @@ def test_a_step_that_leaves_ops_out_at_a_new_length_is_planned_for_it(tmp_path, 
         assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
 
 
-def test_a_new_length_right_after_a_plan_was_made_is_recorded_on_it_without_a_trace(
-        tmp_path, capfd):
-    """HF GPT-2's first call is planned again along its branches, so no call has followed
-    that plan yet when a new length comes: the new length's first call is recorded on it
-    (its limit scaled by the inputs' sizes until the call has counted its keep-all bytes)."""
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_new_length_right_after_a_plan_was_made_follows_the_call_before_it(
+        tmp_path, name, monkeypatch, capfd):
+    """HF causal LMs' first call is planned again along its branches, so no call has followed
+    that plan yet when a new length comes: the new length's first call follows the template
+    of the call recorded on the plan before (its packs are eager's whatever the plan), held
+    to the new plan's fraction of the keep-all bytes; the next call records on the new plan,
+    borrowed, and lines up. No trace but the one along the branches."""
+    traced = _spy_traces(monkeypatch)
     shapes = [(2, 16), (2, 24), (2, 24), (2, 24)]
-    mod, calls = _run(tmp_path, "gpt2", MODELS["gpt2"], shapes)
-    assert [c[0] for c in calls] == ["PlanRun", "PlanRun", "SteadyRun", "SteadyRun"]
-    assert calls[1][1]["borrowed"] and calls[1][1]["fraction"] >= 0.99
+    mod, calls = _run(tmp_path, name, MODELS[name], shapes)
+    assert [c[0] for c in calls] == ["PlanRun", "ShapeRun", "PlanRun", "SteadyRun"]
+    assert len(traced) == 1 and traced[0]                   # along the first call's branches
+    shape_run, recorded = calls[1][1], calls[2][1]
+    assert shape_run["borrowed"] and not shape_run["recorded"] and not shape_run["left_template"]
+    assert recorded["borrowed"] and recorded["fraction"] >= 0.99, recorded
+    assert recorded["budget_bytes"] == shape_run["budget_bytes"]   # the ShapeRun settled it
     assert "new inputs" not in capfd.readouterr().err
     fraction = _budget(mod, calls)
     for kind, rep, held, keep_all in calls[1:]:

@@ -123,7 +123,10 @@ class _Patched:
         self.templates: dict[tuple, object] = {}
         self.fast_plans: dict[tuple, tuple] = {}    # shapes, dtypes, device -> (plan, sig)
         self.hot: dict[tuple, tuple] = {}           # the same key -> (plan, sig, template)
-        self.first_at: dict[tuple, tuple] = {}      # new shapes -> (template, Scale) to follow
+        self.first_at: dict[tuple, tuple] = {}      # new shapes -> (template, Scale, its
+        #                                             plan: None, the one borrowed) to follow
+        self.superseded: dict[tuple, object] = {}   # signature -> its first call's record, on
+        #                                             a plan since made again (`_follow_branches`)
         self.keep_all: dict[tuple, int] = {}        # signature -> bytes a keep-all run holds
         params = meta.get("params") or [[None, None, "torch.float32"]]
         profiled = (meta.get("device_type", "cpu"), params[0][2].removeprefix("torch."),
@@ -240,8 +243,14 @@ class _Patched:
         """A plan for new input shapes without a trace (`shape_run.py`): the plan of a
         signature that differs from `sig` only in its shapes (same device, dtypes and ranks)
         and whose first call made a template, borrowed; the first call at `sig` follows that
-        template (`self.first_at`). Where no such signature has a template yet but one has a
-        plan and a recorded call, that plan, recorded at `sig`; where none has had a call yet
+        template (`self.first_at`). Where none has a template of its plan, but one had its
+        first call recorded on a plan since made again (along its branches), the first call
+        at `sig` follows that call's template, on that plan, held by the guard to the new
+        plan's fraction of the keep-all bytes (the packs are eager's, whatever the plan: the
+        template's keep-all bytes are the new plan's too), and the new plan is borrowed for
+        the calls after it (`_superseded`). Where no such signature has a template yet but
+        one has a plan and a recorded call, that plan, recorded at `sig`; where none has had
+        a call yet
         (the run's first call, at other shapes than the profiled ones), the plan, recorded at
         `sig`, its limit first guessed from its profile (`_first_guess`). None when neither
         (a table written before it named its saved bytes)."""
@@ -256,7 +265,18 @@ class _Patched:
                 self.templates[sig] = tpl
             else:
                 self.first_at[sig] = (tpl, Scale([s for s, _ in other[2:]],
-                                                 [s for s, _ in sig[2:]]))
+                                                 [s for s, _ in sig[2:]]), None)
+            return got
+        for other, plan in alike:
+            old = self._superseded(other)
+            if old is None or plan.limit is None:
+                continue
+            tpl, ran_on = old
+            got = self.plans[sig] = plan.borrow()
+            runner = ran_on.borrow()
+            runner.limit = plan.limit       # (the new plan's fraction: `ShapeRun.fraction`)
+            self.first_at[sig] = (tpl, Scale([s for s, _ in other[2:]],
+                                             [s for s, _ in sig[2:]]), runner)
             return got
         for other, plan in alike:
             # no template yet (its plan was just made): the first call at `sig` is recorded
@@ -303,8 +323,12 @@ class _Patched:
             return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
         first = self.first_at.pop(sig, None)
         if first is not None:           # new shapes: another shape's template, no trace
-            run = ShapeRun(self, plan, first[0], inputs, first[1])
+            run = ShapeRun(self, first[2] or plan, first[0], inputs, first[1])
             out = self._steady(run, args, kwargs, sig)
+            if first[2] is not None:    # the template's own plan ran: its figures, not its
+                plan.limit, plan.scale = first[2].limit, first[2].scale   # packs' keeps
+                if not run.guard.swaps:
+                    return out          # (its alignment is the superseded call's: no note)
             self._check_run(run, sig)
             return out
         run = PlanRun(self, plan)
@@ -366,6 +390,9 @@ class _Patched:
             print(f"slackswap: could not plan along the branches this call took ({_brief(exc)})"
                   "; the guard holds the plan's budget", file=sys.stderr)
             return
+        got = self.templates.get(sig)
+        if type(got) is tuple and got[0] is run:
+            self.superseded[sig] = got      # (a new length may follow it: `_borrow`)
         self.plans[sig] = _Table(table)
         self.branchy = self.branchy or bool(run.values)
         self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
@@ -409,6 +436,21 @@ class _Patched:
         tpl = _steady.Template(run, made_with)
         self.templates[sig] = tpl if tpl.ok else False
         return tpl if tpl.ok else None
+
+    def _superseded(self, sig):
+        """(template, the plan it ran) of `sig`'s first call, recorded on a plan since made
+        again, once its backward ran; None if there is none, it keeps everything (nothing
+        to follow pack by pack) or the parameters were replaced since."""
+        got = self.superseded.get(sig)
+        if type(got) is tuple and type(got[0]) is PlanRun:
+            run, made_with = got
+            if not made_with.holds() or not set(run.deferred) <= run.done_chains:
+                return None
+            tpl = _steady.Template(run, made_with)
+            got = self.superseded[sig] = (tpl, run.t) if tpl.ok and not tpl.keep_only else None
+        if got is None or not got[0].holds():
+            return None
+        return got
 
     def _drop(self, sig) -> None:
         """Forget `sig`'s template: the next call at it records again."""
