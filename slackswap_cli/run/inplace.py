@@ -250,10 +250,9 @@ class _Patched:
         template's keep-all bytes are the new plan's too), and the new plan is borrowed for
         the calls after it (`_superseded`). Where no such signature has a template yet but
         one has a plan and a recorded call, that plan, recorded at `sig`; where none has had
-        a call yet
-        (the run's first call, at other shapes than the profiled ones), the plan, recorded at
-        `sig`, its limit first guessed from its profile (`_first_guess`). None when neither
-        (a table written before it named its saved bytes)."""
+        a call yet (the run's first call, at other shapes than the profiled ones), the plan,
+        recorded at `sig`, its limit first guessed from its profile (`_first_guess`). None
+        when neither (a table written before it named its saved bytes)."""
         alike = [(other, plan) for other, plan in self.plans.items()
                  if plan is not None and plan.fraction is None and _alike(other, sig)]
         for other, plan in alike:
@@ -442,14 +441,18 @@ class _Patched:
         again, once its backward ran; None if there is none, it keeps everything (nothing
         to follow pack by pack) or the parameters were replaced since."""
         got = self.superseded.get(sig)
-        if type(got) is tuple and type(got[0]) is PlanRun:
-            run, made_with = got
-            if not made_with.holds() or not set(run.deferred) <= run.done_chains:
-                return None
-            tpl = _steady.Template(run, made_with)
-            got = self.superseded[sig] = (tpl, run.t) if tpl.ok and not tpl.keep_only else None
-        if got is None or not got[0].holds():
+        if got is None:
             return None
+        if type(got[0]) is PlanRun:
+            run, made_with = got
+            if made_with.holds() and not set(run.deferred) <= run.done_chains:
+                return None                     # (its backward has not run yet)
+            tpl = _steady.Template(run, made_with) if made_with.holds() else None
+            got = (tpl, run.t) if tpl is not None and tpl.ok and not tpl.keep_only else None
+        if got is None or not got[0].holds():
+            self.superseded.pop(sig, None)      # (nothing to follow: not kept either)
+            return None
+        self.superseded[sig] = got
         return got
 
     def _drop(self, sig) -> None:
