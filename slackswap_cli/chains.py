@@ -398,7 +398,10 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
       on the torch side, `trace.aten.is_inplace_target`);
     - `first_use`: swapped root -> the backward op that first needs it (a chain or a reader);
     - `prefetch_at`: swapped root -> the backward op from which its copy back may be issued;
-    - `keep_after`: per forward op, the bytes of kept saved roots it and later ops produce.
+    - `keep_after`: per forward op, the bytes of kept saved roots it and later ops produce;
+    - `saved_by_shape`: `[shape, bytes]` of the saved roots, summed per shape (what a keep-all
+      run saves at the profiled shapes: a plan borrowed at other shapes before any call ran
+      scales it, `run/inplace.py`).
     """
     tab = tables(prof)
     action = action_codes(tab, decisions)
@@ -453,7 +456,17 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
         "first_use": first_use,
         "prefetch_at": {r: min(pin_at.get(r, nf), first_use.get(r, nf)) for r in first_use},
         "keep_after": _keep_after(tab, action, nf),
+        "saved_by_shape": _saved_by_shape(prof, tab),
     }
+
+
+def _saved_by_shape(prof, tab) -> list[list]:
+    """`[shape, bytes]` of the saved roots, summed per shape (in the order of the roots' ids)."""
+    got: dict[tuple, int] = {}
+    for r in tab.saved_roots:
+        key = tuple(prof.tensors[r].shape)
+        got[key] = got.get(key, 0) + tab.size[r]
+    return [[list(k), b] for k, b in got.items()]
 
 
 def _keep_after(tab, action, nf: int) -> list[int]:

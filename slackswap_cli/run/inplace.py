@@ -9,7 +9,9 @@ backward); later calls at that signature run on saved-tensor hooks alone (`run/s
 `SteadyRun`, following the first call's decisions).
 
 Each input signature (device type, shapes and dtypes) gets its own plan: the profiled one, or
-one made on the fly (`run/replan.py`), or, with `strict`, a refusal. A deep copy or a pickled
+one made at other shapes, borrowed without a trace (`_Patched._borrow`, `run/shape_run.py`), or
+one made on the fly from a fake trace (`run/replan.py`: another device or dtype, or where the
+plan borrowed does not line up), or, with `strict`, a refusal. A deep copy or a pickled
 copy of a patched model is patched too, for its own parameters.
 """
 from __future__ import annotations
@@ -129,7 +131,10 @@ class _Patched:
         self.templates: dict[tuple, object] = {}
         self.fast_plans: dict[tuple, tuple] = {}    # shapes, dtypes, device -> (plan, sig)
         self.hot: dict[tuple, tuple] = {}           # the same key -> (plan, sig, template)
-        self.first_at: dict[tuple, tuple] = {}      # new shapes -> (template, Scale) to follow
+        self.first_at: dict[tuple, tuple] = {}      # new shapes -> (template, Scale, its
+        #                                             plan: None, the one borrowed) to follow
+        self.superseded: dict[tuple, object] = {}   # signature -> its first call's record, on
+        #                                             a plan since made again (`_follow_branches`)
         self.keep_all: dict[tuple, int] = {}        # signature -> bytes a keep-all run holds
         params = meta.get("params") or [[None, None, "torch.float32"]]
         profiled = (meta.get("device_type", "cpu"), params[0][2].removeprefix("torch."),
@@ -246,8 +251,16 @@ class _Patched:
         """A plan for new input shapes without a trace (`shape_run.py`): the plan of a
         signature that differs from `sig` only in its shapes (same device, dtypes and ranks)
         and whose first call made a template, borrowed; the first call at `sig` follows that
-        template (`self.first_at`). Where no such signature has a template yet but one has a
-        plan and a recorded call, that plan, recorded at `sig`. None when neither."""
+        template (`self.first_at`). Where none has a template of its plan, but one had its
+        first call recorded on a plan since made again (along its branches), the first call
+        at `sig` follows that call's template, on that plan, held by the guard to the new
+        plan's fraction of the keep-all bytes (the packs are eager's, whatever the plan: the
+        template's keep-all bytes are the new plan's too), and the new plan is borrowed for
+        the calls after it (`_superseded`). Where no such signature has a template yet but
+        one has a plan and a recorded call, that plan, recorded at `sig`; where none has had
+        a call yet (the run's first call, at other shapes than the profiled ones), the plan,
+        recorded at `sig`, its limit first guessed from its profile (`_first_guess`). None
+        when neither (a table written before it named its saved bytes)."""
         alike = [(other, plan) for other, plan in self.plans.items()
                  if plan is not None and plan.fraction is None and _alike(other, sig)]
         for other, plan in alike:
@@ -259,7 +272,18 @@ class _Patched:
                 self.templates[sig] = tpl
             else:
                 self.first_at[sig] = (tpl, Scale([s for s, _ in other[2:]],
-                                                 [s for s, _ in sig[2:]]))
+                                                 [s for s, _ in sig[2:]]), None)
+            return got
+        for other, plan in alike:
+            old = self._superseded(other)
+            if old is None or plan.limit is None:
+                continue
+            tpl, ran_on = old
+            got = self.plans[sig] = plan.borrow()
+            runner = ran_on.borrow()
+            runner.limit = plan.limit       # (the new plan's fraction: `ShapeRun.fraction`)
+            self.first_at[sig] = (tpl, Scale([s for s, _ in other[2:]],
+                                             [s for s, _ in sig[2:]]), runner)
             return got
         for other, plan in alike:
             # no template yet (its plan was just made): the first call at `sig` is recorded
@@ -273,6 +297,13 @@ class _Patched:
                 ratio = Scale(old, [shape for shape, _ in sig[2:]]).ratio(big)
                 got.fraction, got.limit_made_at = plan.limit / made_at, plan.limit
                 got.limit, got.scale = int(plan.limit * ratio), ratio
+                return got
+        for other, plan in alike:
+            guess = _first_guess(plan, other, sig)
+            if guess is not None:
+                got = self.plans[sig] = plan.borrow()
+                got.fraction, got.limit_made_at = guess[0], plan.limit
+                got.limit, got.scale = int(plan.limit * guess[1]), guess[1]
                 return got
         return None
 
@@ -299,8 +330,12 @@ class _Patched:
             return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
         first = self.first_at.pop(sig, None)
         if first is not None:           # new shapes: another shape's template, no trace
-            run = ShapeRun(self, plan, first[0], inputs, first[1])
+            run = ShapeRun(self, first[2] or plan, first[0], inputs, first[1])
             out = self._steady(run, args, kwargs, sig)
+            if first[2] is not None:    # the template's own plan ran: its figures, not its
+                plan.limit, plan.scale = first[2].limit, first[2].scale   # packs' keeps
+                if not run.guard.swaps:
+                    return out          # (its alignment is the superseded call's: no note)
             self._check_run(run, sig)
             return out
         run = PlanRun(self, plan)
@@ -362,6 +397,9 @@ class _Patched:
             print(f"slackswap: could not plan along the branches this call took ({_brief(exc)})"
                   "; the guard holds the plan's budget", file=sys.stderr)
             return
+        got = self.templates.get(sig)
+        if type(got) is tuple and got[0] is run:
+            self.superseded[sig] = got      # (a new length may follow it: `_borrow`)
         self.plans[sig] = _Table(table)
         self.branchy = self.branchy or bool(run.values)
         self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
@@ -405,6 +443,25 @@ class _Patched:
         tpl = _steady.Template(run, made_with)
         self.templates[sig] = tpl if tpl.ok else False
         return tpl if tpl.ok else None
+
+    def _superseded(self, sig):
+        """(template, the plan it ran) of `sig`'s first call, recorded on a plan since made
+        again, once its backward ran; None if there is none, it keeps everything (nothing
+        to follow pack by pack) or the parameters were replaced since."""
+        got = self.superseded.get(sig)
+        if got is None:
+            return None
+        if type(got[0]) is PlanRun:
+            run, made_with = got
+            if made_with.holds() and not set(run.deferred) <= run.done_chains:
+                return None                     # (its backward has not run yet)
+            tpl = _steady.Template(run, made_with) if made_with.holds() else None
+            got = (tpl, run.t) if tpl is not None and tpl.ok and not tpl.keep_only else None
+        if got is None or not got[0].holds():
+            self.superseded.pop(sig, None)      # (nothing to follow: not kept either)
+            return None
+        self.superseded[sig] = got
+        return got
 
     def _drop(self, sig) -> None:
         """Forget `sig`'s template: the next call at it records again."""
@@ -509,9 +566,11 @@ def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = Tru
           strict: bool = False) -> torch.nn.Module:
     """Patch `model` in place to run `table`'s plan in training; returns `model`.
 
-    `replan`: on input shapes other than the profiled ones, trace the model at those shapes
-    with fake tensors and plan for them (same planner, hardware and budget fraction), once per
-    shape; with False the profiled plan is used (and lines up where it can). `strict`: refuse
+    `replan`: on input shapes other than the profiled ones, borrow the plan of other shapes
+    without a trace (the guard holds it to the plan's fraction of the keep-all bytes there),
+    and where it does not line up, or on another device or dtype, trace the model at those
+    shapes with fake tensors and plan for them (same planner, hardware and budget fraction),
+    once per shape; with False the profiled plan is used (and lines up where it can). `strict`: refuse
     (FingerprintMismatch) any call at shapes or on a device other than the profiled ones."""
     check_generated(meta)
     inner = _unwrap(model)
@@ -592,6 +651,28 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_patched(model: torch.nn.Module) -> bool:
     return getattr(model.__dict__.get("forward"), "__slackswap__", None) is not None
+
+
+def _first_guess(plan: _Table, old: tuple, new: tuple) -> tuple[float, float] | None:
+    """For a call at signature `new` recorded on `plan`, made at `old`, before any call ran on
+    it: (the plan's fraction of the keep-all bytes, as its profile saved them at `old`; the
+    factor those bytes are guessed to grow by at `new`). The guess is the lower of two
+    `guard.Scale` predictions, each saved shape's (`saved_by_shape`: it over-predicts where a
+    dimension equals a changed size by chance, a head dimension of 16 at length 16) and the
+    largest input's (it under-predicts tensors quadratic in the length, such as attention
+    scores, where the length grows). The lower one, because the guard holds the call to the
+    guessed limit and what it holds is judged against the limit the call settles (the plan's
+    fraction of what it saved): a guess too high would let it hold more. None:
+    the plan has no limit or its table no saved bytes (written before it named them)."""
+    by_shape = plan.table.get("saved_by_shape")
+    made_at = sum(b for _, b in by_shape) if by_shape else 0
+    if not made_at or plan.limit is None or plan.borrowed:
+        return None
+    shapes = [shape for shape, _ in old[2:]]
+    scale = Scale(shapes, [shape for shape, _ in new[2:]])
+    per_shape = sum(b * scale.ratio(tuple(shape)) for shape, b in by_shape) / made_at
+    big = scale.ratio(max(shapes, key=math.prod, default=()))
+    return plan.limit / made_at, min(per_shape, big)
 
 
 def _alike(a: tuple, b: tuple) -> bool:
