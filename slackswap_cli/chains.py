@@ -418,13 +418,6 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
         ins = sorted({x for p in run for x in tab.in_roots[p] if x not in made_here})
         chain_inputs[owner] = ins
     first_use = {r: lay.task_owner[t] for r, t in lay.need_task.items()}
-    ops = []
-    root_of = tab.root
-    for o in prof.ops[:nf]:
-        acts = [t for t in o.inputs if prof.tensors[root_of[t]].kind == "activation"]
-        ops.append(OpRow(name=o.name, target=o.target, module=o.module,
-                         shapes=[list(prof.tensors[t].shape) for t in o.outputs],
-                         outputs=list(o.outputs), reads_act=bool(acts), acts=acts))
     op_inputs = {p: list(tab.in_roots[p]) for ops_ in chains.values() for p in ops_}
     needs: dict[int, list[int]] = {}
     for owner, ops_ in chains.items():
@@ -440,7 +433,7 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
             needs[r] = sorted(seen)
     return {
         "n_forward": nf,
-        "ops": ops,
+        "ops": _op_rows(prof, tab, nf),
         "root": {t.id: t.alias_of for t in prof.tensors if t.alias_of is not None},
         "non_activation": [t.id for t in prof.tensors
                            if t.kind != "activation" and t.alias_of is None],
@@ -467,6 +460,17 @@ def _saved_by_shape(prof, tab) -> list[list]:
         key = tuple(prof.tensors[r].shape)
         got[key] = got.get(key, 0) + tab.size[r]
     return [[list(k), b] for k, b in got.items()]
+
+
+def _op_rows(prof, tab, nf: int) -> list[OpRow]:
+    """The forward ops as the in-place runtime lines them up (`OpRow`)."""
+    ops = []
+    for o in prof.ops[:nf]:
+        acts = [t for t in o.inputs if prof.tensors[tab.root[t]].kind == "activation"]
+        ops.append(OpRow(name=o.name, target=o.target, module=o.module,
+                         shapes=[list(prof.tensors[t].shape) for t in o.outputs],
+                         outputs=list(o.outputs), reads_act=bool(acts), acts=acts))
+    return ops
 
 
 def _keep_after(tab, action, nf: int) -> list[int]:
