@@ -187,7 +187,7 @@ def _capture_work(work) -> dict:
     from slackswap_cli.run.steady import SteadyRun
     strided = rec_mod._as_strided
     state = work.model.forward.__slackswap__
-    tpl = next(t for t in state.templates.values() if hasattr(t, "records"))
+    tpl = next(t for t in state.templates.by_sig.values() if hasattr(t, "records"))
     cap = {"calls": [], "copies": [], "fetches": [], "packs": [], "unpacks": []}
     where = {}                     # id(handle) -> index in cap["copies"]
 

@@ -28,7 +28,7 @@ plan's fraction of what a keep-all run holds at them, which `Scale` predicts pac
 before the call has seen it all. The run's first call, when it is at such shapes, has no call
 to follow: it is recorded on the profiled plan, the guard's limit guessed with `Scale` from
 the saved bytes the profile names per shape, then settled by the call
-(`run/inplace.py`, `_first_guess`).
+(`run/signatures.py`, `first_guess`).
 
 This module is the torch-free core's; `run/record.py` holds the torch side.
 """

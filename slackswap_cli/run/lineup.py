@@ -21,8 +21,9 @@ import torch
 
 from ..table_rows import OpRow
 from ..trace.aten import is_view_target
+from .recorded import STATE
 
-__all__ = ["LineUp", "WINDOW", "ALIGN_WARN", "TRACE_ONLY", "trace_only_ops"]
+__all__ = ["LineUp", "BodyHooks", "WINDOW", "ALIGN_WARN", "TRACE_ONLY", "trace_only_ops"]
 
 WINDOW = 256            # how far ahead an op may match an expected op
 ALIGN_WARN = 0.99       # say so when fewer of the profile's forward ops than this line up
@@ -128,3 +129,45 @@ class LineUp:
 
     def in_body(self) -> bool:
         return self.modules[-1][1]
+
+
+class BodyHooks:
+    """Our per-module hooks that tell a module's forward body from its hooks (`body_hook`,
+    `leave_hook`: see the module docstring), on a model while its call is recorded."""
+
+    def __init__(self):
+        self.module_hooks: dict[int, tuple] = {}     # id(module) -> (pre-hook, hook) handles
+
+    def keep_last(self, model) -> None:
+        """Keep our body-entry pre-hook and body-exit forward hook last on every submodule
+        of `model` (a wrapper such as FSDP2 may have added its own since)."""
+        for mod in model.modules():
+            if mod is model:
+                continue
+            mine = self.module_hooks.get(id(mod))
+            if mine is not None and next(reversed(mod._forward_pre_hooks), None) == mine[0].id \
+                    and next(reversed(mod._forward_hooks), None) == mine[1].id:
+                continue
+            if mine is not None:
+                for h in mine:
+                    h.remove()
+            self.module_hooks[id(mod)] = (mod.register_forward_pre_hook(body_hook),
+                                          mod.register_forward_hook(leave_hook, always_call=True))
+
+    def remove(self) -> None:
+        for hooks in self.module_hooks.values():
+            for h in hooks:
+                h.remove()
+        self.module_hooks.clear()
+
+
+def body_hook(mod, args) -> None:
+    run = getattr(STATE, "run", None)
+    if run is not None:
+        run.lineup.body()
+
+
+def leave_hook(mod, args, out) -> None:
+    run = getattr(STATE, "run", None)
+    if run is not None:
+        run.lineup.leave()

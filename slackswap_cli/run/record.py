@@ -65,8 +65,7 @@ from .recorded import STATE, ExtRef, OpRecord, OutRef, alias_flags
 from .rerun import Rerun
 from .unpacking import Unpacking
 
-__all__ = ["PlanRun", "STATE", "ALIGN_WARN", "trace_only_ops", "Recorder", "body_hook",
-           "leave_hook"]
+__all__ = ["PlanRun", "STATE", "ALIGN_WARN", "trace_only_ops", "Recorder"]
 
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default   # a value Python reads
 
@@ -79,7 +78,7 @@ class PlanRun(Packing, Unpacking, Rerun):
     recorded = True     # (a first call: recorded op by op)
 
     def __init__(self, patched, plan):
-        """`patched`: the model's `inplace._Patched`; `plan`: its `inplace._Table` for this
+        """`patched`: the model's `inplace._Patched`; `plan`: its `signatures.PlanTable` for this
         call's signature."""
         self.p = patched
         self.t = plan
@@ -251,14 +250,3 @@ class Recorder(TorchDispatchMode):
                 run.record(func, args, kwargs, out, alias=True)   # a hook's view of a value
         return out
 
-
-def body_hook(mod, args) -> None:
-    run = getattr(STATE, "run", None)
-    if run is not None:
-        run.lineup.body()
-
-
-def leave_hook(mod, args, out) -> None:
-    run = getattr(STATE, "run", None)
-    if run is not None:
-        run.lineup.leave()

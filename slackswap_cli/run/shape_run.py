@@ -16,7 +16,7 @@ The budget at these shapes is the plan's fraction of what a keep-all run holds a
 storage autograd saves, once). Before the call has seen every pack it is predicted: the bytes
 seen so far plus the template's later packs at their old bytes times `guard.Scale`'s ratio for
 their old shape, which each pack seen refines. At the end of the call it is exact, and the
-borrowed plan (`inplace._Table.borrow`) takes the limit and, per pack, what the plan keeps
+borrowed plan (`signatures.PlanTable.borrow`) takes the limit and, per pack, what the plan keeps
 after it (`pack_reserve`). The next call at these shapes is recorded on the borrowed plan
 (`record.PlanRun`, ops lined up by rank, not size), so its recomputes replay this shape's own
 ops, and makes the template the calls after it follow (`steady.SteadyRun`). A call that
@@ -58,7 +58,7 @@ def _groups(tpl: Template) -> tuple[list, dict, dict]:
 
 class ShapeRun(SteadyRun):
     """The first call at new input shapes, on another signature's template (see the module's
-    docstring). `plan`: the borrowed table (`_Table.borrow`), whose byte figures this call
+    docstring). `plan`: the borrowed table (`PlanTable.borrow`), whose byte figures this call
     settles; `scale`: the shapes' `guard.Scale`."""
     noting = False
     recorded = False

@@ -35,7 +35,7 @@ what, and why:
   view whose input has the geometry noted at its first replay is `Tensor.as_strided` at the
   noted output geometry instead (`recorded.view_geometry`: one C call, not the boxed op), and an
   unpack's view of a view is one `as_strided` from the value at hand (`_view_base`).
-- **per step:** one dict lookup (`inplace._Patched.hot`) by the key of the call (the first
+- **per step:** one dict lookup (`Templates.hot`) by the key of the call (the first
   parameter's device and dtype, the inputs' shapes and dtypes: one loop) for the plan and the
   template; for a plan that recomputes or swaps, whether the very parameter and buffer tensors
   still sit in their module slots and the autocast state is unchanged (`Fingerprint.holds`: a
@@ -61,7 +61,7 @@ from .record import PlanRun
 from .recorded import InputRef, OpRecord
 from .swap import Storages
 
-__all__ = ["Template", "Fingerprint", "SteadyRun", "KeepRun"]
+__all__ = ["Template", "Templates", "Fingerprint", "SteadyRun", "KeepRun"]
 
 _KEEP, _SWAP, _RECOMPUTE = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 
@@ -140,6 +140,65 @@ class Template:
             else:
                 self.ok = False
         return binds
+
+
+class Templates:
+    """A patched model's first calls, by input signature: each one's record (with the
+    fingerprint it was made with) until its backward ran, then its `Template` (False: none
+    can be made); `hot`: a later call's key -> (plan, signature, template), the one lookup a
+    steady call makes; `superseded`: the first call's record at a signature whose plan was
+    since made again along its branches (a new length may follow it: `signatures.SignaturePlans._borrow`)."""
+
+    def __init__(self):
+        self.by_sig: dict[tuple, object] = {}
+        self.hot: dict[tuple, tuple] = {}
+        self.superseded: dict[tuple, object] = {}
+
+    def note(self, sig, run: PlanRun, fingerprint: "Fingerprint") -> None:
+        """`run` is the first call at `sig` (its template is made once its backward ran)."""
+        self.by_sig[sig] = (run, fingerprint)
+
+    def get(self, sig):
+        """The steady-state template for `sig`, made from its first call once that call's
+        backward ran every chain it deferred (it then knows what each chain reads)."""
+        got = self.by_sig.get(sig)
+        if got is None or got is False:
+            return None
+        if type(got) is not tuple:
+            if got.holds():
+                return got
+            self.drop(sig)                     # parameters replaced, or autocast changed
+            return None
+        run, made_with = got
+        if not made_with.holds() or not set(run.deferred) <= run.done_chains:
+            return None                          # (the first call's backward has not run)
+        tpl = Template(run, made_with)
+        self.by_sig[sig] = tpl if tpl.ok else False
+        return tpl if tpl.ok else None
+
+    def superseded_of(self, sig):
+        """(template, the plan it ran) of `sig`'s first call, recorded on a plan since made
+        again, once its backward ran; None if there is none, it keeps everything (nothing
+        to follow pack by pack) or the parameters were replaced since."""
+        got = self.superseded.get(sig)
+        if got is None:
+            return None
+        if type(got[0]) is PlanRun:
+            run, made_with = got
+            if made_with.holds() and not set(run.deferred) <= run.done_chains:
+                return None                     # (its backward has not run yet)
+            tpl = Template(run, made_with) if made_with.holds() else None
+            got = (tpl, run.t) if tpl is not None and tpl.ok and not tpl.keep_only else None
+        if got is None or not got[0].holds():
+            self.superseded.pop(sig, None)      # (nothing to follow: not kept either)
+            return None
+        self.superseded[sig] = got
+        return got
+
+    def drop(self, sig) -> None:
+        """Forget `sig`'s template: the next call at it records again."""
+        self.by_sig.pop(sig, None)
+        self.hot = {k: v for k, v in self.hot.items() if v[1] != sig}
 
 
 def _autocast_state() -> tuple:
