@@ -45,7 +45,7 @@ index of the saved-tensor pack (host copy, in forward) or unpack (a chain's call
 back, in backward) of that step. The reference is a fresh eager model (same weights) whose
 forward alone (not the loss: as `patch`) runs under identity `saved_tensors_hooks`: the pack
 hook counts and, at a pack where the patch copied a storage to the host, copies that pack's
-storage (`record._bytes_of`, as the patch) into a preallocated host buffer; the unpack hook
+storage (`swap.storage_as_bytes`, as the patch) into a preallocated host buffer; the unpack hook
 counts and, at an unpack where the patch fetched swapped storages and/or ran a chain, copies
 those host buffers into freshly allocated tensors and runs exactly the captured calls (same
 functions, same argument values, as_strided views included) under `no_grad`; both hooks return
@@ -187,7 +187,7 @@ def _capture_work(work) -> dict:
     from slackswap_cli.run.steady import SteadyRun
     strided = rec_mod._as_strided
     state = work.model.forward.__slackswap__
-    tpl = next(t for t in state.templates.values() if hasattr(t, "records"))
+    tpl = next(t for t in state.templates.by_sig.values() if hasattr(t, "records"))
     cap = {"calls": [], "copies": [], "fetches": [], "packs": [], "unpacks": []}
     where = {}                     # id(handle) -> index in cap["copies"]
 
@@ -263,7 +263,7 @@ def _in_place(path: str, args: dict, cap: dict):
     first: one step records its packs' and unpacks' shapes, which must be the patched step's."""
     import torch
 
-    from slackswap_cli.run.record import _bytes_of
+    from slackswap_cli.run.swap import storage_as_bytes
     from slackswap_cli.trace.workload import load_workload
     work = load_workload(path, args=args)
     seen = {"packs": [], "unpacks": []}
@@ -301,7 +301,7 @@ def _in_place(path: str, args: dict, cap: dict):
         n[0] = i + 1
         host = on_pack[i]
         if host is not None:
-            host.copy_(_bytes_of(x))
+            host.copy_(storage_as_bytes(x))
         return x
 
     def unpack(x):

@@ -116,7 +116,10 @@ def run_padding(tmp: Path, name: str = "gpt2", steps: int = 24) -> list[dict]:
     backward, including planning for a new shape, over the median of eager steps at that
     length), which kind of call it was (`PlanRun` recorded, `ShapeRun` the first at a new
     length after a recorded call, `SteadyRun`) and what it held against its budget at that
-    length (the plan's fraction of what a keep-all run holds there)."""
+    length (the plan's fraction of what a keep-all run holds there). Each step starts with a
+    garbage collection, untimed (a collection of earlier steps' garbage, a trace's, would
+    otherwise be timed on whichever later call set it off)."""
+    import gc
     import random
     import time
     src = tmp / f"{name}.py"
@@ -134,6 +137,7 @@ def run_padding(tmp: Path, name: str = "gpt2", steps: int = 24) -> list[dict]:
         batch = load_workload(str(src), args={"seq": seq}).inputs
         a, kw = split_inputs(batch)
         for patched_call in (False, True):
+            gc.collect()
             t0 = time.thread_time()
             if patched_call:
                 loss = loss_from_output(work.model(*a, **kw), batch, None)
@@ -250,12 +254,17 @@ def write_markdown(out: Path, rows: list[dict], padding: list[dict]) -> None:
           + "\n## Dynamic padding: Hugging Face GPT-2 and Llama, 24 steps over 8 lengths\n\n"
           "Profiled at length 16 (`--device fake:cpu`), planned at 0.5. Cost: thread CPU time "
           "of the patched call (forward, backward and, at a new length, planning for it) over "
-          "the median eager step at that length, one thread. Call: `PlanRun` is recorded "
-          "op by op (the run's first call, planned by a fake trace when its length is not the "
-          "profiled one; the second call at a length, on the plan borrowed from another "
-          "length); `ShapeRun` is the first call at a new length after a recorded call: "
-          "another length's template followed without a trace "
-          "(`slackswap_cli/run/shape_run.py`); `SteadyRun` the calls after. held/budget: "
+          "the median eager step at that length, one thread, after an untimed garbage "
+          "collection. Call: `PlanRun` is recorded op by op: the run's first call, at 48, on "
+          "the profiled plan borrowed without a trace (its ops lined up by rank), and the "
+          "first call at the profiled length: both line up less (transformers branches "
+          "otherwise under fake tensors than in eager) and plan again along the branches "
+          "they took, one fake trace each, counted in their cost; later, the second call at "
+          "a length, on the plan borrowed from another length. `ShapeRun` is the first call "
+          "at a new length after a recorded call: another length's template followed without "
+          "a trace (`slackswap_cli/run/shape_run.py`; right after a plan was made again, the "
+          "template of the call recorded on the plan before it, whose alignment it reports); "
+          "`SteadyRun` the calls after. held/budget: "
           "bytes held for backward after forward against the budget at that length (the "
           "plan's fraction of what a keep-all run holds there). A call's cost beyond the "
           "runtime's own work is what the plan does (recomputes; copies, synchronous on a "

@@ -41,12 +41,14 @@ from typing import Callable
 
 from .errors import InputError
 from .schema import Action
+from .table_rows import OpRow
 
 # Int codes of the actions for the hot loops (the simulator's, the layout's); the one place
 # they are derived from `schema.Action`. NOT_SAVED marks a root that takes no decision.
 ACTION_CODES: dict[str, int] = {a: i for i, a in enumerate(Action)}
 ACTION_OF_CODE: tuple[Action, ...] = tuple(Action)
-KEEP, SWAP, RECOMPUTE = (ACTION_CODES[a] for a in (Action.KEEP, Action.SWAP, Action.RECOMPUTE))
+KEEP_CODE, SWAP_CODE, RECOMPUTE_CODE = (ACTION_CODES[a]
+                                         for a in (Action.KEEP, Action.SWAP, Action.RECOMPUTE))
 NOT_SAVED = len(ACTION_CODES)
 
 
@@ -95,7 +97,7 @@ class Tables:
         # the saved activation roots: the planner's candidates (`Profile.saved_activations`)
         saved_ids = {t.id for t in prof.saved_activations}
         self.saved = [j in saved_ids for j in range(n_t)]
-        self.default_action = [KEEP if s else NOT_SAVED for s in self.saved]
+        self.default_action = [KEEP_CODE if s else NOT_SAVED for s in self.saved]
         self.saved_roots = [j for j in self.roots if self.saved[j]]
         saved = self.saved
         self.bwd_saved_in = [()] * nf + [tuple(r for r in in_roots[i] if saved[r])
@@ -223,7 +225,7 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
 
     def resident(x: int, i: int) -> bool:
         a = action[x]
-        if a == KEEP:
+        if a == KEEP_CODE:
             return last_use[x] >= i
         if a == NOT_SAVED:
             return producer[x] >= nf   # produced in backward: alive while read
@@ -235,7 +237,7 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
     # only backward ops that read an evicted root get a chain or a fetch; the others run as
     # they are, like ops that read no saved activation
     readers_of = tab.bwd_readers_of
-    evicted_readers = sorted({i for x in tab.saved_roots if action[x] in (SWAP, RECOMPUTE)
+    evicted_readers = sorted({i for x in tab.saved_roots if action[x] in (SWAP_CODE, RECOMPUTE_CODE)
                               for i in readers_of.get(x, ())})
     for i in evicted_readers:
         if i > nxt:                    # ops in between read none: they run as they are
@@ -244,12 +246,12 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
             op_task[nxt:i] = range(T, T + i - nxt)
             T += i - nxt
         ins = bwd_saved_in[i]
-        targets = [r for r in ins if action[r] == RECOMPUTE and r not in mat]
+        targets = [r for r in ins if action[r] == RECOMPUTE_CODE and r not in mat]
         if targets:
             _insert_chain(prof, tab, action, lay, mat, resident, i, targets)
             T = len(task_op)
         for r in ins:
-            if action[r] == SWAP and r not in mat:
+            if action[r] == SWAP_CODE and r not in mat:
                 mat.add(r)
                 need_task[r] = T
         op_task[i] = T
@@ -269,8 +271,8 @@ def _chain_closure(prof, tab: Tables, action: list[int], mat: set[int], resident
     """`closure` for the chain before backward op `i`; a chain through a random op's output
     that backward does not save is an InputError naming both."""
     def at_hand(x: int) -> bool:
-        return (action[x] == KEEP or resident(x, i)
-                or (action[x] == SWAP and x not in mat))
+        return (action[x] == KEEP_CODE or resident(x, i)
+                or (action[x] == SWAP_CODE and x not in mat))
     try:
         return closure(tab, targets, at_hand)
     except ChainImpossible as exc:
@@ -303,7 +305,7 @@ def _insert_chain(prof, tab: Tables, action: list[int], lay: Layout, mat: set[in
         for x in in_roots[p]:
             if x in produced:
                 last_reader[x] = T
-            elif action[x] == SWAP and x not in mat:
+            elif action[x] == SWAP_CODE and x not in mat:
                 if x not in need_task:
                     need_task[x] = T
                     fetched.append(x)
@@ -315,7 +317,7 @@ def _insert_chain(prof, tab: Tables, action: list[int], lay: Layout, mat: set[in
             if o not in produced and resident(o, i):
                 continue                       # already there: not made again
             nbytes += size[o]
-            if action[o] == RECOMPUTE and o not in mat:
+            if action[o] == RECOMPUTE_CODE and o not in mat:
                 made_at.append((o, T))
                 made.append(o)
                 if main < 0 or o in targets:
@@ -376,10 +378,10 @@ def _last_writes(prof, writes_in_place: Callable[[str], bool]) -> dict[int, int]
 # What the in-place runtime needs from a layout
 # --------------------------------------------------------------------------------------------
 def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> dict:
-    """The plan as the in-place runtime (`replay`) carries it out, in plain Python values.
+    """The plan as the in-place runtime (`run/record.py`) carries it out, in plain Python
+    values and `OpRow`s.
 
-    - `ops`: the forward ops in order, `[name, target, output shapes, output tensor ids,
-      module path, reads activations, the activations it reads]` (the runtime aligns the ops
+    - `ops`: the forward ops in order, each a `table_rows.OpRow` (the runtime aligns the ops
       it sees with these);
     - `root`: activation tensor id -> its storage root (aliases only);
     - `action`: root -> "swap" | "recompute" (every other root is kept);
@@ -396,7 +398,10 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
       on the torch side, `trace.aten.is_inplace_target`);
     - `first_use`: swapped root -> the backward op that first needs it (a chain or a reader);
     - `prefetch_at`: swapped root -> the backward op from which its copy back may be issued;
-    - `keep_after`: per forward op, the bytes of kept saved roots it and later ops produce.
+    - `keep_after`: per forward op, the bytes of kept saved roots it and later ops produce;
+    - `saved_by_shape`: `[shape, bytes]` of the saved roots, summed per shape (what a keep-all
+      run saves at the profiled shapes: a plan borrowed at other shapes before any call ran
+      scales it, `run/inplace.py`).
     """
     tab = tables(prof)
     action = action_codes(tab, decisions)
@@ -413,12 +418,6 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
         ins = sorted({x for p in run for x in tab.in_roots[p] if x not in made_here})
         chain_inputs[owner] = ins
     first_use = {r: lay.task_owner[t] for r, t in lay.need_task.items()}
-    ops = []
-    root_of = tab.root
-    for o in prof.ops[:nf]:
-        acts = [t for t in o.inputs if prof.tensors[root_of[t]].kind == "activation"]
-        ops.append([o.name, o.target, [list(prof.tensors[t].shape) for t in o.outputs],
-                    list(o.outputs), o.module, bool(acts), acts])
     op_inputs = {p: list(tab.in_roots[p]) for ops_ in chains.values() for p in ops_}
     needs: dict[int, list[int]] = {}
     for owner, ops_ in chains.items():
@@ -434,12 +433,12 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
             needs[r] = sorted(seen)
     return {
         "n_forward": nf,
-        "ops": ops,
+        "ops": _op_rows(prof, tab, nf),
         "root": {t.id: t.alias_of for t in prof.tensors if t.alias_of is not None},
         "non_activation": [t.id for t in prof.tensors
                            if t.kind != "activation" and t.alias_of is None],
         "action": {r: ACTION_OF_CODE[action[r]].value      # plain strings: pformat-ed
-                   for r in tab.saved_roots if action[r] in (SWAP, RECOMPUTE)},
+                   for r in tab.saved_roots if action[r] in (SWAP_CODE, RECOMPUTE_CODE)},
         "chains": {k: list(v) for k, v in chains.items()},
         "made_by": made_by,
         "chain_inputs": chain_inputs,
@@ -450,7 +449,28 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
         "first_use": first_use,
         "prefetch_at": {r: min(pin_at.get(r, nf), first_use.get(r, nf)) for r in first_use},
         "keep_after": _keep_after(tab, action, nf),
+        "saved_by_shape": _saved_by_shape(prof, tab),
     }
+
+
+def _saved_by_shape(prof, tab) -> list[list]:
+    """`[shape, bytes]` of the saved roots, summed per shape (in the order of the roots' ids)."""
+    got: dict[tuple, int] = {}
+    for r in tab.saved_roots:
+        key = tuple(prof.tensors[r].shape)
+        got[key] = got.get(key, 0) + tab.size[r]
+    return [[list(k), b] for k, b in got.items()]
+
+
+def _op_rows(prof, tab, nf: int) -> list[OpRow]:
+    """The forward ops as the in-place runtime lines them up (`OpRow`)."""
+    ops = []
+    for o in prof.ops[:nf]:
+        acts = [t for t in o.inputs if prof.tensors[tab.root[t]].kind == "activation"]
+        ops.append(OpRow(name=o.name, target=o.target, module=o.module,
+                         shapes=[list(prof.tensors[t].shape) for t in o.outputs],
+                         outputs=list(o.outputs), reads_act=bool(acts), acts=acts))
+    return ops
 
 
 def _keep_after(tab, action, nf: int) -> list[int]:
@@ -459,7 +479,7 @@ def _keep_after(tab, action, nf: int) -> list[int]:
     per_op = [0] * (nf + 1)
     for r in tab.saved_roots:
         p = tab.producer[r]
-        if action[r] not in (SWAP, RECOMPUTE) and p is not None and p < nf:
+        if action[r] not in (SWAP_CODE, RECOMPUTE_CODE) and p is not None and p < nf:
             per_op[p] += tab.size[r]
     for i in range(nf - 1, -1, -1):
         per_op[i] += per_op[i + 1]

@@ -25,7 +25,10 @@ runtime keeps and counts.
 At input shapes the plan was not made for, the first call follows the plan of a call at
 other shapes (`run/shape_run.py`) and the guard holds it to the budget at these shapes: the
 plan's fraction of what a keep-all run holds at them, which `Scale` predicts pack by pack
-before the call has seen it all.
+before the call has seen it all. The run's first call, when it is at such shapes, has no call
+to follow: it is recorded on the profiled plan, the guard's limit guessed with `Scale` from
+the saved bytes the profile names per shape, then settled by the call
+(`run/signatures.py`, `first_guess`).
 
 This module is the torch-free core's; `run/record.py` holds the torch side.
 """

@@ -99,7 +99,7 @@ from typing import Mapping
 
 from . import schema
 from .chains import ACTION_CODES as _CODES
-from .chains import KEEP, NOT_SAVED, RECOMPUTE, SWAP, Tables, lay_out
+from .chains import KEEP_CODE, NOT_SAVED, RECOMPUTE_CODE, SWAP_CODE, Tables, lay_out
 from .chains import tables as _tables
 from .errors import InputError
 from .hardware import HardwareSpec
@@ -175,14 +175,14 @@ def _parse_decisions(prof: schema.Profile, tab: Tables,
         if code is None:
             raise InputError(f"tensor {tid} has action {act!r}",
                              hint="actions are keep, swap, recompute")
-        if code == RECOMPUTE and not tab.recomputable[tid]:
+        if code == RECOMPUTE_CODE and not tab.recomputable[tid]:
             raise InputError(f"tensor {tid} ({prof.tensors[tid].name}) cannot be recomputed: "
                              f"it is the output of op {tab.producer[tid]} "
                              f"({prof.ops[tab.producer[tid]].target}), which is random or not "
                              "replayable", hint="keep or swap it instead")
         action[tid] = code
         if pa is not None:
-            if code != SWAP:
+            if code != SWAP_CODE:
                 raise InputError(f"tensor {tid} has prefetch_at but action {act!r}",
                                  hint="prefetch_at applies to swapped tensors only")
             if not isinstance(pa, int) or not tab.n_fwd <= pa < tab.n_ops:
@@ -242,12 +242,12 @@ class _Program:
         for r in tab.saved_roots:
             p, s, a = producer[r], size[r], action[r]
             alloc[p] += s
-            if a == KEEP:
+            if a == KEEP_CODE:
                 e = op_task[last_use[r]]
                 if r in ext and ext[r] > e:
                     e = ext[r]
                 free[e] += s
-            elif a == RECOMPUTE:
+            elif a == RECOMPUTE_CODE:
                 free[lfu[r]] += s
             else:
                 f = lfu[r]
@@ -351,7 +351,7 @@ def budget_floor_bytes(profile: schema.Profile) -> int:
     """
     tab = _tables(profile)
     if tab.floor_bytes is None:
-        action = [SWAP if s else NOT_SAVED for s in tab.saved]
+        action = [SWAP_CODE if s else NOT_SAVED for s in tab.saved]
         tab.floor_bytes = max(_Program(profile, tab, action).req(), default=0)
     return tab.floor_bytes
 

@@ -94,10 +94,11 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "the eager runtime (patch, verify) cannot run: no fallback"),
     PrivateAPI("torch.utils._pytree (tree_map, tree_leaves, tree_flatten)",
                "run/*, trace/*", _ALL, "none (stable in practice since 2.0)"),
-    PrivateAPI("Tensor._version, Tensor._base", "run/record.py, run/steady.py", _ALL,
+    PrivateAPI("Tensor._version, Tensor._base",
+               "run/record.py, run/packing.py, run/rerun.py, run/steady.py", _ALL,
                "the runtime cannot tell in-place writes and views apart: no fallback"),
-    PrivateAPI("UntypedStorage._cdata", "run/compiled.py, run/memtrace.py, "
-               "trace/graph_profile.py", _ALL, "none: storage identity"),
+    PrivateAPI("UntypedStorage._cdata", "trace/storage.py", _ALL,
+               "none: the identity of a fake tensor's storage"),
     # fake tensors and tracing -------------------------------------------------------------
     PrivateAPI("torch._subclasses.fake_tensor (FakeTensorMode, FakeTensor, "
                "unset_fake_temporarily, DataDependentOutputException, "

@@ -151,7 +151,8 @@ def test_emitted_file_imports_only_torch_and_the_runtimes(files, tmp_path):
         elif isinstance(node, ast.ImportFrom):
             imported |= {f"{node.module}.{a.name}" for a in node.names}
     assert imported == {"torch", "slackswap_cli.run.step", "slackswap_cli.run.inplace",
-                        "slackswap_cli.run.compiled", "slackswap_cli.run.sac"}
+                        "slackswap_cli.run.compiled", "slackswap_cli.run.sac",
+                        "slackswap_cli.table_rows.OpRow", "slackswap_cli.table_rows.GraphRow"}
     assert prof.fingerprint in src
     assert "_s.offload('gelu', gelu)" in src and "_s.wait('gelu')" in src
     assert "recompute" in src
@@ -344,10 +345,35 @@ def test_a_module_written_with_another_layout_is_refused(files, tmp_path):
         with pytest.raises(InputError, match="layout version 0") as exc:
             call()
         assert "slackswap apply" in exc.value.hint
+        assert f"by slackswap {mod.META['slackswap_version']}" in str(exc.value)
     assert "forward" not in work.model.__dict__           # nothing was patched
-    text = path.read_text().replace("'generator_version': 1,", "'generator_version': 0,")
+    from slackswap_cli.run.generated import GENERATOR_VERSION
+    text = path.read_text().replace(f"'generator_version': {GENERATOR_VERSION},",
+                                    "'generator_version': 0,")
     assert text != path.read_text()
     edited = tmp_path / "edited.py"
     edited.write_text(text)
     with pytest.raises(InputError, match="layout version 0"):
         load_patched(str(edited))
+
+
+def test_the_emitted_tables_are_typed_rows_read_by_name(files, tmp_path):
+    """TABLE's and GRAPH_TABLE's op rows are written as OpRow(...) / GraphRow(...) calls (the
+    file says what each column is) and load as those types; both tables name the same op's
+    module by the same field."""
+    from slackswap_cli.table_rows import GraphRow, OpRow
+    prof = profiled(files, "tiny_gpt")
+    path = Path(write_patched(tmp_path, plan_at(prof, prof.summary["peak_activation_bytes"] // 2),
+                              prof))
+    text = path.read_text()
+    assert "OpRow(name=" in text and "GraphRow(name=" in text
+    mod = load_patched(str(path))
+    ops, graph_ops = mod.TABLE["ops"], mod.GRAPH_TABLE["ops"]
+    assert ops and all(type(o) is OpRow for o in ops)
+    assert len(graph_ops) == len(ops) and all(type(o) is GraphRow for o in graph_ops)
+    fwd = [o for o in prof.ops if o.phase == "forward"]
+    for o, g, p in zip(ops, graph_ops, fwd):
+        assert (o.name, o.target, o.module) == (g.name, g.target, g.module) \
+            == (p.name, p.target, p.module)
+        assert o.outputs == list(p.outputs)
+        assert o.shapes == [r[0] for r in g.results]

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from slackswap_cli import chains
-from slackswap_cli.chains import RECOMPUTE, SWAP, lay_out, tables
+from slackswap_cli.chains import RECOMPUTE_CODE, SWAP_CODE, lay_out, tables
 from slackswap_cli.errors import InputError
 from slackswap_cli.simulate import recompute_chains
 from slackswap_testkit.synthetic import chain_profile
@@ -34,7 +34,7 @@ def _layout(prof, actions):
 def test_recompute_one_tensor_reruns_its_producer_before_its_reader():
     prof = chain_profile(4)
     t, o = _ids(prof)
-    lay = _layout(prof, {"a2": RECOMPUTE})
+    lay = _layout(prof, {"a2": RECOMPUTE_CODE})
     assert lay.chains(prof.n_forward) == {o["b2"]: (o["f2"],)}
     chain_task = lay.task_op.index(o["f2"], prof.n_forward)
     assert lay.task_owner[chain_task] == o["b2"]
@@ -46,7 +46,7 @@ def test_recompute_one_tensor_reruns_its_producer_before_its_reader():
 def test_a_run_of_recomputed_tensors_is_rerun_once_in_forward_order():
     prof = chain_profile(4)
     t, o = _ids(prof)
-    lay = _layout(prof, {"a1": RECOMPUTE, "a2": RECOMPUTE})
+    lay = _layout(prof, {"a1": RECOMPUTE_CODE, "a2": RECOMPUTE_CODE})
     # b3 runs first (a3 kept); b2 needs a2, whose producer reads a1: both re-run before b2,
     # and a1 stays resident for b1 (not re-run a second time)
     assert lay.chains(prof.n_forward) == {o["b2"]: (o["f1"], o["f2"])}
@@ -58,7 +58,7 @@ def test_a_swapped_input_of_a_chain_is_fetched_early_never_recomputed():
     t, o = _ids(prof)
     # b2 needs a2 recomputed; f2 reads a1, which is swapped and not back yet (its own reader
     # b1 comes later): the chain fetches it, at the chain's task
-    lay = _layout(prof, {"a1": SWAP, "a2": RECOMPUTE})
+    lay = _layout(prof, {"a1": SWAP_CODE, "a2": RECOMPUTE_CODE})
     assert lay.chains(prof.n_forward) == {o["b2"]: (o["f2"],)}
     chain_task = lay.task_op.index(o["f2"], prof.n_forward)
     assert lay.need_task == {t["a1"]: chain_task}
@@ -72,7 +72,7 @@ def test_a_chain_reads_a_saved_random_output_as_it_is():
     # a1 is a random op's output (not recomputable); recomputing a2 needs a1, which is saved
     # (b1 reads it) and kept: the chain reads it and re-runs only f2
     t, o = _ids(prof)
-    lay = _layout(prof, {"a2": RECOMPUTE})
+    lay = _layout(prof, {"a2": RECOMPUTE_CODE})
     assert lay.chains(prof.n_forward) == {o["b2"]: (o["f2"],)}
     assert chains.candidate_chain(tables(prof), t["a1"]) is None
 

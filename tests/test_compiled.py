@@ -102,7 +102,7 @@ def test_aot_eager_trains_bitwise_like_eager_and_carries_out_the_plan(name, frac
     c, p = report["compiled"], report["plan"]
     if frac == 0.5:
         assert c["offloaded_bytes"] > 0
-    if any(t == "recompute" for o in load_patched(str(path)).GRAPH_TABLE["ops"] for t in o[4]):
+    if any(t == "recompute" for o in load_patched(str(path)).GRAPH_TABLE["ops"] for t in o.tags):
         assert c["recomputed_ops"] > 0
     if name in ("tiny_gpt", "gpt2"):       # SDPA's dropout: a CPU run in the profile
         assert p["resized_roots"] == 2
@@ -155,24 +155,27 @@ def test_a_cpu_dropout_run_lines_up_with_native_dropout():
     """graph_units folds at::dropout's CPU run (empty_like, bernoulli_, div_, mul) into one
     native_dropout row: its result carries mul's decision, its bool mask the noise's."""
     from slackswap_cli.run.graph_plan import graph_units, line_up, op_key
+    from slackswap_cli.table_rows import GraphRow
     f32 = [[[2, 8], "float32"]]
-    rows = [["softmax", "aten._softmax.default", f32, "attn", ["save"], [[2, 8]], [1]],
-            ["empty_like", "aten.empty_like.default", f32, "attn", ["offload"], [[2, 8]], [2]],
-            ["bernoulli_", "aten.bernoulli_.float", f32, "attn", ["offload"], [[2, 8]], [2]],
-            ["div_", "aten.div_.Scalar", f32, "attn", ["offload"], [[2, 8]], [2]],
-            ["mul", "aten.mul.Tensor", f32, "attn", ["recompute"], [[2, 8], [2, 8]], [3]],
-            ["_unsafe_view", "aten._unsafe_view.default", f32, "attn", [None], [[2, 8]], [None]]]
+    rows = [GraphRow(*r) for r in (
+        ["softmax", "aten._softmax.default", "attn", f32, ["save"], [[2, 8]], [1]],
+        ["empty_like", "aten.empty_like.default", "attn", f32, ["offload"], [[2, 8]], [2]],
+        ["bernoulli_", "aten.bernoulli_.float", "attn", f32, ["offload"], [[2, 8]], [2]],
+        ["div_", "aten.div_.Scalar", "attn", f32, ["offload"], [[2, 8]], [2]],
+        ["mul", "aten.mul.Tensor", "attn", f32, ["recompute"], [[2, 8], [2, 8]], [3]],
+        ["_unsafe_view", "aten._unsafe_view.default", "attn", f32, [None], [[2, 8]], [None]])]
     units = graph_units(rows, list(range(6)))
     assert [u[1] for u in units] == [[0], [1, 2, 3, 4], [5]]
     drop = units[1][0]
-    assert drop[1] == "aten.native_dropout.default" and drop[0] == "mul"
-    assert drop[2] == [[[2, 8], "float32"], [[2, 8], "bool"]]
-    assert drop[4] == ["recompute", "offload"] and drop[6] == [3, 2]
+    assert drop.target == "aten.native_dropout.default" and drop.name == "mul"
+    assert drop.results == [[[2, 8], "float32"], [[2, 8], "bool"]]
+    assert drop.tags == ["recompute", "offload"] and drop.roots == [3, 2]
+    assert drop.module == "attn" and drop.input_shapes == [[2, 8], [2, 8]]
     seen = [op_key("aten._softmax.default", [((2, 8), "float32")]),
             op_key("aten.native_dropout.default", [((2, 8), "float32"), ((2, 8), "bool")]),
             op_key("aten.view.default", [((2, 8), "float32")])]
     assert line_up(seen, [u[0] for u in units]) == [0, 1, 2]
-    rows[3][1] = "aten.mul_.Tensor"        # not the CPU run: nothing folds
+    rows[3] = rows[3]._replace(target="aten.mul_.Tensor")   # not the CPU run: nothing folds
     assert len(graph_units(rows, list(range(6)))) == 6
 
 
@@ -298,15 +301,16 @@ def test_sac_policy_in_eager_trains_bitwise_and_saves_what_the_plan_keeps(files,
         assert p.counts["lined_up"] >= 0.8 * (p.counts["lined_up"] + p.counts["not_lined_up"])
     # block 0's forward: one MUST_RECOMPUTE per op the plan's chains re-run, a MUST_SAVE at
     # least for each root the plan keeps or swaps (but roots written in place: recomputed)
-    rows = [o for o in mod.GRAPH_TABLE["ops"] if o[3].startswith("blocks.0")]
+    rows = [o for o in mod.GRAPH_TABLE["ops"] if o.module.startswith("blocks.0")]
     first = policies[0].counts
     # (eager CPU draws nn.Dropout with bernoulli_, the CUDA-target profile with native_dropout:
     # those 4 + 4 ops do not line up)
     assert first["lined_up"] >= 0.9 * len(rows) and first["not_lined_up"] <= 8
-    written = {r for o in rows if o[1].split(".")[1].endswith("_") for r in o[6]}
-    saved_roots = {r for o in rows if "recompute" not in o[4] and "dropout" not in o[1]
-                   for t, r in zip(o[4], o[6]) if t in ("save", "offload") and r not in written}
-    assert first.get("MUST_RECOMPUTE", 0) == sum(1 for o in rows if "recompute" in o[4]) > 0
+    written = {r for o in rows if o.target.split(".")[1].endswith("_") for r in o.roots}
+    saved_roots = {r for o in rows if "recompute" not in o.tags and "dropout" not in o.target
+                   for t, r in zip(o.tags, o.roots) if t in ("save", "offload")
+                   and r not in written}
+    assert first.get("MUST_RECOMPUTE", 0) == sum(1 for o in rows if "recompute" in o.tags) > 0
     assert len(saved_roots) <= first["MUST_SAVE"] < first["lined_up"]
     with pytest.raises(InputError, match="block 7"):
         mod.context_fn(7)
@@ -352,8 +356,8 @@ def test_inductor_fails_a_wrong_plan_on_bert(files, tmp_path):
                          prof)
     bad = tmp_path / "bert_wrong.py"
     bad.write_text(path.read_text() + """
-_row = next(o for o in GRAPH_TABLE["ops"] if "offload" in o[4] and "softmax" in o[1])
-_row[4] = ["save" if t == "offload" else t for t in _row[4]]
+_row = next(o for o in GRAPH_TABLE["ops"] if "offload" in o.tags and "softmax" in o.target)
+_row.tags[:] = ["save" if t == "offload" else t for t in _row.tags]
 _compile_planned = compile_planned
 def compile_planned(model, **kw):
     for p in model.parameters():

@@ -109,3 +109,36 @@ def test_verify_compile_over_two_lengths_judges_the_symbolic_recompile(patched):
     assert rc["judged"] and rc["lined_up_ops"] == rc["graph_ops"] and rc["reasons"] == []
     c = report["compiled"]
     assert (rc["saved_bytes"], rc["offloaded_bytes"]) == (c["saved_bytes"], c["offloaded_bytes"])
+
+
+def test_verify_compile_over_two_lengths_through_the_cli(patched):
+    """`slackswap verify --compile --also-at seq=24`: the same report from the command line,
+    and its human view says the recompile is symbolic, read at the profiled length, and lines
+    up every forward op."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from slackswap_cli.cli import app
+    torch._dynamo.reset()
+    path, patched_path = patched["gpt2"]
+    args = ["verify", str(patched_path), "--model", str(path), "--compile", "--backend",
+            "aot_eager", "--also-at", "seq=24"]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["passed"] and report["steps"] == 2 and report["also_at"] == {"seq": 24}
+    (rc,) = report["recompiles"]
+    assert rc["symbolic"] and rc["lined_up_ops"] == rc["graph_ops"] and rc["judged"]
+    torch._dynamo.reset()
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())            # (the view wraps at the terminal's width)
+    line = text[text.index("recompile 1 "):]
+    assert line.startswith(f"recompile 1 ({', '.join(rc['compile_ids'])}): 2 graph(s), saved "
+                           f"{rc['saved_bytes']} B, offloaded {rc['offloaded_bytes']} B, "
+                           f"symbolic sizes read at "), line
+    assert f"=16, {rc['lined_up_ops']} of {rc['graph_ops']} forward ops line up " \
+           "(checked like the step)" in line, line
+    bad = CliRunner().invoke(app, ["verify", str(patched_path), "--also-at", "seq=24"])
+    assert bad.exit_code == 2 and "--also-at is for --compile" in bad.output

@@ -217,26 +217,37 @@ def test_autocast_profile_patched_model_trains_like_eager_under_autocast(files, 
 
 
 def test_another_input_shape_is_planned_for_once_and_trains_exactly(files, tmp_path, capfd):
-    """The last short batch: a new shape is traced with fake tensors and planned for (said
-    once on stderr), cached; the profiled shape keeps its plan; results stay exact."""
+    """The last short batch: a new shape's first call is recorded on the profiled plan (ops
+    lined up by rank, no trace), its limit guessed from the profile's saved bytes; a table
+    written before it named them is traced at the new shape and planned for (said once on
+    stderr), cached. The profiled shape keeps its plan; results stay exact."""
+    from slackswap_cli.run import inplace as replay
     args = {"dropout": 0.0}
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.4, args=args)
     from slackswap_cli.trace.workload import load_workload as load
     small = {**args, "batch": 3}
-    eager, work = load(str(files["tiny_gpt"]), args=small), load(str(files["tiny_gpt"]), args=small)
-    model = mod.patch(work.model)
+    eager = load(str(files["tiny_gpt"]), args=small)
     want, _, _ = train(eager.model, eager, steps=2)
-    got, _, _ = train(model, work, steps=2)
-    assert got == want
-    run = run_of(model)
-    assert len(run.rec_of_op) == len(run.table["ops"]) - 3       # all but autograd's detaches
-    assert run.table is not mod.TABLE and (run.rerun_ops > 0 or run.metas)
-    err = capfd.readouterr().err
-    assert err.count("new inputs 3x32, 3x32 on cpu") == 1 and "planned for them" in err
-    assert "lined up" not in err
+    older = {k: v for k, v in mod.TABLE.items() if k != "saved_by_shape"}
+    for table in (mod.TABLE, older):
+        work = load(str(files["tiny_gpt"]), args=small)
+        model = replay.patch(work.model, mod.META, table)
+        got, _, _ = train(model, work, steps=2)
+        assert got == want
+        run = run_of(model)
+        assert len(run.rec_of_op) == len(run.table["ops"]) - 3    # all but autograd's detaches
+        assert run.rerun_ops > 0 or run.metas
+        err = capfd.readouterr().err
+        if table is mod.TABLE:            # borrowed: no trace, held to the limit it settled
+            assert run.t.borrowed and run.table is mod.TABLE and "new inputs" not in err
+            assert run.report()["held_bytes"] <= 1.05 * run.t.limit
+        else:
+            assert not run.t.borrowed and run.table is not table
+            assert err.count("new inputs 3x32, 3x32 on cpu") == 1 and "planned for them" in err
+        assert "lined up" not in err
     base = load(str(files["tiny_gpt"]), args=args)
     model(*base.inputs)                                   # the profiled shape: its own plan
-    assert run_of(model).table is mod.TABLE
+    assert run_of(model).table is older
 
 
 def test_without_replanning_another_shape_runs_unplanned_and_says_so(files, tmp_path, capfd):
@@ -266,19 +277,24 @@ def test_a_compiled_model_is_refused_and_a_ddp_wrapper_patches_its_module(files,
 
 
 def test_hf_model_at_a_shorter_sequence_is_replanned_and_exact(files, tmp_path):
-    """Dynamic padding: a shorter sequence than profiled. The re-plan's chains read swapped
-    values fetched by earlier chains (held until every chain that reads them ran)."""
+    """Dynamic padding: a shorter sequence than profiled. The first call runs the profiled
+    plan borrowed (HF GPT-2 branches otherwise under fake tensors: it then plans again along
+    its branches); the second runs that plan, whose chains read swapped values fetched by
+    earlier chains (held until every chain that reads them ran)."""
     mod, _ = patched_module(tmp_path, files, "gpt2", 0.4)
     eager, work = twin(files, "gpt2")
     mod.patch(work.model)
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
-    grads = []
-    for m in (eager.model, work.model):
-        torch.manual_seed(0)
-        m(input_ids=ids, labels=ids).loss.backward()
-        grads.append([p.grad.clone() for p in m.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-    run = run_of(work.model)
+    for call in range(2):
+        grads = []
+        for m in (eager.model, work.model):
+            torch.manual_seed(0)
+            m(input_ids=ids, labels=ids).loss.backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), call
+        run = run_of(work.model)
+        assert run.t.borrowed == (call == 0)
     assert run.table is not mod.TABLE and run.rerun_ops > 0
 
 

@@ -21,7 +21,7 @@ from workloads import HW, hand_plan, profiled, write_patched
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.run.inplace import PlanRun, is_patched
-from slackswap_cli.run.record import _prepare, _Record, _Ref, _view_geometry
+from slackswap_cli.run.recorded import OpRecord, OutRef, prepare_replay, view_geometry
 from slackswap_cli.run.steady import KeepRun, SteadyRun
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
@@ -122,10 +122,10 @@ def test_later_calls_run_on_hooks_alone_bitwise_like_eager(name, frac, args, fil
 
 
 def _geometry(func, base, *args):
-    rec = _Record(func, (_Ref(0, 0), *args), {}, None, None, None, ())
-    _prepare(rec)
+    rec = OpRecord(func, (OutRef(0, 0), *args), {}, None, None, None, ())
+    prepare_replay(rec)
     with torch.no_grad():
-        return rec, func(base, *args), _view_geometry(rec, [base, *args], func(base, *args))
+        return rec, func(base, *args), view_geometry(rec, [base, *args], func(base, *args))
 
 
 @pytest.mark.parametrize("func,args", [

@@ -182,17 +182,90 @@ def test_a_step_that_leaves_ops_out_at_a_new_length_is_planned_for_it(tmp_path, 
         assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
 
 
-def test_a_new_length_right_after_a_plan_was_made_is_recorded_on_it_without_a_trace(
-        tmp_path, capfd):
-    """HF GPT-2's first call is planned again along its branches, so no call has followed
-    that plan yet when a new length comes: the new length's first call is recorded on it
-    (its limit scaled by the inputs' sizes until the call has counted its keep-all bytes)."""
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_new_length_right_after_a_plan_was_made_follows_the_call_before_it(
+        tmp_path, name, monkeypatch, capfd):
+    """HF causal LMs' first call is planned again along its branches, so no call has followed
+    that plan yet when a new length comes: the new length's first call follows the template
+    of the call recorded on the plan before (its packs are eager's whatever the plan), held
+    to the new plan's fraction of the keep-all bytes; the next call records on the new plan,
+    borrowed, and lines up. No trace but the one along the branches."""
+    traced = _spy_traces(monkeypatch)
     shapes = [(2, 16), (2, 24), (2, 24), (2, 24)]
-    mod, calls = _run(tmp_path, "gpt2", MODELS["gpt2"], shapes)
-    assert [c[0] for c in calls] == ["PlanRun", "PlanRun", "SteadyRun", "SteadyRun"]
-    assert calls[1][1]["borrowed"] and calls[1][1]["fraction"] >= 0.99
+    mod, calls = _run(tmp_path, name, MODELS[name], shapes)
+    assert [c[0] for c in calls] == ["PlanRun", "ShapeRun", "PlanRun", "SteadyRun"]
+    assert len(traced) == 1 and traced[0]                   # along the first call's branches
+    shape_run, recorded = calls[1][1], calls[2][1]
+    assert shape_run["borrowed"] and not shape_run["recorded"] and not shape_run["left_template"]
+    assert recorded["borrowed"] and recorded["fraction"] >= 0.99, recorded
+    assert recorded["budget_bytes"] == shape_run["budget_bytes"]   # the ShapeRun settled it
     assert "new inputs" not in capfd.readouterr().err
     fraction = _budget(mod, calls)
     for kind, rep, held, keep_all in calls[1:]:
         assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
         assert rep["budget_bytes"] <= 1.05 * fraction * keep_all, rep
+
+
+def _spy_traces(monkeypatch) -> list:
+    """Each fake trace a patched model plans from (`replan.replan_table`): the values it was
+    handed (None: a trace at new shapes, not along a call's branches), then the trace."""
+    from slackswap_cli.run import replan
+    traced, trace = [], replan.replan_table
+
+    def spy(*args, **kwargs):
+        traced.append(kwargs.get("values"))
+        return trace(*args, **kwargs)
+    monkeypatch.setattr(replan, "replan_table", spy)
+    return traced
+
+
+def _fraction_at_profile(mod, src) -> float:
+    """The plan's budget as a fraction of what eager holds at the profiled shapes (measured
+    without a patched call)."""
+    work = load_workload(str(src))
+    mod.patch(work.model)
+    return mod.META["budget_bytes"] / _keep_all(work.model, work.inputs)
+
+
+@pytest.mark.parametrize("start", [(2, 48), (4, 8)])
+def test_the_runs_first_call_at_shapes_not_profiled_borrows_the_plan_without_a_trace(
+        tmp_path, start, monkeypatch, capfd):
+    """HF BERT profiled at batch 2, length 16; the run starts at other shapes (a longer
+    length; a larger batch of shorter ones): its first call is recorded on the profiled plan
+    (ops lined up by rank), held by the guard to a limit guessed from the profile's saved
+    bytes and settled by the call; no fake trace, there or at the shapes after it."""
+    traced = _spy_traces(monkeypatch)
+    name = "bert"
+    shapes = [start, start, start, (2, 24), (3, 16)]
+    mod, calls = _run(tmp_path, name, MODELS[name], shapes)
+    assert traced == []
+    kinds = [c[0] for c in calls]
+    assert kinds == ["PlanRun", "SteadyRun", "SteadyRun", "ShapeRun", "ShapeRun"], kinds
+    first = calls[0][1]
+    assert first["recorded"] and first["borrowed"] and first["fraction"] >= 0.99, first
+    fraction = _fraction_at_profile(mod, tmp_path / f"{name}.py")
+    for kind, rep, held, keep_all in calls:
+        assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
+        assert rep["held_bytes"] == held and rep["budget_bytes"] <= 1.05 * fraction * keep_all
+    assert calls[0][1]["budget_bytes"] == calls[1][1]["budget_bytes"]   # settled by the call
+    assert "new inputs" not in capfd.readouterr().err
+
+
+def test_a_branchy_models_first_call_at_a_length_not_profiled_costs_one_trace_along_it(
+        tmp_path, monkeypatch, capfd):
+    """HF Llama builds its mask otherwise under fake tensors: its first call, at 48 (profiled
+    at 16), is recorded on the profiled plan, lines up less and is held to the budget at 48;
+    the one trace after it is along the branches it took (none at the new shapes first)."""
+    traced = _spy_traces(monkeypatch)
+    mod, calls = _run(tmp_path, "llama", MODELS["llama"], [(2, 48), (2, 48), (2, 48)])
+    assert len(traced) == 1 and traced[0], traced          # along the eager call's values
+    assert [c[0] for c in calls] == ["PlanRun", "PlanRun", "SteadyRun"]
+    (_, first, held, keep_all), (_, second, _, _) = calls[:2]
+    assert first["borrowed"] and first["fraction"] < 0.99, first
+    fraction = _fraction_at_profile(mod, tmp_path / "llama.py")
+    assert held <= 1.05 * first["budget_bytes"] <= 1.05 * fraction * keep_all, (first, held)
+    assert not second["borrowed"] and second["fraction"] >= 0.99, second
+    for _, rep, held, _ in calls[1:]:
+        assert held <= 1.05 * rep["budget_bytes"], (rep, held)
+    err = capfd.readouterr().err
+    assert "new inputs" not in err and err.count("along the branches this call took") == 1

@@ -3,7 +3,7 @@ import pytest
 from helpers import hand_hw
 
 from slackswap_cli.planners import make_plan
-from slackswap_cli.planners.common import build_model
+from slackswap_cli.planners.common import build_cost_model
 from slackswap_cli.planners.optimal import OptimalSettings, solve
 from slackswap_testkit.synthetic import chain_profile
 
@@ -19,7 +19,7 @@ def test_knapsack_picks_the_cheapest_pair_by_hand():
     # copies under ~100 us of compute). Best: a1 + a2 = 40 us (a0 + a1 = 60, a0 + a2 = 80).
     p = chain_profile(5, act_bytes=MB, fwd_us=[50.0, 10.0, 30.0, 20.0, 40.0])
     budget = 3 * MB + 4
-    m = build_model(p, HW)
+    m = build_cost_model(p, HW)
     actions, notes, objective = solve(m, budget, OptimalSettings(time_limit_s=10))
     assert actions == ["keep", "recompute", "recompute", "keep", "keep"]
     assert any("proven lower bound 40.0 us (gap 0.00%)" in n for n in notes)
@@ -38,7 +38,7 @@ def test_knapsack_picks_the_cheapest_pair_by_hand():
 
 def test_everything_fits_needs_no_solve():
     p = chain_profile(3, act_bytes=MB)
-    actions, notes, objective = solve(build_model(p, HW), p.summary["peak_activation_bytes"])
+    actions, notes, objective = solve(build_cost_model(p, HW), p.summary["peak_activation_bytes"])
     assert objective == 0.0
     assert actions == ["keep"] * 3 and "nothing to solve" in notes[0]
 
@@ -57,7 +57,7 @@ def test_queued_windows_by_hand():
     # each (end at 350..750). D2H 100 us per tensor, H2D 200 us.
     from slackswap_cli.planners.optimal import _queued_windows, _windows
     hw = hand_hw(name="q", h2d_bytes_per_s=5e9)
-    m = build_model(chain_profile(5, act_bytes=MB, fwd_us=50.0), hw)
+    m = build_cost_model(chain_profile(5, act_bytes=MB, fwd_us=50.0), hw)
     assert list(m.t_end[:7]) == [50, 100, 150, 200, 250, 250, 350]
     tail, head = _windows(m, 0.0)[:2]
     # alone, a1's offload runs 100-200 us: its tail ends after f3 (op 3)

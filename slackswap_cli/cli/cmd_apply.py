@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -62,6 +62,7 @@ def apply(
 @app.command(short_help="Compare original and patched: losses, gradients, memory.",
              epilog=_examples(
                  "slackswap verify model_patched.py --steps 3",
+                 "slackswap verify model_patched.py --compile --also-at seq=24",
              ))
 def verify(
     patched: Path = typer.Argument(..., metavar="PATCHED", help="patched module from `slackswap apply`"),
@@ -71,12 +72,16 @@ def verify(
     as_json: bool = _json_option("the report"),
     compile_: bool = typer.Option(False, "--compile", help="check compile_planned instead: the partitioned graphs' saved, offloaded and recomputed against the plan, and values against eager"),
     backend: str = typer.Option("inductor", "--backend", help="with --compile: inductor or aot_eager"),
+    also_at: List[str] = typer.Option([], "--also-at", metavar="KEY=VALUE", help="with --compile: as many steps again with this workload argument changed (another length: seq=24), which torch recompiles with symbolic sizes, judged like the first; repeatable"),
     quiet: bool = _quiet_option(),
 ) -> None:
     """Run original and patched for N steps: losses and gradients equal, memory (op by op, against the simulator) and time measured."""
     sink = Sink(as_json, quiet)
+    if also_at and not compile_:
+        raise InputError("--also-at is for --compile", hint="add --compile to check "
+                         "compile_planned at the profiled shapes and at these")
     if compile_:
-        _verify_compiled(patched, model, steps, backend, sink)
+        _verify_compiled(patched, model, steps, backend, sink, also_at)
         return
     from ..run.verify import verify as run_verify
     plan_obj = None
@@ -98,16 +103,22 @@ def verify(
 
 
 def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: str,
-                     sink: Sink) -> None:
-    """`verify --compile`: the report of run/verify_compiled.py."""
+                     sink: Sink, also_at: List[str] = ()) -> None:
+    """`verify --compile`: the report of run/verify_compiled.py (`--also-at`: its `also_at`)."""
     from ..run.compiled import BACKENDS  # torch: a command imports it when it runs
     if backend not in BACKENDS:
         raise InputError(f"--backend must be {' or '.join(BACKENDS)}, not {backend!r}",
                          hint="compile_planned sets the partitioner of these two backends")
+    for item in also_at:
+        if "=" not in item:
+            raise InputError(f"bad --also-at {item!r}: expected key=value",
+                             hint="e.g. --also-at seq=24")
     from ..run.verify_compiled import verify_compiled
+    from ..trace.workload import parse_workload_args
     with sink.working(f"compiling with the plan ({backend}) and running eager beside it"):
         report = verify_compiled(str(patched), str(model) if model else None,
-                                 backend=backend, steps=steps)
+                                 backend=backend, steps=steps,
+                                 also_at=parse_workload_args(list(also_at)))
     sink.show(Result(report, views=lambda: [_render().verify_compiled_view(report, backend)]))
     if not report["passed"]:
         error_lines("verify --compile failed: " + "; ".join(report["reasons"]),

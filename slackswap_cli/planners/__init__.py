@@ -129,10 +129,6 @@ def planner_spec(name: str) -> PlannerSpec:
     return PLANNERS[name]
 
 
-def get_planner(name: str) -> PlannerFn:
-    return planner_spec(name).function()
-
-
 def quick_planner(name: str) -> str:
     """`name`, or where it is too slow to run here (inside a training step) the planner that
     stands in for it: its fallback, else the default."""

@@ -27,14 +27,14 @@ from .common import (
     PlannerOutput,
     State,
     build_chains,
-    build_model,
+    build_cost_model,
     memory,
     recompute_until_fits,
 )
 
 
 def recompute_only(profile: Profile, hw: HardwareSpec, budget_bytes: int):
-    m = build_model(profile, hw)
+    m = build_cost_model(profile, hw)
     state = State(m)
     mem, fits = recompute_until_fits(m, state, budget_bytes, m.live_keep.astype(np.int64))
     notes = [f"recomputed {sum(a == RECOMPUTE for a in state.actions)} tensors, "
@@ -52,7 +52,7 @@ def swap_all(profile: Profile, hw: HardwareSpec, budget_bytes: int):
 def checkpoint_layers(profile: Profile, hw: HardwareSpec, budget_bytes: int, *,
                       k: int | None = None):
     """Checkpoint every k-th block: the largest k that fits the budget, or the given `k`."""
-    m = build_model(profile, hw)
+    m = build_cost_model(profile, hw)
     layers = op_layer_indices(profile)
     blocks = sorted({x for x in layers if x is not None})
     if not blocks:

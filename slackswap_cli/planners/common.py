@@ -41,10 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..chains import ACTION_CODES, candidate_chain
-from ..chains import KEEP as KEEP_CODE
-from ..chains import RECOMPUTE as RECOMPUTE_CODE
-from ..chains import SWAP as SWAP_CODE
+from ..chains import ACTION_CODES, KEEP_CODE, RECOMPUTE_CODE, SWAP_CODE, candidate_chain
 from ..chains import tables as chain_tables
 from ..hardware import HardwareSpec
 from ..layers import op_layer_indices
@@ -89,8 +86,9 @@ class PlannerOutput:
 
 
 @dataclass
-class Model:
-    """Static arrays of one profile on one hardware (see the module docstring)."""
+class CostModel:
+    """The planners' cost model: static arrays of one profile on one hardware (see the module
+    docstring; not the user's network)."""
     prof: Profile
     hw: HardwareSpec
     n: int
@@ -123,7 +121,7 @@ class Model:
 
 
 
-def build_model(prof: Profile, hw: HardwareSpec) -> Model:
+def build_cost_model(prof: Profile, hw: HardwareSpec) -> CostModel:
     n, nf = len(prof.ops), prof.n_forward
     op_us = np.array([op.time_us for op in prof.ops], dtype=np.float64)
     t_end = np.cumsum(op_us)
@@ -147,7 +145,7 @@ def build_model(prof: Profile, hw: HardwareSpec) -> Model:
     base = live + np.cumsum(delta)[:n]
     layers = op_layer_indices(prof)
     layer = [layers[prof.tensors[t].producer] for t in cands]
-    return Model(prof, hw, n, nf, op_us, t_start, t_end, cands, index, size, p, lf, fb, lu, rec,
+    return CostModel(prof, hw, n, nf, op_us, t_start, t_end, cands, index, size, p, lf, fb, lu, rec,
                  d2h, h2d, live, base, layer)
 
 
@@ -180,7 +178,7 @@ class Chains:
     siblings: list[list[int]]
 
 
-def build_chains(m: Model) -> Chains:
+def build_chains(m: CostModel) -> Chains:
     """Every candidate's chain under the static view (`chains.candidate_chain`). Made once
     per model and kept on it (read-only: nothing changes a chain once it is made)."""
     if m.chains is not None:
@@ -224,7 +222,7 @@ class State:
     needed if it were evicted.
     """
 
-    def __init__(self, m: Model, actions: list[Action] | None = None,
+    def __init__(self, m: CostModel, actions: list[Action] | None = None,
                  chains: Chains | None = None):
         self.m = m
         self.ch = chains if chains is not None else build_chains(m)
@@ -325,7 +323,7 @@ class CopySchedule:
     exposed_us: float                    # copy time the FIFOs could not hide (estimate)
 
 
-def d2h_fifo(m: Model, swaps) -> tuple[np.ndarray, np.ndarray]:
+def d2h_fifo(m: CostModel, swaps) -> tuple[np.ndarray, np.ndarray]:
     """(swaps in production order, the time each one's D2H copy is done): one FIFO, a copy
     starting when its producer ends or the copy ahead of it is done."""
     sw = np.array(sorted(swaps, key=lambda c: (m.p[c], c)), dtype=np.int64)
@@ -335,7 +333,7 @@ def d2h_fifo(m: Model, swaps) -> tuple[np.ndarray, np.ndarray]:
     return sw, np.maximum.accumulate(ready - (csum - d)) + csum
 
 
-def h2d_just_in_time(m: Model, swaps, need: np.ndarray,
+def h2d_just_in_time(m: CostModel, swaps, need: np.ndarray,
                      margin: float) -> tuple[np.ndarray, np.ndarray]:
     """(swaps latest need first, the time each one's H2D copy starts): one FIFO filled just in
     time, each copy (`margin` of it longer) ending when its tensor is needed or the copy after
@@ -347,7 +345,7 @@ def h2d_just_in_time(m: Model, swaps, need: np.ndarray,
     return sb, np.minimum.accumulate(m.t_start[need[sb]] + hs - h) - hs
 
 
-def copy_schedule(m: Model, swaps: list[int], need: np.ndarray | None = None,
+def copy_schedule(m: CostModel, swaps: list[int], need: np.ndarray | None = None,
                   margin: float = 0.0) -> CopySchedule:
     """FIFO D2H in production order, just-in-time H2D in order of need, on the ideal timeline.
 
@@ -371,7 +369,7 @@ def copy_schedule(m: Model, swaps: list[int], need: np.ndarray | None = None,
     return CopySchedule(done_op, pf_op, late_d2h + late_h2d)
 
 
-def prefetch_points(m: Model, state: State, margin: float) -> dict[int, int]:
+def prefetch_points(m: CostModel, state: State, margin: float) -> dict[int, int]:
     """Candidate -> op at which its prefetch is pinned (`Decision.prefetch_at`): the
     just-in-time point of `copy_schedule`, `margin` of the copy time earlier."""
     swaps = [c for c, a in enumerate(state.actions) if a == SWAP]
@@ -384,7 +382,7 @@ class SlackLedger:
     """The two slack conditions of the module docstring, kept incrementally; `safety` is the
     share of the slack trusted."""
 
-    def __init__(self, m: Model, safety: float):
+    def __init__(self, m: CostModel, safety: float):
         self.m = m
         nf, n = m.nf, m.n
         self.safety = safety
@@ -413,7 +411,7 @@ class SlackLedger:
 # --------------------------------------------------------------------------------------------
 # Memory of a plan in the static picture
 # --------------------------------------------------------------------------------------------
-def memory(m: Model, state: State, sched: CopySchedule | None = None) -> np.ndarray:
+def memory(m: CostModel, state: State, sched: CopySchedule | None = None) -> np.ndarray:
     """Activation bytes per op for the actions in `state` (see the module docstring)."""
     n = m.n
     delta = np.zeros(n + 2, dtype=np.int64)
@@ -456,7 +454,7 @@ def memory(m: Model, state: State, sched: CopySchedule | None = None) -> np.ndar
 # --------------------------------------------------------------------------------------------
 # The recompute greedy shared by slackswap, optimal's repair and recompute-only
 # --------------------------------------------------------------------------------------------
-def _apply_recompute(m: Model, state: State, c: int, mem: np.ndarray,
+def _apply_recompute(m: CostModel, state: State, c: int, mem: np.ndarray,
                      temps_seen: dict[int, set[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Recompute c; return the updated memory and the ops where evicted inputs came back early."""
     mem = mem.copy()
@@ -477,12 +475,12 @@ def _apply_recompute(m: Model, state: State, c: int, mem: np.ndarray,
     return mem, pulled_ops
 
 
-def _note_temps(m: Model, state: State, c: int, temps_seen: dict[int, set[int]]) -> None:
+def _note_temps(m: CostModel, state: State, c: int, temps_seen: dict[int, set[int]]) -> None:
     if state.ch.temps[c]:
         temps_seen.setdefault(int(state.need[c]), set()).update(state.ch.temps[c])
 
 
-def recompute_until_fits(m: Model, state: State, budget_bytes: int,
+def recompute_until_fits(m: CostModel, state: State, budget_bytes: int,
                          mem: np.ndarray, allow: np.ndarray | None = None,
                          max_steps: int | None = None,
                          max_tries: int = StaticSettings.max_tries) -> tuple[np.ndarray, bool]:

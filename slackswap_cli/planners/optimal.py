@@ -76,12 +76,12 @@ from .common import (
     KEEP,
     RECOMPUTE,
     SWAP,
-    Model,
+    CostModel,
     PlannerOutput,
     State,
     StaticSettings,
     build_chains,
-    build_model,
+    build_cost_model,
     d2h_fifo,
     h2d_just_in_time,
     memory,
@@ -164,7 +164,7 @@ class _Stopped:
         self.message = message
 
 
-def _windows(m: Model, prefetch_margin: float):
+def _windows(m: CostModel, prefetch_margin: float):
     """Offload-tail end and prefetch-head start (op ids) of each candidate, no queueing."""
     c_all = np.arange(len(m.cands))
     done_t = m.t_end[m.p] + m.d2h_us
@@ -178,7 +178,7 @@ def _windows(m: Model, prefetch_margin: float):
     return tail_end, head, c_all
 
 
-def _groups(m: Model, untie_limit: int, groups: int) -> tuple[np.ndarray, int, str]:
+def _groups(m: CostModel, untie_limit: int, groups: int) -> tuple[np.ndarray, int, str]:
     """Variable index of each candidate (tied across identical blocks when large)."""
     n = len(m.cands)
     if n <= untie_limit:
@@ -225,7 +225,7 @@ class _Layout:
     producer-run variable of the variable k of a multi-output op's first output (`lead`).
     """
 
-    def __init__(self, m: Model, ch, var: np.ndarray, nv: int):
+    def __init__(self, m: CostModel, ch, var: np.ndarray, nv: int):
         n = len(m.cands)
         self.var, self.nv = var, nv
         self.rec_ok = np.isfinite(ch.cost)
@@ -335,7 +335,7 @@ def _choice_rows(rows: _Rows, lay: _Layout) -> None:
              np.ones(2 * nv), np.zeros(nv), np.ones(nv))
 
 
-def _memory_ops(m: Model, budget_bytes: int, tail_end: np.ndarray,
+def _memory_ops(m: CostModel, budget_bytes: int, tail_end: np.ndarray,
                 head: np.ndarray) -> np.ndarray:
     """The ops that get a memory row: between consecutive events (a gap, tail or head
     starting or ending), the over-budget op with the most keep-all memory (it dominates)."""
@@ -352,7 +352,7 @@ def _memory_ops(m: Model, budget_bytes: int, tail_end: np.ndarray,
     return np.array(sorted(set(sel)), dtype=np.int64)
 
 
-def _memory_rows(rows: _Rows, m: Model, budget_bytes: int, lay: _Layout, sel: np.ndarray,
+def _memory_rows(rows: _Rows, m: CostModel, budget_bytes: int, lay: _Layout, sel: np.ndarray,
                  tail_end: np.ndarray, head: np.ndarray, extra: np.ndarray) -> None:
     """live_keep[i] - savings <= budget at each op of `sel`: a recompute saves its size over
     its gap (its chain's temporaries cost `extra` at its first backward use), a swap its size
@@ -393,7 +393,7 @@ def _sampled(pos: np.ndarray, max_rows: int) -> np.ndarray:
     return pos
 
 
-def _slack_rows(rows: _Rows, m: Model, lay: _Layout, max_rows: int,
+def _slack_rows(rows: _Rows, m: CostModel, lay: _Layout, max_rows: int,
                 free_spill_us: float = 0.0) -> None:
     """The FIFOs' exposed time: eF bounds how far the D2H copies of everything produced from
     op j on exceed the forward time left after j; eB how far the H2D copies needed by
@@ -485,7 +485,7 @@ def _highs(lay: _Layout, cost: np.ndarray, constraint, time_limit: float,
     return _Solved(x, fun, bound, message)
 
 
-def _bound_note(m: Model, res) -> str | None:
+def _bound_note(m: CostModel, res) -> str | None:
     """The MILP's objective and proven lower bound as notes (None: no finite bound)."""
     bound = getattr(res, "mip_dual_bound", None)
     if bound is None or not np.isfinite(bound):
@@ -501,7 +501,7 @@ def _bound_note(m: Model, res) -> str | None:
             f"(gap {100 * gap:.2f}%): {at_most}")
 
 
-def solve(m: Model, budget_bytes: int, settings: OptimalSettings = OptimalSettings(),
+def solve(m: CostModel, budget_bytes: int, settings: OptimalSettings = OptimalSettings(),
           fork: bool = True, windows: tuple[np.ndarray, np.ndarray] | None = None,
           free_spill_us: float = 0.0, start: list | None = None):
     """Build and solve the MILP within `settings.time_limit_s` (building included). Returns
@@ -562,7 +562,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     s = settings
     t0 = time.perf_counter()
     deadline = t0 + float(s.time_limit_s)
-    m = build_model(profile, hw)
+    m = build_cost_model(profile, hw)
     notes: list[str] = []
     b = sound_bound(profile, hw, budget_bytes,
                     time_limit_s=max(0.5, s.bound_share * (deadline - time.perf_counter())))
@@ -602,7 +602,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     return PlannerOutput(mine, tuple(notes))
 
 
-def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: float,
+def _solve_in_rounds(m: CostModel, budget_bytes: int, s: OptimalSettings, until: float,
                      notes: list[str], seed_swaps: list[int], seed_actions: list | None = None):
     """The MILP, solved again while its plan overflows in the static model because its copies
     queue: each round widens the memory windows of the plan's swaps to where the FIFOs put
@@ -676,14 +676,14 @@ def _solve_in_rounds(m: Model, budget_bytes: int, s: OptimalSettings, until: flo
     return best
 
 
-def _judge(m: Model, state: State, budget_bytes: int, s: OptimalSettings) -> tuple:
+def _judge(m: CostModel, state: State, budget_bytes: int, s: OptimalSettings) -> tuple:
     """The simulation of a static plan: (feasible, retention, no stall)."""
     res = _simulate(m.prof, state.decisions(prefetch_points(m, state, s.prefetch_margin)),
                     m.hw, budget_bytes)
     return (res.feasible, res.predicted.retention, res.predicted.stall_us <= 0)
 
 
-def _harmless_spill(m: Model, swaps: list[int], judged: tuple | None) -> float | None:
+def _harmless_spill(m: CostModel, swaps: list[int], judged: tuple | None) -> float | None:
     """How far the plan's offloads run past the end of forward in the static FIFO, when its
     simulation (`judged`) fits and shows no stall at all, so nothing waited on them; None
     otherwise."""
@@ -694,7 +694,7 @@ def _harmless_spill(m: Model, swaps: list[int], judged: tuple | None) -> float |
     return spill if spill > 0 else None
 
 
-def _queued_windows(m: Model, swaps: list[int], margin: float):
+def _queued_windows(m: CostModel, swaps: list[int], margin: float):
     """Each candidate's (offload-tail end, prefetch-head start) were it swapped along with
     `swaps`: its D2H copy waits behind the swaps produced up to its producer (FIFO), its H2D
     copy must end before the swaps needed after it start (just in time, latest first; the

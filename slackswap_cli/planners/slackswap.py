@@ -46,12 +46,12 @@ from .common import (
     KEEP,
     RECOMPUTE,
     SWAP,
-    Model,
+    CostModel,
     PlannerOutput,
     SlackLedger,
     State,
     StaticSettings,
-    build_model,
+    build_cost_model,
     copy_schedule,
     memory,
     prefetch_points,
@@ -111,7 +111,7 @@ class SlackswapSettings(StaticSettings):
                       "slack trusted above 0 and at most 10")
 
 
-def _over_mask_useful(m: Model, mem: np.ndarray, budget_bytes: int) -> np.ndarray:
+def _over_mask_useful(m: CostModel, mem: np.ndarray, budget_bytes: int) -> np.ndarray:
     """Candidates whose gap covers at least one op where `mem` exceeds the budget."""
     over = (mem > budget_bytes).astype(np.int64)
     cnt = np.concatenate(([0], np.cumsum(over)))
@@ -123,7 +123,7 @@ def _swaps(state: State) -> list[int]:
     return [c for c, a in enumerate(state.actions) if a == SWAP]
 
 
-def plan_static(m: Model, budget_bytes: int, s: SlackswapSettings, use_swap: bool = True,
+def plan_static(m: CostModel, budget_bytes: int, s: SlackswapSettings, use_swap: bool = True,
                 slack_safety: float | None = None,
                 price_per_byte: float | None = None) -> tuple[State, np.ndarray, bool]:
     """Passes 1-4. Returns (state, static memory, fits in the static model).
@@ -171,7 +171,7 @@ def plan_static(m: Model, budget_bytes: int, s: SlackswapSettings, use_swap: boo
     return state, mem, bool(mem.max(initial=0) <= budget_bytes)
 
 
-def _exchange(m: Model, state: State, budget_bytes: int, s: SlackswapSettings) -> None:
+def _exchange(m: CostModel, state: State, budget_bytes: int, s: SlackswapSettings) -> None:
     """Undo the dearest recomputes one at a time and let the greedy free the bytes elsewhere;
     keep the change when the total recompute time drops (the greedy's early picks are not
     always the best ones: one cheap eviction can force a dear one later)."""
@@ -197,7 +197,7 @@ def _exchange(m: Model, state: State, budget_bytes: int, s: SlackswapSettings) -
             state.__init__(m, snapshot, state.ch)
 
 
-def _unswap_in_flight(m: Model, state: State, budget_bytes: int,
+def _unswap_in_flight(m: CostModel, state: State, budget_bytes: int,
                       s: SlackswapSettings) -> tuple[np.ndarray, bool]:
     """Where memory is over only because swapped tensors are still being offloaded or already
     being fetched back, recompute those (cheapest per byte first), then let the greedy go on."""
@@ -225,7 +225,7 @@ def _unswap_in_flight(m: Model, state: State, budget_bytes: int,
     return mem, bool(mem.max(initial=0) <= budget_bytes)
 
 
-def _force_swaps(m: Model, state: State, budget_bytes: int,
+def _force_swaps(m: CostModel, state: State, budget_bytes: int,
                  s: SlackswapSettings) -> tuple[np.ndarray, bool]:
     for _ in range(len(m.cands)):
         mem = memory(m, state)
@@ -247,7 +247,7 @@ def _force_swaps(m: Model, state: State, budget_bytes: int,
     return mem, bool(mem.max(initial=0) <= budget_bytes)
 
 
-def _trim(m: Model, state: State, budget_bytes: int) -> bool:
+def _trim(m: CostModel, state: State, budget_bytes: int) -> bool:
     """Keep evicted tensors whose eviction is not needed anywhere (dearest first)."""
     changed = False
     mem = memory(m, state)
@@ -287,7 +287,7 @@ def _trim(m: Model, state: State, budget_bytes: int) -> bool:
     return changed
 
 
-def _upgrade_to_swap(m: Model, state: State, budget_bytes: int, ledger: SlackLedger,
+def _upgrade_to_swap(m: CostModel, state: State, budget_bytes: int, ledger: SlackLedger,
                      s: SlackswapSettings) -> bool:
     """Recomputes that fit the slack left over become swaps, if memory still holds."""
     ledger.__init__(m, safety=ledger.safety)
@@ -316,7 +316,7 @@ def _upgrade_to_swap(m: Model, state: State, budget_bytes: int, ledger: SlackLed
     return changed
 
 
-def _fix_stalls(m: Model, state: State, profile: Profile, hw: HardwareSpec,
+def _fix_stalls(m: CostModel, state: State, profile: Profile, hw: HardwareSpec,
                 budget_bytes: int, s: SlackswapSettings) -> tuple[State, int] | None:
     """Where the simulator shows compute waiting, stop swapping what it waited for.
 
@@ -375,7 +375,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     loses to recomputing alone); the best plan the simulator saw is kept.
     """
     s = settings
-    m = build_model(profile, hw)
+    m = build_cost_model(profile, hw)
     ideal = m.ideal_us
     best = None
 

@@ -58,7 +58,9 @@ import torch
 import torch.fx as fx
 
 from ..errors import InputError
+from ..table_rows import GraphRow
 from ..torch_api import PARTS, refuse_untested
+from ..trace.storage import storage_object_key
 from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
 from .sym_sizes import SymSizes, solve
 
@@ -182,16 +184,16 @@ class PlanPartition:
         then the inputs of this object's rows in order (a block's graph reads hidden states)."""
         ops = self.table["ops"]
         out = [(list(s), d) for s, d in self.table.get("inputs", ())]
-        out += [(list(s), None) for r in self.rows for s in ops[r][5]]
+        out += [(list(s), None) for r in self.rows for s in ops[r].input_shapes]
         return out
 
-    def _match(self, graph_ops: list[GraphOp]) -> dict[GraphOp, tuple[list, list[int]]]:
+    def _match(self, graph_ops: list[GraphOp]) -> dict[GraphOp, tuple[GraphRow, list[int]]]:
         """Line the graph's ops up with the rows; op -> (the row it lined up with, the table
         rows that row stands for: `graph_plan.graph_units`)."""
         keys = [op_key(g.target, g.results()) for g in graph_ops]
         ops = self.table["ops"]
 
-        def attempt(start: int) -> dict[GraphOp, tuple[list, list[int]]]:
+        def attempt(start: int) -> dict[GraphOp, tuple[GraphRow, list[int]]]:
             units = graph_units(ops, self.rows[start:])
             got = line_up(keys, [u[0] for u in units])
             return {g: units[k] for g, k in zip(graph_ops, got) if k is not None}
@@ -202,7 +204,7 @@ class PlanPartition:
         return matched
 
     def _tag(self, gm: fx.GraphModule, graph_ops: list[GraphOp],
-             after_tangent: set[fx.Node]) -> dict[GraphOp, tuple[list, list[int]]]:
+             after_tangent: set[fx.Node]) -> dict[GraphOp, tuple[GraphRow, list[int]]]:
         """Line the graph's ops up (`_match`) and tag what lines up."""
         matched = self._match(graph_ops)
         if matched:
@@ -226,7 +228,7 @@ def _rows(matched: dict) -> set[int]:
     return {r for _, members in matched.values() for r in members}
 
 
-def _tag_op(g: GraphOp, row: list) -> set[fx.Node]:
+def _tag_op(g: GraphOp, row: GraphRow) -> set[fx.Node]:
     """Tag one lined-up op as the plan decides its results; returns the result nodes it
     offloads or recomputes.
 
@@ -238,9 +240,9 @@ def _tag_op(g: GraphOp, row: list) -> set[fx.Node]:
     that cannot re-run, so its result is re-made from the mask (`_dropout_from_mask`) to be recomputed; where it cannot be
     (not fp32), the node is saved and its result left to the partitioner (which saves it)."""
     from torch.utils.checkpoint import CheckpointPolicy
-    policy_of = {"recompute": CheckpointPolicy.MUST_RECOMPUTE,
-                 "save": CheckpointPolicy.MUST_SAVE, "offload": CheckpointPolicy.MUST_SAVE}
-    tags = row[4]
+
+    from .sac import POLICY_OF_TAG as policy_of
+    tags = row.tags
     kept = any(t in ("save", "offload") for t in tags)
     mixed = kept and "recompute" in tags
     made = _dropout_from_mask(g) if mixed and not g.decomposed and tags[0] == "recompute" \
@@ -257,7 +259,7 @@ def _tag_op(g: GraphOp, row: list) -> set[fx.Node]:
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     g.nodes += made or []
     moved: set[fx.Node] = set()
-    for tag, hs in zip(tags, g.holders_for(row[2])):
+    for tag, hs in zip(tags, g.holders_for(row.results)):
         own = policy if not mixed else None if tag == "recompute" and not g.decomposed \
             else policy_of.get(tag)
         for h in hs if own is not None else ():
@@ -463,7 +465,7 @@ def _writes_back(node: fx.Node) -> bool:
 
 def _storage(node: fx.Node) -> int | None:
     v = node.meta.get("val")
-    return v.untyped_storage()._cdata if isinstance(v, torch.Tensor) else None
+    return storage_object_key(v) if isinstance(v, torch.Tensor) else None
 
 
 def _tensor_vals(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
@@ -564,7 +566,7 @@ def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table, sizes: SymSizes
                                                             or _identity_slice(g))]
     rep = GraphReport(graph_ops=len(counted), lined_up_ops=len(matched),
                       rows=sorted(_rows(matched)))
-    primal = {v.untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
+    primal = {storage_object_key(v) for n in fw.graph.find_nodes(op="placeholder")
               if isinstance(v := n.meta.get("val"), torch.Tensor)}
     # views (a view op, or results sharing an input's or an earlier result's storage, as
     # split's do): free to re-derive
@@ -580,7 +582,7 @@ def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table, sizes: SymSizes
     roots = {int(k): v for k, v in table["root_bytes"].items()}
     _measure_unread(rep, matched, roots, sizes)
     for g, (row, _) in matched.items():
-        for tag, root, hs in zip(row[4], row[6], g.holders_for(row[2])):
+        for tag, root, hs in zip(row.tags, row.roots, g.holders_for(row.results)):
             if tag in ("save", "offload") and root in roots and hs and \
                     (nbytes := sizes.nbytes(hs[0].meta["val"])) != roots[root]:
                 rep.resized_roots[root] = nbytes
@@ -595,7 +597,7 @@ def _measure_saved(rep: GraphReport, fw, num_fwd_outputs: int, primal: set[int],
     for n in _saved(fw, num_fwd_outputs)[1]:
         v = n.meta["val"]
         offloaded = n.name.startswith(CPU_OFFLOAD_PREFIX)
-        key = id(n) if offloaded else v.untyped_storage()._cdata
+        key = id(n) if offloaded else storage_object_key(v)
         if key in primal or key in seen:
             continue
         seen.add(key)
@@ -620,13 +622,13 @@ def _measure_unread(rep: GraphReport, matched, roots: dict, sizes: SymSizes) -> 
     offloads (backward does not read them), and those a decomposition makes no value for."""
     held = set(rep.saved_names) | set(rep.offloaded_names)
     for g, (row, _) in matched.items():
-        for tag, root, hs in zip(row[4], row[6], g.holders_for(row[2])):
+        for tag, root, hs in zip(row.tags, row.roots, g.holders_for(row.results)):
             if tag != "offload" or root not in roots:
                 continue
             if not hs and g.decomposed:
-                rep.unread_swaps[root] = (row[0], roots[root])
+                rep.unread_swaps[root] = (row.name, roots[root])
             elif hs and not {h.name for h in hs} & held:
-                rep.unread_swaps[root] = (row[0], sizes.nbytes(hs[0].meta["val"]))
+                rep.unread_swaps[root] = (row.name, sizes.nbytes(hs[0].meta["val"]))
 
 
 def _measure_recomputes(rep: GraphReport, bw, graph_ops, matched, views: set[fx.Node],
@@ -640,7 +642,7 @@ def _measure_recomputes(rep: GraphReport, bw, graph_ops, matched, views: set[fx.
         if g is None:
             continue
         row = matched[g][0] if g in matched else None
-        name = row[0] if row is not None else None
+        name = row.name if row is not None else None
         if name in planned:
             if name not in rep.recomputed_ops:
                 rep.recomputed_ops.append(name)

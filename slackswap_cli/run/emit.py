@@ -23,6 +23,7 @@ import pprint
 from pathlib import Path
 from typing import Any
 
+from .. import __version__
 from ..errors import InputError, require_file
 from ..schema import Action, Plan, Profile
 from ..trace.retrace import joint_fingerprint, trace_fake, trace_matching, trace_options
@@ -123,6 +124,7 @@ def patch_meta(joint, work, profile: Profile, plan: Plan, device_type: str,
     actions = plan.actions()
     return {
         "generator_version": GENERATOR_VERSION,
+        "slackswap_version": __version__,
         "profile_fingerprint": profile.fingerprint,
         "trace_fingerprint": trace_fingerprint,
         "plan_fingerprint": plan_fingerprint(plan),
@@ -212,19 +214,21 @@ the plan written out as code, names = the profile's tensor names) as one autogra
 only the workload it was made for, and `slackswap verify` uses it to check the plan bit by bit.
 """
 import torch
-from slackswap_cli.run import inplace as replay
-from slackswap_cli.run import step as rt
+from slackswap_cli.run import inplace
+from slackswap_cli.run import step as step_runtime
+from slackswap_cli.table_rows import GraphRow, OpRow
 
 aten = torch.ops.aten
 
 META = {pprint.pformat(meta, width=100, sort_dicts=False)}
 
 # The plan as `patch` carries it out (see slackswap_cli/run/inplace.py): the forward ops it
-# aligns the model's with, each saved root's action, and the recompute chains (the simulator's).
+# aligns the model's with (OpRow: slackswap_cli/table_rows.py), each saved root's action, and the
+# recompute chains (the simulator's; the keys: slackswap_cli/chains.py runtime_table).
 TABLE = {pprint.pformat(table, width=100, compact=True)}
 
 # The plan per forward op, for the graph runtimes (slackswap_cli/run/graph_plan.py):
-# compile_planned and sac_policy line the ops they see up with these rows.
+# compile_planned and sac_policy line the ops they see up with these rows (GraphRow).
 GRAPH_TABLE = {pprint.pformat(graph_table(profile, plan), width=100, compact=True)}
 
 # Placeholders:
@@ -255,12 +259,12 @@ def patch(model, strict=False):
     restores it. Other input shapes (or another device) are planned for on the fly, once
     each; `strict=True` refuses them instead.
     """
-    return replay.patch(model, META, TABLE, strict=strict)
+    return inplace.patch(model, META, TABLE, strict=strict)
 
 
 def unpatch(model):
     """Undo `patch`."""
-    return replay.unpatch(model)
+    return inplace.unpatch(model)
 
 
 def compile_planned(model, block=None, per_block=False, **torch_compile_kwargs):
@@ -297,7 +301,8 @@ def step_module(model, check_trace=True):
     check_trace: re-trace the model once with fake tensors and refuse it if its graph differs
     from the profile's (a changed model or torch version).
     """
-    return rt.PatchedStep(model, META, forward_step, backward_step, check_trace=check_trace)
+    return step_runtime.PatchedStep(model, META, forward_step, backward_step,
+                                    check_trace=check_trace)
 '''
 
 

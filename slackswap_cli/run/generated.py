@@ -3,13 +3,14 @@
 GENERATOR_VERSION is written into every patched module's META. Code that runs such a file
 (`patch`, `step_module`, `verify`, `load_patched`) refuses one written with another layout:
 its tables would be read by the wrong columns, silently. Raise it whenever META, TABLE or
-GRAPH_TABLE change shape.
+GRAPH_TABLE change shape (their rows: `table_rows.py`).
 """
 from __future__ import annotations
 
 from ..errors import InputError
 
-GENERATOR_VERSION = 1
+# 2: TABLE's and GRAPH_TABLE's op rows are `table_rows.OpRow` / `GraphRow` (1: positional lists)
+GENERATOR_VERSION = 2
 
 
 def check_generated(meta) -> None:
@@ -19,6 +20,9 @@ def check_generated(meta) -> None:
         return
     said = ("records no layout version" if found is None
             else f"was written with layout version {found!r}")
+    by = meta.get("slackswap_version") if isinstance(meta, dict) else None
+    if by is not None:
+        said += f" (by slackswap {by})"
     raise InputError(f"this patched module {said}; this slackswap runs layout version "
                      f"{GENERATOR_VERSION} only",
                      hint="write it again with `slackswap apply PLAN.json -o FILE` "

@@ -10,9 +10,8 @@ dtypes), and carry out the plan only where an op lines up.
 `graph_table(profile, plan)` (plain Python values, written into the patched module as
 `GRAPH_TABLE`):
 
-- `ops`: the forward ops in order, `[name, target, outputs, module, tags, input shapes,
-  roots]` with
-  `outputs` = `[[shape, dtype], ...]` of the op's tensor results and `tags[i]` what the plan
+- `ops`: the forward ops in order, each a `table_rows.GraphRow` with
+  `results` = `[[shape, dtype], ...]` of the op's tensor results and `tags[i]` what the plan
   does with result i: `"recompute"` (the op re-runs in a recompute chain of the plan),
   `"save"` (a saved root it keeps), `"offload"` (a saved root it swaps) or None (a view of a
   root, a temporary, a root backward does not read: left to torch); `roots[i]` the saved root
@@ -43,6 +42,7 @@ import difflib
 from ..chains import runtime_table
 from ..layers import layer_container
 from ..schema import Plan, Profile
+from ..table_rows import GraphRow
 from ..trace.aten import is_inplace_target
 
 ACTION_TAG = {"keep": "save", "swap": "offload", "recompute": "recompute"}
@@ -50,9 +50,9 @@ ACTION_TAG = {"keep": "save", "swap": "offload", "recompute": "recompute"}
 
 def graph_table(profile: Profile, plan: Plan) -> dict:
     """The plan per forward op (see the module docstring)."""
-    rt = runtime_table(profile, plan.decisions, is_inplace_target)
-    nf = rt["n_forward"]
-    chain_ops = sorted({p for ops in rt["chains"].values() for p in ops})
+    runtime = runtime_table(profile, plan.decisions, is_inplace_target)
+    nf = runtime["n_forward"]
+    chain_ops = sorted({p for ops in runtime["chains"].values() for p in ops})
     actions = plan.actions()
     saved_roots = {t.id: str(actions.get(t.id, "keep")) for t in profile.saved_activations}
     in_chain = set(chain_ops)
@@ -64,7 +64,8 @@ def graph_table(profile: Profile, plan: Plan) -> dict:
                  ACTION_TAG[saved_roots[r]] if r is not None else None) for r in decided]
         ins = [list(profile.tensors[t].shape) for t in o.inputs]
         outs = [[list(profile.tensors[t].shape), profile.tensors[t].dtype] for t in o.outputs]
-        ops.append([o.name, o.target, outs, o.module, tags, ins, decided])
+        ops.append(GraphRow(name=o.name, target=o.target, module=o.module, results=outs,
+                            tags=tags, input_shapes=ins, roots=decided))
     size = {t.id: t.size_bytes for t in profile.saved_activations}
     return {
         "ops": ops,
@@ -119,9 +120,9 @@ def op_key(target: str, outputs) -> tuple:
     return (".".join(parts), tuple((tuple(s), str(d)) for s, d in outs))
 
 
-def line_up(seen: list[tuple], ops: list[list]) -> list[int | None]:
+def line_up(seen: list[tuple], ops: list[GraphRow]) -> list[int | None]:
     """For each key in `seen`, the index into `ops` (graph_table rows) it lines up with."""
-    want = [op_key(o[1], o[2]) for o in ops]
+    want = [op_key(o.target, o.results) for o in ops]
     match = difflib.SequenceMatcher(None, seen, want, autojunk=False)
     out: list[int | None] = [None] * len(seen)
     for a, b, n in match.get_matching_blocks():
@@ -136,7 +137,7 @@ def block_rows(table: dict, block: str | None) -> list[int]:
     if not block:
         return list(range(len(table["ops"])))
     return [i for i, o in enumerate(table["ops"])
-            if o[3] == block or o[3].startswith(block + ".")]
+            if o.module == block or o.module.startswith(block + ".")]
 
 
 def block_name(table: dict, index: int) -> str:
@@ -157,7 +158,7 @@ CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Sc
                "aten.mul.Tensor")
 
 
-def graph_units(ops: list[list], rows: list[int]) -> list[tuple[list, list[int]]]:
+def graph_units(ops: list[GraphRow], rows: list[int]) -> list[tuple[GraphRow, list[int]]]:
     """`rows` (indices into `ops`) as (row, the rows it stands for): each row itself, or a CPU
     dropout run folded into one `native_dropout` row (see the module docstring)."""
     units, k = [], 0
@@ -165,9 +166,11 @@ def graph_units(ops: list[list], rows: list[int]) -> list[tuple[list, list[int]]
         run = rows[k:k + 4]
         if _cpu_dropout(ops, run):
             empty, mul = ops[run[0]], ops[run[3]]
-            mask = [empty[2][0][0], "bool"]
-            units.append(([mul[0], "aten.native_dropout.default", [mul[2][0], mask], mul[3],
-                           [mul[4][0], empty[4][0]], mul[5], [mul[6][0], empty[6][0]]], run))
+            mask = [empty.results[0][0], "bool"]
+            units.append((mul._replace(target="aten.native_dropout.default",
+                                       results=[mul.results[0], mask],
+                                       tags=[mul.tags[0], empty.tags[0]],
+                                       roots=[mul.roots[0], empty.roots[0]]), run))
             k += 4
         else:
             units.append((ops[rows[k]], [rows[k]]))
@@ -175,14 +178,14 @@ def graph_units(ops: list[list], rows: list[int]) -> list[tuple[list, list[int]]
     return units
 
 
-def _cpu_dropout(ops: list[list], run: list[int]) -> bool:
+def _cpu_dropout(ops: list[GraphRow], run: list[int]) -> bool:
     """Whether rows `run` are `at::dropout` as the CPU runs it: consecutive, the four ops of
     CPU_DROPOUT on one shape, `bernoulli_` and `div_` writing `empty_like`'s noise."""
     if len(run) != 4 or run[3] - run[0] != 3:
         return False
     rows = [ops[r] for r in run]
-    if tuple(r[1] for r in rows) != CPU_DROPOUT or any(len(r[2]) != 1 for r in rows):
+    if tuple(r.target for r in rows) != CPU_DROPOUT or any(len(r.results) != 1 for r in rows):
         return False
-    shape = rows[0][2][0][0]
-    return (all(r[2][0][0] == shape for r in rows)
-            and rows[1][6][0] == rows[2][6][0] == rows[0][6][0])
+    shape = rows[0].results[0][0]
+    return (all(r.results[0][0] == shape for r in rows)
+            and rows[1].roots[0] == rows[2].roots[0] == rows[0].roots[0])

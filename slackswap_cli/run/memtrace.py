@@ -35,6 +35,8 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..trace.storage import storage_object_key
+
 SKIP = object()    # a `locate` result: this call's outputs are not activation memory
 
 
@@ -66,7 +68,7 @@ def storage_of(t: torch.Tensor):
         s = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
-    return s._cdata, s.nbytes()
+    return storage_object_key(t), s.nbytes()
 
 
 class MemTracker(TorchDispatchMode):

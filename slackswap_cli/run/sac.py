@@ -54,21 +54,21 @@ class PlanPolicy:
         last: dict[int, int] = {}          # root -> the last row that writes it
         for r in block_rows(table, self.block):
             row = table["ops"][r]
-            self.rows[op_key(row[1], ())[0]].append(r)
-            for root in row[6]:
+            self.rows[op_key(row.target, ())[0]].append(r)
+            for root in row.roots:
                 if root is not None:
                     last[root] = r
         first: dict[int, int] = {}
         for rows in self.rows.values():
             for r in rows:
-                for x in table["ops"][r][6]:
+                for x in table["ops"][r].roots:
                     if x is not None:
                         first[x] = min(first.get(x, r), r)
         # roots written in place after they are made (dropout's mask, BatchNorm's output
         # under relu_): recomputed, see the module docstring
         self.written = {r for rows in self.rows.values() for r in rows
                         if any(x is not None and first[x] != last[x]
-                               for x in table["ops"][r][6])}
+                               for x in table["ops"][r].roots)}
         self.seen: dict[tuple[bool, str], int] = defaultdict(int)
         self.counts = {"lined_up": 0, "not_lined_up": 0}
 
@@ -80,9 +80,10 @@ class PlanPolicy:
         r = rows[k] if k < len(rows) else None
         row = self.table["ops"][r] if r is not None else None
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if row is not None and row[5] and (first is None or list(first.shape) != row[5][0]):
+        if row is not None and row.input_shapes and (
+                first is None or list(first.shape) != row.input_shapes[0]):
             row = None
-        tags = [t for t in (row[4] if row else ()) if t]
+        tags = [t for t in (row.tags if row else ()) if t]
         random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
         if "recompute" in tags:
             policy = CheckpointPolicy.MUST_RECOMPUTE

@@ -16,7 +16,7 @@ The budget at these shapes is the plan's fraction of what a keep-all run holds a
 storage autograd saves, once). Before the call has seen every pack it is predicted: the bytes
 seen so far plus the template's later packs at their old bytes times `guard.Scale`'s ratio for
 their old shape, which each pack seen refines. At the end of the call it is exact, and the
-borrowed plan (`inplace._Table.borrow`) takes the limit and, per pack, what the plan keeps
+borrowed plan (`signatures.PlanTable.borrow`) takes the limit and, per pack, what the plan keeps
 after it (`pack_reserve`). The next call at these shapes is recorded on the borrowed plan
 (`record.PlanRun`, ops lined up by rank, not size), so its recomputes replay this shape's own
 ops, and makes the template the calls after it follow (`steady.SteadyRun`). A call that
@@ -31,9 +31,9 @@ import torch
 
 from ..guard import Guard, Scale
 from ..schema import Action
-from . import swap as rt
-from .record import Storages
+from ..trace.storage import storage_key, storage_nbytes
 from .steady import SteadyRun, Template, _same_node
+from .swap import Storages
 
 __all__ = ["ShapeRun"]
 
@@ -58,7 +58,7 @@ def _groups(tpl: Template) -> tuple[list, dict, dict]:
 
 class ShapeRun(SteadyRun):
     """The first call at new input shapes, on another signature's template (see the module's
-    docstring). `plan`: the borrowed table (`_Table.borrow`), whose byte figures this call
+    docstring). `plan`: the borrowed table (`PlanTable.borrow`), whose byte figures this call
     settles; `scale`: the shapes' `guard.Scale`."""
     noting = False
     recorded = False
@@ -107,10 +107,10 @@ class ShapeRun(SteadyRun):
                 self.rest_kept[key] -= old
                 self.pred_kept -= old * ratio
         if x.device.type != "meta":
-            skey = rt.storage_key(x)
+            skey = storage_key(x)
             if skey not in self.keys_seen and skey not in self.external:
                 self.keys_seen.add(x)
-                self.fresh[i] = nbytes = rt.storage_bytes(x)
+                self.fresh[i] = nbytes = storage_nbytes(x)
                 self.seen_bytes += nbytes
         if self.scale.observe(key, tuple(x.shape)):
             now = self.ratio[key] = self.scale.ratio(key)
@@ -123,10 +123,10 @@ class ShapeRun(SteadyRun):
         """A tensor the plan keeps: kept while the guard admits it, else swapped."""
         if x.device.type == "meta":
             return x.detach()
-        key = rt.storage_key(x)
+        key = storage_key(x)
         if key in self.external:        # a parameter, buffer or input: not held for it
             return x.detach()
-        if self.guard.admit(key, rt.storage_bytes(x), self._reserve()):
+        if self.guard.admit(key, storage_nbytes(x), self._reserve()):
             return self._kept(x) if tracked else x.detach()
         return self._swap(x, None, False)
 

@@ -19,23 +19,23 @@ what, and why:
   host (one copy per storage); *recompute* returns a reference. A pack that hands a value to a
   chain (the template knows which) binds an alias of it by position.
 - **why aliases:** autograd is never handed `x` itself, and a run holds only aliases (see
-  `record.PlanRun._kept`): otherwise a forward dropped without backward leaks, through cycles
+  `packing.Packing._kept`): otherwise a forward dropped without backward leaks, through cycles
   Python's collector cannot see.
 - **measuring** what a call holds (`held_device_bytes`) is opt-in on later calls,
   `model.forward.__slackswap__.measure_held = True` (verify, the benchmarks and the tests set
   it): then kept packs take a weak reference each (a keep-all call then runs with hooks, its
-  pack `PlanRun._kept`).
+  pack `packing.Packing._kept`).
 - **per unpack:** a tensor comes back as it is; a swapped one is fetched (prefetches issued
   at the plan's points); the first unpack of a recomputed root runs its chain.
 - **per chain:** the records it replays (the ops its deferred roots need) and the roots it
   makes are worked out on the first steady call and reused (they depend on the template only);
-  each record's arguments were flattened once (`record._prepare`), and whether it is a view or
-  an in-place op was read from its schema once (`record._alias_flags`). A replay then runs the
+  each record's arguments were flattened once (`recorded.prepare_replay`), and whether it is a view or
+  an in-place op was read from its schema once (`recorded.alias_flags`). A replay then runs the
   recorded function on this call's values: handed-over ones, current parameters and inputs; a
   view whose input has the geometry noted at its first replay is `Tensor.as_strided` at the
-  noted output geometry instead (`record._view_geometry`: one C call, not the boxed op), and an
+  noted output geometry instead (`recorded.view_geometry`: one C call, not the boxed op), and an
   unpack's view of a view is one `as_strided` from the value at hand (`_view_base`).
-- **per step:** one dict lookup (`inplace._Patched.hot`) by the key of the call (the first
+- **per step:** one dict lookup (`Templates.hot`) by the key of the call (the first
   parameter's device and dtype, the inputs' shapes and dtypes: one loop) for the plan and the
   template; for a plan that recomputes or swaps, whether the very parameter and buffer tensors
   still sit in their module slots and the autocast state is unchanged (`Fingerprint.holds`: a
@@ -56,10 +56,12 @@ import torch.utils._pytree as pytree
 
 from ..guard import Guard
 from ..schema import Action
-from . import swap as rt
-from .record import PlanRun, Storages, _In, _Record
+from ..trace.storage import storage_key
+from .record import PlanRun
+from .recorded import InputRef, OpRecord
+from .swap import Storages
 
-__all__ = ["Template", "Fingerprint", "SteadyRun", "KeepRun"]
+__all__ = ["Template", "Templates", "Fingerprint", "SteadyRun", "KeepRun"]
 
 _KEEP, _SWAP, _RECOMPUTE = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 
@@ -68,7 +70,7 @@ class Template:
     """What a later call at the same input signature needs from the first one's full record
     (`PlanRun`) to run the plan with saved-tensor hooks alone (`SteadyRun`): each pack's
     expected shape, dtype and node type and its decision, the records of the ops (with the
-    call's inputs as `_In` markers, so later calls' inputs take their place), and, for each
+    call's inputs as `InputRef` markers, so later calls' inputs take their place), and, for each
     value a chain read while it was alive, the pack that hands it over."""
 
     def __init__(self, run: PlanRun, fingerprint: "Fingerprint"):
@@ -77,14 +79,14 @@ class Template:
         pos = {id(x): i for i, x in enumerate(run.call_inputs)}
 
         def sub(a):
-            return _In(pos[id(a)]) if isinstance(a, torch.Tensor) and id(a) in pos else a
-        self.records = [_Record(r.func, pytree.tree_map(sub, r.args),
+            return InputRef(pos[id(a)]) if isinstance(a, torch.Tensor) and id(a) in pos else a
+        self.records = [OpRecord(r.func, pytree.tree_map(sub, r.args),
                                 pytree.tree_map(sub, r.kwargs), None, r.versions, r.op,
                                 r.in_locs) for r in run.records]
         self.shared = {name: getattr(run, name) for name in (
             "reads_act", "rec_of_op", "tid_of", "loc_of_tid", "usable", "metas", "device",
-            "prefetch_order", "unmatched", "ptr")}
-        inputs = {rt.storage_key(x) for x in run.call_inputs if x.device.type != "meta"}
+            "prefetch_order", "lineup")}
+        inputs = {storage_key(x) for x in run.call_inputs if x.device.type != "meta"}
         self.external = run.external.without(inputs)
         self.chain_reads = {o: tuple(locs) for o, locs in run.live_reads.items()}
         self.uses: dict[tuple, int] = {}          # loc -> chains that read it
@@ -138,6 +140,65 @@ class Template:
             else:
                 self.ok = False
         return binds
+
+
+class Templates:
+    """A patched model's first calls, by input signature: each one's record (with the
+    fingerprint it was made with) until its backward ran, then its `Template` (False: none
+    can be made); `hot`: a later call's key -> (plan, signature, template), the one lookup a
+    steady call makes; `superseded`: the first call's record at a signature whose plan was
+    since made again along its branches (a new length may follow it: `signatures.SignaturePlans._borrow`)."""
+
+    def __init__(self):
+        self.by_sig: dict[tuple, object] = {}
+        self.hot: dict[tuple, tuple] = {}
+        self.superseded: dict[tuple, object] = {}
+
+    def note(self, sig, run: PlanRun, fingerprint: "Fingerprint") -> None:
+        """`run` is the first call at `sig` (its template is made once its backward ran)."""
+        self.by_sig[sig] = (run, fingerprint)
+
+    def get(self, sig):
+        """The steady-state template for `sig`, made from its first call once that call's
+        backward ran every chain it deferred (it then knows what each chain reads)."""
+        got = self.by_sig.get(sig)
+        if got is None or got is False:
+            return None
+        if type(got) is not tuple:
+            if got.holds():
+                return got
+            self.drop(sig)                     # parameters replaced, or autocast changed
+            return None
+        run, made_with = got
+        if not made_with.holds() or not set(run.deferred) <= run.done_chains:
+            return None                          # (the first call's backward has not run)
+        tpl = Template(run, made_with)
+        self.by_sig[sig] = tpl if tpl.ok else False
+        return tpl if tpl.ok else None
+
+    def superseded_of(self, sig):
+        """(template, the plan it ran) of `sig`'s first call, recorded on a plan since made
+        again, once its backward ran; None if there is none, it keeps everything (nothing
+        to follow pack by pack) or the parameters were replaced since."""
+        got = self.superseded.get(sig)
+        if got is None:
+            return None
+        if type(got[0]) is PlanRun:
+            run, made_with = got
+            if made_with.holds() and not set(run.deferred) <= run.done_chains:
+                return None                     # (its backward has not run yet)
+            tpl = Template(run, made_with) if made_with.holds() else None
+            got = (tpl, run.t) if tpl is not None and tpl.ok and not tpl.keep_only else None
+        if got is None or not got[0].holds():
+            self.superseded.pop(sig, None)      # (nothing to follow: not kept either)
+            return None
+        self.superseded[sig] = got
+        return got
+
+    def drop(self, sig) -> None:
+        """Forget `sig`'s template: the next call at it records again."""
+        self.by_sig.pop(sig, None)
+        self.hot = {k: v for k, v in self.hot.items() if v[1] != sig}
 
 
 def _autocast_state() -> tuple:
@@ -239,11 +300,11 @@ class SteadyRun(PlanRun):
                 v = x._base if via_base else x
                 if v is None:
                     return self._differs(x)
-                bound[bloc] = v.detach()     # (an alias: see `PlanRun._kept`)
+                bound[bloc] = v.detach()     # (an alias: see `packing.Packing._kept`)
         if kind is _KEEP:
             if tracked:
                 return self._kept(x)
-            return x.detach()          # (never `x` itself: see `PlanRun._kept`)
+            return x.detach()          # (never `x` itself: see `packing.Packing._kept`)
         if kind is _SWAP:
             return self._swap(x, r, own)
         packs = self.packs
@@ -314,7 +375,7 @@ class KeepRun(SteadyRun):
     hooks at all (`pack` is None): autograd saves as in eager. Nothing depends on which tensor
     is which (no counter, no checks) and no parameter is read (no fingerprint either).
     Measuring (`measure_held`), the hooks are on: the pack notes an alias of each tensor (see
-    `PlanRun._kept`). What a `SteadyRun` holds per call is empty here, at class level; what
+    `packing.Packing._kept`). What a `SteadyRun` holds per call is empty here, at class level; what
     only reports read (records, `rec_of_op`, ...) is the template's."""
     pinned = made = bound = root_swap = by_storage = MappingProxyType({})
     swaps = ()

@@ -46,7 +46,8 @@ from ..trace.aten import is_inplace as aten_is_inplace
 from ..trace.aten import returns_view, written_positions
 from ..trace.graph_profile import is_random_op
 
-RESERVED = {"torch", "aten", "rt", "_s", "_device", "None", "float"}
+RESERVED = {"torch", "aten", "inplace", "step_runtime", "GraphRow", "OpRow", "_s", "_device",
+            "None", "float"}
 
 
 

@@ -36,9 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..trace.storage import storage_key, storage_nbytes
 
 __all__ = ["HostPool", "Handle", "StepStore", "offload", "prefetch", "wait", "host_pool",
-           "side_streams", "storage_key", "storage_bytes"]
+           "side_streams", "storage_as_bytes", "Storages", "StorageCopy"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,14 +108,61 @@ def side_streams(device: torch.device) -> tuple[Any, Any]:
 # --------------------------------------------------------------------------------------------
 # Storage accounting
 # --------------------------------------------------------------------------------------------
-def storage_key(t: torch.Tensor) -> tuple:
-    """Identity of the memory behind `t` (views share it)."""
-    s = t.untyped_storage()
-    return (t.device.type, t.device.index, s.data_ptr())
+def storage_as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over all of x's storage (a swap moves the whole root)."""
+    s = x.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=x.device).set_(s, 0, (s.nbytes(),), (1,))
 
 
-def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+class Storages:
+    """A set of storages by storage key (`key in storages`), each held weakly: once one is
+    freed (a hook's temporary, a swapped activation), a later tensor that reuses its address
+    is not taken for it. What a forward read but did not make (parameters, buffers, the call's
+    inputs, a hook's values) and what autograd saved are such sets."""
+    __slots__ = ("refs",)
+
+    def __init__(self, refs: dict | None = None):
+        self.refs: dict = {} if refs is None else refs
+
+    def add(self, x: torch.Tensor) -> None:
+        key = storage_key(x)
+        ref = self.refs.get(key)
+        if ref is None or ref.expired():
+            self.refs[key] = StorageWeakRef(x.untyped_storage())
+
+    def __contains__(self, key) -> bool:
+        ref = self.refs.get(key)
+        return ref is not None and not ref.expired()
+
+    def without(self, keys: set) -> "Storages":
+        return Storages({k: r for k, r in self.refs.items() if k not in keys})
+
+    def with_tensors(self, xs: list) -> "Storages":
+        got = Storages(dict(self.refs))
+        for x in xs:
+            if x.device.type != "meta":
+                got.add(x)
+        return got
+
+
+class StorageCopy:
+    """One storage copied to host memory: its copy (`handle`) until fetched back, then the
+    device bytes (`dev`) while anything may still read them; `packs`: saved references to it
+    autograd has not taken yet."""
+    __slots__ = ("ref", "handle", "dev", "packs", "version")
+
+    def __init__(self, ref, handle, version: int):
+        self.ref, self.handle, self.dev, self.packs = ref, handle, None, 0
+        self.version = version
+
+    def fetch(self) -> torch.Tensor:
+        if self.dev is None:
+            if self.handle is None:
+                raise RuntimeError("slackswap: a swapped tensor was read after its last use; "
+                                   "this is a bug in slackswap, please report it")
+            self.dev = wait(self.handle)
+            self.handle = None
+        return self.dev
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,7 +339,7 @@ class StepStore:
             if key in seen or key in self._exclude:
                 continue
             seen.add(key)
-            total += storage_bytes(t)
+            total += storage_nbytes(t)
         for h in self.swapped.values():
             if h.device_copy is not None:
                 total += h.nbytes

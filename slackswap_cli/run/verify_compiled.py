@@ -290,8 +290,8 @@ def _plan_numbers(table: dict, rows: list[int], resized: dict, merged: list[int]
             "kept_bytes_in_graph": table["kept_bytes"] - less["kept"],
             "swapped_bytes_in_graph": table["swapped_bytes"] - less["swapped"],
             "resized_roots": len(resized),
-            "merged_roots": [table["ops"][r][0] for r in merged
-                             if set(table["ops"][r][6]) & gone],
+            "merged_roots": [table["ops"][r].name for r in merged
+                             if set(table["ops"][r].roots) & gone],
             "recomputed_with_op_bytes": sum(size[t] for t in with_op),
             "lined_up_kept_bytes": sum(size[r] for r in lined_kept),
             "lined_up_swapped_bytes": sum(size[r] for r in lined_swapped)}
@@ -302,7 +302,8 @@ def _roots(table: dict, rows, size: dict) -> tuple[set[int], set[int]]:
     kept: set[int] = set()
     swapped: set[int] = set()
     for r in rows:
-        for tag, root in zip(table["ops"][r][4], table["ops"][r][6]):
+        row = table["ops"][r]
+        for tag, root in zip(row.tags, row.roots):
             if root in size and tag in (ACTION_TAG["keep"], ACTION_TAG["swap"]):
                 (swapped if tag == ACTION_TAG["swap"] else kept).add(root)
     return kept, swapped

@@ -13,8 +13,8 @@ from ..budget import MEMORY_TOLERANCE, keep_all_of
 from ..errors import InputError
 from ..profile_build import dtype_bytes
 from ..trace.graph_profile import dtype_name
+from ..trace.storage import storage_key, storage_nbytes
 from ..units import fmt_bytes
-from .swap import storage_bytes, storage_key
 from .verify_timeline import MeasuredStep
 
 
@@ -26,7 +26,7 @@ def saved_bytes_original(model, inputs, run_step, exclude) -> tuple[object, int]
     def pack(t):
         key = storage_key(t)
         if key not in skip and t.device.type != "meta":
-            seen[key] = storage_bytes(t)
+            seen[key] = storage_nbytes(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -82,14 +82,6 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return int(t.numel()) * t.element_size()
 
 
-def storage_nbytes(t: torch.Tensor) -> int:
-    """Bytes of the storage under `t` (what allocating it costs); numel x itemsize if unknown."""
-    try:
-        return int(t.untyped_storage().nbytes())
-    except Exception:
-        return tensor_nbytes(t)
-
-
 def is_random_op(node: fx.Node) -> bool:
     """Does this node draw random numbers (so re-running it gives another result)?"""
     return is_random_call(node.target, node.args, node.kwargs)

@@ -18,7 +18,7 @@ storage root (the first tensor that owned the storage), so memory counts the roo
 keeps it alive while any alias is read. Two sources, in this order:
 
 1. storage identity, when known: FakeTensors carry storages that views share exactly as real
-   ones do, and real runs give `untyped_storage().data_ptr()` (see `storage_keys_*`);
+   ones do, and real runs give their addresses (see `storage_keys_*`; the keys: storage.py);
 2. the op schema: a return with `alias_info` aliases the argument with the same alias set
    (`view`, `t`, `split`, `detach`, `bernoulli_`, ...), plus `_unsafe_view` and friends, which
    are views that the schema does not declare.
@@ -51,8 +51,9 @@ from ..errors import InputError
 from ..profile_build import ProfileBuilder
 from ..schema import Profile
 from .aten import UNDECLARED_VIEWS, packet_name
-from .costs import is_random_op, node_flops, storage_nbytes, tensor_nbytes
+from .costs import is_random_op, node_flops, tensor_nbytes
 from .joint import JointGraph
+from .storage import storage_nbytes, storage_object_key
 
 # Ops that allocate without writing a byte (their roofline cost is zero).
 ALLOCATING_ONLY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
@@ -118,7 +119,7 @@ def storage_keys_from_fake(joint: JointGraph) -> dict[str, int]:
         for i, v in enumerate(vals):
             if isinstance(v, FakeTensor) and storage_nbytes(v) > 0:
                 name = node.name if not isinstance(val, (tuple, list)) else f"{node.name}.{i}"
-                keys[name] = v.untyped_storage()._cdata
+                keys[name] = storage_object_key(v)
     return keys
 
 

@@ -19,7 +19,7 @@ a shared machine hits both clocks alike), and the profile reports both (`measure
 ratio says how far the per-op times can be trusted. On CPU the sum is usually below the step,
 which also pays Python's dispatch between ops.
 
-On CPU the first pass also records which outputs share storage (`untyped_storage().data_ptr()`,
+On CPU the first pass also records which outputs share storage (`storage.storage_key`,
 with every value kept alive so addresses are unique): the profile then takes its aliases from
 real storages, which the tests compare with the ones the fake trace recorded. On CUDA that
 pass is skipped (keeping every value of a large step alive could run out of memory); the
@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import TraceError
 from .joint import JointGraph, split_inputs
+from .storage import storage_key
 
 
 def flat_args(joint: JointGraph, model: torch.nn.Module, inputs: Any) -> list:
@@ -115,8 +116,8 @@ class _Runner:
         return times, (env if keep_all else {})
 
 
-def storage_keys_from_run(env: dict, nodes: list[fx.Node]) -> dict[str, int]:
-    """Tensor name -> storage address, for every value of one pass kept alive together."""
+def storage_keys_from_run(env: dict, nodes: list[fx.Node]) -> dict[str, tuple]:
+    """Tensor name -> storage key (`storage.storage_key`), for every value of one pass kept alive together."""
     keys: dict[str, int] = {}
     for node in nodes:
         if node not in env or node.op == "output":
@@ -128,7 +129,7 @@ def storage_keys_from_run(env: dict, nodes: list[fx.Node]) -> dict[str, int]:
         for i, v in enumerate(vals):
             if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() > 0:
                 name = f"{node.name}.{i}" if isinstance(val, (tuple, list)) else node.name
-                keys[name] = v.untyped_storage().data_ptr()
+                keys[name] = storage_key(v)
     return keys
 
 

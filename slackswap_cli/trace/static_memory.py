@@ -21,11 +21,11 @@ from typing import Callable
 
 import torch
 import torch.utils._pytree as pytree
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import InputError, SlackswapError
 from ..fit import ModelFacts, ParamFact
 from . import profile_workload
+from .storage import storage_nbytes, storage_object_key
 from .workload import _import_file
 
 
@@ -45,11 +45,11 @@ def _block_of(name: str, blocks: list[str]) -> str | None:
 
 def _storage_bytes(t: torch.Tensor, seen: set) -> int:
     """The bytes of `t`'s storage the first time it is seen, else 0."""
-    ref = StorageWeakRef(t.untyped_storage())
-    if ref in seen:
+    key = storage_object_key(t)       # (the model's tensors live while this counts)
+    if key in seen:
         return 0
-    seen.add(ref)
-    return t.untyped_storage().nbytes()
+    seen.add(key)
+    return storage_nbytes(t)
 
 
 def model_facts(model: torch.nn.Module, inputs=None) -> ModelFacts:

@@ -207,6 +207,7 @@ def verify_compiled_view(report: dict, backend: str) -> Text:
               f"saved by ops that did not line up: {c['saved_bytes_not_lined_up']} B",
               *(f"recompile {r['graph_set']} ({', '.join(r['compile_ids'])}): {r['graphs']} "
                 f"graph(s), saved {r['saved_bytes']} B, offloaded {r['offloaded_bytes']} B"
+                f"{_symbolic(r)}"
                 f"{' (checked like the step)' if r['judged'] else ' (partial: shown only)'}"
                 for r in report.get("recompiles", ())),
               *(f"{name} (relative): loss {d['max_loss_rel_diff']:.1e}, gradients "
@@ -214,6 +215,15 @@ def verify_compiled_view(report: dict, backend: str) -> Text:
                 f"{suffix}" for name, d, suffix in _compiled_diffs(report)),
               *(f"note: {n}" for n in report.get("notes", ()))]
     return Text("\n".join(lines))
+
+
+def _symbolic(rc: dict) -> str:
+    """A recompile's symbolic sizes, read at the profiled step's values, and its lined-up ops."""
+    if not rc.get("symbolic"):
+        return ""
+    at = ", ".join(f"{k}={v}" for k, v in rc.get("symbols", {}).items())
+    return (f", symbolic sizes read at {at or 'their hints'}, {rc.get('lined_up_ops')} of "
+            f"{rc.get('graph_ops')} forward ops line up")
 
 
 def _in_graph_lines(p: dict) -> list[str]:

@@ -1,0 +1,96 @@
+"""What a patched model says on stderr, and the shapes and errors it names.
+
+Each note is given once (`Notes.say`), or, for notes per input signature, for the first
+`SAY_MAX` signatures of a kind and then one line saying later ones are not printed (dynamic
+padding meets hundreds of shapes: `say_capped`). `check_run` turns a call's report into a note
+when less than 99% of the profile lined up or the guard acted.
+"""
+from __future__ import annotations
+
+import sys
+
+from ..units import fmt_bytes
+from .lineup import ALIGN_WARN
+
+__all__ = ["Notes", "SAY_MAX", "shapes", "brief"]
+
+SAY_MAX = 3             # signatures a kind of note is printed for (`Notes.say_capped`)
+
+
+class Notes:
+    """The notes a patched model has given (`said`: keys; `said_count`: per kind)."""
+
+    def __init__(self):
+        self.said: set = set()                  # notes already given on stderr
+        self.said_count: dict[str, int] = {}    # notes given per kind (`say_capped`)
+
+    def say(self, key: str, text: str) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            print(f"slackswap: {text}", file=sys.stderr)
+
+    def say_checkpointing(self, model) -> None:
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            self.say("checkpointing", "Hugging Face gradient checkpointing is on: its "
+                      "checkpointed blocks save their own tensors, so the plan runs only for "
+                      "the rest of the model (turn it off with "
+                      "model.gradient_checkpointing_disable() to run the whole plan)")
+
+    def check_run(self, run, sig, replanned_next: bool = False) -> dict:
+        """Say once per signature, on stderr, when less than 99% of the profile's forward ops
+        lined up or the guard swapped what the plan could not place: what, what it cost and
+        what to do (correctness is not at stake either way). Returns the call's report.
+        `replanned_next`: a new shape on the profiled plan of a model planned along its
+        branches, which its next call plans for (nothing to say unless the guard acted)."""
+        rep = run.report()
+        low, acted = rep["fraction"] < ALIGN_WARN, rep["guard_swaps"] > 0
+        if not (low or acted) or ("run", sig) in self.said:
+            return rep
+        self.said.add(("run", sig))
+        if replanned_next and not acted:
+            return rep
+        text = (f"{rep['lined_up']} of the profile's {rep['expected']} forward ops lined up "
+                f"({rep['fraction']:.1%}) at {shapes(sig)}")
+        if acted:
+            text += (f"; the guard swapped {rep['guard_swaps']} saved tensors the plan could not "
+                     f"place ({fmt_bytes(rep['guard_swapped_bytes'])})")
+        if rep["budget_bytes"]:
+            over = rep["held_bytes"] > rep["budget_bytes"]
+            text += (f"; {fmt_bytes(rep['held_bytes'])} held for backward, "
+                     f"{rep['held_bytes'] / rep['budget_bytes']:.2f}x the budget of "
+                     f"{fmt_bytes(rep['budget_bytes'])}"
+                     + (" (what the plan itself keeps is over it)" if over else ""))
+        if rep.get("borrowed") and not low:
+            self.say_capped("run", f"{text}. The plan was made at other shapes: the guard "
+                             "holds it to the budget at these (model.forward.__slackswap__"
+                             ".last_report has each call's figures)")
+            return rep
+        self.say_capped("run", f"{text}. The run took another path than the profiled trace "
+                         "(other shapes, routing, device or dtype, or a library that branches "
+                         "otherwise under fake tensors than in eager): re-profile at these "
+                         "shapes on this device for the whole plan; see docs/training.md, 'When "
+                         "the run departs from the plan' (model.forward.__slackswap__"
+                         ".last_report has each call's figures)")
+        return rep
+
+    def say_capped(self, kind: str, text: str) -> None:
+        """A note on stderr for the first `SAY_MAX` signatures of a kind, then one line saying
+        that later ones are not printed (dynamic padding meets hundreds of shapes)."""
+        n = self.said_count.get(kind, 0)
+        self.said_count[kind] = n + 1
+        if n < SAY_MAX:
+            print(f"slackswap: {text}", file=sys.stderr)
+        elif n == SAY_MAX:
+            print(f"slackswap: ({kind} notes for further input signatures are not printed; "
+                  "model.forward.__slackswap__.last_report has each call's figures)",
+                  file=sys.stderr)
+
+
+def shapes(sig: tuple) -> str:
+    return ", ".join("x".join(map(str, shape)) or "scalar" for shape, _ in sig[2:]) \
+        + f" on {sig[0]}, {sig[1]} parameters"
+
+
+def brief(exc: BaseException) -> str:
+    """An exception as one line of a note: its type and its message's first line."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
