@@ -50,9 +50,7 @@ RETIRED: dict[str, str] = {
     r"\bverify\.(compare_steps|rel_diff|tolerances)\b": "run/verify_steps.py",
 }
 # (file, retired pattern) pairs still to fix in files another change owns right now
-PENDING: set[tuple[str, str]] = {
-    ("slackswap_cli/chains.py", r"\breplay\.py\b|slackswap_cli[./]replay\b|`replay`"),
-}
+PENDING: set[tuple[str, str]] = set()
 ISSUE = re.compile(r"\bissues?\s*#?\d+|(?<![\w&/#])#\d+\b|\bthe issue's\b", re.IGNORECASE)
 
 # a path (`run/foo.py`, `slackswap_cli/x.py`) or a bare file name (`foo.py`)
