@@ -269,3 +269,18 @@ def test_a_branchy_models_first_call_at_a_length_not_profiled_costs_one_trace_al
         assert held <= 1.05 * rep["budget_bytes"], (rep, held)
     err = capfd.readouterr().err
     assert "new inputs" not in err and err.count("along the branches this call took") == 1
+
+
+def test_a_shape_run_that_leaves_its_template_settles_the_exact_budget(tmp_path):
+    """HF BERT at batch 1 saves tensors its batch-2 template does not have: the first call at
+    (1, 64) leaves the template. What a keep-all run holds there is still counted pack by pack
+    (not predicted from the template's packs it never met), so the budget it settles for the
+    calls after it is the plan's fraction of the true keep-all bytes."""
+    shapes = [(2, 16), (2, 16), (2, 16), (1, 64), (1, 64)]
+    mod, calls = _run(tmp_path, "bert", MODELS["bert"], shapes)
+    fraction = _fraction_at_profile(mod, tmp_path / "bert.py")
+    kind, rep, held, keep_all = calls[3]
+    assert kind == "ShapeRun" and rep["left_template"], rep
+    for kind, rep, held, keep_all in calls[3:]:
+        assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
+        assert rep["budget_bytes"] == pytest.approx(fraction * keep_all, rel=0.01), (kind, rep)

@@ -60,6 +60,7 @@ import torch.fx as fx
 from ..errors import InputError
 from ..table_rows import GraphRow
 from ..torch_api import PARTS, refuse_untested
+from ..trace.aten import returns_view
 from ..trace.storage import storage_object_key
 from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
 from .sym_sizes import SymSizes, solve
@@ -315,20 +316,12 @@ def _tag_views(gm: fx.GraphModule, moved: set[fx.Node], after_tangent: set[fx.No
         n.meta.setdefault("recompute", CheckpointPolicy.MUST_RECOMPUTE)
 
 
-# ops that make a view of their input without saying so in their schema: `_unsafe_view`
-# (C++ `at::matmul` folds batch dimensions with it, `reshape` of an expanded tensor - grouped-
-# query attention's repeat_kv - is `clone` then `_unsafe_view`) is a free view of its input
-UNSAID_VIEWS = ("aten._unsafe_view.default",)
-
-
 def _is_view(node: fx.Node) -> bool:
-    """Whether `node` is a view op (its schema says its result aliases an input, unwritten;
-    or an op of UNSAID_VIEWS)."""
-    if str(node.target) in UNSAID_VIEWS:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(
-        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    """Whether `node` is a view op (`trace.aten.returns_view`: the schema says its result
+    aliases an input, unwritten, or it is a view the schema does not declare, such as
+    `_unsafe_view`: C++ `at::matmul` folds batch dimensions with it, and `reshape` of an
+    expanded tensor - grouped-query attention's repeat_kv - is `clone` then `_unsafe_view`)."""
+    return returns_view(node.target)
 
 
 def _split(gm: fx.GraphModule, num_fwd_outputs: int | None = None

@@ -106,12 +106,7 @@ class ShapeRun(SteadyRun):
             if kind is _KEEP:
                 self.rest_kept[key] -= old
                 self.pred_kept -= old * ratio
-        if x.device.type != "meta":
-            skey = storage_key(x)
-            if skey not in self.keys_seen and skey not in self.external:
-                self.keys_seen.add(x)
-                self.fresh[i] = nbytes = storage_nbytes(x)
-                self.seen_bytes += nbytes
+        self.fresh[i] = self._count_fresh(x)
         if self.scale.observe(key, tuple(x.shape)):
             now = self.ratio[key] = self.scale.ratio(key)
             self.pred_all += self.rest_all[key] * (now - ratio)
@@ -136,9 +131,24 @@ class ShapeRun(SteadyRun):
 
     def _differs(self, x: torch.Tensor):
         """A pack that left the template: the guard decides from here on (the limit stays
-        where the prediction last put it)."""
+        where the prediction last put it). It is counted like the others, so what a keep-all
+        run holds at these shapes is known exactly at the end all the same."""
         self.broken = True
+        self._count_fresh(x)
         return self._unplaced(x, None, [None] * 11)
+
+    def _count_fresh(self, x: torch.Tensor) -> int:
+        """Add `x`'s storage to what a keep-all run holds here, the first time it is saved
+        (not a parameter, buffer or input); the bytes added."""
+        if x.device.type == "meta":
+            return 0
+        key = storage_key(x)
+        if key in self.keys_seen or key in self.external:
+            return 0
+        self.keys_seen.add(x)
+        nbytes = storage_nbytes(x)
+        self.seen_bytes += nbytes
+        return nbytes
 
     def guarded(self) -> tuple[int, int]:
         return self.guard.swaps, self.guard.swapped_bytes
@@ -147,11 +157,13 @@ class ShapeRun(SteadyRun):
         return self.guard.held
 
     def finish(self) -> bool:
-        """After forward: settle the borrowed plan's byte figures, exact when every pack
-        lined up with the template (else as last predicted). True when every pack did."""
+        """After forward: settle the borrowed plan's byte figures (the limit: the plan's
+        fraction of what a keep-all run holds here, every pack counted, exact even where the
+        call left the template; what the plan keeps after each pack, where it did not).
+        True when every pack lined up with the template."""
         ok = super().finish()
         t, tpl = self.t, self.tpl
-        seen = self.seen_bytes + (0 if ok else max(self.pred_all, 0))
+        seen = self.seen_bytes
         t.scale = seen / tpl.saved_total if tpl.saved_total else 1.0
         if self.fraction is not None:
             t.limit = int(self.fraction * seen)
