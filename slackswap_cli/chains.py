@@ -2,8 +2,8 @@
 
 This module is the one owner of that question. The simulator (`simulate`) lays its compute
 tasks out with `lay_out`, the planners (`planners.common`) cost each candidate with
-`candidate_chain`, and `partition` emits the patched module's backward from the same `Layout`,
-so what runs is what was simulated. Torch-free.
+`candidate_chain`, and `run/step_code.py`'s `partition` writes the patched module's backward
+from the same `Layout`, so what runs is what was simulated. Torch-free.
 
 Everything here works on storage *roots* (`Tables`): a view or an in-place result is read
 through its root, and one decision covers a root and all its aliases.

@@ -678,8 +678,9 @@ def _backend(backend: str, partition: PlanPartition, options: dict | None):
         return {"backend": aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                                         partition_fn=partition,
                                         keep_inference_input_mutations=True)}
-    if backend != "inductor":
-        raise InputError(f"compile_planned runs backend 'inductor' or 'aot_eager', not {backend!r}",
+    if backend not in BACKENDS:
+        raise InputError(f"compile_planned runs backend {' or '.join(map(repr, BACKENDS))}, "
+                         f"not {backend!r}",
                          hint="a plan needs a backend whose partitioner it can set")
     opts = dict(options or {})
     if opts.get("custom_partitioner_fn") is not None:

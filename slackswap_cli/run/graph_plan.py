@@ -41,7 +41,7 @@ import difflib
 
 from ..chains import runtime_table
 from ..layers import layer_container
-from ..schema import Plan, Profile
+from ..schema import Action, Plan, Profile
 from ..table_rows import GraphRow
 from ..trace.aten import is_inplace_target
 
@@ -54,7 +54,7 @@ def graph_table(profile: Profile, plan: Plan) -> dict:
     nf = runtime["n_forward"]
     chain_ops = sorted({p for ops in runtime["chains"].values() for p in ops})
     actions = plan.actions()
-    saved_roots = {t.id: str(actions.get(t.id, "keep")) for t in profile.saved_activations}
+    saved_roots = {t.id: str(actions.get(t.id, Action.KEEP)) for t in profile.saved_activations}
     in_chain = set(chain_ops)
     ops = []
     for i, o in enumerate(profile.ops[:nf]):
@@ -69,10 +69,11 @@ def graph_table(profile: Profile, plan: Plan) -> dict:
     size = {t.id: t.size_bytes for t in profile.saved_activations}
     return {
         "ops": ops,
-        "root_bytes": {t: size[t] for t, a in saved_roots.items() if a in ("keep", "swap")},
-        "swapped_roots": sorted(t for t, a in saved_roots.items() if a == "swap"),
-        "kept_bytes": sum(size[t] for t, a in saved_roots.items() if a == "keep"),
-        "swapped_bytes": sum(size[t] for t, a in saved_roots.items() if a == "swap"),
+        "root_bytes": {t: size[t] for t, a in saved_roots.items()
+                       if a in (Action.KEEP, Action.SWAP)},
+        "swapped_roots": sorted(t for t, a in saved_roots.items() if a == Action.SWAP),
+        "kept_bytes": sum(size[t] for t, a in saved_roots.items() if a == Action.KEEP),
+        "swapped_bytes": sum(size[t] for t, a in saved_roots.items() if a == Action.SWAP),
         "recompute_ops": [profile.ops[p].name for p in chain_ops],
         "container": layer_container(o.module for o in profile.ops[:nf]),
         # the model's inputs in the profiled step: a graph captured with symbolic sizes
