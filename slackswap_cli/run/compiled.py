@@ -50,19 +50,24 @@ activation_reload_prefetch_async, CPU_OFFLOAD_PREFIX), `torch._dynamo.backends.c
 """
 from __future__ import annotations
 
+import inspect
 import operator
 import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._guards import CompileContext
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import InputError
 from ..table_rows import GraphRow
 from ..torch_api import PARTS, refuse_untested
 from ..trace.aten import returns_view
+from ..trace.graph_profile import dtype_name
 from ..trace.storage import storage_object_key
 from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
+from .sac import POLICY_OF_TAG
 from .sym_sizes import SymSizes, solve
 
 TESTED_TORCH = PARTS["compile"].tested
@@ -133,10 +138,10 @@ class PlanPartition:
 
     # the partitioner ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+        # (torch's private partitioner APIs are imported where used, after the version
+        # check: `refuse_untested` names a torch outside the tested set before they load)
         from torch._functorch import config as functorch_config
         from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        from ..trace.graph_profile import dtype_name
         merged: set[int] = set()
         n_out = kwargs["num_fwd_outputs"]
         sizes = solve(gm, self._candidates(), dtype_name)
@@ -219,7 +224,6 @@ class PlanPartition:
 
 def _compile_id() -> str:
     """Dynamo's id of the compile running now ("frame/compile of that frame"), or ""."""
-    from torch._guards import CompileContext
     cid = CompileContext.current_compile_id()
     return "" if cid is None else f"{cid.frame_id}/{cid.frame_compile_id}"
 
@@ -240,9 +244,6 @@ def _tag_op(g: GraphOp, row: GraphRow) -> set[fx.Node]:
     decomposes native_dropout (the mask, then the products); otherwise it is one random node
     that cannot re-run, so its result is re-made from the mask (`_dropout_from_mask`) to be recomputed; where it cannot be
     (not fp32), the node is saved and its result left to the partitioner (which saves it)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    from .sac import POLICY_OF_TAG as policy_of
     tags = row.tags
     kept = any(t in ("save", "offload") for t in tags)
     mixed = kept and "recompute" in tags
@@ -262,7 +263,7 @@ def _tag_op(g: GraphOp, row: GraphRow) -> set[fx.Node]:
     moved: set[fx.Node] = set()
     for tag, hs in zip(tags, g.holders_for(row.results)):
         own = policy if not mixed else None if tag == "recompute" and not g.decomposed \
-            else policy_of.get(tag)
+            else POLICY_OF_TAG.get(tag)
         for h in hs if own is not None else ():
             h.meta["recompute"] = own
             if tag in ("offload", "recompute"):
@@ -303,7 +304,6 @@ def _tag_views(gm: fx.GraphModule, moved: set[fx.Node], after_tangent: set[fx.No
 
     A view is a node sharing such a result's storage, or a view op (by its schema) of one
     (fake tensors do not always share the storage of a view of a view)."""
-    from torch.utils.checkpoint import CheckpointPolicy
     storages = {_storage(n) for n in moved}
     derived = set(moved)
     for n in gm.graph.nodes:
@@ -468,7 +468,6 @@ def _tensor_vals(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
 
 
 def _outputs(node: fx.Node, sizes: SymSizes) -> list[tuple[tuple, str]]:
-    from ..trace.graph_profile import dtype_name
     return [(tuple(sizes.dim(s) for s in v.shape), dtype_name(v.dtype))
             for _, v in _tensor_vals(node)]
 
@@ -493,8 +492,6 @@ def _partitioner_cse(gm: fx.GraphModule, num_fwd_outputs: int) -> fx.Graph:
     merged into one backward reads (which would be saved as an extra forward output): the same
     key here, else our merge would join what torch's keeps apart and its own CSE could not undo
     it."""
-    import inspect
-
     from torch._functorch.compile_utils import fx_graph_cse
     if "extra_node_key" not in inspect.signature(fx_graph_cse).parameters:
         return fx_graph_cse(gm.graph)

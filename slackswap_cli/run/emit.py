@@ -19,16 +19,23 @@ returns the loss; the two written-out steps run inside one `torch.autograd.Funct
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import pprint
 from pathlib import Path
 from typing import Any
 
+import torch.utils._pytree as pytree
+
 from .. import __version__
+from ..chains import runtime_table
 from ..errors import InputError, require_file
 from ..schema import Action, Plan, Profile
+from ..trace.aten import is_inplace_target
 from ..trace.retrace import joint_fingerprint, trace_fake, trace_matching, trace_options
 from ..workload_spec import resolve_workload_path
 from .generated import GENERATOR_VERSION, check_generated
+from .graph_plan import graph_table
+from .step_code import UnknownConstant, partition, source_lines
 
 
 def plan_fingerprint(plan: Plan) -> str:
@@ -70,7 +77,6 @@ def apply_plan(plan: Plan, profile: Profile, model_path: str | None = None,
     joint, work, trace_fp = trace_matching(profile, str(path), entry, args)
     workload_ref = {"path": str(Path(path).resolve()), "entry": entry, "args": args,
                     "name": profile.workload.get("name", Path(path).stem)}
-    from .step_code import UnknownConstant
     try:
         return emit_module(joint, work, profile, plan, workload_ref=workload_ref,
                            trace_fingerprint=trace_fp)
@@ -90,7 +96,6 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     `trace_fingerprint`: the profile fingerprint of a fake trace of the workload, which
     `step_module(model, check_trace=True)` compares a fake trace of the user's model against.
     """
-    from .step_code import partition, source_lines
 
     params = dict(work.model.named_parameters())
     device_type = next(iter(params.values())).device.type
@@ -114,7 +119,6 @@ def patch_meta(joint, work, profile: Profile, plan: Plan, device_type: str,
                workload_ref: dict, trace_fingerprint: str | None = None) -> dict[str, Any]:
     """META without what the written-out step adds: all `patch` (run/inplace.py) reads, for
     the emitted module and for the library's `slackswap_cli.patch(model, plan)`."""
-    import torch.utils._pytree as pytree
 
     params = dict(work.model.named_parameters())
     buffers = dict(work.model.named_buffers())
@@ -170,9 +174,6 @@ def _notes(joint, plan: Plan) -> str:
 def _header(joint, profile: Profile, plan: Plan, step, workload_ref: dict, meta: dict) -> str:
     """The emitted file up to its functions: docstring, imports, META, the plan's tables and
     the placeholder names."""
-    from ..chains import runtime_table
-    from ..trace.aten import is_inplace_target
-    from .graph_plan import graph_table
 
     n_p, n_b = len(joint.param_names), len(joint.buffer_names)
     names = {"params": joint.param_names, "buffers": joint.buffer_names}
@@ -308,7 +309,6 @@ def step_module(model, check_trace=True):
 
 def load_patched(path: str):
     """Import a patched module file (a fresh module object each call)."""
-    import importlib.util
     p = require_file(path, "patched module", hint="write one with `slackswap apply`",
                      dir_hint="pass the .py file `slackswap apply -o` wrote")
     # look before importing: executing a file that is not ours (a training script passed by

@@ -40,6 +40,7 @@ from __future__ import annotations
 import difflib
 
 from ..chains import runtime_table
+from ..errors import InputError
 from ..layers import layer_container
 from ..schema import Action, Plan, Profile
 from ..table_rows import GraphRow
@@ -143,7 +144,6 @@ def block_rows(table: dict, block: str | None) -> list[int]:
 
 def block_name(table: dict, index: int) -> str:
     """The module path of repeated block `index` (`transformer.h.3`)."""
-    from ..errors import InputError
     container = table.get("container")
     if container is None:
         raise InputError("the profiled model has no repeated blocks (no numbered submodules)",

@@ -22,7 +22,10 @@ import time
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import InputError
+from . import replan as replanning
 from . import steady as _steady
 from .generated import check_generated
 from .lineup import ALIGN_WARN, BodyHooks
@@ -192,13 +195,12 @@ class _Patched(SignaturePlans):
                 or not (run.values or run.t.borrowed):
             return          # (no value read, own plan: no branch a trace could take otherwise)
         self.notes.said.add(("branches", sig))
-        from .replan import replan_table  # (fake tracing: loaded when first needed)
         t0 = time.perf_counter()
         try:
             # the budget: this signature's plan's bytes; at new shapes (no plan of their own
             # yet) the plan's fraction of the new keep-all peak, as a re-plan for them takes
             own = self.plans.get(sig) is not None and not run.t.borrowed
-            table, what = replan_table(self.model, self.original_forward, args, kwargs,
+            table, what = replanning.replan_table(self.model, self.original_forward, args, kwargs,
                                        self.meta, values=run.values or None,
                                        budget_bytes=run.t.limit if own else None)
         except Exception as exc:
@@ -316,7 +318,6 @@ def _unwrap(model):
     if type(model).__name__ == "OptimizedModule":
         raise _error("this model is compiled with torch.compile; slackswap patches the eager "
                      "model", "call patch(model) before torch.compile(model), or train uncompiled")
-    from torch.nn.parallel import DistributedDataParallel
     if isinstance(model, (DistributedDataParallel, torch.nn.DataParallel)):
         return model.module
     return model
@@ -344,5 +345,4 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 def _error(message: str, hint: str):
-    from ..errors import InputError
     return InputError(message, hint=hint)

@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from ..errors import FingerprintMismatch
 from ..guard import Scale
 from ..schema import Action
+from . import replan as replanning
 from .lineup import trace_only_ops
 from .notes import brief, shapes
 
@@ -159,10 +160,9 @@ class SignaturePlans:
             self.plans[sig] = None
             return self.default, sig
         if self.replan:
-            from .replan import replan_table  # (fake tracing: loaded when first needed)
             t0 = time.perf_counter()
             try:
-                table, what = replan_table(self.model, self.original_forward, args, kwargs,
+                table, what = replanning.replan_table(self.model, self.original_forward, args, kwargs,
                                            self.meta)
                 plan = PlanTable(table)
                 print(f"slackswap: new inputs {shapes(sig)}: planned for them in "

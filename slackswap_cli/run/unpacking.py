@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ..schema import Action
 from . import swap
 from .recorded import STATE, view_of
@@ -28,7 +29,6 @@ class Unpacking:
         if isinstance(packed, torch.Tensor):
             return packed
         if packed[0]:
-            from ..errors import InputError
             raise InputError("a second backward through a step whose saved tensors slackswap "
                              "swapped or recomputed: they were handed to the first one "
                              "(backward(retain_graph=True) twice, or double backward)",
