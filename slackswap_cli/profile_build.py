@@ -36,6 +36,12 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES.get(dtype, 4)
 
 
+def dtype_name(dtype) -> str:
+    """A profile's dtype name ("float32") of a torch dtype or of its `str()` ("torch.float32",
+    as a patched module's META records parameters). No torch needed."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass
 class _T:
     name: str

@@ -61,10 +61,10 @@ from torch._guards import CompileContext
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import InputError
+from ..profile_build import dtype_name
 from ..table_rows import GraphRow
 from ..torch_api import PARTS, refuse_untested
 from ..trace.aten import returns_view
-from ..trace.graph_profile import dtype_name
 from ..trace.storage import storage_object_key
 from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
 from .sac import POLICY_OF_TAG

@@ -25,6 +25,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import InputError
+from ..profile_build import dtype_name
 from . import replan as replanning
 from . import steady as _steady
 from .generated import check_generated
@@ -66,8 +67,8 @@ class _Patched(SignaturePlans):
         #                                             plan: None, the one borrowed) to follow
         self.keep_all: dict[tuple, int] = {}        # signature -> bytes a keep-all run holds
         params = meta.get("params") or [[None, None, "torch.float32"]]
-        profiled = (meta.get("device_type", "cpu"), params[0][2].removeprefix("torch."),
-                    *((tuple(shape), dtype.removeprefix("torch."))
+        profiled = (meta.get("device_type", "cpu"), dtype_name(params[0][2]),
+                    *((tuple(shape), dtype_name(dtype))
                       for shape, dtype in meta.get("input_tensors", [])))
         self.plans: dict[tuple, PlanTable | None] = plans or {
             profiled: PlanTable(table, meta.get("budget_bytes"))}

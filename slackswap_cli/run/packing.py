@@ -78,7 +78,12 @@ class Packing:
     def _fresh(self, x: torch.Tensor, loc) -> int:
         """The bytes of `x`'s storage if this is the first time autograd saves it and this
         forward made it (parameters, buffers and inputs are not counted), else 0."""
-        if loc is None or x.device.type == "meta":
+        return 0 if loc is None else self._count_fresh(x)
+
+    def _count_fresh(self, x: torch.Tensor) -> int:
+        """Add `x`'s storage to what a keep-all run holds (`saved_bytes`), the first time it
+        is saved and not a parameter, buffer or input; the bytes added."""
+        if x.device.type == "meta":
             return 0
         key = storage_key(x)
         if key in self.saved_keys or key in self.external:

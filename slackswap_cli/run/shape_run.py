@@ -70,8 +70,8 @@ class ShapeRun(SteadyRun):
         self.guard = Guard(plan.limit)
         self.fraction = (plan.limit / tpl.saved_total
                          if plan.limit is not None and tpl.saved_total else None)
-        self.keys_seen = Storages()
-        self.seen_bytes = 0
+        self.saved_keys = Storages()
+        self.saved_bytes = 0
         self.fresh = [0] * self.n        # what each pack added to the keep-all count here
         self.shape_keys, total, kept = _groups(tpl)
         self.rest_all, self.rest_kept = dict(total), {k: kept.get(k, 0) for k in total}
@@ -112,7 +112,7 @@ class ShapeRun(SteadyRun):
             self.pred_all += self.rest_all[key] * (now - ratio)
             self.pred_kept += self.rest_kept[key] * (now - ratio)
         if self.fraction is not None:
-            self.guard.limit = int(self.fraction * (self.seen_bytes + max(self.pred_all, 0)))
+            self.guard.limit = int(self.fraction * (self.saved_bytes + max(self.pred_all, 0)))
 
     def _hold(self, x: torch.Tensor, tracked: bool):
         """A tensor the plan keeps: kept while the guard admits it, else swapped."""
@@ -137,19 +137,6 @@ class ShapeRun(SteadyRun):
         self._count_fresh(x)
         return self._unplaced(x, None, [None] * 11)
 
-    def _count_fresh(self, x: torch.Tensor) -> int:
-        """Add `x`'s storage to what a keep-all run holds here, the first time it is saved
-        (not a parameter, buffer or input); the bytes added."""
-        if x.device.type == "meta":
-            return 0
-        key = storage_key(x)
-        if key in self.keys_seen or key in self.external:
-            return 0
-        self.keys_seen.add(x)
-        nbytes = storage_nbytes(x)
-        self.seen_bytes += nbytes
-        return nbytes
-
     def guarded(self) -> tuple[int, int]:
         return self.guard.swaps, self.guard.swapped_bytes
 
@@ -163,7 +150,7 @@ class ShapeRun(SteadyRun):
         True when every pack lined up with the template."""
         ok = super().finish()
         t, tpl = self.t, self.tpl
-        seen = self.seen_bytes
+        seen = self.saved_bytes
         t.scale = seen / tpl.saved_total if tpl.saved_total else 1.0
         if self.fraction is not None:
             t.limit = int(self.fraction * seen)

@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import FingerprintMismatch
 from ..guard import Scale
+from ..profile_build import dtype_name
 from ..schema import Action
 from . import replan as replanning
 from .lineup import trace_only_ops
@@ -71,8 +72,8 @@ def signature(device_type: str, param_dtype: str, args, kwargs) -> tuple:
     """The device type, the parameters' dtype, then shapes and dtypes of a call's tensors in
     order: what a plan is made for (another device runs other kernels: a fake CPU profile's
     plan on a GPU; `.to(torch.float64)` is another graph at twice the bytes)."""
-    return (device_type, param_dtype.removeprefix("torch."),
-            *((tuple(x.shape), str(x.dtype).removeprefix("torch."))
+    return (device_type, dtype_name(param_dtype),
+            *((tuple(x.shape), dtype_name(x.dtype))
               for x in leaves(args, kwargs) if isinstance(x, torch.Tensor)))
 
 

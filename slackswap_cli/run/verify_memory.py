@@ -11,8 +11,7 @@ import torch
 
 from ..budget import MEMORY_TOLERANCE, keep_all_of
 from ..errors import InputError
-from ..profile_build import dtype_bytes
-from ..trace.graph_profile import dtype_name
+from ..profile_build import dtype_bytes, dtype_name
 from ..trace.storage import storage_key, storage_nbytes
 from ..units import fmt_bytes
 from .verify_timeline import MeasuredStep

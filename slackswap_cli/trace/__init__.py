@@ -72,7 +72,7 @@ def _input_info(inputs) -> tuple[dict, dict]:
     import torch
     import torch.utils._pytree as pytree
 
-    from .graph_profile import dtype_name
+    from ..profile_build import dtype_name
     from .joint import split_inputs
     args, kwargs = split_inputs(inputs)
     shapes, dtypes = {}, {}

@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import InputError
-from ..profile_build import ProfileBuilder
+from ..profile_build import ProfileBuilder, dtype_name
 from ..schema import Profile
 from .aten import UNDECLARED_VIEWS, packet_name
 from .costs import is_random_op, node_flops, tensor_nbytes
@@ -65,12 +65,6 @@ def target_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     return getattr(target, "__name__", None) or str(target)
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """A profile's dtype name ("float32"; sizes: `profile_build.DTYPE_BYTES`) of a torch dtype
-    or of its `str()` ("torch.float32", as a patched module's META records parameters)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def _schema_aliases(node: fx.Node) -> tuple[dict[int, fx.Node], list[fx.Node]]:

@@ -53,6 +53,7 @@ from torch.nn.modules.module import (
 )
 
 from ..errors import InputError, SlackswapError, TraceError
+from ..profile_build import dtype_name
 from ..torch_api import PARTS, is_tested
 from .costs import is_random_op
 
@@ -266,7 +267,7 @@ def autocast_name(value: Any) -> str | None:
     if value is None or value is False:
         return None
     if isinstance(value, torch.dtype):
-        value = str(value).removeprefix("torch.")
+        value = dtype_name(value)
     name = _AUTOCAST_NAMES.get(str(value).lower()) if isinstance(value, (str, torch.dtype)) else None
     if name is None:
         raise InputError(f"unknown autocast dtype {value!r}",
