@@ -230,11 +230,14 @@ def test_hugging_face_convnext_with_drop_path_profiles_under_fake_tensors(tmp_pa
 
 
 def test_process_wide_replacements_are_undone_after_an_exception():
-    """`fake_build` replaces torch functions process-wide while a fake model is built, and
-    `branches.eager_branches` tells transformers its tensors are not fake during one trace:
+    """`fake_build` replaces torch functions process-wide while a fake model is built (and
+    sets dynamo's stance to force_eager and its error_on_nested_fx_trace off: `eager_stance`),
+    and `branches.eager_branches` tells transformers its tensors are not fake during one trace:
     both put everything back when the code inside raises."""
     import pytest
     import transformers.utils.import_utils as tu
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo import eval_frame
     from torch._subclasses import fake_tensor as ft
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -244,11 +247,14 @@ def test_process_wide_replacements_are_undone_after_an_exception():
     def state():
         return (torch.utils.swap_tensors, torch.linspace, ft.CONSTANT_NUMEL_LIMIT,
                 FakeTensor.__dict__.get("__deepcopy__"),
-                getattr(torch.nn.init, "_no_grad_trunc_normal_", None), tu.is_fake_tensor)
+                getattr(torch.nn.init, "_no_grad_trunc_normal_", None), tu.is_fake_tensor,
+                eval_frame._stance.stance, dynamo_config.error_on_nested_fx_trace)
     before = state()
+    assert before[-2:] == ("default", True)
     with pytest.raises(RuntimeError, match="inside"):
         with fake_build(FakeTensorMode()):
             assert torch.linspace is not before[1]           # (replaced while active)
+            assert state()[-2:] == ("force_eager", False)
             raise RuntimeError("inside")
     assert all(a is b for a, b in zip(state(), before))
     shadow = torch.nn.Linear(2, 2)
