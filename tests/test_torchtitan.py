@@ -126,17 +126,20 @@ def test_the_plan_swaps_and_recomputes_across_both_blocks(titan):
 
 
 def test_patch_trains_torchtitan_llama_bitwise_like_eager(titan):
-    paths, _, _, mod = titan
+    paths, prof, _, mod = titan
     eager, work = _twin(paths["sdpa"])
     want = adamw_steps(eager.model, eager)
     assert mod.patch(work.model) is work.model
     got = adamw_steps(work.model, work)
     assert _same(got, want), (got[0], want[0])
     rep = work.model.forward.__slackswap__.last_report
-    assert rep["held_bytes"] <= rep["budget_bytes"]
-    # 151 of 156 forward ops line up on torch 2.15 (the guard keeps the held bytes under the
-    # budget; the result stays exact)
-    assert rep["fraction"] >= 0.95, rep
+    assert rep["held_bytes"] <= rep["budget_bytes"] and rep["run_unmatched"] == 0, rep
+    # every op of the model lines up; the profile's ops outside it (the loss: view, clone,
+    # _unsafe_view, _log_softmax, nll_loss_forward, run by loss_fn after the patched forward
+    # returned) do not (151 of 156 on torch 2.15)
+    outside = sum(1 for o in prof.ops if o.phase == "forward" and o.module == ""
+                  and o.target != "aten.alias.default")
+    assert outside >= 4 and rep["lined_up"] == rep["expected"] - outside, (rep, outside)
 
 
 def test_compile_planned_per_block_trains_torchtitan_llama_bitwise_like_eager(titan):
