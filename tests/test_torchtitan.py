@@ -19,7 +19,8 @@ a segmentation fault).
 Skipped where torchtitan 0.3.x is not installed (CI runs torch 2.13). On torch 2.15:
 `make test-torch TORCH=2.15.0`, then `.venv-torch-2.15.0/bin/python -m pip install --no-deps
 torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring-parser` (no-deps: pip must not replace
-torch) and `.venv-torch-2.15.0/bin/python -m pytest tests/test_torchtitan.py`.
+torch) and `.venv-torch-2.15.0/bin/python -m pytest tests/test_torchtitan.py`. They pass on
+torch 2.15.0 and 2.14.1 alike.
 """
 import os
 import subprocess
