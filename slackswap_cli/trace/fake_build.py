@@ -33,7 +33,8 @@ the box, and `fake_build(mode)` makes both work while `workload()` runs:
   parameter stays a parameter, `requires_grad` and Python attributes are kept).
 - **Functions compiled by the model's own code.** torchtitan builds its flex-attention
   BlockMask with `torch.compile(create_block_mask)`; called on fake tensors, inductor's compiled
-  code reads their (absent) data and the process dies of a segmentation fault (torch 2.15).
+  code reads their (absent) data and the process dies of a segmentation fault (torch 2.13
+  and 2.15 alike: tests/test_fake_conversions.py).
   While `workload()` runs, `torch.compiler.set_stance("force_eager")` runs every compiled
   function's Python as it is, which fake tensors follow like any other code.
 
