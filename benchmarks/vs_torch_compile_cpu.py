@@ -89,14 +89,16 @@ def flash_cpu_costed():
     from torch.utils import flop_counter
     aten = torch.ops.aten
     op = getattr(aten, FLASH_CPU)
-    had = op in flop_counter.flop_registry
+    before = flop_counter.flop_registry.get(op)     # torch 2.15 has a formula of its own
     flop_counter.flop_registry[op] = flop_counter.flop_registry[
         aten._scaled_dot_product_flash_attention]
     try:
         yield
     finally:
-        if not had:
+        if before is None:
             del flop_counter.flop_registry[op]
+        else:
+            flop_counter.flop_registry[op] = before
 
 
 @contextlib.contextmanager

@@ -102,8 +102,9 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
     # fake tensors and tracing -------------------------------------------------------------
     PrivateAPI("torch._subclasses.fake_tensor (FakeTensorMode, FakeTensor, "
                "unset_fake_temporarily, DataDependentOutputException, "
-               "DynamicOutputShapeException)",
-               "trace/*, run/api.py, run/step.py, run/replan.py, run/branches.py", _ALL,
+               "DynamicOutputShapeException; FakeTensor also as torch._subclasses.FakeTensor)",
+               "trace/*, run/api.py, run/step.py, run/replan.py, run/branches.py, "
+               "run/step_code.py", _ALL,
                "no fallback: profiling, replanning and patch(model) need fake tensors"),
     PrivateAPI("torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT, "
                "FakeTensorMode.fake_tensor_converter",
@@ -111,6 +112,12 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "no fallback: building a model under fake tensors fails"),
     PrivateAPI("torch._guards.detect_fake_mode", "trace/joint.py", _ALL,
                "tracing a model built under fake tensors fails"),
+    PrivateAPI("torch._dynamo.config.error_on_nested_fx_trace (set False while a fake model "
+               "is built and its step traced), beside torch.compiler.set_stance('force_eager')",
+               "trace/fake_build.py (eager_stance), trace/joint.py", _ALL,
+               "read with hasattr/getattr: where missing, a function the model compiles "
+               "itself (torchtitan's flex attention) is refused by make_fx or, built under "
+               "fake tensors, runs inductor's code on them"),
     PrivateAPI("torch.fx.experimental.proxy_tensor.make_fx (tracing_mode=, "
                "_allow_non_fake_inputs=, _error_on_data_dependent_ops=), get_proxy_mode",
                "trace/joint.py", _ALL, "profiling cannot trace: no fallback"),
@@ -155,6 +162,8 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
     PrivateAPI("node.meta keys recompute (CheckpointPolicy), should_offload, "
                "saved_for_offloading, original_aten, from_node, val", "run/compiled.py", _ALL,
                "refused by version (PARTS['compile'])"),
+    PrivateAPI("torch._guards.CompileContext.current_compile_id", "run/compiled.py", _ALL,
+               "refused by version (PARTS['compile']): the graph reports' compile ids"),
     PrivateAPI("torch._dynamo.backends.common.aot_autograd, "
                "torch._dynamo.backends.debugging.boxed_nop", "run/compiled.py", _ALL,
                "refused by version (PARTS['compile'])"),

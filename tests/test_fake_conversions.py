@@ -230,11 +230,14 @@ def test_hugging_face_convnext_with_drop_path_profiles_under_fake_tensors(tmp_pa
 
 
 def test_process_wide_replacements_are_undone_after_an_exception():
-    """`fake_build` replaces torch functions process-wide while a fake model is built, and
-    `branches.eager_branches` tells transformers its tensors are not fake during one trace:
+    """`fake_build` replaces torch functions process-wide while a fake model is built (and
+    sets dynamo's stance to force_eager and its error_on_nested_fx_trace off: `eager_stance`),
+    and `branches.eager_branches` tells transformers its tensors are not fake during one trace:
     both put everything back when the code inside raises."""
     import pytest
     import transformers.utils.import_utils as tu
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo import eval_frame
     from torch._subclasses import fake_tensor as ft
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -244,11 +247,14 @@ def test_process_wide_replacements_are_undone_after_an_exception():
     def state():
         return (torch.utils.swap_tensors, torch.linspace, ft.CONSTANT_NUMEL_LIMIT,
                 FakeTensor.__dict__.get("__deepcopy__"),
-                getattr(torch.nn.init, "_no_grad_trunc_normal_", None), tu.is_fake_tensor)
+                getattr(torch.nn.init, "_no_grad_trunc_normal_", None), tu.is_fake_tensor,
+                eval_frame._stance.stance, dynamo_config.error_on_nested_fx_trace)
     before = state()
+    assert before[-2:] == ("default", True)
     with pytest.raises(RuntimeError, match="inside"):
         with fake_build(FakeTensorMode()):
             assert torch.linspace is not before[1]           # (replaced while active)
+            assert state()[-2:] == ("force_eager", False)
             raise RuntimeError("inside")
     assert all(a is b for a, b in zip(state(), before))
     shadow = torch.nn.Linear(2, 2)
@@ -257,3 +263,45 @@ def test_process_wide_replacements_are_undone_after_an_exception():
             assert not tu.is_fake_tensor(FakeTensorMode().from_tensor(torch.ones(1)))
             raise RuntimeError("inside")
     assert all(a is b for a, b in zip(state(), before)) and "forward" not in shadow.__dict__
+
+
+COMPILED_INSIDE = """
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    # compiled at import, as torchtitan 0.3.0 compiles create_block_mask and flex_attention
+    scale = torch.compile(lambda x, s: x * s)
+    band = torch.compile(lambda pos: (pos[:, None] >= pos[None, :]).float())
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def forward(self, x, mask):
+            h = scale(F.gelu(self.fc1(x)), 2.0)
+            return (mask @ self.fc2(h)).pow(2).mean()
+
+    def workload():
+        torch.manual_seed(0)
+        return Net(), (torch.randn(4, 8), band(torch.arange(4)))
+"""
+
+
+def test_functions_the_model_compiled_itself_build_and_trace_under_fake_tensors(tmp_path):
+    """A workload that builds an input with a `torch.compile`d function and calls another in
+    forward profiles with --device fake: both run their Python there (`eager_stance`), where
+    inductor's code would run on fake tensors (a segmentation fault on torch 2.13 and 2.15,
+    hence a process of its own) and make_fx would refuse dynamo's frame."""
+    import json
+    import os
+    import subprocess
+    import sys
+    path = write(tmp_path, COMPILED_INSIDE)
+    out = tmp_path / "p.json"
+    exe = os.path.join(os.path.dirname(sys.executable), "slackswap")
+    res = subprocess.run([exe, "profile", str(path), "--device", "fake", "--hardware",
+                          "a100-pcie4", "-o", str(out)], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, (res.returncode, res.stderr[-2000:])
+    ops = [o["target"] for o in json.loads(out.read_text())["ops"]]
+    assert "aten.gelu.default" in ops and "aten.mul.Tensor" in ops, ops

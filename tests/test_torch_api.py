@@ -1,5 +1,6 @@
 """torch_api: one version check for the parts that read torch internals, and a list of every
 private torch API slackswap uses (checked against the code and against the running torch)."""
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -55,6 +56,56 @@ def test_every_private_torch_name_the_code_spells_is_listed():
     assert not missing, f"private torch names used but not in torch_api.PRIVATE_API: {missing}"
 
 
+def _private_uses(tree) -> set[str]:
+    """The private torch names a module imports (`from torch._x import y` -> torch._x.y,
+    `import torch._x`) or spells as an attribute chain (`torch._ops.OpOverload`)."""
+    def dotted(n):
+        parts = []
+        while isinstance(n, ast.Attribute):
+            parts.append(n.attr)
+            n = n.value
+        return ".".join([n.id, *reversed(parts)]) if isinstance(n, ast.Name) else ""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.startswith("torch")}
+        elif isinstance(node, ast.Attribute) and not isinstance(getattr(node, "parent", None),
+                                                                ast.Attribute):
+            names.add(dotted(node))
+    return {n for n in names if n.startswith("torch.") and not n.startswith("torch.ops.")
+            and (re.search(r"\._[a-z]", n) or ".fx.experimental." in n)}
+
+
+def test_each_private_import_is_in_a_row_naming_its_module_and_attribute():
+    """Stricter than the text scan above: a private name the code imports or reaches through
+    `torch.` must appear in one PRIVATE_API row, its module and its last attribute in that
+    same row (`from torch._guards import CompileContext` is not covered by a row that lists
+    only `torch._guards.detect_fake_mode`)."""
+    def covered(name):
+        for a in torch_api.PRIVATE_API:
+            if name in a.api:
+                return True
+            module, _, attr = name.rpartition(".")
+            if re.search(rf"\b{re.escape(module)}\b", a.api) and re.search(
+                    rf"\b{re.escape(attr)}\b", a.api):
+                return True
+        return False
+    missing = {}
+    for path in SRC.rglob("*.py"):
+        if path.name == "torch_api.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):          # mark parents: only whole chains are names
+            for child in ast.iter_child_nodes(node):
+                child.parent = node
+        for name in _private_uses(tree):
+            if not covered(name):
+                missing.setdefault(name, str(path.relative_to(SRC)))
+    assert not missing, f"private torch names not in a torch_api.PRIVATE_API row: {missing}"
+
+
 @pytest.mark.parametrize("name", [
     "torch.utils._python_dispatch.TorchDispatchMode",
     "torch.utils._pytree.tree_map",
@@ -85,6 +136,9 @@ def test_every_private_torch_name_the_code_spells_is_listed():
     "torch._dynamo.backends.debugging.boxed_nop",
     "torch._inductor.custom_graph_pass.CustomPartitionerFn",
     "torch.fx.experimental.sym_node.SymNode",
+    "torch._guards.CompileContext",
+    "torch._dynamo.config.error_on_nested_fx_trace",
+    "torch._subclasses.FakeTensor",
 ])
 def test_the_private_api_is_in_this_torch(name):
     module, attr = name.rsplit(".", 1)

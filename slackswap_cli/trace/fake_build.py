@@ -31,6 +31,12 @@ the box, and `fake_build(mode)` makes both work while `workload()` runs:
   which makes the copy in a FakeTensorMode of its own: the traced step then mixes two modes and
   fails. Here a FakeTensor of the build's mode is copied by `clone()` in that mode (a
   parameter stays a parameter, `requires_grad` and Python attributes are kept).
+- **Functions compiled by the model's own code.** torchtitan builds its flex-attention
+  BlockMask with `torch.compile(create_block_mask)`; called on fake tensors, inductor's compiled
+  code reads their (absent) data and the process dies of a segmentation fault (torch 2.13
+  and 2.15 alike: tests/test_fake_conversions.py).
+  While `workload()` runs, `torch.compiler.set_stance("force_eager")` runs every compiled
+  function's Python as it is, which fake tensors follow like any other code.
 
 The patches are in place only while `workload()` runs under `fake_build`; real tensors take
 torch's own path unchanged.
@@ -75,6 +81,23 @@ def _fake_deepcopy(tensor, memo: dict, fake_mode):
         if key not in vars(out):
             setattr(out, key, copy.deepcopy(value, memo))
     return out
+
+
+@contextlib.contextmanager
+def eager_stance():
+    """Functions the model's code compiled itself (`torch.compile(fn)`) run their Python:
+    `torch.compiler.set_stance("force_eager")`, so fake tensors follow them (inductor's
+    compiled code would read a fake tensor's absent data), and dynamo's
+    `error_on_nested_fx_trace` off, so make_fx traces through them instead of refusing a
+    "dynamo-optimized function". A torch without either (set_stance: before 2.6): no change."""
+    with contextlib.ExitStack() as stack:
+        set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+        if set_stance is not None:
+            stack.enter_context(set_stance("force_eager"))
+        from torch._dynamo import config  # private to torch (torch_api.PRIVATE_API)
+        if hasattr(config, "error_on_nested_fx_trace"):
+            stack.enter_context(config.patch(error_on_nested_fx_trace=False))
+        yield
 
 
 @contextlib.contextmanager
@@ -124,7 +147,8 @@ def fake_build(fake_mode):
     if trunc_original is not None:
         torch.nn.init._no_grad_trunc_normal_ = no_grad_trunc_normal_
     try:
-        yield
+        with eager_stance():
+            yield
     finally:
         torch.utils.swap_tensors = swap_original
         torch.linspace = linspace_original

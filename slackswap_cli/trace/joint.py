@@ -56,6 +56,7 @@ from ..errors import InputError, SlackswapError, TraceError
 from ..profile_build import dtype_name
 from ..torch_api import PARTS, is_tested
 from .costs import is_random_op
+from .fake_build import eager_stance
 
 
 @dataclass
@@ -230,7 +231,9 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
         emulate = fake_mode is not None and ref.device.type == "cpu" and target == "cuda"
         with _ModuleTracker(model) as tracker, _cuda_dropout(emulate), \
                 _inline_checkpoints() as inlined, _watch_rng_restores() as restores, \
-                _quiet_torch_logs(), _cpu_grouped_mm():
+                _quiet_torch_logs(), _cpu_grouped_mm(), eager_stance():
+            # eager_stance: a function the model compiled itself (torchtitan's compiled
+            # flex_attention) is traced through its Python; make_fx refuses dynamo's frames
             traced = [list(params.values()), list(buffers.values()), tensor_leaves]
             if fake_mode is not None:
                 with fake_mode:
