@@ -172,7 +172,7 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "refused by version (PARTS['compile'])"),
     PrivateAPI("SymInt.node (torch.fx.experimental.sym_node.SymNode: .expr, the sympy size "
                "expression; .hint)",
-               "run/sym_sizes.py", ("2.13", "2.14"),
+               "run/sym_sizes.py", _ALL,
                "refused by version (PARTS['compile']): a graph with symbolic sizes is read "
                "without guards through them"),
 )
