@@ -80,8 +80,9 @@ peak and the plan's recompute time, the least overhead it can have) and `recompu
 profile object, and the event loop (`_event_loop`) runs on plain lists and ints: what changes
 on every task (time, memory, the task and prefetch cursors) lives in its local variables, and
 a task that does no swap work costs no function call (design.md, section 6, has the
-timings of this split against a call per task). What happens once per copy or per wait is outside it (`_Copies`: both
-`_CopyEngine`s, starting and finishing copies; `_Waits`: why compute waits, the stall totals,
+timings of this split against a call per task). What happens once per copy or per wait is
+outside it (`_Copies`: both `_CopyEngine`s, starting and finishing copies; `_Waits`: why
+compute waits, the stall totals,
 giving up by raising `_GaveUp`), and so are a recompute task's bookkeeping and, with
 `record`, each task's timeline event (`_task_done`), the setup (`simulate`: decisions, the
 task program, the prefetch gates) and the result (`_Outcome`).

@@ -130,17 +130,17 @@ class _Patched(SignaturePlans):
                 getattr(STATE, "run", None) is not None:
             return self.original_forward(*args, **kwargs)
         if torch.compiler.is_compiling():
-            self.notes.say("compile", "torch.compile traces the model's own forward: the compiled "
-                      "model runs unpatched, without the plan (patch the eager model, or use "
-                      "the compiled path)")
+            self.notes.say("compile", "torch.compile traces the model's own forward: the "
+                           "compiled model runs unpatched, without the plan (patch the eager "
+                           "model, or use the compiled path)")
             return self.original_forward(*args, **kwargs)
         key, inputs = self.key(args, kwargs)
-        hot = self.templates.hot.get(key)        # (a later call at a signature with a template)
+        hot = self.templates.hot.get(key)   # (a later call at a signature with a template)
         if hot is not None and self.steady:
             plan, sig, tpl = hot
             if tpl.holds():
                 return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
-            self.templates.drop(sig)                     # parameters replaced, or autocast changed
+            self.templates.drop(sig)            # parameters replaced, or autocast changed
         plan, sig = self.plan_for(args, kwargs, key)
         tpl = self.templates.get(sig) if self.steady else None
         if tpl is not None:
@@ -177,10 +177,8 @@ class _Patched(SignaturePlans):
         self.last_run = run
         self.templates.note(sig, run, self._fingerprint())
         self.keep_all[sig] = run.saved_bytes
-        if plan.fraction is not None:     # borrowed, no template followed: settle its limit
-            plan.limit = int(plan.fraction * run.saved_bytes)
-            plan.scale = plan.limit / plan.limit_made_at
-            plan.fraction = None
+        if plan.fraction is not None:     # lent, no template followed: settle its limit
+            plan.settle(run.saved_bytes)
         rep = self._check_run(run, sig)
         self._follow_branches(run, sig, args, kwargs, rep)
         return out
@@ -201,16 +199,14 @@ class _Patched(SignaturePlans):
             # the budget: this signature's plan's bytes; at new shapes (no plan of their own
             # yet) the plan's fraction of the new keep-all peak, as a re-plan for them takes
             own = self.plans.get(sig) is not None and not run.t.borrowed
-            table, what = replanning.replan_table(self.model, self.original_forward, args, kwargs,
-                                       self.meta, values=run.values or None,
-                                       budget_bytes=run.t.limit if own else None)
+            table, what = replanning.replan_table(self.model, self.original_forward, args,
+                                                  kwargs, self.meta, values=run.values or None,
+                                                  budget_bytes=run.t.limit if own else None)
         except Exception as exc:
             print(f"slackswap: could not plan along the branches this call took ({brief(exc)})"
                   "; the guard holds the plan's budget", file=sys.stderr)
             return
-        got = self.templates.by_sig.get(sig)
-        if type(got) is tuple and got[0] is run:
-            self.templates.superseded[sig] = got      # (a new length may follow it: `_borrow`)
+        self.templates.supersede(sig, run)
         self.plans[sig] = PlanTable(table)
         self.branchy = self.branchy or bool(run.values)
         self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
@@ -263,8 +259,8 @@ def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = Tru
     without a trace (the guard holds it to the plan's fraction of the keep-all bytes there),
     and where it does not line up, or on another device or dtype, trace the model at those
     shapes with fake tensors and plan for them (same planner, hardware and budget fraction),
-    once per shape; with False the profiled plan is used (and lines up where it can). `strict`: refuse
-    (FingerprintMismatch) any call at shapes or on a device other than the profiled ones."""
+    once per shape; with False the profiled plan is used (and lines up where it can).
+    `strict`: refuse (FingerprintMismatch) any call at shapes or on a device other than the profiled ones."""
     check_generated(meta)
     inner = _unwrap(model)
     if inner is not model:

@@ -90,10 +90,10 @@ class LineUp:
         return None
 
     def alignment(self, rec_of_op: dict, trace_only: frozenset) -> dict:
-        """How this call lined up with the profile (`rec_of_op`: profile op -> record): `lined_up` of the profile's `expected`
-        forward ops matched an op of the run (its trace-only ops, `trace_only_ops`, count only
-        when eager ran them too);
-        `run_ops` ops of the run were recorded, `run_unmatched` of them matched none."""
+        """How this call lined up with the profile (`rec_of_op`: profile op -> record):
+        `lined_up` of the profile's `expected` forward ops matched an op of the run (its
+        trace-only ops, `trace_only_ops`, count only when eager ran them too); `run_ops` ops
+        of the run were recorded, `run_unmatched` of them matched none."""
         lined = len(rec_of_op)
         expected = len(self.ops) - sum(1 for i in trace_only if i not in rec_of_op)
         return {"lined_up": lined, "expected": expected,

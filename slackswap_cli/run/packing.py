@@ -155,7 +155,8 @@ class Packing:
         if sw is None or sw.ref.expired() or sw.version != x._version:
             # (a storage written since its copy, say a buffer filled step by step, is
             # copied again: a copy serves only the contents it saw)
-            sw = self.by_storage[key] = swap.StorageCopy(ref, swap.offload(swap.storage_as_bytes(x)), x._version)
+            copy = swap.offload(swap.storage_as_bytes(x))
+            sw = self.by_storage[key] = swap.StorageCopy(ref, copy, x._version)
             self.swaps.append(sw)
         if own:
             self.root_swap[r] = sw

@@ -91,7 +91,8 @@ class PlanRun(Packing, Unpacking, Rerun):
         self.tid_of: dict[tuple[int, int], int] = {}
         self.loc_of_tid: dict[int, tuple[int, int]] = {}
         self.pinned: dict[int, torch.Tensor] = {}   # root -> tensor held for a chain
-        self.by_storage: dict[tuple, swap.StorageCopy] = {}  # storage key -> its copy (this forward)
+        self.by_storage: dict[tuple, swap.StorageCopy] = {}  # storage key -> its copy (this
+        #                                                      forward)
         self.root_swap: dict[int, swap.StorageCopy] = {}   # swapped root -> its storage's copy
         self.swaps: list[swap.StorageCopy] = []
         self.made: dict[int, torch.Tensor] = {}     # recompute root -> tensor a chain made

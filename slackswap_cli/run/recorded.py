@@ -85,11 +85,13 @@ def prepare_replay(rec: OpRecord) -> tuple:
         raise RuntimeError(f"slackswap: a recompute chain would re-run the random op "
                            f"{rec.func}; this is a bug in slackswap, please report it")
     top = [*rec.args, *rec.kwargs.values()]
+
+    def marks(y) -> bool:
+        return isinstance(y, marker)
     if any(isinstance(a, (list, tuple, dict)) and
-           any(isinstance(x, marker) for x in pytree.tree_leaves(a, is_leaf=lambda y: isinstance(y, marker)))
+           any(marks(x) for x in pytree.tree_leaves(a, is_leaf=marks))
            for a in top):     # (a list of sizes is one argument; a list of tensors is not)
-        flat, spec = pytree.tree_flatten((rec.args, rec.kwargs),
-                                         is_leaf=lambda a: isinstance(a, marker))
+        flat, spec = pytree.tree_flatten((rec.args, rec.kwargs), is_leaf=marks)
     else:
         flat, spec = top, None
     todo = tuple(i for i, a in enumerate(flat) if isinstance(a, marker))

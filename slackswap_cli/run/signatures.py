@@ -67,6 +67,21 @@ class PlanTable:
         got.borrowed, got.pack_reserve = True, None
         return got
 
+    def lend(self, fraction: float, ratio: float) -> "PlanTable":
+        """This plan borrowed for a call recorded at other shapes before its limit there is
+        known: `fraction` of the keep-all bytes (settled by that call: `settle`), the limit
+        meanwhile this plan's times `ratio`, the guess of how those bytes grow."""
+        got = self.borrow()
+        got.fraction, got.limit_made_at = fraction, self.limit
+        got.limit, got.scale = int(self.limit * ratio), ratio
+        return got
+
+    def settle(self, saved_bytes: int) -> None:
+        """A lent plan's limit, once its call counted what a keep-all run holds there."""
+        self.limit = int(self.fraction * saved_bytes)
+        self.scale = self.limit / self.limit_made_at
+        self.fraction = None
+
 
 def signature(device_type: str, param_dtype: str, args, kwargs) -> tuple:
     """The device type, the parameters' dtype, then shapes and dtypes of a call's tensors in
@@ -90,7 +105,7 @@ NESTED = (list, tuple, dict)
 
 
 def tensors(args, kwargs) -> list:
-    """The call's tensors, in `_leaves` order."""
+    """The call's tensors, in `leaves` order."""
     return [x for x in leaves(args, kwargs) if isinstance(x, torch.Tensor)]
 
 
@@ -109,11 +124,19 @@ def first_guess(plan: PlanTable, old: tuple, new: tuple) -> tuple[float, float] 
     made_at = sum(b for _, b in by_shape) if by_shape else 0
     if not made_at or plan.limit is None or plan.borrowed:
         return None
-    old_shapes = [shape for shape, _ in old[2:]]
-    scale = Scale(old_shapes, [shape for shape, _ in new[2:]])
+    scale = shape_scale(old, new)
     per_shape = sum(b * scale.ratio(tuple(shape)) for shape, b in by_shape) / made_at
-    big = scale.ratio(max(old_shapes, key=math.prod, default=()))
-    return plan.limit / made_at, min(per_shape, big)
+    return plan.limit / made_at, min(per_shape, largest_input_ratio(old, scale))
+
+
+def shape_scale(old: tuple, new: tuple) -> Scale:
+    """`guard.Scale` from signature `old`'s input shapes to signature `new`'s."""
+    return Scale([shape for shape, _ in old[2:]], [shape for shape, _ in new[2:]])
+
+
+def largest_input_ratio(old: tuple, scale: Scale) -> float:
+    """How much `old`'s largest input (by elements) grows under `scale`: a first guess."""
+    return scale.ratio(max((shape for shape, _ in old[2:]), key=math.prod, default=()))
 
 
 def alike(a: tuple, b: tuple) -> bool:
@@ -163,8 +186,8 @@ class SignaturePlans:
         if self.replan:
             t0 = time.perf_counter()
             try:
-                table, what = replanning.replan_table(self.model, self.original_forward, args, kwargs,
-                                           self.meta)
+                table, what = replanning.replan_table(self.model, self.original_forward, args,
+                                                      kwargs, self.meta)
                 plan = PlanTable(table)
                 print(f"slackswap: new inputs {shapes(sig)}: planned for them in "
                       f"{time.perf_counter() - t0:.1f} s ({what})", file=sys.stderr)
@@ -190,7 +213,7 @@ class SignaturePlans:
         recorded at `sig`, its limit first guessed from its profile (`first_guess`). None
         when neither (a table written before it named its saved bytes)."""
         similar = [(other, plan) for other, plan in self.plans.items()
-                 if plan is not None and plan.fraction is None and alike(other, sig)]
+                   if plan is not None and plan.fraction is None and alike(other, sig)]
         for other, plan in similar:
             tpl = self.templates.get(other)
             if tpl is None:
@@ -199,8 +222,7 @@ class SignaturePlans:
             if tpl.keep_only:              # keeps everything, at any shape: nothing to scale
                 self.templates.by_sig[sig] = tpl
             else:
-                self.first_at[sig] = (tpl, Scale([s for s, _ in other[2:]],
-                                                 [s for s, _ in sig[2:]]), None)
+                self.first_at[sig] = (tpl, shape_scale(other, sig), None)
             return got
         for other, plan in similar:
             old = self.templates.superseded_of(other)
@@ -210,8 +232,7 @@ class SignaturePlans:
             got = self.plans[sig] = plan.borrow()
             runner = ran_on.borrow()
             runner.limit = plan.limit       # (the new plan's fraction: `ShapeRun.fraction`)
-            self.first_at[sig] = (tpl, Scale([s for s, _ in other[2:]],
-                                             [s for s, _ in sig[2:]]), runner)
+            self.first_at[sig] = (tpl, shape_scale(other, sig), runner)
             return got
         for other, plan in similar:
             # no template yet (its plan was just made): the first call at `sig` is recorded
@@ -219,18 +240,12 @@ class SignaturePlans:
             # what a keep-all run holds here (then the plan's fraction of it)
             made_at = self.keep_all.get(other)
             if made_at and plan.limit is not None:
-                got = self.plans[sig] = plan.borrow()
-                old = [shape for shape, _ in other[2:]]
-                big = max(old, key=math.prod, default=())     # (its elements: a first guess)
-                ratio = Scale(old, [shape for shape, _ in sig[2:]]).ratio(big)
-                got.fraction, got.limit_made_at = plan.limit / made_at, plan.limit
-                got.limit, got.scale = int(plan.limit * ratio), ratio
+                ratio = largest_input_ratio(other, shape_scale(other, sig))
+                got = self.plans[sig] = plan.lend(plan.limit / made_at, ratio)
                 return got
         for other, plan in similar:
             guess = first_guess(plan, other, sig)
             if guess is not None:
-                got = self.plans[sig] = plan.borrow()
-                got.fraction, got.limit_made_at = guess[0], plan.limit
-                got.limit, got.scale = int(plan.limit * guess[1]), guess[1]
+                got = self.plans[sig] = plan.lend(*guess)
                 return got
         return None

@@ -29,8 +29,8 @@ what, and why:
   at the plan's points); the first unpack of a recomputed root runs its chain.
 - **per chain:** the records it replays (the ops its deferred roots need) and the roots it
   makes are worked out on the first steady call and reused (they depend on the template only);
-  each record's arguments were flattened once (`recorded.prepare_replay`), and whether it is a view or
-  an in-place op was read from its schema once (`recorded.alias_flags`). A replay then runs the
+  each record's arguments were flattened once (`recorded.prepare_replay`), and whether it is a
+  view or an in-place op was read from its schema once (`recorded.alias_flags`). A replay then runs the
   recorded function on this call's values: handed-over ones, current parameters and inputs; a
   view whose input has the geometry noted at its first replay is `Tensor.as_strided` at the
   noted output geometry instead (`recorded.view_geometry`: one C call, not the boxed op), and an
@@ -147,7 +147,8 @@ class Templates:
     fingerprint it was made with) until its backward ran, then its `Template` (False: none
     can be made); `hot`: a later call's key -> (plan, signature, template), the one lookup a
     steady call makes; `superseded`: the first call's record at a signature whose plan was
-    since made again along its branches (a new length may follow it: `signatures.SignaturePlans._borrow`)."""
+    since made again along its branches (a new length may follow it:
+    `signatures.SignaturePlans._borrow`)."""
 
     def __init__(self):
         self.by_sig: dict[tuple, object] = {}
@@ -157,6 +158,13 @@ class Templates:
     def note(self, sig, run: PlanRun, fingerprint: "Fingerprint") -> None:
         """`run` is the first call at `sig` (its template is made once its backward ran)."""
         self.by_sig[sig] = (run, fingerprint)
+
+    def supersede(self, sig, run: PlanRun) -> None:
+        """`sig`'s plan was made again after its first call `run`: keep that call's record
+        (a new length may follow its template: `SignaturePlans._borrow`)."""
+        got = self.by_sig.get(sig)
+        if type(got) is tuple and got[0] is run:
+            self.superseded[sig] = got
 
     def get(self, sig):
         """The steady-state template for `sig`, made from its first call once that call's

@@ -53,7 +53,8 @@ class Unpacking:
             if owner not in self.done_chains:
                 # autograd unpacks a node's saved tensors in its own order: chains laid out
                 # before this one (whose roots it may read) run first, as simulated
-                for o in sorted(x for x in self.deferred if x < owner and x not in self.done_chains):
+                for o in sorted(x for x in self.deferred
+                                if x < owner and x not in self.done_chains):
                     self._run_chain(o)
                 self._run_chain(owner)
             out = self._resolve(loc, {})

@@ -119,7 +119,7 @@ def storage_keys_from_fake(joint: JointGraph) -> dict[str, int]:
 
 def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
                      op_times_us: dict[str, float] | None = None, time_source: str = "roofline",
-                     hardware=None, storage_keys: dict[str, int] | None = None,
+                     hardware=None, storage_keys: dict[str, int | tuple] | None = None,
                      storage_sizes: dict[str, int] | None = None,
                      summary_extra: dict | None = None,
                      progress: Callable[[str], None] | None = None) -> Profile:
@@ -171,8 +171,8 @@ class _GraphProfile:
     """The profile of a joint graph while it is being built: tensors by node name, storage
     roots, and what makes a root non-recomputable (see the module docstring)."""
 
-    def __init__(self, joint: JointGraph, nodes: list[fx.Node], storage_keys: dict[str, int],
-                 storage_sizes: dict[str, int]):
+    def __init__(self, joint: JointGraph, nodes: list[fx.Node],
+                 storage_keys: dict[str, int | tuple], storage_sizes: dict[str, int]):
         self.joint, self.nodes = joint, nodes
         self.storage_keys, self.storage_sizes = storage_keys, storage_sizes
         self.b = ProfileBuilder()

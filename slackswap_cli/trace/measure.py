@@ -117,8 +117,9 @@ class _Runner:
 
 
 def storage_keys_from_run(env: dict, nodes: list[fx.Node]) -> dict[str, tuple]:
-    """Tensor name -> storage key (`storage.storage_key`), for every value of one pass kept alive together."""
-    keys: dict[str, int] = {}
+    """Tensor name -> storage key (`storage.storage_key`), for every value of one pass kept
+    alive together."""
+    keys: dict[str, tuple] = {}
     for node in nodes:
         if node not in env or node.op == "output":
             continue
