@@ -96,7 +96,6 @@ def emit_module(joint, work, profile: Profile, plan: Plan, *, workload_ref: dict
     `trace_fingerprint`: the profile fingerprint of a fake trace of the workload, which
     `step_module(model, check_trace=True)` compares a fake trace of the user's model against.
     """
-
     params = dict(work.model.named_parameters())
     device_type = next(iter(params.values())).device.type
     step = partition(joint.gm, joint.phase, profile, plan, device_type)
@@ -119,7 +118,6 @@ def patch_meta(joint, work, profile: Profile, plan: Plan, device_type: str,
                workload_ref: dict, trace_fingerprint: str | None = None) -> dict[str, Any]:
     """META without what the written-out step adds: all `patch` (run/inplace.py) reads, for
     the emitted module and for the library's `slackswap_cli.patch(model, plan)`."""
-
     params = dict(work.model.named_parameters())
     buffers = dict(work.model.named_buffers())
     tensors = [n.meta.get("val") for n in joint.placeholders()]
