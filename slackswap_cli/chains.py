@@ -22,7 +22,8 @@ through its root, and one decision covers a root and all its aliases.
   static view assumes).
 - Any other root that is not at hand is re-run (its producer joins the chain); one that
   cannot be re-run and that backward does not save (a random op's output, such as a dropout
-  mask nobody kept) makes the plan impossible (`InputError`).
+  mask nobody kept, or what an op made from a value a later op overwrote in place: the
+  profile's `recomputable`) makes the plan impossible (`InputError`).
 - Roots a chain produces that are themselves to be recomputed stay resident until their own
   last reader (`made`): each op is re-run once per step, as torch's partitioner does. Every
   other value a chain produces is a *temporary* (`temps`), freed after the last chain task
@@ -268,8 +269,9 @@ def lay_out(prof, tab: Tables, action: list[int]) -> Layout:
 
 def _chain_closure(prof, tab: Tables, action: list[int], mat: set[int], resident,
                    i: int, targets: list[int]) -> tuple[set[int], set[int]]:
-    """`closure` for the chain before backward op `i`; a chain through a random op's output
-    that backward does not save is an InputError naming both."""
+    """`closure` for the chain before backward op `i`; a chain through a value that cannot be
+    re-run (a random op's output, or what an op made from a value a later op overwrote in
+    place) and that backward does not save is an InputError naming both."""
     def at_hand(x: int) -> bool:
         return (action[x] == KEEP_CODE or resident(x, i)
                 or (action[x] == SWAP_CODE and x not in mat))
@@ -280,8 +282,9 @@ def _chain_closure(prof, tab: Tables, action: list[int], mat: set[int], resident
         p = tab.producer[x]
         raise InputError(
             f"tensor {t.id} ({t.name}) cannot be recomputed: its chain needs tensor "
-            f"{x} ({prof.tensors[x].name}), the output of random op {p} "
-            f"({prof.ops[p].name}), which backward does not save",
+            f"{x} ({prof.tensors[x].name}), the output of op {p} ({prof.ops[p].name}), "
+            "which cannot be re-run (a random op, or one that read a value a later op "
+            "overwrote in place) and which backward does not save",
             hint="keep or swap that tensor instead") from None
 
 

@@ -138,11 +138,16 @@ class Rerun:
             if x is not None:
                 return x
         x = self._live(loc)
-        if x is not None and x._version == self.records[loc[0]].versions[loc[1]]:
+        if x is not None and x._version == self._version_of(loc):
             if self.noting and self.chain is not None:
                 self.live_reads.setdefault(self.chain, set()).add(loc)
             return x
         return None
+
+    def _version_of(self, loc: tuple[int, int]) -> int:
+        """The version output `loc` had when the forward produced it (a later call at the
+        signature: when its pack handed it over, `steady.SteadyRun`)."""
+        return self.records[loc[0]].versions[loc[1]]
 
     def _resolve(self, loc: tuple[int, int], local: dict) -> torch.Tensor:
         """The value recorded output `loc` had when the forward produced it."""

@@ -267,6 +267,7 @@ class SteadyRun(PlanRun):
         self.call_inputs = inputs
         self.chain = None
         self.bound = {}
+        self.bound_version = {}        # loc -> its version when its pack handed it over
         self.swaps = []
         self.rerun_ops = 0
         self.made_by = plan.table["made_by"]
@@ -309,6 +310,7 @@ class SteadyRun(PlanRun):
                 if v is None:
                     return self._differs(x)
                 bound[bloc] = v.detach()     # (an alias: see `packing.Packing._kept`)
+                self.bound_version[bloc] = v._version
         if kind is _KEEP:
             if tracked:
                 return self._kept(x)
@@ -354,6 +356,14 @@ class SteadyRun(PlanRun):
 
     def _live(self, loc: tuple[int, int]):
         return self.bound.get(loc)
+
+    def _version_of(self, loc: tuple[int, int]) -> int:
+        """A handed-over value's version at its pack, not the first call's: a call without
+        the recorder may take another eager path to the same value. C++ `linear` adds the
+        bias in place (`add_`) on an input that is not 2-d and contiguous, but out of place
+        under a dispatch mode (`isTensorSubclassLike`), so the first call recorded `add`
+        (version 0) where this one packs `add_`'s result (version 1)."""
+        return self.bound_version.get(loc, -1)
 
     def _chain_records(self, owner: int) -> list[int]:
         if self.broken:        # (a call that left the template: its own deferred roots)

@@ -324,6 +324,8 @@ def _backward_stmts(em: _BackwardEmitter, g: _Graph, plan: Plan, lay: Layout,
         op = g.op_id.get(b.name)
         if op in chains:
             em.chain(op, chains[op])
+        if _dead_meta(b, device_type):
+            continue
         for a in b.all_input_nodes:
             em.materialize(a)
         em.stmts.append(_define(b, g, device_type))
@@ -338,6 +340,18 @@ def _backward_stmts(em: _BackwardEmitter, g: _Graph, plan: Plan, lay: Layout,
     em.stmts.append(Stmt("return [" + ", ".join(x or "None" for x in grads) + "]",
                          uses=tuple(x for x in grads if x)))
     return grads
+
+
+def _dead_meta(n: fx.Node, device_type: str) -> bool:
+    """A node nothing reads, whose value is on the meta device in a step on another device,
+    and that writes nothing: what tracing saw of autograd's zero-tensor fallback (`sgn_`'s
+    gradient of a real input is an `_efficientzerotensor`; the fallback works out the result's
+    metadata with meta tensors, a Python scalar wrapped on the way). Run for real, its
+    `prims.mul` refuses the unwrapped scalar's float64; nothing needs its value."""
+    val = n.meta.get("val")
+    return (not n.users and device_type != "meta" and isinstance(val, torch.Tensor)
+            and val.device.type == "meta" and isinstance(n.target, torch._ops.OpOverload)
+            and not n.target._schema.is_mutable and not is_random(n))
 
 
 def _is_view(n: fx.Node) -> bool:

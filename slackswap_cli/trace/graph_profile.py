@@ -35,7 +35,15 @@ adds no activation bytes and is never a planner candidate.
 
 Recomputable: not for a root that an op mutates in place after creating it (re-running its
 producer would not reproduce it), nor for the results of random ops (`nondeterministic_seeded`
-in the op's tags: dropout, bernoulli, rand*, ...; attention kernels only when `dropout_p > 0`).
+in the op's tags: dropout, bernoulli, rand*, ...; attention kernels only when `dropout_p > 0`),
+nor for what an op makes from a value that a later op overwrites in place (a *stale read*).
+Chains work on roots, and a root holds one value: the one its last in-place write left. An
+in-place op whose backward needs the value it overwrites (`silu_`, `hardswish_`, `mul_` by a
+tensor that needs a gradient, ...: autograd's `original_self`) is traced as `clone(x)`, then
+`silu_(x)`; re-running that `clone` in backward would copy `silu(x)`, kept or swapped under
+`x`'s root, and backward would get wrong gradients without an error. So the clone is kept or
+swapped, never recomputed (tests/test_inplace_ops.py runs every such op of torch's
+derivatives).
 """
 from __future__ import annotations
 
@@ -181,6 +189,9 @@ class _GraphProfile:
         self.key_of_root: dict[int, int] = {}     # root tensor id -> storage key
         self.mutated_roots: set[int] = set()
         self.random_roots: set[int] = set()
+        # per op in order: (the roots it reads, the tensors it makes); root -> ops writing it
+        self.reads: list[tuple[set[int], list[int]]] = []
+        self.writes_at: dict[int, list[int]] = {}
         self.tensor_vals: list[torch.Tensor] = []  # meta val of each tensor id (byte counts)
         # getitem nodes name the outputs of multi-output ops
         self.picked: dict[tuple[str, int], list[fx.Node]] = {}
@@ -278,9 +289,13 @@ class _GraphProfile:
                 writes.append(tid)  # a fresh tensor, or an in-place write into its input
             if random:
                 self.random_roots.add(tid if root is None else root)
+        k = len(self.reads)                 # this op's index (ops are added in this order)
         for w in written:
             if w.name in tid_of:
-                self.mutated_roots.add(self.root(tid_of[w.name]))
+                r = self.root(tid_of[w.name])
+                self.mutated_roots.add(r)
+                self.writes_at.setdefault(r, []).append(k)
+        self.reads.append(({self.root(t) for t in inputs}, outputs))
         flops, nbytes = self._cost(node, inputs, outputs, writes)
         return inputs, outputs, flops, nbytes
 
@@ -333,12 +348,28 @@ class _GraphProfile:
                 if x.kind == "activation" and x.alias_of is None and t not in read:
                     x.kind = "gradient"
 
+    def stale_reads(self) -> set[int]:
+        """Tensors made by an op that read a value a later op overwrote in place: `clone(x)`
+        before `silu_(x)` (autograd's copy of what the in-place op overwrites, for its
+        backward), `mul(x, w)` before `x.add_(1)`. A chain re-running that op would read the
+        storage as the later write left it, so it cannot be re-run (see the module
+        docstring)."""
+        last = {r: max(ks) for r, ks in self.writes_at.items()}
+        out: set[int] = set()
+        for k, (roots, outputs) in enumerate(self.reads):
+            if any(last.get(r, -1) > k for r in roots):
+                out.update(outputs)
+        return out
+
     def mark_recomputable(self) -> None:
-        """Roots mutated in place or made by random ops cannot be recomputed; an alias is
-        recomputable exactly when its root is (it is re-derived from the root)."""
+        """Roots mutated in place, made by random ops or by an op that read a value later
+        overwritten in place cannot be recomputed; an alias is recomputable exactly when its
+        root is (it is re-derived from the root)."""
         b = self.b
         for t in self.mutated_roots | self.random_roots:
             b.tensors[t].recomputable = False
+        for t in self.stale_reads():
+            b.tensors[self.root(t)].recomputable = False
         for t in b.tensors:
             if t.alias_of is not None:
                 t.recomputable = t.recomputable and b.tensors[t.alias_of].recomputable
