@@ -25,6 +25,7 @@ TABLE an emitted file holds) and `compile(model, plan)` its `compile_planned` (r
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from pathlib import Path
@@ -51,11 +52,12 @@ from ..trace.workload import _as_workload
 from ..units import fmt_bytes
 from ..workload_spec import Workload
 from . import compiled, inplace
+from .check import CheckReport, check_step
 from .emit import patch_meta
 from .inplace import is_patched
 from .replan import _fake_copy, fake_of
 
-__all__ = ["Plan", "plan_model", "patch", "unpatch", "compile"]
+__all__ = ["Plan", "plan_model", "patch", "unpatch", "compile", "check", "CheckReport"]
 
 
 class Plan:
@@ -144,11 +146,47 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
 
 
 def patch(model: torch.nn.Module, plan: Plan, *, strict: bool = False,
-          replan: bool = True) -> torch.nn.Module:
+          replan: bool = True, check: bool = False) -> torch.nn.Module:
     """Patch `model` in place to train under `plan` (the emitted module's `patch`); returns
-    `model`. `unpatch(model)` undoes it."""
+    `model`. `unpatch(model)` undoes it. `check=True`: the first training call runs
+    `check` on its inputs first (raising CheckFailed there when the plan's values differ);
+    its CheckReport is then `model.forward.__slackswap__.check_report`."""
     _is_plan(plan, "patch")
-    return inplace.patch(model, plan.meta, plan.table, strict=strict, replan=replan)
+    out = inplace.patch(model, plan.meta, plan.table, strict=strict, replan=replan)
+    if check:
+        state = inplace.patched_state(model)
+        state.before_first = functools.partial(_check_first_call, state, plan)
+    return out
+
+
+def check(model: torch.nn.Module, plan: Plan, inputs: Any, *, samples="auto",
+          loss_fn: Callable | None = None) -> CheckReport:
+    """`slackswap verify` in the training script: one step of `model` eager against one
+    step patched with `plan`, from the same random-number state, on the first samples of
+    `inputs` (`samples`: "auto", the batch times the plan's budget fraction; K; None, the
+    whole batch). Gradients, loss and buffers must be bitwise equal, else CheckFailed names the
+    first parameter whose gradient differs and by how much. The model is left as it was;
+    call it before `patch` (or use `patch(model, plan, check=True)`). `loss_fn`: default the
+    one `plan_model` was given. Returns a CheckReport (run/check.py)."""
+    _is_plan(plan, "check")
+    return check_step(model, plan.meta, plan.table, inputs, samples=samples, loss_fn=loss_fn)
+
+
+def _check_first_call(state, plan: Plan, args, kwargs) -> None:
+    """`patch(..., check=True)`: `check` on the first training call's inputs, the model's
+    patch set aside meanwhile (nothing of it has run yet) and put back as it was."""
+    model = state.model
+    if args and kwargs:
+        raise InputError("check=True: the model's first training call mixes positional and "
+                         "keyword tensors", hint="call it with one kind, or call "
+                         "slackswap_cli.check(model, plan, inputs) before patch")
+    forward = model.__dict__["forward"]
+    inplace.unpatch(model)
+    try:
+        state.check_report = check_step(model, plan.meta, plan.table,
+                                        dict(kwargs) if kwargs else tuple(args))
+    finally:
+        model.forward = forward
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
