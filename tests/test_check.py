@@ -10,6 +10,7 @@ import slackswap_cli as slackswap
 from slackswap_cli.errors import CheckFailed, InputError
 from slackswap_cli.run import check as check_module
 from slackswap_cli.run.inplace import is_patched
+from slackswap_cli.run.steady import SteadyRun
 from slackswap_cli.run.unpacking import Unpacking
 from slackswap_cli.schema import Action
 from slackswap_cli.trace.workload import load_workload
@@ -39,18 +40,23 @@ def _unchanged(model, snap) -> bool:
             and all(p.grad is None for p in model.parameters()) and not is_patched(model))
 
 
-@pytest.fixture
-def corrupt_recompute(monkeypatch):
-    """The patched runtime hands back every recomputed saved tensor 1% off."""
+def _corrupt(monkeypatch, steady_only: bool) -> None:
+    """The patched runtime hands back every recomputed saved tensor 1% off (with
+    `steady_only`: in calls after the first at a signature only)."""
     unpack = Unpacking.unpack
 
     def wrong(self, packed):
         out = unpack(self, packed)
         if not isinstance(packed, torch.Tensor) and packed[1] is Action.RECOMPUTE \
-                and out.is_floating_point():
+                and out.is_floating_point() and (isinstance(self, SteadyRun) or not steady_only):
             return out * 1.01
         return out
     monkeypatch.setattr(Unpacking, "unpack", wrong)
+
+
+@pytest.fixture
+def corrupt_recompute(monkeypatch):
+    _corrupt(monkeypatch, steady_only=False)
 
 
 def test_check_passes_a_correct_plan_on_a_slice_and_leaves_the_model(gpt):
@@ -77,8 +83,15 @@ def test_check_names_the_gradient_a_corrupted_recompute_changes(gpt, corrupt_rec
                       r"largest value", failed.value.message)
     assert found, failed.value.message
     assert found.group(1) in dict(work.model.named_parameters()) and float(found.group(2)) > 0
-    assert "first 2 of 8 samples" in failed.value.message and failed.value.hint
-    assert _unchanged(work.model, snap)
+    assert "first 2 of 8 samples, the patched model's first call" in failed.value.message
+    assert failed.value.hint and _unchanged(work.model, snap)
+
+
+def test_check_runs_the_steady_state_too(gpt, monkeypatch):
+    work, plan = gpt
+    _corrupt(monkeypatch, steady_only=True)
+    with pytest.raises(CheckFailed, match="the patched model's second call: the gradient of"):
+        slackswap.check(work.model, plan, work.inputs)
 
 
 def test_patch_with_check_checks_the_first_training_call_once(gpt, monkeypatch):

@@ -3,11 +3,13 @@
     report = slackswap.check(model, plan, inputs)   # before patch: raises CheckFailed
     slackswap.patch(model, plan, check=True)         # the same, on the first training batch
 
-One step of the model as it is (eager) and one step of the model patched with the plan, from
-the same random-number state and on the same samples: the loss, every parameter's gradient
-and the buffers after the step (BatchNorm's statistics) must be bitwise equal, else
-`CheckFailed` names the first parameter (in `named_parameters` order) whose gradient differs
-and by how much (verify's comparison: `verify_steps.differences`).
+One step of the model as it is (eager) and two of the model patched with the plan (its first
+call, recorded, and its second: the steady state, or the plan made again along the branches
+the first call took, as training runs from then on), each from the same random-number state
+and on the same samples: the loss, every parameter's gradient and the buffers after the step
+(BatchNorm's statistics) must be bitwise equal to eager's, else `CheckFailed` names the call,
+the first parameter (in `named_parameters` order) whose gradient differs and by how much
+(verify's comparison: `verify_steps.differences`).
 
 Where the plan is needed an eager step of the whole batch may not fit, so by default the check
 runs on the first k samples of the batch (every input tensor whose first dimension is the
@@ -109,8 +111,8 @@ def _host(t):
 
 def check_step(model: torch.nn.Module, meta: dict, table: dict, inputs, *,
                samples="auto", loss_fn=None) -> CheckReport:
-    """One step eager against one step patched with (`meta`, `table`) on the first samples
-    of `inputs` (the module docstring); raises CheckFailed when they differ."""
+    """One step eager against the first two calls patched with (`meta`, `table`) on the
+    first samples of `inputs` (the module docstring); raises CheckFailed when they differ."""
     if inplace.is_patched(model):
         raise InputError("check() takes the model before patch: this one is patched already",
                          hint="check(model, plan, inputs) before patch(model, plan), or "
@@ -126,25 +128,45 @@ def check_step(model: torch.nn.Module, meta: dict, table: dict, inputs, *,
     rng, was_training = _rng_state(), model.training
     model.train()
     try:
-        loss_e, grads_e, bufs_e = _eager(model, part, loss_fn, meta, params, k, batch)
-        _restore(buffers, rng)
+        eager = _eager(model, part, loss_fn, meta, params, k, batch)
         inplace.patch(model, meta, table)
+        inplace.patched_state(model).notes.quiet = True    # its figures: the CheckReport
         try:
-            loss_p, grads_p = _patched(model, part, loss_fn, meta, params, k, batch)
-            state = model.forward.__slackswap__
-            run, report = state.last_run, state.last_report or {}
+            run, report = _patched_calls(model, part, loss_fn, meta, params, (buffers, rng),
+                                         eager, _which(k, batch))
         finally:
             inplace.unpatch(model)
-        bufs_p = {n: b.detach() for n, b in model.named_buffers()}
-        _compare(loss_e, loss_p, grads_e, grads_p, bufs_e, bufs_p, k, batch)
     finally:
         _restore(buffers, rng)
         model.train(was_training)
-    return CheckReport(samples=k, batch=batch, parameters=len(params), loss=float(loss_e),
+    return CheckReport(samples=k, batch=batch, parameters=len(params), loss=float(eager[0]),
                        ops_rerun=run.rerun_ops if run is not None else 0,
                        roots_swapped=len(run.metas) if run is not None else 0,
                        lined_up=float(report.get("fraction", 0.0)),
                        seconds=time.perf_counter() - started)
+
+
+def _patched_calls(model, part, loss_fn, meta, params, before, eager, where: str):
+    """The patched model's first call (recorded) and second (its steady state, or the plan
+    made again along the branches the first took), each from the state `before` (buffers,
+    random-number generators) and compared with `eager`; (the first call's run, its report)."""
+    run = report = None
+    for call in ("first", "second"):
+        _restore(*before)
+        try:
+            loss, grads = _step(model, part, loss_fn, meta.get("autocast"), params)
+        except SlackswapError:
+            raise
+        except Exception as exc:
+            text = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise CheckFailed(f"check on {where}: the patched model's {call} call failed where "
+                              f"eager ran: {type(exc).__name__}: {text}", hint=_HINT) from None
+        if run is None:
+            state = inplace.patched_state(model)
+            run, report = state.last_run, state.last_report or {}
+        bufs = {n: b.detach() for n, b in model.named_buffers()}
+        _compare(*eager, loss, grads, bufs, f"{where}, the patched model's {call} call")
+    return run, report
 
 
 def _restore(buffers: list, rng: tuple) -> None:
@@ -179,27 +201,14 @@ def _eager(model, part, loss_fn, meta, params, k, batch):
         n: _host(b.detach().clone()) for n, b in model.named_buffers()}
 
 
-def _patched(model, part, loss_fn, meta, params, k, batch):
-    """The patched step: (loss, gradients); a failure where eager ran is a finding."""
-    try:
-        return _step(model, part, loss_fn, meta.get("autocast"), params)
-    except SlackswapError:
-        raise
-    except Exception as exc:
-        text = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise CheckFailed(f"check: the patched step failed on {_which(k, batch)} where eager "
-                          f"ran: {type(exc).__name__}: {text}", hint=_HINT) from None
-
-
 _HINT = ("the plan does not give eager's values on this model: a bug in slackswap, not in "
          "the model. Train it unpatched (slackswap_cli.unpatch(model)) and report the model; "
          "a plan from planner='swap-all' (no recomputes) shows whether recomputing is the cause")
 
 
-def _compare(loss_e, loss_p, grads_e, grads_p, bufs_e, bufs_p, k, batch) -> None:
+def _compare(loss_e, grads_e, bufs_e, loss_p, grads_p, bufs_p, where: str) -> None:
     """Raise CheckFailed at the first gradient (then the loss, then a buffer) that is not
     bitwise equal."""
-    where = _which(k, batch)
     found = differences(grads_e, grads_p)
     loss = differences({"loss": loss_e.cpu()}, {"loss": loss_p})
     if found:
