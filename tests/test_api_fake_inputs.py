@@ -79,10 +79,14 @@ def test_a_meta_model_plans_with_a_fake_profile_and_trains_once_materialised():
         with pytest.warns(UserWarning):
             assert slackswap.plan_model(model, x, budget=0.5, device=fake, loss_fn=loss_fn).feasible
     assert all(p.device.type == "meta" for p in model.parameters())     # left as it was
-    model.to_empty(device="cpu")
+    with pytest.raises(InputError, match="meta device") as refused:
+        slackswap.check(model, plan, x, samples=None)
+    assert "model.to_empty(device=" in refused.value.hint
+    model.to_empty(device="cpu")                        # the hint, followed
     torch.manual_seed(0)
     eager = _classifier()
     model.load_state_dict(eager.state_dict())
+    assert slackswap.check(model, plan, x, samples=None).ops_rerun > 0
     slackswap.patch(model, plan)
     assert _adamw_twins(model, eager, x, y)
 

@@ -117,6 +117,10 @@ def check_step(model: torch.nn.Module, meta: dict, table: dict, inputs, *,
         raise InputError("check() takes the model before patch: this one is patched already",
                          hint="check(model, plan, inputs) before patch(model, plan), or "
                               "patch(model, plan, check=True) to check the first training batch")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise InputError("check() runs the model, and its parameters are on the meta device "
+                         "(no values)", hint="materialise it first: model.to_empty(device=...) "
+                         "and initialise its weights, then check(model, plan, inputs)")
     started = time.perf_counter()
     loss_fn = loss_fn if loss_fn is not None else meta.get("loss_fn")
     fraction = meta.get("budget_fraction") or (
