@@ -5,7 +5,7 @@ From a training script (docs/training.md, "The library API"):
     plan = slackswap_cli.plan_model(model, inputs, budget=0.5)
     slackswap_cli.patch(model, plan)          # or model = slackswap_cli.compile(model, plan)
 
-`plan_model`, `patch`, `unpatch`, `compile`, `Plan` (slackswap_cli/run/api.py) and `SlackswapCallback`
+`plan_model`, `patch`, `unpatch`, `compile`, `check`, `Plan` (slackswap_cli/run/api.py) and `SlackswapCallback`
 (the Hugging Face Trainer's, slackswap_cli/run/hf.py) need torch; they are imported when first
 used, so `import slackswap_cli` and the planning core stay torch-free.
 """
@@ -17,11 +17,12 @@ from .workload_spec import Workload
 
 __version__ = "0.1.0"
 __all__ = ["Workload", "__version__", "plan_model", "patch", "unpatch", "compile", "Plan",
-           "SlackswapCallback"]
+           "SlackswapCallback", "check", "CheckReport"]
 
 _LAZY = {"plan_model": "slackswap_cli.run.api", "patch": "slackswap_cli.run.api",
          "unpatch": "slackswap_cli.run.api",
          "compile": "slackswap_cli.run.api", "Plan": "slackswap_cli.run.api",
+         "check": "slackswap_cli.run.api", "CheckReport": "slackswap_cli.run.api",
          "SlackswapCallback": "slackswap_cli.run.hf"}
 
 

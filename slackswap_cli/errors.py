@@ -42,6 +42,13 @@ class ModelChanged(SlackswapError):
     exit_code = 5
 
 
+class CheckFailed(SlackswapError):
+    """`check` (the library's verify): the patched step's values differ from eager's (a
+    finding about the plan's run, like verify's mismatch)."""
+
+    exit_code = 5
+
+
 class TraceError(SlackswapError):
     """The workload could not be loaded, run or traced."""
 

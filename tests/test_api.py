@@ -227,10 +227,16 @@ def _hf_train(files, tmp_path, callbacks):
     return losses, [p.detach().clone() for p in work.model.parameters()], work.model
 
 
-def test_hf_trainer_callback_trains_bitwise_like_the_plain_trainer(files, tmp_path):
+def test_hf_trainer_callback_trains_bitwise_like_the_plain_trainer(files, tmp_path,
+                                                                   monkeypatch):
     want_losses, want_params, _ = _hf_train(files, tmp_path, [])
     callback = slackswap.SlackswapCallback(budget=0.3)
+    checks = []
+    check_step = slackswap.run.api.check_step
+    monkeypatch.setattr(slackswap.run.api, "check_step",
+                        lambda *a, **kw: checks.append(1) or check_step(*a, **kw))
     losses, params, model = _hf_train(files, tmp_path, [callback])
+    assert len(checks) == 1 and callback.check_report.parameters > 0   # checked once, passed
     assert len(losses) == 3 and losses == want_losses
     assert all(torch.equal(a, b) for a, b in zip(params, want_params))
     assert callback.plan.feasible and callback.plan.actions()["keep"] < len(

@@ -25,7 +25,9 @@ TABLE an emitted file holds) and `compile(model, plan)` its `compile_planned` (r
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,16 +52,21 @@ from ..trace.workload import _as_workload
 from ..units import fmt_bytes
 from ..workload_spec import Workload
 from . import compiled, inplace
+from .check import CheckReport, check_step
 from .emit import patch_meta
 from .inplace import is_patched
-from .replan import _fake_copy
+from .replan import _fake_copy, fake_of
 
-__all__ = ["Plan", "plan_model", "patch", "unpatch", "compile"]
+__all__ = ["Plan", "plan_model", "patch", "unpatch", "compile", "check", "CheckReport"]
 
 
 class Plan:
     """What `plan_model` returns: the profile, the plan (`schema.Plan`, what a plan file
-    holds) and the tables the runtimes follow. `save(path)` writes the files the CLI reads."""
+    holds) and the tables the runtimes follow. `save(path)` writes the files the CLI reads.
+    `note`: what the costs were priced for when that is not what a user may expect (a
+    meta-device model's plan: a fake trace and a hardware preset's roofline), else None."""
+
+    note: str | None = None
 
     def __init__(self, profile: Profile, plan: PlanFile, meta: dict, table: dict,
                  graph_table: dict):
@@ -123,23 +130,63 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     hw = _hardware(hardware)
     with _untouched(model):
         prof, joint, traced = _profile(work, how, target, hw, autocast, progress, started)
+    note = _meta_note(model, how, target, hw)
+    if note is not None:
+        warnings.warn(f"slackswap: {note}", stacklevel=2)
     if budget == "auto":
         budget = str(_auto_budget(model, work.inputs, optimizer))
     prof, hw, budget_bytes, fraction = plan_inputs(prof, budget, hw, "plan_model")
     result, _ = plan_profile(prof, hw, budget_bytes, fraction, planner, time_limit=time_limit,
                              started=started)
     out = _plan_of(prof, result, joint, traced, loss_fn)
+    out.note = note
     if not result.feasible:
         raise _infeasible(prof, planner, hw, budget_bytes, out)
     return out
 
 
 def patch(model: torch.nn.Module, plan: Plan, *, strict: bool = False,
-          replan: bool = True) -> torch.nn.Module:
+          replan: bool = True, check: bool = False) -> torch.nn.Module:
     """Patch `model` in place to train under `plan` (the emitted module's `patch`); returns
-    `model`. `unpatch(model)` undoes it."""
+    `model`. `unpatch(model)` undoes it. `check=True`: the first training call runs
+    `check` on its inputs first (raising CheckFailed there when the plan's values differ);
+    its CheckReport is then `model.forward.__slackswap__.check_report`."""
     _is_plan(plan, "patch")
-    return inplace.patch(model, plan.meta, plan.table, strict=strict, replan=replan)
+    out = inplace.patch(model, plan.meta, plan.table, strict=strict, replan=replan)
+    if check:
+        state = inplace.patched_state(model)
+        state.before_first = functools.partial(_check_first_call, state, plan)
+    return out
+
+
+def check(model: torch.nn.Module, plan: Plan, inputs: Any, *, samples="auto",
+          loss_fn: Callable | None = None) -> CheckReport:
+    """`slackswap verify` in the training script: one step of `model` eager against one
+    step patched with `plan`, from the same random-number state, on the first samples of
+    `inputs` (`samples`: "auto", the batch times the plan's budget fraction; K; None, the
+    whole batch). Gradients, loss and buffers must be bitwise equal, else CheckFailed names the
+    first parameter whose gradient differs and by how much. The model is left as it was;
+    call it before `patch` (or use `patch(model, plan, check=True)`). `loss_fn`: default the
+    one `plan_model` was given. Returns a CheckReport (run/check.py)."""
+    _is_plan(plan, "check")
+    return check_step(model, plan.meta, plan.table, inputs, samples=samples, loss_fn=loss_fn)
+
+
+def _check_first_call(state, plan: Plan, args, kwargs) -> None:
+    """`patch(..., check=True)`: `check` on the first training call's inputs, the model's
+    patch set aside meanwhile (nothing of it has run yet) and put back as it was."""
+    model = state.model
+    if args and kwargs:
+        raise InputError("check=True: the model's first training call mixes positional and "
+                         "keyword tensors", hint="call it with one kind, or call "
+                         "slackswap_cli.check(model, plan, inputs) before patch")
+    forward = model.__dict__["forward"]
+    inplace.unpatch(model)
+    try:
+        state.check_report = check_step(model, plan.meta, plan.table,
+                                        dict(kwargs) if kwargs else tuple(args))
+    finally:
+        model.forward = forward
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -180,6 +227,8 @@ def _where(model: torch.nn.Module, device: str) -> tuple[str, str]:
     how, target = split_device(device)
     first = next(iter(model.parameters()), None)
     on = first.device.type if first is not None else "cpu"
+    if on == "meta":
+        return _meta_where(how, target, device)
     if how == "auto":
         return ("cuda", "cuda") if on == "cuda" else ("fake", on)
     if how == "fake":
@@ -191,6 +240,32 @@ def _where(model: torch.nn.Module, device: str) -> tuple[str, str]:
     if how == "cuda" and not torch.cuda.is_available():     # pragma: no cover - CUDA only
         raise InputError("device='cuda', but torch sees no CUDA device", hint="use device='cpu'")
     return how, how
+
+
+def _meta_where(how: str, target: str | None, device: str) -> tuple[str, str]:
+    """A model built on the meta device (described, not yet materialised) is traced with
+    fake tensors: `device="auto"` for the device this machine would train on (CUDA when torch
+    sees one, else the CPU), `"fake:..."` as asked. Its step cannot be measured."""
+    if how == "auto":
+        return "fake", "cuda" if torch.cuda.is_available() else "cpu"
+    if how == "fake":
+        return how, target
+    raise InputError(f"device={device!r}, but the model's parameters are on the meta device: "
+                     "they have no values, so its step cannot be run and measured",
+                     hint="plan it as it is with device='auto' (a fake trace, its costs the "
+                          "roofline of `hardware`), or materialise it first "
+                          f"(model.to_empty(device={how!r}), then initialise its weights)")
+
+
+def _meta_note(model: torch.nn.Module, how: str, target: str, hw) -> str | None:
+    """What a plan of a meta-device model was priced for (None for any other model)."""
+    first = next(iter(model.parameters()), None)
+    if first is None or first.device.type != "meta" or how != "fake":
+        return None
+    return (f"the model is on the meta device: its step was traced with fake tensors for "
+            f"{target} and every op priced by the roofline of the {hw.name!r} hardware preset "
+            f"({hw.description or 'no description'}), not measured; pass hardware= the preset "
+            "of the device it will train on (`slackswap hardware` lists them)")
 
 
 def _hardware(hardware):
@@ -216,10 +291,15 @@ def _profile(work: Workload, how: str, target: str, hw, autocast, progress, star
     """(profile, joint graph, the traced Workload): the step traced as `how` says."""
     header = {"name": type(work.model).__name__, "path": None, "entry": None, "args": {}}
     if how == "fake":
-        mode = FakeTensorMode(allow_non_fake_inputs=False)
-        traced = Workload(_fake_copy(work.model, mode), pytree.tree_map(
-            lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, work.inputs),
-            work.loss_fn)
+        # real tensors the step meets outside the model and its inputs (the labels a loss_fn
+        # closes over, a tensor attribute that is no buffer) are converted as ops read them
+        # and traced as constants, as a real trace does (joint._trace_real_tensors); the
+        # user's closure and model stay as they are
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        meta_on = "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
+        traced = Workload(_fake_copy(work.model, mode, meta_on), pytree.tree_map(
+            lambda x: fake_of(mode, x, meta_on) if isinstance(x, torch.Tensor) else x,
+            work.inputs), work.loss_fn)
     else:
         dev = torch.device(how)
         traced = Workload(work.model, pytree.tree_map(

@@ -2,9 +2,11 @@
 
 The callback plans on the first training batch the model is called with, in the Trainer's own
 process and on its device (`plan_model`), patches the model in place (`patch`) and runs that
-batch under the plan: nothing else of the Trainer changes. It hooks in at the first
-`on_step_begin` (after `accelerator.prepare`, which may wrap the model's forward) by giving the
-model a one-call forward; a call in eval mode or without grad passes through untouched.
+batch under the plan, checked first (`check`: eager against patched on its first samples,
+once; `SlackswapCallback(check=False)` skips it): nothing else of the Trainer changes. It hooks
+in at the first `on_step_begin` (after `accelerator.prepare`, which may wrap the model's
+forward) by giving the model a one-call forward; a call in eval mode or without grad passes
+through untouched.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from transformers import TrainerCallback
 
 from ..errors import InputError
 from .api import patch, plan_model
+from .inplace import patched_state
 
 __all__ = ["SlackswapCallback"]
 
@@ -22,11 +25,15 @@ class SlackswapCallback(TrainerCallback):
 
     Keyword arguments are `plan_model`'s (`budget` is required); `budget="auto"` counts the
     Trainer's own optimizer. After the first step, `.plan` is the Plan (`.plan.save(path)`
-    writes the files the CLI reads)."""
+    writes the files the CLI reads). `check` (default True): that first batch is checked
+    first (`slackswap_cli.check` on its first samples: eager against patched, bitwise;
+    CheckFailed stops training when they differ), its CheckReport then `.check_report`."""
 
-    def __init__(self, *, budget, **plan_kwargs):
+    def __init__(self, *, budget, check: bool = True, **plan_kwargs):
         self.plan_kwargs = {"budget": budget, **plan_kwargs}
+        self.check = check
         self.plan = None
+        self.check_report = None
         self._hooked = False
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -68,5 +75,7 @@ class _PlanOnFirstCall:
                                              "model(**inputs)) to let slackswap plan it")
         inputs = dict(kwargs) if kwargs else tuple(args)
         self.owner.plan = plan_model(model, inputs, **self.options)
-        patch(model, self.owner.plan)
-        return model.forward(*args, **kwargs)
+        patch(model, self.owner.plan, check=self.owner.check)
+        out = model.forward(*args, **kwargs)
+        self.owner.check_report = patched_state(model).check_report
+        return out

@@ -66,6 +66,8 @@ class _Patched(SignaturePlans):
         self.first_at: dict[tuple, tuple] = {}      # new shapes -> (template, Scale, its
         #                                             plan: None, the one borrowed) to follow
         self.keep_all: dict[tuple, int] = {}        # signature -> bytes a keep-all run holds
+        self.before_first = None    # called with the first training call's (args, kwargs)
+        self.check_report = None    # (patch(model, plan, check=True): what its check found)
         params = meta.get("params") or [[None, None, "torch.float32"]]
         profiled = (meta.get("device_type", "cpu"), dtype_name(params[0][2]),
                     *((tuple(shape), dtype_name(dtype))
@@ -134,6 +136,9 @@ class _Patched(SignaturePlans):
                            "compiled model runs unpatched, without the plan (patch the eager "
                            "model, or use the compiled path)")
             return self.original_forward(*args, **kwargs)
+        if self.before_first is not None:       # (patch(..., check=True): run/api.py)
+            hook, self.before_first = self.before_first, None
+            hook(args, kwargs)
         key, inputs = self.key(args, kwargs)
         hot = self.templates.hot.get(key)   # (a later call at a signature with a template)
         if hot is not None and self.steady:
@@ -335,6 +340,11 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     else:
         del model.forward
     return model
+
+
+def patched_state(model: torch.nn.Module) -> _Patched:
+    """What `patch` attached to `model` (or to the model a DDP wrapper holds)."""
+    return _unwrap(model).__dict__["forward"].__slackswap__
 
 
 def is_patched(model: torch.nn.Module) -> bool:

@@ -35,16 +35,22 @@ _TRACED_AS = {"aten.lift_fresh.default": "aten.lift_fresh_copy.default"}
 
 
 def trace_only_ops(ops: list) -> frozenset[int]:
-    """The positions of the profile's forward ops (`table["ops"]`) that eager does not run as
-    ops: make_fx's `detach` of each saved output (`TRACE_ONLY`), and a view no later forward op
-    reads (autograd re-creating a view after an in-place write to it, which a trace replays
-    as an op and eager does inside the autograd node)."""
+    """The positions of the profile's forward ops (`table["ops"]`) that eager may not run as
+    ops of the model's forward: make_fx's `detach` of each saved output (`TRACE_ONLY`), a view
+    no later forward op reads (autograd re-creating a view after an in-place write to it,
+    which a trace replays as an op and eager does inside the autograd node), and the trailing
+    ops outside every module (a `loss_fn`'s, which the training script runs after the
+    patched forward returned; a model's own last ops there line up and count as usual)."""
     read = {t for o in ops for t in o.acts}
     only = set()
     for i, o in enumerate(ops):
         if o.target in TRACE_ONLY or (is_view_target(o.target)
                                       and not any(t in read for t in o.outputs)):
             only.add(i)
+    for i in range(len(ops) - 1, -1, -1):
+        if ops[i].module != "":
+            break
+        only.add(i)
     return frozenset(only)
 
 

@@ -18,16 +18,19 @@ SAY_MAX = 3             # signatures a kind of note is printed for (`Notes.say_c
 
 
 class Notes:
-    """The notes a patched model has given (`said`: keys; `said_count`: per kind)."""
+    """The notes a patched model has given (`said`: keys; `said_count`: per kind); `quiet`:
+    none printed (the library's check runs a patch of its own, reported otherwise)."""
 
     def __init__(self):
         self.said: set = set()                  # notes already given on stderr
         self.said_count: dict[str, int] = {}    # notes given per kind (`say_capped`)
+        self.quiet = False
 
     def say(self, key: str, text: str) -> None:
         if key not in self.said:
             self.said.add(key)
-            print(f"slackswap: {text}", file=sys.stderr)
+            if not self.quiet:
+                print(f"slackswap: {text}", file=sys.stderr)
 
     def say_checkpointing(self, model) -> None:
         if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
@@ -78,6 +81,8 @@ class Notes:
         that later ones are not printed (dynamic padding meets hundreds of shapes)."""
         n = self.said_count.get(kind, 0)
         self.said_count[kind] = n + 1
+        if self.quiet:
+            return
         if n < SAY_MAX:
             print(f"slackswap: {text}", file=sys.stderr)
         elif n == SAY_MAX:

@@ -51,7 +51,7 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
         raise InputError("the patched module does not record its plan's hardware",
                          hint="regenerate it with `slackswap apply`")
     hw = HardwareSpec.from_dict(hw_dict)
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)   # a loss_fn's real tensors: constants
     with torch.random.fork_rng(devices=_cuda_devices()):
         shadow = _fake_copy(model, mode)
         fake_inputs = pytree.tree_map(
@@ -97,12 +97,13 @@ def _trace(shadow, fake_inputs, loss_fn, meta: dict, values: list | None):
         raise
 
 
-def _fake_copy(model: torch.nn.Module, mode) -> torch.nn.Module:
+def _fake_copy(model: torch.nn.Module, mode, meta_on: str = "cpu") -> torch.nn.Module:
     """A copy of `model` whose parameters and buffers are FakeTensors, its forward its class's
-    own (the patched forward stays with the real model)."""
+    own (the patched forward stays with the real model). A tensor on the meta device (a model
+    built under `torch.device("meta")`) becomes a FakeTensor on `meta_on` (`fake_of`)."""
     memo = {}
     for t in [*model.parameters(), *model.buffers()]:
-        fake = mode.from_tensor(t)
+        fake = fake_of(mode, t, meta_on)
         memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) \
             if isinstance(t, torch.nn.Parameter) else fake
     forward = model.__dict__.pop("forward", None)
@@ -112,6 +113,17 @@ def _fake_copy(model: torch.nn.Module, mode) -> torch.nn.Module:
         if forward is not None:
             model.forward = forward
     return shadow
+
+
+def fake_of(mode, tensor: torch.Tensor, meta_on: str = "cpu") -> torch.Tensor:
+    """`tensor` as a FakeTensor of `mode`; one on the meta device as a FakeTensor on `meta_on`
+    (meta tensors have no device the step would run on, and ops refuse to mix them with the
+    inputs' device: the fake trace stands for the model materialised on `meta_on`)."""
+    if tensor.device.type != "meta":
+        return mode.from_tensor(tensor)
+    with mode:
+        return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype,
+                                   device=meta_on)
 
 
 def _workload_loss_fn(meta: dict):

@@ -28,6 +28,24 @@ def rel_diff(a, b) -> float:
     return float((a - b).abs().max()) / scale if a.numel() else 0.0
 
 
+def differences(a: dict, b: dict) -> list[tuple[str, float]]:
+    """(name, `rel_diff`) of each tensor of `a` (name -> tensor or None) that is not bitwise
+    equal to `b`'s of that name, in `a`'s order: verify's comparison of gradients, and the
+    library's check (run/check.py). Tensors on two devices are compared on `a`'s."""
+    out = []
+    for name, x in a.items():
+        y = b.get(name)
+        if x is None and y is None:
+            continue
+        if x is None or y is None or x.shape != y.shape:
+            out.append((name, float("inf")))
+            continue
+        y = y.to(x.device)
+        if not torch.equal(x, y):
+            out.append((name, rel_diff(x, y)))
+    return out
+
+
 def tolerances(dtype) -> tuple[float, float]:
     if dtype in (torch.float16, torch.bfloat16):
         return 1e-3, 1e-2
@@ -202,9 +220,9 @@ def _compare(s: Pair, loss_o, loss_p, out: Compared) -> None:
     out.losses_o.append(float(loss_o.detach()))
     out.losses_p.append(float(loss_p.detach()))
     out.max_loss = max(out.max_loss, rel_diff(loss_o, loss_p))
-    params_p = dict(s.work.model.named_parameters())
-    for name, p in s.orig.model.named_parameters():
-        d = rel_diff(p.grad, params_p[name].grad)
+    grads_o = {name: p.grad for name, p in s.orig.model.named_parameters()}
+    grads_p = {name: p.grad for name, p in s.work.model.named_parameters()}
+    for name, d in differences(grads_o, grads_p):
         if d > out.max_grad:
             out.max_grad, out.worst_param = d, name
     for (name, b), (_, b2) in zip(s.orig.model.named_buffers(), s.work.model.named_buffers()):

@@ -107,9 +107,10 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
     loaded `Workload` before tracing (`fit` reads the parameters there; it may raise).
     """
     from .joint import autocast_name
-    from .workload import workload_name
+    from .workload import MetaModelError, workload_name
 
     say = progress or (lambda _line: None)
+    asked = device
     device, target = split_device(device)
     device = resolve_device(device) if device != "fake" else device
     target = target or device
@@ -118,7 +119,16 @@ def profile_workload(path, *, entry: str = "workload", args: dict | None = None,
         raise InputError("--device fake needs a hardware preset for roofline costs",
                          hint="pass --hardware a100-pcie4 (or another preset)")
     t0 = time.perf_counter()
-    work, module, autocast = _load_workload(path, entry, args, device, autocast, say)
+    try:
+        work, module, autocast = _load_workload(path, entry, args, device, autocast, say)
+    except MetaModelError:
+        if asked != "auto" or hardware is None:
+            raise
+        # a model on the meta device is described, not materialised: auto traces it fake
+        device, target = "fake", device
+        say(f"the model is on the meta device: tracing it with fake tensors for {target}, "
+            f"every op priced by the roofline of {hardware.name} (--hardware to choose)")
+        work, module, autocast = _load_workload(path, entry, args, device, autocast, say)
     if on_load is not None:
         on_load(work)
     header = {"name": workload_name(module, path), "path": str(Path(path).resolve()),

@@ -269,6 +269,7 @@ def _to_fake(work: Workload, fake_mode) -> Workload:
             "created outside it",
             hint="construct the model in the entry function, or profile with --device cpu")
     inputs = pytree.tree_map(conv, work.inputs)
+    work, inputs = _off_meta(work, inputs, fake_mode)
     # Fake CUDA tensors on a torch without CUDA abort the whole process (a C++ terminate) at
     # the first op that needs a device guard: refuse them while we still can. A CUDA build on
     # a machine without a GPU (PyPI's wheels) gets here too: it makes fake CUDA tensors
@@ -285,9 +286,40 @@ def _to_fake(work: Workload, fake_mode) -> Workload:
     return dataclasses.replace(work, inputs=inputs)
 
 
+def _off_meta(work: Workload, inputs, fake_mode) -> tuple[Workload, Any]:
+    """(work, inputs) with what is on the meta device (a model built under
+    `torch.device("meta")`, described before it is materialised) as FakeTensors on the CPU:
+    ops refuse to mix meta tensors with the CPU inputs, and the fake trace stands for the model
+    materialised (`--device fake` traces on the CPU)."""
+    def meta(t):
+        return isinstance(t, torch.Tensor) and t.device.type == "meta"
+
+    def conv(t):
+        if not meta(t):
+            return t
+        with fake_mode:
+            return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
+
+    if any(meta(t) for t in [*work.model.parameters(), *work.model.buffers()]):
+        with fake_build(fake_mode), fake_mode:
+            work.model.to_empty(device="cpu")       # fake tensors: nothing is allocated
+    return work, pytree.tree_map(conv, inputs)
+
+
+class MetaModelError(TraceError):
+    """The workload's model is on the meta device, and the step was to run for real."""
+
+
 def _to_device(work: Workload, device: torch.device) -> Workload:
     def move(t):
         return t.to(device) if isinstance(t, torch.Tensor) else t
+    if any(t.device.type == "meta" for t in work.model.parameters()):
+        raise MetaModelError(
+            f"the model is on the meta device (built under torch.device('meta')): its "
+            f"parameters have no values, so its step cannot be run and measured on {device}",
+            hint="profile it with --device fake --hardware PRESET (a fake trace: the roofline "
+                 "of PRESET costs every op), or materialise it in workload() "
+                 "(model.to_empty(device=...), then initialise its weights)")
     try:
         model = work.model.to(device)
     except Exception as exc:
