@@ -22,14 +22,14 @@ Torch-free, like the rest of the planning core.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from .errors import InfeasibleError, InputError
 from .schema import Action, Plan, Profile
 from .simulate import budget_floor_bytes
 
 __all__ = ["STARTS", "ENDS", "StageCost", "RankRow", "held_microbatches", "stage_cost",
-           "rank_peak", "boundary_bytes", "plan_stages", "PipelinePlan", "format_rows"]
+           "rank_peak", "Boundary", "boundary_bytes", "plan_stages", "PipelinePlan", "format_rows"]
 
 STARTS = ("F",)                 # the action that makes a microbatch's activations on a stage
 ENDS = ("B", "W")               # the actions after which they are gone
@@ -79,8 +79,18 @@ class StageCost:
     boundary_held: int = 0      # what the pipeline adds to held_bytes (counted in it)
 
 
+class Boundary(NamedTuple):
+    """What a pipeline stage holds beyond its profile (`boundary_bytes`), and the activation
+    roots of the profile the pipeline holds whatever the plan says (`pinned`: the stage's
+    output, kept in PipelineStage's forward cache; a plan that swaps or recomputes it frees
+    nothing)."""
+    held: int = 0
+    backward: int = 0
+    pinned: frozenset = frozenset()
+
+
 def boundary_bytes(output_bytes: int, input_bytes: int, first: bool,
-                   last: bool) -> tuple[int, int]:
+                   last: bool) -> Boundary:
     """(held, backward): what a pipeline stage holds beyond its profile, per microbatch held
     and while a backward of it runs. PipelineStage keeps each microbatch's output (its forward
     cache) until that microbatch's backward ends, where the profile lets the output die at its
@@ -90,27 +100,30 @@ def boundary_bytes(output_bytes: int, input_bytes: int, first: bool,
     to send back (a gradient: the profile does not count it)."""
     held = output_bytes if last else 0
     backward = output_bytes + (0 if last else output_bytes) + (0 if first else input_bytes)
-    return held, backward
+    return Boundary(held, backward)
 
 
 def stage_cost(prof: Profile, plan: Plan | None = None,
-               boundary: tuple[int, int] = (0, 0)) -> StageCost:
+               boundary: Boundary = Boundary()) -> StageCost:
     """A stage's per-microbatch figures under `plan` (None: keep everything). Held: what is
     live during the last forward op (the keep-all liveness) less the saved activations the
     plan swaps or recomputes; peak: the plan's simulated peak (the keep-all peak without).
-    `boundary`: `boundary_bytes`, added."""
-    held, extra = boundary
+    `boundary`: the pipeline's own bytes, added, and the roots it holds anyway (a plan's
+    eviction of one frees nothing: its bytes count as held and at the peak)."""
+    held, extra, pinned = boundary
     live_at_end = prof.live_bytes_per_op[prof.n_forward - 1] if prof.n_forward else 0
     if plan is None:
         return StageCost(live_at_end + held, prof.keep_all_peak_bytes, boundary_bytes=extra,
                          boundary_held=held)
     size = {t.id: t.size_bytes for t in prof.saved_activations}
     moved = {Action.SWAP: 0, Action.RECOMPUTE: 0}
+    stuck = 0
     for d in plan.decisions:
         if d.action in moved and d.tensor in size:
             moved[d.action] += size[d.tensor]
-    evicted = moved[Action.SWAP] + moved[Action.RECOMPUTE]
-    return StageCost(max(0, live_at_end - evicted) + held, plan.predicted.peak_bytes,
+            stuck += size[d.tensor] if d.tensor in pinned else 0
+    evicted = moved[Action.SWAP] + moved[Action.RECOMPUTE] - stuck
+    return StageCost(max(0, live_at_end - evicted) + held, plan.predicted.peak_bytes + stuck,
                      moved[Action.SWAP], moved[Action.RECOMPUTE], extra, held)
 
 
@@ -174,12 +187,12 @@ def _plans_at(fraction: float, stages, profiles, planner: Planner, memo: dict, b
     for s in stages:
         prof = profiles[s]
         if fraction >= 1.0:
-            plans[s], cost[s] = None, stage_cost(prof, None, boundary.get(s, (0, 0)))
+            plans[s], cost[s] = None, stage_cost(prof, None, boundary.get(s, Boundary()))
             continue
         budget = max(budget_floor_bytes(prof), int(prof.keep_all_peak_bytes * fraction))
         if (s, budget) not in memo:
             plan = planner(prof, budget)
-            memo[s, budget] = (plan, stage_cost(prof, plan, boundary.get(s, (0, 0)))
+            memo[s, budget] = (plan, stage_cost(prof, plan, boundary.get(s, Boundary()))
                                if plan.feasible else None)
         plans[s], cost[s] = memo[s, budget]
         if cost[s] is None:
@@ -211,7 +224,7 @@ def _search(steps, stages, profiles, planner, budget: int, boundary, steps_n: in
 
 def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Profile],
                 budget_bytes: Mapping[int, int] | int, planner: Planner,
-                boundary: Mapping[int, tuple[int, int]] | None = None) -> PipelinePlan:
+                boundary: Mapping[int, Boundary] | None = None) -> PipelinePlan:
     """One plan per stage, each rank's peak (`rank_peak`) under its budget: activation bytes
     per rank (a mapping rank -> bytes, or one figure for every rank). `planner(profile,
     budget_bytes)` makes a stage's plan; `boundary`: stage -> its `boundary_bytes`. Raises
@@ -230,7 +243,7 @@ def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Prof
                              hint="give a profile for every stage index the schedule runs")
         budget = budget_bytes if isinstance(budget_bytes, int) else budget_bytes[rank]
         found = _search(steps, stages, profiles, planner, budget, boundary)
-        keep = {s: stage_cost(profiles[s], None, boundary.get(s, (0, 0))) for s in stages}
+        keep = {s: stage_cost(profiles[s], None, boundary.get(s, Boundary())) for s in stages}
         if found is None:
             short.append((rank, budget))
             continue

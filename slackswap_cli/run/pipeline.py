@@ -158,8 +158,9 @@ def _stage_loss(out, inputs):
                if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
-def _output_bytes(module: torch.nn.Module, inputs) -> int:
-    """Bytes of the stage's output for one microbatch, from a fake run (nothing allocated)."""
+def _output_shapes(module: torch.nn.Module, inputs) -> list[tuple[tuple, int]]:
+    """(shape, bytes) of each tensor of the stage's output for one microbatch, from a fake run
+    (nothing allocated)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .replan import _fake_copy
@@ -170,8 +171,25 @@ def _output_bytes(module: torch.nn.Module, inputs) -> int:
         lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, args)
     with mode, torch.no_grad():
         out = shadow(*fake)
-    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out)
-               if isinstance(t, torch.Tensor))
+    return [(tuple(t.shape), t.numel() * t.element_size())
+            for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _output_roots(prof, outputs) -> frozenset:
+    """The profile's activation roots that are the stage's output: read by the loss's ops (the
+    forward ops after the stage module's last one, which belong to no module) and of an
+    output's size (a root may be the output before a view)."""
+    fwd = prof.ops[:prof.n_forward]
+    last = max((op.id for op in fwd if op.module), default=-1)
+    sizes = {n for _, n in outputs}
+    roots = set()
+    for op in fwd[last + 1:]:
+        for tid in op.inputs:
+            t = prof.tensors[prof.root(tid)]
+            if t.kind == "activation" and t.producer is not None and t.producer <= last \
+                    and t.size_bytes in sizes:
+                roots.add(t.id)
+    return frozenset(roots)
 
 
 def _grad_bytes(inputs) -> int:
@@ -206,12 +224,13 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
             raise InputError(f"ranks {unknown} are not in a pipeline of {pp} ranks",
                              hint=f"ranks from 0 to {pp - 1}")
         order = {r: order[r] for r in ranks}
-    profiles, traced, boundary = {}, {}, {}
+    profiles, traced, boundary, outputs = {}, {}, {}, {}
     hw = api._hardware(hardware)
     n_stages = 1 + max(s for steps in schedule_order(schedule, pp, microbatches,
                                                      stages_per_rank).values() for _, s, _ in steps)
     for index, (module, inputs, loss_fn) in sorted(stages.items()):
-        boundary[index] = boundary_bytes(_output_bytes(module, inputs), _grad_bytes(inputs),
+        outputs[index] = _output_shapes(module, inputs)
+        boundary[index] = boundary_bytes(sum(n for _, n in outputs[index]), _grad_bytes(inputs),
                                          index == 0, index == n_stages - 1)
         loss_fn = loss_fn or _stage_loss
         work = api._checked(module, inputs, loss_fn)
@@ -221,6 +240,7 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
                                               time.perf_counter())
         prof, hw, _, _ = plan_inputs(prof, 1.0, hw, "plan_pipeline")
         profiles[index], traced[index] = prof, (joint, tr, loss_fn)
+        boundary[index] = boundary[index]._replace(pinned=_output_roots(prof, outputs[index]))
 
     def planner_fn(prof, budget_bytes):
         return plan_profile(prof, hw, budget_bytes, None, planner)[0]
