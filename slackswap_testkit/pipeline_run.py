@@ -133,7 +133,8 @@ def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps):
             "params": [p.detach().clone() for m in mods.values() for p in m.parameters()]}
 
 
-def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, steps=3):
+def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, planner="slackswap",
+           steps=3):
     import torch.distributed as dist
     sys.path.insert(0, str(ROOT))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -153,7 +154,7 @@ def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, steps=3
         started = time.perf_counter()
         planned = plan_pipeline(specs, schedule, pp=world, microbatches=n_mb, budget=budget,
                                 stages_per_rank=per_rank if per_rank > 1 else None,
-                                ranks=[rank])
+                                ranks=[rank], planner=planner)
         results = {"plan_s": time.perf_counter() - started,
                    "row": vars(planned.rows[0]) | {"fits": planned.rows[0].fits}}
         for label in ("plain", "patched"):
@@ -171,10 +172,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(schedule: str, world: int, n_mb: int, per_rank: int, budget, out_dir) -> list[dict]:
+def run(schedule: str, world: int, n_mb: int, per_rank: int, budget, out_dir,
+        planner: str = "slackswap") -> list[dict]:
     """Spawn the ranks; each rank's results: plan row, plain and patched runs."""
     torch.multiprocessing.spawn(worker, args=(world, free_port(), schedule, n_mb, per_rank,
-                                              budget, str(out_dir)), nprocs=world, join=True)
+                                              budget, str(out_dir), planner),
+                                nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
             for r in range(world)]
 

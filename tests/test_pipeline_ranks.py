@@ -1,6 +1,6 @@
 """Per-stage plans on real pipeline ranks: a GPT-style model split by hand into PipelineStages,
 two CPU processes (gloo), run by torch's GPipe, 1F1B and Interleaved1F1B for three AdamW steps
-(slackswap_testkit/pipeline_run.py). The patched stages train bit for bit as the same pipeline
+(slackswap_testkit/pipeline_run.py), planned by slackswap and by recompute-only. The patched stages train bit for bit as the same pipeline
 unpatched; each rank holds the microbatches read from the schedule; its measured activation
 peak is within 5% of the predicted one, keeping everything and under its plan.
 
@@ -23,22 +23,24 @@ pytestmark = [
 ]
 
 
-# where a plan swaps much, the patched eager runtime holds more than the plan says: the most
-# recent forward of a patched stage keeps some of its swapped tensors on the device until the
-# next call (seen: up to +39% on a rank, benchmarks/results/pipeline_ranks.md), and the
-# interleaved last rank's keep-all peak is 7.6% over its prediction. These checks fail there
-# today; the test says so (and fails once they hold, so the entry is dropped)
-PEAKS_OFF = {"GPipe", "Interleaved1F1B"}
+# Where a plan swaps much, the patched eager runtime on CPU holds more than the plan says: it
+# fetches swapped tensors back earlier in backward than the simulator schedules them (one
+# microbatch of a stage alone: 111880 bytes measured against 54784 simulated), so the running
+# microbatch's peak is over; recompute-only plans land within 5%. The interleaved last rank's
+# keep-all peak is also 7.6% over its prediction. These checks fail there today; the test
+# says so, and fails once they hold (then drop the entry).
+PEAKS_OFF = {("GPipe", "slackswap"), ("Interleaved1F1B", "slackswap")}
 
 
-@pytest.mark.parametrize("schedule,per_rank,n_mb,budget,held", [
-    ("GPipe", 1, 4, 300_000, [4, 4]),
-    ("1F1B", 1, 4, 200_000, [2, 1]),
-    ("Interleaved1F1B", 2, 4, 220_000, [5, 3]),
+@pytest.mark.parametrize("schedule,per_rank,n_mb,budget,held,planner", [
+    ("GPipe", 1, 4, 300_000, [4, 4], "slackswap"),
+    ("GPipe", 1, 4, 400_000, [4, 4], "recompute-only"),
+    ("1F1B", 1, 4, 200_000, [2, 1], "slackswap"),
+    ("Interleaved1F1B", 2, 4, 220_000, [5, 3], "slackswap"),
 ])
 def test_planned_pipeline_trains_exactly_within_its_peaks(schedule, per_rank, n_mb, budget,
-                                                          held, tmp_path):
-    ranks = run(schedule, 2, n_mb, per_rank, budget, tmp_path)
+                                                          held, planner, tmp_path):
+    ranks = run(schedule, 2, n_mb, per_rank, budget, tmp_path, planner)
     off = []
     for rank, res in enumerate(ranks):
         row, plain, patched = res["row"], res["plain"], res["patched"]
@@ -54,7 +56,7 @@ def test_planned_pipeline_trains_exactly_within_its_peaks(schedule, per_rank, n_
     first = ranks[0]["row"]
     assert first["keep_all_peak_bytes"] > budget                 # rank 0 had to be planned
     assert first["swapped_bytes"] + first["recomputed_bytes"] > 0
-    if schedule in PEAKS_OFF:
-        assert off, f"{schedule}: every peak within 5% now: drop it from PEAKS_OFF"
+    if (schedule, planner) in PEAKS_OFF:
+        assert off, f"{schedule}, {planner}: every peak within 5% now: drop it from PEAKS_OFF"
         pytest.xfail(f"peaks over 5% from the prediction (rank, what, predicted, measured): {off}")
     assert not off, off
