@@ -117,3 +117,20 @@ def test_plan_stages_refuses_a_budget_below_every_plan():
     with pytest.raises(InputError, match="no profile"):
         plan_stages(schedule_order("GPipe", 2, 4), {0: _chain()}, 1 << 30,
                     lambda prof, b: make_plan("slackswap", prof, HW, b))
+
+
+def test_pinned_prefetches_follow_the_simulated_schedule():
+    """A swap's copy back is pinned to the backward op the simulator issued it at, and the
+    plan simulates the same with the pins."""
+    from slackswap_cli.run.pipeline import pinned_prefetches
+    from slackswap_cli.simulate import simulate
+    prof = _chain(8)
+    plan = make_plan("swap-all", prof, HW, prof.keep_all_peak_bytes // 2)
+    assert any(d.action == "swap" for d in plan.decisions)
+    pinned = pinned_prefetches(plan)
+    issued = {e.tensor: e.issue_op for e in plan.schedule if e.kind == "prefetch"}
+    swaps = [d for d in pinned.decisions if d.action == "swap"]
+    assert swaps and all(d.prefetch_at == issued[d.tensor] for d in swaps)
+    assert all(d.prefetch_at >= prof.n_forward for d in swaps)
+    again = simulate(prof, pinned.decisions, HW, plan.budget_bytes, record=False)
+    assert again.feasible and again.predicted.peak_bytes == plan.predicted.peak_bytes
