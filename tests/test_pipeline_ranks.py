@@ -23,13 +23,10 @@ pytestmark = [
 ]
 
 
-# Where a plan swaps much, the patched eager runtime on CPU holds more than the plan says: it
-# fetches swapped tensors back earlier in backward than the simulator schedules them (one
-# microbatch of a stage alone: 111880 bytes measured against 54784 simulated), so the running
-# microbatch's peak is over; recompute-only plans land within 5%. The interleaved last rank's
-# keep-all peak is also 7.6% over its prediction. These checks fail there today; the test
-# says so, and fails once they hold (then drop the entry).
-PEAKS_OFF = {("GPipe", "slackswap"), ("Interleaved1F1B", "slackswap")}
+# Under Interleaved1F1B each rank measures 25-33 KB over its prediction, keeping everything or
+# planned (3.6-8.3%; not explained yet: the runtime schedule's receive buffers are a suspect).
+# That check fails there today; the test says so, and fails once it holds (then drop it).
+PEAKS_OFF = {("Interleaved1F1B", "slackswap")}
 
 
 @pytest.mark.parametrize("schedule,per_rank,n_mb,budget,held,planner", [
