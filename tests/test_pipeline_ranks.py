@@ -23,8 +23,8 @@ pytestmark = [
 ]
 
 
-# Under Interleaved1F1B each rank measures 25-33 KB over its prediction, keeping everything or
-# planned (3.6-8.3%; not explained yet: the runtime schedule's receive buffers are a suspect).
+# Under Interleaved1F1B each rank measures 25-40 KB over its prediction, keeping everything or
+# planned (3.6-18%; not explained yet: the runtime schedule's receive buffers are a suspect).
 # That check fails there today; the test says so, and fails once it holds (then drop it).
 PEAKS_OFF = {("Interleaved1F1B", "slackswap")}
 
