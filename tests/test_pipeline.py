@@ -2,6 +2,7 @@
 process group, and one plan per stage under a per-rank budget (slackswap_cli/pipeline.py,
 slackswap_cli/run/pipeline.py). The runs on real ranks are in tests/test_pipeline_ranks.py."""
 import pytest
+import torch
 from workloads import HW
 
 from slackswap_cli.errors import InfeasibleError, InputError
@@ -134,3 +135,14 @@ def test_pinned_prefetches_follow_the_simulated_schedule():
     assert all(d.prefetch_at >= prof.n_forward for d in swaps)
     again = simulate(prof, pinned.decisions, HW, plan.budget_bytes, record=False)
     assert again.feasible and again.predicted.peak_bytes == plan.predicted.peak_bytes
+
+
+def test_plan_pipeline_refuses_plainly_before_tracing():
+    from slackswap_cli.run.pipeline import plan_pipeline
+    stage = (torch.nn.Linear(4, 4), (torch.randn(2, 4),), None)
+    with pytest.raises(InputError, match="a size, not a fraction"):
+        plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget=0.5)
+    with pytest.raises(InputError, match="a size, not a fraction"):
+        plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget={0: "50%", 1: "1GiB"})
+    with pytest.raises(InputError, match=r"ranks \[5\] are not in a pipeline of 2 ranks"):
+        plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget="1GiB", ranks=[5])

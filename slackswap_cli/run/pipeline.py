@@ -213,13 +213,17 @@ def pinned_prefetches(plan):
     return dataclasses.replace(plan, decisions=decisions)
 
 
-def _rank_bytes(budget, prof) -> int:
-    """A rank's budget in bytes: a size, never a fraction (of which stage's peak, at how many
+def _not_a_fraction(budget) -> None:
+    """A rank's budget is a size, never a fraction (of which stage's peak, at how many
     microbatches held?)."""
-    if isinstance(budget, float) and budget <= 1 or str(budget).strip().endswith("%"):
-        raise InputError(f"a per-rank budget is a size, not a fraction ({budget!r}): a rank "
-                         "holds several microbatches of its stages",
-                         hint="budget='2GiB' or a number of bytes, per rank")
+    for b in (budget.values() if isinstance(budget, Mapping) else (budget,)):
+        if isinstance(b, float) and b <= 1 or str(b).strip().endswith("%"):
+            raise InputError(f"a per-rank budget is a size, not a fraction ({b!r}): a rank "
+                             "holds several microbatches of its stages",
+                             hint="budget='2GiB' or a number of bytes, per rank")
+
+
+def _rank_bytes(budget, prof) -> int:
     return parse_budget(budget, prof)[0]
 
 
@@ -232,6 +236,7 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
     schedule holds there. `budget`: per rank, activation memory: a size ("2GiB", bytes) or a
     mapping rank -> size. `ranks`: plan only these ranks' stages (each rank its own, say:
     `ranks=[dist.get_rank()]`), the stages given those ranks run."""
+    _not_a_fraction(budget)
     order = schedule_order(schedule, pp, microbatches, stages_per_rank)
     if ranks is not None:
         unknown = sorted(set(ranks) - set(order))
