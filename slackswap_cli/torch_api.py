@@ -141,6 +141,13 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "_create_grouped_mm_output_tensor", "trace/joint.py", ("2.13", "2.14"),
                "only 2.13 and 2.14 need it (their meta rules refuse fp32); elsewhere torch's "
                "rule runs unchanged (2.15's takes fp32/fp16 itself)"),
+    # pipeline parallelism: the schedules' order of actions -------------------------------
+    PrivateAPI("torch.distributed.pipelining._schedule_visualizer.get_schedule_ops; "
+               "torch.distributed.pipelining.schedules._PipelineSchedule, _Action "
+               "(computation_type, stage_index, microbatch_index, sub_actions)",
+               "run/pipeline.py", ("2.13",),
+               "plan_pipeline and schedule_order fail where missing: no fallback (the "
+               "torch-free slackswap_cli.pipeline takes an order written by hand)"),
     # compiled path: compile_planned, verify --compile, compare --with-torch-compile --------
     PrivateAPI("torch._functorch.partitioners.min_cut_rematerialization_partition, "
                "get_default_op_list", "run/compiled.py, trace/torch_choice.py", _ALL,

@@ -1,0 +1,189 @@
+"""A GPT-style model split by hand into pipeline stages, planned per rank and run by one of
+torch's schedules on CPU ranks (gloo): the patched stages against the same pipeline unpatched,
+and each rank's activation memory measured against its planned peak. tests/test_pipeline.py
+and benchmarks/pipeline_ranks.py run it.
+
+Memory is measured as the profile counts it (run/memtrace.py: live activation storages), with
+the parameters' gradients taken off as autograd makes them (a hook on each parameter marks the
+storage it is handed). The schedules run with `return_outputs=False`: a last stage asked for
+its outputs keeps every microbatch's until the step ends.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+V, T, D, MB = 64, 16, 32, 2            # vocabulary, sequence, width, rows per microbatch
+
+
+def make_stage(index: int, n_stages: int, layers: int = 2) -> nn.Module:
+    """Stage `index` of `n_stages`: token and position embeddings on the first, `layers`
+    transformer blocks, the final norm and the head on the last (same weights per index)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tiny_gpt import Block
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.last = index == 0, index == n_stages - 1
+            if self.first:
+                self.tok, self.pos = nn.Embedding(V, D), nn.Embedding(T, D)
+            self.blocks = nn.ModuleList(Block(D, 2, 0.0) for _ in range(layers))
+            if self.last:
+                self.ln_f, self.head = nn.LayerNorm(D), nn.Linear(D, V, bias=False)
+
+        def forward(self, x):
+            if self.first:
+                x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x)) if self.last else x
+
+    torch.manual_seed(1000 + index)
+    return Stage()
+
+
+def loss_fn(out, target):
+    return F.cross_entropy(out.reshape(-1, V), target.reshape(-1))
+
+
+def stages_of(schedule: str, rank: int, world: int, per_rank: int) -> list[int]:
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        return [rank, 2 * world - 1 - rank]
+    return [rank + world * k for k in range(per_rank)]
+
+
+def _counting(stage, live: set, peak: list) -> None:
+    """Count the microbatches `stage` holds: from forward_one_chunk to the backward that ends
+    them (a full backward, or the weight half of a split one)."""
+    fwd, bwd, bww = stage.forward_one_chunk, stage.backward_one_chunk, \
+        stage.backward_weight_one_chunk
+
+    def forward_one_chunk(mb, *a, **k):
+        live.add((stage.stage_index, mb))
+        peak[0] = max(peak[0], len(live))
+        return fwd(mb, *a, **k)
+
+    def backward_one_chunk(mb, *a, full_backward=True, **k):
+        out = bwd(mb, *a, full_backward=full_backward, **k)
+        if full_backward:
+            live.discard((stage.stage_index, mb))
+        return out
+
+    def backward_weight_one_chunk(mb, *a, **k):
+        out = bww(mb, *a, **k)
+        live.discard((stage.stage_index, mb))
+        return out
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+def _measured_step(sched, mods, args, target, losses) -> int:
+    """One schedule step under the memory tracker; its peak of live activation bytes."""
+    from slackswap_cli.run.memtrace import MemTracker
+    from slackswap_cli.trace.storage import storage_object_key
+    tracker = MemTracker()
+
+    def grad_hook(g):
+        i = tracker._live.get(storage_object_key(g))
+        if i is not None and tracker.storages[i].nbytes > 0:
+            tracker.storages[i].nbytes = -tracker.storages[i].nbytes - 1
+    hooks = [p.register_hook(grad_hook) for m in mods.values() for p in m.parameters()]
+    try:
+        with tracker:
+            sched.step(*args, target=target, losses=losses, return_outputs=False)
+        tracker.finish()
+    finally:
+        for h in hooks:
+            h.remove()
+    return max(tracker.timeline(), default=0)
+
+
+def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+    cls = get_schedule_class(schedule)
+    mods = {s: make_stage(s, n_stages) for s in mine}
+    if label == "patched":
+        planned.patch(mods)
+    stages = [PipelineStage(mods[s], s, n_stages, torch.device("cpu")) for s in mine]
+    live, held = set(), [0]
+    for st in stages:
+        _counting(st, live, held)
+    sched = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, n_mb,
+                loss_fn=loss_fn)
+    opt = torch.optim.AdamW([p for m in mods.values() for p in m.parameters()], lr=1e-2)
+    losses, peaks = [], []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out: list = []
+        peaks.append(_measured_step(sched, mods, (ids,) if 0 in mine else (),
+                                    tgt if n_stages - 1 in mine else None, out))
+        opt.step()
+        losses.append([x.detach() for x in out])
+    return {"losses": losses, "peaks": peaks, "held": held[0],
+            "params": [p.detach().clone() for m in mods.values() for p in m.parameters()]}
+
+
+def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, planner="slackswap",
+           steps=3):
+    import torch.distributed as dist
+    sys.path.insert(0, str(ROOT))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from slackswap_cli.run.pipeline import plan_pipeline
+        n_stages = world * per_rank
+        mine = stages_of(schedule, rank, world, per_rank)
+        torch.manual_seed(7)
+        ids = torch.randint(0, V, (MB * n_mb, T))
+        tgt = torch.randint(0, V, (MB * n_mb, T))
+        specs = {}
+        for s in mine:
+            x = ids[:MB] if s == 0 else torch.randn(MB, T, D, requires_grad=True)
+            last = (lambda out, inp: loss_fn(out, tgt[:MB])) if s == n_stages - 1 else None
+            specs[s] = (make_stage(s, n_stages), (x,), last)
+        started = time.perf_counter()
+        planned = plan_pipeline(specs, schedule, pp=world, microbatches=n_mb, budget=budget,
+                                stages_per_rank=per_rank if per_rank > 1 else None,
+                                ranks=[rank], planner=planner)
+        results = {"plan_s": time.perf_counter() - started,
+                   "row": vars(planned.rows[0]) | {"fits": planned.rows[0].fits}}
+        for label in ("plain", "patched"):
+            results[label] = _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt,
+                                    steps)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(schedule: str, world: int, n_mb: int, per_rank: int, budget, out_dir,
+        planner: str = "slackswap") -> list[dict]:
+    """Spawn the ranks; each rank's results: plan row, plain and patched runs."""
+    torch.multiprocessing.spawn(worker, args=(world, free_port(), schedule, n_mb, per_rank,
+                                              budget, str(out_dir), planner),
+                                nprocs=world, join=True)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
+            for r in range(world)]
+
+
+def same(a: dict, b: dict) -> bool:
+    """Losses and parameters equal bit for bit."""
+    return (all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+            and all(torch.equal(x, y) for la, lb in zip(a["losses"], b["losses"])
+                    for x, y in zip(la, lb)))

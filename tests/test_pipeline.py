@@ -1,0 +1,148 @@
+"""Pipeline parallelism: the microbatches each rank holds, read from torch's schedules without a
+process group, and one plan per stage under a per-rank budget (slackswap_cli/pipeline.py,
+slackswap_cli/run/pipeline.py). The runs on real ranks are in tests/test_pipeline_ranks.py."""
+import pytest
+import torch
+from workloads import HW
+
+from slackswap_cli.errors import InfeasibleError, InputError
+from slackswap_cli.pipeline import (
+    StageCost,
+    format_rows,
+    held_microbatches,
+    plan_stages,
+    rank_peak,
+    stage_cost,
+)
+from slackswap_cli.planners import make_plan
+from slackswap_cli.run.pipeline import schedule_order
+from slackswap_testkit.synthetic import chain_profile
+
+
+@pytest.mark.parametrize("name,held", [
+    ("GPipe", [8, 8, 8, 8]),
+    ("1F1B", [4, 3, 2, 1]),
+    ("Interleaved1F1B", [11, 9, 7, 5]),      # chunk-microbatches: two stages per rank
+    ("LoopedBFS", [16, 16, 16, 16]),
+    ("InterleavedZeroBubble", [8, 8, 8, 8]),
+    ("ZBVZeroBubble", [8, 8, 8, 8]),
+    ("DualPipeV", [9, 9, 9, 9]),             # OVERLAP_F_B runs its forward before its backward
+])
+def test_held_microbatches_read_from_torchs_schedules(name, held):
+    order = schedule_order(name, 4, 8)
+    assert list(held_microbatches(order).values()) == held
+    # every rank runs a forward and one backward end for each (stage, microbatch) it owns
+    for steps in order.values():
+        fwd = {(s, m) for k, s, m in steps if k == "F"}
+        ends = [(s, m) for k, s, m in steps if k in ("B", "W")]
+        assert sorted(ends) == sorted(fwd) and len(fwd) == len(ends)
+
+
+def test_1f1b_order_is_the_loop_torch_runs():
+    """Schedule1F1B runs `_step_microbatches`, not its `pipeline_order`: the representation
+    numbers the last rank's forwards from 1 (microbatch 8 of 0..7, no 0), so read naively it
+    holds 2 there where the loop holds 1. The other ranks agree with it."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    ops = get_schedule_ops("1F1B", 4, 8)
+    ours = schedule_order("1F1B", 4, 8)
+    for rank in range(3):
+        theirs = [(a.computation_type.value, a.stage_index, a.microbatch_index)
+                  for a in ops[rank] if a is not None and a.computation_type.value in "FB"]
+        assert theirs == list(ours[rank])
+    assert {a.microbatch_index for a in ops[3] if a is not None
+            and a.computation_type.value == "F"} == set(range(1, 9))
+    assert ours[3][:4] == (("F", 3, 0), ("B", 3, 0), ("F", 3, 1), ("B", 3, 1))
+
+
+def test_schedule_errors_are_plain():
+    with pytest.raises(InputError, match="no pipeline schedule 'Zigzag'"):
+        schedule_order("Zigzag", 4, 8)
+    with pytest.raises(InputError, match="pp=0"):
+        schedule_order("1F1B", 0, 8)
+    with pytest.raises(InputError, match="not a pipeline schedule"):
+        schedule_order(42, 4, 8)
+    with pytest.raises(InputError, match="DualPipeV requires at least as many microbatches"):
+        schedule_order("DualPipeV", 4, 2)
+    with pytest.raises(InputError, match="ZBV requires exactly 2 stages per rank"):
+        schedule_order("ZBVZeroBubble", 4, 8, stages_per_rank=3)
+    with pytest.raises(InputError, match="not a pipeline step"):
+        held_microbatches({0: [("X", 0, 0)]})
+
+
+def test_rank_peak_by_hand():
+    # 1F1B rank 0 of 2, 3 microbatches: F0 F1 B0 F2 B1 B2; held 60 each, own peak 100;
+    # a backward also holds 10 of pipeline buffers
+    steps = schedule_order("1F1B", 2, 3)[0]
+    assert steps == (("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1),
+                     ("B", 0, 2))
+    cost = {0: StageCost(held_bytes=60, peak_bytes=100, boundary_bytes=10)}
+    assert rank_peak(steps, cost) == 60 + 100 + 10          # B0 with microbatch 1 held
+    assert rank_peak(schedule_order("GPipe", 2, 3)[0], cost) == 2 * 60 + 100 + 10
+
+
+def _chain(n=6):
+    return chain_profile(n, act_bytes=1 << 20, fwd_us=100.0)
+
+
+def test_plan_stages_meets_every_ranks_budget():
+    """1F1B on 2 ranks, 4 microbatches: rank 0 holds 2, rank 1 one; under one budget the
+    first rank's stage is planned tighter, the last one keeps everything."""
+    profiles = {0: _chain(), 1: _chain()}
+    order = schedule_order("1F1B", 2, 4)
+    keep = stage_cost(profiles[0])
+    budget = keep.held_bytes + keep.peak_bytes - (3 << 20)     # rank 0 must free 3 MiB
+
+    def planner(prof, budget_bytes):
+        return make_plan("slackswap", prof, HW, budget_bytes)
+    planned = plan_stages(order, profiles, budget, planner)
+    rows = {r.rank: r for r in planned.rows}
+    assert [rows[r].held for r in (0, 1)] == [2, 1]
+    assert rows[0].keep_all_peak_bytes > budget >= rows[0].planned_peak_bytes
+    assert rows[0].swapped_bytes + rows[0].recomputed_bytes > 0
+    assert rows[1].fraction == 1.0 and planned.plans[1] is None     # nothing to do there
+    assert rows[1].planned_peak_bytes == rows[1].keep_all_peak_bytes <= budget
+    # the row's figures are those of the plan chosen
+    cost = stage_cost(profiles[0], planned.plans[0])
+    assert rows[0].planned_peak_bytes == rank_peak(order[0], {0: cost})
+    assert rows[0].swapped_bytes == 4 * cost.swapped_bytes
+    text = format_rows(planned.rows)
+    assert text.splitlines()[0].split()[:3] == ["rank", "stages", "held"]
+    assert len(text.splitlines()) == 3
+
+
+def test_plan_stages_refuses_a_budget_below_every_plan():
+    profiles = {0: _chain(), 1: _chain()}
+    with pytest.raises(InfeasibleError, match="rank 0"):
+        plan_stages(schedule_order("GPipe", 2, 4), profiles, 1 << 20,
+                    lambda prof, b: make_plan("slackswap", prof, HW, b))
+    with pytest.raises(InputError, match="no profile"):
+        plan_stages(schedule_order("GPipe", 2, 4), {0: _chain()}, 1 << 30,
+                    lambda prof, b: make_plan("slackswap", prof, HW, b))
+
+
+def test_pinned_prefetches_follow_the_simulated_schedule():
+    """A swap's copy back is pinned to the backward op the simulator issued it at, and the
+    plan simulates the same with the pins."""
+    from slackswap_cli.run.pipeline import pinned_prefetches
+    from slackswap_cli.simulate import simulate
+    prof = _chain(8)
+    plan = make_plan("swap-all", prof, HW, prof.keep_all_peak_bytes // 2)
+    assert any(d.action == "swap" for d in plan.decisions)
+    pinned = pinned_prefetches(plan)
+    issued = {e.tensor: e.issue_op for e in plan.schedule if e.kind == "prefetch"}
+    swaps = [d for d in pinned.decisions if d.action == "swap"]
+    assert swaps and all(d.prefetch_at == issued[d.tensor] for d in swaps)
+    assert all(d.prefetch_at >= prof.n_forward for d in swaps)
+    again = simulate(prof, pinned.decisions, HW, plan.budget_bytes, record=False)
+    assert again.feasible and again.predicted.peak_bytes == plan.predicted.peak_bytes
+
+
+def test_plan_pipeline_refuses_plainly_before_tracing():
+    from slackswap_cli.run.pipeline import plan_pipeline
+    stage = (torch.nn.Linear(4, 4), (torch.randn(2, 4),), None)
+    with pytest.raises(InputError, match="a size, not a fraction"):
+        plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget=0.5)
+    with pytest.raises(InputError, match="a size, not a fraction"):
+        plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget={0: "50%", 1: "1GiB"})
+    with pytest.raises(InputError, match=r"ranks \[5\] are not in a pipeline of 2 ranks"):
+        plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget="1GiB", ranks=[5])

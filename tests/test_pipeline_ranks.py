@@ -1,0 +1,59 @@
+"""Per-stage plans on real pipeline ranks: a GPT-style model split by hand into PipelineStages,
+two CPU processes (gloo), run by torch's GPipe, 1F1B and Interleaved1F1B for three AdamW steps
+(slackswap_testkit/pipeline_run.py), planned by slackswap and by recompute-only. The patched stages train bit for bit as the same pipeline
+unpatched; each rank holds the microbatches read from the schedule; its measured activation
+peak is within 5% of the predicted one, keeping everything and under its plan.
+
+About a minute per schedule on two cores (each rank profiles and plans its stages, then trains
+twice), so they run with SLACKSWAP_SLOW=1 (`SLACKSWAP_SLOW=1 pytest tests/test_pipeline_ranks.py`);
+benchmarks/pipeline_ranks.py prints the same runs' per-rank table.
+"""
+import os
+
+import pytest
+import torch
+
+from slackswap_testkit.pipeline_run import run, same
+
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(),
+                       reason="torch.distributed is not built in"),
+    pytest.mark.skipif(os.environ.get("SLACKSWAP_SLOW") != "1",
+                       reason="two ranks profile, plan and train twice: SLACKSWAP_SLOW=1"),
+]
+
+
+# Under Interleaved1F1B each rank measures 25-40 KB over its prediction, keeping everything or
+# planned (3.6-18%; not explained yet: the runtime schedule's receive buffers are a suspect).
+# That check fails there today; the test says so, and fails once it holds (then drop it).
+PEAKS_OFF = {("Interleaved1F1B", "slackswap")}
+
+
+@pytest.mark.parametrize("schedule,per_rank,n_mb,budget,held,planner", [
+    ("GPipe", 1, 4, 300_000, [4, 4], "slackswap"),
+    ("GPipe", 1, 4, 400_000, [4, 4], "recompute-only"),
+    ("1F1B", 1, 4, 200_000, [2, 1], "slackswap"),
+    ("Interleaved1F1B", 2, 4, 220_000, [5, 3], "slackswap"),
+])
+def test_planned_pipeline_trains_exactly_within_its_peaks(schedule, per_rank, n_mb, budget,
+                                                          held, planner, tmp_path):
+    ranks = run(schedule, 2, n_mb, per_rank, budget, tmp_path, planner)
+    off = []
+    for rank, res in enumerate(ranks):
+        row, plain, patched = res["row"], res["plain"], res["patched"]
+        assert same(plain, patched), f"rank {rank}: the planned stages trained otherwise"
+        assert row["held"] == plain["held"] == patched["held"] == held[rank]
+        assert row["planned_peak_bytes"] <= budget
+        # steps 2 and 3: the first step also allocates the stages' receive buffers
+        keep, planned = max(plain["peaks"][1:]), max(patched["peaks"][1:])
+        for what, predicted, measured in (("keep-all", row["keep_all_peak_bytes"], keep),
+                                          ("planned", row["planned_peak_bytes"], planned)):
+            if abs(measured / predicted - 1) > 0.05:
+                off.append((rank, what, predicted, measured))
+    first = ranks[0]["row"]
+    assert first["keep_all_peak_bytes"] > budget                 # rank 0 had to be planned
+    assert first["swapped_bytes"] + first["recomputed_bytes"] > 0
+    if (schedule, planner) in PEAKS_OFF:
+        assert off, f"{schedule}, {planner}: every peak within 5% now: drop it from PEAKS_OFF"
+        pytest.xfail(f"peaks over 5% from the prediction (rank, what, predicted, measured): {off}")
+    assert not off, off
