@@ -407,7 +407,8 @@ def compile_planned(model, **kw):
 """)
     report = verify_compiled(str(bad), backend="inductor", steps=1)
     assert not report["passed"]
-    offload, values = report["reasons"]
+    saved, offload, values = report["reasons"]     # the kept root is on the device too
+    assert saved.startswith("the compiled graphs save") and "more than the plan keeps" in saved
     assert offload.startswith("the compiled graphs offload") and "that backward reads" in offload
     assert "further from eager than torch.compile" in values and "step-1 gradients" in values
     assert report["reference_vs_eager"]["first_grad_rel_diff"] < 1e-5

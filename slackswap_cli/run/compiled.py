@@ -33,6 +33,13 @@ Views of an offloaded or recomputed result are re-derived in backward (tagged MU
 `verify` counts them apart from recomputed ops). The partitioner's CSE runs first; rows that
 line up only before it (an op merged into an identical earlier one) are reported as merged.
 
+Inductor changes the graph before partitioning in two ways the plan is carried through: its
+no-op removal drops a copy (a `clone` keeping its input's layout, a `cat` of one tensor: a
+Hugging Face KV cache's first `torch.cat([empty, key_states])`), whose row then lines up with
+nothing: the op whose whole result it copied (`graph_plan.copies`) takes its decision
+(`_stand_in_copies`); and a decomposed reader (layer norm) may read values of its own instead
+of a root the plan swaps: those are offloaded in the root's place (`_substitute_unread`).
+
 Ops that do not line up are left to the partitioner; how many line up is said once per graph
 on stderr. Nothing global changes: the backend is an `aot_autograd` backend or inductor with
 `options={"custom_partitioner_fn": ..., "fx_graph_cache": False}`, both scoped to this compiled
@@ -305,7 +312,9 @@ def _tag_op(g: GraphOp, row: GraphRow) -> set[fx.Node]:
     for n in made or ():
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     g.nodes += made or []
-    moved: set[fx.Node] = set()
+    # the re-made result is recomputed: its views are re-derived in backward, not saved (a
+    # saved view would hold the forward's result on the device)
+    moved: set[fx.Node] = {made[-1]} if made else set()
     for tag, hs in zip(tags, g.holders_for(row.results)):
         own = policy if not mixed else None if tag == "recompute" and not g.decomposed \
             else POLICY_OF_TAG.get(tag)
