@@ -20,7 +20,7 @@ from .budget import parse_budget
 from .hardware import HardwareSpec, load_hardware, stored_hardware
 from .planners import PLANNERS, plan_and_simulate, planner_spec
 from .profile_build import recost
-from .schema import Profile, save
+from .schema import Profile, check_target, save
 from .simulate import budget_floor_bytes
 from .units import fmt_bytes
 
@@ -86,10 +86,20 @@ def with_paths(plan_obj, profile_path, prof):
 def save_with_profile(plan_obj, prof: Profile, plan_target):
     """Write `prof` next to `plan_target` (`X.plan.json` -> `X.profile.json`) and the plan,
     recording it, at `plan_target`: the two files `show`, `simulate`, `compare` and `apply`
-    read. Returns the profile's path."""
+    read. Returns the profile's path. Both targets are checked first (`check_target`), and a
+    profile this call wrote is removed again when the plan cannot be written: both or
+    neither."""
     prof_target = sibling_path(plan_target, ".profile.json")
+    for target in (plan_target, prof_target):
+        check_target(target)
+    fresh = not prof_target.exists()
     save(prof, prof_target)
-    save(with_paths(plan_obj, prof_target, prof), plan_target)
+    try:
+        save(with_paths(plan_obj, prof_target, prof), plan_target)
+    except BaseException:
+        if fresh:                   # no profile left behind without its plan
+            prof_target.unlink(missing_ok=True)
+        raise
     return prof_target
 
 

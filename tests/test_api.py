@@ -284,3 +284,15 @@ def test_without_torch_the_library_face_says_what_to_install():
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("ok")
+
+
+def test_hf_trainer_callback_below_the_floor_names_the_budget_that_trains(files, tmp_path):
+    """A budget below the model's floor stops the first step with the callback's own
+    InfeasibleError, whose hint is the SlackswapCallback budget to pass; that budget trains."""
+    with pytest.raises(InfeasibleError, match=r"SlackswapCallback\(budget=0.05\)") as e:
+        _hf_train(files, tmp_path, [slackswap.SlackswapCallback(budget=0.05)])
+    fits = re.match(r"SlackswapCallback\(budget=([0-9.]+)\) or more", e.value.hint)
+    assert fits, e.value.hint
+    callback = slackswap.SlackswapCallback(budget=float(fits.group(1)))
+    losses, _, _ = _hf_train(files, tmp_path, [callback])
+    assert len(losses) == 3 and callback.plan.feasible

@@ -199,3 +199,50 @@ def test_plan_without_output_writes_to_the_current_directory(tmp_path, monkeypat
     assert "wrote chain.plan.json" in r.stdout
     assert schema.load_plan(tmp_path / "work" / "chain.plan.json").feasible
     assert not (tmp_path / "profiles" / "chain.plan.json").exists()
+
+
+def test_every_command_accepts_quiet(profile_path, tmp_path):
+    """`-q/--quiet`, which the README gives for every command, is an option of each; the
+    commands that only print (show, hardware, version) print nothing with it."""
+    import typer.main
+    group = typer.main.get_command(app)
+    for name, cmd in group.commands.items():
+        opts = {o for p in cmd.params for o in p.opts}
+        assert {"-q", "--quiet"} <= opts, name
+    assert run("plan", profile_path, "--budget", "0.5", "-o", tmp_path / "p.json").exit_code == 0
+    for args in (("show", profile_path), ("show", tmp_path / "p.json"), ("hardware",),
+                 ("hardware", "a100-pcie4"), ("version",)):
+        for flag in ("-q", "--quiet"):
+            r = run(*args, flag)
+            assert r.exit_code == 0, (args, r.output)
+            assert r.stdout == "", args
+        assert run(*args).stdout != "", args
+
+
+def test_saving_a_plan_onto_a_directory_writes_neither_file(profile_path, tmp_path,
+                                                            monkeypatch):
+    """`Plan.save` / `fit -o` (`planning.save_with_profile`): a plan target that is a directory
+    is refused before the profile beside it is written; a plan that fails to write takes the
+    profile written for it away again: both files or neither."""
+    from slackswap_cli import planning
+    from slackswap_cli.errors import InputError
+    assert run("plan", profile_path, "--budget", "0.5", "-o", tmp_path / "p.json").exit_code == 0
+    plan, prof = schema.load_plan(tmp_path / "p.json"), schema.load_profile(profile_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "X.plan.json").mkdir()
+    with pytest.raises(InputError, match="is a directory; nothing was written") as e:
+        planning.save_with_profile(plan, prof, out / "X.plan.json")
+    assert sorted(p.name for p in out.iterdir()) == ["X.plan.json"]
+    planning.save_with_profile(plan, prof, out / "X.plan.json" / "X.plan.json")  # the hint
+    assert e.value.hint.endswith("X.plan.json/X.plan.json")
+    real = planning.save
+
+    def plan_fails(obj, path):
+        if str(path).endswith(".plan.json"):
+            raise InputError("disk full")
+        real(obj, path)
+    monkeypatch.setattr(planning, "save", plan_fails)
+    with pytest.raises(InputError, match="disk full"):
+        planning.save_with_profile(plan, prof, out / "Y.plan.json")
+    assert not (out / "Y.profile.json").exists()

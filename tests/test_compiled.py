@@ -148,7 +148,52 @@ def test_grouped_query_attention_under_inductor_lines_up_every_forward_op(name, 
     c, p = report["compiled"], report["plan"]
     assert c["lined_up_ops"] == c["graph_ops"]
     assert c["offloaded_bytes"] == p["swapped_bytes_read"] == p["swapped_bytes_in_graph"] > 0
+    assert c["saved_bytes"] <= 1.02 * p["kept_bytes_in_graph"]
     assert c["off_plan_recomputes"] == []
+
+
+def test_a_kv_cache_copy_is_carried_by_the_value_it_copies(files):
+    """Llama with use_cache on: each layer's first KV-cache update copies the key and value
+    states (`cat` of an empty tensor and the states), a copy inductor's no-op removal drops;
+    the graph table maps each such row to the op whose whole result it copies (the key: the
+    rotary `add`; the value: its projection's `mm`, through the views), which then carries the
+    copy's decision (`compiled._stand_in_copies`)."""
+    from slackswap_cli.run.graph_plan import graph_table
+    prof = profiled(files, "llama_cache", device="fake:cpu")
+    table = graph_table(prof, plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"]))
+    ops = table["ops"]
+    cats = [i for i, r in enumerate(ops) if r.target == "aten.cat.default"]
+    # the cache's (2 layers, keys and values); the rotary embedding's cats join two halves
+    cats = [i for i in cats if i in table["copies"]]
+    assert len(cats) == 4 and all(ops[i].results[0][0][1] == 4 for i in cats)   # 4 kv heads
+    bases = {ops[table["copies"][i][0]].target for i in cats}
+    assert bases == {"aten.add.Tensor", "aten.mm.default"}
+    for i in cats:
+        base, k = table["copies"][i]
+        assert base < i and prof.tensors[prof.ops[base].outputs[k]].size_bytes == \
+            prof.tensors[prof.ops[i].outputs[0]].size_bytes
+
+
+@SLOW
+@pytest.mark.parametrize("name", [
+    "llama_cache", "vit",
+    # at 0.7 the graphs save 201736 B on the device where the plan keeps 185988 (open)
+    pytest.param("gpt2", marks=pytest.mark.xfail(reason="GPT-2 under inductor saves more than "
+                                                        "the plan keeps at 0.7", strict=True))])
+def test_inductor_offloads_every_swap_and_saves_at_most_the_kept_bytes(name, files, tmp_path):
+    """Under inductor, at 0.5 and 0.7: the graphs offload every swap backward reads and save
+    on the device at most the plan's kept bytes plus 2%, decomposed values included (Llama's
+    KV-cache copies dropped by inductor, ViT's and GPT-2's decomposed layer norms)."""
+    prof = profiled(files, name, device="fake:cpu")
+    for frac in (0.5, 0.7):
+        plan = plan_at(prof, frac * prof.summary["peak_activation_bytes"])
+        path = write_patched(tmp_path, plan, prof, name=f"{name}_{frac}.py")
+        torch._dynamo.reset()
+        report = verify_compiled(str(path), backend="inductor", steps=1)
+        assert report["passed"], (frac, report["reasons"])
+        c, p = report["compiled"], report["plan"]
+        assert c["saved_bytes"] <= 1.02 * p["kept_bytes_in_graph"]
+        assert c["offloaded_bytes"] == p["swapped_bytes_read"]
 
 
 def test_a_cpu_dropout_run_lines_up_with_native_dropout():
@@ -366,22 +411,24 @@ def compile_planned(model, **kw):
 """)
     report = verify_compiled(str(bad), backend="inductor", steps=1)
     assert not report["passed"]
-    offload, values = report["reasons"]
+    saved, offload, values = report["reasons"]     # the kept root is on the device too
+    assert saved.startswith("the compiled graphs save") and "more than the plan keeps" in saved
     assert offload.startswith("the compiled graphs offload") and "that backward reads" in offload
     assert "further from eager than torch.compile" in values and "step-1 gradients" in values
     assert report["reference_vs_eager"]["first_grad_rel_diff"] < 1e-5
     assert report["vs_eager"]["first_grad_rel_diff"] == pytest.approx(1e-3, rel=0.05)
 
 
-def test_inductor_byte_checks_still_fail_on_what_the_plan_does_not_do():
-    """With inductor the total is not checked (decompositions save other values: `notes`),
-    but offloading other than the swapped roots backward reads, keeping more lined-up bytes
-    than the plan keeps and re-running ops outside the chains still fail; aot_eager checks
+def test_inductor_byte_checks_count_decomposed_values_and_fail_on_what_the_plan_does_not_do():
+    """With inductor every byte saved on the device for backward, the decompositions' own
+    values included, is checked against the plan's kept bytes (+2%); offloaded against the
+    swapped roots backward reads; re-running ops outside the chains fails; aot_eager checks
     the total."""
     from slackswap_cli.run.verify_compiled import _notes, _reasons
-    got = {"graphs": 1, "saved_bytes": 1300, "saved_bytes_not_lined_up": 300,
+    got = {"graphs": 1, "saved_bytes": 1015, "saved_bytes_not_lined_up": 300,
            "offloaded_bytes": 400, "off_plan_recomputes": [],
-           "decomposed_saves": ["aten.native_layer_norm.default"]}
+           "decomposed_saves": ["aten.native_layer_norm.default"], "substituted_swaps": 2,
+           "stood_in_copies": 1}
     plan = {"kept_bytes_in_graph": 1000, "swapped_bytes_in_graph": 500,
             "swapped_bytes_read": 400, "unread_swapped_roots": ["mul"]}
     from slackswap_cli.run.verify_compiled import KEYS
@@ -390,13 +437,17 @@ def test_inductor_byte_checks_still_fail_on_what_the_plan_does_not_do():
     assert _reasons(got, plan, diffs, 1e-5, 1e-4, "torch.compile") == []
     notes = _notes(got, plan)
     assert "native_layer_norm" in notes[0] and "300 B" in notes[0]
-    assert "100 B" in notes[1] and "mul" in notes[1]
+    assert "not checked" not in " ".join(notes)
+    assert "2 swapped root(s)" in notes[1] and "1 copy op(s)" in notes[2]
+    assert "100 B" in notes[3] and "mul" in notes[3]
     assert len(_reasons(got, plan, diffs, 0.0, 0.0, "eager")) == 2   # total and offload
     plain = {**got, "decomposed_saves": []}     # nothing decomposed, all read: total checked
     assert len(_reasons(plain, {**plan, "unread_swapped_roots": []}, diffs, 1e-5, 1e-4,
                         "torch.compile")) == 2
     for change, words in (({"offloaded_bytes": 500}, "offload 500"),
-                          ({"saved_bytes": 1400}, "more than the plan keeps"),
+                          # 1000 lined up and 300 no profiled op makes: all of it counts
+                          ({"saved_bytes": 1300}, "300 of them values no profiled op makes"),
+                          ({"saved_bytes": 1021}, "more than the plan keeps (1000) plus 2%"),
                           ({"off_plan_recomputes": ["gelu"]}, "gelu")):
         (reason,) = _reasons({**got, **change}, plan, diffs, 1e-5, 1e-4, "torch.compile")
         assert words in reason

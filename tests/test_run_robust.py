@@ -98,6 +98,9 @@ def test_causal_lms_plan_again_along_eager_branches_then_line_up(tmp_path, name,
         assert rep["budget_bytes"] == first["budget_bytes"]       # the same budget, in bytes
     err = capfd.readouterr().err
     assert err.count("planned again along the branches this call took") == 1, err
+    # the note on the first call says that the re-plan follows, not to re-profile (which a
+    # SlackswapCallback or plan_model user has no way to do)
+    assert "slackswap plans again along this call's path now" in err and "re-profile" not in err
 
 
 def test_a_run_that_branches_otherwise_than_its_trace_is_held_to_the_budget(tmp_path, capfd):

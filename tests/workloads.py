@@ -104,7 +104,11 @@ def workload():
     torch.manual_seed(0)
     return MLP(), (torch.randn(4, 16),)
 '''
-SOURCES = {"gpt2": HF_GPT2, "bert": HF_BERT, "llama": HF_LLAMA, "vit": HF_VIT, "cnn": CNN,
+# Llama as its config comes (use_cache on): the first update of the KV cache copies the key
+# and value states (`torch.cat([empty, key_states])`), a copy inductor drops
+HF_LLAMA_CACHE = HF_GQA.replace("CONFIG", "LlamaConfig").replace("MODEL", "LlamaForCausalLM") \
+    .replace("use_cache=False EXTRA", "use_cache=True")
+SOURCES = {"gpt2": HF_GPT2, "llama_cache": HF_LLAMA_CACHE, "bert": HF_BERT, "llama": HF_LLAMA, "vit": HF_VIT, "cnn": CNN,
            "mlp": MLP.replace("ACT", "gelu"),
            **{name: HF_GQA.replace("CONFIG", c).replace("MODEL", m).replace(" EXTRA", x)
               for name, (c, m, x) in GQA.items()}}

@@ -9,6 +9,7 @@ import typer
 from .common import (
     _examples,
     _json_option,
+    _quiet_option,
     _render,
     app,
 )
@@ -25,12 +26,13 @@ from .output import Result, Sink
 def hardware_cmd(
     name: Optional[str] = typer.Argument(None, metavar="NAME", help="a preset to print in full"),
     as_json: bool = _json_option("the preset(s) (a starting point for a custom --hardware file)"),
+    quiet: bool = _quiet_option(),
 ) -> None:
     """List hardware presets, or print one (its fields are the format of a --hardware JSON file)."""
     from ..hardware import PRESETS, load_hardware
     specs = [load_hardware(name)] if name else list(PRESETS.values())
     # indented: the JSON is the starting point of a hand-edited --hardware file
-    Sink(as_json).show(Result(specs[0].to_dict() if name else {s.name: s.to_dict() for s in specs},
+    Sink(as_json, quiet).show(Result(specs[0].to_dict() if name else {s.name: s.to_dict() for s in specs},
                               views=lambda: [_render().hardware_table(specs)], indent=True))
 
 
@@ -38,10 +40,11 @@ def hardware_cmd(
              epilog=_examples(
                  "slackswap version --json",
              ))
-def version(as_json: bool = _json_option("{version, python, torch}")) -> None:
+def version(as_json: bool = _json_option("{version, python, torch}"),
+            quiet: bool = _quiet_option()) -> None:
     """Print the version (with --json: also Python's and torch's, null if torch is missing)."""
     from .. import __version__
-    Sink(as_json).show(Result(_versions, views=lambda: [__version__]))
+    Sink(as_json, quiet).show(Result(_versions, views=lambda: [__version__]))
 
 
 def _versions() -> dict:

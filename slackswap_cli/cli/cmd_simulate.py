@@ -81,6 +81,7 @@ def show(
     path: Path = typer.Argument(..., metavar="FILE", help="a profile or a plan JSON"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="for a plan: its profile [default: the one it records]"),
     as_json: bool = _json_option("the summary"),
+    quiet: bool = _quiet_option(),
 ) -> None:
     """Inspect a profile or a plan in the terminal."""
     from ..schema import PROFILE_FORMAT, load_plan, load_profile, sniff_format
@@ -92,7 +93,7 @@ def show(
     else:
         p = load_plan(path)
         result = Result(p, views=lambda: _simulated_plan_views(p, profile_path))
-    Sink(as_json).show(result)
+    Sink(as_json, quiet).show(result)
 
 
 def _simulated_plan_views(p, profile_path: Optional[Path]) -> list:

@@ -19,7 +19,9 @@ own `min_cut_rematerialization_partition`:
   own chooser (`choose_offload_sets`) refuses getitem nodes, so every output of a multi-output
   op (layer norm's result, dropout's mask) would stay on the device; slackswap marks the
   nodes itself (`saved_for_offloading`) and refuses only what the insertion cannot carry:
-  views, non-contiguous tensors, model outputs and graph inputs (counted as `refused`).
+  views, tensors that do not cover their storage and graph inputs (counted as `refused`). A
+  saved value that is also a model output (a KV cache's tensor) is offloaded for backward
+  while the caller gets the device tensor, as in eager (torch's own chooser refuses it).
 
 A CPU dropout run of the profile (`scaled_dot_product_attention`'s math path calls `at::dropout`
 from C++, traced as `empty_like`, `bernoulli_`, `div_`, `mul`) lines up with the graph's
@@ -30,6 +32,13 @@ fp32, so backward can recompute it (inductor without it decomposes native_dropou
 Views of an offloaded or recomputed result are re-derived in backward (tagged MUST_RECOMPUTE;
 `verify` counts them apart from recomputed ops). The partitioner's CSE runs first; rows that
 line up only before it (an op merged into an identical earlier one) are reported as merged.
+
+Inductor changes the graph before partitioning in two ways the plan is carried through: its
+no-op removal drops a copy (a `clone` keeping its input's layout, a `cat` of one tensor: a
+Hugging Face KV cache's first `torch.cat([empty, key_states])`), whose row then lines up with
+nothing: the op whose whole result it copied (`graph_plan.copies`) takes its decision
+(`_stand_in_copies`); and a decomposed reader (layer norm) may read values of its own instead
+of a root the plan swaps: those are offloaded in the root's place (`_substitute_unread`).
 
 Ops that do not line up are left to the partitioner; how many line up is said once per graph
 on stderr. Nothing global changes: the backend is an `aot_autograd` backend or inductor with
@@ -114,6 +123,10 @@ class GraphReport:
     decomposed_saves: list[str] = field(default_factory=list)  # ops (original_aten) whose
     #                                decomposition made values saved that did not line up
     rows: list[int] = field(default_factory=list)   # graph_table rows that lined up
+    substituted: dict = field(default_factory=dict)  # swapped root backward does not read
+    #                                -> the values its decomposed readers save, offloaded
+    stood_in: dict = field(default_factory=dict)   # copy row the graph dropped -> the node
+    #                                holding its base, which carries its decision instead
     compile_id: str = ""           # dynamo's "frame/compile of that frame" ("0/1": frame 0's
     #                                first recompile: a guard failure, another shape)
     saved_names: list[str] = field(default_factory=list)
@@ -153,16 +166,20 @@ class PlanPartition:
             gm.recompile()
         fwd_nodes, after_tangent = _split(gm, n_out)
         graph_ops = _graph_ops(fwd_nodes, sizes)
-        matched = self._tag(gm, graph_ops, after_tangent)
+        matched, stood, copied = self._tag(gm, graph_ops, after_tangent)
         if functorch_config.cse:
             merged = before - _rows(matched)
+        merged |= copied
         kwargs.setdefault("compiler", "inductor")
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        refused = _offload(fw, bw, kwargs["num_fwd_outputs"], _on_cuda(gm), sizes)
-        report = _measure(fw, bw, kwargs["num_fwd_outputs"], graph_ops, matched, self.table,
-                          sizes)
+        substituted = _substitute_unread(fw, n_out, graph_ops, matched, sizes)
+        refused = _offload(fw, bw, n_out, _on_cuda(gm), sizes)
+        report = _measure(fw, bw, n_out, graph_ops, matched, self.table, sizes, substituted)
         report.refused_offloads = refused
         report.merged_rows = sorted(merged)
+        report.rows = sorted(set(report.rows) | set(stood))
+        report.stood_in = {r: h.name for r, h in stood.items()}
+        _measure_stood_in(report, stood, self.table, sizes)
         report.compile_id = _compile_id()
         report.symbolic, report.symbols = sizes.symbolic, sizes.solved()
         self.reports.append(report)
@@ -209,17 +226,52 @@ class PlanPartition:
             matched = attempt(0)
         return matched
 
-    def _tag(self, gm: fx.GraphModule, graph_ops: list[GraphOp],
-             after_tangent: set[fx.Node]) -> dict[GraphOp, tuple[GraphRow, list[int]]]:
-        """Line the graph's ops up (`_match`) and tag what lines up."""
+    def _tag(self, gm: fx.GraphModule, graph_ops: list[GraphOp], after_tangent: set[fx.Node]
+             ) -> tuple[dict[GraphOp, tuple[GraphRow, list[int]]], dict[int, fx.Node], set[int]]:
+        """Line the graph's ops up (`_match`) and tag what lines up; returns the line-up, the
+        copy rows whose base stands in for them and the copy rows held as their base's
+        (`_stand_in_copies`)."""
         matched = self._match(graph_ops)
         if matched:
             self.cursor = self.rows.index(max(_rows(matched))) + 1
         moved: set[fx.Node] = set()      # offloaded and recomputed results
         for g, (row, _) in matched.items():
             moved |= _tag_op(g, row)
+        stood, copied = _stand_in_copies(self.table, set(self.rows), matched)
+        for r, h in stood.items():
+            tag = self.table["ops"][r].tags[0]
+            h.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            h.meta["should_offload"] = tag == "offload"
+            if tag == "offload":
+                moved.add(h)
         _tag_views(gm, moved, after_tangent)
-        return matched
+        return matched, stood, copied
+
+
+def _stand_in_copies(table: dict, rows: set[int], matched: dict
+                     ) -> tuple[dict[int, fx.Node], set[int]]:
+    """The copy rows (`graph_plan.copies`: clone, a cat of one tensor) the graph dropped
+    (inductor's no-op removal before partitioning: Hugging Face's KV cache
+    `torch.cat([empty, key_states])`): backward reads the copied result instead. Where the
+    plan keeps or swaps the copy and leaves its base to torch, the base's holder takes the
+    copy's decision (returned: row -> node); where the plan decides the base itself, the copy
+    is held as the base (returned as merged rows: not held twice)."""
+    lined = {r: (g, row) for g, (row, members) in matched.items() for r in members}
+    stood: dict[int, fx.Node] = {}
+    copied: set[int] = set()
+    for r, (base, k) in table.get("copies", {}).items():
+        tag = table["ops"][r].tags[0]
+        if r not in rows or r in lined or base not in lined or tag not in ("save", "offload"):
+            continue
+        g, row = lined[base]
+        hs = g.holders_for(row.results)
+        if k >= len(hs) or not hs[k]:
+            continue
+        if row.tags[k] is None and not any(h in stood.values() for h in hs[k]):
+            stood[r] = hs[k][0]
+        else:
+            copied.add(r)
+    return stood, copied
 
 
 def _compile_id() -> str:
@@ -260,7 +312,9 @@ def _tag_op(g: GraphOp, row: GraphRow) -> set[fx.Node]:
     for n in made or ():
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     g.nodes += made or []
-    moved: set[fx.Node] = set()
+    # the re-made result is recomputed: its views are re-derived in backward, not saved (a
+    # saved view would hold the forward's result on the device)
+    moved: set[fx.Node] = {made[-1]} if made else set()
     for tag, hs in zip(tags, g.holders_for(row.results)):
         own = policy if not mixed else None if tag == "recompute" and not g.decomposed \
             else POLICY_OF_TAG.get(tag)
@@ -524,34 +578,84 @@ def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda:
     """Offload the saved values marked `should_offload`; returns how many could not be."""
     from torch._functorch._activation_offloading import activation_offloading as ao
     from torch._functorch.partitioners import get_default_op_list
-    model_outs, saved = _saved(fw, num_fwd_outputs)
+    saved = _saved(fw, num_fwd_outputs)[1]
     views = get_default_op_list()
     chosen = refused = 0
     for n in saved:
         if not n.meta.get("should_offload"):
             continue
-        if (n.op != "call_function" or n in model_outs or views.is_view(n)
-                or not sizes.dense(n.meta["val"])):
+        if n.op != "call_function" or views.is_view(n) or not sizes.dense(n.meta["val"]):
             refused += 1
             continue
         n.meta["saved_for_offloading"] = True
         chosen += 1
     if not chosen:
         return refused
+    # torch's insertion replaces an offloaded value in every output position; a value that
+    # is also a model output (Hugging Face's KV cache: the key states themselves once
+    # inductor dropped the cache's copy) goes to the caller as it is, and only backward's
+    # reference to it is offloaded, as a patched eager step's pack hook does: the model's
+    # outputs are taken out of the output while the pass runs and put back after
+    out = fw.graph.find_nodes(op="output")[0]
+    outs = list(out.args[0])
+    out.update_arg(0, tuple(outs[num_fwd_outputs:]))
     if cuda:
         ao.offload_chosen_sets_async(fw, bw)
+        out.update_arg(0, tuple(outs[:num_fwd_outputs]) + tuple(out.args[0]))
         ao.activation_offload_sink_wait_async(fw)
         ao.activation_reload_prefetch_async(bw)
     else:
         ao.offload_chosen_sets(fw, bw)
+        out.update_arg(0, tuple(outs[:num_fwd_outputs]) + tuple(out.args[0]))
     for g in (fw, bw):
         g.graph.lint()
         g.recompile()
     return refused
 
 
-def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table, sizes: SymSizes) -> GraphReport:
-    """Read what the partitioned graphs save, offload and recompute."""
+def _substitute_unread(fw: fx.GraphModule, num_fwd_outputs: int, graph_ops, matched,
+                       sizes: SymSizes) -> dict[int, list[str]]:
+    """Where backward does not read a root the plan swaps because inductor decomposed the op
+    that reads it (layer norm: its backward reads the normalized input, which the
+    decomposition computes, instead of the input), the values of that decomposition which the
+    forward graph saves in its place, untagged by the plan, are offloaded instead (marked
+    `should_offload`), up to the root's bytes. Returns root -> the names offloaded for it."""
+    saved = {n.name: n for n in _saved(fw, num_fwd_outputs)[1] if n.op == "call_function"}
+    out: dict[int, list[str]] = {}
+    for g, (row, _) in matched.items():
+        for tag, root, hs in zip(row.tags, row.roots, g.holders_for(row.results)):
+            if tag != "offload" or not hs or {h.name for h in hs} & set(saved):
+                continue
+            left = sizes.nbytes(hs[0].meta["val"])
+            for n in _saved_by_readers(hs, graph_ops, saved):
+                nbytes = sizes.nbytes(n.meta["val"])
+                if nbytes <= left and not n.meta.get("should_offload"):
+                    n.meta["should_offload"] = True
+                    out.setdefault(root, []).append(n.name)
+                    left -= nbytes
+    return out
+
+
+def _saved_by_readers(holders: list[fx.Node], graph_ops, saved: dict) -> list[fx.Node]:
+    """The saved forward values (`saved`: name -> node of the forward graph) that decomposed
+    ops reading `holders` make and the plan left untagged."""
+    names = {h.name for h in holders}
+    out = []
+    for g in graph_ops:
+        if not g.decomposed or not any(a.name in names for n in g.nodes
+                                       for a in n.all_input_nodes):
+            continue
+        made = [n for n in g.nodes] + [u for n in g.nodes for u in n.users
+                                       if u.target is operator.getitem]
+        out += [saved[n.name] for n in made if n.name in saved
+                and n.meta.get("recompute") is None]
+    return out
+
+
+def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table, sizes: SymSizes,
+             substituted: dict | None = None) -> GraphReport:
+    """Read what the partitioned graphs save, offload and recompute (`substituted`: swapped
+    roots whose decomposed readers' values were offloaded instead, `_substitute_unread`)."""
     counted = [g for g in graph_ops if g in matched or not (g.target in AUTOGRAD_ONLY
                                                             or _identity_slice(g))]
     rep = GraphReport(graph_ops=len(counted), lined_up_ops=len(matched),
@@ -570,6 +674,7 @@ def _measure(fw, bw, num_fwd_outputs, graph_ops, matched, table, sizes: SymSizes
     _measure_saved(rep, fw, num_fwd_outputs, primal, lined, sizes)
     _measure_recomputes(rep, bw, graph_ops, matched, views, set(table["recompute_ops"]))
     roots = {int(k): v for k, v in table["root_bytes"].items()}
+    rep.substituted = dict(substituted or {})
     _measure_unread(rep, matched, roots, sizes)
     for g, (row, _) in matched.items():
         for tag, root, hs in zip(row.tags, row.roots, g.holders_for(row.results)):
@@ -607,13 +712,22 @@ def _measure_saved(rep: GraphReport, fw, num_fwd_outputs: int, primal: set[int],
                     rep.decomposed_saves.append(str(orig))
 
 
+def _measure_stood_in(rep: GraphReport, stood: dict, table: dict, sizes: SymSizes) -> None:
+    """A swapped copy whose standing-in base backward neither saves nor offloads is unread."""
+    held = set(rep.saved_names) | set(rep.offloaded_names)
+    for r, h in stood.items():
+        row = table["ops"][r]
+        if row.tags[0] == "offload" and h.name not in held:
+            rep.unread_swaps[row.roots[0]] = (row.name, sizes.nbytes(h.meta["val"]))
+
+
 def _measure_unread(rep: GraphReport, matched, roots: dict, sizes: SymSizes) -> None:
     """The swapped roots of lined-up ops that the partitioned forward neither saves nor
     offloads (backward does not read them), and those a decomposition makes no value for."""
     held = set(rep.saved_names) | set(rep.offloaded_names)
     for g, (row, _) in matched.items():
         for tag, root, hs in zip(row.tags, row.roots, g.holders_for(row.results)):
-            if tag != "offload" or root not in roots:
+            if tag != "offload" or root not in roots or root in rep.substituted:
                 continue
             if not hs and g.decomposed:
                 rep.unread_swaps[root] = (row.name, roots[root])
@@ -790,6 +904,8 @@ def totals(partitions: list[PlanPartition], graph_set: int = 0) -> dict:
         "resized_roots": {k: v for r in reps for k, v in r.resized_roots.items()},
         "merged_rows": sorted({row for r in reps for row in r.merged_rows}),
         "refused_offloads": sum(r.refused_offloads for r in reps),
+        "stood_in_copies": sum(len(r.stood_in) for r in reps),
+        "substituted_swaps": sum(len(r.substituted) for r in reps),
         "unread_swaps": {k: v for r in reps for k, v in r.unread_swaps.items()},
         "decomposed_saves": sorted({o for r in reps for o in r.decomposed_saves}),
         "symbolic": any(r.symbolic for r in reps),

@@ -20,6 +20,8 @@ dtypes), and carry out the plan only where an op lines up.
   root id -> bytes, for the kept and swapped roots; `swapped_roots`: the swapped ones' ids;
   `recompute_ops`: names of the forward ops the plan's chains re-run;
 - `container`: the module path of the repeated blocks (`layers.layer_container`), if any;
+- `copies`: row -> [base row, result index] for an op copying one whole earlier result
+  (`copies`), which inductor may drop: the base then carries the copy's decision;
 - `inputs`: `[shape, dtype]` of the profiled step's inputs (a graph with symbolic sizes is
   read at these: `run/sym_sizes.py`).
 
@@ -77,10 +79,40 @@ def graph_table(profile: Profile, plan: Plan) -> dict:
         "swapped_bytes": sum(size[t] for t, a in saved_roots.items() if a == Action.SWAP),
         "recompute_ops": [profile.ops[p].name for p in chain_ops],
         "container": layer_container(o.module for o in profile.ops[:nf]),
+        "copies": copies(profile, nf),
         # the model's inputs in the profiled step: a graph captured with symbolic sizes
         # reads them at these (run/sym_sizes.py)
         "inputs": [[list(t.shape), t.dtype] for t in profile.tensors if t.kind == "input"],
     }
+
+
+# Ops inductor's joint-graph pass may remove before partitioning (`remove_noop_ops`: a clone with
+# its input's layout; inductor's `cat` decomposition drops legacy empty inputs, and a cat of one
+# tensor is a clone of it): Hugging Face's KV cache `torch.cat([empty, key_states])`
+COPY_OPS = ("aten.clone.default", "aten.cat.default")
+
+
+def copies(profile: Profile, nf: int) -> dict[int, list[int]]:
+    """row -> [base row, result index] for each forward op that copies one tensor (COPY_OPS,
+    all other inputs empty) whose storage (through views) is a whole result of an earlier
+    forward op: where the graph drops the copy, backward reads that result instead, and the
+    copy's decision is carried by it (`compiled.PlanPartition`)."""
+    out: dict[int, list[int]] = {}
+    tensors = profile.tensors
+    for i, o in enumerate(profile.ops[:nf]):
+        if o.target not in COPY_OPS or len(o.outputs) != 1:
+            continue
+        full = [t for t in o.inputs if tensors[t].size_bytes > 0]
+        if len(full) != 1:
+            continue
+        t = full[0]
+        base = tensors[t].alias_of if tensors[t].alias_of is not None else t
+        prod = tensors[base].producer
+        if prod is None or not 0 <= prod < i or \
+                tensors[base].size_bytes != tensors[o.outputs[0]].size_bytes:
+            continue
+        out[i] = [prod, list(profile.ops[prod].outputs).index(base)]
+    return out
 
 
 # AOTAutograd functionalizes the graph it compiles: an in-place op becomes its out-of-place

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from transformers import TrainerCallback
 
-from ..errors import InputError
+from ..budget import _ceil3
+from ..errors import InfeasibleError, InputError
+from ..simulate import budget_floor_bytes
 from .api import patch, plan_model
 from .inplace import patched_state
 
@@ -74,8 +76,31 @@ class _PlanOnFirstCall:
                              "tensors", hint="call it with one kind (the Trainer calls "
                                              "model(**inputs)) to let slackswap plan it")
         inputs = dict(kwargs) if kwargs else tuple(args)
-        self.owner.plan = plan_model(model, inputs, **self.options)
+        try:
+            self.owner.plan = plan_model(model, inputs, **self.options)
+        except InfeasibleError as exc:
+            raise _infeasible(exc, self.options["budget"]) from None
         patch(model, self.owner.plan, check=self.owner.check)
         out = model.forward(*args, **kwargs)
         self.owner.check_report = patched_state(model).check_report
         return out
+
+
+def _infeasible(exc: InfeasibleError, budget) -> InfeasibleError:
+    """`plan_model`'s InfeasibleError as the callback's: named for the callback, and below the
+    floor (memory no plan can free: in small models with large vocabularies the logits and
+    log-softmax the loss's backward reads at once, often more than half the peak) a hint with
+    the budget to pass to it."""
+    plan = getattr(exc, "plan", None)
+    hint = exc.hint
+    if plan is not None and plan.profile.keep_all_peak_bytes:
+        prof = plan.profile
+        floor = budget_floor_bytes(prof)
+        if plan.budget_bytes < floor:
+            hint = (f"SlackswapCallback(budget={_ceil3(floor / prof.keep_all_peak_bytes)}) "
+                    f"or more: this model's floor is {floor} bytes of its keep-all peak "
+                    f"{prof.keep_all_peak_bytes}")
+    out = InfeasibleError(f"SlackswapCallback(budget={budget!r}) at the first training batch: "
+                          f"{exc.message}", hint=hint)
+    out.plan = plan
+    return out

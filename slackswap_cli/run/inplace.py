@@ -184,9 +184,15 @@ class _Patched(SignaturePlans):
         self.keep_all[sig] = run.saved_bytes
         if plan.fraction is not None:     # lent, no template followed: settle its limit
             plan.settle(run.saved_bytes)
-        rep = self._check_run(run, sig)
+        rep = self._check_run(run, sig, replans=self._follows(run, sig))
         self._follow_branches(run, sig, args, kwargs, rep)
         return out
+
+    def _follows(self, run: PlanRun, sig) -> bool:
+        """Whether `_follow_branches` plans again after this recorded call."""
+        return bool(self.replan and ("branches", sig) not in self.notes.said
+                    and (run.values or run.t.borrowed)
+                    and run.report()["fraction"] < ALIGN_WARN)
 
     def _follow_branches(self, run: PlanRun, sig, args, kwargs, rep: dict) -> None:
         """After a recorded call at `sig` that lined up less than 99% (`rep`: its report):
@@ -194,9 +200,7 @@ class _Patched(SignaturePlans):
         a library that branches otherwise under fake tensors), into the same budget; or, for
         a plan borrowed from other shapes that did not line up here (other ops at these
         shapes), from a trace at these shapes. The next call runs that plan."""
-        if not self.replan or ("branches", sig) in self.notes.said \
-                or rep["fraction"] >= ALIGN_WARN \
-                or not (run.values or run.t.borrowed):
+        if not self._follows(run, sig):
             return          # (no value read, own plan: no branch a trace could take otherwise)
         self.notes.said.add(("branches", sig))
         t0 = time.perf_counter()
@@ -250,10 +254,12 @@ class _Patched(SignaturePlans):
         up, what the guard swapped, bytes held for backward against the plan's budget."""
         return None if self.last_run is None else self.last_run.report()
 
-    def _check_run(self, run: PlanRun, sig) -> dict:
+    def _check_run(self, run: PlanRun, sig, replans: bool = False) -> dict:
         """Say once per signature what a call that did not line up or that the guard acted
-        on cost (`Notes.check_run`); the call's report."""
-        return self.notes.check_run(run, sig, self.branchy and self.plans.get(sig) is None)
+        on cost (`Notes.check_run`; `replans`: a plan along this call's path follows); the
+        call's report."""
+        return self.notes.check_run(run, sig, self.branchy and self.plans.get(sig) is None,
+                                    replans=replans)
 
 
 def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = True,

@@ -39,12 +39,15 @@ class Notes:
                       "the rest of the model (turn it off with "
                       "model.gradient_checkpointing_disable() to run the whole plan)")
 
-    def check_run(self, run, sig, replanned_next: bool = False) -> dict:
+    def check_run(self, run, sig, replanned_next: bool = False, replans: bool = False) -> dict:
         """Say once per signature, on stderr, when less than 99% of the profile's forward ops
         lined up or the guard swapped what the plan could not place: what, what it cost and
         what to do (correctness is not at stake either way). Returns the call's report.
         `replanned_next`: a new shape on the profiled plan of a model planned along its
-        branches, which its next call plans for (nothing to say unless the guard acted)."""
+        branches, which its next call plans for (nothing to say unless the guard acted).
+        `replans`: slackswap plans again along this call's path right after it (the next
+        note says so): nothing for the user to do, so no advice to re-profile (a
+        `SlackswapCallback` or `plan_model` user has no profile to redo)."""
         rep = run.report()
         low, acted = rep["fraction"] < ALIGN_WARN, rep["guard_swaps"] > 0
         if not (low or acted) or ("run", sig) in self.said:
@@ -66,6 +69,13 @@ class Notes:
         if rep.get("borrowed") and not low:
             self.say_capped("run", f"{text}. The plan was made at other shapes: the guard "
                              "holds it to the budget at these (model.forward.__slackswap__"
+                             ".last_report has each call's figures)")
+            return rep
+        if replans:
+            self.say_capped("run", f"{text}. The run took another path than the profiled "
+                             "trace (a library that branches otherwise under fake tensors "
+                             "than in eager, or other shapes): slackswap plans again along "
+                             "this call's path now, nothing to do (model.forward.__slackswap__"
                              ".last_report has each call's figures)")
             return rep
         self.say_capped("run", f"{text}. The run took another path than the profiled trace "

@@ -43,9 +43,13 @@ partitioner's CSE merged into an identical earlier one (Llama's second causal ma
 twice (`plan.merged_roots`: their ops). Saved plus offloaded within 2% of kept plus swapped;
 offloaded equal to swapped; no recomputed compute op outside the chains. With inductor, whose
 decompositions (layer norm, batch norm, log-softmax backward, the loss) save other values
-than the profile's ops, the total is shown and not checked (`notes` say why); offloaded is
-checked against the swapped bytes backward reads (`plan.swapped_bytes_read`), lined-up saved
-bytes against the plan's kept bytes (at most, +2%).
+than the profile's ops, every byte saved on the device for backward (lined up or not: the
+decompositions' own values included) is checked against the plan's kept bytes (at most, +2%),
+and offloaded against the swapped bytes backward reads (`plan.swapped_bytes_read`; a swapped
+root whose decomposed reader saves a value of its own instead, layer norm's normalized input,
+has that value offloaded in its place: `compiled.substituted_swaps`; a copy inductor drops,
+a KV cache's `cat` of one tensor, has the value it copies carry its decision:
+`compiled.stood_in_copies`); `notes` say what was decomposed.
 `plan.lined_up_kept_bytes`/`lined_up_swapped_bytes`: the plan's bytes of the roots whose ops
 lined up.
 """
@@ -177,14 +181,22 @@ def _recompiles(table: dict, partitions, backend: str, first: dict) -> list[dict
 
 
 def _notes(got: dict, plan: dict) -> list[str]:
-    """With inductor: what its decompositions change, and so which byte figures are shown
-    and not checked (see `_reasons`)."""
+    """With inductor: what its decompositions change, and how the byte checks count it (see
+    `_byte_reasons`)."""
     notes = []
     if got["decomposed_saves"]:
         notes.append(f"inductor decomposed {', '.join(got['decomposed_saves'])} before "
                      f"partitioning: backward saves {got['saved_bytes_not_lined_up']} B of "
-                     f"values no profiled op makes, so saved plus offloaded against the plan's "
-                     f"kept plus swapped is shown, not checked")
+                     f"values no profiled op makes; they count in the saved bytes checked "
+                     f"against the plan's kept bytes (at most +{BYTES_TOLERANCE:.0%})")
+    if got.get("substituted_swaps"):
+        notes.append(f"for {got['substituted_swaps']} swapped root(s) backward reads values of "
+                     f"their decomposed readers instead (layer norm's normalized input): "
+                     f"those are offloaded in their place")
+    if got.get("stood_in_copies"):
+        notes.append(f"{got['stood_in_copies']} copy op(s) the plan keeps or swaps were dropped "
+                     f"by inductor (a clone, a cat of one tensor: a KV cache's first update); "
+                     f"the value they copied carries their decision")
     if plan["unread_swapped_roots"]:
         unread = plan["swapped_bytes_in_graph"] - plan["swapped_bytes_read"]
         notes.append(f"backward does not read {unread} B the plan swaps (results of "
@@ -328,13 +340,17 @@ def _byte_reasons(got: dict, plan: dict, reference: str = "eager") -> list[str]:
     have = got["saved_bytes"] + got["offloaded_bytes"]
     swapped = plan["swapped_bytes_in_graph"]
     if reference != "eager" and (got.get("decomposed_saves") or plan.get("unread_swapped_roots")):
-        # inductor's decompositions save other values than the profile's ops (`_notes`)
+        # inductor's decompositions save other values than the profile's ops (`_notes`): all
+        # the bytes the graphs hold on the device for backward, those values included,
+        # against what the plan keeps; offloaded against the swaps backward reads
         swapped = plan["swapped_bytes_read"]
         want = plan["kept_bytes_in_graph"]
-        have = got["saved_bytes"] - got["saved_bytes_not_lined_up"]
+        have = got["saved_bytes"]
         if have > want * (1 + BYTES_TOLERANCE):
-            reasons.append(f"the compiled graphs save {have} bytes of lined-up values on the "
-                           f"device, more than the plan keeps ({want})")
+            reasons.append(f"the compiled graphs save {have} bytes on the device for backward "
+                           f"({got['saved_bytes_not_lined_up']} of them values no profiled op "
+                           f"makes), more than the plan keeps ({want}) plus "
+                           f"{BYTES_TOLERANCE:.0%}")
     elif abs(have - want) > BYTES_TOLERANCE * max(want, 1):
         reasons.append(f"the compiled graphs hold {have} bytes for backward (saved plus "
                        f"offloaded), the plan {want} (kept plus swapped, in graph)")

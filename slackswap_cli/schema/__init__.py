@@ -52,12 +52,12 @@ from .types import (
     saved_flags,
 )
 from .validate import MAX_BYTES, MAX_COUNT, MAX_US, validate_plan, validate_profile
-from .write import dumps, save, write_atomic
+from .write import check_target, dumps, save, write_atomic
 
 __all__ = [
     "ACTIONS", "KINDS", "MAX_BYTES", "MAX_COUNT", "MAX_US", "PHASES", "PLAN_FORMAT",
     "PLAN_VERSION", "PROFILE_FORMAT", "PROFILE_VERSION", "TIME_SOURCES", "Action", "Decision",
-    "Op", "Plan", "Predicted", "Profile", "ScheduleEvent", "Tensor", "dumps", "load_plan",
-    "load_profile", "op_fingerprint", "plan_from_dict", "profile_from_dict", "save",
+    "Op", "Plan", "Predicted", "Profile", "ScheduleEvent", "Tensor", "check_target", "dumps",
+    "load_plan", "load_profile", "op_fingerprint", "plan_from_dict", "profile_from_dict", "save",
     "saved_flags", "sniff_format", "validate_plan", "validate_profile", "write_atomic",
 ]

@@ -50,6 +50,14 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+def check_target(path: str | os.PathLike) -> None:
+    """Refuse, before anything is written, a target that is a directory."""
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"cannot write {p}: it is a directory; nothing was written",
+                         hint=f"give a file path, e.g. {p / p.name}")
+
+
 def _target_mode(p: Path) -> int:
     try:
         return p.stat().st_mode & 0o777
