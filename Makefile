@@ -64,10 +64,11 @@ samples: install
 
 # Every benchmark in benchmarks/, each writing its numbers to benchmarks/results/ (slow: paper_table
 # and local_search run the MILP with a time limit of up to a minute per case).
-# gpu_check.py needs a CUDA GPU: skipped, saying so, where there is none. fidelity.py runs twice:
+# The model zoo is left to `make zoo`. gpu_check.py needs a CUDA GPU: skipped, saying so, where there is none. fidelity.py runs twice:
 # its memory rows, then (--step-time) predicted vs measured step time on this CPU.
 bench: install
 	@set -e; for b in benchmarks/*.py; do \
+	  case $$b in benchmarks/zoo*.py) echo "skipping $$b: \`make zoo\` runs it (an hour)"; continue;; esac; \
 	  if [ "$$b" = benchmarks/gpu_check.py ] && ! $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 	    echo "skipping $$b: needs a CUDA GPU (\`$(PY) $$b --dry-run\` runs it on the CPU with a tiny model)"; \
 	    continue; fi; \
