@@ -5,8 +5,9 @@ timm imports torchvision's Python modules at import time (`torchvision.ops.misc`
 classification models; none of that needs torchvision's C++ extension. PyPI serves one Linux
 x86_64 torchvision per torch release, built against CUDA: its `_C.so` links libtorch_cuda.so,
 which a CPU torch does not have. torchvision then means to carry on without its ops
-(`torchvision.extension._has_ops()` is False), but `_meta_registrations.py` registers fake
-kernels for `torchvision::nms` and `torchvision::qnms` without asking `_has_ops()`, and
+(`torchvision.extension._has_ops()` is False), but its module `_meta_registrations`
+registers fake kernels for `torchvision::nms` and `torchvision::qnms` without asking
+`_has_ops()`, and
 `torch.library.register_fake` on an operator nobody defined raises "operator torchvision::nms
 does not exist": `import torchvision` fails, and with it timm and every transformers module
 that imports torchvision when it is installed.
@@ -42,8 +43,8 @@ UNGUARDED = re.compile(r'^@torch\.library\.register_fake\("torchvision::(\w+)"\)
 
 
 def _guard(source: str) -> str:
-    """`_meta_registrations.py` with each bare `register_fake` applied only when the ops
-    loaded (the same test its `register_meta` makes)."""
+    """The `_meta_registrations` module's source with each bare `register_fake` applied only
+    when the ops loaded (the same test its `register_meta` makes)."""
     fixed, n = UNGUARDED.subn(
         lambda m: f"@_if_has_ops(\"torchvision::{m[1]}\")\ndef {m[2]}(", source)
     if n == 0:
