@@ -320,7 +320,8 @@ def summary(rows: list[dict]) -> str:
                         ("skipped", "Skipped (the library's own error at the zoo's size)")):
         sel = [r for r in rows if r["status"] == kind]
         lines += ["", f"## {title}: {len(sel)}", ""]
-        lines += [f"- {r['library']}/{r['model']}: {r['detail']}" for r in sel]
+        lines += [f"- {r['library']}/{r['model']}: {' '.join(r['detail'].split())}"
+                  for r in sel]
     passed = [float(r["step_ratio"]) for r in rows if r["status"] == "pass" and r["step_ratio"]]
     if passed:
         passed.sort()
@@ -339,6 +340,8 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", type=int, default=2, help="models run at once (worker "
                     "processes, one torch thread each)")
     ap.add_argument("--list", action="store_true", help="print the models and stop")
+    ap.add_argument("--summary", action="store_true",
+                    help="only write zoo.md again from zoo.csv (rows of several runs merged)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -355,6 +358,8 @@ def main(argv=None) -> None:
         return
     csv_path = Path(args.out) / "zoo.csv"
     csv_path.parent.mkdir(parents=True, exist_ok=True)
+    if args.summary:
+        return _write_summary(csv_path, todo)
     old = read_rows(csv_path)
     done = {(r["library"], r["model"]) for r in old}
     if args.resume:
@@ -367,13 +372,24 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     run(todo, csv_path, args.timeout, args.jobs)
     wall = time.perf_counter() - started
-    rows = sorted(read_rows(csv_path), key=_order)
-    csv_path.unlink()
-    for r in rows:
-        _append(csv_path, r)
-    (csv_path.with_suffix(".md")).write_text(summary(rows))
+    _write_summary(csv_path, todo)
     print(f"{len(todo)} models in {wall:.0f} s ({args.jobs} jobs); "
           f"{csv_path} and {csv_path.with_suffix('.md')}")
+
+
+def _write_summary(csv_path: Path, zoo: list[tuple[str, str]]) -> None:
+    """zoo.csv sorted, and zoo.md from it; the models of `zoo` with no row are listed."""
+    rows = sorted(read_rows(csv_path), key=_order)
+    csv_path.unlink(missing_ok=True)
+    for r in rows:
+        _append(csv_path, r)
+    have = {(r["library"], r["model"]) for r in rows}
+    missing = [f"{lib}/{n}" for lib, n in zoo if (lib, n) not in have]
+    text = summary(rows)
+    if missing:
+        text += (f"\n## Not run yet: {len(missing)} (`python benchmarks/zoo.py --resume` runs "
+                 f"them)\n\n" + "\n".join(f"- {m}" for m in missing) + "\n")
+    csv_path.with_suffix(".md").write_text(text)
 
 
 def _order(row: dict) -> tuple:

@@ -176,13 +176,13 @@ TORCHVISION = {   # name: (constructor kwargs beyond num_classes, input side)
     "efficientnet_v2_s": ({"dropout": 0.1}, 32),
     "googlenet": ({"aux_logits": False, "init_weights": True, "dropout": 0.1}, 32),
     "inception_v3": ({"aux_logits": False, "init_weights": True, "dropout": 0.1}, 75),
-    "maxvit_t": ({"stochastic_depth_prob": 0.1, "input_size": (64, 64)}, 64),
+    "maxvit_t": ({}, 224),     # drop-path 0.2, the builder's own
     "mnasnet0_5": ({"dropout": 0.1}, 32), "mobilenet_v2": ({"dropout": 0.1}, 32),
     "mobilenet_v3_small": ({"dropout": 0.1}, 32), "regnet_x_400mf": ({}, 32),
     "regnet_y_400mf": ({}, 32), "resnet18": ({}, 32), "resnext50_32x4d": ({}, 32),
     "shufflenet_v2_x0_5": ({}, 32), "squeezenet1_1": ({"dropout": 0.1}, 64),
-    "swin_t": ({"stochastic_depth_prob": 0.1, "dropout": 0.1}, 64),
-    "swin_v2_t": ({"stochastic_depth_prob": 0.1, "dropout": 0.1}, 64),
+    "swin_t": ({"dropout": 0.1}, 64),       # drop-path 0.2, the builder's own
+    "swin_v2_t": ({"dropout": 0.1}, 64),
     "vgg11_bn": ({"dropout": 0.1}, 32), "wide_resnet50_2": ({}, 32),
     "vit_b_16": ({"image_size": 32, "dropout": 0.1, "attention_dropout": 0.1}, 32),
 }
@@ -279,11 +279,13 @@ def _vae():
 def _unet1d():
     import torch
     from diffusers import UNet1DModel
-    m = UNet1DModel(sample_size=32, in_channels=2, out_channels=2, block_out_channels=(8, 16),
-                    down_block_types=("DownBlock1D", "AttnDownBlock1D"),
-                    up_block_types=("AttnUpBlock1D", "UpBlock1D"), mid_block_type="UNetMidBlock1D",
-                    extra_in_channels=16)
-    return m, {"sample": torch.randn(2, 2, 32), "timestep": torch.tensor([3, 7])}
+    m = UNet1DModel(in_channels=14, out_channels=14, block_out_channels=(8, 8, 16, 16),
+                    down_block_types=("DownResnetBlock1D",) * 4,
+                    up_block_types=("UpResnetBlock1D",) * 3, mid_block_type="MidResTemporalBlock1D",
+                    out_block_type="OutConv1DBlock", time_embedding_type="positional",
+                    use_timestep_embedding=True, flip_sin_to_cos=False, freq_shift=1.0,
+                    act_fn="swish", extra_in_channels=0)
+    return m, {"sample": torch.randn(2, 14, 16), "timestep": torch.tensor([3, 7])}
 
 
 DIFFUSERS = {"UNet2DModel": _unet2d, "UNet2DConditionModel": _unet2d_condition,
