@@ -1,20 +1,24 @@
 # slackswap: `make demo` runs the main job on a shipped sample, `make test` runs the tests.
 # Both build a local virtualenv in .venv. torch: if the interpreter that makes the venv already
 # has a torch (say a CUDA build), the venv sees it (--system-site-packages) and keeps it;
-# otherwise the CPU build torch==$(TORCH_VERSION) is installed.
+# otherwise the CPU build torch==$(TORCH_VERSION) is installed. torchvision (timm needs it; the zoo
+# builds its models): the release that goes with that torch, and for a CPU torch PyPI's wheel
+# rewritten without its CUDA-linked C++ ops, which would stop `import torchvision`
+# (slackswap_testkit/torchvision_wheel.py says why).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slackswap-installed
 
-.PHONY: install demo test test-torch fuzz samples bench clean
+.PHONY: install demo test test-torch fuzz samples bench zoo clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -c "import torchvision" 2>/dev/null || $(PY) -m slackswap_testkit.torchvision_wheel --install
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -60,16 +64,23 @@ samples: install
 
 # Every benchmark in benchmarks/, each writing its numbers to benchmarks/results/ (slow: paper_table
 # and local_search run the MILP with a time limit of up to a minute per case).
-# gpu_check.py needs a CUDA GPU: skipped, saying so, where there is none. fidelity.py runs twice:
+# The model zoo is left to `make zoo`. gpu_check.py needs a CUDA GPU: skipped, saying so, where there is none. fidelity.py runs twice:
 # its memory rows, then (--step-time) predicted vs measured step time on this CPU.
 bench: install
 	@set -e; for b in benchmarks/*.py; do \
+	  case $$b in benchmarks/zoo*.py) echo "skipping $$b: \`make zoo\` runs it (an hour)"; continue;; esac; \
 	  if [ "$$b" = benchmarks/gpu_check.py ] && ! $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 	    echo "skipping $$b: needs a CUDA GPU (\`$(PY) $$b --dry-run\` runs it on the CPU with a tiny model)"; \
 	    continue; fi; \
 	  echo "== $(PY) $$b"; $(PY) $$b; \
 	done
 	$(PY) benchmarks/fidelity.py --step-time
+
+# The model zoo (benchmarks/zoo.py): timm, Hugging Face transformers, diffusers and torchvision
+# models planned at budget 0.5 and trained 3 AdamW steps patched against eager; writes
+# benchmarks/results/zoo.csv and zoo.md. ZOO_ARGS: e.g. --library timm, --only a,b, --resume.
+zoo: install
+	$(PY) benchmarks/zoo.py $(ZOO_ARGS)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

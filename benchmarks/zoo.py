@@ -1,0 +1,400 @@
+"""The model zoo: does slackswap train the models people bring bitwise equal to eager, or refuse
+them plainly? Like torch.compile's expected-accuracy files, one row per model.
+
+Each model (benchmarks/zoo_models.py: timm, one per family; Hugging Face transformers, every
+causal LM, masked LM, seq2seq, image and audio classifier and CTC model whose config builds
+offline at a tiny size; diffusers UNets and diffusion transformers; torchvision classifiers),
+in training mode with dropout on, goes the library user's way:
+
+    plan = plan_model(model, inputs, budget=0.5, device="fake:cpu")  # InfeasibleError: the
+    patch(model, plan)                    # first feasible budget above the floor instead
+    3 AdamW steps, patched, against an eager deep copy from the same RNG state
+
+and gets a status: `pass` (losses and gradients of all three steps bitwise equal), `refused`
+(a SlackswapError: the reason recorded) or `fail` (numbers differ: the largest difference; or
+any other exception, a crash, a timeout: the message). `skipped`: the library itself cannot
+build or run the model at the zoo's tiny size (counted apart, listed in the summary).
+
+Columns: library, model, status, bitwise, max_diff (largest |patched - eager| over losses and
+gradients), budget (fraction of the keep-all peak planned for), held_budget (bytes held for
+backward after the first patched forward / the plan's budget), plan_s (plan_model's seconds),
+step_ratio (patched / eager seconds of steps 2-3), seconds, cpu_s, detail.
+
+Models run in worker processes (--jobs, one torch thread each), one after another in each; a
+model that hangs past --timeout or kills its worker is a `fail` and a new worker takes the
+next. Rows are written as they come, and sorted at the end. seconds: wall time of the model's
+whole check (build, plan, six steps); cpu_s: the worker's CPU time for it, which a shared
+machine does not inflate.
+
+    python benchmarks/zoo.py                        # all; writes benchmarks/results/zoo.csv, .md
+    python benchmarks/zoo.py --library timm --only resnet18,mixer_s16_224 --out /tmp/zoo
+    python benchmarks/zoo.py --resume               # only models with no row yet
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import zoo_models  # noqa: E402
+
+COLUMNS = ("library", "model", "status", "bitwise", "max_diff", "budget", "held_budget",
+           "plan_s", "step_ratio", "seconds", "cpu_s", "detail")
+STEPS = 3
+BUDGET = 0.5
+RESULT = "ZOO-RESULT "
+
+
+# -- one model (in the worker) ------------------------------------------------------------------
+
+def check(library: str, name: str) -> dict:
+    """`check_model`'s row, any exception it raises a `fail` with its message."""
+    try:
+        return check_model(library, name)
+    except _Differs as exc:
+        return {"status": "fail", "detail": str(exc)}
+    except Exception as exc:
+        return {"status": "fail", "detail": _one_line(exc)}
+
+
+def check_model(library: str, name: str) -> dict:
+    """Plan, patch and train one model against its eager twin; the row (without timing)."""
+    from slackswap_cli.errors import SlackswapError
+    try:
+        model, inputs, loss_fn = zoo_models.build(library, name)
+    except zoo_models.BuildError as exc:
+        return {"status": "skipped", "detail": str(exc)}
+    twin = _deepcopy(model)
+    row: dict = {}
+    try:
+        plan, row["budget"], row["plan_s"] = _plan(model, inputs, loss_fn)
+    except SlackswapError as exc:
+        return {"status": "refused", "detail": _one_line(exc)}
+    import slackswap_cli as slackswap
+    try:
+        slackswap.patch(model, plan)
+        diff, held, ratio = _train_both(twin, model, inputs, loss_fn)
+    except SlackswapError as exc:
+        return {**row, "status": "refused", "detail": _one_line(exc)}
+    row.update(max_diff=diff, held_budget=held, step_ratio=ratio, bitwise=diff == 0.0)
+    row["status"] = "pass" if diff == 0.0 else "fail"
+    if diff != 0.0:
+        row["detail"] = f"losses or gradients differ from eager by up to {diff:.3g}"
+    return row
+
+
+def _deepcopy(model):
+    import copy
+    return copy.deepcopy(model)
+
+
+def _plan(model, inputs, loss_fn):
+    """(plan, budget fraction, seconds) at BUDGET, or at the first feasible budget above the
+    floor when BUDGET is infeasible."""
+    import slackswap_cli as slackswap
+    from slackswap_cli.budget import first_feasible_budget
+    from slackswap_cli.errors import InfeasibleError
+    from slackswap_cli.hardware import load_hardware
+    t = time.perf_counter()
+    kw = dict(device="fake:cpu", loss_fn=loss_fn)
+    try:
+        plan = slackswap.plan_model(model, inputs, budget=BUDGET, **kw)
+        return plan, BUDGET, time.perf_counter() - t
+    except InfeasibleError as exc:
+        prof = exc.plan.profile
+        first = first_feasible_budget(prof, load_hardware(None), "slackswap")
+        if first is None:
+            raise
+    plan = slackswap.plan_model(model, inputs, budget=int(first), **kw)
+    return plan, first / prof.keep_all_peak_bytes, time.perf_counter() - t
+
+
+def _step(model, inputs, loss_fn, opt, state=None):
+    """One training step; (loss, gradients, seconds, bytes held after forward or None)."""
+    from slackswap_cli.trace.joint import loss_from_output, split_inputs
+    t = time.perf_counter()
+    a, kw = split_inputs(inputs)
+    out = model(*a, **kw)
+    held = None
+    if state is not None and state.measure_held:
+        held = state.last_run.held_device_bytes() / state.last_report["budget_bytes"]
+    loss = loss_from_output(out, inputs, loss_fn)
+    loss.backward()
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach().clone(), grads, time.perf_counter() - t, held
+
+
+def _train_both(eager, patched, inputs, loss_fn):
+    """STEPS AdamW steps of each, from the same RNG state at every step; (largest difference
+    over losses and gradients, held/budget of the first patched step, patched/eager seconds
+    of the later steps)."""
+    import torch
+    state = patched.forward.__slackswap__
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, patched)]
+    torch.manual_seed(1)
+    diff, held, times = 0.0, None, [0.0, 0.0]
+    for k in range(STEPS):
+        rng = torch.get_rng_state()
+        le, ge, te, _ = _step(eager, inputs, loss_fn, opts[0])
+        after = torch.get_rng_state()
+        torch.set_rng_state(rng)
+        state.measure_held = k == 0
+        lp, gp, tp, h = _step(patched, inputs, loss_fn, opts[1], state)
+        if not torch.equal(after, torch.get_rng_state()):
+            raise _Differs(f"step {k + 1}: the patched step drew other random numbers")
+        held = h if k == 0 else held
+        diff = max(diff, _diff(le, lp), *(_diff(x, y) for x, y in zip(ge, gp)))
+        if k:
+            times[0] += te
+            times[1] += tp
+    state.measure_held = False
+    return diff, held, times[1] / times[0] if times[0] else None
+
+
+class _Differs(Exception):
+    pass
+
+
+def _diff(x, y) -> float:
+    import torch
+    if x is None or y is None:
+        return 0.0 if x is None and y is None else float("inf")
+    if x.shape != y.shape:
+        return float("inf")
+    if torch.equal(x, y):
+        return 0.0
+    d = (x.double() - y.double()).abs().max().item()
+    return d if d == d else float("inf")     # NaN in one only
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:400]
+
+
+def worker() -> None:
+    """Read `library/name` lines on stdin, write one RESULT line per model on the real stdout
+    (what models print goes to stderr)."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    import torch
+    torch.set_num_threads(1)
+    for line in sys.stdin:
+        library, name = line.strip().split("/", 1)
+        t, c = time.perf_counter(), time.process_time()
+        row = check(library, name)
+        row.update(library=library, model=name, seconds=time.perf_counter() - t,
+                   cpu_s=time.process_time() - c)
+        out.write(RESULT + json.dumps(row, default=str) + "\n")
+        out.flush()
+
+
+# -- the run (parent) ---------------------------------------------------------------------------
+
+class Worker:
+    def __init__(self, log):
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=log, text=True, bufsize=1)
+
+    def run(self, library: str, name: str, timeout: float) -> dict | None:
+        """The model's row, or None when the worker died or hung (it is then gone)."""
+        self.proc.stdin.write(f"{library}/{name}\n")
+        self.proc.stdin.flush()
+        end = time.monotonic() + timeout
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0, end - time.monotonic()))
+            if not ready:
+                self.kill()
+                return None
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()
+                return None
+            if line.startswith(RESULT):
+                return json.loads(line[len(RESULT):])
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def run(todo: list[tuple[str, str]], csv_path: Path, timeout: float, jobs: int) -> None:
+    """The models in `jobs` worker processes; each row appended as it comes."""
+    log = open(csv_path.with_suffix(".log"), "a")
+    queue, lock, count = list(reversed(todo)), threading.Lock(), [0]
+
+    def serve():
+        w = None
+        while True:
+            with lock:
+                if not queue:
+                    break
+                library, name = queue.pop()
+            w = w or Worker(log)
+            t = time.perf_counter()
+            row = w.run(library, name, timeout)
+            if row is None:
+                rc = w.proc.returncode
+                why = (f"timed out after {timeout:.0f} s" if rc == -9 else
+                       f"the worker process died (exit code {rc})")
+                row = {"library": library, "model": name, "status": "fail", "detail": why,
+                       "seconds": time.perf_counter() - t}
+                w = None
+            with lock:
+                _append(csv_path, row)
+                count[0] += 1
+                print(f"[{count[0]}/{len(todo)}] {library}/{name}: {row['status']} "
+                      f"({row['seconds']:.1f} s) {row.get('detail') or ''}"[:200], flush=True)
+        if w is not None:
+            w.close()
+
+    threads = [threading.Thread(target=serve) for _ in range(jobs)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    log.close()
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def _append(path: Path, row: dict) -> None:
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        wr = csv.writer(f)
+        if new:
+            wr.writerow(COLUMNS)
+        wr.writerow([_fmt(row.get(c)) for c in COLUMNS])
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def summary(rows: list[dict]) -> str:
+    """zoo.md: counts per library, then every refusal's reason and every fail's symptom."""
+    libs = sorted({r["library"] for r in rows}, key=zoo_models.LIBRARIES.index)
+    kinds = ("pass", "refused", "fail", "skipped")
+    lines = ["# Model zoo: patched (plan_model + patch, budget 0.5 or the first feasible)",
+             "vs eager, 3 AdamW steps, training mode with dropout", "",
+             "Written by `python benchmarks/zoo.py` (`make zoo`); rows in zoo.csv. pass: losses",
+             "and gradients bitwise equal at every step; refused: a SlackswapError; fail:",
+             "numbers differ or the run crashed; skipped: the library cannot build or run the",
+             "model eagerly at the zoo's size (not counted in the zoo).", "",
+             "| library | models | pass | refused | fail | skipped | seconds | CPU seconds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for lib in [*libs, None]:
+        sel = [r for r in rows if lib is None or r["library"] == lib]
+        n = {k: sum(r["status"] == k for r in sel) for k in kinds}
+        secs = sum(float(r["seconds"] or 0) for r in sel)
+        cpu = sum(float(r.get("cpu_s") or 0) for r in sel)
+        lines.append(f"| {lib or '**all**'} | {len(sel) - n['skipped']} | {n['pass']} | "
+                     f"{n['refused']} | {n['fail']} | {n['skipped']} | {secs:.0f} | "
+                     f"{cpu:.0f} |")
+    for kind, title in (("fail", "Fails (symptom)"), ("refused", "Refusals (reason)"),
+                        ("skipped", "Skipped (the library's own error at the zoo's size)")):
+        sel = [r for r in rows if r["status"] == kind]
+        lines += ["", f"## {title}: {len(sel)}", ""]
+        lines += [f"- {r['library']}/{r['model']}: {' '.join(r['detail'].split())}"
+                  for r in sel]
+    passed = [float(r["step_ratio"]) for r in rows if r["status"] == "pass" and r["step_ratio"]]
+    if passed:
+        passed.sort()
+        lines += ["", f"Patched/eager step time over the passes (this CPU, tiny models): median "
+                      f"{passed[len(passed) // 2]:.2f}, max {passed[-1]:.2f}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--library", action="append", choices=zoo_models.LIBRARIES)
+    ap.add_argument("--only", help="comma-separated model names (as in zoo.csv)")
+    ap.add_argument("--resume", action="store_true", help="skip models that have a row")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per model")
+    ap.add_argument("--jobs", type=int, default=2, help="models run at once (worker "
+                    "processes, one torch thread each)")
+    ap.add_argument("--list", action="store_true", help="print the models and stop")
+    ap.add_argument("--summary", action="store_true",
+                    help="only write zoo.md again from zoo.csv (rows of several runs merged)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker()
+    todo = [(lib, n) for lib in (args.library or zoo_models.LIBRARIES)
+            for n in zoo_models.entries(lib)]
+    if args.only:
+        want = set(args.only.split(","))
+        todo = [(lib, n) for lib, n in todo if n in want]
+        if missing := want - {n for _, n in todo}:
+            sys.exit(f"Error: not in the zoo: {', '.join(sorted(missing))} (--list shows it)")
+    if args.list:
+        print("\n".join(f"{lib}/{n}" for lib, n in todo))
+        return
+    csv_path = Path(args.out) / "zoo.csv"
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    if args.summary:
+        return _write_summary(csv_path, todo)
+    old = read_rows(csv_path)
+    done = {(r["library"], r["model"]) for r in old}
+    if args.resume:
+        todo = [t for t in todo if t not in done]
+    else:       # rows of the models run now are replaced; the others stay
+        keep = [r for r in old if (r["library"], r["model"]) not in set(todo)]
+        csv_path.unlink(missing_ok=True)
+        for r in keep:
+            _append(csv_path, r)
+    started = time.perf_counter()
+    run(todo, csv_path, args.timeout, args.jobs)
+    wall = time.perf_counter() - started
+    _write_summary(csv_path, todo)
+    print(f"{len(todo)} models in {wall:.0f} s ({args.jobs} jobs); "
+          f"{csv_path} and {csv_path.with_suffix('.md')}")
+
+
+def _write_summary(csv_path: Path, zoo: list[tuple[str, str]]) -> None:
+    """zoo.csv sorted, and zoo.md from it; the models of `zoo` with no row are listed."""
+    rows = sorted(read_rows(csv_path), key=_order)
+    csv_path.unlink(missing_ok=True)
+    for r in rows:
+        _append(csv_path, r)
+    have = {(r["library"], r["model"]) for r in rows}
+    missing = [f"{lib}/{n}" for lib, n in zoo if (lib, n) not in have]
+    text = summary(rows)
+    if missing:
+        text += (f"\n## Not run yet: {len(missing)} (`python benchmarks/zoo.py --resume` runs "
+                 f"them)\n\n" + "\n".join(f"- {m}" for m in missing) + "\n")
+    csv_path.with_suffix(".md").write_text(text)
+
+
+def _order(row: dict) -> tuple:
+    return zoo_models.LIBRARIES.index(row["library"]), row["model"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""A subset of the model zoo (benchmarks/zoo.py) against its committed results: each model is
+planned, patched and trained 3 AdamW steps against eager exactly as `make zoo` does, and its
+status must be the one benchmarks/results/zoo.csv records. A model recorded `pass` that no
+longer trains bitwise equal fails here; one recorded `fail` or `refused` that now passes
+fails too, asking for the zoo to be run again so the committed file says so (as
+torch.compile's expected-accuracy files do)."""
+import csv
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("timm")
+pytest.importorskip("diffusers")
+pytest.importorskip("torchvision")
+
+from benchmarks import zoo
+
+CSV = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "zoo.csv"
+SUBSET = [   # in-place activations (SiLU, Hardswish), MLP-Mixer, a MoE, encoder-decoders,
+    #          a UNet, a diffusion transformer, and plain models of each library
+    ("timm", "mobilenetv3_small_100"), ("timm", "resnext26ts"),
+    ("timm", "tf_efficientnetv2_b0"), ("timm", "mixer_s16_224"),
+    ("transformers", "causal-lm/mixtral"), ("transformers", "seq2seq/t5"),
+    ("transformers", "seq2seq/bart"), ("transformers", "causal-lm/llama"),
+    ("transformers", "masked-lm/bert"), ("transformers", "image-cls/vit"),
+    ("diffusers", "UNet2DModel"), ("diffusers", "DiTTransformer2DModel"),
+    ("torchvision", "resnet18"),
+]
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the zoo's workers run: two spinning threads on a shared 2-core
+    machine cost several times the CPU time."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def committed() -> dict:
+    with open(CSV, newline="") as f:
+        return {(r["library"], r["model"]): r for r in csv.DictReader(f)}
+
+
+def test_subset_is_in_the_committed_zoo():
+    rows = committed()
+    assert all(key in rows for key in SUBSET), [k for k in SUBSET if k not in rows]
+    assert all(rows[k]["status"] in ("pass", "refused", "fail") for k in SUBSET)
+
+
+@pytest.mark.parametrize("library,name", SUBSET, ids=[n for _, n in SUBSET])
+def test_zoo_model_matches_its_committed_row(library, name, one_thread):
+    want = committed()[(library, name)]
+    got = zoo.check(library, name)
+    redo = (f"`python benchmarks/zoo.py --library {library} --only {name}` rewrites its row "
+            "(then `make zoo` for the whole file)")
+    if want["status"] == "pass":
+        assert got["status"] == "pass", (
+            f"{library}/{name} is recorded as pass in zoo.csv but now {got['status']}: "
+            f"{got.get('detail')}")
+        assert got["bitwise"] is True and got["max_diff"] == 0.0
+    else:
+        assert got["status"] == want["status"], (
+            f"{library}/{name} is recorded as {want['status']} ({want['detail']}) but now "
+            f"{got['status']}: {redo}")
