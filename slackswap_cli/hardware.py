@@ -206,9 +206,12 @@ _LINK = {
 }
 
 
-def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72) -> HardwareSpec:
-    """A preset: the compute and memory figures given, the host link of `link`."""
-    bw, lat = {"pcie3": (12.5, 10.0), "pcie4": (25.7, 8.0), "pcie5": (55.0, 6.0)}[link]
+def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72,
+          bw=None) -> HardwareSpec:
+    """A preset: the compute and memory figures given, the host link of `link` (its typical
+    bandwidth each way unless `bw` GB/s is given)."""
+    typical, lat = {"pcie3": (12.5, 10.0), "pcie4": (25.7, 8.0), "pcie5": (55.0, 6.0)}[link]
+    bw = typical if bw is None else bw
     return HardwareSpec(
         name=name, peak_flops_per_s=bf16, matmul_efficiency=eff, hbm_bytes_per_s=hbm * GB,
         hbm_efficiency=0.85, memory_bytes=mem, h2d_bytes_per_s=bw * GB,
@@ -245,7 +248,7 @@ PRESETS: dict[str, HardwareSpec] = {
     ),
     "rtx4090-pcie4": _spec("rtx4090-pcie4", 165.2e12, 82.6e12, 82.6e12, 330.3e12, 128,  # [4090]
                            1008, 24 * GIB, "pcie4", "GeForce RTX 4090 on a PCIe 4.0 x16 host "
-                           "link", eff=0.75),
+                           "link", eff=0.75, bw=25.0),
     # the GPUs of benchmarks/data/gpu_truth (measured steps), on the host link of their form
     "a100-80gb-pcie": _spec("a100-80gb-pcie", 312e12, 19.5e12, 156e12, 0, 108, 1935,  # [A100]
                             80 * GIB, "pcie4", "A100 80GB PCIe (PCIe 4.0 x16)"),
