@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slackswap-installed
 
-.PHONY: install demo test test-torch fuzz samples bench clean
+.PHONY: install demo test test-torch fuzz samples bench gpu-truth clean
 
 install: $(STAMP)
 
@@ -70,6 +70,13 @@ bench: install
 	  echo "== $(PY) $$b"; $(PY) $$b; \
 	done
 	$(PY) benchmarks/fidelity.py --step-time
+
+# The op cost constants against measured GPU steps (torch-free, seconds): the fit reproduces
+# slackswap_cli/op_costs.json, then the leave-one-GPU-out table (benchmarks/results/gpu_truth.md).
+# benchmarks/gpu_truth_profiles.py re-traces the measured models (minutes) when they change.
+gpu-truth: install
+	$(PY) benchmarks/fit_costs.py --check
+	$(PY) benchmarks/gpu_truth.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
