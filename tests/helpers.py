@@ -70,14 +70,9 @@ def free_port() -> int:
 
 
 def two_us_kernels(monkeypatch):
-    """Price ops with 2 us a kernel and 85% of HBM for every class (the cost model before the
-    constants of op_costs.json were fitted), for tests of the run side that need plans of
-    KiB-sized models to recompute as well as swap: at the fitted ~10 us a kernel, an 8 us
-    copy of a tiny tensor beats recomputing it, and such plans swap all they do not keep."""
-    import dataclasses
-
+    """Price ops with 2 us a kernel (slackswap_testkit/small_costs.py says why), for tests of
+    the run side that need plans of KiB-sized models to recompute as well as swap."""
     from slackswap_cli import op_cost
-    base = op_cost.default_cost_model()
-    model = dataclasses.replace(base, kernel_overhead_us=2.0, digest="tests-2us-kernels",
-                                memory_efficiency=dict.fromkeys(base.memory_efficiency, 0.85))
+    from slackswap_testkit.small_costs import two_us_kernel_model
+    model = two_us_kernel_model()
     monkeypatch.setattr(op_cost, "default_cost_model", lambda: model)
