@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slackswap-installed
 
-.PHONY: install demo test test-torch fuzz samples bench zoo clean
+.PHONY: install demo test test-torch fuzz samples bench zoo gpu-truth clean
 
 install: $(STAMP)
 
@@ -81,6 +81,13 @@ bench: install
 # benchmarks/results/zoo.csv and zoo.md. ZOO_ARGS: e.g. --library timm, --only a,b, --resume.
 zoo: install
 	$(PY) benchmarks/zoo.py $(ZOO_ARGS)
+
+# The op cost constants against measured GPU steps (torch-free, seconds): the fit reproduces
+# slackswap_cli/op_costs.json, then the leave-one-GPU-out table (benchmarks/results/gpu_truth.md).
+# benchmarks/gpu_truth_profiles.py re-traces the measured models (minutes) when they change.
+gpu-truth: install
+	$(PY) benchmarks/fit_costs.py --check
+	$(PY) benchmarks/gpu_truth.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -136,7 +136,9 @@ def calibrated_hardware(cuda: bool, bw: dict):
         base, name=f"{base.name}-measured", h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
         duplex=derate > 0.6, duplex_derate=round(derate, 3),
         memory_bytes=torch.cuda.get_device_properties(0).total_memory,
-        description=f"{base.description}; host link measured on {torch.cuda.get_device_name()}")
+        description=f"{base.description}; host link measured on {torch.cuda.get_device_name()}",
+        link_source=f"measured by benchmarks/gpu_check.py on {torch.cuda.get_device_name()} "
+                    "(pinned copies one way at a time, then both at once)")
 
 
 # --------------------------------------------------------------------------------------------

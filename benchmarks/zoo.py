@@ -17,8 +17,11 @@ build or run the model at the zoo's tiny size (counted apart, listed in the summ
 
 Columns: library, model, status, bitwise, max_diff (largest |patched - eager| over losses and
 gradients), budget (fraction of the keep-all peak planned for), held_budget (bytes held for
-backward after the first patched forward / the plan's budget), plan_s (plan_model's seconds),
-step_ratio (patched / eager seconds of steps 2-3), seconds, cpu_s, detail.
+backward after the first patched forward / the plan's budget), keep_swap_recompute (the
+plan's saved activations by action), plan_s (plan_model's seconds),
+step_ratio (patched / eager seconds of steps 2-3), seconds, cpu_s, detail. Ops are priced
+with 2 us a kernel (slackswap_testkit/small_costs.py): on the fitted ~10 us the zoo's tiny
+models would swap all they do not keep, and the recompute path would go untested.
 
 Models run in worker processes (--jobs, one torch thread each), one after another in each; a
 model that hangs past --timeout or kills its worker is a `fail` and a new worker takes the
@@ -50,7 +53,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import zoo_models  # noqa: E402
 
 COLUMNS = ("library", "model", "status", "bitwise", "max_diff", "budget", "held_budget",
-           "plan_s", "step_ratio", "seconds", "cpu_s", "detail")
+           "keep_swap_recompute", "plan_s", "step_ratio", "seconds", "cpu_s", "detail")
 STEPS = 3
 BUDGET = 0.5
 RESULT = "ZOO-RESULT "
@@ -60,8 +63,10 @@ RESULT = "ZOO-RESULT "
 
 def check(library: str, name: str) -> dict:
     """`check_model`'s row, any exception it raises a `fail` with its message."""
+    from slackswap_testkit.small_costs import small_model_costs
     try:
-        return check_model(library, name)
+        with small_model_costs():      # plans that recompute as well as swap (its docstring)
+            return check_model(library, name)
     except _Differs as exc:
         return {"status": "fail", "detail": str(exc)}
     except Exception as exc:
@@ -87,7 +92,9 @@ def check_model(library: str, name: str) -> dict:
         diff, held, ratio = _train_both(twin, model, inputs, loss_fn)
     except SlackswapError as exc:
         return {**row, "status": "refused", "detail": _one_line(exc)}
-    row.update(max_diff=diff, held_budget=held, step_ratio=ratio, bitwise=diff == 0.0)
+    acts = plan.actions()
+    row.update(max_diff=diff, held_budget=held, step_ratio=ratio, bitwise=diff == 0.0,
+               keep_swap_recompute=f"{acts['keep']}/{acts['swap']}/{acts['recompute']}")
     row["status"] = "pass" if diff == 0.0 else "fail"
     if diff != 0.0:
         row["detail"] = f"losses or gradients differ from eager by up to {diff:.3g}"
@@ -322,6 +329,13 @@ def summary(rows: list[dict]) -> str:
         lines += ["", f"## {title}: {len(sel)}", ""]
         lines += [f"- {r['library']}/{r['model']}: {' '.join(r['detail'].split())}"
                   for r in sel]
+    acts = [[int(x) for x in r["keep_swap_recompute"].split("/")] for r in rows
+            if r["status"] == "pass" and r.get("keep_swap_recompute")]
+    if acts:
+        lines += ["", f"What the passing plans did: {sum(a[2] > 0 for a in acts)} of {len(acts)} "
+                      f"recompute, {sum(a[1] > 0 for a in acts)} swap, "
+                      f"{sum(a[1] > 0 and a[2] > 0 for a in acts)} both (ops priced at 2 us a "
+                      "kernel: slackswap_testkit/small_costs.py)."]
     passed = [float(r["step_ratio"]) for r in rows if r["status"] == "pass" and r["step_ratio"]]
     if passed:
         passed.sort()

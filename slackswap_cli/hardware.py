@@ -4,14 +4,17 @@ A `HardwareSpec` holds the handful of numbers that decide how long an op takes a
 copy between device and host takes:
 
 - compute: peak dense bf16 matmul FLOP/s times an achievable fraction (large GEMMs reach about
-  70-80% of the datasheet peak), and HBM bandwidth times an achievable fraction (streaming
-  kernels reach about 80-90%),
+  70-80% of the datasheet peak), the FP32 (FMA), TF32 and FP8 peaks and the SM count (what
+  `op_cost` prices an op by, after the arithmetic it runs), and HBM bandwidth times an
+  achievable fraction (streaming kernels reach about 80-90%),
 - a fixed per-kernel overhead (launch and tail effects) added to every op that touches memory,
 - the host link: pinned-memory H2D and D2H bandwidth, a fixed per-copy latency, and whether the
   two directions run at once (separate copy engines over a full-duplex link) and, if so, the
   fraction of its bandwidth each direction keeps while the other one is busy.
 
-Roofline: time = max(flops / achievable FLOP/s, bytes / achievable HBM bytes/s) + overhead.
+Plain roofline (sources that know no op classes): time = max(flops / achievable FLOP/s,
+bytes / achievable HBM bytes/s) + overhead. Profiles are priced by `op_cost` (per op class and
+dtype, with constants fitted on measured GPU steps).
 Copy: time = latency + bytes / bandwidth (bandwidth times the derate while both directions
 are busy).
 
@@ -47,8 +50,15 @@ class HardwareSpec:
     copy_latency_us: float           # fixed cost of one copy (launch + DMA setup)
     duplex: bool                     # H2D and D2H run at the same time
     duplex_derate: float             # fraction of bandwidth each direction keeps when both run
-    kernel_overhead_us: float = 2.0  # per-kernel launch/tail cost added by the roofline
+    kernel_overhead_us: float = 2.0  # per-kernel launch/tail cost added by the plain roofline
     description: str = ""
+    # the arithmetic an op runs (op_cost.py): 0 = not given (a hardware file written before
+    # these existed; fp32 is then priced at peak_flops_per_s, fp8 at bf16's)
+    fp32_flops_per_s: float = 0.0    # FP32 FMA units, no tensor cores (datasheet)
+    tf32_flops_per_s: float = 0.0    # dense TF32 tensor-core FLOP/s (datasheet; 0 = none)
+    fp8_flops_per_s: float = 0.0     # dense FP8 tensor-core FLOP/s (datasheet; 0 = none)
+    sm_count: int = 0                # streaming multiprocessors (GEMM waves; 0 = not given)
+    link_source: str = ""            # where the H2D / D2H / both-at-once figures come from
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -99,6 +109,10 @@ class HardwareSpec:
         if not isinstance(spec.name, str) or not spec.name.strip() or len(spec.name) > 100:
             raise FormatError(f"{source}: name must be a non-empty string, got {spec.name!r:.60}",
                               hint='name the hardware, e.g. "name": "my-a100"')
+        if not isinstance(spec.link_source, str):
+            raise FormatError(f"{source}: link_source must be a string, got "
+                              f"{spec.link_source!r:.60}", hint="say where the link figures "
+                              "come from")
         if not isinstance(spec.description, str):
             raise FormatError(f"{source}: description must be a string, got "
                               f"{spec.description!r:.60}", hint="describe the machine in words")
@@ -106,7 +120,7 @@ class HardwareSpec:
             value = getattr(spec, name)
             ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
                   and math.isfinite(value) and lo <= value <= hi)
-            if name == "memory_bytes":
+            if name in ("memory_bytes", "sm_count"):
                 ok = ok and (isinstance(value, int) or float(value).is_integer())
             if not ok:
                 raise FormatError(f"{source}: {name} is {value!r:.40}, expected a number in "
@@ -133,67 +147,90 @@ _BOUNDS: dict[str, tuple[float, float, str]] = {
     "memory_bytes": (0, 2**60, "device memory in bytes, e.g. 85899345920 for 80 GiB"),
     "copy_latency_us": (0, 1e6, "microseconds per copy, e.g. 8"),
     "kernel_overhead_us": (0, 1e6, "microseconds per kernel, e.g. 2"),
+    "fp32_flops_per_s": (0, 1e20, _RATE + " (0: not given)"),
+    "tf32_flops_per_s": (0, 1e20, _RATE + " (0: no TF32)"),
+    "fp8_flops_per_s": (0, 1e20, _RATE + " (0: no FP8)"),
+    "sm_count": (0, 1e6, "the GPU's SM count, e.g. 108 (0: not given)"),
 }
 
-# Sources:
-# [A100]   NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 312 TFLOPS dense BF16, 2039 GB/s HBM2e.
-# [H100]   NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOPS dense BF16, 3.35 TB/s HBM3.
-# [H200]   NVIDIA H200 Tensor Core GPU datasheet (SXM): 989 TFLOPS dense BF16, 4.8 TB/s HBM3e, 141 GB.
-# [GH200]  NVIDIA GH200 Grace Hopper Superchip datasheet: H100-class GPU (989 TFLOPS dense BF16),
-#          96 GB HBM3 at 4.0 TB/s, NVLink-C2C 900 GB/s total (450 GB/s each way).
-# [4090]   NVIDIA Ada Lovelace architecture whitepaper, RTX 4090: 165.2 TFLOPS dense BF16 with FP32
-#          accumulate, 1008 GB/s GDDR6X, 24 GB.
+# Sources (datasheet figures are dense, i.e. without structured sparsity):
+# [A100]   NVIDIA A100 Tensor Core GPU datasheet: 19.5 TFLOPS FP32, 156 TFLOPS TF32, 312 TFLOPS
+#          BF16/FP16 (no FP8); HBM2e 2,039 GB/s (80GB SXM), 1,935 GB/s (80GB PCIe), HBM2 1,555
+#          GB/s (40GB PCIe and SXM). 108 SMs: NVIDIA A100 architecture whitepaper.
+# [H100]   NVIDIA H100 Tensor Core GPU datasheet (SXM5): 67 TFLOPS FP32, 494.7 TF32, 989 BF16,
+#          1,979 FP8, 3.35 TB/s HBM3. 132 SMs: NVIDIA H100 architecture whitepaper (SXM5).
+# [H200]   NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute (67 FP32, 494.7 TF32,
+#          989 BF16, 1,979 FP8, 132 SMs), 4.8 TB/s HBM3e, 141 GB.
+# [GH200]  NVIDIA GH200 Grace Hopper Superchip datasheet: H100-class GPU (67 FP32, 494.7 TF32,
+#          989 BF16, 1,979 FP8), 96 GB HBM3 at 4.0 TB/s, NVLink-C2C 900 GB/s total (450 each way).
+# [4090]   NVIDIA Ada Lovelace architecture whitepaper, RTX 4090: 82.6 TFLOPS FP32, 82.6 TF32,
+#          165.2 BF16 and 330.3 FP8 with FP32 accumulate, 1008 GB/s GDDR6X, 24 GB, 128 SMs.
+# [V100]   NVIDIA V100 Tensor Core GPU datasheet (PCIe): 14 TFLOPS FP32, 112 TFLOPS FP16 tensor
+#          (no BF16, TF32 or FP8: a bf16 matmul is priced as fp16, which V100 does not run),
+#          900 GB/s HBM2, 32 GB. 80 SMs: NVIDIA Volta architecture whitepaper.
+# [T4]     NVIDIA T4 datasheet: 8.1 TFLOPS FP32, 65 TFLOPS FP16 mixed precision (no BF16/TF32),
+#          320 GB/s GDDR6, 16 GB. 40 SMs: NVIDIA Turing architecture whitepaper.
+# [L4]     NVIDIA L4 datasheet: 30.3 TFLOPS FP32, 60 TF32, 121 BF16/FP16, 242.5 FP8 (half the
+#          datasheet's with-sparsity figures), 300 GB/s GDDR6, 24 GB. 58 SMs: NVIDIA Ada
+#          Lovelace architecture whitepaper (AD104 as configured for L4).
+# [PCIe3]  Pinned cudaMemcpy on PCIe 3.0 x16 (15.75 GB/s raw each way) measures about 12-13 GB/s
+#          each way in published bandwidthTest runs; both at once about 80% each (typical, not
+#          measured by slackswap).
 # [PCIe4]  Pinned cudaMemcpy on PCIe 4.0 x16 (31.5 GB/s raw) measures about 25-26 GB/s each way
 #          (NVIDIA bandwidthTest / nvbandwidth reports on A100 hosts); bidirectional runs reach about
 #          42-45 GB/s together, so each direction keeps about 85% while the other one is busy.
+#          Published training-time measurements are lower (PipeOffload's profiler: 15 GB/s D2H
+#          on A100): benchmarks/gpu_check.py measures the machine at hand.
 # [PCIe5]  Pinned cudaMemcpy on PCIe 5.0 x16 (63 GB/s raw) measures about 53-57 GB/s each way
-#          (nvbandwidth on H100 PCIe / H200 NVL hosts).
+#          (nvbandwidth on H100 PCIe / H200 NVL hosts). Both at once: datasheet only (the 85% of
+#          PCIe 4.0 assumed). PipeOffload's profiler measured 21 GB/s D2H on H100.
 # [C2C]    Grace Hopper microbenchmarks (e.g. Fusco et al., "Understanding Data Movement in Tightly
 #          Coupled Heterogeneous Systems: A Case Study with the Grace Hopper Superchip", 2024)
 #          measure roughly 350 GB/s host->device and about 300 GB/s device->host over NVLink-C2C.
 # [EFF]    Large bf16 GEMMs reach about 70-75% of dense peak on A100/H100 (cuBLAS); streaming
-#          elementwise kernels reach about 80-90% of HBM bandwidth.
+#          elementwise kernels reach about 80-90% of HBM bandwidth. (Tensor-core efficiency is a
+#          published figure, not fitted: the measured steps in benchmarks/data/gpu_truth are
+#          fp32. The per-class memory efficiencies and fp32 GEMM efficiencies are fitted:
+#          op_costs.json.)
 # [LAT]    A cudaMemcpyAsync of a small pinned buffer costs on the order of 5-10 us end to end.
+_LINK = {
+    "pcie3": "[PCIe3] published bandwidthTest figures for PCIe 3.0 x16 (12-13 GB/s each way); "
+             "both at once: typical, not measured by slackswap",
+    "pcie4": "[PCIe4] NVIDIA bandwidthTest / nvbandwidth reports on A100 hosts (25-26 GB/s each "
+             "way, 42-45 GB/s both at once); training-time measurements are lower "
+             "(PipeOffload: 15 GB/s D2H on A100)",
+    "pcie5": "[PCIe5] nvbandwidth on H100 PCIe / H200 NVL hosts (53-57 GB/s each way); both at "
+             "once: datasheet only (PCIe 4.0's 85% assumed); PipeOffload: 21 GB/s D2H on H100",
+    "c2c": "[C2C] Fusco et al. 2024 Grace Hopper microbenchmarks (350 GB/s H2D, 300 GB/s D2H); "
+           "both at once: datasheet only (450 GB/s each way)",
+}
+
+
+def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72,
+          bw=None) -> HardwareSpec:
+    """A preset: the compute and memory figures given, the host link of `link` (its typical
+    bandwidth each way unless `bw` GB/s is given)."""
+    typical, lat = {"pcie3": (12.5, 10.0), "pcie4": (25.7, 8.0), "pcie5": (55.0, 6.0)}[link]
+    bw = typical if bw is None else bw
+    return HardwareSpec(
+        name=name, peak_flops_per_s=bf16, matmul_efficiency=eff, hbm_bytes_per_s=hbm * GB,
+        hbm_efficiency=0.85, memory_bytes=mem, h2d_bytes_per_s=bw * GB,
+        d2h_bytes_per_s=bw * GB, copy_latency_us=lat, duplex=True,
+        duplex_derate=0.8 if link == "pcie3" else 0.85, description=desc,
+        fp32_flops_per_s=fp32, tf32_flops_per_s=tf32, fp8_flops_per_s=fp8, sm_count=sms,
+        link_source=_LINK[link])
+
+
 PRESETS: dict[str, HardwareSpec] = {
-    "a100-pcie4": HardwareSpec(
-        name="a100-pcie4",
-        peak_flops_per_s=312e12,             # [A100]
-        matmul_efficiency=0.72,              # [EFF]
-        hbm_bytes_per_s=2039 * GB,           # [A100]
-        hbm_efficiency=0.85,                 # [EFF]
-        memory_bytes=80 * GIB,               # [A100]
-        h2d_bytes_per_s=25.7 * GB,           # [PCIe4]
-        d2h_bytes_per_s=25.7 * GB,           # [PCIe4]
-        copy_latency_us=8.0,                 # [LAT]
-        duplex=True, duplex_derate=0.85,     # [PCIe4]
-        description="A100 80GB SXM on a PCIe 4.0 x16 host link",
-    ),
-    "h100-pcie5": HardwareSpec(
-        name="h100-pcie5",
-        peak_flops_per_s=989e12,             # [H100]
-        matmul_efficiency=0.70,              # [EFF]
-        hbm_bytes_per_s=3350 * GB,           # [H100]
-        hbm_efficiency=0.85,                 # [EFF]
-        memory_bytes=80 * GIB,               # [H100]
-        h2d_bytes_per_s=55.0 * GB,           # [PCIe5]
-        d2h_bytes_per_s=55.0 * GB,           # [PCIe5]
-        copy_latency_us=6.0,                 # [LAT]
-        duplex=True, duplex_derate=0.85,     # [PCIe5], same link behaviour as PCIe 4.0
-        description="H100 80GB SXM on a PCIe 5.0 x16 host link",
-    ),
-    "h200-pcie5": HardwareSpec(
-        name="h200-pcie5",
-        peak_flops_per_s=989e12,             # [H200]
-        matmul_efficiency=0.70,              # [EFF]
-        hbm_bytes_per_s=4800 * GB,           # [H200]
-        hbm_efficiency=0.85,                 # [EFF]
-        memory_bytes=141 * 10**9,            # [H200]
-        h2d_bytes_per_s=55.0 * GB,           # [PCIe5]
-        d2h_bytes_per_s=55.0 * GB,           # [PCIe5]
-        copy_latency_us=6.0,                 # [LAT]
-        duplex=True, duplex_derate=0.85,     # [PCIe5]
-        description="H200 141GB on a PCIe 5.0 x16 host link",
-    ),
+    # name              bf16     fp32     tf32      fp8      SMs  HBM GB/s  memory [source]
+    "a100-pcie4": _spec("a100-pcie4", 312e12, 19.5e12, 156e12, 0, 108, 2039, 80 * GIB,  # [A100]
+                        "pcie4", "A100 80GB SXM on a PCIe 4.0 x16 host link"),
+    "h100-pcie5": _spec("h100-pcie5", 989e12, 67e12, 494.7e12, 1979e12, 132, 3350,  # [H100]
+                        80 * GIB, "pcie5", "H100 80GB SXM on a PCIe 5.0 x16 host link",
+                        eff=0.70),
+    "h200-pcie5": _spec("h200-pcie5", 989e12, 67e12, 494.7e12, 1979e12, 132, 4800,  # [H200]
+                        141 * 10**9, "pcie5", "H200 141GB on a PCIe 5.0 x16 host link",
+                        eff=0.70),
     "gh200-c2c": HardwareSpec(
         name="gh200-c2c",
         peak_flops_per_s=989e12,             # [GH200]
@@ -206,20 +243,28 @@ PRESETS: dict[str, HardwareSpec] = {
         copy_latency_us=4.0,                 # [LAT]
         duplex=True, duplex_derate=0.9,      # [GH200] 450 GB/s each way leaves headroom
         description="GH200 Grace Hopper, NVLink-C2C between Grace and Hopper",
+        fp32_flops_per_s=67e12, tf32_flops_per_s=494.7e12, fp8_flops_per_s=1979e12,  # [GH200]
+        sm_count=132, link_source=_LINK["c2c"],
     ),
-    "rtx4090-pcie4": HardwareSpec(
-        name="rtx4090-pcie4",
-        peak_flops_per_s=165.2e12,           # [4090]
-        matmul_efficiency=0.75,              # [EFF]
-        hbm_bytes_per_s=1008 * GB,           # [4090]
-        hbm_efficiency=0.85,                 # [EFF]
-        memory_bytes=24 * GIB,               # [4090]
-        h2d_bytes_per_s=25.0 * GB,           # [PCIe4]
-        d2h_bytes_per_s=25.0 * GB,           # [PCIe4]
-        copy_latency_us=8.0,                 # [LAT]
-        duplex=True, duplex_derate=0.85,     # [PCIe4] GeForce parts have two copy engines too
-        description="GeForce RTX 4090 on a PCIe 4.0 x16 host link",
-    ),
+    "rtx4090-pcie4": _spec("rtx4090-pcie4", 165.2e12, 82.6e12, 82.6e12, 330.3e12, 128,  # [4090]
+                           1008, 24 * GIB, "pcie4", "GeForce RTX 4090 on a PCIe 4.0 x16 host "
+                           "link", eff=0.75, bw=25.0),
+    # the GPUs of benchmarks/data/gpu_truth (measured steps), on the host link of their form
+    "a100-80gb-pcie": _spec("a100-80gb-pcie", 312e12, 19.5e12, 156e12, 0, 108, 1935,  # [A100]
+                            80 * GIB, "pcie4", "A100 80GB PCIe (PCIe 4.0 x16)"),
+    "a100-40gb-pcie": _spec("a100-40gb-pcie", 312e12, 19.5e12, 156e12, 0, 108, 1555,  # [A100]
+                            40 * GIB, "pcie4", "A100 40GB PCIe (PCIe 4.0 x16)"),
+    "a100-40gb-sxm": _spec("a100-40gb-sxm", 312e12, 19.5e12, 156e12, 0, 108, 1555,  # [A100]
+                           40 * GIB, "pcie4", "A100 40GB SXM4 on a PCIe 4.0 x16 host link"),
+    "h100-sxm": _spec("h100-sxm", 989e12, 67e12, 494.7e12, 1979e12, 132, 3350,  # [H100]
+                      80 * GIB, "pcie5", "H100 80GB SXM5 on a PCIe 5.0 x16 host link",
+                      eff=0.70),
+    "v100-pcie": _spec("v100-pcie", 112e12, 14e12, 0, 0, 80, 900, 32 * GIB,  # [V100]
+                       "pcie3", "V100 32GB PCIe (PCIe 3.0 x16); fp16 tensor cores, no bf16"),
+    "t4": _spec("t4", 65e12, 8.1e12, 0, 0, 40, 320, 16 * GIB,  # [T4]
+                "pcie3", "T4 16GB (PCIe 3.0 x16); fp16 tensor cores, no bf16"),
+    "l4": _spec("l4", 121e12, 30.3e12, 60e12, 242.5e12, 58, 300, 24 * GIB,  # [L4]
+                "pcie4", "L4 24GB (PCIe 4.0 x16)"),
 }
 
 DEFAULT_PRESET = "a100-pcie4"

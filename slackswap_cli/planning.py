@@ -3,7 +3,8 @@ writing its file, as functions the library API (`slackswap_cli.plan_model`) call
 
 - `plan_inputs(prof, budget, hardware)`: the hardware planned for (`--hardware`, else the one
   the profile was costed on, else the default preset), the profile re-costed for it (a
-  roofline profile is re-timed), and the budget read as `--budget` reads it;
+  roofline profile is re-timed), and the budget read as `--budget` reads it; a profile priced
+  by other cost constants than this slackswap's is refused (`op_cost.check_cost_model`);
 - `planner_time_options(spec, time_limit, started)`: `--time-limit` as a planner option;
 - `plan_profile(...)`: the planner run and its plan simulated (`plan_and_simulate`).
 
@@ -18,6 +19,7 @@ from typing import Optional
 
 from .budget import parse_budget
 from .hardware import HardwareSpec, load_hardware, stored_hardware
+from .op_cost import check_cost_model
 from .planners import PLANNERS, plan_and_simulate, planner_spec
 from .profile_build import recost
 from .schema import Profile, check_target, save
@@ -33,6 +35,7 @@ def plan_inputs(prof: Profile, budget, hardware=None, source: str = "profile"):
     `hardware`: a preset name, a JSON file or a `HardwareSpec`; None takes the profile's own
     (`env.hardware`), else the default preset. `budget`: what `--budget` takes (0.5, "50%",
     "20GiB", bytes). `source` names the profile in errors."""
+    check_cost_model(prof, source)   # its op times and ours must come from one cost model
     if isinstance(hardware, HardwareSpec):
         hw = hardware
     else:

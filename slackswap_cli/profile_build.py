@@ -14,7 +14,6 @@ frontend derives it identically:
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from .hardware import PRESETS
@@ -141,7 +140,8 @@ class ProfileBuilder:
 
 
 def recost(prof: Profile, hw) -> Profile:
-    """The same step costed on other hardware: every roofline op re-timed with `hw`.
+    """The same step costed on other hardware: every roofline op re-timed on `hw` by the cost
+    model (`op_cost.price_profile`: per op class and dtype, fitted constants).
 
     Only a profile whose ops were all costed by the roofline can be re-costed (each op keeps
     its FLOPs and bytes) and records the hardware it was costed on (`env.hardware`: the whole
@@ -149,22 +149,17 @@ def recost(prof: Profile, hw) -> Profile:
     they came from, and such a profile is returned unchanged. The fingerprint does not change
     (times are not part of it).
     """
+    from .op_cost import default_cost_model, price_profile
     costed_on = prof.env.get("hardware")
     if costed_on is None:
         return prof  # no hardware to re-cost from (measured or hand-made times)
-    if costed_on == hw.to_dict() or (isinstance(costed_on, str) and costed_on == hw.name
-                                     and _is_preset(hw)):
+    same_model = prof.env.get("cost_model") == default_cost_model().identity
+    if same_model and (costed_on == hw.to_dict() or (
+            isinstance(costed_on, str) and costed_on == hw.name and _is_preset(hw))):
         return prof  # already costed there
     if not prof.ops or any(op.time_source != "roofline" for op in prof.ops):
         return prof
-    ops = tuple(dataclasses.replace(op, time_us=hw.roofline_us(op.flops, op.bytes))
-                for op in prof.ops)
-    summary = dict(prof.summary,
-                   forward_us=sum(o.time_us for o in ops if o.phase == "forward"),
-                   backward_us=sum(o.time_us for o in ops if o.phase == "backward"))
-    return Profile(fingerprint=prof.fingerprint, workload=prof.workload,
-                   env=dict(prof.env, hardware=hw.to_dict()), summary=summary, ops=ops,
-                   tensors=prof.tensors)
+    return price_profile(prof, hw)
 
 
 def _is_preset(hw) -> bool:

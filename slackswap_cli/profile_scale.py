@@ -12,8 +12,9 @@ the one at batch `x` without tracing, **only where that is exact**:
   quadratically: refused), and that dimension, every size in bytes, every op's FLOPs and
   bytes moved and every input shape are affine in the batch with an integer value at `x`
   (refused otherwise);
-- every op was costed by the roofline (fake tensors): its time at `x` is the roofline of its
-  FLOPs and bytes there, exactly what tracing at `x` computes. A measured profile is refused.
+- every op was costed by the roofline (fake tensors): its time at `x` is what the cost model
+  (`op_cost`) prices its FLOPs, bytes, dtype and output shape at there, exactly what tracing
+  at `x` computes. A measured profile is refused.
 
 Where these hold, a FakeTensor trace at `x` records these same numbers (the cost model is
 linear in each op's shapes); the tests compare derived profiles with direct traces field by
@@ -88,6 +89,14 @@ def derive(pa: Profile, a: int, pb: Profile, b: int, x: int, hw,
     workload = _workload(pa.workload, pb.workload, a, b, x, batch_arg)
     if workload is None:
         return None
+    return _priced(pa, ops, tensors, workload, hw, a, b)
+
+
+def _priced(pa: Profile, ops: list, tensors: list, workload: dict, hw,
+            a: int, b: int) -> Profile:
+    """The derived profile, its ops priced as a trace prices them (`op_cost.price_profile`)."""
+    from .op_cost import price_profile
+
     ops_t, tensors_t = tuple(ops), tuple(tensors)
     prof = Profile(fingerprint=op_fingerprint(ops_t, tensors_t), workload=workload,
                    env=dict(pa.env, hardware=hw.to_dict()), summary={}, ops=ops_t,
@@ -99,7 +108,7 @@ def derive(pa: Profile, a: int, pb: Profile, b: int, x: int, hw,
                    peak_activation_bytes=prof.keep_all_peak_bytes,
                    flops=sum(o.flops for o in ops_t), profile_s=0.0,
                    derived_from_batches=[a, b])
-    return dataclasses.replace(prof, summary=summary)
+    return price_profile(dataclasses.replace(prof, summary=summary), hw)
 
 
 def _workload(wa: dict, wb: dict, a: int, b: int, x: int, batch_arg: str) -> dict | None:

@@ -66,3 +66,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+
+def two_us_kernels(monkeypatch):
+    """Price ops with 2 us a kernel (slackswap_testkit/small_costs.py says why), for tests of
+    the run side that need plans of KiB-sized models to recompute as well as swap."""
+    from slackswap_cli import op_cost
+    from slackswap_testkit.small_costs import two_us_kernel_model
+    model = two_us_kernel_model()
+    monkeypatch.setattr(op_cost, "default_cost_model", lambda: model)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from helpers import two_us_kernels
 from typer.testing import CliRunner
 from workloads import ROOT, adamw_steps, token_dataset
 
@@ -13,6 +14,12 @@ import slackswap_cli as slackswap
 from slackswap_cli.cli import app
 from slackswap_cli.errors import InfeasibleError, InputError, SlackswapError, TraceError
 from slackswap_cli.trace.workload import load_workload
+
+
+@pytest.fixture(autouse=True)
+def _costs(monkeypatch):
+    two_us_kernels(monkeypatch)   # plans that recompute as well as swap (see helpers)
+
 
 TINY_GPT = ROOT / "examples" / "tiny_gpt.py"
 

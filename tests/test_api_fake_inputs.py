@@ -8,12 +8,17 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_clean_error
+from helpers import assert_clean_error, two_us_kernels
 from typer.testing import CliRunner
 
 import slackswap_cli as slackswap
 from slackswap_cli.cli import app
 from slackswap_cli.errors import InputError
+
+
+@pytest.fixture(autouse=True)
+def _costs(monkeypatch):
+    two_us_kernels(monkeypatch)   # plans that recompute as well as swap (see helpers)
 
 
 def _classifier(dim: int = 32, classes: int = 10) -> torch.nn.Module:

@@ -106,7 +106,13 @@ def test_impossible_chain_is_an_input_error():
 # --------------------------------------------------------------------------------------------
 torch = pytest.importorskip("torch")
 
+from helpers import two_us_kernels  # noqa: E402
 from workloads import hand_plan, plan_at, profiled  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _costs(monkeypatch):
+    two_us_kernels(monkeypatch)   # plans that recompute as well as swap (see helpers)
 
 
 def _backward_body(source: str) -> list[str]:

@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+from helpers import two_us_kernels
 from workloads import ROOT
 
 import slackswap_cli as slackswap
@@ -15,6 +16,12 @@ from slackswap_cli.run.unpacking import Unpacking
 from slackswap_cli.schema import Action
 from slackswap_cli.trace.workload import load_workload
 
+
+@pytest.fixture(autouse=True)
+def _costs(monkeypatch):
+    two_us_kernels(monkeypatch)   # plans that recompute as well as swap (see helpers)
+
+
 TINY_GPT = ROOT / "examples" / "tiny_gpt.py"
 
 
@@ -22,7 +29,9 @@ TINY_GPT = ROOT / "examples" / "tiny_gpt.py"
 def gpt():
     """The tiny GPT at batch 8 (dropout on) and its plan at 0.3: swaps and recomputes."""
     work = load_workload(str(TINY_GPT), args={"batch": 8})
-    plan = slackswap.plan_model(work.model, work.inputs, budget=0.3, device="fake:cpu")
+    with pytest.MonkeyPatch.context() as mp:   # module-scoped: before _costs applies
+        two_us_kernels(mp)
+        plan = slackswap.plan_model(work.model, work.inputs, budget=0.3, device="fake:cpu")
     counts = plan.actions()
     assert counts["swap"] and counts["recompute"], counts
     return work, plan

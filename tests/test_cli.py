@@ -122,11 +122,14 @@ def test_profile_missing_file(tmp_path):
 
 
 def _roofline(prof, hw):
-    """`prof` as `profile --device fake --hardware hw` writes it: roofline times, spec stored."""
+    """`prof` as `profile --device fake --hardware hw` writes it: roofline times priced by the
+    cost model, spec and cost model stored."""
     import dataclasses
-    ops = tuple(dataclasses.replace(o, flops=10**12, bytes=10**9, time_source="roofline",
-                                    time_us=hw.roofline_us(10**12, 10**9)) for o in prof.ops)
-    return dataclasses.replace(prof, ops=ops, env={"hardware": hw.to_dict()})
+
+    from slackswap_cli.op_cost import price_profile
+    ops = tuple(dataclasses.replace(o, flops=10**12, bytes=10**9, time_source="roofline")
+                for o in prof.ops)
+    return price_profile(dataclasses.replace(prof, ops=ops, env={}), hw)
 
 
 def test_a_profile_costed_on_a_custom_spec_plans_without_naming_it_again(tmp_path):

@@ -14,12 +14,19 @@ import copy
 
 import pytest
 import torch
+from helpers import two_us_kernels
 from workloads import HW
 
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.trace import profile_workload
 from slackswap_testkit.inplace_ops import callable_ops, overwriting_ops
+
+
+@pytest.fixture(autouse=True)
+def _costs(monkeypatch):
+    two_us_kernels(monkeypatch)   # plans that recompute as well as swap (see helpers)
+
 
 # derivatives the op has no formula for (igamma's input) or a random op (rrelu_with_noise_)
 NOT_RUN = {"igamma_.default", "igammac_.default", "rrelu_with_noise_.default"}

@@ -16,8 +16,10 @@ import weakref
 
 import pytest
 import torch
+from helpers import two_us_kernels
 from workloads import HW, hand_plan, profiled, write_patched
 
+from slackswap_cli import op_cost
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.run.inplace import PlanRun, is_patched
@@ -44,8 +46,13 @@ def workload(batch=8):
 '''
 
 
+@pytest.fixture(autouse=True)
+def _costs(monkeypatch):
+    two_us_kernels(monkeypatch)   # plans that recompute as well as swap (see helpers)
+
+
 def _profile(files, name, args=None):
-    key = (name, tuple(sorted((args or {}).items())))
+    key = (name, tuple(sorted((args or {}).items())), op_cost.default_cost_model().digest)
     if key not in _PROFILES:
         _PROFILES[key] = (profile_workload(str(files[name]), device="fake", hardware=HW,
                                            args=args) if args else profiled(files, name))

@@ -5,6 +5,7 @@ call records on the borrowed plan and the calls after it run the steady state. E
 bitwise eager's."""
 import pytest
 import torch
+from helpers import two_us_kernels
 
 from benchmarks.robust_models import MODELS
 from slackswap_cli.hardware import PRESETS
@@ -16,6 +17,11 @@ from slackswap_cli.trace.workload import load_workload
 
 HW = PRESETS["a100-pcie4"]
 FRACTION = 0.5
+
+
+@pytest.fixture(autouse=True)
+def _costs(monkeypatch):
+    two_us_kernels(monkeypatch)   # plans that recompute as well as swap (see helpers)
 
 # GPT-2 whose forward leaves the final norm out below 20 tokens: other ops at short lengths
 BRANCHY = MODELS["gpt2"].replace("seq=16", "seq=24").replace(

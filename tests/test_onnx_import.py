@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from slackswap_cli.errors import FormatError, InputError  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.onnx.importer import parse_input_shapes, profile_onnx  # noqa: E402
+from slackswap_cli.op_cost import default_cost_model, op_time_us  # noqa: E402
 
 HW = PRESETS["a100-pcie4"]
 F32 = TensorProto.FLOAT
@@ -78,7 +79,10 @@ def test_mlp_by_hand(tmp_path):
     assert _by_name(prof, "x").kind == "input"
     assert all(o.time_source == "roofline" for o in prof.ops)
     op = _op(prof, "/fc1/MatMul")
-    assert op.time_us == pytest.approx(HW.roofline_us(op.flops, op.bytes))
+    # priced by the cost model as a fake trace is: an fp32 GEMM (tests/test_op_cost.py)
+    assert op.time_us == pytest.approx(op_time_us(HW, default_cost_model(), "gemm", "float32",
+                                                  op.flops, op.bytes, out_shape=(4, 16)))
+    assert prof.env["cost_model"] == default_cost_model().identity
     assert op.bytes == (4 * 8 + 8 * 16 + 4 * 16) * 4
     assert prof.workload["source"] == "onnx" and prof.workload["input_shapes"] == {"x": [4, 8]}
     assert prof.env["device"] == "onnx" and prof.env["hardware"] == HW.to_dict()

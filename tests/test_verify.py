@@ -1,5 +1,6 @@
 """verify: passes a faithful patched module, fails a corrupted one with reasons; the measured
 activation-memory timeline agrees with the simulator's; gpu_check dry run."""
+import dataclasses
 import importlib.util
 import json
 import re
@@ -9,6 +10,7 @@ import pytest
 
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
+from slackswap_cli.profile_build import recost
 from slackswap_cli.run.emit import apply_plan
 from slackswap_cli.run.verify import verify
 from slackswap_cli.trace import profile_workload
@@ -25,9 +27,9 @@ def _fidelity_module():
     return mod
 
 
-def patched_file(prof, fraction, directory, name):
+def patched_file(prof, fraction, directory, name, hw=HW):
     peak = prof.summary["peak_activation_bytes"]
-    plan = make_plan("slackswap", prof, HW, int(peak * fraction), fraction)
+    plan = make_plan("slackswap", prof, hw, int(peak * fraction), fraction)
     path = Path(directory) / name
     path.write_text(apply_plan(plan, prof))
     return path, plan
@@ -140,9 +142,13 @@ def test_backward_memory_matches_the_simulator_where_a_pin_comes_after_first_use
     the op after the chain that first reads it (it started mid-chain); the patched module
     issues it before that chain, and the device re-simulation issued it at the reading task,
     mid-chain, 32 KiB under the measured memory while the chain ran. The simulator now issues
-    such a pin where the module does: every backward task within 1 KiB."""
-    path, plan = patched_file(tiny_profile, 0.3, tmp_path, "tiny_0.3.py")
-    r = verify(str(path), check_trace=False, warmup=False, plan=plan, profile=tiny_profile)
+    such a pin where the module does: every backward task within 1 KiB.
+    The tiny model's KiB-sized tensors need a copy latency above the per-kernel cost (30 us
+    here) for the plan to recompute some of them as well as swap others."""
+    hw = dataclasses.replace(HW, name="a100-latency-30", copy_latency_us=30.0)
+    prof = recost(tiny_profile, hw)
+    path, plan = patched_file(prof, 0.3, tmp_path, "tiny_0.3.py", hw)
+    r = verify(str(path), check_trace=False, warmup=False, plan=plan, profile=prof)
     rows = [x for x in r.timeline if x["predicted_device_bytes"] is not None]
     assert r.timeline_matched == r.timeline_tasks > 0 and any(x["recompute"] for x in rows)
     worst = max(abs(x["measured_bytes"] - x["predicted_device_bytes"]) for x in rows)

@@ -3,6 +3,7 @@ config classes, a BatchNorm CNN, an MLP), their fake-tensor profiles (made once 
 and plan helpers. The `files` fixture (conftest.py) writes the sources to a temporary folder."""
 from pathlib import Path
 
+from slackswap_cli import op_cost
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import apply_plan
@@ -116,10 +117,12 @@ _PROFILES: dict = {}
 
 
 def profiled(files, name, device="fake"):
-    """The profile of workload `name` (made once per session and device)."""
-    if (name, device) not in _PROFILES:
-        _PROFILES[name, device] = profile_workload(str(files[name]), device=device, hardware=HW)
-    return _PROFILES[name, device]
+    """The profile of workload `name` (made once per session, device and cost model: a test
+    that prices ops otherwise, helpers.two_us_kernels, gets profiles of its own)."""
+    key = (name, device, op_cost.default_cost_model().digest)
+    if key not in _PROFILES:
+        _PROFILES[key] = profile_workload(str(files[name]), device=device, hardware=HW)
+    return _PROFILES[key]
 
 
 def plan_at(prof, budget_bytes):

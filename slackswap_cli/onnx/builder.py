@@ -135,7 +135,8 @@ class StepBuilder:
         extra = {"forward_flops": sum(o.flops for o in b.ops if o.phase == "forward"),
                  "backward_flops": sum(o.flops for o in b.ops if o.phase == "backward"),
                  "warnings": list(self.warnings)}
-        return b.build(workload=workload, env=env, summary_extra=extra)
+        from ..op_cost import price_profile
+        return price_profile(b.build(workload=workload, env=env, summary_extra=extra), self.hw)
 
     def needs_grad(self, name: str) -> bool:
         name = self.folding.canonical.get(name, name)

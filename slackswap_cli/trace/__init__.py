@@ -202,15 +202,27 @@ def _fake_profile(joint, work, header: dict, hardware, target: str, autocast: st
     """The profile of a fake trace: every op costed by the roofline of `hardware`."""
     import torch
 
+    from ..op_cost import price_profile
     from .graph_profile import joint_to_profile
 
     env = {"torch_version": torch.__version__, "device": "fake",
            "device_name": "FakeTensorMode (nothing allocated)",
-           "hardware": hardware.to_dict(), "target_device": target}
+           "hardware": hardware.to_dict(), "target_device": target,
+           "float32_matmul": float32_matmul()}
     if autocast:
         env["autocast_device_type"] = _ref_device(work.model)
-    return joint_to_profile(joint, workload=header, env=env, hardware=hardware,
+    prof = joint_to_profile(joint, workload=header, env=env, hardware=hardware,
                             time_source="roofline", progress=say)
+    return price_profile(prof, hardware)   # per op class and dtype (op_cost.py)
+
+
+def float32_matmul() -> dict:
+    """What fp32 matmuls and convolutions may run as, as the workload left torch's switches
+    (recorded in a profile's `env.float32_matmul`; op_cost prices fp32 ops by it)."""
+    import torch
+    return {"allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            "precision": torch.get_float32_matmul_precision(),
+            "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32)}
 
 
 def _measured_profile(joint, work, header: dict, device: str, target: str,
@@ -224,7 +236,7 @@ def _measured_profile(joint, work, header: dict, device: str, target: str,
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
     env = {"torch_version": torch.__version__, "device": device, "device_name": name,
-           "hardware": None, "target_device": target}
+           "hardware": None, "target_device": target, "float32_matmul": float32_matmul()}
     if autocast:
         env["autocast_device_type"] = _ref_device(work.model)
     try:

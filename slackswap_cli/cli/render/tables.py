@@ -82,17 +82,20 @@ def _fmt_solve(ms: float) -> str:
 # --------------------------------------------------------------------------------------------
 def hardware_table(specs) -> Table:
     """Presets side by side: compute, HBM, memory, host link."""
-    table = Table(title="hardware presets: bf16 TFLOP/s, HBM/H2D/D2H in GB/s, copy latency in us, "
-                  "eff = achievable fraction", title_justify="left",
+    table = Table(title="hardware presets: bf16 and fp32 (FMA) TFLOP/s, HBM/H2D/D2H in GB/s, copy "
+                  "latency in us, eff = achievable fraction", title_justify="left",
                   box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0, 0, 1),
-                  caption=(specs[0].description or None) if len(specs) == 1 else None,
+                  caption=("\n".join(x for x in (specs[0].description, specs[0].link_source
+                                                   and f"host link: {specs[0].link_source}")
+                                      if x) or None) if len(specs) == 1 else None,
                   caption_justify="left")
     table.add_column("preset", no_wrap=True)
-    for col in ("TFLOPs", "eff", "HBM", "eff", "GiB", "H2D", "D2H", "lat", "duplex"):
+    for col in ("TFLOPs", "eff", "fp32", "HBM", "eff", "GiB", "H2D", "D2H", "lat", "duplex"):
         table.add_column(col, justify="right", no_wrap=True)
     for s in specs:
         table.add_row(
             s.name, f"{s.peak_flops_per_s / 1e12:.0f}", f"{s.matmul_efficiency:.2f}",
+            f"{s.fp32_flops_per_s / 1e12:.1f}" if s.fp32_flops_per_s else "-",
             f"{s.hbm_bytes_per_s / 1e9:.0f}", f"{s.hbm_efficiency:.2f}",
             f"{s.memory_bytes / GIB:.0f}", f"{s.h2d_bytes_per_s / 1e9:.1f}",
             f"{s.d2h_bytes_per_s / 1e9:.1f}", f"{s.copy_latency_us:.0f}",

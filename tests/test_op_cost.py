@@ -1,0 +1,186 @@
+"""The cost model (slackswap_cli/op_cost.py): op times by hand per dtype and precision, the
+precision a profile records, the refusal to plan a profile priced by other constants, and the
+fitting script reproducing the committed constants (benchmarks/fit_costs.py, seconds)."""
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import assert_clean_error
+from typer.testing import CliRunner
+
+from slackswap_cli import schema
+from slackswap_cli.cli import app
+from slackswap_cli.errors import InputError
+from slackswap_cli.hardware import PRESETS, HardwareSpec
+from slackswap_cli.op_cost import (
+    COSTS_FILE,
+    Precision,
+    check_cost_model,
+    cost_model_from_dict,
+    default_cost_model,
+    op_class,
+    op_time_us,
+    price_profile,
+    wave_utilisation,
+)
+from slackswap_cli.profile_build import ProfileBuilder
+
+ROOT = Path(__file__).resolve().parents[1]
+# hand-made constants: every class at half its peak, 3 us a kernel
+HALF = cost_model_from_dict({
+    "fp32_efficiency": {"gemm": 0.5, "bgemm": 0.25},
+    "memory_efficiency": {c: 0.5 for c in ("gemm", "bgemm", "attention", "conv", "elementwise",
+                                           "norm", "softmax", "reduction", "embedding", "loss")},
+    "kernel_overhead_us": 3.0})
+N = 4096
+GEMM_FLOPS = 2 * N**3            # 1.374e11
+A100 = PRESETS["a100-80gb-pcie"]  # 312 TF bf16, 156 TF32, 19.5 FP32, 1935 GB/s, 108 SMs, eff 0.72
+
+
+@pytest.mark.parametrize("dtype, precision, expected_us", [
+    # bf16 tensor cores: 1.374e11 / (312e12 x 0.72) = 611.8 us, + 3 us
+    ("bfloat16", Precision(), GEMM_FLOPS / (312e12 * 0.72) * 1e6 + 3),
+    ("float16", Precision(), GEMM_FLOPS / (312e12 * 0.72) * 1e6 + 3),
+    # TF32 allowed: 156e12 x 0.72 -> 1223.6 us
+    ("float32", Precision(tf32_matmul=True), GEMM_FLOPS / (156e12 * 0.72) * 1e6 + 3),
+    # fp32 FMA: 19.5e12 x 0.5 x waves (32 x 32 = 1024 tiles over 108 SMs: 10 waves, 1024/1080)
+    ("float32", Precision(), GEMM_FLOPS / (19.5e12 * 0.5 * 1024 / 1080) * 1e6 + 3),
+    # fp8 on an A100 (none): the bf16 figure
+    ("float8_e4m3fn", Precision(), GEMM_FLOPS / (312e12 * 0.72) * 1e6 + 3),
+])
+def test_gemm_time_by_dtype_by_hand(dtype, precision, expected_us):
+    got = op_time_us(A100, HALF, "gemm", dtype, GEMM_FLOPS, 3 * N * N * 2, precision, (N, N))
+    assert got == pytest.approx(expected_us, rel=1e-9)
+
+
+def test_fp32_is_sixteen_times_bf16_and_fp8_twice_on_h100():
+    h100 = PRESETS["h100-sxm"]   # 989 TF bf16, 1979 FP8, 494.7 TF32, 67 FP32, eff 0.70
+    t = {dt: op_time_us(h100, HALF, "gemm", dt, GEMM_FLOPS, 0, Precision(), (N, N)) - 3
+         for dt in ("bfloat16", "float8_e5m2", "float32")}
+    assert t["bfloat16"] == pytest.approx(GEMM_FLOPS / (989e12 * 0.70) * 1e6)
+    assert t["float8_e5m2"] == pytest.approx(GEMM_FLOPS / (1979e12 * 0.70) * 1e6)
+    # 1024 tiles over 132 SMs: 8 waves, 1024 / 1056
+    assert t["float32"] == pytest.approx(GEMM_FLOPS / (67e12 * 0.5 * 1024 / 1056) * 1e6)
+
+
+def test_memory_bound_ops_and_free_views_by_hand():
+    h100 = PRESETS["h100-sxm"]
+    # 1 GB through 3350 GB/s at half: 597.0 us, + 3 us; the dtype does not matter
+    for dtype in ("float32", "bfloat16"):
+        assert op_time_us(h100, HALF, "elementwise", dtype, 0, 1e9) == \
+            pytest.approx(1e9 / (3350e9 * 0.5) * 1e6 + 3)
+    assert op_time_us(h100, HALF, "elementwise", "float32", 0, 0) == 0.0
+    # a batched GEMM's compute at its own class's efficiency (0.25), no waves for 8 x 1 tiles
+    # under 132 SMs: 8 tiles fill 8 of 132 slots
+    assert wave_utilisation((8, 128, 128), 132) == pytest.approx(8 / 132)
+    assert wave_utilisation((N, N), 0) == 1.0
+
+
+def test_hardware_file_without_the_new_figures_prices_fp32_at_its_one_peak():
+    old = {k: v for k, v in PRESETS["a100-pcie4"].to_dict().items()
+           if k not in ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s", "sm_count",
+                        "link_source")}
+    hw = HardwareSpec.from_dict(dict(old, name="old-file"))
+    assert op_time_us(hw, HALF, "gemm", "float32", GEMM_FLOPS, 0) == \
+        pytest.approx(GEMM_FLOPS / (312e12 * 0.72) * 1e6 + 3)
+
+
+@pytest.mark.parametrize("target, cls", [
+    ("aten.mm.default", "gemm"), ("aten.addmm.default", "gemm"), ("aten.bmm.default", "bgemm"),
+    ("aten._scaled_dot_product_flash_attention.default", "attention"),
+    ("aten.convolution_backward.default", "conv"), ("aten.add.Tensor", "elementwise"),
+    ("aten.native_layer_norm_backward.default", "norm"), ("aten._softmax.default", "softmax"),
+    ("aten.sum.dim_IntList", "reduction"), ("aten.embedding_dense_backward.default", "embedding"),
+    ("aten.nll_loss_forward.default", "loss"), ("onnx.MatMul", "gemm"),
+    ("onnx.Softmax.backward", "softmax"), ("onnx.aten.bmm", "bgemm"),
+])
+def test_op_class(target, cls):
+    assert op_class(target) == cls
+
+
+def _mm_profile(env: dict, dtype: str = "float32"):
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (N, N), dtype)
+    w = b.add_tensor("w", "parameter", (N, N), dtype)
+    y = b.add_tensor("y", "activation", (N, N), dtype)
+    g = b.add_tensor("g", "gradient", (N, N), dtype)
+    b.add_op("mm", "aten.mm.default", "forward", (x, w), (y,), flops=GEMM_FLOPS,
+             bytes=3 * N * N * 4)
+    b.add_op("mm_bwd", "aten.mm.default", "backward", (y, w), (g,), flops=GEMM_FLOPS,
+             bytes=3 * N * N * 4)
+    return b.build(env=env)
+
+
+def test_profile_precision_decides_fp32_matmuls():
+    off = price_profile(_mm_profile({"float32_matmul": {"allow_tf32": False,
+                                                        "precision": "highest"}}), A100, HALF)
+    high = price_profile(_mm_profile({"float32_matmul": {"allow_tf32": False,
+                                                         "precision": "high"}}), A100, HALF)
+    assert Precision.from_env(high.env).tf32_matmul and not Precision.from_env(off.env).tf32_matmul
+    assert off.ops[0].time_us - 3 == pytest.approx(GEMM_FLOPS / (19.5e12 * 0.5 * 1024 / 1080) * 1e6)
+    assert high.ops[0].time_us - 3 == pytest.approx(GEMM_FLOPS / (156e12 * 0.72) * 1e6)
+    assert high.summary["forward_us"] == pytest.approx(high.ops[0].time_us)
+    assert high.env["cost_model"] == HALF.identity and high.env["hardware"] == A100.to_dict()
+
+
+def test_fake_profile_records_the_precision_and_the_cost_model():
+    torch = pytest.importorskip("torch")
+    from slackswap_cli.trace import float32_matmul
+    rec = float32_matmul()
+    assert rec == {"allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                   "precision": torch.get_float32_matmul_precision(),
+                   "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
+
+
+def _priced_elsewhere(tmp_path, identity) -> Path:
+    prof = price_profile(_mm_profile({}), A100)
+    prof = dataclasses.replace(prof, env=dict(prof.env, cost_model=identity))
+    path = tmp_path / "old.profile.json"
+    schema.save(prof, path)
+    return path
+
+
+@pytest.mark.parametrize("identity", [{"name": "roofline-by-class", "digest": "000000000000"},
+                                      None])
+def test_plan_refuses_a_profile_priced_by_other_constants(tmp_path, identity):
+    path = _priced_elsewhere(tmp_path, identity)
+    with pytest.raises(InputError, match="must not mix"):
+        check_cost_model(schema.load_profile(path), "old")
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["plan", str(path), "--budget", "0.5", "-o", str(out)])
+    assert_clean_error(r, 2, "must not mix")
+    assert "slackswap profile" in r.stderr and not out.exists()
+
+
+def test_plan_takes_a_profile_priced_by_this_slackswap(tmp_path):
+    path = _priced_elsewhere(tmp_path, default_cost_model().identity)
+    check_cost_model(schema.load_profile(path))   # no error
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["plan", str(path), "--budget", "0.9", "-o", str(out)])
+    assert r.exit_code in (0, 4), r.stderr
+    assert out.exists()
+
+
+def _fit_costs():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("fit_costs", ROOT / "benchmarks" / "fit_costs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fit_script_reproduces_the_committed_constants():
+    fc = _fit_costs()
+    assert fc.DATA.is_relative_to(ROOT)    # the data in the repo, not ../shared
+    fitted = fc.fit_all()
+    committed = json.loads(COSTS_FILE.read_text())
+    assert fitted == committed
+    assert committed["fitted_from"] and all((ROOT / f).exists() for f in committed["fitted_from"])
+    # and the fit moves with its data: without the H100 the constants differ
+    steps, profiles = fc.load_steps(), fc.load_profiles()
+    without = fc.fit(steps, profiles, [g for g in fc.GPUS if g != "NVIDIA_H100_80GB_HBM3"])
+    assert without["fp32_efficiency"] != committed["fp32_efficiency"] or \
+        without["memory_efficiency"] != committed["memory_efficiency"]
