@@ -26,18 +26,11 @@ if str(ROOT) not in sys.path:
 import orjson  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.robust_models import MODELS  # noqa: E402
-from benchmarks.run_robustness import LENGTHS, patched  # noqa: E402
-from slackswap_cli.trace.workload import load_workload  # noqa: E402
+from benchmarks.run_robustness import LENGTHS, patched_model  # noqa: E402
 
 
 def run(name: str, padded: bool, steps: int, tmp: Path) -> dict:
-    src = tmp / f"{name}.py"
-    src.write_text(MODELS[name])
-    mod = patched(src, "fake:cpu", tmp)
-    work = load_workload(str(src))
-    mod.patch(work.model)
-    state = work.model.forward.__slackswap__
+    work, state, _ = patched_model(name, tmp)
     rng = random.Random(0)
     opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
     calls = []

@@ -51,6 +51,17 @@ def patched(src: Path, device: str, tmp: Path):
     return load_patched(str(out))
 
 
+def patched_model(name: str, tmp: Path):
+    """MODELS[name] written to `tmp`, planned on a fake:cpu profile and patched in place:
+    (the workload, its patched forward's state, the workload file)."""
+    src = tmp / f"{name}.py"
+    src.write_text(MODELS[name])
+    mod = patched(src, "fake:cpu", tmp)
+    work = load_workload(str(src))
+    mod.patch(work.model)
+    return work, work.model.forward.__slackswap__, src
+
+
 def call(eager, work, args: dict | None = None) -> dict:
     """One training call of each, from the same seed: the patched call's report, what it held,
     and whether loss and gradients are bitwise eager's."""
@@ -122,12 +133,7 @@ def run_padding(tmp: Path, name: str = "gpt2", steps: int = 24) -> list[dict]:
     import gc
     import random
     import time
-    src = tmp / f"{name}.py"
-    src.write_text(MODELS[name])
-    mod = patched(src, "fake:cpu", tmp)
-    work = load_workload(str(src))
-    mod.patch(work.model)
-    state = work.model.forward.__slackswap__
+    work, state, src = patched_model(name, tmp)
     state.measure_held = True
     order = [n for n in LENGTHS for _ in range(3)][:steps]
     random.Random(0).shuffle(order)

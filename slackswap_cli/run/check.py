@@ -163,9 +163,8 @@ def _patched_calls(model, part, loss_fn, meta, params, before, eager, where: str
         except SlackswapError:
             raise
         except Exception as exc:
-            text = (str(exc).strip().splitlines() or [""])[0][:300]
             raise CheckFailed(f"check on {where}: the patched model's {call} call failed where "
-                              f"eager ran: {type(exc).__name__}: {text}", hint=_HINT) from None
+                              f"eager ran: {_failure(exc)}", hint=_HINT) from None
         if run is None:
             state = inplace.patched_state(model)
             run, report = state.last_run, state.last_report or {}
@@ -181,6 +180,11 @@ def _restore(buffers: list, rng: tuple) -> None:
     _set_rng(rng)
 
 
+def _failure(exc: Exception) -> str:
+    """`Type: first line of the message` (300 characters at most), for a step that raised."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
 def _which(k: int, batch: int) -> str:
     return "the whole batch" if k == batch else f"the first {k} of {batch} samples"
 
@@ -192,14 +196,13 @@ def _eager(model, part, loss_fn, meta, params, k, batch):
     except SlackswapError:
         raise
     except Exception as exc:
-        text = (str(exc).strip().splitlines() or [""])[0][:300]
         if k < batch:
             raise InputError(f"check: the model's eager step on {_which(k, batch)} failed: "
-                             f"{type(exc).__name__}: {text}",
+                             f"{_failure(exc)}",
                              hint="pass samples=None to check the whole batch (a loss_fn that "
                                   "closes over the whole batch's labels needs it), or "
                                   "samples=K for another slice") from None
-        raise TraceError(f"check: the model's eager step failed: {type(exc).__name__}: {text}",
+        raise TraceError(f"check: the model's eager step failed: {_failure(exc)}",
                          hint="check that the step trains without slackswap on these inputs"
                          ) from None
     return loss, {n: _host(g) for n, g in grads.items()}, {
