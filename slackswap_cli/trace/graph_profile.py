@@ -187,11 +187,11 @@ class _GraphProfile:
         self.tid_of: dict[str, int] = {}          # node name (getitems included) -> tensor id
         self.root_of_key: dict[int, int] = {}     # storage key -> root tensor id (first owner)
         self.key_of_root: dict[int, int] = {}     # root tensor id -> storage key
-        self.mutated_roots: set[int] = set()
         self.random_roots: set[int] = set()
-        # per op in order: (the roots it reads, the tensors it makes); root -> ops writing it
+        # per op in order: (the roots it reads, the tensors it makes); a root mutated in
+        # place -> the index of the last op that writes it
         self.reads: list[tuple[set[int], list[int]]] = []
-        self.writes_at: dict[int, list[int]] = {}
+        self.last_write: dict[int, int] = {}
         self.tensor_vals: list[torch.Tensor] = []  # meta val of each tensor id (byte counts)
         # getitem nodes name the outputs of multi-output ops
         self.picked: dict[tuple[str, int], list[fx.Node]] = {}
@@ -292,9 +292,7 @@ class _GraphProfile:
         k = len(self.reads)                 # this op's index (ops are added in this order)
         for w in written:
             if w.name in tid_of:
-                r = self.root(tid_of[w.name])
-                self.mutated_roots.add(r)
-                self.writes_at.setdefault(r, []).append(k)
+                self.last_write[self.root(tid_of[w.name])] = k
         self.reads.append(({self.root(t) for t in inputs}, outputs))
         flops, nbytes = self._cost(node, inputs, outputs, writes)
         return inputs, outputs, flops, nbytes
@@ -354,10 +352,9 @@ class _GraphProfile:
         backward), `mul(x, w)` before `x.add_(1)`. A chain re-running that op would read the
         storage as the later write left it, so it cannot be re-run (see the module
         docstring)."""
-        last = {r: max(ks) for r, ks in self.writes_at.items()}
         out: set[int] = set()
         for k, (roots, outputs) in enumerate(self.reads):
-            if any(last.get(r, -1) > k for r in roots):
+            if any(self.last_write.get(r, -1) > k for r in roots):
                 out.update(outputs)
         return out
 
@@ -366,7 +363,7 @@ class _GraphProfile:
         overwritten in place cannot be recomputed; an alias is recomputable exactly when its
         root is (it is re-derived from the root)."""
         b = self.b
-        for t in self.mutated_roots | self.random_roots:
+        for t in self.last_write.keys() | self.random_roots:
             b.tensors[t].recomputable = False
         for t in self.stale_reads():
             b.tensors[self.root(t)].recomputable = False
