@@ -11,9 +11,9 @@ import slackswap_cli as slackswap
 from slackswap_cli.errors import CheckFailed, InputError
 from slackswap_cli.run import check as check_module
 from slackswap_cli.run.inplace import is_patched
+from slackswap_cli.run.packs import RecomputedRef
 from slackswap_cli.run.steady import SteadyRun
 from slackswap_cli.run.unpacking import Unpacking
-from slackswap_cli.schema import Action
 from slackswap_cli.trace.workload import load_workload
 
 
@@ -56,7 +56,7 @@ def _corrupt(monkeypatch, steady_only: bool) -> None:
 
     def wrong(self, packed):
         out = unpack(self, packed)
-        if not isinstance(packed, torch.Tensor) and packed[1] is Action.RECOMPUTE \
+        if isinstance(packed, RecomputedRef) \
                 and out.is_floating_point() and (isinstance(self, SteadyRun) or not steady_only):
             return out * 1.01
         return out

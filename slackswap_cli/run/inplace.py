@@ -31,9 +31,11 @@ from . import steady as _steady
 from .generated import check_generated
 from .lineup import ALIGN_WARN, BodyHooks
 from .notes import Notes, brief, shapes
+from .packs import SteadyRoute
 from .record import STATE, PlanRun, Recorder
 from .shape_run import ShapeRun
 from .signatures import NESTED, PlanTable, SignaturePlans, tensors
+from .tables import RunMeta
 
 __all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
 
@@ -47,7 +49,7 @@ class _Patched(SignaturePlans):
 
     def __init__(self, model, meta: dict, table: dict, original_forward, had_instance_forward,
                  replan: bool = True, strict: bool = False, plans: dict | None = None):
-        self.model, self.meta, self.table = model, meta, table
+        self.model, self.meta, self.table = model, RunMeta.of(meta), table
         self._forward = original_forward       # None: the class's forward
         self.had_instance_forward = had_instance_forward
         self.last_run: PlanRun | None = None
@@ -68,12 +70,11 @@ class _Patched(SignaturePlans):
         self.keep_all: dict[tuple, int] = {}        # signature -> bytes a keep-all run holds
         self.before_first = None    # called with the first training call's (args, kwargs)
         self.check_report = None    # (patch(model, plan, check=True): what its check found)
-        params = meta.get("params") or [[None, None, "torch.float32"]]
-        profiled = (meta.get("device_type", "cpu"), dtype_name(params[0][2]),
-                    *((tuple(shape), dtype_name(dtype))
-                      for shape, dtype in meta.get("input_tensors", [])))
+        m = self.meta
+        profiled = (m.device_type, dtype_name(m.param_dtype),
+                    *((tuple(shape), dtype_name(dtype)) for shape, dtype in m.input_tensors))
         self.plans: dict[tuple, PlanTable | None] = plans or {
-            profiled: PlanTable(table, meta.get("budget_bytes"))}
+            profiled: PlanTable(table, m.budget_bytes)}
         self.default = next(iter(self.plans.values()))
 
     @property
@@ -142,21 +143,22 @@ class _Patched(SignaturePlans):
         key, inputs = self.key(args, kwargs)
         hot = self.templates.hot.get(key)   # (a later call at a signature with a template)
         if hot is not None and self.steady:
-            plan, sig, tpl = hot
+            tpl = hot.template
             if tpl.holds():
-                return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
-            self.templates.drop(sig)            # parameters replaced, or autocast changed
+                return self._steady(tpl.start(self, hot.plan, inputs), args, kwargs, hot.sig)
+            self.templates.drop(hot.sig)        # parameters replaced, or autocast changed
         plan, sig = self.plan_for(args, kwargs, key)
         tpl = self.templates.get(sig) if self.steady else None
         if tpl is not None:
-            self.templates.hot[key] = (plan, sig, tpl)
+            self.templates.hot[key] = SteadyRoute(plan, sig, tpl)
             return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
         first = self.first_at.pop(sig, None)
         if first is not None:           # new shapes: another shape's template, no trace
-            run = ShapeRun(self, first[2] or plan, first[0], inputs, first[1])
+            runner = first.runner
+            run = ShapeRun(self, runner or plan, first.template, inputs, first.scale)
             out = self._steady(run, args, kwargs, sig)
-            if first[2] is not None:    # the template's own plan ran: its figures, not its
-                plan.limit, plan.scale = first[2].limit, first[2].scale   # packs' keeps
+            if runner is not None:      # the template's own plan ran: its figures, not its
+                plan.limit, plan.scale = runner.limit, runner.scale   # packs' keeps
                 if not run.guard.swaps:
                     return out          # (its alignment is the superseded call's: no note)
             self._check_run(run, sig)
@@ -312,7 +314,7 @@ class _PatchedForward:
 
     def __reduce__(self):
         st = self.__slackswap__
-        return (_repatch, (st.model, st.meta, st.table, st._forward, st.had_instance_forward,
+        return (_repatch, (st.model, st.meta.source, st.table, st._forward, st.had_instance_forward,
                            st.replan, st.strict))
 
 

@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from ..schema import Action
 from ..trace.storage import storage_id, storage_key, storage_nbytes
 from . import swap
+from .packs import PackNote, RecomputedRef, SwappedRef
 from .recorded import ExtRef, OutRef, is_random_record
 
 __all__ = ["Packing"]
@@ -42,16 +43,16 @@ class Packing:
         loc = self.where.get(x)
         base = x._base
         # what a later call at these shapes checks and does at this pack (`steady.Template`)
-        note = [x.shape, x.dtype, Action.KEEP, None, loc, loc is not None,
-                None if base is None else self.where.get(base), None, type(x.grad_fn),
-                self.guard.held, self._fresh(x, loc)]
+        note = PackNote(x.shape, x.dtype, Action.KEEP, loc,
+                        None if base is None else self.where.get(base), type(x.grad_fn),
+                        self.guard.held, self._fresh(x, loc))
         self.seq.append(note)
         tid = None if loc is None else self.tid_of.get(loc)
         if tid is None:       # not the profile's (or not made by this forward: not counted)
             return x.detach() if loc is None else self._unplaced(x, loc, note)
         r = self.root(tid)
-        act = self.table["action"].get(r)
-        if act is None and r not in self.table["bwd_use"] and r not in self.t.non_activation:
+        act = self.table.action.get(r)
+        if act is None and r not in self.table.bwd_use and r not in self.t.non_activation:
             # a value the profile's backward does not read but eager's autograd saves (a
             # node that saves more than the traced backward needs): not the plan's to place
             return self._unplaced(x, loc, note)
@@ -61,15 +62,15 @@ class Packing:
             return self._kept(x, loc)
         if act == Action.SWAP:
             mine = self.root_storage.get(r)
-            note[2:4] = Action.SWAP, r
-            note[7] = (mine is not None and mine[0] == storage_key(x)
-                       and not mine[1].expired())
-            return self._swap(x, r, note[7])
+            note.action, note.root = Action.SWAP, r
+            note.own = (mine is not None and mine[0] == storage_key(x)
+                        and not mine[1].expired())
+            return self._swap(x, r, note.own)
         if act == Action.RECOMPUTE and self._usable(r) and self._known(loc):
-            note[2:4] = Action.RECOMPUTE, r
+            note.action, note.root = Action.RECOMPUTE, r
             self.packs[r] = self.packs.get(r, 0) + 1
-            self.deferred.setdefault(self.table["made_by"][r], set()).add(r)
-            return [False, Action.RECOMPUTE, r, loc]
+            self.deferred.setdefault(self.table.made_by[r], set()).add(r)
+            return RecomputedRef(r, loc)
         if act == Action.RECOMPUTE or self.t.borrowed:
             # its chain did not line up, or a plan made at other shapes: the guard decides
             return self._unplaced(x, loc, note)
@@ -93,7 +94,7 @@ class Packing:
         self.saved_bytes += n
         return n
 
-    def _unplaced(self, x: torch.Tensor, loc, note: list):
+    def _unplaced(self, x: torch.Tensor, loc, note: PackNote | None):
         """A saved tensor the plan cannot place: kept while the guard admits it, else swapped
         (`guard.py`'s rule); the note tells later calls at this signature which."""
         if x.device.type == "meta":
@@ -103,8 +104,8 @@ class Packing:
             return x.detach()
         if self.guard.admit(key, storage_nbytes(x), self._reserve()):
             return self._kept(x, loc)
-        note[2:4] = Action.SWAP, None
-        note[7] = False
+        if note is not None:
+            note.action = Action.SWAP
         return self._swap(x, None, False)
 
     def _reserve(self) -> int:
@@ -115,7 +116,7 @@ class Packing:
         t = self.t
         if t.pack_reserve is not None:
             return t.pack_reserve[min(len(self.seq), len(t.pack_reserve) - 1)]
-        after = self.table.get("keep_after")
+        after = self.table.keep_after
         return int(after[min(self.lineup.ptr, len(after) - 1)] * t.scale) if after else 0
 
     def _count(self, x: torch.Tensor) -> None:
@@ -165,8 +166,7 @@ class Packing:
                 self.guard.drop(key, storage_nbytes(held))
         sw.packs += 1
         self.packs[r] = self.packs.get(r, 0) + 1
-        return [False, Action.SWAP, r, sw, x.dtype, tuple(x.shape), tuple(x.stride()),
-                x.storage_offset()]
+        return SwappedRef(r, sw, x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
 
     def _usable(self, r: int) -> bool:
         """Every op root `r` depends on in its chain was matched, reads the roots the profile
@@ -174,8 +174,8 @@ class Packing:
         (They all ran before `r` was produced, so this is known when autograd saves `r`.)"""
         ok = self.usable.get(r)
         if ok is None:
-            ok = r in self.table["made_by"]
-            for p in self.table["needs"].get(r, ()) if ok else ():
+            ok = r in self.table.made_by
+            for p in self.table.needs.get(r, ()) if ok else ():
                 ok = self._op_ok(p)
                 if not ok:
                     break

@@ -61,6 +61,7 @@ from ..trace.storage import storage_id
 from . import swap
 from .lineup import ALIGN_WARN, LineUp, trace_only_ops
 from .packing import Packing
+from .packs import PackNote
 from .recorded import STATE, ExtRef, OpRecord, OutRef, alias_flags
 from .rerun import Rerun
 from .unpacking import Unpacking
@@ -103,13 +104,13 @@ class PlanRun(Packing, Unpacking, Rerun):
         self.usable: dict[int, bool] = {}         # recompute root -> its chain verified
         self.deferred: dict[int, set[int]] = {}     # chain -> roots autograd let go of
         self.done_chains: set[int] = set()
-        self.progress = t["n_forward"]
-        self.prefetch_order = sorted(t["prefetch_at"], key=lambda r: (t["prefetch_at"][r], r))
+        self.progress = t.n_forward
+        self.prefetch_order = sorted(t.prefetch_at, key=lambda r: (t.prefetch_at[r], r))
         self.next_prefetch = 0
         self.rerun_ops = 0
         self.device = None
         self.recording = True       # off while a hook of ours runs (its copies are not the model's)
-        self.lineup = LineUp(t["ops"], patched.names, plan.borrowed)
+        self.lineup = LineUp(t.ops, patched.names, plan.borrowed)
         self.inputs: set[int] = set()              # ids of the call's own tensors (held)
         self.kept_refs: list = []                  # what autograd holds as it is (weak)
         self.kept_alias: dict = {}                 # output loc -> weak ref to what it holds
@@ -117,7 +118,7 @@ class PlanRun(Packing, Unpacking, Rerun):
         self.call_inputs: list = []                # the call's own tensors, in order
         # for a steady-state template (`steady.Template`): each pack's decision, in order, and the
         # values each chain read that were alive (held by autograd or pinned) when it ran
-        self.seq: list[tuple] = []
+        self.seq: list[PackNote] = []
         self.live_reads: dict[int, set] = {}
         self.chain = None                          # the chain replaying now
         self.bound: dict[tuple[int, int], torch.Tensor] = {}   # steady state: loc -> value
@@ -174,7 +175,7 @@ class PlanRun(Packing, Unpacking, Rerun):
             self.tid_of[(k, 0)] = self.tid_of[in_locs[0]]
         if op is not None:
             self.rec_of_op[op] = k
-            tids = self.table["ops"][op].outputs
+            tids = self.table.ops[op].outputs
             for j, tid in enumerate(tids):
                 if j < len(leaves) and isinstance(leaves[j], torch.Tensor):
                     self.tid_of[(k, j)] = tid
@@ -183,7 +184,7 @@ class PlanRun(Packing, Unpacking, Rerun):
                     if r == tid and r in self.t.pin_roots:     # (an alias: see `_kept`)
                         self.pinned[r] = leaves[j].detach()
                         self._count(leaves[j])
-                    if r == tid and self.table["action"].get(r) == Action.SWAP:
+                    if r == tid and self.table.action.get(r) == Action.SWAP:
                         x = leaves[j]
                         self.metas[r] = (x.dtype, tuple(x.shape), tuple(x.stride()),
                                          x.storage_offset())
@@ -224,7 +225,7 @@ class PlanRun(Packing, Unpacking, Rerun):
         return self.lineup.alignment(self.rec_of_op, self.t.trace_only)
 
     def root(self, tid: int) -> int:
-        return self.table["root"].get(tid, tid)
+        return self.table.root.get(tid, tid)
 
 
 class Recorder(TorchDispatchMode):

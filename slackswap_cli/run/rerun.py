@@ -31,13 +31,13 @@ class Rerun:
 
     def _chain_records(self, owner: int) -> list[int]:
         """The records chain `owner` replays, in order: the ops the roots it deferred need."""
-        needs = self.table["needs"]
+        needs = self.table.needs
         return [self.rec_of_op[p]
                 for p in sorted({p for r in self.deferred.get(owner, ()) for p in needs[r]})]
 
     def _chain_made(self, owner: int, local: dict) -> list[tuple[tuple[int, int], int]]:
         """(location, root) of the values chain `owner` made that are its own roots."""
-        made_by = self.table["made_by"]
+        made_by = self.table.made_by
         return [(loc, tid) for loc in local
                 if (tid := self.tid_of.get(loc)) is not None and made_by.get(tid) == owner]
 

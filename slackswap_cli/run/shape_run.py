@@ -45,12 +45,12 @@ def _groups(tpl: Template) -> tuple[list, dict, dict]:
     packs added to the keep-all count (all of them; the kept ones). Made once per template."""
     got = tpl.__dict__.get("shape_groups")
     if got is None:
-        keys = [tuple(n[0]) for n in tpl.seq]
+        keys = [tuple(n.shape) for n in tpl.seq]
         total: dict[tuple, int] = {}
         kept: dict[tuple, int] = {}
         for key, n, fresh in zip(keys, tpl.seq, tpl.fresh):
             total[key] = total.get(key, 0) + fresh
-            if n[3] is _KEEP:
+            if n.action is _KEEP:
                 kept[key] = kept.get(key, 0) + fresh
         got = tpl.shape_groups = (keys, total, kept)
     return got
@@ -84,14 +84,15 @@ class ShapeRun(SteadyRun):
         self.i = i + 1
         if i >= self.n or self.broken:
             return self._differs(x)
-        shape, dtype, fn, kind, r, loc, tracked, binds, own = self.seq[i]
-        if x.dim() != len(shape) or x.dtype is not dtype or (
-                type(x.grad_fn) is not fn and not _same_node(type(x.grad_fn), fn)):
+        p = self.seq[i]
+        if x.dim() != len(p.shape) or x.dtype is not p.dtype or (
+                type(x.grad_fn) is not p.node and not _same_node(type(x.grad_fn), p.node)):
             return self._differs(x)
+        kind = p.action
         self._see(i, kind, x)
         if kind is _KEEP:
-            return self._hold(x, tracked)
-        return self._swap(x, r, own and kind is _SWAP)
+            return self._hold(x, p.tracked)
+        return self._swap(x, p.root, p.own and kind is _SWAP)
 
     def _see(self, i: int, kind, x: torch.Tensor) -> None:
         """Pack `i` seen at the new shapes: its old bytes leave the prediction, its own join
@@ -135,7 +136,7 @@ class ShapeRun(SteadyRun):
         run holds at these shapes is known exactly at the end all the same."""
         self.broken = True
         self._count_fresh(x)
-        return self._unplaced(x, None, [None] * 11)
+        return self._unplaced(x, None, None)
 
     def guarded(self) -> tuple[int, int]:
         return self.guard.swaps, self.guard.swapped_bytes
@@ -157,6 +158,6 @@ class ShapeRun(SteadyRun):
         if ok:
             reserve = [0] * (self.n + 1)      # [m]: what the plan keeps from pack m on
             for m in range(self.n - 1, -1, -1):
-                reserve[m] = reserve[m + 1] + (self.fresh[m] if self.seq[m][3] is _KEEP else 0)
+                reserve[m] = reserve[m + 1] + (self.fresh[m] if self.seq[m].action is _KEEP else 0)
             t.pack_reserve = reserve
         return ok

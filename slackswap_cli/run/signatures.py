@@ -26,6 +26,8 @@ from ..schema import Action
 from . import replan as replanning
 from .lineup import trace_only_ops
 from .notes import brief, shapes
+from .packs import NewShapeRoute
+from .tables import RunTable
 
 __all__ = ["PlanTable", "SignaturePlans", "signature", "leaves", "tensors", "alike",
            "first_guess", "NESTED"]
@@ -42,24 +44,24 @@ class PlanTable:
     fraction: float | None = None   # borrowed, limit not settled: of the keep-all bytes
     limit_made_at = 0               # (then: the limit at the shapes it was made for)
 
-    def __init__(self, table: dict, budget_bytes: int | None = None):
-        self.table = table
+    def __init__(self, table, budget_bytes: int | None = None):
+        self.table = t = RunTable.of(table)
         # what the guard holds a call to (`guard.py`): the plan's budget (none: no limit)
-        limit = table.get("budget_bytes", budget_bytes)
+        limit = t.budget_bytes if t.budget_bytes is not None else budget_bytes
         self.limit = limit if limit and limit > 0 else None
-        self.op_inputs = table["op_inputs"]
-        self.non_activation = set(table["non_activation"])
-        self.last_write = {int(k): v for k, v in table.get("last_write", {}).items()}
+        self.op_inputs = t.op_inputs
+        self.non_activation = set(t.non_activation)
+        self.last_write = t.last_write
         # roots chains read: `chain_uses` counts the chains that read each one. Kept (and
         # not yet offloaded) ones are held from production (`pin_roots`) until those chains
         # ran; recomputed or fetched ones stay after autograd took them until then too.
         self.chain_uses: dict[int, int] = {}
-        for ins in table["chain_inputs"].values():
+        for ins in t.chain_inputs.values():
             for r in ins:
                 self.chain_uses[r] = self.chain_uses.get(r, 0) + 1
         self.pin_roots = {r for r in self.chain_uses
-                          if table["action"].get(r) != Action.RECOMPUTE}
-        self.trace_only = trace_only_ops(table["ops"])      # not counted as missed
+                          if t.action.get(r) != Action.RECOMPUTE}
+        self.trace_only = trace_only_ops(t.ops)      # not counted as missed
 
     def borrow(self) -> "PlanTable":
         """This plan for other input shapes: the same table, its byte figures its own."""
@@ -120,7 +122,7 @@ def first_guess(plan: PlanTable, old: tuple, new: tuple) -> tuple[float, float] 
     guessed limit and what it holds is judged against the limit the call settles (the plan's
     fraction of what it saved): a guess too high would let it hold more. None:
     the plan has no limit or its table no saved bytes (written before it named them)."""
-    by_shape = plan.table.get("saved_by_shape")
+    by_shape = plan.table.saved_by_shape
     made_at = sum(b for _, b in by_shape) if by_shape else 0
     if not made_at or plan.limit is None or plan.borrowed:
         return None
@@ -222,7 +224,7 @@ class SignaturePlans:
             if tpl.keep_only:              # keeps everything, at any shape: nothing to scale
                 self.templates.by_sig[sig] = tpl
             else:
-                self.first_at[sig] = (tpl, shape_scale(other, sig), None)
+                self.first_at[sig] = NewShapeRoute(tpl, shape_scale(other, sig), None)
             return got
         for other, plan in similar:
             old = self.templates.superseded_of(other)
@@ -232,7 +234,7 @@ class SignaturePlans:
             got = self.plans[sig] = plan.borrow()
             runner = ran_on.borrow()
             runner.limit = plan.limit       # (the new plan's fraction: `ShapeRun.fraction`)
-            self.first_at[sig] = (tpl, shape_scale(other, sig), runner)
+            self.first_at[sig] = NewShapeRoute(tpl, shape_scale(other, sig), runner)
             return got
         for other, plan in similar:
             # no template yet (its plan was just made): the first call at `sig` is recorded

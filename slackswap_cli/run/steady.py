@@ -57,13 +57,14 @@ import torch.utils._pytree as pytree
 from ..guard import Guard
 from ..schema import Action
 from ..trace.storage import storage_key
+from .packs import RecomputedRef, TemplatePack
 from .record import PlanRun
 from .recorded import InputRef, OpRecord
 from .swap import Storages
 
 __all__ = ["Template", "Templates", "Fingerprint", "SteadyRun", "KeepRun"]
 
-_KEEP, _SWAP, _RECOMPUTE = Action.KEEP, Action.SWAP, Action.RECOMPUTE
+_KEEP, _SWAP = Action.KEEP, Action.SWAP
 
 
 class Template:
@@ -94,22 +95,21 @@ class Template:
             for loc in locs:
                 self.uses[loc] = self.uses.get(loc, 0) + 1
         binds = self._binds(run.seq)
-        # each pack: (shape, dtype, type of its grad_fn, action, root, loc, weakly tracked?,
-        # [(loc to hand over, via its _base?)] or None, swap of the root's own storage?)
-        self.seq = [(n[0], n[1], n[8], n[2], n[3], n[4], n[5], binds.get(i), n[7])
-                    for i, n in enumerate(run.seq)]
+        # each pack: what a later call checks and does there (`packs.TemplatePack`)
+        self.seq = [TemplatePack(n.shape, n.dtype, n.node, n.action, n.root, n.loc, n.tracked,
+                                 binds.get(i), n.own) for i, n in enumerate(run.seq)]
         # the guard's count before each pack, and after the last (`guard.py`): where a later
         # call that leaves the template resumes counting
-        self.held_at = [n[9] for n in run.seq] + [run.guard.held]
+        self.held_at = [n.held for n in run.seq] + [run.guard.held]
         # the bytes each pack added to what a keep-all run holds (its storage's, the first
         # time it is saved), and their sum: what a first call at other shapes scales by
-        self.fresh = [n[10] for n in run.seq]
+        self.fresh = [n.fresh for n in run.seq]
         self.saved_total = sum(self.fresh)
         self.guarded = (run.guard.swaps, run.guard.swapped_bytes)   # followed by later calls
         # the same, for a call that does not measure what it holds: nothing weakly tracked
-        self.seq_quiet = [(*n[:6], False, *n[7:]) for n in self.seq]
+        self.seq_quiet = [n._replace(tracked=False) for n in self.seq]
         # a keep-all plan: nothing depends on which tensor is which, nothing to check
-        self.keep_only = all(a == _KEEP for a in run.table["action"].values())
+        self.keep_only = all(a == _KEEP for a in run.table.action.values())
         self.chain_records: dict[int, list[int]] = {}    # filled by the first steady call
         self.chain_made: dict[int, list] = {}
 
@@ -128,8 +128,8 @@ class Template:
         False when a chain read a value autograd does not save (nothing can hand it over)."""
         first_self, first_base = {}, {}
         for i, n in enumerate(seq):
-            first_self.setdefault(n[4], i)
-            first_base.setdefault(n[6], i)
+            first_self.setdefault(n.loc, i)
+            first_base.setdefault(n.base_loc, i)
         binds: dict[int, list] = {}
         self.ok = True
         for loc in self.uses:
@@ -206,7 +206,7 @@ class Templates:
     def drop(self, sig) -> None:
         """Forget `sig`'s template: the next call at it records again."""
         self.by_sig.pop(sig, None)
-        self.hot = {k: v for k, v in self.hot.items() if v[1] != sig}
+        self.hot = {k: v for k, v in self.hot.items() if v.sig != sig}
 
 
 def _autocast_state() -> tuple:
@@ -270,11 +270,11 @@ class SteadyRun(PlanRun):
         self.bound_version = {}        # loc -> its version when its pack handed it over
         self.swaps = []
         self.rerun_ops = 0
-        self.made_by = plan.table["made_by"]
+        self.made_by = plan.table.made_by
         self.pinned, self.by_storage, self.root_swap, self.made = {}, {}, {}, {}
         self.chain_uses = plan.chain_uses.copy()
         self.packs, self.deferred, self.done_chains = {}, {}, set()
-        self.progress, self.next_prefetch = self.table["n_forward"], 0
+        self.progress, self.next_prefetch = self.table.n_forward, 0
         self.bound_uses = tpl.uses.copy()
         self.guard = None              # counting starts where a call leaves the template
 
@@ -299,10 +299,11 @@ class SteadyRun(PlanRun):
         self.i = i + 1
         if i >= self.n or self.broken:
             return self._differs(x)
-        shape, dtype, fn, kind, r, loc, tracked, binds, own = self.seq[i]
-        if x.shape != shape or x.dtype is not dtype or (
-                type(x.grad_fn) is not fn and not _same_node(type(x.grad_fn), fn)):
+        p = self.seq[i]
+        if x.shape != p.shape or x.dtype is not p.dtype or (
+                type(x.grad_fn) is not p.node and not _same_node(type(x.grad_fn), p.node)):
             return self._differs(x)
+        binds = p.binds
         if binds is not None:
             bound = self.bound
             for bloc, via_base in binds:
@@ -311,12 +312,14 @@ class SteadyRun(PlanRun):
                     return self._differs(x)
                 bound[bloc] = v.detach()     # (an alias: see `packing.Packing._kept`)
                 self.bound_version[bloc] = v._version
+        kind = p.action
         if kind is _KEEP:
-            if tracked:
+            if p.tracked:
                 return self._kept(x)
             return x.detach()          # (never `x` itself: see `packing.Packing._kept`)
+        r = p.root
         if kind is _SWAP:
-            return self._swap(x, r, own)
+            return self._swap(x, r, p.own)
         packs = self.packs
         packs[r] = packs.get(r, 0) + 1
         owner = self.made_by[r]
@@ -325,7 +328,7 @@ class SteadyRun(PlanRun):
             self.deferred[owner] = {r}
         else:
             got.add(r)
-        return [False, _RECOMPUTE, r, loc]
+        return RecomputedRef(r, p.loc)
 
     def _differs(self, x: torch.Tensor):
         """A pack that left the template (other control flow at the same shapes): from here
@@ -335,7 +338,7 @@ class SteadyRun(PlanRun):
             self.broken = True
             self.guard = Guard(self.t.limit)
             self.guard.held = self.tpl.held_at[min(self.i - 1, self.n)]
-        return self._unplaced(x, None, [None] * 11)
+        return self._unplaced(x, None, None)
 
     def held_at_end(self) -> int:
         return self.tpl.held_at[-1] if self.guard is None else self.guard.held

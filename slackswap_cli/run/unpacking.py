@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from ..schema import Action
 from . import swap
+from .packs import SwappedRef
 from .recorded import STATE, view_of
 
 __all__ = ["Unpacking"]
@@ -28,28 +28,27 @@ class Unpacking:
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        if packed[0]:
+        if packed.taken:
             raise InputError("a second backward through a step whose saved tensors slackswap "
                              "swapped or recomputed: they were handed to the first one "
                              "(backward(retain_graph=True) twice, or double backward)",
                              hint="run one backward per forward, or unpatch(model) for this "
                                   "step")
-        packed[0] = True                      # a saved tensor is handed out once
-        kind, r = packed[1], packed[2]
-        first = self.table["bwd_use"].get(r)
+        packed.taken = True                   # a saved tensor is handed out once
+        r = packed.root
+        first = self.table.bwd_use.get(r)
         if first is not None and first > self.progress:
             self.progress = first
         self._issue_prefetches()
-        if kind is Action.SWAP:
-            _, _, _, sw, dtype, shape, stride, offset = packed
-            out = view_of(sw.fetch(), dtype, shape, stride, offset)
+        if type(packed) is SwappedRef:
+            sw = packed.copy
+            out = view_of(sw.fetch(), packed.dtype, packed.shape, packed.stride, packed.offset)
             sw.packs -= 1
             if sw.packs <= 0 and self.chain_uses.get(r, 0) <= 0:
                 sw.dev = None                 # autograd holds what it took
 
         else:
-            _, _, _, loc = packed
-            owner = self.table["made_by"][r]
+            owner = self.table.made_by[r]
             if owner not in self.done_chains:
                 # autograd unpacks a node's saved tensors in its own order: chains laid out
                 # before this one (whose roots it may read) run first, as simulated
@@ -57,7 +56,7 @@ class Unpacking:
                                 if x < owner and x not in self.done_chains):
                     self._run_chain(o)
                 self._run_chain(owner)
-            out = self._resolve(loc, {})
+            out = self._resolve(packed.loc, {})
         self._unpacked(r)
         return out
 
@@ -78,7 +77,7 @@ class Unpacking:
         """(Steady state: let go of the values only this chain still needed.)"""
 
     def _issue_prefetches(self) -> None:
-        order, pf = self.prefetch_order, self.table["prefetch_at"]
+        order, pf = self.prefetch_order, self.table.prefetch_at
         while self.next_prefetch < len(order) and pf[order[self.next_prefetch]] <= self.progress:
             r = order[self.next_prefetch]
             self.next_prefetch += 1
@@ -109,7 +108,7 @@ class Unpacking:
             t = local.get(loc)
             if t is not None:
                 self.made[tid] = t
-        for r in self.table["chain_inputs"].get(owner, ()):
+        for r in self.table.chain_inputs.get(owner, ()):
             self.chain_uses[r] = self.chain_uses.get(r, 0) - 1
             if self.chain_uses[r] <= 0:
                 self.pinned.pop(r, None)

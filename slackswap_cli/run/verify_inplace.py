@@ -54,7 +54,7 @@ def check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol:
     if max_loss > loss_tol or max_grad > grad_tol:
         reasons.append(f"the model patched in place differs from eager: loss by {max_loss:.2e}, "
                        f"gradients by {max_grad:.2e} (relative)")
-    action = run.table["action"]
+    action = run.table.action
     return {"max_loss_rel_diff": max_loss, "max_grad_rel_diff": max_grad,
             "ops_lined_up": calls[-1]["lined_up"], "profile_forward_ops": calls[-1]["expected"],
             "guard_swaps": calls[-1]["guard_swaps"],
