@@ -381,7 +381,7 @@ def _last_writes(prof, writes_in_place: Callable[[str], bool]) -> dict[int, int]
 # What the in-place runtime needs from a layout
 # --------------------------------------------------------------------------------------------
 def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> dict:
-    """The plan as the in-place runtime (`run/record.py`) carries it out, in plain Python
+    """The plan as the in-place runtime (`run/first_call.py`) carries it out, in plain Python
     values and `OpRow`s.
 
     - `ops`: the forward ops in order, each a `table_rows.OpRow` (the runtime aligns the ops

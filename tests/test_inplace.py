@@ -315,7 +315,7 @@ def test_verify_checks_the_in_place_patch_too(files, tmp_path):
     ip = r.inplace
     assert ip["max_loss_rel_diff"] == 0 and ip["max_grad_rel_diff"] == 0
     # every op: make_fx's detaches (2.13's profile has them, 2.15's none) are not counted as
-    # missed (run/record.py's TRACE_ONLY)
+    # missed (run/lineup.py's TRACE_ONLY)
     assert ip["ops_lined_up"] == ip["profile_forward_ops"]
     assert ip["held_bytes_after_forward"] == r.patched_peak_bytes
 
@@ -366,7 +366,6 @@ def test_two_forwards_then_one_backward_is_exact(name, frac, files, tmp_path):
     eager, work = twin(files, name)
     model = mod.patch(work.model)
     a, kw = split_inputs(work.inputs)
-    from slackswap_cli.run.steady import SteadyRun
     grads, kinds = [], []
     for m in (eager.model, model):
         torch.manual_seed(1)
@@ -374,12 +373,12 @@ def test_two_forwards_then_one_backward_is_exact(name, frac, files, tmp_path):
             m.zero_grad(set_to_none=True)
             first = loss_from_output(m(*a, **kw), work.inputs, work.loss_fn)
             if m is model:
-                kinds.append(type(run_of(m)))
+                kinds.append(run_of(m).kind)
             second = loss_from_output(m(*a, **kw), work.inputs, work.loss_fn)
             if m is model:
-                kinds.append(type(run_of(m)))
+                kinds.append(run_of(m).kind)
             (first + 2 * second).backward()
         grads.append([p.grad.clone() for p in m.parameters()])
     assert all(torch.equal(g, h) for g, h in zip(*grads))
-    assert kinds[-2:] == [SteadyRun, SteadyRun]
+    assert kinds[-2:] == ["steady", "steady"]
     assert run_of(model).rerun_ops > 0 or run_of(model).metas

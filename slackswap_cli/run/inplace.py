@@ -2,14 +2,18 @@
 
 `patch(model, meta, table)` replaces `model.forward` (an instance attribute, so `unpatch`
 restores the class's) with a wrapper. In eval mode or with grad disabled the wrapper calls the
-original forward and does nothing else. In training, the first call at an input signature runs
-the original forward under a recorder and saved-tensor hooks (`run/record.py`: `PlanRun`, which
-lines the step up with the profile and carries the plan out: keep, swap to host, recompute in
-backward); later calls at that signature run on saved-tensor hooks alone (`run/steady.py`:
-`SteadyRun`, following the first call's decisions).
+original forward and does nothing else. In training, each call is one kind of call, a policy
+over one `call_state.CallState`: the first call at an input signature runs the original forward
+under a recorder and saved-tensor hooks (`run/first_call.py`: `FirstCall`, which lines the step
+up with the profile and carries the plan out: keep, swap to host, recompute in backward);
+later calls at that signature run on saved-tensor hooks alone (`run/steady_call.py`:
+`SteadyCall`, following the first call's decisions); the first call at new shapes follows
+another shape's template (`run/new_shape.py`: `NewShapeCall`). This module decides which.
+The call machinery is imported on the first training call, the tracer and planners only when
+a call plans again (`_calls`, run/replan.py).
 
 Each input signature (device type, shapes and dtypes) gets its own plan: the profiled one, or
-one made at other shapes, borrowed without a trace (`run/signatures.py`, `run/shape_run.py`), or
+one made at other shapes, borrowed without a trace (`run/signatures.py`, `run/new_shape.py`), or
 one made on the fly from a fake trace (`run/replan.py`: another device or dtype, or where the
 plan borrowed does not line up), or, with `strict`, a refusal. A deep copy or a pickled
 copy of a patched model is patched too, for its own parameters.
@@ -17,27 +21,22 @@ copy of a patched model is patched too, for its own parameters.
 from __future__ import annotations
 
 import copy
-import sys
 import time
+from functools import partial
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import InputError
-from ..profile_build import dtype_name
-from . import replan as replanning
-from . import steady as _steady
+from ..units import dtype_name
 from .generated import check_generated
-from .lineup import ALIGN_WARN, BodyHooks
-from .notes import Notes, brief, shapes
-from .packs import SteadyRoute
-from .record import STATE, PlanRun, Recorder
-from .shape_run import ShapeRun
+from .notes import ALIGN_WARN, Notes, brief, shapes
+from .packs import STATE, SteadyRoute
 from .signatures import NESTED, PlanTable, SignaturePlans, tensors
 from .tables import RunMeta
+from .templates import Templates
 
-__all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
+__all__ = ["patch", "unpatch", "is_patched"]
 
 
 class _Patched(SignaturePlans):
@@ -52,9 +51,9 @@ class _Patched(SignaturePlans):
         self.model, self.meta, self.table = model, RunMeta.of(meta), table
         self._forward = original_forward       # None: the class's forward
         self.had_instance_forward = had_instance_forward
-        self.last_run: PlanRun | None = None
+        self.last_run = None                    # the last training call's `CallState`
         self.notes = Notes()                    # what it said on stderr
-        self.body_hooks = BodyHooks()
+        self.body_hooks = None                  # (`lineup.BodyHooks`, made at a first call)
         self._names: dict | None = None
         self._first = None
         self.buffer_ids: set[int] = set()
@@ -63,7 +62,7 @@ class _Patched(SignaturePlans):
         self.strict = strict
         self.steady = True                      # later calls at a signature: hooks alone
         self.measure_held = False               # later calls note what autograd holds
-        self.templates = _steady.Templates()
+        self.templates = Templates()
         self.fast_plans: dict[tuple, tuple] = {}    # shapes, dtypes, device -> (plan, sig)
         self.first_at: dict[tuple, tuple] = {}      # new shapes -> (template, Scale, its
         #                                             plan: None, the one borrowed) to follow
@@ -145,36 +144,50 @@ class _Patched(SignaturePlans):
         if hot is not None and self.steady:
             tpl = hot.template
             if tpl.holds():
-                return self._steady(tpl.start(self, hot.plan, inputs), args, kwargs, hot.sig)
+                return self._steady(_calls().follow(tpl, self, hot.plan, inputs), args,
+                                    kwargs, hot.sig)
             self.templates.drop(hot.sig)        # parameters replaced, or autocast changed
         plan, sig = self.plan_for(args, kwargs, key)
         tpl = self.templates.get(sig) if self.steady else None
         if tpl is not None:
             self.templates.hot[key] = SteadyRoute(plan, sig, tpl)
-            return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
+            return self._steady(_calls().follow(tpl, self, plan, inputs), args, kwargs, sig)
         first = self.first_at.pop(sig, None)
         if first is not None:           # new shapes: another shape's template, no trace
-            runner = first.runner
-            run = ShapeRun(self, runner or plan, first.template, inputs, first.scale)
-            out = self._steady(run, args, kwargs, sig)
-            if runner is not None:      # the template's own plan ran: its figures, not its
-                plan.limit, plan.scale = runner.limit, runner.scale   # packs' keeps
-                if not run.guard.swaps:
-                    return out          # (its alignment is the superseded call's: no note)
-            self._check_run(run, sig)
-            return out
-        run = PlanRun(self, plan)
-        run.inputs = {id(x) for x in inputs}
-        run.call_inputs = inputs
+            return self._new_shape(first, plan, sig, inputs, args, kwargs)
+        return self._first_call(plan, sig, inputs, args, kwargs)
+
+    def _new_shape(self, first, plan, sig, inputs, args, kwargs):
+        """The first call at new shapes, following another shape's template (`first`: its
+        `packs.NewShapeRoute`; run/new_shape.py)."""
+        runner = first.runner
+        call = _calls().NewShapeCall(self, runner or plan, first.template, inputs, first.scale)
+        out = self._steady(call, args, kwargs, sig)
+        run = call.s
+        if runner is not None:      # the template's own plan ran: its figures, not its
+            plan.limit, plan.scale = runner.limit, runner.scale   # packs' keeps
+            if not run.guard.swaps:
+                return out          # (its alignment is the superseded call's: no note)
+        self._check_run(run, sig)
+        return out
+
+    def _first_call(self, plan, sig, inputs, args, kwargs):
+        """The first call at a signature: recorded op by op (run/first_call.py)."""
+        calls = _calls()
+        call = calls.FirstCall(self, plan, inputs)
+        run = call.s
         self.buffer_ids = {id(b) for b in self.model.buffers()}
         self.notes.say_checkpointing(self.model)
         prev = getattr(STATE, "run", None)
         STATE.run = run
+        if self.body_hooks is None:
+            self.body_hooks = calls.BodyHooks()
         self.body_hooks.keep_last(self.model)
-        hooks = [register_module_forward_pre_hook(run.lineup.enter),
-                 register_module_forward_hook(run.lineup.left, always_call=True)]
+        hooks = [calls.register_module_forward_pre_hook(run.lineup.enter),
+                 calls.register_module_forward_hook(run.lineup.left, always_call=True)]
         try:
-            with Recorder(run), torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+            with calls.Recorder(run), torch.autograd.graph.saved_tensors_hooks(
+                    call.pack, partial(calls.backward.unpack, run)):
                 out = self.original_forward(*args, **kwargs)
         finally:
             STATE.run = prev
@@ -190,13 +203,13 @@ class _Patched(SignaturePlans):
         self._follow_branches(run, sig, args, kwargs, rep)
         return out
 
-    def _follows(self, run: PlanRun, sig) -> bool:
+    def _follows(self, run, sig) -> bool:
         """Whether `_follow_branches` plans again after this recorded call."""
         return bool(self.replan and ("branches", sig) not in self.notes.said
                     and (run.values or run.t.borrowed)
                     and run.report()["fraction"] < ALIGN_WARN)
 
-    def _follow_branches(self, run: PlanRun, sig, args, kwargs, rep: dict) -> None:
+    def _follow_branches(self, run, sig, args, kwargs, rep: dict) -> None:
         """After a recorded call at `sig` that lined up less than 99% (`rep`: its report):
         plan again, once, from a fake trace along the branches this call took (`branches.py`:
         a library that branches otherwise under fake tensors), into the same budget; or, for
@@ -210,12 +223,13 @@ class _Patched(SignaturePlans):
             # the budget: this signature's plan's bytes; at new shapes (no plan of their own
             # yet) the plan's fraction of the new keep-all peak, as a re-plan for them takes
             own = self.plans.get(sig) is not None and not run.t.borrowed
+            from . import replan as replanning  # (the tracer and planners: only here)
             table, what = replanning.replan_table(self.model, self.original_forward, args,
                                                   kwargs, self.meta, values=run.values or None,
                                                   budget_bytes=run.t.limit if own else None)
         except Exception as exc:
-            print(f"slackswap: could not plan along the branches this call took ({brief(exc)})"
-                  "; the guard holds the plan's budget", file=sys.stderr)
+            self.notes.tell(f"could not plan along the branches this call took ({brief(exc)})"
+                            "; the guard holds the plan's budget")
             return
         self.templates.supersede(sig, run)
         self.plans[sig] = PlanTable(table)
@@ -228,40 +242,75 @@ class _Patched(SignaturePlans):
                          f"{time.perf_counter() - t0:.1f} s; the next call at {shapes(sig)} "
                          "runs it")
 
-    def _steady(self, run, args, kwargs, sig):
-        STATE.run = run            # (None before: `forward` checked)
+    def _steady(self, call, args, kwargs, sig):
+        """A call that follows a template (`call`: its policy, run/steady_call.py or
+        run/new_shape.py)."""
+        run = STATE.run = call.s           # (None before: `forward` checked)
         try:
-            if run.pack is None:    # (a keep-all plan, not measuring: nothing to do)
+            if call.pack is None:   # (a keep-all plan, not measuring: nothing to do)
                 out = self.original_forward(*args, **kwargs)
             else:
-                with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+                with torch.autograd.graph.saved_tensors_hooks(
+                        call.pack, partial(_calls().backward.unpack, run)):
                     out = self.original_forward(*args, **kwargs)
         finally:
             STATE.run = None
-        if not run.finish():
+        if not call.finish():
             self.templates.drop(sig)                     # other control flow: the next call records
             self._check_run(run, sig)
         self.last_run = run
         return out
 
     def _fingerprint(self):
-        return _steady.Fingerprint(self.model)
+        return _calls().Fingerprint(self.model)
 
     def remove_hooks(self) -> None:
-        self.body_hooks.remove()
+        if self.body_hooks is not None:
+            self.body_hooks.remove()
 
     @property
     def last_report(self) -> dict | None:
-        """What the last training call did (`PlanRun.report`): how much of the profile lined
+        """What the last training call did (`CallState.report`): how much of the profile lined
         up, what the guard swapped, bytes held for backward against the plan's budget."""
         return None if self.last_run is None else self.last_run.report()
 
-    def _check_run(self, run: PlanRun, sig, replans: bool = False) -> dict:
+    def _check_run(self, run, sig, replans: bool = False) -> dict:
         """Say once per signature what a call that did not line up or that the guard acted
         on cost (`Notes.check_run`; `replans`: a plan along this call's path follows); the
         call's report."""
         return self.notes.check_run(run, sig, self.branchy and self.plans.get(sig) is None,
                                     replans=replans)
+
+
+_CALLS = None
+
+
+def _calls():
+    """The call machinery, imported on the first training call (importing this module, what
+    every patched file does through run/door.py, stays light; tests/test_runtime_layout.py):
+    the call kinds (run/first_call.py, run/steady_call.py, run/new_shape.py), the backward
+    path (run/backward.py), the line-up's module hooks, `templates.Fingerprint`."""
+    global _CALLS
+    if _CALLS is None:
+        from types import SimpleNamespace
+
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        from . import backward
+        from .first_call import FirstCall, Recorder
+        from .lineup import BodyHooks
+        from .new_shape import NewShapeCall
+        from .steady_call import follow
+        from .templates import Fingerprint
+        _CALLS = SimpleNamespace(
+            backward=backward, FirstCall=FirstCall, Recorder=Recorder, BodyHooks=BodyHooks,
+            NewShapeCall=NewShapeCall, follow=follow, Fingerprint=Fingerprint,
+            register_module_forward_hook=register_module_forward_hook,
+            register_module_forward_pre_hook=register_module_forward_pre_hook)
+    return _CALLS
 
 
 def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = True,

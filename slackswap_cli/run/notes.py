@@ -10,10 +10,10 @@ from __future__ import annotations
 import sys
 
 from ..units import fmt_bytes
-from .lineup import ALIGN_WARN
 
 __all__ = ["Notes", "SAY_MAX", "shapes", "brief"]
 
+ALIGN_WARN = 0.99       # say so when fewer of the profile's forward ops than this line up
 SAY_MAX = 3             # signatures a kind of note is printed for (`Notes.say_capped`)
 
 
@@ -31,6 +31,11 @@ class Notes:
             self.said.add(key)
             if not self.quiet:
                 print(f"slackswap: {text}", file=sys.stderr)
+
+    def tell(self, text: str) -> None:
+        """A line said every time it happens, not once (what a plan made for new inputs
+        did); printed even when `quiet`, as the re-plans of a check's own patch are."""
+        print(f"slackswap: {text}", file=sys.stderr)
 
     def say_checkpointing(self, model) -> None:
         if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):

@@ -8,14 +8,21 @@
   tensor (the pack hook returns one, the unpack hook hands the tensor back, once);
 - `SteadyRoute` and `NewShapeRoute`: the route a call takes (`inplace._Patched.forward`): a
   later call at a signature with a template, or the first call at new shapes following another
-  shape's template.
+  shape's template;
+- `STATE`: `STATE.run`, the `call_state.CallState` of the training call running on this
+  thread (None: none, or a chain replaying).
+
+Nothing here imports the rest of the package: run/inplace.py reads it on every call.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 __all__ = ["PackNote", "TemplatePack", "SwappedRef", "RecomputedRef", "SteadyRoute",
-           "NewShapeRoute"]
+           "NewShapeRoute", "STATE"]
+
+STATE = threading.local()        # .run: the call running on this thread
 
 
 class PackNote:

@@ -2,7 +2,7 @@
 
 A signature is the device type, the parameters' dtype, then the shapes and dtypes of a call's
 tensors in order (`signature`). Each gets its own plan (`SignaturePlans.plan_for`): the
-profiled one; one made at other shapes, borrowed without a trace (`_borrow`: run/shape_run.py
+profiled one; one made at other shapes, borrowed without a trace (`_borrow`: run/new_shape.py
 follows another shape's template, or the call is recorded on the plan lent to these shapes,
 its guard limit scaled); one made on the fly from a fake trace (run/replan.py: another device
 or dtype, or where a borrowed plan does not line up); or, with `strict`, a refusal.
@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 
 from ..errors import FingerprintMismatch
-from ..guard import Scale
-from ..profile_build import dtype_name
-from ..schema import Action
-from . import replan as replanning
-from .lineup import trace_only_ops
+from ..units import dtype_name
 from .notes import brief, shapes
 from .packs import NewShapeRoute
 from .tables import RunTable
+
+if TYPE_CHECKING:
+    from ..guard import Scale
 
 __all__ = ["PlanTable", "SignaturePlans", "signature", "leaves", "tensors", "alike",
            "first_guess", "NESTED"]
@@ -35,7 +34,7 @@ __all__ = ["PlanTable", "SignaturePlans", "signature", "leaves", "tensors", "ali
 
 class PlanTable:
     """One plan's table (`chains.runtime_table`) and the lookups derived from it. A table
-    `borrow`ed for other input shapes (`shape_run.py`) has its own byte figures: the guard's
+    `borrow`ed for other input shapes (`new_shape.py`) has its own byte figures: the guard's
     limit, what the plan keeps after each pack (`pack_reserve`, once a call at those shapes
     saw them) or the factor `keep_after` is scaled by."""
     borrowed = False
@@ -60,8 +59,17 @@ class PlanTable:
             for r in ins:
                 self.chain_uses[r] = self.chain_uses.get(r, 0) + 1
         self.pin_roots = {r for r in self.chain_uses
-                          if t.action.get(r) != Action.RECOMPUTE}
-        self.trace_only = trace_only_ops(t.ops)      # not counted as missed
+                          if t.action.get(r) != "recompute"}   # (schema.Action's value)
+        self._trace_only = None
+
+    @property
+    def trace_only(self) -> frozenset[int]:
+        """The profile's ops eager may not run (`lineup.trace_only_ops`): not counted as
+        missed. Worked out on first use (the line-up's module loads with the first call)."""
+        if self._trace_only is None:
+            from .lineup import trace_only_ops
+            self._trace_only = trace_only_ops(self.table.ops)
+        return self._trace_only
 
     def borrow(self) -> "PlanTable":
         """This plan for other input shapes: the same table, its byte figures its own."""
@@ -133,6 +141,7 @@ def first_guess(plan: PlanTable, old: tuple, new: tuple) -> tuple[float, float] 
 
 def shape_scale(old: tuple, new: tuple) -> Scale:
     """`guard.Scale` from signature `old`'s input shapes to signature `new`'s."""
+    from ..guard import Scale  # (the guard loads with a call's machinery, not at import)
     return Scale([shape for shape, _ in old[2:]], [shape for shape, _ in new[2:]])
 
 
@@ -188,20 +197,20 @@ class SignaturePlans:
         if self.replan:
             t0 = time.perf_counter()
             try:
+                from . import replan as replanning  # (the tracer and planners: only here)
                 table, what = replanning.replan_table(self.model, self.original_forward, args,
                                                       kwargs, self.meta)
                 plan = PlanTable(table)
-                print(f"slackswap: new inputs {shapes(sig)}: planned for them in "
-                      f"{time.perf_counter() - t0:.1f} s ({what})", file=sys.stderr)
+                self.notes.tell(f"new inputs {shapes(sig)}: planned for them in "
+                                f"{time.perf_counter() - t0:.1f} s ({what})")
             except Exception as exc:
-                print(f"slackswap: new inputs {shapes(sig)}: could not plan for them "
-                      f"({brief(exc)}); "
-                      "running with the profiled plan", file=sys.stderr)
+                self.notes.tell(f"new inputs {shapes(sig)}: could not plan for them "
+                                f"({brief(exc)}); running with the profiled plan")
         self.plans[sig] = plan
         return plan or self.default, sig
 
     def _borrow(self, sig) -> "PlanTable | None":
-        """A plan for new input shapes without a trace (`shape_run.py`): the plan of a
+        """A plan for new input shapes without a trace (`new_shape.py`): the plan of a
         signature that differs from `sig` only in its shapes (same device, dtypes and ranks)
         and whose first call made a template, borrowed; the first call at `sig` follows that
         template (`self.first_at`). Where none has a template of its plan, but one had its
