@@ -30,7 +30,7 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   stall, the next round does not charge that much spill (`free_spill_us`), its windows widen
   to that plan's queue, and HiGHS starts from that plan (a MIP start, so the round ends no
   worse than it in the model): a spill nothing waits on is charged by the first round only
-  (design.md, section 7, has the Llama-7B case).
+  (docs/planning.md, 'Inside the planners', has the Llama-7B case).
 - **Not modelled**: stalls that shift later ops, the duplex derate, the delay a swap adds to
   the copies queued behind it, and chains pulling evicted inputs back early (their memory).
   A plan that still overflows is repaired in the static model of `common` (extra recompute)
