@@ -504,7 +504,7 @@ def _bound_note(m: CostModel, res) -> str | None:
 def solve(m: CostModel, budget_bytes: int, settings: OptimalSettings = OptimalSettings(),
           fork: bool = True, windows: tuple[np.ndarray, np.ndarray] | None = None,
           free_spill_us: float = 0.0, start: list | None = None):
-    """Build and solve the MILP within `settings.time_limit_s` (building included). Returns
+    """Build and solve the MILP within `OptimalSettings.time_limit_s` (building included). Returns
     (actions, notes, objective in us of overhead); actions and objective are None when HiGHS
     found no solution. With `fork`, HiGHS runs
     in a child process stopped at the limit (`run_quietly`); without, in this process
@@ -552,7 +552,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     and return it unless the `fallback` planner's plan (the registry passes slackswap's)
     simulates better (then that, said in the notes).
 
-    `settings.time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
+    `OptimalSettings.time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
     `bound_share` of it), the fallback's plan, the MILP (what is left, less a reserve for the
     repair and the simulations after it). HiGHS runs with a fixed seed on one thread, so two
     runs give the same plan unless the time limit, rather than the gap or `node_limit`, ends
