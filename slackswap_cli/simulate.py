@@ -1,8 +1,8 @@
 """The discrete-event simulator: how long one training step takes under a plan, and how much
 activation memory it needs at every moment.
 
-Every planner is judged by this module, so it follows docs/design.md §6 literally and states each
-modelling choice here.
+Every planner is judged by this module, so it follows its rules (docs/design.md §6; in full:
+docs/planning.md, 'Inside the simulator') literally and states each modelling choice here.
 
 **Engines.** Three FIFO engines: *compute* (one stream: forward ops, then backward ops with
 recompute ops inserted), *D2H* (offloads) and *H2D* (prefetches). A copy of `b` bytes takes

@@ -31,6 +31,8 @@ ALLOWED_PRINTS: dict[tuple[str, str], str] = {
     ("run/notes.py", "print"): "the library's one voice: `notes.tell`, a line on stderr",
     ("cli/boundary.py", "traceback.print_exception"):
         "the traceback a user asked for with SLACKSWAP_DEBUG=1, before the Error: line",
+    ("run/api.py", "warnings.warn"):
+        "plan_model's note about the plan it made: a Python warning, which the caller can filter",
 }
 # (module, function) -> why it may end the process or the command
 ALLOWED_EXITS: dict[tuple[str, str], str] = {
@@ -68,7 +70,7 @@ BUILTIN_ERRORS = {n for n in dir(builtins) if isinstance(getattr(builtins, n), t
 PRINTERS = {"print", "typer.echo", "typer.secho", "click.echo", "click.secho", "pprint.pprint",
             "sys.stdout.write", "sys.stderr.write", "sys.stdout.writelines",
             "sys.stderr.writelines", "traceback.print_exception", "traceback.print_exc",
-            "traceback.print_stack", "os.write"}
+            "traceback.print_stack", "os.write", "warnings.warn"}
 EXITS = {"sys.exit", "exit", "quit", "os._exit", "typer.Exit", "typer.Abort", "SystemExit",
          "click.exceptions.Exit", "ctx.exit"}
 
