@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..errors import InputError
 from ..units import dtype_name
 from .generated import check_generated
-from .notes import ALIGN_WARN, Notes, brief, shapes
+from .notes import ALIGN_WARN, Notes, brief, shapes, tell
 from .packs import STATE, SteadyRoute
 from .signatures import NESTED, PlanTable, SignaturePlans, tensors
 from .tables import RunMeta
@@ -228,8 +228,8 @@ class _Patched(SignaturePlans):
                                                   kwargs, self.meta, values=run.values or None,
                                                   budget_bytes=run.t.limit if own else None)
         except Exception as exc:
-            self.notes.tell(f"could not plan along the branches this call took ({brief(exc)})"
-                            "; the guard holds the plan's budget")
+            tell(f"could not plan along the branches this call took ({brief(exc)}); the guard "
+                 "holds the plan's budget")
             return
         self.templates.supersede(sig, run)
         self.plans[sig] = PlanTable(table)

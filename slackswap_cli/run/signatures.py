@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import FingerprintMismatch
 from ..units import dtype_name
-from .notes import brief, shapes
+from .notes import brief, shapes, tell
 from .packs import NewShapeRoute
 from .tables import RunTable
 
@@ -201,11 +201,11 @@ class SignaturePlans:
                 table, what = replanning.replan_table(self.model, self.original_forward, args,
                                                       kwargs, self.meta)
                 plan = PlanTable(table)
-                self.notes.tell(f"new inputs {shapes(sig)}: planned for them in "
-                                f"{time.perf_counter() - t0:.1f} s ({what})")
+                tell(f"new inputs {shapes(sig)}: planned for them in "
+                     f"{time.perf_counter() - t0:.1f} s ({what})")
             except Exception as exc:
-                self.notes.tell(f"new inputs {shapes(sig)}: could not plan for them "
-                                f"({brief(exc)}); running with the profiled plan")
+                tell(f"new inputs {shapes(sig)}: could not plan for them ({brief(exc)}); "
+                     "running with the profiled plan")
         self.plans[sig] = plan
         return plan or self.default, sig
 

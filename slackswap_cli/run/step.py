@@ -65,8 +65,7 @@ class _StepFunction(torch.autograd.Function):
             raise InputError("this patched step already ran its backward, which frees (or hands "
                              "back to the host pool) everything forward saved; "
                              "backward(retain_graph=True) twice is not supported",
-                             hint="run one backward per forward, or use patch(model) (eager) "
-                                  "for a step that needs a second backward")
+                             hint="run forward again before a second backward")
         with torch.autocast(flat[0].device.type, enabled=False), _traced_mode():
             grads = step.backward_fn(store, flat[0].device, *_detached(flat), grad_loss.detach())
         ctx.store = ctx.flat = None
