@@ -14,7 +14,10 @@ RUN = ROOT / "slackswap_cli" / "run"
 # the call machinery: its classes declare their state (slots), its functions over a call's
 # state (`s`) read only `CallState`'s fields
 MACHINERY = ["call_state", "holding", "backward", "first_call", "steady_call", "new_shape",
-             "templates", "packs", "tables"]
+             "templates", "packs", "tables", "inplace"]
+# (classes that keep a __dict__ on purpose: the dispatch mode's base has one; the patched
+# forward stands in for a bound method, whose attributes wrappers may read or set)
+UNSLOTTED = {"first_call.Recorder", "inplace._PatchedForward"}
 TRACER_AND_PLANNERS = ("slackswap_cli.trace.joint", "slackswap_cli.trace.graph_profile",
                        "slackswap_cli.trace.workload", "slackswap_cli.trace.fake_build",
                        "slackswap_cli.planners", "slackswap_cli.simulate",
@@ -117,8 +120,7 @@ def test_every_runtime_class_declares_the_state_it_reads():
         for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
             declared = _declared(cls)
             if declared is None:
-                if not any(isinstance(b, ast.Name) and b.id == "TorchDispatchMode"
-                           for b in cls.bases):
+                if f"{name}.{cls.name}" not in UNSLOTTED:
                     unslotted.append(f"{name}.{cls.name}")
                 continue
             undeclared += [f"{name}.{cls.name}.{a} (line {line})"

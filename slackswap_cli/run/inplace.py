@@ -39,12 +39,16 @@ from .templates import Templates
 __all__ = ["patch", "unpatch", "is_patched"]
 
 
-class _Patched(SignaturePlans):
-    """What `patch` attaches to a model: its plans (one per input signature: `SignaturePlans`),
-    the first call's record at each signature (`steady.Templates`, for the calls after it),
-    which run a call gets (`forward`), its notes and state. Nothing of the
-    model is read before its first call (a model being unpickled or deep-copied is empty when
-    this is made)."""
+class _Patched:
+    """What `patch` attaches to a model: its plans (one per input signature: `sigs`, a
+    `signatures.SignaturePlans`), the first call's record at each signature (`templates`, a
+    `templates.Templates`, for the calls after it), which kind of call a call is (`forward`),
+    its notes and settings. Nothing of the model is read before its first call (a model being
+    unpickled or deep-copied is empty when this is made)."""
+    __slots__ = ("model", "meta", "table", "_forward", "had_instance_forward", "last_run",
+                 "notes", "body_hooks", "_names", "_first", "buffer_ids", "replan", "branchy",
+                 "strict", "steady", "measure_held", "templates", "before_first",
+                 "check_report", "sigs", "__weakref__")
 
     def __init__(self, model, meta: dict, table: dict, original_forward, had_instance_forward,
                  replan: bool = True, strict: bool = False, plans: dict | None = None):
@@ -63,18 +67,12 @@ class _Patched(SignaturePlans):
         self.steady = True                      # later calls at a signature: hooks alone
         self.measure_held = False               # later calls note what autograd holds
         self.templates = Templates()
-        self.fast_plans: dict[tuple, tuple] = {}    # shapes, dtypes, device -> (plan, sig)
-        self.first_at: dict[tuple, tuple] = {}      # new shapes -> (template, Scale, its
-        #                                             plan: None, the one borrowed) to follow
-        self.keep_all: dict[tuple, int] = {}        # signature -> bytes a keep-all run holds
         self.before_first = None    # called with the first training call's (args, kwargs)
         self.check_report = None    # (patch(model, plan, check=True): what its check found)
         m = self.meta
         profiled = (m.device_type, dtype_name(m.param_dtype),
                     *((tuple(shape), dtype_name(dtype)) for shape, dtype in m.input_tensors))
-        self.plans: dict[tuple, PlanTable | None] = plans or {
-            profiled: PlanTable(table, m.budget_bytes)}
-        self.default = next(iter(self.plans.values()))
+        self.sigs = SignaturePlans(self, plans or {profiled: PlanTable(table, m.budget_bytes)})
 
     @property
     def original_forward(self):
@@ -106,7 +104,7 @@ class _Patched(SignaturePlans):
         same plans; the first call at each signature records again."""
         fwd = None if self._forward is None else copy.deepcopy(self._forward, memo)
         return _Patched(model, self.meta, self.table, fwd, self.had_instance_forward,
-                        self.replan, self.strict, dict(self.plans))
+                        self.replan, self.strict, dict(self.sigs.plans))
 
     def key(self, args, kwargs) -> tuple[tuple, list]:
         """What a later call finds its plan and template by (without building `_signature`):
@@ -147,12 +145,12 @@ class _Patched(SignaturePlans):
                 return self._steady(_calls().follow(tpl, self, hot.plan, inputs), args,
                                     kwargs, hot.sig)
             self.templates.drop(hot.sig)        # parameters replaced, or autocast changed
-        plan, sig = self.plan_for(args, kwargs, key)
+        plan, sig = self.sigs.plan_for(args, kwargs, key)
         tpl = self.templates.get(sig) if self.steady else None
         if tpl is not None:
             self.templates.hot[key] = SteadyRoute(plan, sig, tpl)
             return self._steady(_calls().follow(tpl, self, plan, inputs), args, kwargs, sig)
-        first = self.first_at.pop(sig, None)
+        first = self.sigs.first_at.pop(sig, None)
         if first is not None:           # new shapes: another shape's template, no trace
             return self._new_shape(first, plan, sig, inputs, args, kwargs)
         return self._first_call(plan, sig, inputs, args, kwargs)
@@ -196,7 +194,7 @@ class _Patched(SignaturePlans):
             self.remove_hooks()      # off the model until the next full record
         self.last_run = run
         self.templates.note(sig, run, self._fingerprint())
-        self.keep_all[sig] = run.saved_bytes
+        self.sigs.keep_all[sig] = run.saved_bytes
         if plan.fraction is not None:     # lent, no template followed: settle its limit
             plan.settle(run.saved_bytes)
         rep = self._check_run(run, sig, replans=self._follows(run, sig))
@@ -222,7 +220,7 @@ class _Patched(SignaturePlans):
         try:
             # the budget: this signature's plan's bytes; at new shapes (no plan of their own
             # yet) the plan's fraction of the new keep-all peak, as a re-plan for them takes
-            own = self.plans.get(sig) is not None and not run.t.borrowed
+            own = self.sigs.plans.get(sig) is not None and not run.t.borrowed
             from . import replan as replanning  # (the tracer and planners: only here)
             table, what = replanning.replan_table(self.model, self.original_forward, args,
                                                   kwargs, self.meta, values=run.values or None,
@@ -232,9 +230,9 @@ class _Patched(SignaturePlans):
                  "holds the plan's budget")
             return
         self.templates.supersede(sig, run)
-        self.plans[sig] = PlanTable(table)
+        self.sigs.plans[sig] = PlanTable(table)
         self.branchy = self.branchy or bool(run.values)
-        self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
+        self.sigs.forget(sig)
         self.templates.drop(sig)
         how = ("along the branches this call took" if run.values else
                "at these shapes, where the plan of other shapes did not line up")
@@ -278,7 +276,7 @@ class _Patched(SignaturePlans):
         """Say once per signature what a call that did not line up or that the guard acted
         on cost (`Notes.check_run`; `replans`: a plan along this call's path follows); the
         call's report."""
-        return self.notes.check_run(run, sig, self.branchy and self.plans.get(sig) is None,
+        return self.notes.check_run(run, sig, self.branchy and self.sigs.plans.get(sig) is None,
                                     replans=replans)
 
 

@@ -158,17 +158,32 @@ def alike(a: tuple, b: tuple) -> bool:
 
 
 class SignaturePlans:
-    """The plan each input signature gets (see the module docstring). A part of
-    `inplace._Patched`: its state (`plans`, `fast_plans`, `first_at`, `keep_all`, the
-    templates) is the patch's."""
+    """The plan each input signature gets (see the module docstring), for the patch `p` (an
+    `inplace._Patched`: its model, settings and templates): `plans`, signature -> its plan
+    (None: the profiled one, `default`, runs there); `fast_plans`, a call's key -> (plan,
+    signature); `first_at`, new shapes -> the `packs.NewShapeRoute` their first call takes;
+    `keep_all`, signature -> the bytes a keep-all run holds there."""
+    __slots__ = ("p", "plans", "default", "fast_plans", "first_at", "keep_all")
+
+    def __init__(self, patched, plans: dict):
+        self.p = patched
+        self.plans: dict[tuple, PlanTable | None] = plans
+        self.default = next(iter(plans.values()))
+        self.fast_plans: dict[tuple, tuple] = {}
+        self.first_at: dict[tuple, NewShapeRoute] = {}
+        self.keep_all: dict[tuple, int] = {}
+
+    def forget(self, sig) -> None:
+        """`sig`'s plan was made again: calls find it anew."""
+        self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
 
     def plan_for(self, args, kwargs, key: tuple) -> tuple["PlanTable", tuple]:
         """The plan for this call's signature (device, parameter dtype, input shapes and
         dtypes): the profiled one, or one made for it the first time it is seen (said once
-        on stderr), cached; and the signature. `key`: `self.key`'s."""
+        on stderr), cached; and the signature. `key`: `_Patched.key`'s."""
         got = self.fast_plans.get(key)
         if got is None:
-            got = self.fast_plans[key] = self._plan_for(args, kwargs, self._first_param())
+            got = self.fast_plans[key] = self._plan_for(args, kwargs, self.p._first_param())
         return got
 
     def _plan_for(self, args, kwargs, ref) -> tuple["PlanTable", tuple]:
@@ -176,7 +191,7 @@ class SignaturePlans:
                          str(ref.dtype if ref is not None else torch.float32), args, kwargs)
         if sig in self.plans:
             return self.plans[sig] or self.default, sig
-        if self.strict:
+        if self.p.strict:
             profiled = next(iter(self.plans))
             raise FingerprintMismatch(
                 f"the model was called with {shapes(sig)}, the plan was made for "
@@ -184,22 +199,22 @@ class SignaturePlans:
                 hint="re-profile at these shapes, or patch without strict=True to plan for "
                      "them on the fly")
         plan = None
-        if self.replan and self.steady:
+        if self.p.replan and self.p.steady:
             got = self._borrow(sig)
             if got is not None:
                 return got, sig
-        if self.replan and self.branchy:
+        if self.p.replan and self.p.branchy:
             # this model's calls read values its fake trace cannot (`branches.py`): the first
             # call at these shapes runs held by the guard, then one trace along its branches
             # plans for the calls after it (`_follow_branches`), instead of two traces
             self.plans[sig] = None
             return self.default, sig
-        if self.replan:
+        if self.p.replan:
             t0 = time.perf_counter()
             try:
                 from . import replan as replanning  # (the tracer and planners: only here)
-                table, what = replanning.replan_table(self.model, self.original_forward, args,
-                                                      kwargs, self.meta)
+                table, what = replanning.replan_table(self.p.model, self.p.original_forward, args,
+                                                      kwargs, self.p.meta)
                 plan = PlanTable(table)
                 tell(f"new inputs {shapes(sig)}: planned for them in "
                      f"{time.perf_counter() - t0:.1f} s ({what})")
@@ -226,17 +241,17 @@ class SignaturePlans:
         similar = [(other, plan) for other, plan in self.plans.items()
                    if plan is not None and plan.fraction is None and alike(other, sig)]
         for other, plan in similar:
-            tpl = self.templates.get(other)
+            tpl = self.p.templates.get(other)
             if tpl is None:
                 continue
             got = self.plans[sig] = plan.borrow()
             if tpl.keep_only:              # keeps everything, at any shape: nothing to scale
-                self.templates.by_sig[sig] = tpl
+                self.p.templates.by_sig[sig] = tpl
             else:
                 self.first_at[sig] = NewShapeRoute(tpl, shape_scale(other, sig), None)
             return got
         for other, plan in similar:
-            old = self.templates.superseded_of(other)
+            old = self.p.templates.superseded_of(other)
             if old is None or plan.limit is None:
                 continue
             tpl, ran_on = old
