@@ -331,7 +331,8 @@ def _plan_of(prof: Profile, result: PlanFile, joint, traced: Workload, loss_fn) 
     meta = patch_meta(joint, traced, prof, result, device_type, ref)
     if loss_fn is not None:
         meta["loss_fn"] = loss_fn        # for a re-plan at other shapes (run/replan.py)
-    return Plan(prof, result, meta, runtime_table(prof, result.decisions, is_inplace_target),
+    return Plan(prof, result, meta,
+                runtime_table(prof, result.decisions, is_inplace_target, result.schedule),
                 graph_table(prof, result))
 
 

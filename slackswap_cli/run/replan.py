@@ -78,7 +78,7 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
     what += f", predicted retention {plan.predicted.retention:.1%}"
     if not plan.feasible:
         what += ", no plan fits: the closest one runs"
-    table = runtime_table(prof, plan.decisions, is_inplace_target)
+    table = runtime_table(prof, plan.decisions, is_inplace_target, plan.schedule)
     table["budget_bytes"] = budget         # (what the guard holds calls at these shapes to)
     return table, what
 
