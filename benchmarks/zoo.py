@@ -358,6 +358,35 @@ def read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+# Why the fake trace refuses the models that pass on the real profile: the value each reads
+# (`aten._local_scalar_dense` is `.item()`, a `bool()` or an `assert` on a tensor; `nonzero`
+# a size set by values), found from the refusal's site (trace/joint.py names it). None is a
+# constant of the config: each depends on the batch's values or on a random draw, which a
+# fake tensor does not have (torch's unbacked sizes would carry a count, but not the Python
+# branch or assert that reads it, and a plan needs the bytes).
+FAKE_CAUSES = (
+    ("wav2vec2, wav2vec2-conformer, hubert, data2vec-audio, sew, unispeech, unispeech-sat, "
+     "wavlm", "LayerDrop: `skip_the_layer = torch.rand([]) < layerdrop`, then "
+     "`if not skip_the_layer` (a random draw read in Python, each step its own)"),
+    ("m2m_100, nllb-moe, seamless_m4t, seamless_m4t_v2",
+     "LayerDrop: `if dropout_probability < self.layerdrop` (the same random draw)"),
+    ("sew-d, t5gemma2", "`nonzero` in backward: the gradient of an assignment through a "
+     "boolean mask (sew-d: SpecAugment's `hidden_states[mask_time_indices] = ...`, the mask "
+     "drawn with NumPy; t5gemma2: `input_embeddings[input_ids == eoi_token_index] = ...`) "
+     "has as many rows as the mask has true values"),
+    ("flaubert, xlm", "`assert lengths.max().item() <= slen` (lengths counted from the "
+     "token ids)"),
+    ("ibert", "`assert x_max.isnan().sum() == 0` (the quantizer's NaN check)"),
+    ("prophetnet", "`assert torch.all(shifted_input_ids >= 0).item()` (the labels shifted)"),
+    ("longformer, led", "`is_global_attn = is_index_global_attn.flatten().any().item()` (a "
+     "branch on whether any token attends globally)"),
+    ("fsmt", "`if not padding_mask.any()` (a branch on whether the batch has padding)"),
+    ("jetmoe", "`expert_size = expert_size.tolist()`: the experts' batch sizes (routing)"),
+    ("sequencer2d_s (timm)", "not a value: the LSTM's `mkldnn_rnn_layer` workspace, which a "
+     "fake trace cannot size (the refusal's own reason)"),
+)
+
+
 def summary(rows: list[dict]) -> str:
     """zoo.md: counts per library, then every refusal's reason and every fail's symptom."""
     libs = sorted({r["library"] for r in rows}, key=zoo_models.LIBRARIES.index)
@@ -389,6 +418,10 @@ def summary(rows: list[dict]) -> str:
         lines += ["", f"## {title}: {len(sel)}", ""]
         lines += [f"- {r['library']}/{r['model']}: {' '.join(r['detail'].split())}"
                   for r in sel]
+    if any(r["status"] == "pass-real" for r in rows):
+        lines += ["", "What the fake trace could not see, per family (the line the refusal "
+                      "names):", ""]
+        lines += [f"- {names}: {why}" for names, why in FAKE_CAUSES]
     acts = [[int(x) for x in r["keep_swap_recompute"].split("/")] for r in rows
             if r["status"] in ("pass", "pass-real") and r.get("keep_swap_recompute")]
     if acts:
