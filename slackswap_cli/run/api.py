@@ -56,6 +56,7 @@ from .check import CheckReport, check_step
 from .emit import patch_meta
 from .inplace import is_patched
 from .replan import _fake_copy, fake_of
+from .rng import forked_rng
 
 __all__ = ["Plan", "plan_model", "patch", "unpatch", "compile", "check", "CheckReport"]
 
@@ -276,10 +277,9 @@ def _hardware(hardware):
 def _untouched(model: torch.nn.Module):
     """Random number generators restored, and the buffers' values too (a measured trace runs
     BatchNorm's statistics updates), when the block ends."""
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with torch.random.fork_rng(devices=devices):
+        with forked_rng():      # NumPy's and Python's generators too (run/rng.py)
             yield
     finally:
         with torch.no_grad():
@@ -331,7 +331,8 @@ def _plan_of(prof: Profile, result: PlanFile, joint, traced: Workload, loss_fn) 
     meta = patch_meta(joint, traced, prof, result, device_type, ref)
     if loss_fn is not None:
         meta["loss_fn"] = loss_fn        # for a re-plan at other shapes (run/replan.py)
-    return Plan(prof, result, meta, runtime_table(prof, result.decisions, is_inplace_target),
+    return Plan(prof, result, meta,
+                runtime_table(prof, result.decisions, is_inplace_target, result.schedule),
                 graph_table(prof, result))
 
 

@@ -38,7 +38,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -565,10 +568,38 @@ _VALUES_HINT = ("profile with --device cpu (or --device cuda): a real trace take
                 "batches exactly, the ops whose sizes differ left unplanned")
 
 
+def value_site(exc: BaseException) -> str:
+    """Where the traced step read a tensor's value: `file.py:12: the line` of the innermost
+    frame outside torch and slackswap that led to `exc` (or to an exception it wraps), "in
+    backward: ..." when only autograd's engine did (a gradient whose size depends on
+    values), else ""."""
+    torch_dir = str(Path(torch.__file__).parent) + os.sep
+    ours = str(Path(__file__).resolve().parents[1]) + os.sep
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    backward = False
+    for e in reversed(chain):                       # the innermost exception first
+        frames = traceback.extract_tb(e.__traceback__)
+        backward = backward or any(f.name == "_engine_run_backward" for f in frames)
+        mine = [f for f in frames if not f.filename.startswith((torch_dir, ours))]
+        if mine:
+            f = mine[-1]
+            return f"at {Path(f.filename).name}:{f.lineno}: {(f.line or '').strip()[:120]}"
+    if backward:
+        return ("in backward: a gradient whose size depends on values (such as that of an "
+                "index or an assignment with a boolean mask)")
+    return ""
+
+
 def _explain(exc: Exception, fake: bool = True) -> TraceError:
     text = f"{type(exc).__name__}: {exc}".strip()
     first = text.splitlines()[0][:400]
     if needs_values(exc):
+        site = value_site(exc)
+        first = f"{first}, {site}" if site else first
         return TraceError(
             "the step is data-dependent: its sizes or control flow depend on tensor values "
             f"(such as expert routing in a mixture of experts), which fake tensors (--device "
