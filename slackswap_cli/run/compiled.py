@@ -75,6 +75,7 @@ from ..table_rows import GraphRow
 from ..torch_api import PARTS, refuse_untested
 from ..trace.aten import returns_view
 from ..trace.storage import storage_object_key
+from .compiled_derived import tag_derived
 from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
 from .sac import POLICY_OF_TAG
 from .sym_sizes import SymSizes, solve
@@ -245,6 +246,7 @@ class PlanPartition:
             if tag == "offload":
                 moved.add(h)
         _tag_views(gm, moved, after_tangent)
+        tag_derived(gm, moved, after_tangent)
         return matched, stood, copied
 
 
