@@ -7,10 +7,14 @@ use in the backward graph. torch's `can_offload` takes only values its forward g
 and returns for backward: not a graph input (a placeholder: nothing in this graph made it),
 not a view, not a non-contiguous tensor (slackswap offloads every output of a multi-output op
 and values that are also model outputs itself, and refuses what does not cover its storage).
-So two kinds of saved value stay on the device whatever the plan says:
+So these kinds of saved value are not offloaded whatever the plan says:
 
 - **not dense**: a result whose elements do not cover its storage (its bytes in the profile
   exceed shape x dtype size): the host copy would not be the storage backward reads;
+- **a decomposed layer norm's statistics** (`native_layer_norm`'s mean and rstd): inductor
+  decomposes the op before partitioning (`var_mean`, `rsqrt`), and its decomposed backward
+  reads values of its own or re-derives them, so a swap of the profiled result is not carried
+  out (ViT at 0.5: each layer norm's mean, 136 B, read by no backward op);
 - **per-block compile only** (`compile_planned(per_block=True)`, each repeated block compiled
   on its own): a value made in one graph and saved by another, which there is a graph input -
   a block's output saved by the next block's first layer norm, the embeddings saved by block 0
@@ -37,6 +41,8 @@ from .schema import Profile
 __all__ = ["COMPILE_MODES", "check_mode", "not_offloadable", "no_swap_option"]
 
 COMPILE_MODES = ("model", "per-block")
+# ops whose results after the first inductor's decomposition makes as inner values of its own
+DECOMPOSED_STATS = frozenset({"aten.native_layer_norm.default"})
 ACROSS_GRAPHS = "saved by another block's graph, where it is a graph input"
 
 
@@ -55,8 +61,11 @@ def not_offloadable(prof: Profile, mode: str = "model") -> dict[int, str]:
     out: dict[int, str] = {}
     layer = op_layer_indices(prof) if mode == "per-block" else None
     for t in prof.saved_activations:
+        op = prof.ops[t.producer]
         if t.size_bytes > dtype_bytes(t.dtype) * prod(t.shape):
             out[t.id] = "not dense: its elements do not cover its storage"
+        elif op.target in DECOMPOSED_STATS and t.id in op.outputs[1:]:
+            out[t.id] = "a statistic of an op inductor decomposes before partitioning"
         elif layer is not None:
             made = layer[t.producer]
             read = {layer[c] for tid in (t.id, *prof.aliases.get(t.id, ()))
