@@ -39,6 +39,10 @@ Hugging Face KV cache's first `torch.cat([empty, key_states])`), whose row then 
 nothing: the op whose whole result it copied (`graph_plan.copies`) takes its decision
 (`_stand_in_copies`); and a decomposed reader (layer norm) may read values of its own instead
 of a root the plan swaps: those are offloaded in the root's place (`_substitute_unread`).
+And the partitioner may move the part of a decomposed backward op that reads only one
+offloaded or recomputed root into forward and save its result instead (GPT-2's
+`1 - tanh(x)**2`, a transposed copy of an attention input): every value made from such roots
+alone is re-derived in backward (`compiled_derived.tag_derived`), so the root is what is saved.
 
 Ops that do not line up are left to the partitioner; how many line up is said once per graph
 on stderr. Nothing global changes: the backend is an `aot_autograd` backend or inductor with
