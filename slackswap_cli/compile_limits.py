@@ -11,10 +11,11 @@ So these kinds of saved value are not offloaded whatever the plan says:
 
 - **not dense**: a result whose elements do not cover its storage (its bytes in the profile
   exceed shape x dtype size): the host copy would not be the storage backward reads;
-- **a decomposed layer norm's statistics** (`native_layer_norm`'s mean and rstd): inductor
-  decomposes the op before partitioning (`var_mean`, `rsqrt`), and its decomposed backward
-  reads values of its own or re-derives them, so a swap of the profiled result is not carried
-  out (ViT at 0.5: each layer norm's mean, 136 B, read by no backward op);
+- **a decomposed layer or batch norm's statistics** (`native_layer_norm`'s mean and rstd,
+  `native_batch_norm`'s saved mean and invstd): inductor decomposes the op before partitioning
+  (`var_mean`, `rsqrt`), and its decomposed backward reads values of its own or re-derives
+  them, so a swap of the profiled result is not carried out (ViT at 0.5: each layer norm's
+  mean, 136 B, read by no backward op; the test CNN's batch norm statistics, 64 B);
 - **per-block compile only** (`compile_planned(per_block=True)`, each repeated block compiled
   on its own): a value made in one graph and saved by another, which there is a graph input -
   a block's output saved by the next block's first layer norm, the embeddings saved by block 0
@@ -42,7 +43,8 @@ __all__ = ["COMPILE_MODES", "check_mode", "not_offloadable", "no_swap_option"]
 
 COMPILE_MODES = ("model", "per-block")
 # ops whose results after the first inductor's decomposition makes as inner values of its own
-DECOMPOSED_STATS = frozenset({"aten.native_layer_norm.default"})
+DECOMPOSED_STATS = frozenset({"aten.native_layer_norm.default",
+                              "aten.native_batch_norm.default"})
 ACROSS_GRAPHS = "saved by another block's graph, where it is a graph input"
 
 

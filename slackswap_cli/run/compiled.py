@@ -729,11 +729,16 @@ def _measure_stood_in(rep: GraphReport, stood: dict, table: dict, sizes: SymSize
 
 def _measure_unread(rep: GraphReport, matched, roots: dict, sizes: SymSizes) -> None:
     """The swapped roots of lined-up ops that the partitioned forward neither saves nor
-    offloads (backward does not read them), and those a decomposition makes no value for."""
+    offloads (backward does not read them), and those a decomposition makes no value for. A
+    root held through another op's result counts as read (an in-place op's: BatchNorm's output
+    rewritten by `relu_`, whose functional result is what backward reads)."""
     held = set(rep.saved_names) | set(rep.offloaded_names)
+    read = {root for g, (row, _) in matched.items()
+            for root, hs in zip(row.roots, g.holders_for(row.results))
+            if {h.name for h in hs} & held}
     for g, (row, _) in matched.items():
         for tag, root, hs in zip(row.tags, row.roots, g.holders_for(row.results)):
-            if tag != "offload" or root not in roots or root in rep.substituted:
+            if tag != "offload" or root not in roots or root in rep.substituted or root in read:
                 continue
             if not hs and g.decomposed:
                 rep.unread_swaps[root] = (row.name, roots[root])
