@@ -549,6 +549,14 @@ def test_inductor_cnn_gradients_match_plain_torch_compile_to_rounding(files, tmp
         grads[kind] = [p.grad for p in work.model.parameters()]
     assert max(float((a - b).abs().max()) for a, b in zip(*grads.values())) <= 5e-8
     assert max(float(g.abs().max()) for g in grads["plain"]) > 0.1
+    # the graphs carry the plan out: the batch norm output `relu_` rewrites in place is read
+    # through relu's result (offloaded), only the batch norm statistics (64 B) are not read
+    torch._dynamo.reset()
+    report = verify_compiled(str(tmp_path / "patched.py"), backend="inductor", steps=1)
+    assert report["passed"], report["reasons"]
+    c, p = report["compiled"], report["plan"]
+    assert c["saved_bytes"] <= p["kept_bytes_in_graph"]
+    assert c["offloaded_bytes"] == p["swapped_bytes_read"] >= p["swapped_bytes_in_graph"] - 64
 
 
 def test_other_torch_versions_and_bad_arguments_are_refused(files, tmp_path, monkeypatch):
