@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..budget import first_feasible_budget, floor_message
 from ..chains import runtime_table
+from ..compile_limits import check_mode
 from ..errors import InfeasibleError, InputError, SlackswapError, TraceError
 from ..fit import check_optimizer, device_budget, static_memory
 from ..hardware import HardwareSpec, load_hardware
@@ -101,7 +102,7 @@ class Plan:
 def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
                loss_fn: Callable | None = None, device: str = "auto",
                planner: str = "slackswap", autocast: str | None = None, optimizer="adamw",
-               time_limit: float | None = None,
+               time_limit: float | None = None, for_compile: str | None = None,
                progress: Callable[[str], None] | None = None) -> Plan:
     """Profile one training step of `model` on `inputs` in this process and plan it.
 
@@ -111,8 +112,9 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     or "auto" on a CUDA device: what the device holds after the model, its gradients and the
     state of `optimizer` (a torch.optim optimizer or a `slackswap fit --optimizer` name), less
     fit's reserve. `hardware`: a preset, a JSON file or a HardwareSpec (the roofline of a fake
-    trace, and the copy engine the plan is simulated on). `planner`, `autocast`, `time_limit`:
-    as the CLI's options. Raises SlackswapError subclasses: InputError (bad arguments),
+    trace, and the copy engine the plan is simulated on). `planner`, `autocast`, `time_limit`,
+    `for_compile` ("model" or "per-block": a plan for `compile_planned`, what it cannot
+    offload kept or recomputed): as the CLI's options. Raises SlackswapError subclasses: InputError (bad arguments),
     TraceError (the model cannot be traced), InfeasibleError (no plan fits; its `.plan` is
     the closest one)."""
     started = time.perf_counter()
@@ -121,6 +123,8 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
         raise InputError("this model is already patched by slackswap, so its forward runs a plan",
                          hint="slackswap_cli.unpatch(model) first, then plan it again")
     planner_spec(planner)                       # an unknown planner before any tracing
+    if for_compile is not None:
+        check_mode(for_compile)                 # an unknown mode before any tracing
     autocast = autocast_name(autocast)
     how, target = _where(model, device)
     if budget == "auto" and how != "cuda":
@@ -138,7 +142,7 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
         budget = str(_auto_budget(model, work.inputs, optimizer))
     prof, hw, budget_bytes, fraction = plan_inputs(prof, budget, hw, "plan_model")
     result, _ = plan_profile(prof, hw, budget_bytes, fraction, planner, time_limit=time_limit,
-                             started=started)
+                             started=started, for_compile=for_compile)
     out = _plan_of(prof, result, joint, traced, loss_fn)
     out.note = note
     if not result.feasible:
