@@ -60,18 +60,22 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    """Two blocks (or one MLP) and the loss: the mean square of the output."""
+    """`blocks` blocks (or one MLP) and the loss: the mean square of the output (of the whole
+    sequence, gathered, when the blocks leave it sharded on the sequence: `seq_mesh`)."""
 
-    def __init__(self, layout: str):
+    def __init__(self, layout: str, blocks: int = 1):
         super().__init__()
-        self.layers = nn.ModuleList([MLP()] if layout == "mlp" else [Block(), Block()])
+        self.layers = nn.ModuleList([MLP()] if layout == "mlp"
+                                    else [Block() for _ in range(blocks)])
+        self.seq_mesh = None
 
     def forward(self, x):
         for layer in self.layers:
             x = layer(x)
-        if hasattr(x, "full_tensor"):       # a sequence-sharded output: the whole sequence
-            x = x.full_tensor()
-        return x.float().pow(2).mean()
+        if self.seq_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+            x = DTensor.from_local(x, self.seq_mesh, [Shard(1)]).full_tensor()
+        return x.pow(2).mean()
 
 
 def parallelize(model: Model, layout: str, mesh) -> Model:
@@ -100,23 +104,26 @@ def parallelize(model: Model, layout: str, mesh) -> Model:
     return model
 
 
-def build(layout: str, world: int):
-    """(the model, parallelised on this rank, and its input: the same on every rank)."""
+def build(layout: str, world: int, blocks: int = 1):
+    """(the model, parallelised on this rank, its input, the mesh). The ranks of a TP group
+    get the same batch (under "block-fsdp" each data parallel rank its own); under
+    "block-sp" each rank its part of the sequence."""
     from torch.distributed.device_mesh import init_device_mesh
     torch.manual_seed(0)
-    model = Model(layout)
+    model = Model(layout, blocks)
+    dp_rank = 0
     if layout == "block-fsdp":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         parallelize(model, layout, mesh["tp"])
+        dp_rank = mesh["dp"].get_local_rank()
     else:
         mesh = init_device_mesh("cpu", (world,))
         parallelize(model, layout, mesh)
-    torch.manual_seed(1)
+    torch.manual_seed(1 + dp_rank)
     x = torch.randn(B, T, D)
     if layout == "block-sp":
-        from torch.distributed.tensor import DTensor, Shard
-        x = DTensor.from_local(x.chunk(world, dim=1)[mesh.get_local_rank()], mesh, [Shard(1)])
-        x = x.to_local()                   # each rank its part of the sequence
+        model.seq_mesh = mesh
+        x = x.chunk(world, dim=1)[mesh.get_local_rank()].contiguous()
     return model, x, mesh
 
 
@@ -152,9 +159,10 @@ def _measured(model, x) -> tuple[torch.Tensor, int]:
     return loss.detach(), max(tracker.timeline(), default=0)
 
 
-def _train(label: str, layout: str, world: int, plan, steps: int, measure: bool) -> dict:
+def _train(label: str, layout: str, world: int, plan, steps: int, measure: bool,
+           blocks: int) -> dict:
     import slackswap_cli as slackswap
-    model, x, mesh = build(layout, world)
+    model, x, mesh = build(layout, world, blocks)
     if label == "patched":
         slackswap.patch(model, plan)
     if layout == "block-fsdp":
@@ -178,35 +186,50 @@ def _train(label: str, layout: str, world: int, plan, steps: int, measure: bool)
                       for p in model.parameters()]}
     if label == "patched":
         run = model.forward.__slackswap__.last_run
-        if os.environ.get("TPDEBUG") and dist_rank() == 0:
-            _debug_lineup(model, plan)
         out.update(rerun=reruns, swaps=len(run.swaps), report=run.report())
     return out
 
 
-def worker(rank, world, port, layout, budget, out_dir, steps=3, measure=False):
+def plan_and_train(layout: str, world: int, budget, *, steps: int = 3, measure: bool = False,
+                   blocks: int = 1, planner: str = "slackswap") -> dict:
+    """On this rank (its process group initialised): the model planned (fake trace, 2 us
+    kernels: slackswap_testkit/small_costs.py), then trained plain and patched."""
+    import slackswap_cli as slackswap
+    from slackswap_testkit.small_costs import small_model_costs
+    model, x, _ = build(layout, world, blocks)
+    started = time.perf_counter()
+    with small_model_costs():
+        plan = slackswap.plan_model(model, (x,), budget=budget, planner=planner)
+    prof = plan.profile
+    out = {"plan_s": time.perf_counter() - started, "actions": plan.actions(),
+           "keep_all_peak": prof.summary["peak_activation_bytes"],
+           "planned_peak": plan.predicted.peak_bytes, "budget_bytes": plan.budget_bytes,
+           "swapped_bytes": plan.predicted.swapped_bytes,
+           "recomputed_bytes": plan.predicted.recomputed_bytes,
+           "saved": [(t.name, t.shape, t.size_bytes, t.recomputable)
+                     for t in prof.tensors if t.saved and t.kind == "activation"],
+           "collective_outputs": [(o.target, [prof.tensors[t].recomputable for t in o.outputs])
+                                  for o in prof.ops if is_collective_name(o.target)],
+           "decisions": {prof.tensors[d.tensor].name: str(d.action) for d in plan.decisions},
+           "producer": {prof.tensors[d.tensor].name: prof.ops[prof.tensors[d.tensor].producer].target
+                        for d in plan.decisions}}
+    for label in ("plain", "patched"):
+        out[label] = _train(label, layout, world, plan, steps, measure, blocks)
+    return out
+
+
+def is_collective_name(target: str) -> bool:
+    return target.split(".")[0] in ("_c10d_functional", "_c10d_functional_autograd", "c10d")
+
+
+def worker(rank, world, port, layout, budget, out_dir, steps, measure, blocks, planner):
     import torch.distributed as dist
     sys.path.insert(0, str(ROOT))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        import slackswap_cli as slackswap
-        from slackswap_testkit.small_costs import small_model_costs
-        model, x, _ = build(layout, world)
-        started = time.perf_counter()
-        with small_model_costs():
-            plan = slackswap.plan_model(model, (x,), budget=budget)
-        prof = plan.profile
-        results = {"plan_s": time.perf_counter() - started, "actions": plan.actions(),
-                   "keep_all_peak": prof.summary["peak_activation_bytes"],
-                   "planned_peak": plan.predicted.peak_bytes,
-                   "budget_bytes": plan.budget_bytes,
-                   "saved": [(t.name, t.shape, t.size_bytes, t.recomputable)
-                             for t in prof.tensors if t.saved and t.kind == "activation"],
-                   "collectives": [o.target for o in prof.ops if "c10d" in o.target],
-                   "decisions": {prof.tensors[d.tensor].name: str(d.action) for d in plan.decisions}}
-        for label in ("plain", "patched"):
-            results[label] = _train(label, layout, world, plan, steps, measure)
+        results = plan_and_train(layout, world, budget, steps=steps, measure=measure,
+                                 blocks=blocks, planner=planner)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     finally:
@@ -219,11 +242,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(layout: str, world: int, budget, out_dir, steps: int = 3,
-        measure: bool = False) -> list[dict]:
+def run(layout: str, world: int, budget, out_dir, steps: int = 3, measure: bool = False,
+        blocks: int = 1, planner: str = "slackswap") -> list[dict]:
     """Spawn the ranks; each rank's results: its plan, the plain and the patched run."""
     torch.multiprocessing.spawn(worker, args=(world, free_port(), layout, budget, str(out_dir),
-                                              steps, measure), nprocs=world, join=True)
+                                              steps, measure, blocks, planner),
+                                nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
             for r in range(world)]
 
@@ -233,16 +257,3 @@ def same(a: dict, b: dict) -> bool:
     return (all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
             and all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"])))
 
-
-def _debug_lineup(model, plan):      # TEMP
-    run = model.forward.__slackswap__.last_run
-    for i, o in enumerate(run.table["ops"]):
-        print("P", i, o.name, o.target, o.module, o.shapes, o.acts, "<-", run.rec_of_op.get(i))
-    for k, r in enumerate(run.records):
-        outs = [w() for w in r.outs]
-        print("R", k, r.func, r.op, [tuple(o.shape) if o is not None else None for o in outs], r.in_locs)
-
-
-def dist_rank():
-    import torch.distributed as dist
-    return dist.get_rank()

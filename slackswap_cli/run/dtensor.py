@@ -6,7 +6,7 @@ up: it records DTensor ops and saves DTensors, whose reported shape is the globa
 storage is no real storage. Two adapters bring the run down to the profile's level:
 
 - the recorder (a dispatch mode, run/record.py) does not record an op on DTensors
-  (`has_dtensor`): it returns NotImplemented, so DTensor's own dispatch runs the op, and the
+  (`takes_dtensor`): it returns NotImplemented, so DTensor's own dispatch runs the op, and the
   local ops it runs (and the collectives its redistributions call) come back to the mode,
   which records and lines them up with the profile's, on local shapes.
 - a functional collective's result (an AsyncCollectiveTensor, which waits when an op reads it)
@@ -32,9 +32,10 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from ..trace.dtensor import is_collective, is_dtensor
+from ..trace.dtensor import is_collective, is_dtensor, wrapper_types
 
-__all__ = ["hooks", "hooks_first_on_tp", "shard_ids", "has_dtensor", "is_async", "waited", "uses_dtensor", "is_collective"]
+__all__ = ["hooks", "hooks_first_on_tp", "shard_ids", "takes_dtensor", "distributed_wrapper",
+           "is_async", "waited", "uses_dtensor", "is_collective"]
 
 _USES: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -57,15 +58,24 @@ def shard_ids(model: torch.nn.Module) -> set[int]:
     return {id(p._local_tensor) for p in model.parameters() if is_dtensor(p)}
 
 
-def has_dtensor(args: Any, kwargs: Any) -> bool:
-    """Does this call take a DTensor?"""
-    return any(is_dtensor(x) for x in pytree.tree_leaves((args, kwargs)))
+def takes_dtensor(types) -> bool:
+    """Does a call whose tensor types (a dispatch mode's `types`) are these take a DTensor?"""
+    cls = wrapper_types()
+    return bool(cls) and any(issubclass(t, cls[0]) for t in types)
+
+
+def distributed_wrapper(types) -> bool:
+    """Does a call whose tensor types are these take a DTensor or a collective's result not
+    waited for yet (tensors with no storage of their own: a dispatch mode that reads storages
+    lets their own dispatch run the call, and sees the local ops it runs)?"""
+    cls = wrapper_types()
+    return bool(cls) and any(issubclass(t, cls) for t in types)
 
 
 def is_async(x: Any) -> bool:
     """Is `x` a functional collective's result (AsyncCollectiveTensor), waited for on use?"""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    return isinstance(x, AsyncCollectiveTensor)
+    cls = wrapper_types()
+    return bool(cls) and isinstance(x, cls[1])
 
 
 def waited(args: Any, kwargs: Any, wait: Callable) -> tuple[Any, Any]:
@@ -77,10 +87,10 @@ def waited(args: Any, kwargs: Any, wait: Callable) -> tuple[Any, Any]:
             wait(x.elem)
             x.completed = True
         return x.elem
-    if not any(is_async(x) for x in pytree.tree_leaves((args, kwargs))):
+    leaves = pytree.tree_leaves((args, kwargs))
+    if not any(is_async(x) for x in leaves):
         return args, kwargs
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    return pytree.tree_map_only(AsyncCollectiveTensor, unwrap, (args, kwargs))
+    return pytree.tree_map_only(wrapper_types()[1], unwrap, (args, kwargs))
 
 
 def hooks_first_on_tp(mod: torch.nn.Module, mine: tuple) -> None:

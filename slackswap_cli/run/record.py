@@ -239,8 +239,8 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.tp:
-            if dtensor.has_dtensor(args, kwargs):
+        if self.tp and dtensor.distributed_wrapper(types):
+            if dtensor.takes_dtensor(types):
                 return NotImplemented    # DTensor's dispatch runs it: its local ops come here
             args, kwargs = dtensor.waited(args, kwargs, self._wait)
         out = func(*args, **kwargs)

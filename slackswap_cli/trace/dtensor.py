@@ -17,11 +17,12 @@ may be kept or swapped, and the ops after them recompute from them.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-__all__ = ["is_dtensor", "is_collective", "local_params", "as_dtensors", "COLLECTIVE_NAMESPACES"]
+__all__ = ["wrapper_types", "is_dtensor", "is_collective", "local_params", "as_dtensors", "COLLECTIVE_NAMESPACES"]
 
 # the op namespaces of communication: functional collectives (what DTensor's redistribute and
 # the TP styles call), their autograd variants, and the c10d process-group ops
@@ -29,18 +30,22 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autogra
                                    "_dtensor"})
 
 
-def _dtensor_type():
+@functools.cache
+def wrapper_types() -> tuple[type, ...]:
+    """(DTensor, AsyncCollectiveTensor): the tensors of a distributed step that have no storage
+    of their own; () when torch is built without distributed."""
     try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
         from torch.distributed.tensor import DTensor
     except ImportError:          # pragma: no cover - torch built without distributed
-        return None
-    return DTensor
+        return ()
+    return DTensor, AsyncCollectiveTensor
 
 
 def is_dtensor(x: Any) -> bool:
     """Is `x` a DTensor (a tensor parallel model's parameter or activation)?"""
-    cls = _dtensor_type()
-    return cls is not None and isinstance(x, cls)
+    types = wrapper_types()
+    return bool(types) and isinstance(x, types[0])
 
 
 def is_collective(target: Any) -> bool:
