@@ -3,7 +3,7 @@
 The profile of a DTensor model is traced on the local shards (trace/dtensor.py): its ops are
 the local ops DTensor runs, its collectives spelled out. In eager, autograd works one level
 up: it records DTensor ops and saves DTensors, whose reported shape is the global one and whose
-storage is no real storage. Two adapters bring the run down to the profile's level:
+storage is no real storage. These adapters bring the run down to the profile's level:
 
 - the recorder (a dispatch mode, run/record.py) does not record an op on DTensors
   (`takes_dtensor`): it returns NotImplemented, so DTensor's own dispatch runs the op, and the
@@ -19,7 +19,9 @@ storage is no real storage. Two adapters bring the run down to the profile's lev
 - `hooks`: a saved DTensor is packed as its local shard (`_local_tensor`, the very tensor the
   recorder saw made), so keep, swap and recompute, the guard and the memory counted all work
   on the bytes this rank holds; on unpack the local shard (kept, fetched back or recomputed)
-  is wrapped again as a DTensor of the same mesh, placements, shape and stride.
+  is wrapped again as a DTensor of the same mesh, placements, shape and stride;
+- the local shards of DTensor parameters count as held by the model (`shard_ids`), as
+  parameters do, so a recompute chain may read them.
 
 Collectives are never replayed (`trace.dtensor.is_collective`: the profile marks what they make
 as not recomputable, and a recorded collective makes a chain unusable).
