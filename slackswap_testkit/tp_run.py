@@ -6,8 +6,9 @@ benchmarks/tp_ranks.py run it.
 Layouts (`LAYOUTS`): "mlp" (colwise up, rowwise down), "block" (a Llama-style block: colwise
 q/k/v and gate/up, rowwise o and down, each rank its heads), "block-sp" (the same with
 SequenceParallel norms: activations between the layers sharded on the sequence) and
-"block-fsdp" (the block on a 2x2 mesh: TP inside, FSDP2 across). Every rank of a TP group
-gets the same batch; the loss is the mean square of the output.
+"block-fsdp" (the block on a 2x2 mesh: TP inside, FSDP2 across), "hf-llama" (Hugging Face's
+LlamaForCausalLM, its decoder layers parallelised the same way; its loss is its own). Every
+rank of a TP group gets the same batch; the loss is the mean square of the output.
 
 Memory is measured as the profile counts it (run/memtrace.py: live activation storages, the
 parameters' gradients taken off as autograd makes them), during one training step.
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T, D, H, HD, F_ = 2, 16, 64, 4, 16, 128      # batch, sequence, width, heads, head dim, MLP
-LAYOUTS = ("mlp", "block", "block-sp", "block-fsdp")
+LAYOUTS = ("mlp", "block", "block-sp", "block-fsdp", "hf-llama")
 
 
 class MLP(nn.Module):
@@ -104,6 +105,38 @@ def parallelize(model: Model, layout: str, mesh) -> Model:
     return model
 
 
+def _hf_llama(mesh, blocks: int):
+    """A small LlamaForCausalLM (2 heads, 2 key/value heads), each decoder layer parallelised
+    as the blocks are, and its batch of token ids (labels the ids)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=blocks, hidden_size=32, num_attention_heads=2,
+                      num_key_value_heads=2, intermediate_size=64, vocab_size=128,
+                      max_position_embeddings=T, use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    col, row = ColwiseParallel, RowwiseParallel
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {
+            "self_attn.q_proj": col(), "self_attn.k_proj": col(), "self_attn.v_proj": col(),
+            "self_attn.o_proj": row(), "mlp.gate_proj": col(), "mlp.up_proj": col(),
+            "mlp.down_proj": row()})
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (B, T))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def loss_of(model, x) -> torch.Tensor:
+    """The step's loss: the model's output, or a Hugging Face model's `.loss`."""
+    if isinstance(x, dict):
+        return model(**x).loss
+    return model(x)
+
+
 def build(layout: str, world: int, blocks: int = 1):
     """(the model, parallelised on this rank, its input, the mesh). The ranks of a TP group
     get the same batch (under "block-fsdp" each data parallel rank its own); under
@@ -112,6 +145,9 @@ def build(layout: str, world: int, blocks: int = 1):
     torch.manual_seed(0)
     model = Model(layout, blocks)
     dp_rank = 0
+    if layout == "hf-llama":
+        mesh = init_device_mesh("cpu", (world,))
+        return (*_hf_llama(mesh, blocks), mesh)
     if layout == "block-fsdp":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         parallelize(model, layout, mesh["tp"])
@@ -162,7 +198,7 @@ def _measured(model, x) -> tuple[torch.Tensor, int]:
     hooks = [p.register_hook(grad_hook) for p in model.parameters()]
     try:
         with tracker:
-            loss = model(x)
+            loss = loss_of(model, x)
             loss.backward()
         tracker.finish()
     finally:
@@ -186,7 +222,7 @@ def _train(label: str, layout: str, world: int, plan, steps: int, measure: bool,
             loss, peak = _measured(model, x)
             peaks.append(peak)
         else:
-            loss = model(x)
+            loss = loss_of(model, x)
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -203,19 +239,19 @@ def _train(label: str, layout: str, world: int, plan, steps: int, measure: bool,
 
 
 def plan_of(model, x, budget, planner: str = "slackswap", pinned: bool = False):
-    """`plan_model(model, (x,), budget=...)` priced at 2 us a kernel (small_costs.py).
+    """`plan_model(model, x, budget=...)` priced at 2 us a kernel (small_costs.py).
     `pinned`: each swap's copy back pinned to the backward op the simulator issued it at
     (run/pipeline.py's `pinned_prefetches`, as plan_pipeline plans), not at backward's start."""
     import slackswap_cli as slackswap
     from slackswap_testkit.small_costs import small_model_costs
     with small_model_costs():
         if not pinned:
-            return slackswap.plan_model(model, (x,), budget=budget, planner=planner)
+            return slackswap.plan_model(model, _inputs(x), budget=budget, planner=planner)
         from slackswap_cli.planning import plan_inputs, plan_profile
         from slackswap_cli.run import api
         from slackswap_cli.run.pipeline import pinned_prefetches
         hw = api._hardware(None)
-        work = api._checked(model, (x,), None)
+        work = api._checked(model, _inputs(x), None)
         how, target = api._where(model, "auto")
         with api._untouched(model):
             prof, joint, traced = api._profile(work, how, target, hw, None, None,
@@ -223,6 +259,10 @@ def plan_of(model, x, budget, planner: str = "slackswap", pinned: bool = False):
         prof, hw, budget_bytes, fraction = plan_inputs(prof, budget, hw, "plan_model")
         result = pinned_prefetches(plan_profile(prof, hw, budget_bytes, fraction, planner)[0])
         return api._plan_of(prof, result, joint, traced, None)
+
+
+def _inputs(x):
+    return x if isinstance(x, dict) else (x,)
 
 
 def plan_and_train(layout: str, world: int, budget, *, steps: int = 3, measure: bool = False,

@@ -4,7 +4,8 @@ collectives never recomputed, and trained bit for bit as the same model unpatche
 The profile tests run in this process on a fake process group of 2 ranks (a fake trace runs
 no collective). The training tests spawn CPU ranks (gloo on 127.0.0.1) through
 slackswap_testkit/tp_run.py: the model planned on each rank, then three AdamW steps plain and
-patched. SLACKSWAP_SLOW=1 adds the other layouts and TP + FSDP2 on a 2x2 mesh of 4 ranks.
+patched. SLACKSWAP_SLOW=1 adds the other layouts (Hugging Face's LlamaForCausalLM among them)
+and TP + FSDP2 on a 2x2 mesh of 4 ranks.
 """
 import os
 import tempfile
@@ -106,7 +107,9 @@ def _check_ranks(ranks: list[dict]) -> None:
         report = patched["report"]
         assert report["fraction"] == 1.0, report          # every profiled op lined up
         assert report["held_bytes"] <= res["budget_bytes"], report
-        assert patched["swaps"] > 0 and min(patched["rerun"]) > 0, patched
+        assert patched["swaps"] > 0, patched
+        if res["actions"].get("recompute"):                # its chains ran, every step
+            assert min(patched["rerun"]) > 0, patched
         # what the plan placed on collectives' results: kept or swapped, never recomputed
         assert not any(res["producer"][n].split(".")[1] in COLLECTIVES and a == "recompute"
                        for n, a in res["decisions"].items())
@@ -116,13 +119,15 @@ def test_sequence_parallel_block_trains_exactly_on_two_ranks():
     """Colwise q/k/v and gate/up, rowwise o and down, SequenceParallel norms: every rank's
     losses and local parameters bitwise equal to plain TP over three AdamW steps."""
     ranks = _trained("block-sp", 2, 0.5)
+    assert ranks[0]["actions"].get("recompute") and ranks[0]["actions"].get("swap")
     _check_ranks(ranks)
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["plain"]["losses"],
                                                  ranks[1]["plain"]["losses"]))
 
 
 @pytest.mark.skipif(not SLOW, reason="SLACKSWAP_SLOW=1: one spawn per layout")
-@pytest.mark.parametrize("layout,blocks,budget", [("mlp", 1, 0.7), ("block", 2, 0.5)])
+@pytest.mark.parametrize("layout,blocks,budget", [("mlp", 1, 0.7), ("block", 2, 0.5),
+                                                  ("hf-llama", 2, 0.5)])
 def test_tensor_parallel_layouts_train_exactly(layout, blocks, budget):
     _check_ranks(_trained(layout, 2, budget, blocks))
 
