@@ -34,7 +34,7 @@ from slackswap_cli.hardware import HardwareSpec, load_hardware  # noqa: E402
 from slackswap_cli.schema import Profile  # noqa: E402
 from slackswap_testkit.synthetic import SYNTHETIC_SHAPES, synthetic_sample  # noqa: E402
 
-# Published retention at half the activation peak, A100 + PCIe 4.0 (docs/design.md §1).
+# Published retention at half the activation peak, A100 + PCIe 4.0 (the table in docs/results.md, 'Retention on the sample profiles').
 PUBLISHED = {"bert-large": 0.963, "gpt2-xl": 0.976, "llama-7b": 0.996}
 SAMPLES = ["sample_profiles/bert-large.json", "sample_profiles/gpt2-xl.json",
            "sample_profiles/llama-7b.json", "sample_profiles/resnet50.json"]

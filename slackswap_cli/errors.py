@@ -42,6 +42,13 @@ class ModelChanged(SlackswapError):
     exit_code = 5
 
 
+class VerifyFailed(SlackswapError):
+    """`verify`: the patched run's values or memory differ from what the plan promises (a
+    finding, raised after the report is shown)."""
+
+    exit_code = 5
+
+
 class CheckFailed(SlackswapError):
     """`check` (the library's verify): the patched step's values differ from eager's (a
     finding about the plan's run, like verify's mismatch)."""

@@ -1,8 +1,8 @@
 """The discrete-event simulator: how long one training step takes under a plan, and how much
 activation memory it needs at every moment.
 
-Every planner is judged by this module, so it follows docs/design.md §6 literally and states each
-modelling choice here.
+Every planner is judged by this module, so it follows its rules (docs/design.md §6; in full:
+docs/planning.md, 'Inside the simulator') literally and states each modelling choice here.
 
 **Engines.** Three FIFO engines: *compute* (one stream: forward ops, then backward ops with
 recompute ops inserted), *D2H* (offloads) and *H2D* (prefetches). A copy of `b` bytes takes
@@ -79,8 +79,8 @@ peak and the plan's recompute time, the least overhead it can have) and `recompu
 **Speed.** Planners call `simulate` many times, so per-profile tables are cached on the
 profile object, and the event loop (`_event_loop`) runs on plain lists and ints: what changes
 on every task (time, memory, the task and prefetch cursors) lives in its local variables, and
-a task that does no swap work costs no function call (design.md, section 6, has the
-timings of this split against a call per task). What happens once per copy or per wait is
+a task that does no swap work costs no function call (docs/planning.md, 'Inside the
+simulator', has the timings of this split against a call per task). What happens once per copy or per wait is
 outside it (`_Copies`: both `_CopyEngine`s, starting and finishing copies; `_Waits`: why
 compute waits, the stall totals,
 giving up by raising `_GaveUp`), and so are a recompute task's bookkeeping and, with

@@ -297,3 +297,28 @@ def test_slow_commands_show_a_spinner_on_a_terminal_only(ws, monkeypatch):
     monkeypatch.setattr(output, "err", Console(file=buf, force_terminal=False, width=80))
     assert run(*PLAN).exit_code == 0
     assert "planning with" not in buf.getvalue()      # a pipe or a log file gets no spinner
+
+
+def test_findings_end_through_the_boundary_after_the_report(ws, monkeypatch):
+    """A command that finds a problem (a plan that does not fit, a verify mismatch) shows its
+    result, then raises: the boundary prints Error:/Hint: and exits with the finding's code."""
+    import dataclasses
+    import types
+
+    r = run("plan", "chain.profile.json", "--budget", "1KiB", "-o", "low.plan.json")
+    assert_clean_error(r, 4, "below the floor")
+    r = run("simulate", "low.plan.json", "--json")
+    assert_clean_error(r, 4, "does not keep activation memory under its budget")
+    assert orjson.loads(r.stdout)["feasible"] is False
+
+    @dataclasses.dataclass
+    class Report:
+        passed: bool = False
+        reasons: tuple = ("losses differ",)
+
+    fake = types.ModuleType("slackswap_cli.run.verify")
+    fake.verify = lambda *a, **k: Report()
+    monkeypatch.setitem(sys.modules, "slackswap_cli.run.verify", fake)
+    r = run("verify", "chain.plan.json", "--json")       # the report is the fake's
+    assert_clean_error(r, 5, "verify failed: losses differ")
+    assert orjson.loads(r.stdout) == {"passed": False, "reasons": ["losses differ"]}

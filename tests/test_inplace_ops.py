@@ -161,7 +161,7 @@ def _silu_blocks(batch_norm: bool):
 
 
 class _Mlp(torch.nn.Module):
-    """timm's `layers.Mlp`: fc1, GELU, dropout, (no norm), fc2, dropout."""
+    """timm's `timm.layers.Mlp`: fc1, GELU, dropout, (no norm), fc2, dropout."""
 
     def __init__(self, dim, hidden, drop):
         super().__init__()

@@ -2,10 +2,11 @@
 
 Library code raises `SlackswapError(message, hint)`; here it becomes `Error: ...` / `Hint: ...`
 on stderr and the error's exit code (2 bad input, 3 tracing failed, 4 no plan fits, 5 verify
-found a mismatch). Commands have no error handling of their own: this is the one handler.
-Usage errors (a missing option, an unknown command) get the same two lines and exit 2. Any
+found a mismatch, after its report). Commands have no error handling of their own: this is the
+one handler. Usage errors (a missing option, an unknown command) get the same two lines and exit 2. Any
 other exception is a bug in slackswap: users see `Error: internal error ...` and exit 1, never
-a raw traceback, unless SLACKSWAP_DEBUG=1 asks for it. This package alone exits.
+a raw traceback, unless SLACKSWAP_DEBUG=1 asks for it. This module alone exits (commands
+raise, findings included: tests/test_rules.py).
 """
 from __future__ import annotations
 

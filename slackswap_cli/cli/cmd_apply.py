@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from ..errors import InputError
+from ..errors import InputError, VerifyFailed
 from .common import (
     _check_output_path,
     _examples,
@@ -18,7 +18,7 @@ from .common import (
     _render,
     app,
 )
-from .output import Result, Sink, error_lines
+from .output import Result, Sink
 
 
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
@@ -95,11 +95,10 @@ def verify(
                      views=lambda: [_render().verify_view(report),
                                     _render().verify_memory_view(report)]))
     if not report.passed:
-        error_lines("verify failed: " + "; ".join(report.reasons),
-                    "if the model or its code changed since it was profiled, run `slackswap "
-                    "profile`, `plan` and `apply` again; a mismatch that persists is a bug in "
-                    "slackswap, please report it")
-        raise typer.Exit(5)
+        raise VerifyFailed("verify failed: " + "; ".join(report.reasons),
+                           "if the model or its code changed since it was profiled, run "
+                           "`slackswap profile`, `plan` and `apply` again; a mismatch that "
+                           "persists is a bug in slackswap, please report it")
 
 
 def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: str,
@@ -121,7 +120,7 @@ def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: 
                                  also_at=parse_workload_args(list(also_at)))
     sink.show(Result(report, views=lambda: [_render().verify_compiled_view(report, backend)]))
     if not report["passed"]:
-        error_lines("verify --compile failed: " + "; ".join(report["reasons"]),
-                    "if the model changed since it was profiled, run `slackswap profile`, "
-                    "`plan` and `apply` again; a mismatch that persists is a bug in slackswap")
-        raise typer.Exit(5)
+        raise VerifyFailed("verify --compile failed: " + "; ".join(report["reasons"]),
+                           "if the model changed since it was profiled, run `slackswap "
+                           "profile`, `plan` and `apply` again; a mismatch that persists is a "
+                           "bug in slackswap")

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from ..errors import InputError
+from ..errors import InfeasibleError, InputError
 from ..planners import DEFAULT_PLANNER
 from .common import (
     PLANNER_HELP,
@@ -20,7 +20,7 @@ from .common import (
     _time_options,
     app,
 )
-from .output import Result, Sink, error_lines
+from .output import Result, Sink
 
 
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
@@ -131,6 +131,6 @@ def _fit_report(result, s, target: Optional[Path], prof_target: Optional[Path],
                      views=views, lines=[f"wrote {target} (the best batch's plan) and "
                                          f"{prof_target}"] if target else []))
     if target is None:
-        error_lines("no batch of the sweep fits the device; wrote no plan",
-                    "try smaller batches, --shard N, a lighter --optimizer, or less --reserve")
-        raise typer.Exit(4)
+        raise InfeasibleError("no batch of the sweep fits the device; wrote no plan",
+                              "try smaller batches, --shard N, a lighter --optimizer, or less "
+                              "--reserve")

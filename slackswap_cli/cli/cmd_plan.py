@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from ..errors import InfeasibleError
 from ..planners import DEFAULT_PLANNER
 from .common import (
     PLANNER_HELP,
@@ -21,7 +22,7 @@ from .common import (
     _with_paths,
     app,
 )
-from .output import Result, Sink, error_lines
+from .output import Result, Sink
 
 
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
@@ -77,8 +78,8 @@ def _plan_failed(prof, planner: str, target: Path, below, reach: Optional[int]) 
     """`plan` found no plan under the budget: say where it would fit, and exit 4."""
     from ..planning import infeasible_message
     message, hint = infeasible_message(prof, planner, below, reach)
-    error_lines(f"{message}; wrote the closest plan found to {target} with feasible: false", hint)
-    raise typer.Exit(4)
+    raise InfeasibleError(f"{message}; wrote the closest plan found to {target} with feasible: "
+                          "false", hint)
 
 
 def _plan_summary(p, path: Path, prof) -> dict:

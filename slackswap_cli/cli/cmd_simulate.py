@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ..errors import InfeasibleError
 from .common import (
     _check_output_path,
     _examples,
@@ -17,7 +18,7 @@ from .common import (
     _render,
     app,
 )
-from .output import Result, Sink, error_lines
+from .output import Result, Sink
 
 
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
@@ -65,11 +66,10 @@ def simulate(
                      lines=[f"wrote {trace} (open it in https://ui.perfetto.dev)"]
                      if trace is not None else []))
     if not result.feasible:
-        error_lines(f"on {hw.name} this plan does not keep activation memory under its "
-                    f"budget" + (f": {result.reason}" if result.reason else ""),
-                    f"plan again for this hardware: slackswap plan PROFILE --budget ... "
-                    f"--hardware {hardware or hw.name}")
-        raise typer.Exit(4)
+        raise InfeasibleError(f"on {hw.name} this plan does not keep activation memory under "
+                              f"its budget" + (f": {result.reason}" if result.reason else ""),
+                              f"plan again for this hardware: slackswap plan PROFILE --budget "
+                              f"... --hardware {hardware or hw.name}")
 
 
 @app.command(short_help="Inspect a profile or a plan in the terminal.",

@@ -113,8 +113,9 @@ def _plan_profile(p, profile_path: Optional[Path]):
 
 def _version_flag(value: bool) -> None:
     if value:
-        typer.echo(__version__)
-        raise typer.Exit(0)
+        from .output import Result, Sink
+        Sink().show(Result(__version__, lines=[__version__]))
+        raise typer.Exit(0)    # a normal end: the eager option's way to stop the command
 
 
 @app.callback()

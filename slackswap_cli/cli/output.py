@@ -12,8 +12,8 @@ and what it needs are imported only then). `Sink.show` prints it one of three wa
 
 Warnings go to stderr in every mode (they are about the result, not its progress). Errors
 are `error_lines` (`Error:` / `Hint:` on stderr, whatever the mode) and an exit code (the
-error boundary's, boundary.py). This module is the only one that prints; only the cli package
-exits.
+error boundary's, boundary.py). This module is the CLI's only printer (the library speaks
+through run/notes.py); only the error boundary exits (tests/test_rules.py holds both).
 """
 from __future__ import annotations
 

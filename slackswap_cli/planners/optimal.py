@@ -30,7 +30,7 @@ It exists to measure how far `slackswap` is from the best plan. What it models, 
   stall, the next round does not charge that much spill (`free_spill_us`), its windows widen
   to that plan's queue, and HiGHS starts from that plan (a MIP start, so the round ends no
   worse than it in the model): a spill nothing waits on is charged by the first round only
-  (design.md, section 7, has the Llama-7B case).
+  (docs/planning.md, 'Inside the planners', has the Llama-7B case).
 - **Not modelled**: stalls that shift later ops, the duplex derate, the delay a swap adds to
   the copies queued behind it, and chains pulling evicted inputs back early (their memory).
   A plan that still overflows is repaired in the static model of `common` (extra recompute)
@@ -504,7 +504,7 @@ def _bound_note(m: CostModel, res) -> str | None:
 def solve(m: CostModel, budget_bytes: int, settings: OptimalSettings = OptimalSettings(),
           fork: bool = True, windows: tuple[np.ndarray, np.ndarray] | None = None,
           free_spill_us: float = 0.0, start: list | None = None):
-    """Build and solve the MILP within `settings.time_limit_s` (building included). Returns
+    """Build and solve the MILP within `OptimalSettings.time_limit_s` (building included). Returns
     (actions, notes, objective in us of overhead); actions and objective are None when HiGHS
     found no solution. With `fork`, HiGHS runs
     in a child process stopped at the limit (`run_quietly`); without, in this process
@@ -552,7 +552,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     and return it unless the `fallback` planner's plan (the registry passes slackswap's)
     simulates better (then that, said in the notes).
 
-    `settings.time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
+    `OptimalSettings.time_limit_s` bounds the whole planner: the sound bound (`bound.py`, at most
     `bound_share` of it), the fallback's plan, the MILP (what is left, less a reserve for the
     repair and the simulations after it). HiGHS runs with a fixed seed on one thread, so two
     runs give the same plan unless the time limit, rather than the gap or `node_limit`, ends

@@ -371,7 +371,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
          settings: SlackswapSettings = SlackswapSettings()):
     """The `slackswap` planner: (profile, hardware, budget) -> decisions and notes.
 
-    It tries `settings.repairs` in order, and a plan without swaps too (so slackswap never
+    It tries `SlackswapSettings.repairs` in order, and a plan without swaps too (so slackswap never
     loses to recomputing alone); the best plan the simulator saw is kept.
     """
     s = settings

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +75,7 @@ from ..torch_api import PARTS, refuse_untested
 from ..trace.aten import returns_view
 from ..trace.storage import storage_object_key
 from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
+from .notes import tell
 from .sac import POLICY_OF_TAG
 from .sym_sizes import SymSizes, solve
 
@@ -197,10 +197,10 @@ class PlanPartition:
             extra += (f"; dynamic shapes, lined up at the profiled sizes ({at}): the plan holds "
                       f"at every size" if at else "; dynamic shapes whose sizes match no "
                       "profiled input: re-profile at a shape this graph takes")
-        print(f"slackswap: compiled graph {len(self.reports)}{where}: "
-              f"{report.lined_up_ops} of {report.graph_ops} forward ops line up with the "
-              f"profile, {report.graph_ops - report.lined_up_ops} left to torch's "
-              f"partitioner{extra}", file=sys.stderr)
+        tell(f"compiled graph {len(self.reports)}{where}: "
+             f"{report.lined_up_ops} of {report.graph_ops} forward ops line up with the "
+             f"profile, {report.graph_ops - report.lined_up_ops} left to torch's "
+             f"partitioner{extra}")
 
     def _candidates(self) -> list[tuple[list, str | None]]:
         """The shapes a graph's inputs may have had in the profiled step: the model's inputs,

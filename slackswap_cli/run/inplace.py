@@ -17,7 +17,6 @@ copy of a patched model is patched too, for its own parameters.
 from __future__ import annotations
 
 import copy
-import sys
 import time
 
 import torch
@@ -31,7 +30,7 @@ from . import replan as replanning
 from . import steady as _steady
 from .generated import check_generated
 from .lineup import ALIGN_WARN, BodyHooks
-from .notes import Notes, brief, shapes
+from .notes import Notes, brief, shapes, tell
 from .record import STATE, PlanRun, Recorder
 from .shape_run import ShapeRun
 from .signatures import NESTED, PlanTable, SignaturePlans, tensors
@@ -215,8 +214,8 @@ class _Patched(SignaturePlans):
                                                   kwargs, self.meta, values=run.values or None,
                                                   budget_bytes=run.t.limit if own else None)
         except Exception as exc:
-            print(f"slackswap: could not plan along the branches this call took ({brief(exc)})"
-                  "; the guard holds the plan's budget", file=sys.stderr)
+            tell(f"could not plan along the branches this call took ({brief(exc)}); the guard "
+                 "holds the plan's budget")
             return
         self.templates.supersede(sig, run)
         self.plans[sig] = PlanTable(table)

@@ -12,9 +12,15 @@ import sys
 from ..units import fmt_bytes
 from .lineup import ALIGN_WARN
 
-__all__ = ["Notes", "SAY_MAX", "shapes", "brief"]
+__all__ = ["Notes", "SAY_MAX", "shapes", "brief", "tell"]
 
 SAY_MAX = 3             # signatures a kind of note is printed for (`Notes.say_capped`)
+
+
+def tell(text: str) -> None:
+    """One line on stderr, `slackswap: TEXT`: the library's one voice (every note of a
+    patched or compiled model goes through here; the CLI prints only through cli/output.py)."""
+    print(f"slackswap: {text}", file=sys.stderr)
 
 
 class Notes:
@@ -30,7 +36,7 @@ class Notes:
         if key not in self.said:
             self.said.add(key)
             if not self.quiet:
-                print(f"slackswap: {text}", file=sys.stderr)
+                tell(text)
 
     def say_checkpointing(self, model) -> None:
         if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
@@ -94,11 +100,10 @@ class Notes:
         if self.quiet:
             return
         if n < SAY_MAX:
-            print(f"slackswap: {text}", file=sys.stderr)
+            tell(text)
         elif n == SAY_MAX:
-            print(f"slackswap: ({kind} notes for further input signatures are not printed; "
-                  "model.forward.__slackswap__.last_report has each call's figures)",
-                  file=sys.stderr)
+            tell(f"({kind} notes for further input signatures are not printed; "
+                 "model.forward.__slackswap__.last_report has each call's figures)")
 
 
 def shapes(sig: tuple) -> str:

@@ -18,8 +18,8 @@ written here from the loop: `min(microbatches, pp - rank)` forwards, then one ba
 forward in turn, then the remaining backwards. An OVERLAP_F_B action runs its sub-actions in
 their order; communication, FSDP and gradient-reduction actions hold no activations.
 
-A stage is planned as a model whose loss is `loss_fn(output, inputs)`: the last stage's real
-loss, a stand-in (`output.sum()`) on the others, whose backward saves the same tensors as the
+A stage is planned as a model whose loss is `loss_fn(out, inputs)`: the last stage's real
+loss, a stand-in (`out.sum()`) on the others, whose backward saves the same tensors as the
 gradient a pipeline sends back does. The stage's inputs are traced as given (an intermediate
 stage's input should `requires_grad`, as PipelineStage's received inputs do).
 """
@@ -232,7 +232,7 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
                   planner: str = "slackswap", device: str = "cpu", ranks=None,
                   progress: Callable[[str], None] | None = None) -> PlannedPipeline:
     """Profile each stage (stage index -> (module, one microbatch's inputs, loss_fn or None:
-    `output.sum()`)) and plan it for its rank's budget knowing how many microbatches the
+    `out.sum()`)) and plan it for its rank's budget knowing how many microbatches the
     schedule holds there. `budget`: per rank, activation memory: a size ("2GiB", bytes) or a
     mapping rank -> size. `ranks`: plan only these ranks' stages (each rank its own, say:
     `ranks=[dist.get_rank()]`), the stages given those ranks run."""

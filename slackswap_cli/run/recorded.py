@@ -61,7 +61,7 @@ class InputRef:
 @functools.lru_cache(maxsize=None)
 def alias_flags(func) -> tuple[bool, bool]:
     """(a view or in-place op, an in-place op writing its first argument): read from the
-    schema once per op (building `schema.returns` costs microseconds a call)."""
+    schema once per op (building `func._schema.returns` costs microseconds a call)."""
     return aliases_input(func), writes_first(func)
 
 

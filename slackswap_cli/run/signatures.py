@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import time
 
 import torch
@@ -25,7 +24,7 @@ from ..profile_build import dtype_name
 from ..schema import Action
 from . import replan as replanning
 from .lineup import trace_only_ops
-from .notes import brief, shapes
+from .notes import brief, shapes, tell
 
 __all__ = ["PlanTable", "SignaturePlans", "signature", "leaves", "tensors", "alike",
            "first_guess", "NESTED"]
@@ -189,12 +188,11 @@ class SignaturePlans:
                 table, what = replanning.replan_table(self.model, self.original_forward, args,
                                                       kwargs, self.meta)
                 plan = PlanTable(table)
-                print(f"slackswap: new inputs {shapes(sig)}: planned for them in "
-                      f"{time.perf_counter() - t0:.1f} s ({what})", file=sys.stderr)
+                tell(f"new inputs {shapes(sig)}: planned for them in "
+                     f"{time.perf_counter() - t0:.1f} s ({what})")
             except Exception as exc:
-                print(f"slackswap: new inputs {shapes(sig)}: could not plan for them "
-                      f"({brief(exc)}); "
-                      "running with the profiled plan", file=sys.stderr)
+                tell(f"new inputs {shapes(sig)}: could not plan for them ({brief(exc)}); "
+                     "running with the profiled plan")
         self.plans[sig] = plan
         return plan or self.default, sig
 

@@ -62,9 +62,10 @@ class _StepFunction(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         step, flat, store = ctx.step, ctx.flat, ctx.store
         if store is None:
-            raise RuntimeError("slackswap: this patched step already ran its backward, which frees "
-                               "(or hands back to the host pool) everything forward saved; "
-                               "backward(retain_graph=True) twice is not supported")
+            raise InputError("this patched step already ran its backward, which frees (or hands "
+                             "back to the host pool) everything forward saved; "
+                             "backward(retain_graph=True) twice is not supported",
+                             hint="run forward again before a second backward")
         with torch.autocast(flat[0].device.type, enabled=False), _traced_mode():
             grads = step.backward_fn(store, flat[0].device, *_detached(flat), grad_loss.detach())
         ctx.store = ctx.flat = None
