@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import InputError
 from ..profile_build import dtype_name
+from . import dtensor
 from . import replan as replanning
 from . import steady as _steady
 from .generated import check_generated
@@ -163,7 +164,8 @@ class _Patched(SignaturePlans):
         run = PlanRun(self, plan)
         run.inputs = {id(x) for x in inputs}
         run.call_inputs = inputs
-        self.buffer_ids = {id(b) for b in self.model.buffers()}
+        # what the model holds besides its parameters: buffers, DTensor parameters' shards
+        self.buffer_ids = {id(b) for b in self.model.buffers()} | dtensor.shard_ids(self.model)
         self.notes.say_checkpointing(self.model)
         prev = getattr(STATE, "run", None)
         STATE.run = run
@@ -171,7 +173,8 @@ class _Patched(SignaturePlans):
         hooks = [register_module_forward_pre_hook(run.lineup.enter),
                  register_module_forward_hook(run.lineup.left, always_call=True)]
         try:
-            with Recorder(run), torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+            with Recorder(run), torch.autograd.graph.saved_tensors_hooks(
+                    *dtensor.hooks(run.pack, run.unpack, self.model)):
                 out = self.original_forward(*args, **kwargs)
         finally:
             STATE.run = prev
@@ -231,7 +234,8 @@ class _Patched(SignaturePlans):
             if run.pack is None:    # (a keep-all plan, not measuring: nothing to do)
                 out = self.original_forward(*args, **kwargs)
             else:
-                with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+                with torch.autograd.graph.saved_tensors_hooks(
+                        *dtensor.hooks(run.pack, run.unpack, self.model)):
                     out = self.original_forward(*args, **kwargs)
         finally:
             STATE.run = None

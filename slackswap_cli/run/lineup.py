@@ -21,6 +21,7 @@ import torch
 
 from ..table_rows import OpRow
 from ..trace.aten import is_view_target
+from .dtensor import hooks_first_on_tp
 from .recorded import STATE
 
 __all__ = ["LineUp", "BodyHooks", "WINDOW", "ALIGN_WARN", "TRACE_ONLY", "trace_only_ops"]
@@ -159,6 +160,7 @@ class BodyHooks:
                     h.remove()
             self.module_hooks[id(mod)] = (mod.register_forward_pre_hook(body_hook),
                                           mod.register_forward_hook(leave_hook, always_call=True))
+            hooks_first_on_tp(mod, self.module_hooks[id(mod)])     # (run/dtensor.py)
 
     def remove(self) -> None:
         for hooks in self.module_hooks.values():

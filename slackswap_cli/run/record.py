@@ -58,7 +58,7 @@ from ..guard import Guard
 from ..schema import Action
 from ..trace.aten import written_returns
 from ..trace.storage import storage_id
-from . import swap
+from . import dtensor, swap
 from .lineup import ALIGN_WARN, LineUp, trace_only_ops
 from .packing import Packing
 from .recorded import STATE, ExtRef, OpRecord, OutRef, alias_flags
@@ -68,6 +68,7 @@ from .unpacking import Unpacking
 __all__ = ["PlanRun", "STATE", "ALIGN_WARN", "trace_only_ops", "Recorder"]
 
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default   # a value Python reads
+_WAIT = torch.ops._c10d_functional.wait_tensor.default        # (tensor parallel: run/dtensor.py)
 
 
 class PlanRun(Packing, Unpacking, Rerun):
@@ -234,9 +235,14 @@ class Recorder(TorchDispatchMode):
     def __init__(self, run: PlanRun):
         super().__init__()
         self.run = run
+        self.tp = dtensor.uses_dtensor(run.p.model)     # tensor parallel: run/dtensor.py
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.tp and dtensor.distributed_wrapper(types):
+            if dtensor.takes_dtensor(types):
+                return NotImplemented    # DTensor's dispatch runs it: its local ops come here
+            args, kwargs = dtensor.waited(args, kwargs, self._wait)
         out = func(*args, **kwargs)
         run = self.run
         if func is _LOCAL_SCALAR:        # a Python value, not an op of the step's graph
@@ -250,4 +256,7 @@ class Recorder(TorchDispatchMode):
                     and args[0] in run.where:
                 run.record(func, args, kwargs, out, alias=True)   # a hook's view of a value
         return out
+
+    def _wait(self, x: torch.Tensor) -> None:
+        self.__torch_dispatch__(_WAIT, (), (x,), {})       # recorded as any op
 

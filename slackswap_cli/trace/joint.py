@@ -59,6 +59,7 @@ from ..errors import InputError, SlackswapError, TraceError
 from ..profile_build import dtype_name
 from ..torch_api import PARTS, is_tested
 from .costs import is_random_op
+from .dtensor import as_dtensors, local_params
 from .fake_build import eager_stance
 
 
@@ -193,7 +194,7 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
     fake trace stands for, which decides how it traces dropout (`_cuda_dropout`); real traces
     always follow their own device.
     """
-    params = dict(model.named_parameters())
+    params, layouts = local_params(dict(model.named_parameters()))   # DTensors: dtensor.py
     buffers = dict(model.named_buffers())
     param_names, buffer_names = list(params), list(buffers)
     grad_index = [i for i, n in enumerate(param_names) if params[n].requires_grad]
@@ -211,7 +212,7 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
         it = iter(input_list)
         flat = [next(it) if t else c for t, c in zip(is_tensor, constants)]
         a, kw = pytree.tree_unflatten(flat, spec)
-        state = {**dict(zip(param_names, param_list)), **dict(zip(buffer_names, buffer_list))}
+        state = {**as_dtensors(dict(zip(param_names, param_list)), layouts), **dict(zip(buffer_names, buffer_list))}
         with region:
             out = torch.func.functional_call(model, state, a, kw, strict=True)
             loss = loss_from_output(out, workload_inputs(inputs, a, kw), loss_fn)
