@@ -39,6 +39,7 @@ from ..pipeline import (
     boundary_bytes,
     format_rows,
     held_microbatches,
+    output_held,
     plan_stages,
 )
 from ..planning import plan_inputs, plan_profile
@@ -118,6 +119,27 @@ def schedule_order(schedule, pp: int, microbatches: int,
                          hint="the schedule's own constraints apply (e.g. microbatches a "
                               "multiple of pp for the interleaved schedules)") from None
     return {rank: _steps(actions) for rank, actions in enumerate(ops)}
+
+
+def sends_kept(schedule) -> str:
+    """How long `schedule` keeps what it sends (`slackswap_cli.pipeline.SENDS`): torch's
+    `_PipelineScheduleRuntime` waits for its sends when the step ends, GPipe for its backward
+    sends after the last backward, 1F1B for each before the next."""
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        _PipelineScheduleRuntime,
+    )
+    cls = _schedule_class(schedule)
+    if issubclass(cls, _PipelineScheduleRuntime):
+        return "runtime"
+    if issubclass(cls, ScheduleGPipe):
+        return "gpipe"
+    if issubclass(cls, Schedule1F1B):
+        return "none"
+    raise InputError(f"{cls.__name__}: how long it keeps what it sends is not known here",
+                     hint="use GPipe, 1F1B or a schedule torch runs from its action list "
+                          "(Interleaved1F1B, ZBVZeroBubble, DualPipeV, ...)")
 
 
 StageSpec = tuple  # (module, inputs, loss_fn or None)
@@ -246,12 +268,15 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
         order = {r: order[r] for r in ranks}
     profiles, traced, boundary, outputs = {}, {}, {}, {}
     hw = api._hardware(hardware)
-    n_stages = 1 + max(s for steps in schedule_order(schedule, pp, microbatches,
-                                                     stages_per_rank).values() for _, s, _ in steps)
+    full = schedule_order(schedule, pp, microbatches, stages_per_rank)
+    n_stages = 1 + max(s for steps in full.values() for _, s, _ in steps)
+    rank_of = {s: r for r, steps in full.items() for _, s, _ in steps}
+    sends = sends_kept(schedule)
     for index, (module, inputs, loss_fn) in sorted(stages.items()):
         outputs[index] = _output_shapes(module, inputs)
+        local = (rank_of.get(index - 1) == rank_of[index], rank_of.get(index + 1) == rank_of[index])
         boundary[index] = boundary_bytes(sum(n for _, n in outputs[index]), _grad_bytes(inputs),
-                                         index == 0, index == n_stages - 1)
+                                         index == 0, index == n_stages - 1, sends, local)
         loss_fn = loss_fn or _stage_loss
         work = api._checked(module, inputs, loss_fn)
         how, target = api._where(module, device)
@@ -260,7 +285,9 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
                                               time.perf_counter())
         prof, hw, _, _ = plan_inputs(prof, 1.0, hw, "plan_pipeline")
         profiles[index], traced[index] = prof, (joint, tr, loss_fn)
-        boundary[index] = boundary[index]._replace(pinned=_output_roots(prof, outputs[index]))
+        pinned = _output_roots(prof, outputs[index])
+        held = output_held(prof, pinned, sum(n for _, n in outputs[index]))
+        boundary[index] = boundary[index]._replace(pinned=pinned, held=held)
 
     def planner_fn(prof, budget_bytes):
         return pinned_prefetches(plan_profile(prof, hw, budget_bytes, None, planner)[0])
