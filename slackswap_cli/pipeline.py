@@ -188,7 +188,8 @@ class RankRow:
 
     @property
     def fits(self) -> bool:
-        return self.planned_peak_bytes <= self.budget_bytes
+        """Under the rank's budget (a row without one, budget 0, fits)."""
+        return self.budget_bytes <= 0 or self.planned_peak_bytes <= self.budget_bytes
 
 
 @dataclass(frozen=True)
@@ -308,7 +309,8 @@ def row_cells(row: RankRow) -> tuple[str, ...]:
     """A rank's row as the per-rank table writes it."""
     from .units import fmt_bytes
     return (str(row.rank), ",".join(map(str, row.stages)), str(row.held),
-            fmt_bytes(row.budget_bytes), fmt_bytes(row.keep_all_peak_bytes),
+            fmt_bytes(row.budget_bytes) if row.budget_bytes > 0 else "-",
+            fmt_bytes(row.keep_all_peak_bytes),
             fmt_bytes(row.planned_peak_bytes) + ("" if row.fits else " (over)"),
             fmt_bytes(row.swapped_bytes), fmt_bytes(row.recomputed_bytes),
             f"{row.fraction:.3f}")

@@ -37,6 +37,10 @@ def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: i
     if microbatches < 1:
         raise InputError(f"--microbatches {microbatches}: a step has at least 1 microbatch",
                          hint=f"--microbatches {2 * pp} (twice the ranks, say)")
+    if schedule == "1F1B" and microbatches < pp:
+        raise InputError(f"1F1B with --pp {pp} needs at least {pp} microbatches, not "
+                         f"{microbatches} (torch's Schedule1F1B refuses fewer)",
+                         hint=f"--microbatches {pp}")
     if schedule == "Interleaved1F1B":
         if stages_per_rank < 2:
             raise InputError(f"Interleaved1F1B runs at least 2 stages per rank, not "
