@@ -90,6 +90,7 @@ class Boundary(NamedTuple):
     backward: int = 0
     pinned: frozenset = frozenset()
     linger: int = 0
+    eager: int = 0      # what the eager run holds at its peak beyond the simulator's (measured)
 
 
 # What a schedule's sends keep alive after a microbatch's backward, until the step ends.
@@ -142,7 +143,7 @@ def stage_cost(prof: Profile, plan: Plan | None = None,
     plan swaps or recomputes; peak: the plan's simulated peak (the keep-all peak without).
     `boundary`: the pipeline's own bytes, added, and the roots it holds anyway (a plan's
     eviction of one frees nothing: its bytes count as held and at the peak)."""
-    held, extra, pinned, linger = boundary
+    held, extra, pinned, linger, eager = boundary
     live_at_end = prof.live_bytes_per_op[prof.n_forward - 1] if prof.n_forward else 0
     if plan is None:
         return StageCost(live_at_end + held, prof.keep_all_peak_bytes, boundary_bytes=extra,
@@ -155,7 +156,8 @@ def stage_cost(prof: Profile, plan: Plan | None = None,
             moved[d.action] += size[d.tensor]
             stuck += size[d.tensor] if d.tensor in pinned else 0
     evicted = moved[Action.SWAP] + moved[Action.RECOMPUTE] - stuck
-    return StageCost(max(0, live_at_end - evicted) + held, plan.predicted.peak_bytes + stuck,
+    return StageCost(max(0, live_at_end - evicted) + held,
+                     plan.predicted.peak_bytes + stuck + eager,
                      moved[Action.SWAP], moved[Action.RECOMPUTE], extra, held, linger)
 
 

@@ -183,3 +183,16 @@ def test_torch_free_orders_are_torchs(name):
         assert order(name, pp, n) == schedule_order(name, pp, n, spr), (pp, n)
     if name == "Interleaved1F1B":
         assert order(name, 4, 8, 3) == schedule_order(name, 4, 8, 3)
+
+
+def test_eager_excess_counts_at_the_stages_peak():
+    """What eager was measured to hold beyond the simulator under a plan (`Boundary.eager`:
+    what Python still names of what the plan evicts) is added to the planned stage's peak
+    and nowhere else; keeping everything, there is nothing evicted to hold longer."""
+    from slackswap_cli.pipeline import Boundary
+    prof = _chain()
+    plan = make_plan("slackswap", prof, HW, prof.keep_all_peak_bytes // 2)
+    plain, more = stage_cost(prof, plan), stage_cost(prof, plan, Boundary(eager=1000))
+    assert more.peak_bytes == plain.peak_bytes + 1000
+    assert more.held_bytes == plain.held_bytes
+    assert stage_cost(prof, None, Boundary(eager=1000)) == stage_cost(prof, None)

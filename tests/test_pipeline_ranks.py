@@ -1,4 +1,5 @@
-"""Per-stage plans on real pipeline ranks: a GPT-style model split by hand into PipelineStages,
+"""Per-stage plans on real pipeline ranks: a GPT-style and a Llama-style model (RMSNorm, rotary
+embeddings, grouped-query attention, SwiGLU) split by hand into PipelineStages,
 two CPU processes (gloo), run by torch's GPipe, 1F1B and Interleaved1F1B for three AdamW steps
 (slackswap_testkit/pipeline_run.py), planned by slackswap and by recompute-only. The patched stages train bit for bit as the same pipeline
 unpatched; each rank holds the microbatches read from the schedule; its measured activation
@@ -23,16 +24,18 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("schedule,per_rank,n_mb,budget,held,planner", [
-    ("GPipe", 1, 4, 300_000, [4, 4], "slackswap"),
-    ("GPipe", 1, 4, 400_000, [4, 4], "recompute-only"),
-    ("1F1B", 1, 4, 200_000, [2, 1], "slackswap"),
+@pytest.mark.parametrize("family,schedule,per_rank,n_mb,budget,held,planner", [
+    ("gpt", "GPipe", 1, 4, 300_000, [4, 4], "slackswap"),
+    ("gpt", "GPipe", 1, 4, 400_000, [4, 4], "recompute-only"),
+    ("gpt", "1F1B", 1, 4, 200_000, [2, 1], "slackswap"),
     # the runtime schedules keep what they send until the step ends (pipeline.SENDS)
-    ("Interleaved1F1B", 2, 4, 260_000, [5, 3], "slackswap"),
+    ("gpt", "Interleaved1F1B", 2, 4, 260_000, [5, 3], "slackswap"),
+    ("llama", "1F1B", 1, 4, 230_000, [2, 1], "slackswap"),
+    ("llama", "Interleaved1F1B", 2, 4, 480_000, [5, 3], "slackswap"),
 ])
-def test_planned_pipeline_trains_exactly_within_its_peaks(schedule, per_rank, n_mb, budget,
-                                                          held, planner, tmp_path):
-    ranks = run(schedule, 2, n_mb, per_rank, budget, tmp_path, planner)
+def test_planned_pipeline_trains_exactly_within_its_peaks(family, schedule, per_rank, n_mb,
+                                                          budget, held, planner, tmp_path):
+    ranks = run(schedule, 2, n_mb, per_rank, budget, tmp_path, planner, family)
     off = []
     for rank, res in enumerate(ranks):
         row, plain, patched = res["row"], res["plain"], res["patched"]
