@@ -196,3 +196,29 @@ def test_eager_excess_counts_at_the_stages_peak():
     assert more.peak_bytes == plain.peak_bytes + 1000
     assert more.held_bytes == plain.held_bytes
     assert stage_cost(prof, None, Boundary(eager=1000)) == stage_cost(prof, None)
+
+
+def test_a_patched_stage_lines_up_without_its_loss(capfd):
+    """PipelineStage runs a stage's module and sends its output (no loss on a stage that is not
+    the last): the profile's stand-in loss ops are trailing ops outside every module, not
+    counted as missed, so a patched stage says nothing of re-profiling."""
+    from slackswap_cli.run.pipeline import plan_pipeline
+    torch.manual_seed(0)
+
+    def stage():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    planned = plan_pipeline({1: (stage(), (x,), None)}, "GPipe", pp=3, microbatches=4,
+                            budget=13_000, ranks=[1], measure=False)
+    assert planned.rows[0].keep_all_peak_bytes > 13_000 and planned.plans[1] is not None
+    module = stage()
+    planned.patch({1: module})
+    for _ in range(2):
+        out = module(x.detach().requires_grad_())
+        torch.autograd.backward(out, torch.ones_like(out))     # as PipelineStage does
+    report = module.forward.__slackswap__.last_report
+    assert report["lined_up"] == report["expected"] > 0
+    assert "lined up" not in capfd.readouterr().err
