@@ -245,6 +245,20 @@ def _not_a_fraction(budget) -> None:
                              hint="budget='2GiB' or a number of bytes, per rank")
 
 
+def _no_split_backward(schedule, order) -> None:
+    """Refuse a schedule that splits backward into its input half and its weight half (I
+    and W: ZBVZeroBubble, DualPipeV, InterleavedZeroBubble): the weight half is a second
+    backward through the saved tensors, which a patched stage handed to the first (the
+    runtime refuses it mid-step; measured on two gloo ranks)."""
+    if any(kind in ("I", "W") for steps in order.values() for kind, _, _ in steps):
+        name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__",
+                                                                   type(schedule).__name__)
+        raise InputError(f"{name} splits each backward into an input and a weight pass: "
+                         "the weight pass is a second backward through saved tensors that a "
+                         "patched stage swapped or recomputed for the first",
+                         hint="plan for GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
+
+
 def _rank_bytes(budget, prof) -> int:
     return parse_budget(budget, prof)[0]
 
@@ -263,6 +277,7 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
     peaks above the simulator (`eager_excess`)."""
     _not_a_fraction(budget)
     order = schedule_order(schedule, pp, microbatches, stages_per_rank)
+    _no_split_backward(schedule, order)
     if ranks is not None:
         unknown = sorted(set(ranks) - set(order))
         if unknown:
