@@ -143,7 +143,8 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "rule runs unchanged (2.15's takes fp32/fp16 itself)"),
     # pipeline parallelism: the schedules' order of actions -------------------------------
     PrivateAPI("torch.distributed.pipelining._schedule_visualizer.get_schedule_ops; "
-               "torch.distributed.pipelining.schedules._PipelineSchedule, _Action "
+               "torch.distributed.pipelining.schedules._PipelineSchedule, "
+               "_PipelineScheduleRuntime (sends waited at the step's end), _Action "
                "(computation_type, stage_index, microbatch_index, sub_actions)",
                "run/pipeline.py", ("2.13",),
                "plan_pipeline and schedule_order fail where missing: no fallback (the "

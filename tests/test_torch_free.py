@@ -19,6 +19,7 @@ CORE = (
     "slackswap_cli.layers", "slackswap_cli.simulate", "slackswap_cli.budget",
     "slackswap_cli.guard", "slackswap_cli.fit", "slackswap_cli.profile_scale",
     "slackswap_cli.planning", "slackswap_cli.table_rows", "slackswap_cli.pipeline",
+    "slackswap_cli.pipeline_orders", "slackswap_cli.pipeline_step",
     "slackswap_cli.op_cost", "slackswap_cli.compile_limits",
     "slackswap_cli.planners", "slackswap_cli.planners.common", "slackswap_cli.planners.settings",
     "slackswap_cli.planners.slackswap", "slackswap_cli.planners.optimal",
