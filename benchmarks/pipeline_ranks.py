@@ -9,7 +9,8 @@ step also allocates the stages' receive buffers).
 
     python benchmarks/pipeline_ranks.py                      # the default cases
     python benchmarks/pipeline_ranks.py 1F1B 4 8 1 300000 recompute-only
-        # schedule, ranks, microbatches, stages per rank, budget bytes per rank[, planner]
+        # schedule, ranks, microbatches, stages per rank, budget bytes per rank[, planner
+        # [, model: gpt or llama]]
 Writes benchmarks/results/pipeline_ranks.{json,md}.
 """
 import json
@@ -32,16 +33,16 @@ CASES = [("GPipe", 2, 4, 1, 300_000, "slackswap"), ("1F1B", 2, 4, 1, 200_000, "s
 
 
 def _rows(case) -> list[dict]:
-    schedule, world, n_mb, per_rank, budget, planner = case
+    schedule, world, n_mb, per_rank, budget, planner, family = (*case, "gpt")[:7]
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        ranks = run(schedule, world, n_mb, per_rank, budget, tmp, planner)
+        ranks = run(schedule, world, n_mb, per_rank, budget, tmp, planner, family)
         wall = time.perf_counter() - started
     out = []
     for rank, res in enumerate(ranks):
         row, plain, patched = res["row"], res["plain"], res["patched"]
         keep_meas, plan_meas = max(plain["peaks"][1:]), max(patched["peaks"][1:])
-        out.append({"schedule": schedule, "planner": planner, "ranks": world, "microbatches": n_mb,
+        out.append({"model": family, "schedule": schedule, "planner": planner, "ranks": world, "microbatches": n_mb,
                     "stages_per_rank": per_rank, "rank": rank, "stages": list(row["stages"]),
                     "held_read": row["held"], "held_counted": patched["held"],
                     "budget_bytes": budget, "keep_all_predicted": row["keep_all_peak_bytes"],
@@ -56,11 +57,11 @@ def _rows(case) -> list[dict]:
 
 
 def _markdown(rows: list[dict]) -> str:
-    head = ("| schedule | planner | ranks x mb | rank | stages | held (read / run) | keep-all pred / meas "
+    head = ("| model | schedule | planner | ranks x mb | rank | stages | held (read / run) | keep-all pred / meas "
             "| planned / measured (error) | budget | swapped | recomputed | bitwise |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
-        f"| {r['schedule']} | {r['planner']} | {r['ranks']} x {r['microbatches']} | {r['rank']} | {r['stages']} "
+        f"| {r.get('model', 'gpt')} | {r['schedule']} | {r['planner']} | {r['ranks']} x {r['microbatches']} | {r['rank']} | {r['stages']} "
         f"| {r['held_read']} / {r['held_counted']} | {r['keep_all_predicted']} / "
         f"{r['keep_all_measured']} | {r['planned_peak']} / {r['planned_measured']} "
         f"({r['planned_error']:+.1%}) | {r['budget_bytes']} | {r['swapped_bytes']} | "
@@ -71,7 +72,8 @@ def _markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> None:
     cases = CASES if not argv else [(argv[0], *map(int, argv[1:5]),
-                                     argv[5] if len(argv) > 5 else "slackswap")]
+                                     argv[5] if len(argv) > 5 else "slackswap",
+                                     argv[6] if len(argv) > 6 else "gpt")]
     rows = [r for case in cases for r in _rows(case)]
     out = ROOT / "benchmarks" / "results"
     name = "pipeline_ranks" if not argv else "pipeline_ranks_" + "_".join(argv)

@@ -373,6 +373,13 @@ def _tiny_overrides(cfg) -> dict:
         sub = getattr(cfg, k, None)
         if isinstance(sub, PretrainedConfig):
             out[k] = {**sub.to_dict(), **_tiny_overrides(sub)}
+    if "kv_lora_rank" in have and "num_key_value_heads" in out:
+        # multi-head latent attention (DeepSeek-V2 and kin) expands its latent to every head:
+        # its key/value heads are the attention heads (as in every released config); one KV
+        # head makes SDPA's repeat_kv double the heads and fail wherever a mask is passed
+        out["num_key_value_heads"] = out.get("num_attention_heads", have["num_attention_heads"])
+    if "qk_rope_head_dim" in out and have.get("head_dim") == have.get("qk_rope_head_dim"):
+        out["head_dim"] = out["qk_rope_head_dim"]     # the rotary width, where the config ties them
     return out
 
 

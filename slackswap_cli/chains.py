@@ -380,7 +380,22 @@ def _last_writes(prof, writes_in_place: Callable[[str], bool]) -> dict[int, int]
 # --------------------------------------------------------------------------------------------
 # What the in-place runtime needs from a layout
 # --------------------------------------------------------------------------------------------
-def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> dict:
+def copy_back_pins(decisions, schedule=()) -> dict[int, int]:
+    """Swapped root -> the backward op from which its copy back may be issued: where the
+    plan's schedule issued it (the simulator issues a prefetch as late as memory needs), else
+    the decision's own `prefetch_at`. The emitted step takes the same rule
+    (`run/step_code.py`); a swap with neither is fetched as backward begins, every one of
+    them at once, which holds all swapped bytes through the start of backward."""
+    pins = {d.tensor: d.prefetch_at for d in decisions
+            if d.action == Action.SWAP and d.prefetch_at is not None}
+    swapped = {d.tensor for d in decisions if d.action == Action.SWAP}
+    pins.update({e.tensor: e.issue_op for e in schedule
+                 if e.kind == "prefetch" and e.tensor in swapped})
+    return pins
+
+
+def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool],
+                  schedule=()) -> dict:
     """The plan as the in-place runtime (`run/first_call.py`) carries it out, in plain Python
     values and `OpRow`s.
 
@@ -400,7 +415,9 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
       written after they are made (`writes_in_place(op target)`: aten's rule, which lives
       on the torch side, `trace.aten.is_inplace_target`);
     - `first_use`: swapped root -> the backward op that first needs it (a chain or a reader);
-    - `prefetch_at`: swapped root -> the backward op from which its copy back may be issued;
+    - `prefetch_at`: swapped root -> the backward op from which its copy back may be issued
+      (`copy_back_pins` of the decisions and the plan's `schedule`; at the latest its first
+      use);
     - `keep_after`: per forward op, the bytes of kept saved roots it and later ops produce;
     - `saved_by_shape`: `[shape, bytes]` of the saved roots, summed per shape (what a keep-all
       run saves at the profiled shapes: a plan borrowed at other shapes before any call ran
@@ -408,8 +425,7 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool]) -> di
     """
     tab = tables(prof)
     action = action_codes(tab, decisions)
-    pin_at = {d.tensor: d.prefetch_at for d in decisions
-              if d.action == Action.SWAP and d.prefetch_at is not None}
+    pin_at = copy_back_pins(decisions, schedule)
     lay = lay_out(prof, tab, action)
     nf = tab.n_fwd
     chains = lay.chains(nf)

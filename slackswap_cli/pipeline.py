@@ -29,7 +29,8 @@ from .schema import Action, Plan, Profile
 from .simulate import budget_floor_bytes
 
 __all__ = ["STARTS", "ENDS", "StageCost", "RankRow", "held_microbatches", "stage_cost",
-           "rank_peak", "Boundary", "boundary_bytes", "plan_stages", "PipelinePlan", "format_rows"]
+           "rank_peak", "Boundary", "SENDS", "boundary_bytes", "output_held", "plan_stages", "PipelinePlan",
+           "format_rows"]
 
 STARTS = ("F",)                 # the action that makes a microbatch's activations on a stage
 ENDS = ("B", "W")               # the actions after which they are gone
@@ -77,6 +78,7 @@ class StageCost:
     recomputed_bytes: int = 0   # freed after forward, re-run in backward, per microbatch
     boundary_bytes: int = 0     # what the pipeline adds while its backward runs
     boundary_held: int = 0      # what the pipeline adds to held_bytes (counted in it)
+    linger_bytes: int = 0       # left from its backward until the step ends (unwaited sends)
 
 
 class Boundary(NamedTuple):
@@ -87,20 +89,51 @@ class Boundary(NamedTuple):
     held: int = 0
     backward: int = 0
     pinned: frozenset = frozenset()
+    linger: int = 0
+    eager: int = 0      # what the eager run holds at its peak beyond the simulator's (measured)
 
 
-def boundary_bytes(output_bytes: int, input_bytes: int, first: bool,
-                   last: bool) -> Boundary:
-    """(held, backward): what a pipeline stage holds beyond its profile, per microbatch held
-    and while a backward of it runs. PipelineStage keeps each microbatch's output (its forward
-    cache) until that microbatch's backward ends, where the profile lets the output die at its
-    last reader in forward: the stand-in loss at the end of forward on a stage that is not the
-    last (held already), the loss on the last (so held there too). A stage that is not the
+# What a schedule's sends keep alive after a microbatch's backward, until the step ends.
+# "runtime": the schedules torch runs from their action lists (_PipelineScheduleRuntime) wait
+# for every send at the end of the step, so each sent output (forward) and input gradient
+# (backward) lives that long; "gpipe": GPipe waits for its backward sends after the last
+# backward (its forward sends after the last forward, when the outputs are held anyway);
+# "none": 1F1B waits for each send before the next.
+SENDS = ("runtime", "gpipe", "none")
+
+
+def boundary_bytes(output_bytes: int, input_bytes: int, first: bool, last: bool,
+                   sends: str = "none", local: tuple[bool, bool] = (False, False)) -> Boundary:
+    """What a pipeline stage holds beyond its profile, per microbatch held (`held`), while a
+    backward of it runs (`backward`) and after it (`linger`). PipelineStage keeps each
+    microbatch's output (its forward cache) until that microbatch's backward, where the
+    profile lets the output die at its last reader in forward, the loss (the real one on the
+    last stage, a stand-in sum on the others), before forward ends: `held` counts it
+    (`output_held` takes off a part the profile keeps to the end). A stage that is not the
     last receives its output's gradient; one that is not the first makes its input's gradient
-    to send back (a gradient: the profile does not count it)."""
-    held = output_bytes if last else 0
+    to send back (a gradient: the profile does not count it). `sends` (one of SENDS): how
+    long the schedule keeps what it sent; `local`: whether the previous and the next stage run
+    on this rank (a V schedule's middle), where nothing is sent."""
+    if sends not in SENDS:
+        raise InputError(f"sends={sends!r} is not one of {SENDS}",
+                         hint="'runtime' for the schedules torch runs from action lists")
+    held = output_bytes
     backward = output_bytes + (0 if last else output_bytes) + (0 if first else input_bytes)
-    return Boundary(held, backward)
+    grad_sent = 0 if first or local[0] else input_bytes
+    out_sent = 0 if last or local[1] else output_bytes
+    linger = {"runtime": grad_sent + out_sent, "gpipe": grad_sent,
+              "none": 0}[sends]
+    return Boundary(held, backward, linger=linger)
+
+
+def output_held(prof: Profile, pinned: frozenset, output_bytes: int) -> int:
+    """Of the stage's output (`output_bytes`; `pinned`: its roots in the profile), the bytes
+    the profile's liveness lets die before forward ends: what `Boundary.held` adds."""
+    if not pinned:
+        return output_bytes
+    end = prof.n_forward - 1
+    last = prof.last_use
+    return sum(prof.tensors[r].size_bytes for r in pinned if last.get(r, -1) < end)
 
 
 def stage_cost(prof: Profile, plan: Plan | None = None,
@@ -110,11 +143,11 @@ def stage_cost(prof: Profile, plan: Plan | None = None,
     plan swaps or recomputes; peak: the plan's simulated peak (the keep-all peak without).
     `boundary`: the pipeline's own bytes, added, and the roots it holds anyway (a plan's
     eviction of one frees nothing: its bytes count as held and at the peak)."""
-    held, extra, pinned = boundary
+    held, extra, pinned, linger, eager = boundary
     live_at_end = prof.live_bytes_per_op[prof.n_forward - 1] if prof.n_forward else 0
     if plan is None:
         return StageCost(live_at_end + held, prof.keep_all_peak_bytes, boundary_bytes=extra,
-                         boundary_held=held)
+                         boundary_held=held, linger_bytes=linger)
     size = {t.id: t.size_bytes for t in prof.saved_activations}
     moved = {Action.SWAP: 0, Action.RECOMPUTE: 0}
     stuck = 0
@@ -123,18 +156,22 @@ def stage_cost(prof: Profile, plan: Plan | None = None,
             moved[d.action] += size[d.tensor]
             stuck += size[d.tensor] if d.tensor in pinned else 0
     evicted = moved[Action.SWAP] + moved[Action.RECOMPUTE] - stuck
-    return StageCost(max(0, live_at_end - evicted) + held, plan.predicted.peak_bytes + stuck,
-                     moved[Action.SWAP], moved[Action.RECOMPUTE], extra, held)
+    return StageCost(max(0, live_at_end - evicted) + held,
+                     plan.predicted.peak_bytes + stuck + eager,
+                     moved[Action.SWAP], moved[Action.RECOMPUTE], extra, held, linger)
 
 
 def rank_peak(steps: Sequence[Step], cost: Mapping[int, StageCost]) -> int:
     """The rank's activation peak: the largest, over its steps, of what the other live pairs
-    hold plus the running stage's own peak."""
-    best = 0
+    hold, plus the running stage's own peak, plus what the backwards done so far left behind
+    until the step ends (`StageCost.linger_bytes`)."""
+    best, lingering = 0, 0
     for (kind, stage, mb), live in _walk(steps):
         others = sum(cost[s].held_bytes for s, m in live if (s, m) != (stage, mb))
         extra = cost[stage].boundary_bytes if kind != "F" else 0
-        best = max(best, others + cost[stage].peak_bytes + extra)
+        best = max(best, others + cost[stage].peak_bytes + extra + lingering)
+        if kind in ("B", "I"):
+            lingering += cost[stage].linger_bytes
     return best
 
 
@@ -153,7 +190,8 @@ class RankRow:
 
     @property
     def fits(self) -> bool:
-        return self.planned_peak_bytes <= self.budget_bytes
+        """Under the rank's budget (a row without one, budget 0, fits)."""
+        return self.budget_bytes <= 0 or self.planned_peak_bytes <= self.budget_bytes
 
 
 @dataclass(frozen=True)
@@ -273,7 +311,8 @@ def row_cells(row: RankRow) -> tuple[str, ...]:
     """A rank's row as the per-rank table writes it."""
     from .units import fmt_bytes
     return (str(row.rank), ",".join(map(str, row.stages)), str(row.held),
-            fmt_bytes(row.budget_bytes), fmt_bytes(row.keep_all_peak_bytes),
+            fmt_bytes(row.budget_bytes) if row.budget_bytes > 0 else "-",
+            fmt_bytes(row.keep_all_peak_bytes),
             fmt_bytes(row.planned_peak_bytes) + ("" if row.fits else " (over)"),
             fmt_bytes(row.swapped_bytes), fmt_bytes(row.recomputed_bytes),
             f"{row.fraction:.3f}")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from .budget import parse_budget
+from .compile_limits import no_swap_option
 from .hardware import HardwareSpec, load_hardware, stored_hardware
 from .op_cost import check_cost_model
 from .planners import PLANNERS, plan_and_simulate, planner_spec
@@ -61,10 +62,14 @@ def planner_time_options(spec, time_limit: Optional[float],
 
 def plan_profile(prof: Profile, hw, budget_bytes: int, fraction: Optional[float],
                  planner: str, *, time_limit: Optional[float] = None,
-                 started: Optional[float] = None, record: bool = False):
+                 started: Optional[float] = None, record: bool = False,
+                 for_compile: Optional[str] = None):
     """(plan, its simulation) of `planner` on `prof` at `budget_bytes`, as `slackswap plan`
-    makes it (a planner with a time limit gets what is left of it since `started`)."""
+    makes it (a planner with a time limit gets what is left of it since `started`).
+    `for_compile` ("model", "per-block": `plan --for-compile`): what `compile_planned` cannot
+    offload is kept or recomputed (`compile_limits`); None: an eager plan."""
     options = planner_time_options(planner_spec(planner), time_limit, started)
+    options.update(no_swap_option(prof, for_compile))
     return plan_and_simulate(planner, prof, hw, budget_bytes, fraction, record=record,
                              **options)
 

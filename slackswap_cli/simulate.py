@@ -508,7 +508,8 @@ def _stall(cause: str, start: float, end: float, op: int) -> TimelineEvent:
 
 def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
              budget_bytes: int | None = None, *, record: bool = True,
-             give_up_stall_us: float | None = None) -> SimResult | None:
+             give_up_stall_us: float | None = None, no_swap=(),
+             no_recompute=()) -> SimResult | None:
     """Simulate one training step of `profile` under `decisions` on `hw`.
 
     `decisions`: a mapping tensor id -> "keep"|"swap"|"recompute", or Decision objects (which
@@ -516,13 +517,23 @@ def simulate(profile: schema.Profile, decisions, hw: HardwareSpec,
     means unlimited memory. With `record=False` the timeline (`events`, `memory`) is skipped.
     With `give_up_stall_us` the simulation returns None as soon as compute has stalled longer
     than that, or the plan turns out not to fit (for a search that only wants plans better
-    than one it has: stalls only add to the step).
+    than one it has: stalls only add to the step). `no_swap`, `no_recompute`: roots that may
+    not be swapped, recomputed (what the compiled path cannot: `compile_limits`); a decision
+    doing so is an InputError, as recomputing a random op's output is.
     """
     if budget_bytes is not None and not budget_bytes >= 0:
         raise InputError(f"budget {budget_bytes!r} is not a non-negative number of bytes",
                          hint="pass a budget in bytes, or None for unlimited memory")
     tab = _tables(profile)
     action, prefetch_at = _parse_decisions(profile, tab, decisions)
+    for tids, code, what in ((no_swap, SWAP_CODE, "swapped"),
+                             (no_recompute, RECOMPUTE_CODE, "recomputed")):
+        for tid in tids:
+            if 0 <= tid < len(action) and action[tid] == code:
+                raise InputError(f"tensor {tid} ({profile.tensors[tid].name}) is {what}, but "
+                                 "the compiled path cannot do that (compile_limits)",
+                                 hint="plan with the slackswap planner, which honours it (or "
+                                      "for eager: no --for-compile)")
     prog = _Program(profile, tab, action)
     gates = _prefetch_gates(prog, tab, prefetch_at, budget_bytes)
     out = _Outcome(record)

@@ -143,11 +143,21 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "rule runs unchanged (2.15's takes fp32/fp16 itself)"),
     # pipeline parallelism: the schedules' order of actions -------------------------------
     PrivateAPI("torch.distributed.pipelining._schedule_visualizer.get_schedule_ops; "
-               "torch.distributed.pipelining.schedules._PipelineSchedule, _Action "
+               "torch.distributed.pipelining.schedules._PipelineSchedule, "
+               "_PipelineScheduleRuntime (sends waited at the step's end), _Action "
                "(computation_type, stage_index, microbatch_index, sub_actions)",
                "run/pipeline.py", ("2.13",),
                "plan_pipeline and schedule_order fail where missing: no fallback (the "
                "torch-free slackswap_cli.pipeline takes an order written by hand)"),
+    # tensor parallelism: DTensor models traced and run on their local shards --------------
+    PrivateAPI("DTensor._local_tensor (the local shard, the very tensor its op made); "
+               "torch.distributed._functional_collectives.AsyncCollectiveTensor (elem, "
+               "completed, trigger_wait); Module._distribute_module_applied, "
+               "Module._forward_pre_hooks, Module._forward_hooks (our body hooks put before "
+               "the ones distribute_module added)",
+               "run/dtensor.py, trace/dtensor.py, run/memtrace.py", ("2.13",),
+               "a tensor parallel model's saved DTensors are not placed (the pack fails) and "
+               "its TP hooks' ops do not line up: no fallback"),
     # compiled path: compile_planned, verify --compile, compare --with-torch-compile --------
     PrivateAPI("torch._functorch.partitioners.min_cut_rematerialization_partition, "
                "get_default_op_list", "run/compiled.py, trace/torch_choice.py", _ALL,

@@ -1,5 +1,5 @@
-"""A GPT-style model split by hand into pipeline stages, planned per rank and run by one of
-torch's schedules on CPU ranks (gloo): the patched stages against the same pipeline unpatched,
+"""A GPT-style or a Llama-style model split by hand into pipeline stages, planned per rank
+and run by one of torch's schedules on CPU ranks (gloo): the patched stages against the same pipeline unpatched,
 and each rank's activation memory measured against its planned peak. tests/test_pipeline.py
 and benchmarks/pipeline_ranks.py run it.
 
@@ -49,6 +49,74 @@ def make_stage(index: int, n_stages: int, layers: int = 2) -> nn.Module:
 
     torch.manual_seed(1000 + index)
     return Stage()
+
+
+class LlamaBlock(nn.Module):
+    """A torchtitan-style Llama block: RMSNorm, grouped-query attention with rotary position
+    embeddings (2 query heads per key/value head), RMSNorm, SwiGLU MLP."""
+
+    def __init__(self, dim: int = D, heads: int = 4, kv_heads: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w3 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2).float() / self.hd))
+        angles = torch.outer(torch.arange(T).float(), inv)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def _rope(self, x):
+        a, b = x[..., 0::2], x[..., 1::2]
+        cos, sin = self.cos[: x.shape[1], None, :], self.sin[: x.shape[1], None, :]
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+
+    def forward(self, x):
+        bsz, t, _ = x.shape
+        h = self.attention_norm(x)
+        q = self._rope(self.wq(h).view(bsz, t, self.heads, self.hd))
+        k = self._rope(self.wk(h).view(bsz, t, self.kv_heads, self.hd))
+        v = self.wv(h).view(bsz, t, self.kv_heads, self.hd)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(bsz, t, -1))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+def make_llama_stage(index: int, n_stages: int, layers: int = 2) -> nn.Module:
+    """Stage `index` of a Llama-style model: the token embedding on the first, `layers`
+    LlamaBlocks, the final RMSNorm and the output projection on the last."""
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.last = index == 0, index == n_stages - 1
+            if self.first:
+                self.tok_embeddings = nn.Embedding(V, D)
+            self.layers = nn.ModuleList(LlamaBlock() for _ in range(layers))
+            if self.last:
+                self.norm, self.output = nn.RMSNorm(D), nn.Linear(D, V, bias=False)
+
+        def forward(self, x):
+            if self.first:
+                x = self.tok_embeddings(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.output(self.norm(x)) if self.last else x
+
+    torch.manual_seed(2000 + index)
+    return Stage()
+
+
+FAMILIES = {"gpt": make_stage, "llama": make_llama_stage}
 
 
 def loss_fn(out, target):
@@ -107,11 +175,11 @@ def _measured_step(sched, mods, args, target, losses) -> int:
     return max(tracker.timeline(), default=0)
 
 
-def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps):
+def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps, family="gpt"):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
     cls = get_schedule_class(schedule)
-    mods = {s: make_stage(s, n_stages) for s in mine}
+    mods = {s: FAMILIES[family](s, n_stages) for s in mine}
     if label == "patched":
         planned.patch(mods)
     stages = [PipelineStage(mods[s], s, n_stages, torch.device("cpu")) for s in mine]
@@ -134,7 +202,7 @@ def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps):
 
 
 def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, planner="slackswap",
-           steps=3):
+           steps=3, family="gpt"):
     import torch.distributed as dist
     sys.path.insert(0, str(ROOT))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -150,7 +218,7 @@ def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, planner
         for s in mine:
             x = ids[:MB] if s == 0 else torch.randn(MB, T, D, requires_grad=True)
             last = (lambda out, inp: loss_fn(out, tgt[:MB])) if s == n_stages - 1 else None
-            specs[s] = (make_stage(s, n_stages), (x,), last)
+            specs[s] = (FAMILIES[family](s, n_stages), (x,), last)
         started = time.perf_counter()
         planned = plan_pipeline(specs, schedule, pp=world, microbatches=n_mb, budget=budget,
                                 stages_per_rank=per_rank if per_rank > 1 else None,
@@ -159,7 +227,7 @@ def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, planner
                    "row": vars(planned.rows[0]) | {"fits": planned.rows[0].fits}}
         for label in ("plain", "patched"):
             results[label] = _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt,
-                                    steps)
+                                    steps, family)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     finally:
@@ -173,10 +241,11 @@ def free_port() -> int:
 
 
 def run(schedule: str, world: int, n_mb: int, per_rank: int, budget, out_dir,
-        planner: str = "slackswap") -> list[dict]:
-    """Spawn the ranks; each rank's results: plan row, plain and patched runs."""
+        planner: str = "slackswap", family: str = "gpt") -> list[dict]:
+    """Spawn the ranks; each rank's results: plan row, plain and patched runs. `family`: the
+    model split into stages, "gpt" (`make_stage`) or "llama" (`make_llama_stage`)."""
     torch.multiprocessing.spawn(worker, args=(world, free_port(), schedule, n_mb, per_rank,
-                                              budget, str(out_dir), planner),
+                                              budget, str(out_dir), planner, 3, family),
                                 nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
             for r in range(world)]

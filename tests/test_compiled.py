@@ -176,15 +176,13 @@ def test_a_kv_cache_copy_is_carried_by_the_value_it_copies(files):
 
 
 @SLOW
-@pytest.mark.parametrize("name", [
-    "llama_cache", "vit",
-    # at 0.7 the graphs save 201736 B on the device where the plan keeps 185988 (open)
-    pytest.param("gpt2", marks=pytest.mark.xfail(reason="GPT-2 under inductor saves more than "
-                                                        "the plan keeps at 0.7", strict=True))])
+@pytest.mark.parametrize("name", ["llama_cache", "vit", "gpt2"])
 def test_inductor_offloads_every_swap_and_saves_at_most_the_kept_bytes(name, files, tmp_path):
     """Under inductor, at 0.5 and 0.7: the graphs offload every swap backward reads and save
     on the device at most the plan's kept bytes plus 2%, decomposed values included (Llama's
-    KV-cache copies dropped by inductor, ViT's and GPT-2's decomposed layer norms)."""
+    KV-cache copies dropped by inductor, ViT's and GPT-2's decomposed layer norms; GPT-2's
+    `1 - tanh(x)**2` and attention transposes, re-derived from the swapped root in backward:
+    compiled_derived.py)."""
     prof = profiled(files, name, device="fake:cpu")
     for frac in (0.5, 0.7):
         plan = plan_at(prof, frac * prof.summary["peak_activation_bytes"])
@@ -491,7 +489,7 @@ def test_inductor_values_are_judged_against_torch_compiles_own_distance_from_eag
 
 
 # compile_planned (inductor) against plain torch.compile (inductor), both with fallback_random:
-# bitwise on tiny GPT, GPT-2, the CNN and the MLP; 2.9e-6 on Llama's parameters after 3 steps
+# bitwise on tiny GPT, GPT-2 and the MLP (the CNN: to rounding, its own test below); 2.9e-6 on Llama's parameters after 3 steps
 # (the plan's MUST_SAVE tags change which values inductor's backward kernels read saved and
 # which they recompute; benchmarks/results/compiled_vs_compile.md), both at lr 1e-3 (at lr 1e-2
 # Llama's parameters differ by 2.4e-5: AdamW carries the difference further). Inductor against
@@ -514,7 +512,7 @@ def assert_trains_as_plain_torch_compile(mod, path):
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "llama", "cnn"])
+@pytest.mark.parametrize("name", ["tiny_gpt", "gpt2", "llama"])
 def test_inductor_trains_as_plain_torch_compile(name, files, tmp_path):
     """Training with inductor: compile_planned trains as plain torch.compile does (3 AdamW
     steps, losses, parameters and buffers within INDUCTOR_VS_COMPILE). (Inductor decomposes
@@ -524,6 +522,41 @@ def test_inductor_trains_as_plain_torch_compile(name, files, tmp_path):
     plan = plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"])
     path = write_patched(tmp_path, plan, prof)
     assert_trains_as_plain_torch_compile(load_patched(str(path)), files[name])
+
+
+@SLOW
+def test_inductor_cnn_gradients_match_plain_torch_compile_to_rounding(files, tmp_path):
+    """The BatchNorm CNN: backward re-derives the decomposed batch norm's values from the
+    offloaded convolution output (compiled_derived.py) where plain torch.compile saves them,
+    so inductor's kernels round differently: one step's gradients agree with plain
+    torch.compile's to fp32 rounding (5e-8 absolute; the largest is ~0.4). Not bitwise, and
+    AdamW makes lr-sized steps of the rounding on the convolution biases before BatchNorm
+    (true gradient 0), as for BERT's key biases, so parameters after steps are not compared."""
+    from slackswap_cli.trace.joint import loss_from_output, split_inputs
+    prof = profiled(files, "cnn")
+    mod = load_patched(str(write_patched(tmp_path, plan_at(
+        prof, 0.5 * prof.summary["peak_activation_bytes"]), prof)))
+    grads = {}
+    for kind in ("plain", "planned"):
+        torch._dynamo.reset()
+        work = load_workload(str(files["cnn"]))
+        opts = {"fallback_random": True}
+        model = torch.compile(work.model, options=opts) if kind == "plain" else \
+            mod.compile_planned(work.model, options=opts, quiet=True)
+        torch.manual_seed(1)
+        args, kwargs = split_inputs(work.inputs)
+        loss_from_output(model(*args, **kwargs), work.inputs, work.loss_fn).backward()
+        grads[kind] = [p.grad for p in work.model.parameters()]
+    assert max(float((a - b).abs().max()) for a, b in zip(*grads.values())) <= 5e-8
+    assert max(float(g.abs().max()) for g in grads["plain"]) > 0.1
+    # the graphs carry the plan out: the batch norm output `relu_` rewrites in place is read
+    # through relu's result (offloaded), only the batch norm statistics (64 B) are not read
+    torch._dynamo.reset()
+    report = verify_compiled(str(tmp_path / "patched.py"), backend="inductor", steps=1)
+    assert report["passed"], report["reasons"]
+    c, p = report["compiled"], report["plan"]
+    assert c["saved_bytes"] <= p["kept_bytes_in_graph"]
+    assert c["offloaded_bytes"] == p["swapped_bytes_read"] >= p["swapped_bytes_in_graph"] - 64
 
 
 def test_other_torch_versions_and_bad_arguments_are_refused(files, tmp_path, monkeypatch):

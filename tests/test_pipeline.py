@@ -80,6 +80,32 @@ def test_rank_peak_by_hand():
     assert rank_peak(schedule_order("GPipe", 2, 3)[0], cost) == 2 * 60 + 100 + 10
 
 
+def test_sends_kept_to_the_step_end_count_after_each_backward():
+    """The runtime schedules (Interleaved1F1B, ...) wait for their sends when the step ends:
+    each backward leaves its sent output and input gradient behind; GPipe its input gradient;
+    1F1B nothing. A stage's output is held from its forward to its backward."""
+    from slackswap_cli.pipeline import boundary_bytes
+    from slackswap_cli.run.pipeline import sends_kept
+    assert [sends_kept(s) for s in ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")] == \
+        ["none", "gpipe", "runtime", "runtime"]
+    middle = boundary_bytes(40, 30, first=False, last=False, sends="runtime")
+    assert (middle.held, middle.backward, middle.linger) == (40, 40 + 40 + 30, 40 + 30)
+    assert boundary_bytes(40, 30, False, False, "gpipe").linger == 30
+    assert boundary_bytes(40, 30, False, False, "none").linger == 0
+    assert boundary_bytes(40, 30, True, True, "runtime").linger == 0
+    assert boundary_bytes(40, 30, False, False, "runtime", local=(True, True)).linger == 0
+    with pytest.raises(InputError, match="sends='late'"):
+        boundary_bytes(40, 30, False, False, "late")
+    # rank 0 of Interleaved1F1B on 2 ranks, 4 microbatches (16 steps, at most 5 pairs
+    # held): without sends kept, 4 held and one running: 4 * 60 + 100; with them the last
+    # backward runs alone after 7 others, each of which left 70
+    steps = schedule_order("Interleaved1F1B", 2, 4)[0]
+    plain = {s: StageCost(held_bytes=60, peak_bytes=100) for s in (0, 2)}
+    cost = {s: StageCost(held_bytes=60, peak_bytes=100, linger_bytes=70) for s in (0, 2)}
+    assert rank_peak(steps, plain) == 4 * 60 + 100
+    assert rank_peak(steps, cost) == 100 + 7 * 70
+
+
 def _chain(n=6):
     return chain_profile(n, act_bytes=1 << 20, fwd_us=100.0)
 
@@ -146,3 +172,57 @@ def test_plan_pipeline_refuses_plainly_before_tracing():
         plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget={0: "50%", 1: "1GiB"})
     with pytest.raises(InputError, match=r"ranks \[5\] are not in a pipeline of 2 ranks"):
         plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget="1GiB", ranks=[5])
+    for split in ("ZBVZeroBubble", "DualPipeV"):
+        with pytest.raises(InputError, match="splits each backward") as e:
+            plan_pipeline({0: stage}, split, pp=2, microbatches=4, budget="1GiB")
+        assert "1F1B" in e.value.hint
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B"])
+def test_torch_free_orders_are_torchs(name):
+    """The CLI's orders (pipeline_orders.py, no torch) are the ones torch's schedules run."""
+    from slackswap_cli.pipeline_orders import order
+    for pp, n in ((1, 1), (2, 4), (3, 6), (4, 8), (4, 12), (8, 16)):
+        spr = 2 if name == "Interleaved1F1B" else None
+        assert order(name, pp, n) == schedule_order(name, pp, n, spr), (pp, n)
+    if name == "Interleaved1F1B":
+        assert order(name, 4, 8, 3) == schedule_order(name, 4, 8, 3)
+
+
+def test_eager_excess_counts_at_the_stages_peak():
+    """What eager was measured to hold beyond the simulator under a plan (`Boundary.eager`:
+    what Python still names of what the plan evicts) is added to the planned stage's peak
+    and nowhere else; keeping everything, there is nothing evicted to hold longer."""
+    from slackswap_cli.pipeline import Boundary
+    prof = _chain()
+    plan = make_plan("slackswap", prof, HW, prof.keep_all_peak_bytes // 2)
+    plain, more = stage_cost(prof, plan), stage_cost(prof, plan, Boundary(eager=1000))
+    assert more.peak_bytes == plain.peak_bytes + 1000
+    assert more.held_bytes == plain.held_bytes
+    assert stage_cost(prof, None, Boundary(eager=1000)) == stage_cost(prof, None)
+
+
+def test_a_patched_stage_lines_up_without_its_loss(capfd):
+    """PipelineStage runs a stage's module and sends its output (no loss on a stage that is not
+    the last): the profile's stand-in loss ops are trailing ops outside every module, not
+    counted as missed, so a patched stage says nothing of re-profiling."""
+    from slackswap_cli.run.pipeline import plan_pipeline
+    torch.manual_seed(0)
+
+    def stage():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    planned = plan_pipeline({1: (stage(), (x,), None)}, "GPipe", pp=3, microbatches=4,
+                            budget=13_000, ranks=[1], measure=False)
+    assert planned.rows[0].keep_all_peak_bytes > 13_000 and planned.plans[1] is not None
+    module = stage()
+    planned.patch({1: module})
+    for _ in range(2):
+        out = module(x.detach().requires_grad_())
+        torch.autograd.backward(out, torch.ones_like(out))     # as PipelineStage does
+    report = module.forward.__slackswap__.last_report
+    assert report["lined_up"] == report["expected"] > 0
+    assert "lined up" not in capfd.readouterr().err

@@ -42,7 +42,7 @@ def test_every_private_torch_name_the_code_spells_is_listed():
     aside) is named in a PRIVATE_API row."""
     pattern = re.compile(r"\b(torch(?:\.[A-Za-z0-9_]+)*\._[A-Za-z0-9_]+|"
                          r"torch\.fx\.experimental\.[A-Za-z0-9_]+)")
-    public = ("torch.__version__", "torch.ops.", "torch.Tensor.__")
+    public = ("torch.__version__", "torch.__file__", "torch.ops.", "torch.Tensor.__")
     listed = " ".join(a.api for a in torch_api.PRIVATE_API)
     missing = {}
     for path in SRC.rglob("*.py"):

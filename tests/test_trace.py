@@ -317,6 +317,8 @@ def workload():
     with pytest.raises(TraceError, match="data-dependent") as exc:
         profile_workload(path, device="fake", hardware=HW)
     assert exc.value.hint
+    # the refusal names the model's line that read the value
+    assert "at model.py:9: if y.sum().item() > 0:" in exc.value.message
 
 
 def test_output_that_is_not_a_loss(tmp_path):

@@ -40,6 +40,7 @@ def plan(
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file [default: the profile's, else a100-pcie4]"),
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=1.0, help=f"seconds the whole command may take with a planner that has a time limit ({SLOW_PLANNERS}) [default: the planner's]"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan path [default: <profile name>.plan.json in the current directory]"),
+    for_compile: Optional[str] = typer.Option(None, "--for-compile", metavar="MODE", help="plan for compile_planned: model (the whole model) or per-block (per_block=True); what it cannot offload is kept or recomputed [default: an eager plan]"),
     as_json: bool = _json_option("a summary of the plan (the file holds it all)"),
     quiet: bool = _quiet_option(),
 ) -> None:
@@ -52,6 +53,9 @@ def plan(
     from ..schema import save
     prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
     spec = planner_spec(planner)
+    if for_compile is not None:
+        from ..compile_limits import check_mode
+        check_mode(for_compile)                     # an unknown mode before planning
     # below the floor no plan fits, but the planner's closest plan is still written
     below = floor_message(budget_bytes, prof)
     target = output or Path(_sibling(profile_path, ".plan.json").name)
@@ -59,7 +63,8 @@ def plan(
     # a planner with a time limit keeps its own reserve for the simulation and writing
     with sink.working(f"planning with {planner}"):
         result, sim = plan_profile(prof, hw, budget_bytes, fraction, planner,
-                                   time_limit=time_limit, started=started, record=True)
+                                   time_limit=time_limit, started=started, record=True,
+                                   for_compile=for_compile)
     result = _with_paths(result, profile_path, prof)
     save(result, target)
     reach = None

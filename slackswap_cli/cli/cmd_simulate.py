@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import InfeasibleError
+from ..errors import InfeasibleError, InputError
 from .common import (
     _check_output_path,
     _examples,
@@ -23,21 +23,76 @@ from .output import Result, Sink
 
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
 # and `compare` start without importing torch (tests/test_torch_free.py).
+def _pp_option():
+    return typer.Option(None, "--pp", help="pipeline ranks: the profile is one stage's (one microbatch), every stage priced as it; prints the per-rank table")
+
+
+def _pipeline_options():
+    """The pipeline's options after --pp (schedule, microbatches, stages per rank, budget)."""
+    return (typer.Option(None, "--schedule", help="with --pp: GPipe | 1F1B | Interleaved1F1B [default: 1F1B]"),
+            typer.Option(None, "--microbatches", help="with --pp: microbatches per step [default: 2 x --pp]"),
+            typer.Option(2, "--stages-per-rank", help="with --pp and Interleaved1F1B: stages per rank"),
+            typer.Option(None, "--rank-budget", help="with --pp: activation memory per rank (20GiB); a rank over it is marked"))
+
+
+_SCHEDULE, _MICROBATCHES, _STAGES_PER_RANK, _RANK_BUDGET = _pipeline_options()
+
+
+def _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget):
+    """The checked pipeline settings, or None without --pp (refusing its options alone)."""
+    if pp is None:
+        given = [o for o, v in (("--schedule", schedule), ("--microbatches", microbatches),
+                                ("--rank-budget", rank_budget)) if v is not None]
+        if given:
+            raise InputError(f"{', '.join(given)} describe(s) a pipeline, and --pp is not given",
+                             hint=f"add --pp N (the pipeline's ranks), e.g. --pp 4 {given[0]} ...")
+        return None
+    from ..budget import parse_size
+    from ..pipeline_orders import check_schedule
+    schedule = schedule or "1F1B"
+    microbatches = 2 * pp if microbatches is None else microbatches
+    check_schedule(schedule, pp, microbatches, stages_per_rank)
+    budget = 0 if rank_budget is None else parse_size(rank_budget, "--rank-budget")
+    return schedule, pp, microbatches, stages_per_rank, budget
+
+
+def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
+    """The per-rank table of a pipeline of stages like `prof` under `plan`."""
+    from ..pipeline_step import pipeline_figures
+    schedule, pp, microbatches, per_rank, budget = settings
+    figs = pipeline_figures(prof, plan, schedule, pp, microbatches, per_rank, budget,
+                            1.0 / hw.d2h_bytes_per_s * 1e6 if hw.d2h_bytes_per_s else 0.0)
+
+    def views():
+        from .render.pipeline import pipeline_views
+        return pipeline_views(figs, "every stage as this profile")
+    from .render.pipeline import figures_json
+    return Result({**data, "pipeline": figures_json(figs)}, views=views)
+
+
 @app.command(short_help="Re-simulate a plan (what-if on other hardware).",
              epilog=_examples(
                  "slackswap simulate model.plan.json --hardware gh200-c2c",
                  "slackswap simulate model.plan.json --trace step.trace.json   # open in ui.perfetto.dev",
+                 "slackswap simulate stage.plan.json --pp 4 --schedule 1F1B --microbatches 8",
              ))
 def simulate(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan JSON from `slackswap plan`"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="re-simulate on this preset or JSON file [default: the plan's]"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile JSON [default: the one the plan records]"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace JSON here"),
+    pp: Optional[int] = _pp_option(),
+    schedule: Optional[str] = _SCHEDULE,
+    microbatches: Optional[int] = _MICROBATCHES,
+    stages_per_rank: int = _STAGES_PER_RANK,
+    rank_budget: Optional[str] = _RANK_BUDGET,
     as_json: bool = _json_option("the prediction"),
     quiet: bool = _quiet_option(),
 ) -> None:
-    """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline."""
+    """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline.
+    With --pp: the per-rank table of a pipeline of stages like the plan's profile."""
     sink = Sink(as_json, quiet)
+    pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget)
     from ..hardware import HardwareSpec, load_hardware
     from ..profile_build import recost
     from ..schema import load_plan
@@ -60,6 +115,12 @@ def simulate(
         shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted,
                                     feasible=result.feasible)
         return _render().plan_views(shown, prof, result, planned=p)
+    if pipe is not None:
+        shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted)
+        sink.show(_pipeline_result(pipe, prof, shown, hw, {
+            "plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
+            "predicted": result.predicted}))
+        return
     sink.show(Result({"plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
                       "reason": result.reason, "predicted": result.predicted,
                       "trace": str(trace) if trace is not None else None}, views=views,
@@ -76,15 +137,26 @@ def simulate(
              epilog=_examples(
                  "slackswap show model.profile.json",
                  "slackswap show model.plan.json --json",
+                 "slackswap show stage.plan.json --pp 4 --schedule Interleaved1F1B --microbatches 8",
              ))
 def show(
     path: Path = typer.Argument(..., metavar="FILE", help="a profile or a plan JSON"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="for a plan: its profile [default: the one it records]"),
+    pp: Optional[int] = _pp_option(),
+    schedule: Optional[str] = _SCHEDULE,
+    microbatches: Optional[int] = _MICROBATCHES,
+    stages_per_rank: int = _STAGES_PER_RANK,
+    rank_budget: Optional[str] = _RANK_BUDGET,
     as_json: bool = _json_option("the summary"),
     quiet: bool = _quiet_option(),
 ) -> None:
-    """Inspect a profile or a plan in the terminal."""
+    """Inspect a profile or a plan in the terminal. With --pp: the per-rank table of a
+    pipeline of stages like it (a profile: keeping everything)."""
     from ..schema import PROFILE_FORMAT, load_plan, load_profile, sniff_format
+    pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget)
+    if pipe is not None:
+        Sink(as_json, quiet).show(_show_pipeline(path, profile_path, pipe))
+        return
     if sniff_format(path) == PROFILE_FORMAT:
         prof = load_profile(path)
         result = Result({"fingerprint": prof.fingerprint, "workload": prof.workload,
@@ -94,6 +166,19 @@ def show(
         p = load_plan(path)
         result = Result(p, views=lambda: _simulated_plan_views(p, profile_path))
     Sink(as_json, quiet).show(result)
+
+
+def _show_pipeline(path: Path, profile_path: Optional[Path], pipe) -> Result:
+    from ..hardware import HardwareSpec, load_hardware
+    from ..schema import PROFILE_FORMAT, load_plan, load_profile, sniff_format
+    if sniff_format(path) == PROFILE_FORMAT:
+        prof = load_profile(path)
+        hw_name = (prof.env or {}).get("hardware") or "a100-pcie4"
+        return _pipeline_result(pipe, prof, None, load_hardware(hw_name), {"profile": str(path)})
+    p = load_plan(path)
+    return _pipeline_result(pipe, _plan_profile(p, profile_path), p,
+                            HardwareSpec.from_dict(p.hardware, "plan hardware"),
+                            {"plan": str(path)})
 
 
 def _simulated_plan_views(p, profile_path: Optional[Path]) -> list:

@@ -175,22 +175,32 @@ def plan_and_simulate(name: str, profile: Profile, hw: HardwareSpec, budget_byte
                       **options) -> tuple[Plan, SimResult]:
     """`make_plan`, and the simulation the Plan was filled from (with its timeline when
     `record`, for the views that show it), so a caller does not simulate the plan again."""
+    # `no_swap`, `no_recompute` (plan --for-compile) go to a planner that takes them; one that
+    # does not is held to them by the simulator (swap-all is refused)
+    barred = {k: tuple(options.pop(k, ())) for k in ("no_swap", "no_recompute")}
+    options.update(planner_spec(name).accepted(**{k: v for k, v in barred.items() if v}))
     decisions, notes, solve_ms = run_planner(name, profile, hw, budget_bytes, **options)
+    if barred["no_swap"]:
+        notes = tuple(notes) + (f"for the compiled path: {len(barred['no_swap'])} value(s) "
+                                f"compile_planned cannot offload are not swapped "
+                                f"({len(barred['no_recompute'])} of them kept)",)
     return judge(name, profile, hw, budget_bytes, decisions, notes, solve_ms,
-                 budget_fraction, record=record)
+                 budget_fraction, record=record, **barred)
 
 
 def judge(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,
           decisions: list[Decision], notes: tuple[str, ...] = (), solve_ms: float = 0.0,
-          budget_fraction: float | None = None, *, record: bool = False
-          ) -> tuple[Plan, SimResult]:
+          budget_fraction: float | None = None, *, record: bool = False, no_swap=(),
+          no_recompute=()) -> tuple[Plan, SimResult]:
     """Simulate `decisions` (made by `name`: a registered planner, a fixed rule such as `fit`'s
     keep-everything, or torch's partitioner) and fill in the Plan from the simulation: the
-    simulator's verdict, schedule and predictions."""
+    simulator's verdict, schedule and predictions (`no_swap`, `no_recompute`: roots it may
+    not swap, recompute)."""
     from ..schema import Plan
     from ..simulate import simulate
 
-    res = simulate(profile, decisions, hw, budget_bytes, record=record)
+    res = simulate(profile, decisions, hw, budget_bytes, record=record, no_swap=no_swap,
+                   no_recompute=no_recompute)
     notes = tuple(notes)
     if not res.feasible and res.reason:
         notes = notes + (f"simulator: {res.reason}",)

@@ -109,6 +109,9 @@ class CostModel:
     live_keep: np.ndarray            # keep-all live bytes per op
     base: np.ndarray                 # floor memory per op (every candidate evicted)
     layer: list[int | None] = field(default_factory=list)   # repeated-block index of each candidate
+    swappable: np.ndarray = field(default_factory=lambda: np.ones(0, dtype=bool))  # may be
+    #                                swapped (False: `no_swap`, what the compiled path cannot offload)
+    no_recompute: frozenset = frozenset()   # candidate ids whose chain is barred (`build_chains`)
     chains: "Chains | None" = field(default=None, repr=False)  # `build_chains`' result, once made
 
     @property
@@ -121,7 +124,9 @@ class CostModel:
 
 
 
-def build_cost_model(prof: Profile, hw: HardwareSpec) -> CostModel:
+def build_cost_model(prof: Profile, hw: HardwareSpec, no_swap=(), no_recompute=()) -> CostModel:
+    """The static arrays of `prof` on `hw`; `no_swap`, `no_recompute`: candidate ids that may
+    not be swapped, recomputed (`compile_limits`: the compiled path cannot)."""
     n, nf = len(prof.ops), prof.n_forward
     op_us = np.array([op.time_us for op in prof.ops], dtype=np.float64)
     t_end = np.cumsum(op_us)
@@ -145,8 +150,11 @@ def build_cost_model(prof: Profile, hw: HardwareSpec) -> CostModel:
     base = live + np.cumsum(delta)[:n]
     layers = op_layer_indices(prof)
     layer = [layers[prof.tensors[t].producer] for t in cands]
+    no_swap = set(no_swap)
+    swappable = np.array([t not in no_swap for t in cands], dtype=bool)
     return CostModel(prof, hw, n, nf, op_us, t_start, t_end, cands, index, size, p, lf, fb, lu, rec,
-                 d2h, h2d, live, base, layer)
+                     d2h, h2d, live, base, layer, swappable=swappable,
+                     no_recompute=frozenset(no_recompute))
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,7 +205,7 @@ def build_chains(m: CostModel) -> Chains:
     siblings = [[x for x in by_op[int(m.p[c])] if x != c] for c in range(n)]
     for c, tid in enumerate(m.cands):
         ch = candidate_chain(tab, tid)
-        if ch is None:
+        if ch is None or tid in m.no_recompute:
             continue
         cost[c] = float(sum(m.op_us[o] for o in ch.ops))
         temps[c] = ch.temps

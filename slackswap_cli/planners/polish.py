@@ -91,13 +91,16 @@ def _chain_time(tab, r: int) -> float | None:
 
 def polish(prof: Profile, hw: HardwareSpec, budget_bytes: int, decisions, result,
            work_ops: int | None = None, pairs: int = 3, batch_size: int = 24,
-           min_gain: float = 1e-9) -> PolishResult:
+           min_gain: float = 1e-9, no_swap: frozenset = frozenset(),
+           no_recompute: frozenset = frozenset()) -> PolishResult:
     """Improve `decisions` (whose simulation is `result`) move by move; a plan that does not
-    fit is returned as it is."""
+    fit is returned as it is. No move swaps a root of `no_swap` or recomputes one of
+    `no_recompute` (the planner's options: what the compiled path cannot)."""
     pred = result.predicted
     if not result.feasible or pred.step_us - pred.ideal_us <= min_gain * pred.ideal_us:
         return PolishResult(tuple(decisions), result, 0, 0, 0)     # nothing to gain
     p = _Polisher(prof, hw, budget_bytes, decisions, result, work_ops, pairs, min_gain)
+    p.barred = {SWAP: no_swap, RECOMPUTE: no_recompute}
     improved = True
     while improved and p.spent < p.work_ops:
         improved = False
@@ -162,6 +165,12 @@ class _Polisher:
         self.spent = self.moves_taken = self.simulated = self.laid_out = 0
         self.failed: set = set()   # signatures of moves the simulator refused since the last win
         self.deferred: list = []   # this pass's moves like a refused one
+
+    barred: dict = {}
+
+    def swaps_no_swap(self, change) -> bool:
+        """Whether `change` swaps or recomputes a root the planner may not (`barred`)."""
+        return any(t in self.barred.get(a, ()) for t, a in change.items())
 
     def trial(self, change) -> dict:
         """The current plan with `change` (tensor id -> new action) made; a changed tensor
@@ -284,8 +293,9 @@ class _Polisher:
         for k, change in enumerate(batch):
             if self.spent >= self.work_ops:
                 break
-            if any(self.cur[t].action == a for t, a in change.items()):
-                continue                # stale: a move taken since changed it
+            if any(self.cur[t].action == a for t, a in change.items()) or \
+                    self.swaps_no_swap(change):
+                continue                # stale (a move taken since changed it), or barred
             if not self.fits_forward(change, F):
                 continue
             sig = self.signature(change)
@@ -327,8 +337,9 @@ class _Polisher:
             for change in list(neighbourhood(self.cur, size, rec)):
                 if self.spent >= self.work_ops:
                     return
-                if any(self.cur[t].action == a for t, a in change.items()):
-                    continue                # stale: a move taken since changed it
+                if any(self.cur[t].action == a for t, a in change.items()) or \
+                        self.swaps_no_swap(change):
+                    continue                # stale (a move taken since changed it), or barred
                 trial = self.trial(change)
                 self.spent += self.n_ops
                 self.simulated += 1

@@ -98,6 +98,15 @@ class SlackswapSettings(StaticSettings):
     price makes a plan; the simulator picks, and the repairs after the first go on with the
     price that won."""
 
+    no_swap: tuple[int, ...] = ()
+    """Candidate roots that may not be swapped, only kept or recomputed: what
+    `compile_planned` cannot offload (`compile_limits.not_offloadable`, given by
+    `plan --for-compile`). Empty: every candidate may be swapped (eager plans)."""
+
+    no_recompute: tuple[int, ...] = ()
+    """Candidate roots that may not be recomputed either (`plan --for-compile per-block`: a
+    value one block's graph makes and another's saves, which neither can re-run)."""
+
     def _check_ranges(self) -> None:
         super()._check_ranges()
         self._require(len(self.price_quantiles) > 0
@@ -146,7 +155,7 @@ def plan_static(m: CostModel, budget_bytes: int, s: SlackswapSettings, use_swap:
         per_byte = np.where(np.isfinite(state.cost), state.cost / np.maximum(m.size, 1), np.inf)
         if price_per_byte is not None:
             per_byte = np.minimum(per_byte, price_per_byte)
-        order = sorted(np.nonzero(useful)[0], key=lambda c: (-per_byte[c], m.p[c]))
+        order = sorted(np.nonzero(useful & m.swappable)[0], key=lambda c: (-per_byte[c], m.p[c]))
         for c in order:
             if ledger.fits(c, state.need[c]):
                 ledger.add(c, state.need[c])
@@ -233,7 +242,7 @@ def _force_swaps(m: CostModel, state: State, budget_bytes: int,
         if mem[i] <= budget_bytes:
             return mem, True
         kept = np.array([a == KEEP for a in state.actions])
-        cover = kept & (m.lf < i) & (state.need > i)
+        cover = kept & m.swappable & (m.lf < i) & (state.need > i)
         if not cover.any():
             return mem, False
         idx = np.nonzero(cover)[0]
@@ -300,7 +309,7 @@ def _upgrade_to_swap(m: CostModel, state: State, budget_bytes: int, ledger: Slac
     for c in rec:
         if tries >= s.upgrade_tries:
             break
-        if not ledger.fits(c, state.need[c]):
+        if not m.swappable[c] or not ledger.fits(c, state.need[c]):
             continue
         tries += 1
         # inputs' needs stay as early as they were (memory overstated, safe); settled below
@@ -375,7 +384,7 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     loses to recomputing alone); the best plan the simulator saw is kept.
     """
     s = settings
-    m = build_cost_model(profile, hw)
+    m = build_cost_model(profile, hw, s.no_swap, s.no_recompute)
     ideal = m.ideal_us
     best = None
 
@@ -417,9 +426,11 @@ def plan(profile: Profile, hw: HardwareSpec, budget_bytes: int,
     if not best.key[0]:
         # nothing fits yet: swapping everything needs the least memory of any plan (it meets
         # every budget at or above the floor, compute waiting for copies where it must)
-        consider(State(m, [SWAP] * len(m.cands)), True, "swap-all", False)
+        consider(State(m, [SWAP if ok else KEEP for ok in m.swappable]), True, "swap-all",
+                 False)
     polished = polish(profile, hw, budget_bytes, best.decisions, best.res,
-                      work_ops=settings.polish_work_ops)
+                      work_ops=settings.polish_work_ops, no_swap=frozenset(s.no_swap),
+                      no_recompute=frozenset(s.no_recompute))
     decisions = list(polished.decisions)
     return PlannerOutput(decisions, _notes(best, decisions, polished, s))
 

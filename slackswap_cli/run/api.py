@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..budget import first_feasible_budget, floor_message
 from ..chains import runtime_table
+from ..compile_limits import check_mode
 from ..errors import InfeasibleError, InputError, SlackswapError, TraceError
 from ..fit import check_optimizer, device_budget, static_memory
 from ..hardware import HardwareSpec, load_hardware
@@ -56,6 +57,7 @@ from .check import CheckReport, check_step
 from .emit import patch_meta
 from .inplace import is_patched
 from .replan import _fake_copy, fake_of
+from .rng import forked_rng
 
 __all__ = ["Plan", "plan_model", "patch", "unpatch", "compile", "check", "CheckReport"]
 
@@ -100,7 +102,7 @@ class Plan:
 def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
                loss_fn: Callable | None = None, device: str = "auto",
                planner: str = "slackswap", autocast: str | None = None, optimizer="adamw",
-               time_limit: float | None = None,
+               time_limit: float | None = None, for_compile: str | None = None,
                progress: Callable[[str], None] | None = None) -> Plan:
     """Profile one training step of `model` on `inputs` in this process and plan it.
 
@@ -110,8 +112,9 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     or "auto" on a CUDA device: what the device holds after the model, its gradients and the
     state of `optimizer` (a torch.optim optimizer or a `slackswap fit --optimizer` name), less
     fit's reserve. `hardware`: a preset, a JSON file or a HardwareSpec (the roofline of a fake
-    trace, and the copy engine the plan is simulated on). `planner`, `autocast`, `time_limit`:
-    as the CLI's options. Raises SlackswapError subclasses: InputError (bad arguments),
+    trace, and the copy engine the plan is simulated on). `planner`, `autocast`, `time_limit`,
+    `for_compile` ("model" or "per-block": a plan for `compile_planned`, what it cannot
+    offload kept or recomputed): as the CLI's options. Raises SlackswapError subclasses: InputError (bad arguments),
     TraceError (the model cannot be traced), InfeasibleError (no plan fits; its `.plan` is
     the closest one)."""
     started = time.perf_counter()
@@ -120,6 +123,8 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
         raise InputError("this model is already patched by slackswap, so its forward runs a plan",
                          hint="slackswap_cli.unpatch(model) first, then plan it again")
     planner_spec(planner)                       # an unknown planner before any tracing
+    if for_compile is not None:
+        check_mode(for_compile)                 # an unknown mode before any tracing
     autocast = autocast_name(autocast)
     how, target = _where(model, device)
     if budget == "auto" and how != "cuda":
@@ -137,7 +142,7 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
         budget = str(_auto_budget(model, work.inputs, optimizer))
     prof, hw, budget_bytes, fraction = plan_inputs(prof, budget, hw, "plan_model")
     result, _ = plan_profile(prof, hw, budget_bytes, fraction, planner, time_limit=time_limit,
-                             started=started)
+                             started=started, for_compile=for_compile)
     out = _plan_of(prof, result, joint, traced, loss_fn)
     out.note = note
     if not result.feasible:
@@ -276,10 +281,9 @@ def _hardware(hardware):
 def _untouched(model: torch.nn.Module):
     """Random number generators restored, and the buffers' values too (a measured trace runs
     BatchNorm's statistics updates), when the block ends."""
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with torch.random.fork_rng(devices=devices):
+        with forked_rng():      # NumPy's and Python's generators too (run/rng.py)
             yield
     finally:
         with torch.no_grad():
@@ -331,7 +335,8 @@ def _plan_of(prof: Profile, result: PlanFile, joint, traced: Workload, loss_fn) 
     meta = patch_meta(joint, traced, prof, result, device_type, ref)
     if loss_fn is not None:
         meta["loss_fn"] = loss_fn        # for a re-plan at other shapes (run/replan.py)
-    return Plan(prof, result, meta, runtime_table(prof, result.decisions, is_inplace_target),
+    return Plan(prof, result, meta,
+                runtime_table(prof, result.decisions, is_inplace_target, result.schedule),
                 graph_table(prof, result))
 
 

@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from ..errors import CheckFailed, InputError, SlackswapError, TraceError
 from ..trace.joint import autocast_region, loss_from_output, split_inputs, workload_inputs
 from . import inplace
+from .rng import rng_state, set_rng_state
 from .verify_steps import device_type, differences
 
 __all__ = ["CheckReport", "check_step", "first_samples"]
@@ -86,14 +87,11 @@ def first_samples(inputs, samples, fraction: float | None) -> tuple[object, int,
 
 
 def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
+    return rng_state()          # torch's, NumPy's and Python's generators (run/rng.py)
 
 
 def _set_rng(state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+    set_rng_state(state)
 
 
 def _step(model, inputs, loss_fn, autocast, params: dict) -> tuple[torch.Tensor, dict]:

@@ -39,6 +39,10 @@ Hugging Face KV cache's first `torch.cat([empty, key_states])`), whose row then 
 nothing: the op whose whole result it copied (`graph_plan.copies`) takes its decision
 (`_stand_in_copies`); and a decomposed reader (layer norm) may read values of its own instead
 of a root the plan swaps: those are offloaded in the root's place (`_substitute_unread`).
+And the partitioner may move the part of a decomposed backward op that reads only one
+offloaded or recomputed root into forward and save its result instead (GPT-2's
+`1 - tanh(x)**2`, a transposed copy of an attention input): every value made from such roots
+alone is re-derived in backward (`compiled_derived.tag_derived`), so the root is what is saved.
 
 Ops that do not line up are left to the partitioner; how many line up is said once per graph
 on stderr. Nothing global changes: the backend is an `aot_autograd` backend or inductor with
@@ -74,6 +78,7 @@ from ..table_rows import GraphRow
 from ..torch_api import PARTS, refuse_untested
 from ..trace.aten import returns_view
 from ..trace.storage import storage_object_key
+from .compiled_derived import tag_derived
 from .graph_plan import block_name, block_rows, graph_units, line_up, op_key
 from .notes import tell
 from .sac import POLICY_OF_TAG
@@ -245,6 +250,7 @@ class PlanPartition:
             if tag == "offload":
                 moved.add(h)
         _tag_views(gm, moved, after_tangent)
+        tag_derived(gm, moved, after_tangent)
         return matched, stood, copied
 
 
@@ -723,11 +729,16 @@ def _measure_stood_in(rep: GraphReport, stood: dict, table: dict, sizes: SymSize
 
 def _measure_unread(rep: GraphReport, matched, roots: dict, sizes: SymSizes) -> None:
     """The swapped roots of lined-up ops that the partitioned forward neither saves nor
-    offloads (backward does not read them), and those a decomposition makes no value for."""
+    offloads (backward does not read them), and those a decomposition makes no value for. A
+    root held through another op's result counts as read (an in-place op's: BatchNorm's output
+    rewritten by `relu_`, whose functional result is what backward reads)."""
     held = set(rep.saved_names) | set(rep.offloaded_names)
+    read = {root for g, (row, _) in matched.items()
+            for root, hs in zip(row.roots, g.holders_for(row.results))
+            if {h.name for h in hs} & held}
     for g, (row, _) in matched.items():
         for tag, root, hs in zip(row.tags, row.roots, g.holders_for(row.results)):
-            if tag != "offload" or root not in roots or root in rep.substituted:
+            if tag != "offload" or root not in roots or root in rep.substituted or root in read:
                 continue
             if not hs and g.decomposed:
                 rep.unread_swaps[root] = (row.name, roots[root])

@@ -183,7 +183,7 @@ def _header(joint, profile: Profile, plan: Plan, step, workload_ref: dict, meta:
     n_saved = len(profile.saved_activations)
     counts = plan.action_counts(profile)
     infeasible = _notes(joint, plan)
-    table = runtime_table(profile, plan.decisions, is_inplace_target)
+    table = runtime_table(profile, plan.decisions, is_inplace_target, plan.schedule)
     return f'''\
 """Patched training step of workload '{workload_ref["name"]}', written by `slackswap apply`.
 

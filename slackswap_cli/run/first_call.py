@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..schema import Action
 from ..trace.aten import written_returns
 from ..trace.storage import storage_id, storage_key
+from . import dtensor
 from .call_state import CallState
 from .holding import count, count_fresh, guard_decision, keep, plan_reserve, swap
 from .packs import PackNote, RecomputedRef
@@ -54,6 +55,7 @@ from .recorded import ExtRef, OpRecord, OutRef, alias_flags, is_random_record
 __all__ = ["FirstCall", "Recorder", "record"]
 
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default   # a value Python reads
+_WAIT = torch.ops._c10d_functional.wait_tensor.default        # (tensor parallel: run/dtensor.py)
 
 
 class FirstCall:
@@ -237,9 +239,14 @@ class Recorder(TorchDispatchMode):
     def __init__(self, s: CallState):
         super().__init__()
         self.s = s
+        self.tp = dtensor.uses_dtensor(s.p.model)     # tensor parallel: run/dtensor.py
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.tp and dtensor.distributed_wrapper(types):
+            if dtensor.takes_dtensor(types):
+                return NotImplemented    # DTensor's dispatch runs it: its local ops come here
+            args, kwargs = dtensor.waited(args, kwargs, self._wait)
         out = func(*args, **kwargs)
         s = self.s
         if func is _LOCAL_SCALAR:        # a Python value, not an op of the step's graph
@@ -253,3 +260,6 @@ class Recorder(TorchDispatchMode):
                     and args[0] in s.where:
                 record(s, func, args, kwargs, out, alias=True)   # a hook's view of a value
         return out
+
+    def _wait(self, x: torch.Tensor) -> None:
+        self.__torch_dispatch__(_WAIT, (), (x,), {})       # recorded as any op

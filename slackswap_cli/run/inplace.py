@@ -174,7 +174,9 @@ class _Patched:
         calls = _calls()
         call = calls.FirstCall(self, plan, inputs)
         run = call.s
-        self.buffer_ids = {id(b) for b in self.model.buffers()}
+        # what the model holds besides its parameters: buffers, DTensor parameters' shards
+        self.buffer_ids = ({id(b) for b in self.model.buffers()}
+                           | calls.dtensor.shard_ids(self.model))
         self.notes.say_checkpointing(self.model)
         prev = getattr(STATE, "run", None)
         STATE.run = run
@@ -185,7 +187,8 @@ class _Patched:
                  calls.register_module_forward_hook(run.lineup.left, always_call=True)]
         try:
             with calls.Recorder(run), torch.autograd.graph.saved_tensors_hooks(
-                    call.pack, partial(calls.backward.unpack, run)):
+                    *calls.dtensor.hooks(call.pack, partial(calls.backward.unpack, run),
+                                         self.model)):
                 out = self.original_forward(*args, **kwargs)
         finally:
             STATE.run = prev
@@ -244,12 +247,14 @@ class _Patched:
         """A call that follows a template (`call`: its policy, run/steady_call.py or
         run/new_shape.py)."""
         run = STATE.run = call.s           # (None before: `forward` checked)
+        calls = _calls()
         try:
             if call.pack is None:   # (a keep-all plan, not measuring: nothing to do)
                 out = self.original_forward(*args, **kwargs)
             else:
                 with torch.autograd.graph.saved_tensors_hooks(
-                        call.pack, partial(_calls().backward.unpack, run)):
+                        *calls.dtensor.hooks(call.pack, partial(calls.backward.unpack, run),
+                                             self.model)):
                     out = self.original_forward(*args, **kwargs)
         finally:
             STATE.run = None
@@ -297,14 +302,15 @@ def _calls():
             register_module_forward_pre_hook,
         )
 
-        from . import backward
+        from . import backward, dtensor
         from .first_call import FirstCall, Recorder
         from .lineup import BodyHooks
         from .new_shape import NewShapeCall
         from .steady_call import follow
         from .templates import Fingerprint
         _CALLS = SimpleNamespace(
-            backward=backward, FirstCall=FirstCall, Recorder=Recorder, BodyHooks=BodyHooks,
+            backward=backward, dtensor=dtensor, FirstCall=FirstCall, Recorder=Recorder,
+            BodyHooks=BodyHooks,
             NewShapeCall=NewShapeCall, follow=follow, Fingerprint=Fingerprint,
             register_module_forward_hook=register_module_forward_hook,
             register_module_forward_pre_hook=register_module_forward_pre_hook)

@@ -21,6 +21,7 @@ import torch
 
 from ..table_rows import OpRow
 from ..trace.aten import is_view_target
+from .dtensor import hooks_first_on_tp
 from .packs import STATE
 
 __all__ = ["LineUp", "BodyHooks", "WINDOW", "TRACE_ONLY", "trace_only_ops"]
@@ -56,7 +57,7 @@ def trace_only_ops(ops: list) -> frozenset[int]:
 class LineUp:
     """The line-up of one recorded forward with the plan's forward ops: the next expected op
     (`ptr`), the ops that matched none (`unmatched`) and the module stack. A steady-state call
-    shares its first call's (`steady.Template`)."""
+    shares its first call's (`templates.Template`)."""
 
     def __init__(self, ops: list[OpRow], names: dict, borrowed: bool):
         """`ops`: the table's forward ops; `names`: id(module) -> its path in the model;
@@ -158,6 +159,7 @@ class BodyHooks:
                     h.remove()
             self.module_hooks[id(mod)] = (mod.register_forward_pre_hook(body_hook),
                                           mod.register_forward_hook(leave_hook, always_call=True))
+            hooks_first_on_tp(mod, self.module_hooks[id(mod)])     # (run/dtensor.py)
 
     def remove(self) -> None:
         for hooks in self.module_hooks.values():

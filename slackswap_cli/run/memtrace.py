@@ -35,7 +35,9 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..trace.dtensor import wrapper_types
 from ..trace.storage import storage_object_key
+from .dtensor import distributed_wrapper
 
 SKIP = object()    # a `locate` result: this call's outputs are not activation memory
 
@@ -62,7 +64,8 @@ class Sample:
 
 def storage_of(t: torch.Tensor):
     """(key, nbytes) of the storage behind `t`, or None for a tensor without real storage."""
-    if t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
+    if t.device.type == "meta" or t.is_sparse or t.layout != torch.strided \
+            or isinstance(t, wrapper_types()):    # (a DTensor's bytes are its local shard's)
         return None
     try:
         s = t.untyped_storage()
@@ -89,6 +92,8 @@ class MemTracker(TorchDispatchMode):
     # -- recording ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if distributed_wrapper(types):
+            return NotImplemented     # a DTensor's op: its local ops come here (run/dtensor.py)
         out = func(*args, **kwargs)
         label = self.locate() if self.locate is not None else None
         index = len(self.samples)

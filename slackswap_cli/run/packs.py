@@ -1,8 +1,8 @@
 """The typed records of the eager runtime's hot path, read by name.
 
-- `PackNote`: what a recorded call (`record.PlanRun`) notes at each saved-tensor pack, for the
-  calls after it (filled in as the pack decides);
-- `TemplatePack`: one pack of a steady-state template (`steady.Template.seq`), what a later
+- `PackNote`: what a recorded call (`first_call.FirstCall`) notes at each saved-tensor pack,
+  for the calls after it (filled in as the pack decides);
+- `TemplatePack`: one pack of a steady-state template (`templates.Template.seq`), what a later
   call checks and does at that pack;
 - `SwappedRef` and `RecomputedRef`: what autograd holds for a swapped or recomputed saved
   tensor (the pack hook returns one, the unpack hook hands the tensor back, once);

@@ -39,6 +39,7 @@ from ..pipeline import (
     boundary_bytes,
     format_rows,
     held_microbatches,
+    output_held,
     plan_stages,
 )
 from ..planning import plan_inputs, plan_profile
@@ -118,6 +119,27 @@ def schedule_order(schedule, pp: int, microbatches: int,
                          hint="the schedule's own constraints apply (e.g. microbatches a "
                               "multiple of pp for the interleaved schedules)") from None
     return {rank: _steps(actions) for rank, actions in enumerate(ops)}
+
+
+def sends_kept(schedule) -> str:
+    """How long `schedule` keeps what it sends (`slackswap_cli.pipeline.SENDS`): torch's
+    `_PipelineScheduleRuntime` waits for its sends when the step ends, GPipe for its backward
+    sends after the last backward, 1F1B for each before the next."""
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        _PipelineScheduleRuntime,
+    )
+    cls = _schedule_class(schedule)
+    if issubclass(cls, _PipelineScheduleRuntime):
+        return "runtime"
+    if issubclass(cls, ScheduleGPipe):
+        return "gpipe"
+    if issubclass(cls, Schedule1F1B):
+        return "none"
+    raise InputError(f"{cls.__name__}: how long it keeps what it sends is not known here",
+                     hint="use GPipe, 1F1B or a schedule torch runs from its action list "
+                          "(Interleaved1F1B, ZBVZeroBubble, DualPipeV, ...)")
 
 
 StageSpec = tuple  # (module, inputs, loss_fn or None)
@@ -223,6 +245,20 @@ def _not_a_fraction(budget) -> None:
                              hint="budget='2GiB' or a number of bytes, per rank")
 
 
+def _no_split_backward(schedule, order) -> None:
+    """Refuse a schedule that splits backward into its input half and its weight half (I
+    and W: ZBVZeroBubble, DualPipeV, InterleavedZeroBubble): the weight half is a second
+    backward through the saved tensors, which a patched stage handed to the first (the
+    runtime refuses it mid-step; measured on two gloo ranks)."""
+    if any(kind in ("I", "W") for steps in order.values() for kind, _, _ in steps):
+        name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__",
+                                                                   type(schedule).__name__)
+        raise InputError(f"{name} splits each backward into an input and a weight pass: "
+                         "the weight pass is a second backward through saved tensors that a "
+                         "patched stage swapped or recomputed for the first",
+                         hint="plan for GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
+
+
 def _rank_bytes(budget, prof) -> int:
     return parse_budget(budget, prof)[0]
 
@@ -230,14 +266,18 @@ def _rank_bytes(budget, prof) -> int:
 def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microbatches: int,
                   budget, stages_per_rank: int | None = None, hardware=None,
                   planner: str = "slackswap", device: str = "cpu", ranks=None,
-                  progress: Callable[[str], None] | None = None) -> PlannedPipeline:
+                  progress: Callable[[str], None] | None = None,
+                  measure: bool = True) -> PlannedPipeline:
     """Profile each stage (stage index -> (module, one microbatch's inputs, loss_fn or None:
     `out.sum()`)) and plan it for its rank's budget knowing how many microbatches the
     schedule holds there. `budget`: per rank, activation memory: a size ("2GiB", bytes) or a
     mapping rank -> size. `ranks`: plan only these ranks' stages (each rank its own, say:
-    `ranks=[dist.get_rank()]`), the stages given those ranks run."""
+    `ranks=[dist.get_rank()]`), the stages given those ranks run. `measure` (not on the fake
+    device): run each planned stage's plan once on its inputs and plan again where eager
+    peaks above the simulator (`eager_excess`)."""
     _not_a_fraction(budget)
     order = schedule_order(schedule, pp, microbatches, stages_per_rank)
+    _no_split_backward(schedule, order)
     if ranks is not None:
         unknown = sorted(set(ranks) - set(order))
         if unknown:
@@ -246,12 +286,15 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
         order = {r: order[r] for r in ranks}
     profiles, traced, boundary, outputs = {}, {}, {}, {}
     hw = api._hardware(hardware)
-    n_stages = 1 + max(s for steps in schedule_order(schedule, pp, microbatches,
-                                                     stages_per_rank).values() for _, s, _ in steps)
+    full = schedule_order(schedule, pp, microbatches, stages_per_rank)
+    n_stages = 1 + max(s for steps in full.values() for _, s, _ in steps)
+    rank_of = {s: r for r, steps in full.items() for _, s, _ in steps}
+    sends = sends_kept(schedule)
     for index, (module, inputs, loss_fn) in sorted(stages.items()):
         outputs[index] = _output_shapes(module, inputs)
+        local = (rank_of.get(index - 1) == rank_of[index], rank_of.get(index + 1) == rank_of[index])
         boundary[index] = boundary_bytes(sum(n for _, n in outputs[index]), _grad_bytes(inputs),
-                                         index == 0, index == n_stages - 1)
+                                         index == 0, index == n_stages - 1, sends, local)
         loss_fn = loss_fn or _stage_loss
         work = api._checked(module, inputs, loss_fn)
         how, target = api._where(module, device)
@@ -260,7 +303,9 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
                                               time.perf_counter())
         prof, hw, _, _ = plan_inputs(prof, 1.0, hw, "plan_pipeline")
         profiles[index], traced[index] = prof, (joint, tr, loss_fn)
-        boundary[index] = boundary[index]._replace(pinned=_output_roots(prof, outputs[index]))
+        pinned = _output_roots(prof, outputs[index])
+        held = output_held(prof, pinned, sum(n for _, n in outputs[index]))
+        boundary[index] = boundary[index]._replace(pinned=pinned, held=held)
 
     def planner_fn(prof, budget_bytes):
         return pinned_prefetches(plan_profile(prof, hw, budget_bytes, None, planner)[0])
@@ -271,4 +316,60 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
     table = plan_stages(order, profiles, per_rank, planner_fn, boundary)
     plans = {s: (None if p is None else api._plan_of(profiles[s], p, *traced[s]))
              for s, p in table.plans.items()}
+    if measure and not device.startswith("fake"):
+        table, plans = _settled(stages, order, profiles, per_rank, planner_fn, boundary,
+                                table, plans, traced)
     return PlannedPipeline(plans, table, profiles)
+
+
+def _settled(stages, order, profiles, per_rank, planner_fn, boundary, table, plans, traced):
+    """Plan again where the eager run of a stage's plan, measured on one microbatch, peaks
+    above the simulator's prediction (`eager_excess`): the excess counts at that stage's
+    peak (`Boundary.eager`), and the search runs again (twice at most)."""
+    for _ in range(2):
+        excess = {s: eager_excess(*stages[s][:2], traced[s][2], plans[s], table.plans[s])
+                  for s in table.plans if plans.get(s) is not None}
+        if not any(e > boundary[s].eager for s, e in excess.items()):
+            break
+        for s, e in excess.items():
+            boundary[s] = boundary[s]._replace(eager=max(e, boundary[s].eager))
+        table = plan_stages(order, profiles, per_rank, planner_fn, boundary)
+        plans = {s: (None if p is None else api._plan_of(profiles[s], p, *traced[s]))
+                 for s, p in table.plans.items()}
+    return table, plans
+
+
+def eager_excess(module, inputs, loss_fn, plan, raw) -> int:
+    """Bytes by which one patched microbatch of `module` (a copy, patched with `plan`; its
+    second call, the first one records) peaks above the simulator's peak of `raw` (the plan
+    file), activations as the profile counts them. Eager holds what Python still names (a
+    block's locals, its input in the caller's loop) until the statement or function ends,
+    where the simulator frees a swapped or recomputed tensor after its last reader."""
+    import copy
+
+    from ..trace.storage import storage_object_key
+    from .memtrace import MemTracker
+    work = copy.deepcopy(module)
+    api.patch(work, plan)
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
+                 else a for a in args)
+    peak = 0
+    for _ in range(2):
+        tracker = MemTracker()
+
+        def grad_hook(g, tracker=tracker):
+            i = tracker._live.get(storage_object_key(g))
+            if i is not None and tracker.storages[i].nbytes > 0:
+                tracker.storages[i].nbytes = -tracker.storages[i].nbytes - 1
+        leaves = [*work.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]
+        hooks = [t.register_hook(grad_hook) for t in leaves if t.requires_grad]
+        try:
+            with tracker:
+                loss_fn(work(*args), args).backward()
+            tracker.finish()
+        finally:
+            for h in hooks:
+                h.remove()
+        peak = max(tracker.timeline(), default=0)
+    return max(0, peak - raw.predicted.peak_bytes)

@@ -18,12 +18,13 @@ import torch.utils._pytree as pytree
 
 from ..trace.aten import aliases_input, writes_first, written_positions
 from ..trace.costs import is_random_call
+from ..trace.dtensor import is_collective
 
 __all__ = ["OutRef", "ExtRef", "InputRef", "OpRecord", "alias_flags", "prepare_replay",
            "is_random_record", "view_geometry", "view_of"]
 
 def is_random_record(rec: "OpRecord") -> bool:
-    return is_random_call(rec.func, rec.args, rec.kwargs)
+    return is_random_call(rec.func, rec.args, rec.kwargs) or is_collective(rec.func)
 
 
 class OutRef:

@@ -31,6 +31,7 @@ from ..trace.graph_profile import joint_to_profile
 from ..trace.joint import capture_joint
 from ..trace.workload import load_workload
 from .branches import BranchesDiffer, eager_branches
+from .rng import forked_rng
 from .tables import RunMeta
 
 __all__ = ["replan_table"]
@@ -55,7 +56,7 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta, *
                          hint="regenerate it with `slackswap apply`")
     hw = HardwareSpec.from_dict(hw_dict)
     mode = FakeTensorMode(allow_non_fake_inputs=True)   # a loss_fn's real tensors: constants
-    with torch.random.fork_rng(devices=_cuda_devices()):
+    with forked_rng():      # NumPy's and Python's generators too (run/rng.py)
         shadow = _fake_copy(model, mode)
         fake_inputs = pytree.tree_map(
             lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
@@ -81,7 +82,7 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta, *
     what += f", predicted retention {plan.predicted.retention:.1%}"
     if not plan.feasible:
         what += ", no plan fits: the closest one runs"
-    table = runtime_table(prof, plan.decisions, is_inplace_target)
+    table = runtime_table(prof, plan.decisions, is_inplace_target, plan.schedule)
     table["budget_bytes"] = budget         # (what the guard holds calls at these shapes to)
     return table, what
 
@@ -140,6 +141,3 @@ def _workload_loss_fn(meta: RunMeta):
                          fake_mode=FakeTensorMode())
     return work.loss_fn
 
-
-def _cuda_devices() -> list[int]:
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []

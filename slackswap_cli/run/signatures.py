@@ -257,7 +257,7 @@ class SignaturePlans:
             tpl, ran_on = old
             got = self.plans[sig] = plan.borrow()
             runner = ran_on.borrow()
-            runner.limit = plan.limit       # (the new plan's fraction: `ShapeRun.fraction`)
+            runner.limit = plan.limit       # (the new plan's fraction: `NewShapeCall.fraction`)
             self.first_at[sig] = NewShapeRoute(tpl, shape_scale(other, sig), runner)
             return got
         for other, plan in similar:

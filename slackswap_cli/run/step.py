@@ -20,6 +20,7 @@ from ..trace.joint import capture_joint
 from ..trace.retrace import joint_fingerprint
 from ..trace.workload import load_workload
 from .generated import check_generated
+from .rng import forked_rng
 from .swap import StepStore
 
 __all__ = ["PatchedStep"]
@@ -131,8 +132,7 @@ class PatchedStep(torch.nn.Module):
         The workload file is run again for its inputs and loss function; it may seed the RNG,
         so the caller's RNG state is saved and restored around it.
         """
-        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        with forked_rng():      # NumPy's and Python's generators too (run/rng.py)
             self._check_trace_inner()
 
     def _check_trace_inner(self) -> None:

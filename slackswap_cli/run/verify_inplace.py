@@ -28,7 +28,7 @@ def check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol:
     opts = [torch.optim.SGD(w.model.parameters(), lr=1e-3) for w in models]
     max_loss = max_grad = 0.0
     held = 0
-    calls = []         # per patched call: `PlanRun.report` and what it held after forward
+    calls = []         # per patched call: `CallState.report` and what it held after forward
     for k in range(steps):
         losses, grads = [], []
         for w, opt in zip(models, opts):

@@ -60,6 +60,7 @@ from ..profile_build import ProfileBuilder, dtype_name
 from ..schema import Profile
 from .aten import UNDECLARED_VIEWS, packet_name
 from .costs import is_random_op, node_flops, tensor_nbytes
+from .dtensor import is_collective
 from .joint import JointGraph
 from .storage import storage_nbytes, storage_object_key
 
@@ -265,7 +266,7 @@ class _GraphProfile:
         aliased, written = _schema_aliases(node)
         inputs = list(dict.fromkeys(tid_of[a.name] for a in node.all_input_nodes
                                     if a.name in tid_of))
-        random = is_random_op(node)
+        random = is_random_op(node) or is_collective(node.target)    # not re-run either
         outputs: list[int] = []
         writes: list[int] = []
         for i, v in enumerate(vals):
@@ -359,8 +360,9 @@ class _GraphProfile:
         return out
 
     def mark_recomputable(self) -> None:
-        """Roots mutated in place, made by random ops or by an op that read a value later
-        overwritten in place cannot be recomputed; an alias is recomputable exactly when its
+        """Roots mutated in place, made by random ops or collectives (and their waits:
+        trace/dtensor.py) or by an op that read a value later overwritten in place cannot be
+        recomputed; an alias is recomputable exactly when its
         root is (it is re-derived from the root)."""
         b = self.b
         for t in self.last_write.keys() | self.random_roots:

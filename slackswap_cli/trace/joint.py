@@ -38,7 +38,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -56,6 +59,7 @@ from ..errors import InputError, SlackswapError, TraceError
 from ..profile_build import dtype_name
 from ..torch_api import PARTS, is_tested
 from .costs import is_random_op
+from .dtensor import as_dtensors, local_params
 from .fake_build import eager_stance
 
 
@@ -190,7 +194,7 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
     fake trace stands for, which decides how it traces dropout (`_cuda_dropout`); real traces
     always follow their own device.
     """
-    params = dict(model.named_parameters())
+    params, layouts = local_params(dict(model.named_parameters()))   # DTensors: dtensor.py
     buffers = dict(model.named_buffers())
     param_names, buffer_names = list(params), list(buffers)
     grad_index = [i for i, n in enumerate(param_names) if params[n].requires_grad]
@@ -208,7 +212,7 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
         it = iter(input_list)
         flat = [next(it) if t else c for t, c in zip(is_tensor, constants)]
         a, kw = pytree.tree_unflatten(flat, spec)
-        state = {**dict(zip(param_names, param_list)), **dict(zip(buffer_names, buffer_list))}
+        state = {**as_dtensors(dict(zip(param_names, param_list)), layouts), **dict(zip(buffer_names, buffer_list))}
         with region:
             out = torch.func.functional_call(model, state, a, kw, strict=True)
             loss = loss_from_output(out, workload_inputs(inputs, a, kw), loss_fn)
@@ -565,10 +569,38 @@ _VALUES_HINT = ("profile with --device cpu (or --device cuda): a real trace take
                 "batches exactly, the ops whose sizes differ left unplanned")
 
 
+def value_site(exc: BaseException) -> str:
+    """Where the traced step read a tensor's value: `file.py:12: the line` of the innermost
+    frame outside torch and slackswap that led to `exc` (or to an exception it wraps), "in
+    backward: ..." when only autograd's engine did (a gradient whose size depends on
+    values), else ""."""
+    torch_dir = str(Path(torch.__file__).parent) + os.sep
+    ours = str(Path(__file__).resolve().parents[1]) + os.sep
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    backward = False
+    for e in reversed(chain):                       # the innermost exception first
+        frames = traceback.extract_tb(e.__traceback__)
+        backward = backward or any(f.name == "_engine_run_backward" for f in frames)
+        mine = [f for f in frames if not f.filename.startswith((torch_dir, ours))]
+        if mine:
+            f = mine[-1]
+            return f"at {Path(f.filename).name}:{f.lineno}: {(f.line or '').strip()[:120]}"
+    if backward:
+        return ("in backward: a gradient whose size depends on values (such as that of an "
+                "index or an assignment with a boolean mask)")
+    return ""
+
+
 def _explain(exc: Exception, fake: bool = True) -> TraceError:
     text = f"{type(exc).__name__}: {exc}".strip()
     first = text.splitlines()[0][:400]
     if needs_values(exc):
+        site = value_site(exc)
+        first = f"{first}, {site}" if site else first
         return TraceError(
             "the step is data-dependent: its sizes or control flow depend on tensor values "
             f"(such as expert routing in a mixture of experts), which fake tensors (--device "

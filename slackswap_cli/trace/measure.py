@@ -38,13 +38,14 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..errors import TraceError
+from .dtensor import local_params
 from .joint import JointGraph, split_inputs
 from .storage import storage_key
 
 
 def flat_args(joint: JointGraph, model: torch.nn.Module, inputs: Any) -> list:
     """The graph's placeholders in order: parameters, buffers, input tensors, tangent."""
-    params = dict(model.named_parameters())
+    params, _ = local_params(dict(model.named_parameters()))     # DTensors: their shards
     buffers = dict(model.named_buffers())
     args, kwargs = split_inputs(inputs)
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]

@@ -1,0 +1,38 @@
+"""Terminal view of a pipeline's per-rank figures (`simulate --pp`, `show --pp`): per rank the
+stages, the microbatches held, keep-all and planned peaks, swapped and recomputed bytes per
+step, its bubbles; then the step's time with the schedule's bubbles."""
+from __future__ import annotations
+
+from ...pipeline import ROW_HEADERS, row_cells
+from ...pipeline_step import PipelineFigures
+from ...units import fmt_us
+from .format import _kv_table, _rows_table
+
+
+def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
+    cols = [(h, "right") for h in ROW_HEADERS]
+    cols += [("idle/step", "right"), ("swap copies/step", "right")]
+    rows = [[*row_cells(r), fmt_us(figs.idle_us[r.rank]), fmt_us(figs.swap_copy_us[r.rank])]
+            for r in figs.rows]
+    title = (f"Per rank: {figs.schedule}, {figs.pp} ranks, {figs.microbatches} microbatches "
+             f"({stage_note})")
+    return [_rows_table(title, cols, rows),
+            _kv_table("Step with the schedule's bubbles", [
+                ("step (plan)", fmt_us(figs.step_us)),
+                ("step (keep all)", fmt_us(figs.keep_all_step_us)),
+                ("note", "sends and receives take no time here; every stage is priced as "
+                         "the profile's")])]
+
+
+def figures_json(figs: PipelineFigures) -> dict:
+    """What --json prints of the pipeline."""
+    return {"schedule": figs.schedule, "pp": figs.pp, "microbatches": figs.microbatches,
+            "step_us": figs.step_us, "keep_all_step_us": figs.keep_all_step_us,
+            "ranks": [{"rank": r.rank, "stages": list(r.stages), "held": r.held,
+                       "budget_bytes": r.budget_bytes,
+                       "keep_all_peak_bytes": r.keep_all_peak_bytes,
+                       "planned_peak_bytes": r.planned_peak_bytes, "fits": r.fits,
+                       "swapped_bytes": r.swapped_bytes,
+                       "recomputed_bytes": r.recomputed_bytes,
+                       "idle_us": figs.idle_us[r.rank],
+                       "swap_copy_us": figs.swap_copy_us[r.rank]} for r in figs.rows]}

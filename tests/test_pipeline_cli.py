@@ -1,0 +1,110 @@
+"""`slackswap simulate --pp` and `show --pp`: the per-rank table of a pipeline of stages like
+the profile (slackswap_cli/pipeline_step.py), the step with the schedule's bubbles, and bad
+pipeline options refused with a hint that works. Synthetic profiles: no torch."""
+import orjson
+import pytest
+from helpers import assert_clean_error, run_torch_blocked
+from typer.testing import CliRunner
+
+from slackswap_cli import schema
+from slackswap_cli.cli import app
+from slackswap_cli.pipeline_step import timeline
+from slackswap_testkit.synthetic import chain_profile
+
+runner = CliRunner()
+MiB = 1 << 20
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def ws(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    schema.save(chain_profile(6, act_bytes=MiB, fwd_us=100.0), tmp_path / "chain.profile.json")
+    r = run("plan", "chain.profile.json", "--budget", "0.5", "-o", "chain.plan.json")
+    assert r.exit_code == 0, r.stderr
+    return tmp_path
+
+
+def _pipeline(*args):
+    r = run(*args, "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    return orjson.loads(r.stdout)["pipeline"]
+
+
+def test_simulate_pp_prints_each_ranks_memory_and_the_bubbled_step(ws):
+    """1F1B, 4 ranks, 8 microbatches of a stage taking 600 us forward and 1200 us backward:
+    rank r holds 4 - r; uniform stages take (8 + 4 - 1) x 1800 us, each rank idle 3 x 1800."""
+    d = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", "1F1B",
+                  "--microbatches", 8, "--rank-budget", "9MiB")
+    ranks = d["ranks"]
+    assert [r["held"] for r in ranks] == [4, 3, 2, 1]
+    assert d["keep_all_step_us"] == pytest.approx(11 * 1800)
+    assert [r["idle_us"] for r in ranks] == pytest.approx([3 * 1800] * 4)
+    keep = [r["keep_all_peak_bytes"] for r in ranks]
+    planned = [r["planned_peak_bytes"] for r in ranks]
+    assert keep == sorted(keep, reverse=True) and all(p < k for p, k in zip(planned, keep))
+    assert [r["fits"] for r in ranks] == [p <= 9 * MiB for p in planned]
+    assert not ranks[0]["fits"] and ranks[3]["fits"]
+    assert all(r["swapped_bytes"] + r["recomputed_bytes"] > 0 for r in ranks)
+    human = run("simulate", "chain.plan.json", "--pp", 4, "--microbatches", 8)
+    assert human.exit_code == 0 and "Per rank: 1F1B, 4 ranks, 8 microbatches" in human.stdout
+    # show --pp: the same table for the plan, and keeping everything for the profile
+    assert _pipeline("show", "chain.plan.json", "--pp", 4, "--microbatches", 8)["ranks"] \
+        == [dict(r, budget_bytes=0, fits=True) for r in ranks]
+    prof = _pipeline("show", "chain.profile.json", "--pp", 4, "--microbatches", 8)["ranks"]
+    assert [r["planned_peak_bytes"] for r in prof] == keep
+
+
+def test_interleaved_holds_more_and_gpipe_holds_every_microbatch(ws):
+    inter = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", "Interleaved1F1B",
+                      "--microbatches", 8)
+    assert [r["held"] for r in inter["ranks"]] == [11, 9, 7, 5]
+    assert [r["stages"] for r in inter["ranks"]] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    gpipe = _pipeline("simulate", "chain.plan.json", "--pp", 2, "--schedule", "GPipe",
+                      "--microbatches", 4)
+    assert [r["held"] for r in gpipe["ranks"]] == [4, 4]
+
+
+def test_timeline_by_hand():
+    # GPipe, 2 ranks, 2 microbatches, F 1 us, B 2 us: rank 0 F0 F1 at 0-1, 1-2; rank 1 F0
+    # 1-2, F1 2-3, B0 3-5, B1 5-7; rank 0 B0 5-7, B1 7-9
+    from slackswap_cli.pipeline_orders import order
+    step, busy = timeline(order("GPipe", 2, 2), 1.0, 2.0)
+    assert step == 9.0 and busy == {0: 6.0, 1: 6.0}
+
+
+@pytest.mark.parametrize("args,needle,hint,fixed", [
+    (["--pp", 0], "at least 1 rank", "--pp 4", ["--pp", 4]),
+    (["--pp", 4, "--schedule", "1f1b"], "unknown pipeline schedule", "--schedule 1F1B",
+     ["--pp", 4, "--schedule", "1F1B"]),
+    (["--pp", 4, "--schedule", "Zigzag"], "unknown pipeline schedule", "GPipe, 1F1B",
+     ["--pp", 4, "--schedule", "GPipe"]),
+    (["--pp", 4, "--schedule", "Interleaved1F1B", "--microbatches", 9], "rounds",
+     "--microbatches 12", ["--pp", 4, "--schedule", "Interleaved1F1B", "--microbatches", 12]),
+    (["--pp", 4, "--schedule", "1F1B", "--microbatches", 2], "at least 4 microbatches",
+     "--microbatches 4", ["--pp", 4, "--schedule", "1F1B", "--microbatches", 4]),
+    (["--microbatches", 8], "--pp is not given", "add --pp N",
+     ["--pp", 4, "--microbatches", 8]),
+    (["--pp", 2, "--rank-budget", "lots"], "--rank-budget", "--rank-budget 40GB",
+     ["--pp", 2, "--rank-budget", "40GB"]),
+])
+def test_bad_pipeline_options_are_refused_with_a_hint_that_works(ws, args, needle, hint, fixed):
+    r = run("simulate", "chain.plan.json", *args)
+    assert_clean_error(r, 2, needle)
+    assert hint in r.stderr.split("Hint:", 1)[1]
+    followed = run("simulate", "chain.plan.json", *fixed)
+    assert followed.exit_code == 0, followed.stderr
+
+
+def test_simulate_pp_runs_without_torch(ws):
+    proc = run_torch_blocked("""
+        from typer.testing import CliRunner
+        from slackswap_cli.cli import app
+        r = CliRunner().invoke(app, ["simulate", "chain.plan.json", "--pp", "4",
+                                     "--microbatches", "8", "--json"])
+        assert r.exit_code == 0, r.stdout + r.stderr
+    """)
+    assert proc.returncode == 0, proc.stderr
