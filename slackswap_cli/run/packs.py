@@ -84,7 +84,7 @@ class SteadyRoute(NamedTuple):
 
 
 class NewShapeRoute(NamedTuple):
-    """The first call at new shapes (`_Patched.first_at`): the `template` it follows, the
+    """The first call at new shapes (`SignaturePlans.first_at`): the `template` it follows, the
     shapes' `scale` (`guard.Scale`) and the plan it runs on (`runner`: None, the one
     borrowed; else the superseded call's plan)."""
     template: Any
