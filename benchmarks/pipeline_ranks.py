@@ -25,8 +25,10 @@ sys.path.insert(0, str(ROOT))
 from slackswap_testkit.pipeline_run import run, same  # noqa: E402
 
 CASES = [("GPipe", 2, 4, 1, 300_000, "slackswap"), ("1F1B", 2, 4, 1, 200_000, "slackswap"),
-         ("Interleaved1F1B", 2, 4, 2, 220_000, "slackswap"),
-         ("1F1B", 4, 8, 1, 200_000, "slackswap"),
+         ("Interleaved1F1B", 2, 4, 2, 300_000, "slackswap"),
+         ("1F1B", 4, 8, 1, 220_000, "slackswap"),
+         ("1F1B", 2, 4, 1, 230_000, "slackswap", "llama"),
+         ("Interleaved1F1B", 2, 4, 2, 480_000, "slackswap", "llama"),
          ("GPipe", 2, 4, 1, 400_000, "recompute-only"),
          ("Interleaved1F1B", 2, 4, 2, 400_000, "recompute-only"),
          ("1F1B", 4, 8, 1, 300_000, "recompute-only")]

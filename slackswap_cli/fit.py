@@ -197,6 +197,7 @@ class FitSettings:
     step_on_device: bool = False
     planner: str = DEFAULT_PLANNER
     planner_options: dict = field(default_factory=dict)
+    pipeline: dict = field(default_factory=dict)   # --pp and its flags as given (fit_pipeline)
 
 
 @dataclass
@@ -403,8 +404,11 @@ def profiles(batches: list[int], profile_at: ProfileAt, hw: HardwareSpec,
 
 def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
           progress: Callable[[str], None] | None = None,
-          derive_batch_arg: str | None = None) -> FitResult:
+          derive_batch_arg: str | None = None,
+          row_maker: Callable[[FitSettings, Profile], Callable] | None = None) -> FitResult:
     """Profile each batch (`profiles`), plan it with `s.planner` and every baseline.
+    `row_maker(s, profile)`: the function that makes a row (`plan_row`'s signature), for a
+    pipeline `fit_pipeline.row_maker`; `plan_row` without.
 
     A batch whose profile fails is a row with the reason, and the sweep goes on; the static
     memory is checked (`check_static_fits`) before any planning.
@@ -422,11 +426,12 @@ def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
             continue
         static = check_static_fits(facts, s)
         t1 = time.perf_counter()
-        row, plan = plan_row(s.planner, batch, prof, static, s)
+        row_of = row_maker(s, prof) if row_maker else plan_row
+        row, plan = row_of(s.planner, batch, prof, static, s)
         derived = prof.summary.get("derived_from_batches")
         result.rows.append(dict(row, derived_from=derived))
         for kind, rows in result.baselines.items():
-            rows.append(dict(plan_row(kind, batch, prof, static, s)[0], derived_from=derived))
+            rows.append(dict(row_of(kind, batch, prof, static, s)[0], derived_from=derived))
         if row["feasible"] and (best is None or (row["samples_per_s"], -batch) > best):
             best, result.best_plan, result.best_profile = (row["samples_per_s"], -batch), plan, prof
         rate = f"{row['samples_per_s']:.2f} samples/s" if row["feasible"] else row["reason"]
@@ -435,3 +440,4 @@ def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
             f"{time.perf_counter() - t1:.1f} s: {rate}")
         t0 = time.perf_counter()
     return result
+

@@ -14,9 +14,12 @@ Torch-free.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .errors import InputError
 
-__all__ = ["SCHEDULES", "order", "check_schedule"]
+__all__ = ["SCHEDULES", "order", "check_schedule", "PipelineSpec", "declared_pipeline",
+           "pipeline_spec"]
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
@@ -113,3 +116,66 @@ def order(schedule: str, pp: int, microbatches: int,
     if schedule == "1F1B":
         return _one_f_one_b(pp, microbatches)
     return _interleaved(pp, microbatches, stages_per_rank)
+
+
+class PipelineSpec(NamedTuple):
+    """A checked pipeline: the schedule, its ranks, microbatches per step, stages per rank
+    (Interleaved1F1B; one for the others)."""
+    schedule: str
+    pp: int
+    microbatches: int
+    stages_per_rank: int = 2
+
+
+DECLARED_KEYS = ("pp", "schedule", "microbatches", "stages_per_rank")
+
+
+def declared_pipeline(value, where: str = "the workload") -> dict:
+    """A workload's `pipeline = dict(pp=4, schedule="1F1B", microbatches=8)` as plain values,
+    its keys and types checked (the values are checked by `pipeline_spec`)."""
+    hint = 'pipeline=dict(pp=4, schedule="1F1B", microbatches=8) (stages_per_rank for Interleaved1F1B)'
+    if not isinstance(value, dict):
+        raise InputError(f"{where} declares pipeline={value!r}, not a dict", hint=hint)
+    unknown = [k for k in value if k not in DECLARED_KEYS]
+    if unknown:
+        raise InputError(f"{where} declares pipeline keys {unknown}, not among "
+                         f"{', '.join(DECLARED_KEYS)}", hint=hint)
+    if "pp" not in value:
+        raise InputError(f"{where} declares a pipeline without pp (its ranks)", hint=hint)
+    for key in ("pp", "microbatches", "stages_per_rank"):
+        if key in value and (isinstance(value[key], bool) or not isinstance(value[key], int)):
+            raise InputError(f"{where} declares pipeline {key}={value[key]!r}, not an integer",
+                             hint=hint)
+    if "schedule" in value and not isinstance(value["schedule"], str):
+        raise InputError(f"{where} declares pipeline schedule={value['schedule']!r}, not a "
+                         "name", hint="one of " + ", ".join(SCHEDULES))
+    return dict(value)
+
+
+def pipeline_spec(pp: int | None, schedule: str | None = None, microbatches: int | None = None,
+                  stages_per_rank: int | None = None, declared: dict | None = None
+                  ) -> PipelineSpec | None:
+    """The checked pipeline from the flags (None where not given), each one overriding the
+    workload's `declared` pipeline; None when neither gives --pp. Defaults: 1F1B, twice the
+    ranks microbatches, 2 stages per rank. A bad value (given or declared) is refused with
+    the flag that fixes it (the flag overrides the declared value)."""
+    base = declared_pipeline(declared) if declared is not None else {}
+    if pp is None and not base:
+        given = [o for o, v in (("--schedule", schedule), ("--microbatches", microbatches),
+                                ("--stages-per-rank", stages_per_rank)) if v is not None]
+        if given:
+            raise InputError(f"{', '.join(given)} describe(s) a pipeline, and --pp is not given",
+                             hint=f"add --pp N (the pipeline's ranks), e.g. --pp 4 {given[0]} ...")
+        return None
+    pp = base["pp"] if pp is None else pp
+    schedule = schedule or base.get("schedule") or "1F1B"
+    microbatches = base.get("microbatches", 2 * pp) if microbatches is None else microbatches
+    per_rank = base.get("stages_per_rank", 2) if stages_per_rank is None else stages_per_rank
+    try:
+        check_schedule(schedule, pp, microbatches, per_rank)
+    except InputError as exc:
+        if not base:
+            raise
+        raise InputError(f"{exc.message} (the workload declares pipeline={base!r}; a flag "
+                         "overrides it)", hint=exc.hint) from None
+    return PipelineSpec(schedule, pp, microbatches, per_rank)

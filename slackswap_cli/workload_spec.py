@@ -16,12 +16,16 @@ class Workload:
     the loss or has a `.loss` attribute). `autocast` ("bf16" or "fp16"): the step trains under
     `torch.autocast` in that dtype (forward and loss inside it, backward outside), so it is
     traced that way (`slackswap profile --autocast` says the same from the command line).
+    `pipeline` (a workload that is one pipeline stage): e.g. `dict(pp=4, schedule="1F1B",
+    microbatches=8)` (and `stages_per_rank` for Interleaved1F1B), recorded in the profile and
+    read by `fit` and `simulate` where `--pp` and its flags are not given (a flag overrides).
     """
 
     model: Any
     inputs: Any
     loss_fn: Callable | None = None
     autocast: str | None = None
+    pipeline: dict | None = None
 
 
 def resolve_workload_path(path: str, near: str | None = None) -> str:

@@ -17,7 +17,7 @@ CORE = (
     "slackswap_cli.units", "slackswap_cli.schema", "slackswap_cli.hardware",
     "slackswap_cli.torch_api", "slackswap_cli.profile_build", "slackswap_cli.chains",
     "slackswap_cli.layers", "slackswap_cli.simulate", "slackswap_cli.budget",
-    "slackswap_cli.guard", "slackswap_cli.fit", "slackswap_cli.profile_scale",
+    "slackswap_cli.guard", "slackswap_cli.fit", "slackswap_cli.fit_pipeline", "slackswap_cli.profile_scale",
     "slackswap_cli.planning", "slackswap_cli.table_rows", "slackswap_cli.pipeline",
     "slackswap_cli.pipeline_orders", "slackswap_cli.pipeline_step",
     "slackswap_cli.op_cost", "slackswap_cli.compile_limits",

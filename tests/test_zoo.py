@@ -25,6 +25,9 @@ SUBSET = [   # in-place activations (SiLU, Hardswish), MLP-Mixer, a MoE, encoder
     ("transformers", "masked-lm/bert"), ("transformers", "image-cls/vit"),
     ("diffusers", "UNet2DModel"), ("diffusers", "DiTTransformer2DModel"),
     ("torchvision", "resnet18"),
+    # multi-head latent attention (a config the zoo once built invalid); a data-dependent
+    # step (LayerDrop, SpecAugment drawn with NumPy) refused fake, then profiled for real
+    ("transformers", "causal-lm/minicpm3"), ("transformers", "audio-cls/sew"),
 ]
 
 
@@ -47,7 +50,7 @@ def committed() -> dict:
 def test_subset_is_in_the_committed_zoo():
     rows = committed()
     assert all(key in rows for key in SUBSET), [k for k in SUBSET if k not in rows]
-    assert all(rows[k]["status"] in ("pass", "refused", "fail") for k in SUBSET)
+    assert all(rows[k]["status"] in ("pass", "pass-real", "refused", "fail") for k in SUBSET)
 
 
 @pytest.mark.parametrize("library,name", SUBSET, ids=[n for _, n in SUBSET])
@@ -56,9 +59,9 @@ def test_zoo_model_matches_its_committed_row(library, name, one_thread):
     got = zoo.check(library, name)
     redo = (f"`python benchmarks/zoo.py --library {library} --only {name}` rewrites its row "
             "(then `make zoo` for the whole file)")
-    if want["status"] == "pass":
-        assert got["status"] == "pass", (
-            f"{library}/{name} is recorded as pass in zoo.csv but now {got['status']}: "
+    if want["status"] in ("pass", "pass-real"):
+        assert got["status"] == want["status"], (
+            f"{library}/{name} is recorded as {want['status']} in zoo.csv but now {got['status']}: "
             f"{got.get('detail')}")
         assert got["bitwise"] is True and got["max_diff"] == 0.0
     else:

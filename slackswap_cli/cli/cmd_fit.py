@@ -47,6 +47,17 @@ def _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, t
                        planner_options=_time_options(spec, time_limit))
 
 
+def _pipeline_flags(pp, schedule, microbatches, stages_per_rank) -> dict:
+    """The pipeline flags as given (None where absent), checked now where --pp is given; the
+    workload's declared pipeline fills the others once it is traced (fit_pipeline.row_maker)."""
+    flags = dict(pp=pp, schedule=schedule, microbatches=microbatches,
+                 stages_per_rank=stages_per_rank)
+    if pp is not None:
+        from ..pipeline_orders import pipeline_spec
+        pipeline_spec(**flags)
+    return flags
+
+
 def _write_best(result, plan_target: Path, model: Path) -> Path:
     """The best row's plan, and next to it the profile it was made from."""
     from ..planning import save_with_profile
@@ -58,6 +69,7 @@ def _write_best(result, plan_target: Path, model: Path) -> Path:
                  "slackswap fit model.py --hardware h100-pcie5 --batch 1,2,4,8,16",
                  "slackswap fit llama_70b.py --hardware h100-pcie5 --shard 8 --batch 1,2,4",
                  "slackswap fit model.py --hardware a100-pcie4 --memory 40GiB --batch 8,16",
+                 "slackswap fit examples/gpt_stage.py --pp 4 --schedule 1F1B --microbatches 8 --batch 1,2,4",
              ))
 def fit(
     model: Path = typer.Argument(..., metavar="MODEL", help="workload file (model.py with a workload() function)"),
@@ -76,6 +88,10 @@ def fit(
     device: str = typer.Option("fake", "--device", help="fake (default: nothing allocated, roofline costs) | fake:cpu | cpu | cuda"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="the best plan [default: <model>.fit.plan.json here]; its profile goes next to it"),
     profile_each: bool = typer.Option(False, "--profile-each", help="trace every batch; by default a batch after the first two is derived from the last two traced where that is exact (same step, sizes affine in the batch)"),
+    pp: Optional[int] = typer.Option(None, "--pp", help="pipeline ranks: the workload is ONE stage (as examples/gpt_stage.py), the batch its microbatch; every stage priced as it [default: the workload's declared pipeline, if any]"),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="with --pp: GPipe | 1F1B | Interleaved1F1B [default: the workload's, else 1F1B]"),
+    microbatches: Optional[int] = typer.Option(None, "--microbatches", help="with --pp: microbatches per step [default: the workload's, else 2 x --pp]"),
+    stages_per_rank: Optional[int] = typer.Option(None, "--stages-per-rank", help="with --pp and Interleaved1F1B: stages per rank [default: the workload's, else 2]"),
     jobs: int = typer.Option(2, "--jobs", min=1, help="traces in forked processes, ahead of planning: 2 overlaps a trace with planning (same rows; helps only with idle cores); 1: one process"),
     as_json: bool = _json_option("{rows, best, baselines}"),
     quiet: bool = _quiet_option(),
@@ -84,10 +100,13 @@ def fit(
     memory, plan the activations in what is left, and pick the batch that trains fastest."""
     sink = Sink(as_json, quiet)
     from ..fit import check_static_fits, parse_batches, sweep
+    from ..fit_pipeline import row_maker
     from ..trace import split_device
     from ..trace.workload import parse_workload_args
     batches = parse_batches(batch)
     s = _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, time_limit)
+    s = dataclasses.replace(s, pipeline=_pipeline_flags(pp, schedule, microbatches,
+                                                        stages_per_rank))
     args = parse_workload_args(arg)
     if batch_arg in args:
         raise InputError(f"--arg {batch_arg}=... sets the batch, which --batch sweeps",
@@ -108,7 +127,8 @@ def fit(
                         workers=jobs)
     try:
         result = sweep(batches, profiler, s, progress=sink.status,
-                       derive_batch_arg=None if profile_each else batch_arg)
+                       derive_batch_arg=None if profile_each else batch_arg,
+                       row_maker=row_maker)
     finally:
         profiler.close()
     if result.best_plan is not None:

@@ -24,36 +24,38 @@ from .output import Result, Sink
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
 # and `compare` start without importing torch (tests/test_torch_free.py).
 def _pp_option():
-    return typer.Option(None, "--pp", help="pipeline ranks: the profile is one stage's (one microbatch), every stage priced as it; prints the per-rank table")
+    return typer.Option(None, "--pp", help="pipeline ranks: the profile is one stage's (one microbatch), every stage priced as it; prints the per-rank table [default: the workload's declared pipeline, if any]")
 
 
 def _pipeline_options():
     """The pipeline's options after --pp (schedule, microbatches, stages per rank, budget)."""
-    return (typer.Option(None, "--schedule", help="with --pp: GPipe | 1F1B | Interleaved1F1B [default: 1F1B]"),
-            typer.Option(None, "--microbatches", help="with --pp: microbatches per step [default: 2 x --pp]"),
-            typer.Option(2, "--stages-per-rank", help="with --pp and Interleaved1F1B: stages per rank"),
+    return (typer.Option(None, "--schedule", help="with --pp: GPipe | 1F1B | Interleaved1F1B [default: the workload's, else 1F1B]"),
+            typer.Option(None, "--microbatches", help="with --pp: microbatches per step [default: the workload's, else 2 x --pp]"),
+            typer.Option(None, "--stages-per-rank", help="with --pp and Interleaved1F1B: stages per rank [default: the workload's, else 2]"),
             typer.Option(None, "--rank-budget", help="with --pp: activation memory per rank (20GiB); a rank over it is marked"))
 
 
 _SCHEDULE, _MICROBATCHES, _STAGES_PER_RANK, _RANK_BUDGET = _pipeline_options()
 
 
-def _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget):
-    """The checked pipeline settings, or None without --pp (refusing its options alone)."""
-    if pp is None:
-        given = [o for o, v in (("--schedule", schedule), ("--microbatches", microbatches),
-                                ("--rank-budget", rank_budget)) if v is not None]
-        if given:
-            raise InputError(f"{', '.join(given)} describe(s) a pipeline, and --pp is not given",
-                             hint=f"add --pp N (the pipeline's ranks), e.g. --pp 4 {given[0]} ...")
+def _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, declared=None):
+    """The checked pipeline settings (flags over the workload's `declared` pipeline), or None
+    where neither gives one (refusing the pipeline's options alone)."""
+    from ..pipeline_orders import pipeline_spec
+    spec = pipeline_spec(pp, schedule, microbatches, stages_per_rank, declared)
+    if spec is None:
+        if rank_budget is not None:
+            raise InputError("--rank-budget describes a pipeline, and --pp is not given",
+                             hint="add --pp N (the pipeline's ranks), e.g. --pp 4 --rank-budget ...")
         return None
     from ..budget import parse_size
-    from ..pipeline_orders import check_schedule
-    schedule = schedule or "1F1B"
-    microbatches = 2 * pp if microbatches is None else microbatches
-    check_schedule(schedule, pp, microbatches, stages_per_rank)
     budget = 0 if rank_budget is None else parse_size(rank_budget, "--rank-budget")
-    return schedule, pp, microbatches, stages_per_rank, budget
+    return (*spec, budget)
+
+
+def _declared(prof) -> dict | None:
+    """The pipeline the profile's workload declared (`Workload.pipeline`), if any."""
+    return (prof.workload or {}).get("pipeline")
 
 
 def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
@@ -84,7 +86,7 @@ def simulate(
     pp: Optional[int] = _pp_option(),
     schedule: Optional[str] = _SCHEDULE,
     microbatches: Optional[int] = _MICROBATCHES,
-    stages_per_rank: int = _STAGES_PER_RANK,
+    stages_per_rank: Optional[int] = _STAGES_PER_RANK,
     rank_budget: Optional[str] = _RANK_BUDGET,
     as_json: bool = _json_option("the prediction"),
     quiet: bool = _quiet_option(),
@@ -92,13 +94,15 @@ def simulate(
     """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline.
     With --pp: the per-rank table of a pipeline of stages like the plan's profile."""
     sink = Sink(as_json, quiet)
-    pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget)
+    if pp is not None:      # the flags' own errors before loading anything
+        _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget)
     from ..hardware import HardwareSpec, load_hardware
     from ..profile_build import recost
     from ..schema import load_plan
     from ..simulate import simulate as run_sim
     p = load_plan(plan_path)
     prof = _plan_profile(p, profile_path)
+    pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, _declared(prof))
     hw = load_hardware(hardware) if hardware else HardwareSpec.from_dict(p.hardware, "plan hardware")
     prof = recost(prof, hw)  # what-if: a roofline profile's ops are re-timed on `hw` too
     if trace is not None:
@@ -145,7 +149,7 @@ def show(
     pp: Optional[int] = _pp_option(),
     schedule: Optional[str] = _SCHEDULE,
     microbatches: Optional[int] = _MICROBATCHES,
-    stages_per_rank: int = _STAGES_PER_RANK,
+    stages_per_rank: Optional[int] = _STAGES_PER_RANK,
     rank_budget: Optional[str] = _RANK_BUDGET,
     as_json: bool = _json_option("the summary"),
     quiet: bool = _quiet_option(),

@@ -25,6 +25,8 @@ def fit_table(result: FitResult, title: str) -> object:
             ("keep-all peak", "right"), ("planner", "left"), ("retention", "right"),
             ("step", "right"), ("samples/s", "right")]
     cols += [("tokens/s", "right")] if tokens else []
+    pipe = any(r.get("pipeline") for r in result.rows)
+    cols += [("worst rank", "right"), ("bubbles", "right")] if pipe else []
     cols += [("fits", "left")]
     cells = []
     for r in result.rows:
@@ -36,10 +38,14 @@ def fit_table(result: FitResult, title: str) -> object:
                "-" if r["retention"] is None else fmt_pct(r["retention"]), fmt_us(r["step_us"]),
                Text(_rate(r["samples_per_s"]), style=style)]
         row += [_rate(r["tokens_per_s"])] if tokens else []
+        row += [fmt_bytes(r["worst_rank_peak_bytes"]) if r.get("worst_rank_peak_bytes") else "-",
+                "-" if r.get("bubble_fraction") is None else fmt_pct(r["bubble_fraction"])
+                ] if pipe else []
         row += [Text("yes", style="green") if r["feasible"] else Text("no", style="red")]
         cells.append(row)
     # 80 columns: without the keep-all peak, the planner (the title names it) and the step
-    narrow = [k for k, (c, _) in enumerate(cols) if c not in ("keep-all peak", "planner", "step")]
+    narrow = [k for k, (c, _) in enumerate(cols)
+              if c not in ("keep-all peak", "planner", "step", "static", "tokens/s")[:5 if pipe else 3]]
     return _Fit(_rows_table(title, cols, cells, fixed=("planner",)),
                 _rows_table(title, [cols[k] for k in narrow], [[c[k] for k in narrow] for c in cells],
                             compact=True))
@@ -103,13 +109,22 @@ def fit_views(result: FitResult, *, planner: str, hardware: str, memory_bytes: i
               optimizer: str, shard: int) -> list:
     title = (f"fit: {planner} on {hardware} ({fmt_bytes(memory_bytes)}), {optimizer}"
              + (f", per rank of {shard}" if shard > 1 else ""))
+    pipe = next((r["pipeline"] for r in result.rows if r.get("pipeline")), None)
+    if pipe:
+        title += (f"; pipeline {pipe['schedule']}, {pipe['pp']} ranks, {pipe['microbatches']} "
+                  "microbatches (batch = microbatch, static and budget per rank)")
     views: list = [fit_table(result, title)]
+    best = best_row(result.rows)
+    if pipe and best is not None:
+        views.append(Text(f"  batch {best['batch']} per rank: peak "
+                          + ", ".join(fmt_bytes(b) for b in best["rank_peak_bytes"])
+                          + "; microbatches held " + ", ".join(map(str, best["rank_held"])),
+                          style="dim"))
     reasons = [(r["batch"], r["reason"]) for r in result.rows if r["reason"]]
     if reasons:
         views.append(Text("\n".join(f"  batch {b}: {why}" for b, why in reasons), style="dim"))
     views += [baselines_table(result), Text("samples/s against batch", style="bold"),
               rate_chart(result, planner)]
-    best = best_row(result.rows)
     base = {n: best_row(rows) for n, rows in result.baselines.items()}
     if best is not None:
         gains = [f"{n} {best['samples_per_s'] / b['samples_per_s']:.2f}x (batch {b['batch']})"

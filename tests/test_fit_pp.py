@@ -1,0 +1,158 @@
+"""`slackswap fit --pp`: a pipeline of stages like the workload, the batch its microbatch (
+slackswap_cli/fit_pipeline.py). Per rank the static memory of its stages, the activation budget
+left, the microbatches the schedule holds there; one plan of the stage that keeps every rank
+under its budget; the step with the schedule's bubbles. The pipeline a workload declares
+(`Workload.pipeline`) read by fit and simulate, flags over it; bad values refused with a hint
+that works."""
+import re
+import textwrap
+
+import orjson
+import pytest
+from helpers import assert_clean_error, hand_hw
+from typer.testing import CliRunner
+from workloads import ROOT
+
+from slackswap_cli import schema
+from slackswap_cli.cli import app
+from slackswap_cli.errors import InputError
+from slackswap_cli.fit import FitSettings, ModelFacts, ParamFact, sweep
+from slackswap_cli.fit_pipeline import row_maker
+from slackswap_cli.pipeline_orders import PipelineSpec, pipeline_spec
+from slackswap_cli.pipeline_step import pipeline_figures
+from slackswap_testkit.synthetic import chain_profile
+
+MiB = 1 << 20
+runner = CliRunner()
+# one float32 parameter of 1 MiB that trains: AdamW keeps params, grads and two states
+FACTS = ModelFacts(params=(ParamFact(numel=MiB // 4, itemsize=4, dim0=MiB // 4,
+                                     trainable=True, storage_bytes=MiB),))
+
+
+def _stage(declared=None):
+    prof = chain_profile(6, act_bytes=MiB, fwd_us=100.0)
+    if declared is not None:
+        prof.workload["pipeline"] = declared
+    return prof
+
+
+def _sweep(memory, declared=None, **flags):
+    s = FitSettings(hardware=hand_hw(), memory_bytes=memory, reserve_bytes=MiB,
+                    pipeline=dict(dict.fromkeys(("pp", "schedule", "microbatches",
+                                                 "stages_per_rank")), **flags))
+    return sweep([1], lambda batch: (_stage(declared), FACTS), s, row_maker=row_maker)
+
+
+def test_each_rank_fits_its_budget_with_the_microbatches_it_holds():
+    """1F1B, 4 ranks, 8 microbatches: rank r holds 4 - r microbatches; a rank's static memory
+    is its stage's 4 MiB (params, grads, AdamW's two states), its budget 20 - 4 - 1 MiB.
+    Keeping everything, rank 0 is over it: the plan evicts until every rank fits, and the step
+    (11 slots of 600 + 1200 us, with 3 idle per rank) gives 8 samples per step."""
+    result = _sweep(20 * MiB, pp=4, schedule="1F1B", microbatches=8)
+    row = result.rows[0]
+    assert row["static_bytes"] == 4 * MiB and row["budget_bytes"] == 15 * MiB
+    assert row["pipeline"] == {"schedule": "1F1B", "pp": 4, "microbatches": 8,
+                               "stages_per_rank": 2}
+    assert row["rank_held"] == [4, 3, 2, 1] and row["global_batch"] == 8
+    keep = pipeline_figures(_stage(), None, "1F1B", 4, 8, 2, 15 * MiB)
+    assert not keep.rows[0].fits and keep.rows[3].fits      # keeping everything: rank 0 over
+    keep_row = result.baselines["keep-all"][0]
+    assert not keep_row["feasible"] and "worst rank's peak" in keep_row["reason"]
+    assert row["feasible"] and row["worst_rank_peak_bytes"] <= 15 * MiB
+    assert row["worst_rank_peak_bytes"] == max(row["rank_peak_bytes"]) == row["rank_peak_bytes"][0]
+    plan = result.best_plan
+    assert any(d.action.value != "keep" for d in plan.decisions)
+    figs = pipeline_figures(_stage(), plan, "1F1B", 4, 8, 2, 15 * MiB)
+    assert [r.planned_peak_bytes for r in figs.rows] == row["rank_peak_bytes"]
+    assert row["step_us"] == figs.step_us >= 11 * 1800
+    assert row["samples_per_s"] == pytest.approx(8 / figs.step_us * 1e6)
+    assert row["bubble_fraction"] == pytest.approx(sum(figs.idle_us.values()) / 4 / figs.step_us)
+
+
+def test_interleaved_ranks_hold_two_stages_of_static_memory():
+    """Interleaved1F1B, 2 stages per rank: each rank's static memory is two stages' (8 MiB)."""
+    row = _sweep(40 * MiB, pp=2, schedule="Interleaved1F1B", microbatches=4).rows[0]
+    assert row["static_bytes"] == 8 * MiB and row["budget_bytes"] == 31 * MiB
+    assert row["feasible"] and row["pipeline"]["stages_per_rank"] == 2
+    # 9 MiB: one stage's static memory and the reserve leave room, two stages' do not
+    tight = _sweep(9 * MiB, pp=2, schedule="Interleaved1F1B", microbatches=4).rows[0]
+    assert not tight["feasible"] and "a rank's static memory and reserve exceed" in tight["reason"]
+
+
+def test_the_workload_declared_pipeline_and_flags_over_it():
+    declared = {"pp": 2, "schedule": "GPipe", "microbatches": 4}
+    row = _sweep(1 << 30, declared).rows[0]
+    assert row["pipeline"] == {"schedule": "GPipe", "pp": 2, "microbatches": 4,
+                               "stages_per_rank": 2}
+    assert row["rank_held"] == [4, 4]                  # GPipe holds every microbatch
+    over = _sweep(1 << 30, declared, microbatches=6).rows[0]
+    assert over["pipeline"]["microbatches"] == 6 and over["global_batch"] == 6
+    assert "pipeline" not in _sweep(1 << 30).rows[0]   # none declared, none given
+
+
+@pytest.mark.parametrize("flags,declared,needle", [
+    (dict(pp=0), None, "--pp 0"),
+    (dict(pp=4, schedule="1F1B", microbatches=2), None, "at least 4 microbatches"),
+    (dict(pp=2, schedule="1f1b"), None, "unknown pipeline schedule"),
+    (dict(schedule="GPipe"), None, "--pp is not given"),
+    ({}, {"pp": 4, "microbatches": 2}, "the workload declares"),
+    ({}, {"pp": 4, "schedule": "Interleaved1F1B", "stages_per_rank": 1}, "at least 2 stages"),
+])
+def test_bad_pipeline_values_have_hints_that_work(flags, declared, needle):
+    """Each refusal's hint, followed (its flag added), gives a pipeline that is accepted."""
+    given = dict(dict.fromkeys(("pp", "schedule", "microbatches", "stages_per_rank")), **flags)
+    with pytest.raises(InputError) as exc:
+        pipeline_spec(**given, declared=declared)
+    assert needle in exc.value.message, exc.value.message
+    hint = exc.value.hint.replace("add --pp N (the pipeline's ranks), e.g. ", "")
+    for flag, value in re.findall(r"--([a-z-]+) ([A-Za-z0-9]+)", hint):
+        key = flag.replace("-", "_")
+        given[key] = value if key == "schedule" else int(value)
+    assert isinstance(pipeline_spec(**given, declared=declared), PipelineSpec)
+
+
+@pytest.mark.parametrize("declared,needle", [
+    ({"pp": 4, "chunks": 8}, "keys ['chunks']"),
+    ({"schedule": "1F1B"}, "without pp"),
+    ({"pp": "4"}, "not an integer"),
+    ([4], "not a dict"),
+])
+def test_bad_declared_pipelines_are_refused(declared, needle):
+    with pytest.raises(InputError, match=None) as exc:
+        pipeline_spec(None, declared=declared)
+    assert needle in exc.value.message and "pipeline=dict(" in exc.value.hint
+
+
+def test_cli_fit_and_simulate_read_the_declared_pipeline(tmp_path, monkeypatch):
+    """A workload returning Workload(..., pipeline=...): fit plans that pipeline, its profile
+    records it, simulate of the written plan prints the per-rank table without --pp; bad
+    flags are Error:/Hint: before any tracing."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stage.py").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "examples")!r})
+        from gpt_stage import workload as stage
+        from slackswap_cli import Workload
+
+        def workload(batch=2):
+            model, inputs, loss_fn = stage(batch=batch)
+            return Workload(model, inputs, loss_fn,
+                            pipeline=dict(pp=2, schedule="GPipe", microbatches=4))
+        """))
+    r = runner.invoke(app, ["fit", "stage.py", "--batch", "2", "--hardware", "a100-pcie4",
+                            "--jobs", "1", "--json", "-q"])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    row = orjson.loads(r.stdout)["best"]
+    assert row["pipeline"]["schedule"] == "GPipe" and row["rank_held"] == [4, 4]
+    assert 0 < row["bubble_fraction"] < 1 and row["worst_rank_peak_bytes"] > 0
+    assert schema.load_profile(orjson.loads(r.stdout)["profile"]).workload["pipeline"] == {
+        "pp": 2, "schedule": "GPipe", "microbatches": 4}
+    r = runner.invoke(app, ["simulate", "stage.fit.plan.json", "--json"])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    pipe = orjson.loads(r.stdout)["pipeline"]
+    assert (pipe["schedule"], pipe["pp"], pipe["microbatches"]) == ("GPipe", 2, 4)
+    assert [x["planned_peak_bytes"] for x in pipe["ranks"]] == row["rank_peak_bytes"]
+    r = runner.invoke(app, ["simulate", "stage.fit.plan.json", "--microbatches", "6", "--json"])
+    assert orjson.loads(r.stdout)["pipeline"]["microbatches"] == 6
+    assert_clean_error(runner.invoke(app, ["fit", "stage.py", "--batch", "2", "--pp", "4",
+                                           "--microbatches", "2"]), 2, "at least 4 microbatches")
