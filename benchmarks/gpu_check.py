@@ -251,7 +251,7 @@ def run_inplace(prof, hw, args: dict, fractions: list[float], cuda: bool, steps:
                         m["peak_bytes"] = max(held)     # CPU: bytes held for backward
                     last = getattr(getattr(model.forward, "__slackswap__", None), "last_run", None)
                     if last is not None:
-                        m["steady_state"] = type(last).__name__ in ("SteadyRun", "KeepRun")
+                        m["steady_state"] = last.kind in ("steady", "keep_all")
                         m["ops_lined_up"] = len(last.rec_of_op)
                         m["profile_forward_ops"] = len(mod.TABLE["ops"])
                         m["ops_rerun"] = last.rerun_ops

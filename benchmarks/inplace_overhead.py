@@ -182,9 +182,9 @@ def _capture_work(work) -> dict:
     and back, each tagged with where it ran: the index of the saved-tensor pack (host copy) or
     unpack (chain call, copy back) of that step; and every pack's and unpack's shape, so the
     in-place reference can check that its eager step packs and unpacks the same tensors."""
-    import slackswap_cli.run.record as rec_mod
+    import slackswap_cli.run.backward as rec_mod
     import slackswap_cli.run.swap as rt
-    from slackswap_cli.run.steady import SteadyRun
+    from slackswap_cli.run.steady_call import SteadyCall
     strided = rec_mod._as_strided
     state = work.model.forward.__slackswap__
     tpl = next(t for t in state.templates.by_sig.values() if hasattr(t, "records"))
@@ -213,28 +213,27 @@ def _capture_work(work) -> dict:
             cap["fetches"].append((len(cap["unpacks"]) - 1, where[id(h)]))
         return _orig(h)
 
-    def pack(self, x, _orig=SteadyRun.pack):
+    def pack(self, x, _orig=SteadyCall.pack):
         cap["packs"].append((tuple(x.shape), x.untyped_storage().nbytes()))
         return _orig(self, x)
 
-    def unpack(self, packed, _orig=SteadyRun.unpack):
+    def unpack(s, packed, _orig=rec_mod.unpack):
         i = len(cap["unpacks"])
         cap["unpacks"].append(None)        # (this unpack's index, while it runs)
-        out = _orig(self, packed)
+        out = _orig(s, packed)
         cap["unpacks"][i] = tuple(out.shape)
         return out
     funcs = [rec.func for rec in tpl.records]
     for rec in tpl.records:
         rec.func = watched(rec.func)
     rt.offload, rt.prefetch = offload, prefetch
-    SteadyRun.pack, SteadyRun.unpack = pack, unpack
+    SteadyCall.pack, rec_mod.unpack = pack, unpack
     rec_mod._as_strided = watched(strided)     # (views re-derived by their geometry)
     try:
         _step(work, contextlib.nullcontext)
     finally:
         rt.offload, rt.prefetch = offload.__defaults__[0], prefetch.__defaults__[0]
-        SteadyRun.pack = pack.__defaults__[0]
-        del SteadyRun.unpack                   # (inherited from PlanRun again)
+        SteadyCall.pack, rec_mod.unpack = pack.__defaults__[0], unpack.__defaults__[0]
         rec_mod._as_strided = strided
         for rec, func in zip(tpl.records, funcs):
             rec.func = func

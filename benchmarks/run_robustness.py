@@ -3,7 +3,7 @@
 `--device fake:cpu` and `--device cpu` on the a100-pcie4 roofline and planned at 0.5 of the
 keep-all peak, one training call of the model patched in place (`patch(model)`) on this CPU:
 
-- `lined_up`: how many of the profile's forward ops lined up with the run's (`PlanRun.alignment`);
+- `lined_up`: how many of the profile's forward ops lined up with the run's (`CallState.alignment`);
 - `held/budget`: bytes held for backward after forward (storages, `held_device_bytes`) against
   the plan's budget, and the guard's swaps (`slackswap_cli/guard.py`);
 - for the mixture of experts, profiled at one routing (seed 0), calls at three routings;
@@ -125,8 +125,8 @@ def run_padding(tmp: Path, name: str = "gpt2", steps: int = 24) -> list[dict]:
     times, in a shuffled order, seed 0), patched in place from a profile at length 16. Per
     call: its cost in eager steps of that length (thread CPU time of the call, forward and
     backward, including planning for a new shape, over the median of eager steps at that
-    length), which kind of call it was (`PlanRun` recorded, `ShapeRun` the first at a new
-    length after a recorded call, `SteadyRun`) and what it held against its budget at that
+    length), which kind of call it was ("first" recorded, "new_shape" the first at a new
+    length after a recorded call, "steady": `CallState.kind`) and what it held against its budget at that
     length (the plan's fraction of what a keep-all run holds there). Each step starts with a
     garbage collection, untimed (a collection of earlier steps' garbage, a trace's, would
     otherwise be timed on whichever later call set it off)."""
@@ -161,7 +161,7 @@ def run_padding(tmp: Path, name: str = "gpt2", steps: int = 24) -> list[dict]:
         first = seq not in seen
         seen.add(seq)
         rows.append({"model": name, "seq": seq, "first_at_length": first, "patched_s": dt,
-                     "run": type(state.last_run).__name__,
+                     "run": state.last_run.kind,
                      "eager_s": sorted(eager_t[seq])[len(eager_t[seq]) // 2], **rep})
     return rows
 
@@ -261,16 +261,16 @@ def write_markdown(out: Path, rows: list[dict], padding: list[dict]) -> None:
           "Profiled at length 16 (`--device fake:cpu`), planned at 0.5. Cost: thread CPU time "
           "of the patched call (forward, backward and, at a new length, planning for it) over "
           "the median eager step at that length, one thread, after an untimed garbage "
-          "collection. Call: `PlanRun` is recorded op by op: the run's first call, at 48, on "
+          "collection. Call: 'first' is recorded op by op: the run's first call, at 48, on "
           "the profiled plan borrowed without a trace (its ops lined up by rank), and the "
           "first call at the profiled length: both line up less (transformers branches "
           "otherwise under fake tensors than in eager) and plan again along the branches "
           "they took, one fake trace each, counted in their cost; later, the second call at "
-          "a length, on the plan borrowed from another length. `ShapeRun` is the first call "
+          "a length, on the plan borrowed from another length. 'new_shape' is the first call "
           "at a new length after a recorded call: another length's template followed without "
-          "a trace (`slackswap_cli/run/shape_run.py`; right after a plan was made again, the "
+          "a trace (`slackswap_cli/run/new_shape.py`; right after a plan was made again, the "
           "template of the call recorded on the plan before it, whose alignment it reports); "
-          "`SteadyRun` the calls after. held/budget: "
+          "'steady' the calls after. held/budget: "
           "bytes held for backward after forward against the budget at that length (the "
           "plan's fraction of what a keep-all run holds there). A call's cost beyond the "
           "runtime's own work is what the plan does (recomputes; copies, synchronous on a "

@@ -396,7 +396,7 @@ def copy_back_pins(decisions, schedule=()) -> dict[int, int]:
 
 def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool],
                   schedule=()) -> dict:
-    """The plan as the in-place runtime (`run/record.py`) carries it out, in plain Python
+    """The plan as the in-place runtime (`run/first_call.py`) carries it out, in plain Python
     values and `OpRow`s.
 
     - `ops`: the forward ops in order, each a `table_rows.OpRow` (the runtime aligns the ops

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from .hardware import PRESETS
 from .schema import Op, Profile, Tensor, op_fingerprint, saved_flags, validate_profile
+from .units import dtype_name as dtype_name  # (re-exported: defined in units.py)
 from .units import fmt_bytes
 
 # bytes per element of every dtype name a profile may hold (torch's names; the ONNX importer
@@ -33,12 +34,6 @@ DTYPE_BYTES = {
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name: `DTYPE_BYTES`, and 4 (float32's) for a name not in it."""
     return DTYPE_BYTES.get(dtype, 4)
-
-
-def dtype_name(dtype) -> str:
-    """A profile's dtype name ("float32") of a torch dtype or of its `str()` ("torch.float32",
-    as a patched module's META records parameters). No torch needed."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass

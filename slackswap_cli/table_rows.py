@@ -17,7 +17,7 @@ __all__ = ["OpRow", "GraphRow"]
 
 
 class OpRow(NamedTuple):
-    """One forward op as the in-place runtime lines the model's ops up with it (run/record.py).
+    """One forward op as the in-place runtime lines the model's ops up with it (run/first_call.py).
 
     `shapes`: each output's shape; `outputs`: the profile's tensor ids of its outputs (in the
     same order); `reads_act`: whether it reads an activation (a value computed from the

@@ -90,12 +90,12 @@ _ALL = TESTED_TORCH
 PRIVATE_API: tuple[PrivateAPI, ...] = (
     # eager recorder and runtime -----------------------------------------------------------
     PrivateAPI("torch.utils._python_dispatch.TorchDispatchMode",
-               "run/record.py, run/steady.py, run/branches.py, run/memtrace.py", _ALL,
+               "run/first_call.py, run/branches.py, run/memtrace.py", _ALL,
                "the eager runtime (patch, verify) cannot run: no fallback"),
     PrivateAPI("torch.utils._pytree (tree_map, tree_leaves, tree_flatten)",
                "run/*, trace/*", _ALL, "none (stable in practice since 2.0)"),
     PrivateAPI("Tensor._version, Tensor._base",
-               "run/record.py, run/packing.py, run/rerun.py, run/steady.py", _ALL,
+               "run/first_call.py, run/holding.py, run/backward.py, run/steady_call.py", _ALL,
                "the runtime cannot tell in-place writes and views apart: no fallback"),
     PrivateAPI("UntypedStorage._cdata", "trace/storage.py", _ALL,
                "none: the identity of a fake tensor's storage"),

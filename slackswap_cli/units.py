@@ -1,7 +1,8 @@
 """How sizes and durations are written for people: one place, so every message agrees.
 
 Bytes in binary units (how allocators and nvidia-smi count): `1.50 GiB`, `512 B`.
-Durations given in microseconds: `12.3 us`, `1.23 ms`, `4.56 s`.
+Durations given in microseconds: `12.3 us`, `1.23 ms`, `4.56 s`. A dtype by its profile name
+(`dtype_name`: "float32").
 """
 from __future__ import annotations
 
@@ -33,3 +34,10 @@ def fmt_us(us: float | None) -> str:
     if a < 1e6:
         return f"{us / 1e3:.2f} ms"
     return f"{us / 1e6:.2f} s"
+
+
+def dtype_name(dtype) -> str:
+    """A profile's dtype name ("float32") of a torch dtype or of its `str()` ("torch.float32",
+    as a patched module's META records parameters). No torch needed. (Here, not in
+    profile_build.py, so the eager runtime reads it without the profile's modules.)"""
+    return str(dtype).removeprefix("torch.")

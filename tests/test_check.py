@@ -9,11 +9,10 @@ from workloads import ROOT
 
 import slackswap_cli as slackswap
 from slackswap_cli.errors import CheckFailed, InputError
+from slackswap_cli.run import backward
 from slackswap_cli.run import check as check_module
 from slackswap_cli.run.inplace import is_patched
-from slackswap_cli.run.steady import SteadyRun
-from slackswap_cli.run.unpacking import Unpacking
-from slackswap_cli.schema import Action
+from slackswap_cli.run.packs import RecomputedRef
 from slackswap_cli.trace.workload import load_workload
 
 
@@ -52,15 +51,15 @@ def _unchanged(model, snap) -> bool:
 def _corrupt(monkeypatch, steady_only: bool) -> None:
     """The patched runtime hands back every recomputed saved tensor 1% off (with
     `steady_only`: in calls after the first at a signature only)."""
-    unpack = Unpacking.unpack
+    unpack = backward.unpack
 
-    def wrong(self, packed):
-        out = unpack(self, packed)
-        if not isinstance(packed, torch.Tensor) and packed[1] is Action.RECOMPUTE \
-                and out.is_floating_point() and (isinstance(self, SteadyRun) or not steady_only):
+    def wrong(s, packed):
+        out = unpack(s, packed)
+        if isinstance(packed, RecomputedRef) \
+                and out.is_floating_point() and (s.tpl is not None or not steady_only):
             return out * 1.01
         return out
-    monkeypatch.setattr(Unpacking, "unpack", wrong)
+    monkeypatch.setattr(backward, "unpack", wrong)
 
 
 @pytest.fixture

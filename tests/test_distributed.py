@@ -56,7 +56,7 @@ def _worker(rank, world, port, patched_path, workload_path, mode, out_dir):
                               "rerun": run.rerun_ops if run else 0,
                               "swaps": len(run.metas) if run else 0,
                               "lined_up": len(run.rec_of_op) if run else 0,
-                              "profile_ops": len(run.table["ops"]) if run else 0}
+                              "profile_ops": len(run.table.ops) if run else 0}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         # both ranks done before either tears gloo down: a rank that destroys the group while
         # the other still has FSDP2's last collectives in flight aborts it ("terminate called

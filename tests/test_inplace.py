@@ -235,19 +235,19 @@ def test_another_input_shape_is_planned_for_once_and_trains_exactly(files, tmp_p
         got, _, _ = train(model, work, steps=2)
         assert got == want
         run = run_of(model)
-        assert len(run.rec_of_op) == len(run.table["ops"]) - 3    # all but autograd's detaches
+        assert len(run.rec_of_op) == len(run.table.ops) - 3    # all but autograd's detaches
         assert run.rerun_ops > 0 or run.metas
         err = capfd.readouterr().err
         if table is mod.TABLE:            # borrowed: no trace, held to the limit it settled
-            assert run.t.borrowed and run.table is mod.TABLE and "new inputs" not in err
+            assert run.t.borrowed and run.table.source is mod.TABLE and "new inputs" not in err
             assert run.report()["held_bytes"] <= 1.05 * run.t.limit
         else:
-            assert not run.t.borrowed and run.table is not table
+            assert not run.t.borrowed and run.table.source is not table
             assert err.count("new inputs 3x32, 3x32 on cpu") == 1 and "planned for them" in err
         assert "lined up" not in err
     base = load(str(files["tiny_gpt"]), args=args)
     model(*base.inputs)                                   # the profiled shape: its own plan
-    assert run_of(model).table is older
+    assert run_of(model).table.source is older
 
 
 def test_without_replanning_another_shape_runs_unplanned_and_says_so(files, tmp_path, capfd):
@@ -295,7 +295,7 @@ def test_hf_model_at_a_shorter_sequence_is_replanned_and_exact(files, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(*grads)), call
         run = run_of(work.model)
         assert run.t.borrowed == (call == 0)
-    assert run.table is not mod.TABLE and run.rerun_ops > 0
+    assert run.table.source is not mod.TABLE and run.rerun_ops > 0
 
 
 def test_verify_checks_the_in_place_patch_too(files, tmp_path):
@@ -315,7 +315,7 @@ def test_verify_checks_the_in_place_patch_too(files, tmp_path):
     ip = r.inplace
     assert ip["max_loss_rel_diff"] == 0 and ip["max_grad_rel_diff"] == 0
     # every op: make_fx's detaches (2.13's profile has them, 2.15's none) are not counted as
-    # missed (run/record.py's TRACE_ONLY)
+    # missed (run/lineup.py's TRACE_ONLY)
     assert ip["ops_lined_up"] == ip["profile_forward_ops"]
     assert ip["held_bytes_after_forward"] == r.patched_peak_bytes
 
@@ -366,7 +366,6 @@ def test_two_forwards_then_one_backward_is_exact(name, frac, files, tmp_path):
     eager, work = twin(files, name)
     model = mod.patch(work.model)
     a, kw = split_inputs(work.inputs)
-    from slackswap_cli.run.steady import SteadyRun
     grads, kinds = [], []
     for m in (eager.model, model):
         torch.manual_seed(1)
@@ -374,12 +373,12 @@ def test_two_forwards_then_one_backward_is_exact(name, frac, files, tmp_path):
             m.zero_grad(set_to_none=True)
             first = loss_from_output(m(*a, **kw), work.inputs, work.loss_fn)
             if m is model:
-                kinds.append(type(run_of(m)))
+                kinds.append(run_of(m).kind)
             second = loss_from_output(m(*a, **kw), work.inputs, work.loss_fn)
             if m is model:
-                kinds.append(type(run_of(m)))
+                kinds.append(run_of(m).kind)
             (first + 2 * second).backward()
         grads.append([p.grad.clone() for p in m.parameters()])
     assert all(torch.equal(g, h) for g, h in zip(*grads))
-    assert kinds[-2:] == [SteadyRun, SteadyRun]
+    assert kinds[-2:] == ["steady", "steady"]
     assert run_of(model).rerun_ops > 0 or run_of(model).metas

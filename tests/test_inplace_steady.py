@@ -20,11 +20,11 @@ from helpers import two_us_kernels
 from workloads import HW, hand_plan, profiled, write_patched
 
 from slackswap_cli import op_cost
+from slackswap_cli.errors import InputError
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import load_patched
-from slackswap_cli.run.inplace import PlanRun, is_patched
+from slackswap_cli.run.inplace import is_patched
 from slackswap_cli.run.recorded import OpRecord, OutRef, prepare_replay, view_geometry
-from slackswap_cli.run.steady import KeepRun, SteadyRun
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
@@ -112,14 +112,14 @@ def test_later_calls_run_on_hooks_alone_bitwise_like_eager(name, frac, args, fil
     want = _steps(eager, 4)
     mod.patch(work.model)
     work.model.forward.__slackswap__.measure_held = True
-    got = _steps(work, 4, lambda m, i: (type(_run(m)), _run(m).held_device_bytes(),
+    got = _steps(work, 4, lambda m, i: (_run(m).kind, _run(m).held_device_bytes(),
                                         getattr(_run(m), "broken", None)))
     _same(want, got)
     kinds = [k for k, _, _ in got[3]]
     # the HF Llama's first call plans again along eager's branches (no mask in eager: see
     # run/branches.py), so the second records that plan
     records = 2 if name == "llama" else 1
-    assert kinds == [PlanRun] * records + [SteadyRun] * (4 - records)
+    assert kinds == ["first"] * records + ["steady"] * (4 - records)
     assert not any(b for _, _, b in got[3][records:])         # every pack lined up
     assert len({h for _, h, _ in got[3][records - 1:]}) == 1   # the same bytes held each step
     run = _run(work.model)
@@ -170,10 +170,10 @@ def test_a_keep_all_plan_runs_on_hooks_alone_with_no_checks(files, tmp_path):
     want = _steps(eager, 3)
     mod.patch(work.model)
     work.model.forward.__slackswap__.measure_held = True
-    got = _steps(work, 3, lambda m, i: (type(_run(m)), _run(m).held_device_bytes(),
+    got = _steps(work, 3, lambda m, i: (_run(m).kind, _run(m).held_device_bytes(),
                                         _run(m).rerun_ops))
     _same(want, got)
-    assert [k for k, _, _ in got[3]] == [PlanRun, KeepRun, KeepRun]
+    assert [k for k, _, _ in got[3]] == ["first", "keep_all", "keep_all"]
     assert _run(work.model).tpl.keep_only
     assert len({h for _, h, _ in got[3]}) == 1 and got[3][0][1] > 0
     assert all(n == 0 for _, _, n in got[3])
@@ -185,10 +185,10 @@ def test_a_keep_all_plan_runs_on_hooks_alone_with_no_checks(files, tmp_path):
         packed.append(x)
         return x
     with torch.autograd.graph.saved_tensors_hooks(outer, lambda x: x):
-        again = _steps(work, 2, lambda m, i: (type(_run(m)), _run(m).pack, _run(m).kept_refs))
-    assert all(k is KeepRun and p is None and r == [] for k, p, r in again[3])
+        again = _steps(work, 2, lambda m, i: (_run(m).kind, _run(m).kept_refs))
+    assert all(k == "keep_all" and r == [] for k, r in again[3])
     assert len(packed) >= 2 * len(_run(work.model).tpl.seq)    # (every pack of 2 steps)
-    with pytest.raises(RuntimeError, match="measure_held = True"):
+    with pytest.raises(InputError, match="measure_held = True"):
         _run(work.model).held_device_bytes()
 
 
@@ -230,7 +230,7 @@ def test_other_control_flow_at_the_same_shapes_is_caught(tmp_path):
             run = _run(work.model) if patched else None
             loss.backward()
             if patched:
-                seen.append((type(run), getattr(run, "broken", None), run.rerun_ops))
+                seen.append((run.kind, run.broken, run.rerun_ops))
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
@@ -241,8 +241,8 @@ def test_other_control_flow_at_the_same_shapes_is_caught(tmp_path):
     # differs (caught: the rest kept as eager keeps it), step 3 records tanh in full; back to
     # gelu at step 4: the tanh template is caught the same way, step 5 records, 6 runs on hooks
     assert [(k, b) for k, b, _ in seen] == [
-        (PlanRun, None), (SteadyRun, False), (SteadyRun, True), (PlanRun, None),
-        (SteadyRun, True), (PlanRun, None), (SteadyRun, False)]
+        ("first", False), ("steady", False), ("steady", True), ("first", False),
+        ("steady", True), ("first", False), ("steady", False)]
     assert seen[1][2] > 0 and seen[6][2] > 0 and seen[2][2] == 0
 
 
@@ -281,7 +281,7 @@ def test_a_copy_of_a_patched_model_runs_its_own_parameters(how, files, tmp_path)
                                                                plain.parameters()))
         dup.zero_grad()
         plain.zero_grad()
-    assert type(_run(dup)) is SteadyRun and _run(dup).rerun_ops > 0
+    assert _run(dup).kind == "steady" and _run(dup).rerun_ops > 0
     assert not torch.equal(got, work.model(*a, **kw))   # not the live model's loss
 
 
@@ -310,7 +310,7 @@ def test_a_dtype_change_after_patch_replans(files, tmp_path, capfd):
     eager.model.to(torch.float64)
     work.model.to(torch.float64)
     want = _steps(eager, 2)
-    got = _steps(work, 2, lambda m, i: _run(m).table is mod.TABLE)
+    got = _steps(work, 2, lambda m, i: _run(m).table.source is mod.TABLE)
     _same(want, got)
     err = capfd.readouterr().err
     assert err.count("float64 parameters: planned for them") == 1

@@ -1,4 +1,4 @@
-"""New input shapes without a trace (`slackswap_cli/run/shape_run.py`): after a recorded call,
+"""New input shapes without a trace (`slackswap_cli/run/new_shape.py`): after a recorded call,
 the first call at another sequence length or batch size follows that call's template, held
 by the guard to the plan's fraction of what a keep-all run holds at the new shapes; the next
 call records on the borrowed plan and the calls after it run the steady state. Every call is
@@ -116,7 +116,7 @@ def _run(tmp_path, name, source, shapes):
             a, kw = split_inputs(batch)
             loss = loss_from_output(m(*a, **kw), batch, None)
             if m is work.model:
-                calls.append((type(state.last_run).__name__, state.last_report,
+                calls.append((state.last_run.kind, state.last_report,
                               state.last_run.held_device_bytes(), keep_all))
             loss.backward()
             grads.append([loss.detach(), *(p.grad for p in m.parameters())])
@@ -138,8 +138,8 @@ def test_new_lengths_follow_a_recorded_call_without_a_trace_within_the_budget(
     mod, calls = _run(tmp_path, name, MODELS[name], shapes)
     kinds = [c[0] for c in calls]
     # (the second call at 16 runs a plan made along the branches the first one took)
-    assert kinds == ["PlanRun", "PlanRun", "SteadyRun", "ShapeRun", "PlanRun", "SteadyRun",
-                     "ShapeRun", "PlanRun", "ShapeRun"], kinds
+    assert kinds == ["first", "first", "steady", "new_shape", "first", "steady",
+                     "new_shape", "first", "new_shape"], kinds
     err = capfd.readouterr().err
     assert "new inputs" not in err                    # no fake trace for a new shape
     fraction = _budget(mod, calls)
@@ -160,7 +160,7 @@ def test_a_shape_run_holds_its_budget_where_the_plan_keeps_more_than_it(tmp_path
     shapes = [(2, 16), (2, 16), (2, 16), (2, 6), (2, 6), (2, 6)]
     mod, calls = _run(tmp_path, "gpt2", MODELS["gpt2"], shapes)
     fraction = _budget(mod, calls)
-    assert calls[3][0] == "ShapeRun" and calls[3][1]["guard_swaps"] > 0, calls[3]
+    assert calls[3][0] == "new_shape" and calls[3][1]["guard_swaps"] > 0, calls[3]
     for kind, rep, held, keep_all in calls[3:]:
         assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
 
@@ -176,7 +176,7 @@ def test_a_step_that_leaves_ops_out_at_a_new_length_is_planned_for_it(tmp_path, 
     shapes = [(2, 24), (2, 24), (2, 24), (2, 12), (2, 12), (2, 12), (2, 12)]
     mod, calls = _run(tmp_path, name, {"skippy": SKIPPY, "branchy": BRANCHY}[name], shapes)
     kinds = [c[0] for c in calls[3:]]
-    assert kinds == ["ShapeRun", "PlanRun", "PlanRun", "SteadyRun"], kinds
+    assert kinds == ["new_shape", "first", "first", "steady"], kinds
     assert calls[3][1]["left_template"]
     assert calls[4][1]["fraction"] < 0.99 and calls[5][1]["fraction"] >= 0.99
     assert not calls[5][1]["borrowed"] and calls[5][1]["recorded"]
@@ -199,12 +199,12 @@ def test_a_new_length_right_after_a_plan_was_made_follows_the_call_before_it(
     traced = _spy_traces(monkeypatch)
     shapes = [(2, 16), (2, 24), (2, 24), (2, 24)]
     mod, calls = _run(tmp_path, name, MODELS[name], shapes)
-    assert [c[0] for c in calls] == ["PlanRun", "ShapeRun", "PlanRun", "SteadyRun"]
+    assert [c[0] for c in calls] == ["first", "new_shape", "first", "steady"]
     assert len(traced) == 1 and traced[0]                   # along the first call's branches
     shape_run, recorded = calls[1][1], calls[2][1]
     assert shape_run["borrowed"] and not shape_run["recorded"] and not shape_run["left_template"]
     assert recorded["borrowed"] and recorded["fraction"] >= 0.99, recorded
-    assert recorded["budget_bytes"] == shape_run["budget_bytes"]   # the ShapeRun settled it
+    assert recorded["budget_bytes"] == shape_run["budget_bytes"]   # the new-shape call settled it
     assert "new inputs" not in capfd.readouterr().err
     fraction = _budget(mod, calls)
     for kind, rep, held, keep_all in calls[1:]:
@@ -246,7 +246,7 @@ def test_the_runs_first_call_at_shapes_not_profiled_borrows_the_plan_without_a_t
     mod, calls = _run(tmp_path, name, MODELS[name], shapes)
     assert traced == []
     kinds = [c[0] for c in calls]
-    assert kinds == ["PlanRun", "SteadyRun", "SteadyRun", "ShapeRun", "ShapeRun"], kinds
+    assert kinds == ["first", "steady", "steady", "new_shape", "new_shape"], kinds
     first = calls[0][1]
     assert first["recorded"] and first["borrowed"] and first["fraction"] >= 0.99, first
     fraction = _fraction_at_profile(mod, tmp_path / f"{name}.py")
@@ -265,7 +265,7 @@ def test_a_branchy_models_first_call_at_a_length_not_profiled_costs_one_trace_al
     traced = _spy_traces(monkeypatch)
     mod, calls = _run(tmp_path, "llama", MODELS["llama"], [(2, 48), (2, 48), (2, 48)])
     assert len(traced) == 1 and traced[0], traced          # along the eager call's values
-    assert [c[0] for c in calls] == ["PlanRun", "PlanRun", "SteadyRun"]
+    assert [c[0] for c in calls] == ["first", "first", "steady"]
     (_, first, held, keep_all), (_, second, _, _) = calls[:2]
     assert first["borrowed"] and first["fraction"] < 0.99, first
     fraction = _fraction_at_profile(mod, tmp_path / "llama.py")
@@ -286,7 +286,7 @@ def test_a_shape_run_that_leaves_its_template_settles_the_exact_budget(tmp_path)
     mod, calls = _run(tmp_path, "bert", MODELS["bert"], shapes)
     fraction = _fraction_at_profile(mod, tmp_path / "bert.py")
     kind, rep, held, keep_all = calls[3]
-    assert kind == "ShapeRun" and rep["left_template"], rep
+    assert kind == "new_shape" and rep["left_template"], rep
     for kind, rep, held, keep_all in calls[3:]:
         assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
         assert rep["budget_bytes"] == pytest.approx(fraction * keep_all, rel=0.01), (kind, rep)

@@ -49,7 +49,6 @@ ALLOWED_RAISES: dict[tuple[str, str, str], str] = {
     ("__init__.py", "__getattr__", "ImportError"):
         "a lazy attribute whose optional dependency is missing: what `import` raises, with "
         "the pip command in the message",
-    ("run/steady.py", "__getattr__", "AttributeError"): "a class's __getattr__: Python's protocol",
     ("units.py", "fmt_bytes", "AssertionError"): "unreachable: the loop returns at TiB",
     ("trace/joint.py", "_trace_real_tensors", "RuntimeError"):
         "raised and caught in the same function: the signal to trace the real step instead",
@@ -58,11 +57,7 @@ ALLOWED_RAISES: dict[tuple[str, str, str], str] = {
         "producers is a frontend's bug, not the user's input",
 }
 # misuse still raised as a built-in exception in a file another change owns right now
-PENDING_RAISES: dict[tuple[str, str, str], str] = {
-    ("run/steady.py", "held_device_bytes", "RuntimeError"):
-        "held_device_bytes() without measure_held: the eager runtime's restructure raises "
-        "SlackswapError there",
-}
+PENDING_RAISES: dict[tuple[str, str, str], str] = {}
 BUG = "this is a bug in slackswap"      # an internal invariant's message: exit 1, report it
 
 BUILTIN_ERRORS = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type)

@@ -7,7 +7,7 @@ the general branch: it builds an attention mask and repeats grouped-query keys a
 eager, with no padding, it asks, gets "no", and calls attention with neither. A profile traced
 with fake tensors then lists ops the eager step never runs, and misses the ones it does.
 
-The first eager call at a signature (`record.PlanRun`) notes every value Python read of a
+The first eager call at a signature (`first_call.FirstCall`) notes every value Python read of a
 tensor (`aten._local_scalar_dense`: `bool(t)`, `t.item()`, in order). `eager_branches` traces a
 fake copy of the model with those answers: libraries are told their tensors are not fake (for
 the trace only, undone after it, even on an exception), and each value read is answered with

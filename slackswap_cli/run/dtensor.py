@@ -5,7 +5,7 @@ the local ops DTensor runs, its collectives spelled out. In eager, autograd work
 up: it records DTensor ops and saves DTensors, whose reported shape is the global one and whose
 storage is no real storage. These adapters bring the run down to the profile's level:
 
-- the recorder (a dispatch mode, run/record.py) does not record an op on DTensors
+- the recorder (a dispatch mode, run/first_call.py) does not record an op on DTensors
   (`takes_dtensor`): it returns NotImplemented, so DTensor's own dispatch runs the op, and the
   local ops it runs (and the collectives its redistributions call) come back to the mode,
   which records and lines them up with the profile's, on local shapes.

@@ -8,8 +8,8 @@ step (`partition`), and write both as plain Python calling aten ops, with the pl
 the file are the profile's tensor names (fx node names), so every line can be traced back to a
 tensor id of the profile and a decision of the plan.
 
-The emitted file imports only torch and slackswap_cli's run side (`step`, `inplace`, and, when
-called, `compiled` and `sac`).
+The emitted file imports only torch and one module of slackswap_cli's run side (`run/door.py`,
+which loads the rest as it is used).
 `patch(model)` patches the model in place (`run/inplace.py`): the plan runs inside its own forward and
 autograd's backward, from the table of `chains.runtime_table`. `step_module(model)` returns a
 module sharing the model's parameters and buffers whose forward takes the workload's inputs and
@@ -213,9 +213,8 @@ the plan written out as code, names = the profile's tensor names) as one autogra
 only the workload it was made for, and `slackswap verify` uses it to check the plan bit by bit.
 """
 import torch
-from slackswap_cli.run import inplace
-from slackswap_cli.run import step as step_runtime
-from slackswap_cli.table_rows import GraphRow, OpRow
+from slackswap_cli.run import door
+from slackswap_cli.run.door import GraphRow, OpRow
 
 aten = torch.ops.aten
 
@@ -258,12 +257,12 @@ def patch(model, strict=False):
     restores it. Other input shapes (or another device) are planned for on the fly, once
     each; `strict=True` refuses them instead.
     """
-    return inplace.patch(model, META, TABLE, strict=strict)
+    return door.patch(model, META, TABLE, strict=strict)
 
 
 def unpatch(model):
     """Undo `patch`."""
-    return inplace.unpatch(model)
+    return door.unpatch(model)
 
 
 def compile_planned(model, block=None, per_block=False, **torch_compile_kwargs):
@@ -274,23 +273,20 @@ def compile_planned(model, block=None, per_block=False, **torch_compile_kwargs):
     on repeated block i, or `compile_planned(model, per_block=True)` to compile every block in
     place (slackswap_cli/run/compiled.py).
     """
-    from slackswap_cli.run import compiled
-    return compiled.compile_planned(model, GRAPH_TABLE, block=block, per_block=per_block,
-                                    **torch_compile_kwargs)
+    return door.compile_planned(model, GRAPH_TABLE, block=block, per_block=per_block,
+                                **torch_compile_kwargs)
 
 
 def sac_policy(block_index):
     """The plan of repeated block `block_index` as a selective-checkpoint policy (one per
     checkpointed call); a swapped tensor is saved (slackswap_cli/run/sac.py)."""
-    from slackswap_cli.run import sac
-    return sac.sac_policy(GRAPH_TABLE, block_index)
+    return door.sac_policy(GRAPH_TABLE, block_index)
 
 
 def context_fn(block_index):
     """`checkpoint(block, x, use_reentrant=False, context_fn=context_fn(i))`: the plan of
     block i, in eager or under torch.compile."""
-    from slackswap_cli.run import sac
-    return sac.context_fn(GRAPH_TABLE, block_index)
+    return door.context_fn(GRAPH_TABLE, block_index)
 
 
 def step_module(model, check_trace=True):
@@ -300,8 +296,7 @@ def step_module(model, check_trace=True):
     check_trace: re-trace the model once with fake tensors and refuse it if its graph differs
     from the profile's (a changed model or torch version).
     """
-    return step_runtime.PatchedStep(model, META, forward_step, backward_step,
-                                    check_trace=check_trace)
+    return door.step_module(model, META, forward_step, backward_step, check_trace=check_trace)
 '''
 
 

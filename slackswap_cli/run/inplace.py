@@ -2,14 +2,18 @@
 
 `patch(model, meta, table)` replaces `model.forward` (an instance attribute, so `unpatch`
 restores the class's) with a wrapper. In eval mode or with grad disabled the wrapper calls the
-original forward and does nothing else. In training, the first call at an input signature runs
-the original forward under a recorder and saved-tensor hooks (`run/record.py`: `PlanRun`, which
-lines the step up with the profile and carries the plan out: keep, swap to host, recompute in
-backward); later calls at that signature run on saved-tensor hooks alone (`run/steady.py`:
-`SteadyRun`, following the first call's decisions).
+original forward and does nothing else. In training, each call is one kind of call, a policy
+over one `call_state.CallState`: the first call at an input signature runs the original forward
+under a recorder and saved-tensor hooks (`run/first_call.py`: `FirstCall`, which lines the step
+up with the profile and carries the plan out: keep, swap to host, recompute in backward);
+later calls at that signature run on saved-tensor hooks alone (`run/steady_call.py`:
+`SteadyCall`, following the first call's decisions); the first call at new shapes follows
+another shape's template (`run/new_shape.py`: `NewShapeCall`). This module decides which.
+The call machinery is imported on the first training call, the tracer and planners only when
+a call plans again (`_calls`, run/replan.py).
 
 Each input signature (device type, shapes and dtypes) gets its own plan: the profiled one, or
-one made at other shapes, borrowed without a trace (`run/signatures.py`, `run/shape_run.py`), or
+one made at other shapes, borrowed without a trace (`run/signatures.py`, `run/new_shape.py`), or
 one made on the fly from a fake trace (`run/replan.py`: another device or dtype, or where the
 plan borrowed does not line up), or, with `strict`, a refusal. A deep copy or a pickled
 copy of a patched model is patched too, for its own parameters.
@@ -18,41 +22,42 @@ from __future__ import annotations
 
 import copy
 import time
+from functools import partial
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import InputError
-from ..profile_build import dtype_name
-from . import dtensor
-from . import replan as replanning
-from . import steady as _steady
+from ..units import dtype_name
 from .generated import check_generated
-from .lineup import ALIGN_WARN, BodyHooks
-from .notes import Notes, brief, shapes, tell
-from .record import STATE, PlanRun, Recorder
-from .shape_run import ShapeRun
+from .notes import ALIGN_WARN, Notes, brief, shapes, tell
+from .packs import STATE, SteadyRoute
 from .signatures import NESTED, PlanTable, SignaturePlans, tensors
+from .tables import RunMeta
+from .templates import Templates
 
-__all__ = ["patch", "unpatch", "is_patched", "PlanRun"]
+__all__ = ["patch", "unpatch", "is_patched"]
 
 
-class _Patched(SignaturePlans):
-    """What `patch` attaches to a model: its plans (one per input signature: `SignaturePlans`),
-    the first call's record at each signature (`steady.Templates`, for the calls after it),
-    which run a call gets (`forward`), its notes and state. Nothing of the
-    model is read before its first call (a model being unpickled or deep-copied is empty when
-    this is made)."""
+class _Patched:
+    """What `patch` attaches to a model: its plans (one per input signature: `sigs`, a
+    `signatures.SignaturePlans`), the first call's record at each signature (`templates`, a
+    `templates.Templates`, for the calls after it), which kind of call a call is (`forward`),
+    its notes and settings. Nothing of the model is read before its first call (a model being
+    unpickled or deep-copied is empty when this is made)."""
+    __slots__ = ("model", "meta", "table", "_forward", "had_instance_forward", "last_run",
+                 "notes", "body_hooks", "_names", "_first", "buffer_ids", "replan", "branchy",
+                 "strict", "steady", "measure_held", "templates", "before_first",
+                 "check_report", "sigs", "__weakref__")
 
     def __init__(self, model, meta: dict, table: dict, original_forward, had_instance_forward,
                  replan: bool = True, strict: bool = False, plans: dict | None = None):
-        self.model, self.meta, self.table = model, meta, table
+        self.model, self.meta, self.table = model, RunMeta.of(meta), table
         self._forward = original_forward       # None: the class's forward
         self.had_instance_forward = had_instance_forward
-        self.last_run: PlanRun | None = None
+        self.last_run = None                    # the last training call's `CallState`
         self.notes = Notes()                    # what it said on stderr
-        self.body_hooks = BodyHooks()
+        self.body_hooks = None                  # (`lineup.BodyHooks`, made at a first call)
         self._names: dict | None = None
         self._first = None
         self.buffer_ids: set[int] = set()
@@ -61,20 +66,13 @@ class _Patched(SignaturePlans):
         self.strict = strict
         self.steady = True                      # later calls at a signature: hooks alone
         self.measure_held = False               # later calls note what autograd holds
-        self.templates = _steady.Templates()
-        self.fast_plans: dict[tuple, tuple] = {}    # shapes, dtypes, device -> (plan, sig)
-        self.first_at: dict[tuple, tuple] = {}      # new shapes -> (template, Scale, its
-        #                                             plan: None, the one borrowed) to follow
-        self.keep_all: dict[tuple, int] = {}        # signature -> bytes a keep-all run holds
+        self.templates = Templates()
         self.before_first = None    # called with the first training call's (args, kwargs)
         self.check_report = None    # (patch(model, plan, check=True): what its check found)
-        params = meta.get("params") or [[None, None, "torch.float32"]]
-        profiled = (meta.get("device_type", "cpu"), dtype_name(params[0][2]),
-                    *((tuple(shape), dtype_name(dtype))
-                      for shape, dtype in meta.get("input_tensors", [])))
-        self.plans: dict[tuple, PlanTable | None] = plans or {
-            profiled: PlanTable(table, meta.get("budget_bytes"))}
-        self.default = next(iter(self.plans.values()))
+        m = self.meta
+        profiled = (m.device_type, dtype_name(m.param_dtype),
+                    *((tuple(shape), dtype_name(dtype)) for shape, dtype in m.input_tensors))
+        self.sigs = SignaturePlans(self, plans or {profiled: PlanTable(table, m.budget_bytes)})
 
     @property
     def original_forward(self):
@@ -106,7 +104,7 @@ class _Patched(SignaturePlans):
         same plans; the first call at each signature records again."""
         fwd = None if self._forward is None else copy.deepcopy(self._forward, memo)
         return _Patched(model, self.meta, self.table, fwd, self.had_instance_forward,
-                        self.replan, self.strict, dict(self.plans))
+                        self.replan, self.strict, dict(self.sigs.plans))
 
     def key(self, args, kwargs) -> tuple[tuple, list]:
         """What a later call finds its plan and template by (without building `_signature`):
@@ -142,39 +140,55 @@ class _Patched(SignaturePlans):
         key, inputs = self.key(args, kwargs)
         hot = self.templates.hot.get(key)   # (a later call at a signature with a template)
         if hot is not None and self.steady:
-            plan, sig, tpl = hot
+            tpl = hot.template
             if tpl.holds():
-                return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
-            self.templates.drop(sig)            # parameters replaced, or autocast changed
-        plan, sig = self.plan_for(args, kwargs, key)
+                return self._steady(_calls().follow(tpl, self, hot.plan, inputs), args,
+                                    kwargs, hot.sig)
+            self.templates.drop(hot.sig)        # parameters replaced, or autocast changed
+        plan, sig = self.sigs.plan_for(args, kwargs, key)
         tpl = self.templates.get(sig) if self.steady else None
         if tpl is not None:
-            self.templates.hot[key] = (plan, sig, tpl)
-            return self._steady(tpl.start(self, plan, inputs), args, kwargs, sig)
-        first = self.first_at.pop(sig, None)
+            self.templates.hot[key] = SteadyRoute(plan, sig, tpl)
+            return self._steady(_calls().follow(tpl, self, plan, inputs), args, kwargs, sig)
+        first = self.sigs.first_at.pop(sig, None)
         if first is not None:           # new shapes: another shape's template, no trace
-            run = ShapeRun(self, first[2] or plan, first[0], inputs, first[1])
-            out = self._steady(run, args, kwargs, sig)
-            if first[2] is not None:    # the template's own plan ran: its figures, not its
-                plan.limit, plan.scale = first[2].limit, first[2].scale   # packs' keeps
-                if not run.guard.swaps:
-                    return out          # (its alignment is the superseded call's: no note)
-            self._check_run(run, sig)
-            return out
-        run = PlanRun(self, plan)
-        run.inputs = {id(x) for x in inputs}
-        run.call_inputs = inputs
+            return self._new_shape(first, plan, sig, inputs, args, kwargs)
+        return self._first_call(plan, sig, inputs, args, kwargs)
+
+    def _new_shape(self, first, plan, sig, inputs, args, kwargs):
+        """The first call at new shapes, following another shape's template (`first`: its
+        `packs.NewShapeRoute`; run/new_shape.py)."""
+        runner = first.runner
+        call = _calls().NewShapeCall(self, runner or plan, first.template, inputs, first.scale)
+        out = self._steady(call, args, kwargs, sig)
+        run = call.s
+        if runner is not None:      # the template's own plan ran: its figures, not its
+            plan.limit, plan.scale = runner.limit, runner.scale   # packs' keeps
+            if not run.guard.swaps:
+                return out          # (its alignment is the superseded call's: no note)
+        self._check_run(run, sig)
+        return out
+
+    def _first_call(self, plan, sig, inputs, args, kwargs):
+        """The first call at a signature: recorded op by op (run/first_call.py)."""
+        calls = _calls()
+        call = calls.FirstCall(self, plan, inputs)
+        run = call.s
         # what the model holds besides its parameters: buffers, DTensor parameters' shards
-        self.buffer_ids = {id(b) for b in self.model.buffers()} | dtensor.shard_ids(self.model)
+        self.buffer_ids = ({id(b) for b in self.model.buffers()}
+                           | calls.dtensor.shard_ids(self.model))
         self.notes.say_checkpointing(self.model)
         prev = getattr(STATE, "run", None)
         STATE.run = run
+        if self.body_hooks is None:
+            self.body_hooks = calls.BodyHooks()
         self.body_hooks.keep_last(self.model)
-        hooks = [register_module_forward_pre_hook(run.lineup.enter),
-                 register_module_forward_hook(run.lineup.left, always_call=True)]
+        hooks = [calls.register_module_forward_pre_hook(run.lineup.enter),
+                 calls.register_module_forward_hook(run.lineup.left, always_call=True)]
         try:
-            with Recorder(run), torch.autograd.graph.saved_tensors_hooks(
-                    *dtensor.hooks(run.pack, run.unpack, self.model)):
+            with calls.Recorder(run), torch.autograd.graph.saved_tensors_hooks(
+                    *calls.dtensor.hooks(call.pack, partial(calls.backward.unpack, run),
+                                         self.model)):
                 out = self.original_forward(*args, **kwargs)
         finally:
             STATE.run = prev
@@ -183,20 +197,20 @@ class _Patched(SignaturePlans):
             self.remove_hooks()      # off the model until the next full record
         self.last_run = run
         self.templates.note(sig, run, self._fingerprint())
-        self.keep_all[sig] = run.saved_bytes
+        self.sigs.keep_all[sig] = run.saved_bytes
         if plan.fraction is not None:     # lent, no template followed: settle its limit
             plan.settle(run.saved_bytes)
         rep = self._check_run(run, sig, replans=self._follows(run, sig))
         self._follow_branches(run, sig, args, kwargs, rep)
         return out
 
-    def _follows(self, run: PlanRun, sig) -> bool:
+    def _follows(self, run, sig) -> bool:
         """Whether `_follow_branches` plans again after this recorded call."""
         return bool(self.replan and ("branches", sig) not in self.notes.said
                     and (run.values or run.t.borrowed)
                     and run.report()["fraction"] < ALIGN_WARN)
 
-    def _follow_branches(self, run: PlanRun, sig, args, kwargs, rep: dict) -> None:
+    def _follow_branches(self, run, sig, args, kwargs, rep: dict) -> None:
         """After a recorded call at `sig` that lined up less than 99% (`rep`: its report):
         plan again, once, from a fake trace along the branches this call took (`branches.py`:
         a library that branches otherwise under fake tensors), into the same budget; or, for
@@ -209,7 +223,8 @@ class _Patched(SignaturePlans):
         try:
             # the budget: this signature's plan's bytes; at new shapes (no plan of their own
             # yet) the plan's fraction of the new keep-all peak, as a re-plan for them takes
-            own = self.plans.get(sig) is not None and not run.t.borrowed
+            own = self.sigs.plans.get(sig) is not None and not run.t.borrowed
+            from . import replan as replanning  # (the tracer and planners: only here)
             table, what = replanning.replan_table(self.model, self.original_forward, args,
                                                   kwargs, self.meta, values=run.values or None,
                                                   budget_bytes=run.t.limit if own else None)
@@ -218,9 +233,9 @@ class _Patched(SignaturePlans):
                  "holds the plan's budget")
             return
         self.templates.supersede(sig, run)
-        self.plans[sig] = PlanTable(table)
+        self.sigs.plans[sig] = PlanTable(table)
         self.branchy = self.branchy or bool(run.values)
-        self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
+        self.sigs.forget(sig)
         self.templates.drop(sig)
         how = ("along the branches this call took" if run.values else
                "at these shapes, where the plan of other shapes did not line up")
@@ -228,41 +243,78 @@ class _Patched(SignaturePlans):
                          f"{time.perf_counter() - t0:.1f} s; the next call at {shapes(sig)} "
                          "runs it")
 
-    def _steady(self, run, args, kwargs, sig):
-        STATE.run = run            # (None before: `forward` checked)
+    def _steady(self, call, args, kwargs, sig):
+        """A call that follows a template (`call`: its policy, run/steady_call.py or
+        run/new_shape.py)."""
+        run = STATE.run = call.s           # (None before: `forward` checked)
+        calls = _calls()
         try:
-            if run.pack is None:    # (a keep-all plan, not measuring: nothing to do)
+            if call.pack is None:   # (a keep-all plan, not measuring: nothing to do)
                 out = self.original_forward(*args, **kwargs)
             else:
                 with torch.autograd.graph.saved_tensors_hooks(
-                        *dtensor.hooks(run.pack, run.unpack, self.model)):
+                        *calls.dtensor.hooks(call.pack, partial(calls.backward.unpack, run),
+                                             self.model)):
                     out = self.original_forward(*args, **kwargs)
         finally:
             STATE.run = None
-        if not run.finish():
+        if not call.finish():
             self.templates.drop(sig)                     # other control flow: the next call records
             self._check_run(run, sig)
         self.last_run = run
         return out
 
     def _fingerprint(self):
-        return _steady.Fingerprint(self.model)
+        return _calls().Fingerprint(self.model)
 
     def remove_hooks(self) -> None:
-        self.body_hooks.remove()
+        if self.body_hooks is not None:
+            self.body_hooks.remove()
 
     @property
     def last_report(self) -> dict | None:
-        """What the last training call did (`PlanRun.report`): how much of the profile lined
+        """What the last training call did (`CallState.report`): how much of the profile lined
         up, what the guard swapped, bytes held for backward against the plan's budget."""
         return None if self.last_run is None else self.last_run.report()
 
-    def _check_run(self, run: PlanRun, sig, replans: bool = False) -> dict:
+    def _check_run(self, run, sig, replans: bool = False) -> dict:
         """Say once per signature what a call that did not line up or that the guard acted
         on cost (`Notes.check_run`; `replans`: a plan along this call's path follows); the
         call's report."""
-        return self.notes.check_run(run, sig, self.branchy and self.plans.get(sig) is None,
+        return self.notes.check_run(run, sig, self.branchy and self.sigs.plans.get(sig) is None,
                                     replans=replans)
+
+
+_CALLS = None
+
+
+def _calls():
+    """The call machinery, imported on the first training call (importing this module, what
+    every patched file does through run/door.py, stays light; tests/test_runtime_layout.py):
+    the call kinds (run/first_call.py, run/steady_call.py, run/new_shape.py), the backward
+    path (run/backward.py), the line-up's module hooks, `templates.Fingerprint`."""
+    global _CALLS
+    if _CALLS is None:
+        from types import SimpleNamespace
+
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        from . import backward, dtensor
+        from .first_call import FirstCall, Recorder
+        from .lineup import BodyHooks
+        from .new_shape import NewShapeCall
+        from .steady_call import follow
+        from .templates import Fingerprint
+        _CALLS = SimpleNamespace(
+            backward=backward, dtensor=dtensor, FirstCall=FirstCall, Recorder=Recorder,
+            BodyHooks=BodyHooks,
+            NewShapeCall=NewShapeCall, follow=follow, Fingerprint=Fingerprint,
+            register_module_forward_hook=register_module_forward_hook,
+            register_module_forward_pre_hook=register_module_forward_pre_hook)
+    return _CALLS
 
 
 def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = True,
@@ -315,7 +367,7 @@ class _PatchedForward:
 
     def __reduce__(self):
         st = self.__slackswap__
-        return (_repatch, (st.model, st.meta, st.table, st._forward, st.had_instance_forward,
+        return (_repatch, (st.model, st.meta.source, st.table, st._forward, st.had_instance_forward,
                            st.replan, st.strict))
 
 

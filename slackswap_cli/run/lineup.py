@@ -2,7 +2,7 @@
 
 An eager op lines up with the next expected forward op of the plan's table (`OpRow`s), within a
 bounded window (`WINDOW`), when it has the same target, first output shape (its rank, for a
-plan borrowed from other shapes: run/shape_run.py) and module path, reads activations exactly
+plan borrowed from other shapes: run/new_shape.py) and module path, reads activations exactly
 when the profile's op does, and reads no profile value the profile's op does not. So an op of a
 wrapper's hook (FSDP2's views of gathered weights or of a block's input) cannot pass for a
 model's op, and an op the profile does not have (a mask built another way in eager) stays
@@ -22,12 +22,11 @@ import torch
 from ..table_rows import OpRow
 from ..trace.aten import is_view_target
 from .dtensor import hooks_first_on_tp
-from .recorded import STATE
+from .packs import STATE
 
-__all__ = ["LineUp", "BodyHooks", "WINDOW", "ALIGN_WARN", "TRACE_ONLY", "trace_only_ops"]
+__all__ = ["LineUp", "BodyHooks", "WINDOW", "TRACE_ONLY", "trace_only_ops"]
 
 WINDOW = 256            # how far ahead an op may match an expected op
-ALIGN_WARN = 0.99       # say so when fewer of the profile's forward ops than this line up
 # ops a trace has that eager never runs: make_fx writes a `detach` of each value autograd
 # saves of an op's output; eager's autograd saves it without an op. Not counted as missed.
 TRACE_ONLY = frozenset({"aten.detach.default"})
@@ -58,7 +57,7 @@ def trace_only_ops(ops: list) -> frozenset[int]:
 class LineUp:
     """The line-up of one recorded forward with the plan's forward ops: the next expected op
     (`ptr`), the ops that matched none (`unmatched`) and the module stack. A steady-state call
-    shares its first call's (`steady.Template`)."""
+    shares its first call's (`templates.Template`)."""
 
     def __init__(self, ops: list[OpRow], names: dict, borrowed: bool):
         """`ops`: the table's forward ops; `names`: id(module) -> its path in the model;

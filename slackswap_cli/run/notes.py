@@ -10,10 +10,10 @@ from __future__ import annotations
 import sys
 
 from ..units import fmt_bytes
-from .lineup import ALIGN_WARN
 
 __all__ = ["Notes", "SAY_MAX", "shapes", "brief", "tell"]
 
+ALIGN_WARN = 0.99       # say so when fewer of the profile's forward ops than this line up
 SAY_MAX = 3             # signatures a kind of note is printed for (`Notes.say_capped`)
 
 

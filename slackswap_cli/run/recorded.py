@@ -5,14 +5,12 @@ produced replaced by references (`OutRef`: record and output; `ExtRef`: a value 
 the recorded forward, held weakly; `InputRef`: the call's own input number i, in a steady-state
 template), weak references to its outputs and their versions. `prepare_replay` works out once
 what replaying a record needs; `view_geometry` notes a view's geometry so a later replay is
-one `as_strided` (C calls instead of the boxed op). `STATE.run` is the run recording on this
-thread (None: none, or a chain replaying). Used by run/record.py (PlanRun), run/rerun.py and
-run/steady.py.
+one `as_strided` (C calls instead of the boxed op). Used by run/first_call.py (the recorder),
+run/backward.py (replays) and run/templates.py.
 """
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 
 import torch
@@ -22,11 +20,8 @@ from ..trace.aten import aliases_input, writes_first, written_positions
 from ..trace.costs import is_random_call
 from ..trace.dtensor import is_collective
 
-__all__ = ["STATE", "OutRef", "ExtRef", "InputRef", "OpRecord", "alias_flags", "prepare_replay",
+__all__ = ["OutRef", "ExtRef", "InputRef", "OpRecord", "alias_flags", "prepare_replay",
            "is_random_record", "view_geometry", "view_of"]
-
-STATE = threading.local()        # .run: the PlanRun recording on this thread
-
 
 def is_random_record(rec: "OpRecord") -> bool:
     return is_random_call(rec.func, rec.args, rec.kwargs) or is_collective(rec.func)

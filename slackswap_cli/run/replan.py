@@ -32,22 +32,25 @@ from ..trace.joint import capture_joint
 from ..trace.workload import load_workload
 from .branches import BranchesDiffer, eager_branches
 from .rng import forked_rng
+from .tables import RunMeta
 
 __all__ = ["replan_table"]
 
 
-def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: dict, *,
+def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta, *,
                  values: list | None = None, budget_bytes: int | None = None
                  ) -> tuple[dict, str]:
     """(table, a line saying what was planned) for `model` called with `args`/`kwargs`.
     `values`: the values an eager call at these inputs read, in order: the trace takes its
     branches (`branches.eager_branches`). `budget_bytes`: plan into these bytes (default: the
-    plan's fraction of the new keep-all peak, or its byte budget)."""
+    plan's fraction of the new keep-all peak, or its byte budget). `meta`: META, or its
+    `tables.RunMeta`."""
+    meta = RunMeta.of(meta)
     if args and kwargs:
         raise InputError("the call mixes positional and keyword tensors",
                          hint="call the model with one kind to let slackswap re-plan")
     inputs = dict(kwargs) if kwargs else tuple(args)
-    hw_dict = meta.get("hardware")
+    hw_dict = meta.hardware
     if not hw_dict:
         raise InputError("the patched module does not record its plan's hardware",
                          hint="regenerate it with `slackswap apply`")
@@ -64,15 +67,15 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
             loss_fn = _workload_loss_fn(meta)  # the output is no loss: the workload's loss_fn
             joint = _trace(shadow, fake_inputs, loss_fn, meta, values)
     env = {"torch_version": torch.__version__, "device": "fake", "hardware": hw.to_dict(),
-           "target_device": meta.get("target_device") or meta.get("device_type")}
-    prof = joint_to_profile(joint, workload={"name": meta.get("workload", {}).get("name", "")},
+           "target_device": meta.target_device or meta.device_type}
+    prof = joint_to_profile(joint, workload={"name": meta.workload.get("name", "")},
                             env=env, hardware=hw, time_source="roofline")
     peak = prof.summary["peak_activation_bytes"]
-    fraction = meta.get("budget_fraction")
+    fraction = meta.budget_fraction
     budget = budget_bytes if budget_bytes is not None else (
-        fraction_bytes(fraction, peak) if fraction else int(meta["budget_bytes"]))
+        fraction_bytes(fraction, peak) if fraction else int(meta.budget_bytes))
     # a slow planner (a MILP takes a minute) is not run inside a training step
-    planner = quick_planner(meta.get("planner") or DEFAULT_PLANNER)
+    planner = quick_planner(meta.planner or DEFAULT_PLANNER)
     plan = make_plan(planner, prof, hw, budget, fraction)
     what = (f"{planner} at {fraction:g} of the keep-all peak"
             if fraction and budget_bytes is None else f"{planner} at {budget} bytes")
@@ -84,14 +87,14 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta: d
     return table, what
 
 
-def _trace(shadow, fake_inputs, loss_fn, meta: dict, values: list | None):
+def _trace(shadow, fake_inputs, loss_fn, meta: RunMeta, values: list | None):
     """The joint graph of `shadow` on `fake_inputs`, along an eager call's branches when its
     `values` are given (`BranchesDiffer` when the trace reads others)."""
     ctx = contextlib.nullcontext() if values is None else eager_branches(shadow, values)
     try:
         with ctx:
-            return capture_joint(shadow, fake_inputs, loss_fn, autocast=meta.get("autocast"),
-                                 target_device=meta.get("target_device"))
+            return capture_joint(shadow, fake_inputs, loss_fn, autocast=meta.autocast,
+                                 target_device=meta.target_device)
     except TraceError as exc:
         if isinstance(exc.__cause__, BranchesDiffer):
             raise BranchesDiffer(str(exc)) from exc
@@ -127,10 +130,10 @@ def fake_of(mode, tensor: torch.Tensor, meta_on: str = "cpu") -> torch.Tensor:
                                    device=meta_on)
 
 
-def _workload_loss_fn(meta: dict):
-    if meta.get("loss_fn") is not None:   # a plan made in the training process (run/api.py)
-        return meta["loss_fn"]
-    w = meta.get("workload") or {}
+def _workload_loss_fn(meta: RunMeta):
+    if meta.loss_fn is not None:   # a plan made in the training process (run/api.py)
+        return meta.loss_fn
+    w = meta.workload
     if not w.get("path"):
         raise InputError("the model's output is no loss and the workload is unknown",
                          hint="regenerate the patched module with `slackswap apply`")

@@ -2,7 +2,7 @@
 
 A signature is the device type, the parameters' dtype, then the shapes and dtypes of a call's
 tensors in order (`signature`). Each gets its own plan (`SignaturePlans.plan_for`): the
-profiled one; one made at other shapes, borrowed without a trace (`_borrow`: run/shape_run.py
+profiled one; one made at other shapes, borrowed without a trace (`_borrow`: run/new_shape.py
 follows another shape's template, or the call is recorded on the plan lent to these shapes,
 its guard limit scaled); one made on the fly from a fake trace (run/replan.py: another device
 or dtype, or where a borrowed plan does not line up); or, with `strict`, a refusal.
@@ -14,17 +14,19 @@ from __future__ import annotations
 import copy
 import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 
 from ..errors import FingerprintMismatch
-from ..guard import Scale
-from ..profile_build import dtype_name
-from ..schema import Action
-from . import replan as replanning
-from .lineup import trace_only_ops
+from ..units import dtype_name
 from .notes import brief, shapes, tell
+from .packs import NewShapeRoute
+from .tables import RunTable
+
+if TYPE_CHECKING:
+    from ..guard import Scale
 
 __all__ = ["PlanTable", "SignaturePlans", "signature", "leaves", "tensors", "alike",
            "first_guess", "NESTED"]
@@ -32,7 +34,7 @@ __all__ = ["PlanTable", "SignaturePlans", "signature", "leaves", "tensors", "ali
 
 class PlanTable:
     """One plan's table (`chains.runtime_table`) and the lookups derived from it. A table
-    `borrow`ed for other input shapes (`shape_run.py`) has its own byte figures: the guard's
+    `borrow`ed for other input shapes (`new_shape.py`) has its own byte figures: the guard's
     limit, what the plan keeps after each pack (`pack_reserve`, once a call at those shapes
     saw them) or the factor `keep_after` is scaled by."""
     borrowed = False
@@ -41,24 +43,33 @@ class PlanTable:
     fraction: float | None = None   # borrowed, limit not settled: of the keep-all bytes
     limit_made_at = 0               # (then: the limit at the shapes it was made for)
 
-    def __init__(self, table: dict, budget_bytes: int | None = None):
-        self.table = table
+    def __init__(self, table, budget_bytes: int | None = None):
+        self.table = t = RunTable.of(table)
         # what the guard holds a call to (`guard.py`): the plan's budget (none: no limit)
-        limit = table.get("budget_bytes", budget_bytes)
+        limit = t.budget_bytes if t.budget_bytes is not None else budget_bytes
         self.limit = limit if limit and limit > 0 else None
-        self.op_inputs = table["op_inputs"]
-        self.non_activation = set(table["non_activation"])
-        self.last_write = {int(k): v for k, v in table.get("last_write", {}).items()}
+        self.op_inputs = t.op_inputs
+        self.non_activation = set(t.non_activation)
+        self.last_write = t.last_write
         # roots chains read: `chain_uses` counts the chains that read each one. Kept (and
         # not yet offloaded) ones are held from production (`pin_roots`) until those chains
         # ran; recomputed or fetched ones stay after autograd took them until then too.
         self.chain_uses: dict[int, int] = {}
-        for ins in table["chain_inputs"].values():
+        for ins in t.chain_inputs.values():
             for r in ins:
                 self.chain_uses[r] = self.chain_uses.get(r, 0) + 1
         self.pin_roots = {r for r in self.chain_uses
-                          if table["action"].get(r) != Action.RECOMPUTE}
-        self.trace_only = trace_only_ops(table["ops"])      # not counted as missed
+                          if t.action.get(r) != "recompute"}   # (schema.Action's value)
+        self._trace_only = None
+
+    @property
+    def trace_only(self) -> frozenset[int]:
+        """The profile's ops eager may not run (`lineup.trace_only_ops`): not counted as
+        missed. Worked out on first use (the line-up's module loads with the first call)."""
+        if self._trace_only is None:
+            from .lineup import trace_only_ops
+            self._trace_only = trace_only_ops(self.table.ops)
+        return self._trace_only
 
     def borrow(self) -> "PlanTable":
         """This plan for other input shapes: the same table, its byte figures its own."""
@@ -119,7 +130,7 @@ def first_guess(plan: PlanTable, old: tuple, new: tuple) -> tuple[float, float] 
     guessed limit and what it holds is judged against the limit the call settles (the plan's
     fraction of what it saved): a guess too high would let it hold more. None:
     the plan has no limit or its table no saved bytes (written before it named them)."""
-    by_shape = plan.table.get("saved_by_shape")
+    by_shape = plan.table.saved_by_shape
     made_at = sum(b for _, b in by_shape) if by_shape else 0
     if not made_at or plan.limit is None or plan.borrowed:
         return None
@@ -130,6 +141,7 @@ def first_guess(plan: PlanTable, old: tuple, new: tuple) -> tuple[float, float] 
 
 def shape_scale(old: tuple, new: tuple) -> Scale:
     """`guard.Scale` from signature `old`'s input shapes to signature `new`'s."""
+    from ..guard import Scale  # (the guard loads with a call's machinery, not at import)
     return Scale([shape for shape, _ in old[2:]], [shape for shape, _ in new[2:]])
 
 
@@ -146,17 +158,32 @@ def alike(a: tuple, b: tuple) -> bool:
 
 
 class SignaturePlans:
-    """The plan each input signature gets (see the module docstring). A part of
-    `inplace._Patched`: its state (`plans`, `fast_plans`, `first_at`, `keep_all`, the
-    templates) is the patch's."""
+    """The plan each input signature gets (see the module docstring), for the patch `p` (an
+    `inplace._Patched`: its model, settings and templates): `plans`, signature -> its plan
+    (None: the profiled one, `default`, runs there); `fast_plans`, a call's key -> (plan,
+    signature); `first_at`, new shapes -> the `packs.NewShapeRoute` their first call takes;
+    `keep_all`, signature -> the bytes a keep-all run holds there."""
+    __slots__ = ("p", "plans", "default", "fast_plans", "first_at", "keep_all")
+
+    def __init__(self, patched, plans: dict):
+        self.p = patched
+        self.plans: dict[tuple, PlanTable | None] = plans
+        self.default = next(iter(plans.values()))
+        self.fast_plans: dict[tuple, tuple] = {}
+        self.first_at: dict[tuple, NewShapeRoute] = {}
+        self.keep_all: dict[tuple, int] = {}
+
+    def forget(self, sig) -> None:
+        """`sig`'s plan was made again: calls find it anew."""
+        self.fast_plans = {k: v for k, v in self.fast_plans.items() if v[1] != sig}
 
     def plan_for(self, args, kwargs, key: tuple) -> tuple["PlanTable", tuple]:
         """The plan for this call's signature (device, parameter dtype, input shapes and
         dtypes): the profiled one, or one made for it the first time it is seen (said once
-        on stderr), cached; and the signature. `key`: `self.key`'s."""
+        on stderr), cached; and the signature. `key`: `_Patched.key`'s."""
         got = self.fast_plans.get(key)
         if got is None:
-            got = self.fast_plans[key] = self._plan_for(args, kwargs, self._first_param())
+            got = self.fast_plans[key] = self._plan_for(args, kwargs, self.p._first_param())
         return got
 
     def _plan_for(self, args, kwargs, ref) -> tuple["PlanTable", tuple]:
@@ -164,7 +191,7 @@ class SignaturePlans:
                          str(ref.dtype if ref is not None else torch.float32), args, kwargs)
         if sig in self.plans:
             return self.plans[sig] or self.default, sig
-        if self.strict:
+        if self.p.strict:
             profiled = next(iter(self.plans))
             raise FingerprintMismatch(
                 f"the model was called with {shapes(sig)}, the plan was made for "
@@ -172,21 +199,22 @@ class SignaturePlans:
                 hint="re-profile at these shapes, or patch without strict=True to plan for "
                      "them on the fly")
         plan = None
-        if self.replan and self.steady:
+        if self.p.replan and self.p.steady:
             got = self._borrow(sig)
             if got is not None:
                 return got, sig
-        if self.replan and self.branchy:
+        if self.p.replan and self.p.branchy:
             # this model's calls read values its fake trace cannot (`branches.py`): the first
             # call at these shapes runs held by the guard, then one trace along its branches
             # plans for the calls after it (`_follow_branches`), instead of two traces
             self.plans[sig] = None
             return self.default, sig
-        if self.replan:
+        if self.p.replan:
             t0 = time.perf_counter()
             try:
-                table, what = replanning.replan_table(self.model, self.original_forward, args,
-                                                      kwargs, self.meta)
+                from . import replan as replanning  # (the tracer and planners: only here)
+                table, what = replanning.replan_table(self.p.model, self.p.original_forward, args,
+                                                      kwargs, self.p.meta)
                 plan = PlanTable(table)
                 tell(f"new inputs {shapes(sig)}: planned for them in "
                      f"{time.perf_counter() - t0:.1f} s ({what})")
@@ -197,7 +225,7 @@ class SignaturePlans:
         return plan or self.default, sig
 
     def _borrow(self, sig) -> "PlanTable | None":
-        """A plan for new input shapes without a trace (`shape_run.py`): the plan of a
+        """A plan for new input shapes without a trace (`new_shape.py`): the plan of a
         signature that differs from `sig` only in its shapes (same device, dtypes and ranks)
         and whose first call made a template, borrowed; the first call at `sig` follows that
         template (`self.first_at`). Where none has a template of its plan, but one had its
@@ -213,24 +241,24 @@ class SignaturePlans:
         similar = [(other, plan) for other, plan in self.plans.items()
                    if plan is not None and plan.fraction is None and alike(other, sig)]
         for other, plan in similar:
-            tpl = self.templates.get(other)
+            tpl = self.p.templates.get(other)
             if tpl is None:
                 continue
             got = self.plans[sig] = plan.borrow()
             if tpl.keep_only:              # keeps everything, at any shape: nothing to scale
-                self.templates.by_sig[sig] = tpl
+                self.p.templates.by_sig[sig] = tpl
             else:
-                self.first_at[sig] = (tpl, shape_scale(other, sig), None)
+                self.first_at[sig] = NewShapeRoute(tpl, shape_scale(other, sig), None)
             return got
         for other, plan in similar:
-            old = self.templates.superseded_of(other)
+            old = self.p.templates.superseded_of(other)
             if old is None or plan.limit is None:
                 continue
             tpl, ran_on = old
             got = self.plans[sig] = plan.borrow()
             runner = ran_on.borrow()
-            runner.limit = plan.limit       # (the new plan's fraction: `ShapeRun.fraction`)
-            self.first_at[sig] = (tpl, shape_scale(other, sig), runner)
+            runner.limit = plan.limit       # (the new plan's fraction: `NewShapeCall.fraction`)
+            self.first_at[sig] = NewShapeRoute(tpl, shape_scale(other, sig), runner)
             return got
         for other, plan in similar:
             # no template yet (its plan was just made): the first call at `sig` is recorded

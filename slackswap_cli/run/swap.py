@@ -134,7 +134,9 @@ class Storages:
         ref = self.refs.get(key)
         return ref is not None and not ref.expired()
 
-    def without(self, keys: set) -> "Storages":
+    def without_tensors(self, xs: list) -> "Storages":
+        """These storages less those of tensors `xs`."""
+        keys = {storage_key(x) for x in xs if x.device.type != "meta"}
         return Storages({k: r for k, r in self.refs.items() if k not in keys})
 
     def with_tensors(self, xs: list) -> "Storages":

@@ -28,7 +28,7 @@ def check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol:
     opts = [torch.optim.SGD(w.model.parameters(), lr=1e-3) for w in models]
     max_loss = max_grad = 0.0
     held = 0
-    calls = []         # per patched call: `PlanRun.report` and what it held after forward
+    calls = []         # per patched call: `CallState.report` and what it held after forward
     for k in range(steps):
         losses, grads = [], []
         for w, opt in zip(models, opts):
@@ -54,7 +54,7 @@ def check_in_place(mod, path, entry, args, dev, seed: int, steps: int, loss_tol:
     if max_loss > loss_tol or max_grad > grad_tol:
         reasons.append(f"the model patched in place differs from eager: loss by {max_loss:.2e}, "
                        f"gradients by {max_grad:.2e} (relative)")
-    action = run.table["action"]
+    action = run.table.action
     return {"max_loss_rel_diff": max_loss, "max_grad_rel_diff": max_grad,
             "ops_lined_up": calls[-1]["lined_up"], "profile_forward_ops": calls[-1]["expected"],
             "guard_swaps": calls[-1]["guard_swaps"],

@@ -1,6 +1,6 @@
 """What slackswap needs to know about aten ops' aliasing and writes: one place, used by the
 profile (`graph_profile`), the written-out step (`run/step_code.py`), the in-place patch
-(`run/record.py`) and the compiled plan (`run/graph_plan.py`).
+(`run/first_call.py`) and the compiled plan (`run/graph_plan.py`).
 
 - a *view* returns an alias of its input without writing it: the schema says so
   (`view`, `t`, `split`, `detach`, ...), or it is one of the views the schema does not declare
