@@ -61,7 +61,9 @@ def _gpipe(pp: int, n: int) -> dict[int, tuple[Step, ...]]:
             for r in range(pp)}
 
 
-def _one_f_one_b(pp: int, n: int) -> dict[int, tuple[Step, ...]]:
+def one_f_one_b(pp: int, n: int) -> dict[int, tuple[Step, ...]]:
+    """Schedule1F1B's `_step_microbatches`, rank by rank (one stage per rank): the order its
+    loop runs, which `run/pipeline.py` takes too."""
     out = {}
     for rank in range(pp):
         warmup = min(n, pp - rank)
@@ -114,7 +116,7 @@ def order(schedule: str, pp: int, microbatches: int,
     if schedule == "GPipe":
         return _gpipe(pp, microbatches)
     if schedule == "1F1B":
-        return _one_f_one_b(pp, microbatches)
+        return one_f_one_b(pp, microbatches)
     return _interleaved(pp, microbatches, stages_per_rank)
 
 

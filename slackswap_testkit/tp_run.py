@@ -16,7 +16,6 @@ parameters' gradients taken off as autograd makes them), during one training ste
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from slackswap_testkit.pipeline_run import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T, D, H, HD, F_ = 2, 16, 64, 4, 16, 128      # batch, sequence, width, heads, head dim, MLP
@@ -306,12 +307,6 @@ def worker(rank, world, port, layout, budget, out_dir, steps, measure, blocks, p
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(layout: str, world: int, budget, out_dir, steps: int = 3, measure: bool = False,

@@ -42,6 +42,7 @@ from ..pipeline import (
     output_held,
     plan_stages,
 )
+from ..pipeline_orders import one_f_one_b
 from ..planning import plan_inputs, plan_profile
 from . import api
 
@@ -79,23 +80,6 @@ def _steps(actions) -> tuple[Step, ...]:
     return tuple(out)
 
 
-def _one_f_one_b(pp: int, n: int) -> dict[int, tuple[Step, ...]]:
-    """Schedule1F1B's `_step_microbatches`, rank by rank (one stage per rank)."""
-    order = {}
-    for rank in range(pp):
-        warmup = min(n, pp - rank)
-        steps: list[Step] = [("F", rank, i) for i in range(warmup)]
-        fwd, bwd = warmup, 0
-        while bwd < n:
-            steps.append(("B", rank, bwd))
-            bwd += 1
-            if fwd < n:
-                steps.append(("F", rank, fwd))
-                fwd += 1
-        order[rank] = tuple(steps)
-    return order
-
-
 def schedule_order(schedule, pp: int, microbatches: int,
                    stages_per_rank: int | None = None) -> dict[int, tuple[Step, ...]]:
     """rank -> its compute steps (kind, stage, microbatch) in the order the schedule runs
@@ -108,7 +92,7 @@ def schedule_order(schedule, pp: int, microbatches: int,
         raise InputError(f"pp={pp} and microbatches={microbatches}: both must be at least 1",
                          hint="pp: the pipeline ranks; microbatches: per step")
     if issubclass(cls, Schedule1F1B):
-        return _one_f_one_b(pp, microbatches)
+        return one_f_one_b(pp, microbatches)    # torch's action list holds more: the test pins it
     single = issubclass(cls, PipelineScheduleSingle)
     try:
         ops = get_schedule_ops(cls, pp, microbatches,
