@@ -62,7 +62,7 @@ the patched step's, or the benchmark stops. "bookkeeping vs in-place work" is th
 steady extra time less the in-place reference's extra time (both against the same round's
 eager step), per forward op, with its ratio to the pass-through dispatch mode's.
 
-    python benchmarks/inplace_overhead.py [--quick] [--case "short ops"]
+    python benchmarks/inplace_overhead.py [--quick] [--case "short ops"] [--out DIR]
     # (--case: only the cases whose label holds it, printed, nothing written); writes benchmarks/results/inplace_overhead.json and inplace_overhead.md
 """
 from __future__ import annotations
@@ -444,8 +444,15 @@ def main() -> int:
 
     import torch
     torch.set_num_threads(1)
-    quick = "--quick" in sys.argv
-    only = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv else None
+    import argparse
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="an eighth of the rounds (at least 3)")
+    ap.add_argument("--case", default=None,
+                    help="only the cases whose label holds this; printed, nothing written")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
+                    help="folder for inplace_overhead.json and .md")
+    opts = ap.parse_args()
+    quick, only = opts.quick, opts.case
     load = os.getloadavg()
     results = []
     with tempfile.TemporaryDirectory() as d:
@@ -479,7 +486,8 @@ def main() -> int:
             f"{'; --quick' if quick else ''}.\n\n")
     print(head + md)
     if only is None:
-        dest = ROOT / "benchmarks" / "results" / "inplace_overhead.json"
+        Path(opts.out).mkdir(parents=True, exist_ok=True)
+        dest = Path(opts.out) / "inplace_overhead.json"
         dest.write_text(json.dumps(out, indent=1) + "\n")
         dest.with_suffix(".md").write_text(head + md)
         print(f"wrote {dest} and {dest.with_suffix('.md')}")
