@@ -38,26 +38,11 @@ def _tiny_gpt():
     return mod.workload(dropout=0.0)
 
 
-def measure(model, inputs) -> tuple[int, int]:
-    """(forward peak, backward peak) activation bytes of one step."""
-    from slackswap_cli.run import swap
-    from slackswap_cli.run.memtrace import SKIP, MemTracker, caller_line
-    tracker = MemTracker(caller_line({swap.HostPool.get.__code__: SKIP}, outside=None))
-    with tracker:
-        loss = model(*inputs)
-        n_forward = len(tracker.samples)
-        loss.backward()
-    tracker.finish()
-    tracker.exclude([p.grad for p in model.parameters() if p.grad is not None])
-    model.zero_grad(set_to_none=True)
-    tl = tracker.timeline()
-    return max(tl[:n_forward]), max(tl[n_forward:])
-
-
 def row(budget: float) -> dict:
     import slackswap_cli as slackswap
     from slackswap_cli.chains import runtime_table
     from slackswap_cli.run.api import Plan
+    from slackswap_cli.run.memtrace import step_peaks
     from slackswap_cli.trace.aten import is_inplace_target
     model, inputs = _tiny_gpt()
     eager = copy.deepcopy(model)
@@ -67,12 +52,12 @@ def row(budget: float) -> dict:
                     plan.graph_table)
     out = {"budget": budget, "budget_bytes": plan.budget_bytes, **plan.actions(),
            "predicted_peak_bytes": plan.predicted.peak_bytes,
-           "eager": dict(zip(("forward_peak", "backward_peak"), measure(eager, inputs)))}
+           "eager": dict(zip(("forward_peak", "backward_peak"), step_peaks(eager, inputs)))}
     for name, p in (("pinned", plan), ("unpinned", unpinned)):
         m = copy.deepcopy(eager)
         slackswap.patch(m, p)
-        measure(m, inputs)                       # the recording call
-        out[name] = dict(zip(("forward_peak", "backward_peak"), measure(m, inputs)))
+        step_peaks(m, inputs)                    # the recording call
+        out[name] = dict(zip(("forward_peak", "backward_peak"), step_peaks(m, inputs)))
     return out
 
 

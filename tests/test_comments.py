@@ -117,32 +117,13 @@ def _path_resolves(ref: str, path: Path, root: Path, names: set[str]) -> bool:
     return any((base / ref).is_file() for base in bases)
 
 
-def _top_level_names(module: Path) -> set[str]:
-    tree = ast.parse(module.read_text(encoding="utf-8"))
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
-                try:
-                    names |= set(ast.literal_eval(node.value))
-                except ValueError:      # an __all__ built by code: its parts are names above
-                    pass
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    return names
-
-
 def _dotted_resolves(ref: str, root: Path) -> bool:
     parts = ref.split(".")
     for k in range(len(parts), 0, -1):     # the longest prefix that is a module
         base = root.joinpath(*parts[:k])
         module = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
         if module.is_file():
-            return k == len(parts) or parts[k] in _top_level_names(module)
+            return k == len(parts) or parts[k] in _Source(module).names
     return False
 
 

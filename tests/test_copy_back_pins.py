@@ -11,8 +11,7 @@ import torch
 
 import slackswap_cli as slackswap
 from slackswap_cli.chains import copy_back_pins
-from slackswap_cli.run import swap
-from slackswap_cli.run.memtrace import SKIP, MemTracker, caller_line
+from slackswap_cli.run.memtrace import step_peaks
 from slackswap_cli.schema import Action, Decision, ScheduleEvent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,20 +34,6 @@ def _tiny_gpt():
     return mod.workload(dropout=0.0)
 
 
-def _backward_peak(model, inputs) -> int:
-    """Activation bytes live at the fullest point of backward (memtrace; the swap engine's
-    host buffers and the parameters' gradients left out)."""
-    tracker = MemTracker(caller_line({swap.HostPool.get.__code__: SKIP}, outside=None))
-    with tracker:
-        loss = model(*inputs)
-        n_forward = len(tracker.samples)
-        loss.backward()
-    tracker.finish()
-    tracker.exclude([p.grad for p in model.parameters() if p.grad is not None])
-    model.zero_grad(set_to_none=True)
-    return max(tracker.timeline()[n_forward:])
-
-
 def test_plain_patch_holds_swapped_tensors_no_longer_than_simulated():
     """Swaps dominate at the fitted costs: the plan swaps and keeps, recomputes nothing; the
     patched backward holds what the simulator predicts (+ a few bytes), and trains bitwise."""
@@ -59,7 +44,7 @@ def test_plain_patch_holds_swapped_tensors_no_longer_than_simulated():
     assert acts["swap"] >= 10 and acts["recompute"] == 0, acts
     slackswap.patch(model, plan)
     for _ in range(2):                                  # the recording call, then a steady one
-        peak = _backward_peak(model, inputs)
+        peak = step_peaks(model, inputs)[1]
         assert peak <= plan.predicted.peak_bytes + 1024, (peak, plan.predicted.peak_bytes)
     eager_loss, loss = eager(*inputs), model(*inputs)
     eager_loss.backward()

@@ -178,4 +178,22 @@ def caller_line(codes: dict, outside: Any = None) -> Callable[[], Any]:
     return locate
 
 
-__all__ = ["MemTracker", "Sample", "Storage", "SKIP", "caller_line", "storage_of"]
+def step_peaks(model, inputs) -> tuple[int, int]:
+    """(forward peak, backward peak) activation bytes of one training step of `model`, whose
+    call on `inputs` (positional) returns the loss: the swap engine's host buffers and the
+    parameters' gradients left out; the gradients are set to None after."""
+    from . import swap
+    tracker = MemTracker(caller_line({swap.HostPool.get.__code__: SKIP}, outside=None))
+    with tracker:
+        loss = model(*inputs)
+        n_forward = len(tracker.samples)
+        loss.backward()
+    tracker.finish()
+    tracker.exclude([p.grad for p in model.parameters() if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    timeline = tracker.timeline()
+    return max(timeline[:n_forward]), max(timeline[n_forward:])
+
+
+__all__ = ["MemTracker", "Sample", "Storage", "SKIP", "caller_line", "step_peaks",
+           "storage_of"]
