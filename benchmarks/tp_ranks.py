@@ -10,10 +10,8 @@ patched run trained bit for bit as plain TP. Measured peaks are those of steps 2
 first step also records the forward and fills the swap engine's host pool), activation bytes
 as run/memtrace.py counts them (live storages, gradients of parameters taken off).
 
-Copies back: as `plan_model` plans them, each swapped tensor is fetched back as backward
-begins ("at backward start": the measured peak is then above the planned one, the simulator
-fetching as late as memory needs), or pinned to the backward op the simulator issued it at
-("pinned": run/pipeline.py's `pinned_prefetches`, what `plan_pipeline` does). A row "none" is
+Each swapped tensor's copy back is issued at the backward op the simulator issued it at
+(`chains.copy_back_pins`, the runtime's rule for every patched model). A row "none" is
 the same model on one process without TP, planned and measured the same way: what it shows is
 the runtime's, not tensor parallelism's. Under "block-fsdp" the calls FSDP2 makes (its
 all-gathered parameters, its buffers) are not counted, but the weight gradients of the
@@ -21,8 +19,8 @@ unsharded parameters are, until FSDP2's reduce-scatter frees them (the gradient 
 sharded parameters only): its measured peaks hold gradients, not only activations.
 
     python benchmarks/tp_ranks.py                 # the default cases
-    python benchmarks/tp_ranks.py block-sp 2 0.5 slackswap 2 pinned
-        # layout, ranks, budget (fraction), planner, blocks[, pinned]
+    python benchmarks/tp_ranks.py block-sp 2 0.5 slackswap 2
+        # layout, ranks, budget (fraction), planner, blocks
 Writes benchmarks/results/tp_ranks.{json,md} (a case given on the command line:
 tp_ranks_<args>.{json,md}).
 """
@@ -37,13 +35,12 @@ sys.path.insert(0, str(ROOT))
 
 from slackswap_testkit import tp_run  # noqa: E402
 
-CASES = [("none", 1, 0.5, "slackswap", 2, False), ("none", 1, 0.5, "slackswap", 2, True),
-         ("block", 2, 0.5, "slackswap", 2, False), ("block", 2, 0.5, "slackswap", 2, True),
-         ("block-sp", 2, 0.5, "slackswap", 2, True), ("block", 2, 0.5, "recompute-only", 2, False),
-         ("block-fsdp", 4, 0.5, "slackswap", 2, True)]
+CASES = [("none", 1, 0.5, "slackswap", 2), ("block", 2, 0.5, "slackswap", 2),
+         ("block-sp", 2, 0.5, "slackswap", 2), ("block", 2, 0.5, "recompute-only", 2),
+         ("block-fsdp", 4, 0.5, "slackswap", 2)]
 
 
-def _single(budget: float, planner: str, blocks: int, pinned: bool) -> list[dict]:
+def _single(budget: float, planner: str, blocks: int) -> list[dict]:
     """The "none" row: the model unparallelised, on this process."""
     import torch
 
@@ -53,7 +50,7 @@ def _single(budget: float, planner: str, blocks: int, pinned: bool) -> list[dict
     torch.manual_seed(1)
     x = torch.randn(tp_run.B, tp_run.T, tp_run.D)
     started = time.perf_counter()
-    plan = tp_run.plan_of(model, x, budget, planner, pinned)
+    plan = tp_run.plan_of(model, x, budget, planner)
     out = {"plan_s": time.perf_counter() - started,
            "keep_all_peak": plan.profile.summary["peak_activation_bytes"],
            "planned_peak": plan.predicted.peak_bytes, "budget_bytes": plan.budget_bytes,
@@ -80,20 +77,20 @@ def _single(budget: float, planner: str, blocks: int, pinned: bool) -> list[dict
 
 
 def _rows(case) -> list[dict]:
-    layout, world, budget, planner, blocks, pinned = case
+    layout, world, budget, planner, blocks = case
     started = time.perf_counter()
     if layout == "none":
-        ranks = _single(budget, planner, blocks, pinned)
+        ranks = _single(budget, planner, blocks)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             ranks = tp_run.run(layout, world, budget, tmp, measure=True, blocks=blocks,
-                               planner=planner, pinned=pinned)
+                               planner=planner)
     wall = time.perf_counter() - started
     out = []
     for rank, res in enumerate(ranks):
         plain, patched = res["plain"], res["patched"]
         keep_meas, plan_meas = max(plain["peaks"][1:]), max(patched["peaks"][1:])
-        out.append({"layout": layout, "planner": planner, "pinned": pinned, "ranks": world,
+        out.append({"layout": layout, "planner": planner, "ranks": world,
                     "blocks": blocks,
                     "rank": rank, "budget_bytes": res["budget_bytes"],
                     "keep_all_predicted": res["keep_all_peak"], "keep_all_measured": keep_meas,
@@ -109,12 +106,11 @@ def _rows(case) -> list[dict]:
 
 
 def _markdown(rows: list[dict]) -> str:
-    head = ("| layout | planner | copies back | ranks | rank | keep-all pred / meas (error) | "
+    head = ("| layout | planner | ranks | rank | keep-all pred / meas (error) | "
             "planned / measured (error) | held at forward end / budget | swapped | recomputed | "
-            "bitwise |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "bitwise |\n|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
-        f"| {r['layout']} | {r['planner']} | {'pinned' if r['pinned'] else 'at backward start'} "
-        f"| {r['ranks']} | {r['rank']} | "
+        f"| {r['layout']} | {r['planner']} | {r['ranks']} | {r['rank']} | "
         f"{r['keep_all_predicted']} / {r['keep_all_measured']} ({r['keep_all_error']:+.1%}) | "
         f"{r['planned_peak']} / {r['planned_measured']} ({r['planned_error']:+.1%}) | "
         f"{r['held_at_forward_end']} / {r['budget_bytes']} | {r['swapped_bytes']} | "
@@ -129,8 +125,7 @@ def _markdown(rows: list[dict]) -> str:
 def main(argv: list[str]) -> None:
     cases = CASES if not argv else [(argv[0], int(argv[1]), float(argv[2]),
                                      argv[3] if len(argv) > 3 else "slackswap",
-                                     int(argv[4]) if len(argv) > 4 else 2,
-                                     len(argv) > 5 and argv[5] == "pinned")]
+                                     int(argv[4]) if len(argv) > 4 else 2)]
     rows = [r for case in cases for r in _rows(case)]
     out = ROOT / "benchmarks" / "results"
     name = "tp_ranks" if not argv else "tp_ranks_" + "_".join(argv)

@@ -239,27 +239,12 @@ def _train(label: str, layout: str, world: int, plan, steps: int, measure: bool,
     return out
 
 
-def plan_of(model, x, budget, planner: str = "slackswap", pinned: bool = False):
-    """`plan_model(model, x, budget=...)` priced at 2 us a kernel (small_costs.py).
-    `pinned`: each swap's copy back pinned to the backward op the simulator issued it at
-    (run/pipeline.py's `pinned_prefetches`, as plan_pipeline plans), not at backward's start."""
+def plan_of(model, x, budget, planner: str = "slackswap"):
+    """`plan_model(model, x, budget=...)` priced at 2 us a kernel (small_costs.py)."""
     import slackswap_cli as slackswap
     from slackswap_testkit.small_costs import small_model_costs
     with small_model_costs():
-        if not pinned:
-            return slackswap.plan_model(model, _inputs(x), budget=budget, planner=planner)
-        from slackswap_cli.planning import plan_inputs, plan_profile
-        from slackswap_cli.run import api
-        from slackswap_cli.run.pipeline import pinned_prefetches
-        hw = api._hardware(None)
-        work = api._checked(model, _inputs(x), None)
-        how, target = api._where(model, "auto")
-        with api._untouched(model):
-            prof, joint, traced = api._profile(work, how, target, hw, None, None,
-                                               time.perf_counter())
-        prof, hw, budget_bytes, fraction = plan_inputs(prof, budget, hw, "plan_model")
-        result = pinned_prefetches(plan_profile(prof, hw, budget_bytes, fraction, planner)[0])
-        return api._plan_of(prof, result, joint, traced, None)
+        return slackswap.plan_model(model, _inputs(x), budget=budget, planner=planner)
 
 
 def _inputs(x):
@@ -267,12 +252,12 @@ def _inputs(x):
 
 
 def plan_and_train(layout: str, world: int, budget, *, steps: int = 3, measure: bool = False,
-                   blocks: int = 1, planner: str = "slackswap", pinned: bool = False) -> dict:
+                   blocks: int = 1, planner: str = "slackswap") -> dict:
     """On this rank (its process group initialised): the model planned (fake trace, 2 us
     kernels: slackswap_testkit/small_costs.py), then trained plain and patched."""
     model, x, _ = build(layout, world, blocks)
     started = time.perf_counter()
-    plan = plan_of(model, x, budget, planner, pinned)
+    plan = plan_of(model, x, budget, planner)
     prof = plan.profile
     out = {"plan_s": time.perf_counter() - started, "actions": plan.actions(),
            "keep_all_peak": prof.summary["peak_activation_bytes"],
@@ -295,14 +280,14 @@ def is_collective_name(target: str) -> bool:
     return target.split(".")[0] in ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
 
-def worker(rank, world, port, layout, budget, out_dir, steps, measure, blocks, planner, pinned):
+def worker(rank, world, port, layout, budget, out_dir, steps, measure, blocks, planner):
     import torch.distributed as dist
     sys.path.insert(0, str(ROOT))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = plan_and_train(layout, world, budget, steps=steps, measure=measure,
-                                 blocks=blocks, planner=planner, pinned=pinned)
+                                 blocks=blocks, planner=planner)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     finally:
@@ -310,10 +295,10 @@ def worker(rank, world, port, layout, budget, out_dir, steps, measure, blocks, p
 
 
 def run(layout: str, world: int, budget, out_dir, steps: int = 3, measure: bool = False,
-        blocks: int = 1, planner: str = "slackswap", pinned: bool = False) -> list[dict]:
+        blocks: int = 1, planner: str = "slackswap") -> list[dict]:
     """Spawn the ranks; each rank's results: its plan, the plain and the patched run."""
     torch.multiprocessing.spawn(worker, args=(world, free_port(), layout, budget, str(out_dir),
-                                              steps, measure, blocks, planner, pinned),
+                                              steps, measure, blocks, planner),
                                 nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
             for r in range(world)]

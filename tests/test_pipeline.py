@@ -146,20 +146,25 @@ def test_plan_stages_refuses_a_budget_below_every_plan():
                     lambda prof, b: make_plan("slackswap", prof, HW, b))
 
 
-def test_pinned_prefetches_follow_the_simulated_schedule():
-    """A swap's copy back is pinned to the backward op the simulator issued it at, and the
-    plan simulates the same with the pins."""
-    from slackswap_cli.run.pipeline import pinned_prefetches
+def test_copy_back_pins_follow_the_simulated_schedule():
+    """Every patched stage issues a swap's copy back at the backward op the simulator issued
+    it at (`chains.copy_back_pins`, from the plan's schedule), and the plan simulates the same
+    with those pins written into its decisions."""
+    import dataclasses
+
+    from slackswap_cli.chains import copy_back_pins
     from slackswap_cli.simulate import simulate
     prof = _chain(8)
     plan = make_plan("swap-all", prof, HW, prof.keep_all_peak_bytes // 2)
     assert any(d.action == "swap" for d in plan.decisions)
-    pinned = pinned_prefetches(plan)
+    pins = copy_back_pins(plan.decisions, plan.schedule)
+    pinned = [dataclasses.replace(d, prefetch_at=pins[d.tensor]) if d.tensor in pins else d
+              for d in plan.decisions]
     issued = {e.tensor: e.issue_op for e in plan.schedule if e.kind == "prefetch"}
-    swaps = [d for d in pinned.decisions if d.action == "swap"]
+    swaps = [d for d in pinned if d.action == "swap"]
     assert swaps and all(d.prefetch_at == issued[d.tensor] for d in swaps)
     assert all(d.prefetch_at >= prof.n_forward for d in swaps)
-    again = simulate(prof, pinned.decisions, HW, plan.budget_bytes, record=False)
+    again = simulate(prof, pinned, HW, plan.budget_bytes, record=False)
     assert again.feasible and again.predicted.peak_bytes == plan.predicted.peak_bytes
 
 

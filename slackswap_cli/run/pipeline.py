@@ -204,21 +204,6 @@ def _grad_bytes(inputs) -> int:
                if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
-def pinned_prefetches(plan):
-    """The plan with each swap's copy back pinned to the backward op the simulator issued it
-    at (`Decision.prefetch_at`). A swap left unpinned is fetched back, by the eager runtime,
-    as backward begins (`chains.runtime_table`), where the simulator issues it as late as
-    memory needs: one microbatch's peak would be the simulator's no longer, and a rank holding
-    several adds that to all of them."""
-    import dataclasses
-    issued = {e.tensor: e.issue_op for e in plan.schedule if e.kind == "prefetch"}
-    decisions = tuple(
-        dataclasses.replace(d, prefetch_at=issued[d.tensor])
-        if d.action == "swap" and d.prefetch_at is None and d.tensor in issued else d
-        for d in plan.decisions)
-    return dataclasses.replace(plan, decisions=decisions)
-
-
 def _not_a_fraction(budget) -> None:
     """A rank's budget is a size, never a fraction (of which stage's peak, at how many
     microbatches held?)."""
@@ -292,7 +277,7 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
         boundary[index] = boundary[index]._replace(pinned=pinned, held=held)
 
     def planner_fn(prof, budget_bytes):
-        return pinned_prefetches(plan_profile(prof, hw, budget_bytes, None, planner)[0])
+        return plan_profile(prof, hw, budget_bytes, None, planner)[0]
 
     some = next(iter(profiles.values()))
     per_rank = ({r: _rank_bytes(b, some) for r, b in budget.items()}
