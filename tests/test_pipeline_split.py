@@ -18,9 +18,10 @@ class _Three(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.norm = torch.nn.BatchNorm1d(8)
 
     def forward(self, x):
-        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+        return self.c(self.norm(torch.relu(self.b(torch.relu(self.a(x))))))
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +34,22 @@ def pipe():
 def test_stage_inputs_are_what_each_stage_receives(pipe):
     """Each stage gets what the stage before it computed on the microbatch; a received float
     takes a gradient (as the stage's receive buffer does); the last stage's loss is the
-    schedule's loss_fn on the target."""
+    schedule's loss_fn on the target. The pipe's buffers (BatchNorm's statistics) and the
+    random generators are as they were."""
     from slackswap_cli.run.pipe_stages import pipe_stages
     x, y = torch.randn(4, 8), torch.randn(4, 8)
+    buffers = [b.clone() for b in pipe.split_gm.buffers()]
+    rng = torch.random.get_rng_state()
     stages = pipe_stages(pipe, (x,), loss_fn=lambda out, t: ((out - t) ** 2).mean(), target=y)
+    assert buffers and all(torch.equal(a, b) for a, b in zip(buffers, pipe.split_gm.buffers()))
+    assert torch.equal(rng, torch.random.get_rng_state())
     assert sorted(stages) == [0, 1, 2]
     model = _Three()
     (m0, in0, loss0), (m1, in1, _), (m2, in2, loss2) = (stages[i] for i in range(3))
     assert m0 is pipe.get_stage_module(0) and in0[0] is x and loss0 is None
     with torch.no_grad():
         h1 = torch.relu(model.a(x))
-        h2 = torch.relu(model.b(h1))
+        h2 = model.norm(torch.relu(model.b(h1)))
     assert torch.equal(in1[0], h1) and in1[0].requires_grad and in1[0].grad_fn is None
     assert torch.equal(in2[0], h2) and in2[0].requires_grad
     out = m2(*in2)
@@ -98,3 +104,15 @@ def test_a_pipeline_split_trains_exactly_on_two_ranks(tmp_path):
         # step 2: the first step also allocates the stages' receive buffers
         assert abs(patched["peaks"][1] / row["planned_peak_bytes"] - 1) <= 0.05, (rank, row)
         assert abs(plain["peaks"][1] / row["keep_all_peak_bytes"] - 1) <= 0.05, (rank, row)
+
+
+def test_the_docs_recipe_is_the_examples():
+    """docs/training.md's `pipeline()` recipe is examples/pipeline_split.py's (which the
+    2-rank runs above exercise through the same calls), line for line."""
+    import textwrap
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    example = (root / "examples" / "pipeline_split.py").read_text()
+    recipe = example.split("# --8<-- [start:recipe]\n")[1].split("    # --8<-- [end:recipe]")[0]
+    doc = (root / "docs" / "training.md").read_text()
+    assert "```python\n" + textwrap.dedent(recipe) + "```\n" in doc

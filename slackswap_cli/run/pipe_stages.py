@@ -6,7 +6,8 @@ graph: stage i is `pipe.get_stage_module(i)`, an fx GraphModule whose inputs are
 the stages before it send (flattened: one positional argument per tensor) and which
 `pipe.build_stage(i, device)` wraps. What each stage receives is read by running the pipe once
 on one microbatch (its forward only, no gradient), a hook on each stage module keeping its
-arguments; a received float tensor then takes a gradient, as the stage's receive buffer does
+arguments (the buffers' values and the random generators are restored after it, as after a
+profile); a received float tensor then takes a gradient, as the stage's receive buffer does
 (`_PipelineStage` makes every floating received activation `requires_grad`).
 
     stages = pipe_stages(pipe, (x_mb,), loss_fn=loss_fn, target=y_mb)
@@ -21,6 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..errors import InputError
+from . import api
 
 __all__ = ["is_pipe", "pipe_stages", "check_stage_count"]
 
@@ -97,7 +99,7 @@ def _captured_inputs(pipe, args: tuple, kwargs: dict) -> dict[int, tuple[tuple, 
             seen[i] = (a, k)
         hooks.append(pipe.get_stage_module(i).register_forward_pre_hook(keep, with_kwargs=True))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), api._untouched(pipe.split_gm):   # buffers and generators as they were
             pipe(*args, **kwargs)
     except Exception as exc:
         raise InputError(f"the pipe's forward failed on the inputs given: "
