@@ -116,3 +116,27 @@ def test_the_docs_recipe_is_the_examples():
     recipe = example.split("# --8<-- [start:recipe]\n")[1].split("    # --8<-- [end:recipe]")[0]
     doc = (root / "docs" / "training.md").read_text()
     assert "```python\n" + textwrap.dedent(recipe) + "```\n" in doc
+
+
+def test_an_input_that_takes_a_gradient_is_traced_with_it():
+    """A stage's received float takes a gradient in torch's stage (HF Llama's rotary sin, say),
+    so eager's `lin(x) * s` saves `lin(x)` for the gradient of `s`: the profile saves it too
+    (trace/joint.py asks for the inputs' gradients), and not when `s` takes none."""
+    from slackswap_cli.run.api import plan_model
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x, s):
+            return self.lin(x) * s
+
+    def saved(s_grad: bool):
+        x, s = torch.randn(4, 8), torch.randn(4, 8).requires_grad_(s_grad)
+        plan = plan_model(Scale(), (x, s), budget=1.0, device="fake:cpu",
+                          loss_fn=lambda out, inputs: out.sum())
+        prof = plan.profile
+        return sorted(prof.ops[t.producer].target for t in prof.saved_activations)
+    assert saved(True) == ["aten.addmm.default"]
+    assert saved(False) == []

@@ -218,9 +218,12 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
             loss = loss_from_output(out, workload_inputs(inputs, a, kw), loss_fn)
         boundary["n"] = len(get_proxy_mode().tracer.graph.nodes)
         grad_params = [param_list[i] for i in grad_index]
-        grads = torch.autograd.grad(loss, grad_params, grad_outputs=tangent.to(loss.dtype),
-                                    allow_unused=True)
-        return loss, list(grads)
+        # inputs that take a gradient (a pipeline stage's received activations) get it, as
+        # in eager: what backward saves for them is saved; the gradients are not returned
+        wanted = [x for x in input_list if x.requires_grad]
+        grads = torch.autograd.grad(loss, grad_params + wanted,
+                                    grad_outputs=tangent.to(loss.dtype), allow_unused=True)
+        return loss, list(grads[:len(grad_params)])
 
     fake_mode = torch._guards.detect_fake_mode([*params.values(), *buffers.values(), *tensor_leaves])
     ref = next(iter(params.values()))
