@@ -217,13 +217,7 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
             out = torch.func.functional_call(model, state, a, kw, strict=True)
             loss = loss_from_output(out, workload_inputs(inputs, a, kw), loss_fn)
         boundary["n"] = len(get_proxy_mode().tracer.graph.nodes)
-        grad_params = [param_list[i] for i in grad_index]
-        # inputs that take a gradient (a pipeline stage's received activations) get it, as
-        # in eager: what backward saves for them is saved; the gradients are not returned
-        wanted = [x for x in input_list if x.requires_grad]
-        grads = torch.autograd.grad(loss, grad_params + wanted,
-                                    grad_outputs=tangent.to(loss.dtype), allow_unused=True)
-        return loss, list(grads[:len(grad_params)])
+        return loss, _param_grads(loss, [param_list[i] for i in grad_index], input_list, tangent)
 
     fake_mode = torch._guards.detect_fake_mode([*params.values(), *buffers.values(), *tensor_leaves])
     ref = next(iter(params.values()))
@@ -264,6 +258,16 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
     if restores:
         _refuse_rng_replay(joint, restores)
     return joint
+
+
+def _param_grads(loss, params: list, inputs: list, tangent) -> list:
+    """The parameters' gradients. Inputs that take a gradient (a pipeline stage's received
+    activations) get theirs too, as in eager, so that what backward saves for them is saved
+    in the trace; theirs are not returned."""
+    wanted = [x for x in inputs if x.requires_grad]
+    grads = torch.autograd.grad(loss, params + wanted, grad_outputs=tangent.to(loss.dtype),
+                                allow_unused=True)
+    return list(grads[:len(params)])
 
 
 TARGET_DEVICES = ("cuda", "cpu")
