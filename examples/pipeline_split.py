@@ -1,6 +1,6 @@
 """A GPT split into pipeline stages by torch's `pipeline()`, a plan per stage, trained by 1F1B.
 
-    torchrun --nproc-per-node 2 examples/pipeline_split.py      # CPU, gloo: about a minute
+    torchrun --nproc-per-node 2 examples/pipeline_split.py      # CPU, gloo: under a minute
 
 Every rank builds the whole model and the pipe (as `pipeline()` needs), plans the stage it
 runs for its budget knowing how many microbatches 1F1B holds there, patches it and trains.
