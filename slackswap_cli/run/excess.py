@@ -1,0 +1,176 @@
+"""What eager holds beyond the simulator under a plan, measured on the model itself.
+
+The simulator frees a swapped or recomputed tensor after its last reader; eager Python holds
+what it still names (a block's locals, the views `q, k, v` of a fused projection; a block's
+input in the caller's loop) until the statement or function ends. So a patched step can peak
+above the plan's predicted peak, and above its budget. `measured_peak` runs the plan on the
+model once and measures it; `eager_excess` is what it holds beyond the prediction.
+
+Both planners that run a live model use it: `plan_model` (`settle`: plans again below the
+budget by the excess when the measured step does not fit it) and `plan_pipeline`
+(`settle_stages`: the excess counts at the stage's peak, `pipeline.Boundary.eager`).
+
+The measurement runs on the user's model, not on a copy (a copy doubles the parameters'
+memory): the model is patched with the plan, trained for two calls (the first records the
+plan; the second is the steady state training runs, and is the one measured: activation
+storages op by op, `run/memtrace.py`, the parameters' and inputs' gradients and the swap
+engine's host buffers left out), and unpatched. Around it every parameter's `.grad` is put
+back (the very tensor it was, or None), the buffers' values (BatchNorm's statistics) and
+every random number generator (`run/rng.py`) are restored, and the training mode too; the
+inputs are detached copies (no gradient reaches the caller's tensors). A forward that writes
+its parameters in place cannot be undone without a copy: it is refused (`measure=False`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import InputError
+from ..trace.joint import autocast_region, loss_from_output, split_inputs, workload_inputs
+from . import inplace
+from .rng import rng_state, set_rng_state
+
+__all__ = ["measured_peak", "eager_excess", "settle", "settle_stages", "Settled"]
+
+
+def measured_peak(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None, plan) -> int:
+    """The activation peak (bytes, forward and backward) of `model` patched with `plan` (an
+    `api.Plan`) in its second training call on `inputs` (a workload's inputs: a tuple, a
+    dict or a tensor); `loss_fn(output, inputs)` or the output's loss. The model is left as
+    it was (the module docstring)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    versions = [p._version for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    rng, was_training = rng_state(), model.training
+    a, kw = pytree.tree_map(_fresh, split_inputs(inputs))
+    given = workload_inputs(inputs, a, kw)
+    leaves = [t for t in (*params, *pytree.tree_leaves((a, kw)))
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    model.train()
+    inplace.patch(model, plan.meta, plan.table)
+    inplace.patched_state(model).notes.quiet = True
+    try:
+        for _ in range(2):
+            _restore(buffers, rng)
+            for t in leaves:
+                t.grad = None
+            peak = _step_peak(model, a, kw, given, loss_fn, plan.meta.get("autocast"), leaves)
+    finally:
+        inplace.unpatch(model)
+        _restore(buffers, rng)
+        model.train(was_training)
+        for p, g in zip(params, grads):
+            p.grad = g
+    moved = [n for (n, p), v in zip(model.named_parameters(), versions) if p._version != v]
+    if moved:
+        raise InputError(f"measuring the plan: the model's forward writes its parameter "
+                         f"{moved[0]} in place, which a measured step cannot undo",
+                         hint="plan_model(..., measure=False): the plan as the simulator "
+                              "judges it, unmeasured")
+    return peak
+
+
+def eager_excess(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None, plan) -> int:
+    """Bytes by which the patched step (`measured_peak`) peaks above the simulator's peak of
+    `plan`, 0 when it does not."""
+    return max(0, measured_peak(model, inputs, loss_fn, plan) - plan.predicted.peak_bytes)
+
+
+def _fresh(x):
+    return x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+
+
+def _restore(buffers: list, rng: tuple) -> None:
+    with torch.no_grad():
+        for b, value in buffers:
+            b.copy_(value)
+    set_rng_state(rng)
+
+
+def _step_peak(model, a, kw, given, loss_fn, autocast, leaves) -> int:
+    """One training call of the patched model: its activation peak, gradients left out (a
+    hook on each leaf marks the gradient it receives as it arrives)."""
+    from ..trace.storage import storage_object_key
+    from . import swap
+    from .memtrace import SKIP, MemTracker, caller_line
+    tracker = MemTracker(caller_line({swap.HostPool.get.__code__: SKIP}, outside=None))
+
+    def grad_hook(g):
+        i = tracker._live.get(storage_object_key(g))
+        if i is not None and tracker.storages[i].nbytes > 0:
+            tracker.storages[i].nbytes = -tracker.storages[i].nbytes - 1
+    hooks = [t.register_hook(grad_hook) for t in leaves]
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    try:
+        with tracker:
+            with autocast_region(autocast, device):
+                loss = loss_from_output(model(*a, **kw), given, loss_fn)
+            loss.backward()
+            del loss
+        tracker.finish()
+    finally:
+        for h in hooks:
+            h.remove()
+    return max(tracker.timeline(), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """What `settle` measured: the plan's predicted and measured peaks as first planned and
+    as returned, and the budget the returned plan was made at (the budget less the excess
+    where it planned again, else the budget)."""
+    first_predicted: int
+    first_measured: int
+    predicted: int
+    measured: int
+    planned_at: int
+    rounds: int         # plans measured
+
+
+def settle(plan, budget_bytes: int, plan_at: Callable[[int], Any],
+           measure: Callable[[Any], int]) -> tuple[Any, Settled]:
+    """(the plan to use, what was measured). `measure(plan)` -> its measured peak;
+    `plan_at(bytes)` -> a plan made at that budget (feasible or not). Where the measured peak
+    exceeds `budget_bytes`, plan again at the budget less the largest excess seen (twice at
+    most) and keep the plan that measures lowest; a plan whose measured step fits the budget
+    is returned as it is (its decisions unchanged)."""
+    peak = measure(plan)
+    first = (plan.predicted.peak_bytes, peak)
+    excess, at, best_at, rounds = max(0, peak - plan.predicted.peak_bytes), budget_bytes, \
+        budget_bytes, 1
+    for _ in range(2):
+        if peak <= budget_bytes or budget_bytes - excess >= at or budget_bytes - excess <= 0:
+            break
+        at = budget_bytes - excess
+        candidate = plan_at(at)
+        if not candidate.feasible:
+            break
+        got = measure(candidate)
+        rounds += 1
+        excess = max(excess, got - candidate.predicted.peak_bytes)
+        if got < peak:
+            plan, peak, best_at = candidate, got, at
+    return plan, Settled(*first, plan.predicted.peak_bytes, peak, best_at, rounds)
+
+
+def settle_stages(stages, order, profiles, per_rank, planner_fn, boundary, table, plans,
+                  traced, plan_of):
+    """`plan_pipeline`'s: plan again where the eager run of a stage's plan, measured on one
+    microbatch, peaks above the simulator's prediction (`eager_excess`): the excess counts at
+    that stage's peak (`Boundary.eager`), and the search runs again (twice at most).
+    `plan_of(stage, raw plan)`: the `api.Plan` of a stage's plan."""
+    from ..pipeline import plan_stages
+    for _ in range(2):
+        excess = {s: eager_excess(*stages[s][:2], traced[s][2], plans[s])
+                  for s in table.plans if plans.get(s) is not None}
+        if not any(e > boundary[s].eager for s, e in excess.items()):
+            break
+        for s, e in excess.items():
+            boundary[s] = boundary[s]._replace(eager=max(e, boundary[s].eager))
+        table = plan_stages(order, profiles, per_rank, planner_fn, boundary)
+        plans = {s: (None if p is None else plan_of(s, p)) for s, p in table.plans.items()}
+    return table, plans
