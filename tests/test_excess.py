@@ -122,3 +122,28 @@ def test_measuring_refuses_a_forward_that_writes_its_parameters():
     with pytest.raises(InputError, match="writes its parameter weight in place") as e:
         measured_peak(model, (torch.randn(4, 8),), None, plan)
     assert "measure=False" in e.value.hint
+
+
+def test_plan_pipeline_measures_each_stage_on_the_stage_itself(monkeypatch):
+    """plan_pipeline's measure (settle_stages) runs on the stage module, not a copy of it,
+    and leaves it, the inputs and the random number generators as they were."""
+    from slackswap_cli.run import excess
+    from slackswap_cli.run.inplace import is_patched
+    from slackswap_cli.run.pipeline import plan_pipeline
+    seen = []
+
+    def spy(model, *args):
+        seen.append(model)
+        return measured_peak(model, *args)
+    monkeypatch.setattr(excess, "measured_peak", spy)
+    torch.manual_seed(1)
+    stage = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    before, rng = _state(stage), torch.get_rng_state()
+    planned = plan_pipeline({1: (stage, (x,), None)}, "GPipe", pp=3, microbatches=4,
+                            budget=13_000, ranks=[1])
+    assert planned.plans[1] is not None and seen and all(m is stage for m in seen)
+    assert _same(_state(stage), before) and not is_patched(stage)
+    assert torch.equal(torch.get_rng_state(), rng) and x.grad is None

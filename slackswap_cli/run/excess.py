@@ -23,6 +23,7 @@ its parameters in place cannot be undone without a copy: it is refused (`measure
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import torch
@@ -129,6 +130,7 @@ class Settled:
     measured: int
     planned_at: int
     rounds: int         # plans measured
+    seconds: float      # spent measuring and planning again
 
 
 def settle(plan, budget_bytes: int, plan_at: Callable[[int], Any],
@@ -138,6 +140,7 @@ def settle(plan, budget_bytes: int, plan_at: Callable[[int], Any],
     exceeds `budget_bytes`, plan again at the budget less the largest excess seen (twice at
     most) and keep the plan that measures lowest; a plan whose measured step fits the budget
     is returned as it is (its decisions unchanged)."""
+    started = time.perf_counter()
     peak = measure(plan)
     first = (plan.predicted.peak_bytes, peak)
     excess, at, best_at, rounds = max(0, peak - plan.predicted.peak_bytes), budget_bytes, \
@@ -154,7 +157,8 @@ def settle(plan, budget_bytes: int, plan_at: Callable[[int], Any],
         excess = max(excess, got - candidate.predicted.peak_bytes)
         if got < peak:
             plan, peak, best_at = candidate, got, at
-    return plan, Settled(*first, plan.predicted.peak_bytes, peak, best_at, rounds)
+    return plan, Settled(*first, plan.predicted.peak_bytes, peak, best_at, rounds,
+                         time.perf_counter() - started)
 
 
 def settle_stages(stages, order, profiles, per_rank, planner_fn, boundary, table, plans,
