@@ -147,3 +147,30 @@ def test_plan_pipeline_measures_each_stage_on_the_stage_itself(monkeypatch):
     assert planned.plans[1] is not None and seen and all(m is stage for m in seen)
     assert _same(_state(stage), before) and not is_patched(stage)
     assert torch.equal(torch.get_rng_state(), rng) and x.grad is None
+
+
+def test_settle_plans_lower_by_the_phase_where_eager_holds_more():
+    """settle's rule on stand-in plans: a step that fits is left alone; one over the budget is
+    planned lower by its peak's excess over the prediction, then, where that lowered only
+    backward (the simulator's peak) and forward (eager's over-hold) is still over, by the
+    forward's excess over its own simulated peak."""
+    from types import SimpleNamespace
+
+    from slackswap_cli.run.excess import settle
+
+    def plan(peak, fwd_sim, fwd_measured):
+        return SimpleNamespace(predicted=SimpleNamespace(peak_bytes=peak), feasible=True,
+                               sim=(fwd_sim, peak), got=(fwd_measured, peak))
+    asked = []
+    made = {85: plan(85, 80, 110), 70: plan(70, 60, 90)}
+
+    def plan_at(at):
+        asked.append(at)
+        return made[at]
+    first = plan(95, 80, 110)
+    chosen, s = settle(first, 100, plan_at, lambda p: p.got, lambda p: p.sim)
+    assert asked == [85, 70] and chosen is made[70]
+    assert (s.first_measured, s.measured, s.planned_at, s.excess, s.rounds) == (110, 90, 70, 30, 3)
+    fits = plan(95, 80, 99)
+    chosen, s = settle(fits, 100, plan_at, lambda p: p.got, lambda p: p.sim)
+    assert chosen is fits and s.rounds == 1 and asked == [85, 70]

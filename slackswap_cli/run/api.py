@@ -121,8 +121,9 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     model and measure its step (`Plan.measured`); where eager peaks above the budget (it holds
     what Python still names longer than the simulator counts), plan again below the budget by
     that excess (run/excess.py). None (default): when the step was traced on real tensors
-    (device "cpu" or "cuda"); True: after a fake trace too, on the model itself (its
-    parameters real, on the plan's device type); False: never. Raises SlackswapError subclasses: InputError (bad arguments),
+    (device "cpu" or "cuda") and the plan is not `for_compile` (the measured run is
+    `patch`'s); True: after a fake trace too, on the model itself (its parameters real, on
+    the plan's device type); False: never. Raises SlackswapError subclasses: InputError (bad arguments),
     TraceError (the model cannot be traced), InfeasibleError (no plan fits; its `.plan` is
     the closest one)."""
     started = time.perf_counter()
@@ -155,7 +156,8 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     out.note = note
     if not result.feasible:
         raise _infeasible(prof, planner, hw, budget_bytes, out)
-    run_on = _measured_on(measure, how, model, work, traced, out)
+    run_on = _measured_on(measure if for_compile is None else bool(measure), how, model,
+                          work, traced, out)
     if run_on is not None:
         out = _settled(out, run_on, prof, hw, planner, joint, traced, loss_fn,
                        dict(time_limit=time_limit, for_compile=for_compile))
@@ -378,7 +380,7 @@ def _settled(out: Plan, run_on: Workload, prof: Profile, hw, planner: str, joint
     planned again below it by what eager held beyond the simulator. A plan made so keeps the
     budget asked for (what the runtime holds a call to) and says in its notes what it was
     planned at; `Plan.measured` holds what was measured."""
-    from .excess import measured_peak, settle
+    from .excess import measured_peaks, settle, simulated_peaks
     budget, fraction = out.budget_bytes, out.plan.budget_fraction
 
     def plan_at(at: int) -> Plan:
@@ -390,7 +392,8 @@ def _settled(out: Plan, run_on: Workload, prof: Profile, hw, planner: str, joint
         return _plan_of(prof, result, joint, traced, loss_fn)
 
     plan, measured = settle(out, budget, plan_at,
-                            lambda p: measured_peak(run_on.model, run_on.inputs, loss_fn, p))
+                            lambda p: measured_peaks(run_on.model, run_on.inputs, loss_fn, p),
+                            lambda p: simulated_peaks(prof, p.plan, hw))
     plan.measured = measured
     if measured.measured > budget:
         warnings.warn(f"slackswap: the plan's measured step peaks at {measured.measured} "

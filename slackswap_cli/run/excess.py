@@ -29,12 +29,13 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import InputError
+from ..errors import InputError, SlackswapError, TraceError
 from ..trace.joint import autocast_region, loss_from_output, split_inputs, workload_inputs
 from . import inplace
 from .rng import rng_state, set_rng_state
 
-__all__ = ["measured_peak", "eager_excess", "settle", "settle_stages", "Settled"]
+__all__ = ["measured_peak", "measured_peaks", "simulated_peaks", "eager_excess", "settle",
+           "settle_stages", "Settled"]
 
 
 def measured_peak(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None, plan) -> int:
@@ -42,6 +43,12 @@ def measured_peak(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None,
     `api.Plan`) in its second training call on `inputs` (a workload's inputs: a tuple, a
     dict or a tensor); `loss_fn(output, inputs)` or the output's loss. The model is left as
     it was (the module docstring)."""
+    return max(measured_peaks(model, inputs, loss_fn, plan))
+
+
+def measured_peaks(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None,
+                   plan) -> tuple[int, int]:
+    """`measured_peak`'s forward (the loss included) and backward peaks, apart."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     versions = [p._version for p in params]
@@ -59,7 +66,17 @@ def measured_peak(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None,
             _restore(buffers, rng)
             for t in leaves:
                 t.grad = None
-            peak = _step_peak(model, a, kw, given, loss_fn, plan.meta.get("autocast"), leaves)
+            peaks = _step_peaks(model, a, kw, given, loss_fn, plan.meta.get("autocast"),
+                                leaves)
+    except SlackswapError:
+        raise
+    except Exception as exc:
+        text = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise TraceError(f"measuring the plan: the patched step failed: "
+                         f"{type(exc).__name__}: {text}",
+                         hint="plan_model(..., measure=False) returns the plan unmeasured; "
+                              "slackswap_cli.check(model, plan, inputs) then runs it against "
+                              "eager and says where it fails") from None
     finally:
         inplace.unpatch(model)
         _restore(buffers, rng)
@@ -72,7 +89,7 @@ def measured_peak(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None,
                          f"{moved[0]} in place, which a measured step cannot undo",
                          hint="plan_model(..., measure=False): the plan as the simulator "
                               "judges it, unmeasured")
-    return peak
+    return peaks
 
 
 def eager_excess(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None, plan) -> int:
@@ -92,9 +109,9 @@ def _restore(buffers: list, rng: tuple) -> None:
     set_rng_state(rng)
 
 
-def _step_peak(model, a, kw, given, loss_fn, autocast, leaves) -> int:
-    """One training call of the patched model: its activation peak, gradients left out (a
-    hook on each leaf marks the gradient it receives as it arrives)."""
+def _step_peaks(model, a, kw, given, loss_fn, autocast, leaves) -> tuple[int, int]:
+    """One training call of the patched model: its forward and backward activation peaks,
+    gradients left out (a hook on each leaf marks the gradient it receives as it arrives)."""
     from ..trace.storage import storage_object_key
     from . import swap
     from .memtrace import SKIP, MemTracker, caller_line
@@ -110,43 +127,76 @@ def _step_peak(model, a, kw, given, loss_fn, autocast, leaves) -> int:
         with tracker:
             with autocast_region(autocast, device):
                 loss = loss_from_output(model(*a, **kw), given, loss_fn)
+            n_forward = len(tracker.samples)
             loss.backward()
             del loss
         tracker.finish()
     finally:
         for h in hooks:
             h.remove()
-    return max(tracker.timeline(), default=0)
+    timeline = tracker.timeline()
+    return max(timeline[:n_forward], default=0), max(timeline[n_forward:], default=0)
+
+
+def simulated_peaks(profile, plan, hw) -> tuple[int, int]:
+    """The simulator's forward and backward activation peaks of `plan` (a `schema.Plan` of
+    `profile`) on `hw`: its memory before and from the first backward op's start, each copy
+    back issued no earlier than the plan's schedule issued it (`chains.copy_back_pins`, as
+    the runtime issues it: a plan made below its budget keeps the budget asked for, at
+    which the simulator alone would prefetch earlier)."""
+    from ..chains import copy_back_pins
+    from ..schema import Action, Decision
+    from ..simulate import simulate
+    pins = copy_back_pins(plan.decisions, plan.schedule)
+    decisions = [Decision(d.tensor, d.action, pins.get(d.tensor, d.prefetch_at))
+                 if d.action == Action.SWAP else d for d in plan.decisions]
+    res = simulate(profile, decisions, hw, plan.budget_bytes, record=True)
+    start = min((e.start_us for e in res.events if e.engine == "compute" and e.op is not None
+                 and e.op >= profile.n_forward), default=float("inf"))
+    fwd = max((m for t, m in res.memory if t < start), default=0)
+    bwd = max((m for t, m in res.memory if t >= start), default=0)
+    return fwd, bwd
 
 
 @dataclasses.dataclass(frozen=True)
 class Settled:
-    """What `settle` measured: the plan's predicted and measured peaks as first planned and
-    as returned, and the budget the returned plan was made at (the budget less the excess
-    where it planned again, else the budget)."""
+    """What `settle` measured: the plan's predicted and measured peaks (forward and backward
+    together) as first planned and as returned, the budget the returned plan was made at (the
+    budget less an excess where it planned again, else the budget) and the largest excess
+    seen (measured over simulated: the whole step's peaks, and each phase's against its own)."""
     first_predicted: int
     first_measured: int
     predicted: int
     measured: int
     planned_at: int
+    excess: int
     rounds: int         # plans measured
     seconds: float      # spent measuring and planning again
 
 
 def settle(plan, budget_bytes: int, plan_at: Callable[[int], Any],
-           measure: Callable[[Any], int]) -> tuple[Any, Settled]:
-    """(the plan to use, what was measured). `measure(plan)` -> its measured peak;
-    `plan_at(bytes)` -> a plan made at that budget (feasible or not). Where the measured peak
-    exceeds `budget_bytes`, plan again at the budget less the largest excess seen (twice at
-    most) and keep the plan that measures lowest; a plan whose measured step fits the budget
-    is returned as it is (its decisions unchanged)."""
+           measure: Callable[[Any], tuple[int, int]],
+           simulated: Callable[[Any], tuple[int, int]]) -> tuple[Any, Settled]:
+    """(the plan to use, what was measured). `measure(plan)` and `simulated(plan)`: its
+    (forward, backward) peaks measured and simulated; `plan_at(bytes)` -> a plan made at
+    that budget (feasible or not). A plan whose measured step fits `budget_bytes` is returned
+    as it is (its decisions unchanged). Else plan again (twice at most) below the budget by
+    an excess, keeping the plan that measures lowest: first by the measured peak's excess
+    over the predicted peak; then by the largest excess of a phase over its own simulated
+    peak (eager's over-hold is in forward, a block's locals, where the simulator's peak may
+    be in backward: a plan made lower may then lower only its backward)."""
     started = time.perf_counter()
-    peak = measure(plan)
-    first = (plan.predicted.peak_bytes, peak)
-    excess, at, best_at, rounds = max(0, peak - plan.predicted.peak_bytes), budget_bytes, \
-        budget_bytes, 1
-    for _ in range(2):
-        if peak <= budget_bytes or budget_bytes - excess >= at or budget_bytes - excess <= 0:
+    got = measure(plan)
+    peak, first = max(got), (plan.predicted.peak_bytes, max(got))
+    whole = max(0, peak - plan.predicted.peak_bytes)
+    phase = max(0, *(m - s for m, s in zip(got, simulated(plan))))
+    at, best_at, rounds = budget_bytes, budget_bytes, 1
+    for r in range(2):
+        if peak <= budget_bytes:
+            break
+        tries = (whole, max(whole, phase)) if r == 0 else (max(whole, phase),)
+        excess = next((e for e in tries if 0 < budget_bytes - e < at), None)
+        if excess is None:
             break
         at = budget_bytes - excess
         candidate = plan_at(at)
@@ -154,11 +204,12 @@ def settle(plan, budget_bytes: int, plan_at: Callable[[int], Any],
             break
         got = measure(candidate)
         rounds += 1
-        excess = max(excess, got - candidate.predicted.peak_bytes)
-        if got < peak:
-            plan, peak, best_at = candidate, got, at
-    return plan, Settled(*first, plan.predicted.peak_bytes, peak, best_at, rounds,
-                         time.perf_counter() - started)
+        whole = max(whole, max(got) - candidate.predicted.peak_bytes)
+        phase = max(phase, *(m - s for m, s in zip(got, simulated(candidate))))
+        if max(got) < peak:
+            plan, peak, best_at = candidate, max(got), at
+    return plan, Settled(*first, plan.predicted.peak_bytes, peak, best_at, max(whole, phase),
+                         rounds, time.perf_counter() - started)
 
 
 def settle_stages(stages, order, profiles, per_rank, planner_fn, boundary, table, plans,
