@@ -67,7 +67,8 @@ class Plan:
     """What `plan_model` returns: the profile, the plan (`schema.Plan`, what a plan file
     holds) and the tables the runtimes follow. `save(path)` writes the files the CLI reads.
     `note`: what the costs were priced for when that is not what a user may expect (a
-    meta-device model's plan: a fake trace and a hardware preset's roofline), else None."""
+    meta-device model's plan: a fake trace and a hardware preset's roofline), else None.
+    `measured`: what `plan_model`'s measure found (`excess.Settled`), else None."""
 
     note: str | None = None
     measured = None     # plan_model's measure: an `excess.Settled`, or None (not measured)
