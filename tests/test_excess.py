@@ -5,6 +5,7 @@ again below the budget by that excess. The measurement runs on the user's model 
 leaves it, its gradients, buffers and random number generators as they were."""
 import copy
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,19 @@ def test_settle_plans_lower_by_the_phase_where_eager_holds_more():
     fits = plan(95, 80, 99)
     chosen, s = settle(fits, 100, plan_at, lambda p: p.got, lambda p: p.sim)
     assert chosen is fits and s.rounds == 1 and asked == [85, 70]
+
+
+def test_a_step_that_cannot_be_brought_under_says_so_and_the_budget_it_names_fits():
+    """At the floor no plan is lower: plan_model warns with the measured figures, and the
+    budget it names gives a plan whose measured step fits."""
+    model, inputs = _tiny_gpt()
+    from slackswap_cli.simulate import budget_floor_bytes
+    floor = budget_floor_bytes(slackswap.plan_model(model, inputs, budget=0.5,
+                                                    device="fake:cpu").profile)
+    with pytest.warns(UserWarning, match=r"A budget of (\d+) bytes or more fits") as w:
+        plan = slackswap.plan_model(model, inputs, budget=floor, device="fake:cpu",
+                                    measure=True)
+    assert plan.measured.measured > floor
+    named = int(re.search(r"A budget of (\d+) bytes", str(w[-1].message)).group(1))
+    plan = slackswap.plan_model(model, inputs, budget=named, device="fake:cpu", measure=True)
+    assert plan.measured.measured <= named

@@ -67,7 +67,8 @@ class Plan:
     """What `plan_model` returns: the profile, the plan (`schema.Plan`, what a plan file
     holds) and the tables the runtimes follow. `save(path)` writes the files the CLI reads.
     `note`: what the costs were priced for when that is not what a user may expect (a
-    meta-device model's plan: a fake trace and a hardware preset's roofline), else None."""
+    meta-device model's plan: a fake trace and a hardware preset's roofline), else None.
+    `measured`: what `plan_model`'s measure found (`excess.Settled`), else None."""
 
     note: str | None = None
     measured = None     # plan_model's measure: an `excess.Settled`, or None (not measured)
@@ -398,8 +399,10 @@ def _settled(out: Plan, run_on: Workload, prof: Profile, hw, planner: str, joint
     if measured.measured > budget:
         warnings.warn(f"slackswap: the plan's measured step peaks at {measured.measured} "
                       f"bytes of activations, above the budget of {budget} (the simulator "
-                      f"predicts {measured.predicted}); planning below the budget did not "
-                      "bring it under", stacklevel=3)
+                      f"predicts {measured.predicted}: eager holds what Python still names "
+                      "longer); no plan below the budget measured under it. A budget of "
+                      f"{measured.measured} bytes or more fits this step as measured",
+                      stacklevel=3)
     return plan
 
 

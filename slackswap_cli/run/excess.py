@@ -74,9 +74,9 @@ def measured_peaks(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None
         text = (str(exc).strip().splitlines() or [""])[0][:300]
         raise TraceError(f"measuring the plan: the patched step failed: "
                          f"{type(exc).__name__}: {text}",
-                         hint="plan_model(..., measure=False) returns the plan unmeasured; "
-                              "slackswap_cli.check(model, plan, inputs) then runs it against "
-                              "eager and says where it fails") from None
+                         hint="measure=False (plan_model, plan_pipeline) returns the plan "
+                              "unmeasured; slackswap_cli.check(model, plan, inputs) then runs "
+                              "it against eager and says where it fails") from None
     finally:
         inplace.unpatch(model)
         _restore(buffers, rng)
@@ -87,8 +87,8 @@ def measured_peaks(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None
     if moved:
         raise InputError(f"measuring the plan: the model's forward writes its parameter "
                          f"{moved[0]} in place, which a measured step cannot undo",
-                         hint="plan_model(..., measure=False): the plan as the simulator "
-                              "judges it, unmeasured")
+                         hint="measure=False (plan_model, plan_pipeline): the plan as the "
+                              "simulator judges it, unmeasured")
     return peaks
 
 
