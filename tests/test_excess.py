@@ -123,6 +123,13 @@ def test_measuring_refuses_a_forward_that_writes_its_parameters():
     with pytest.raises(InputError, match="writes its parameter weight in place") as e:
         measured_peak(model, (torch.randn(4, 8),), None, plan)
     assert "measure=False" in e.value.hint
+    # plan_model's default measure warns and returns the plan unmeasured; measure=True raises
+    with pytest.warns(UserWarning, match="not measured: .* writes its parameter weight"):
+        plan = slackswap.plan_model(model, (torch.randn(4, 8),), budget=1.0, device="cpu")
+    assert plan.measured is None
+    with pytest.raises(InputError, match="writes its parameter weight in place"):
+        slackswap.plan_model(model, (torch.randn(4, 8),), budget=1.0, device="cpu",
+                             measure=True)
 
 
 def test_plan_pipeline_measures_each_stage_on_the_stage_itself(monkeypatch):

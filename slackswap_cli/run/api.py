@@ -160,8 +160,14 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     run_on = _measured_on(measure if for_compile is None else bool(measure), how, model,
                           work, traced, out)
     if run_on is not None:
-        out = _settled(out, run_on, prof, hw, planner, joint, traced, loss_fn,
-                       dict(time_limit=time_limit, for_compile=for_compile))
+        from .excess import ParameterWritten
+        try:
+            out = _settled(out, run_on, prof, hw, planner, joint, traced, loss_fn,
+                           dict(time_limit=time_limit, for_compile=for_compile))
+        except ParameterWritten as exc:
+            if measure:
+                raise
+            warnings.warn(f"slackswap: the plan is not measured: {exc}", stacklevel=2)
         out.note = note
     return out
 

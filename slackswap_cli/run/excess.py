@@ -18,7 +18,8 @@ engine's host buffers left out), and unpatched. Around it every parameter's `.gr
 back (the very tensor it was, or None), the buffers' values (BatchNorm's statistics) and
 every random number generator (`run/rng.py`) are restored, and the training mode too; the
 inputs are detached copies (no gradient reaches the caller's tensors). A forward that writes
-its parameters in place cannot be undone without a copy: it is refused (`measure=False`).
+its parameters in place cannot be undone without a copy: `plan_model`'s default measure then
+warns and returns the plan unmeasured, `measure=True` raises `ParameterWritten`.
 """
 from __future__ import annotations
 
@@ -85,11 +86,16 @@ def measured_peaks(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None
             p.grad = g
     moved = [n for (n, p), v in zip(model.named_parameters(), versions) if p._version != v]
     if moved:
-        raise InputError(f"measuring the plan: the model's forward writes its parameter "
+        raise ParameterWritten(f"measuring the plan: the model's forward writes its parameter "
                          f"{moved[0]} in place, which a measured step cannot undo",
                          hint="measure=False (plan_model, plan_pipeline): the plan as the "
                               "simulator judges it, unmeasured")
     return peaks
+
+
+class ParameterWritten(InputError):
+    """The measured step wrote a parameter in place (plan_model's default measure warns and
+    returns the plan unmeasured; measure=True raises it)."""
 
 
 def eager_excess(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None, plan) -> int:
