@@ -61,6 +61,9 @@ class Swap(NamedTuple):
     alone_us: float     # when its copy to host ends in the stage's own run, from its start
 
 
+Segments = tuple[tuple[float, float, int], ...]     # (from, to: from the action's start, bytes)
+
+
 @dataclass(frozen=True)
 class StageWork:
     """A stage under a plan, per microbatch, as the judge runs it (module docstring)."""
@@ -71,18 +74,19 @@ class StageWork:
     bwd_peak_bytes: int         # with its copies back all in at its start
     linger_bytes: int = 0
     swaps: tuple[Swap, ...] = ()
-    fwd_wait_us: float = 0.0    # of fwd_us: waits for memory in its own run (copies to host)
-    bwd_alone_us: float | None = None       # as in its own run: copies back from its start
-    bwd_alone_peak_bytes: int | None = None
+    fwd_alone_us: float | None = None       # as in its own run: waiting for copies to host
+    fwd_alone_peak_bytes: int | None = None
+    # its memory over time, per way of running (`Segments`; None: its peak throughout)
+    fwd_mem: Segments | None = None
+    fwd_alone_mem: Segments | None = None
+    bwd_mem: Segments | None = None
 
     @property
-    def alone_us(self) -> float:
-        return self.bwd_us if self.bwd_alone_us is None else self.bwd_alone_us
-
-    @property
-    def alone_peak(self) -> int:
-        return (self.bwd_peak_bytes if self.bwd_alone_peak_bytes is None
-                else self.bwd_alone_peak_bytes)
+    def fwd_waits(self) -> tuple[float, int]:
+        """(its forward's time, its peak) when it waits for memory as in its own run."""
+        return (self.fwd_us if self.fwd_alone_us is None else self.fwd_alone_us,
+                self.fwd_peak_bytes if self.fwd_alone_peak_bytes is None
+                else self.fwd_alone_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,31 @@ def _peak_in(memory, lo: float, hi: float) -> int:
     return best
 
 
+def _segments(memory, lo: float, hi: float, add: int, n: int = 64) -> Segments:
+    """The timeline over [lo, hi) in `n` equal spans, each at the most it reaches there (plus
+    `add`): what the judge adds to what others hold, an upper bound within each span."""
+    if hi <= lo:
+        return ((0.0, 0.0, _peak_in(memory, lo, float("inf")) + add),)
+    width = (hi - lo) / n
+    best = [0] * n
+    cur, k = 0, 0
+    for t, m in memory:
+        if t >= hi:
+            break
+        if t <= lo:
+            cur = m
+            continue
+        while k < n and lo + (k + 1) * width <= t:
+            best[k] = max(best[k], cur)
+            k += 1
+        cur = m
+        if k < n:
+            best[k] = max(best[k], m)
+    for j in range(k, n):
+        best[j] = max(best[j], cur)
+    return tuple((j * width, (j + 1) * width, b + add) for j, b in enumerate(best))
+
+
 def _first_need(prof: Profile, events, fwd_end: float, roots) -> dict[int, float]:
     """root -> the time (from the backward's start) of the first compute task reading it."""
     want = set(roots)
@@ -131,12 +160,23 @@ def _first_need(prof: Profile, events, fwd_end: float, roots) -> dict[int, float
     return out
 
 
+def _forward_ends(prof: Profile) -> dict[int, float]:
+    """forward op id -> when it ends, from the forward's start (no waits)."""
+    ends, t = {}, 0.0
+    for op in prof.ops[:prof.n_forward]:
+        t += op.time_us
+        ends[op.id] = t
+    return ends
+
+
 def stage_work(prof: Profile, plan: Plan | None, hw, boundary: Boundary = Boundary()
                ) -> StageWork:
-    """`prof` under `plan` (None: keep everything) on `hw`, for the judge: the stage run alone
-    twice by the simulator, with the plan's copies (its forward: time, memory waits, peak,
-    when each copy to host ends) and with its swaps kept (the backward's compute and its peak
-    with every copy back in at its start; when each swapped tensor is first read)."""
+    """`prof` under `plan` (None: keep everything) on `hw`, for the judge, from the stage run
+    alone by the simulator three times: with the plan's copies and no budget (its forward
+    without waiting: its memory, when each copy to host ends), with them under the plan's
+    budget (its forward as in its own run, waiting for memory) and with its swaps kept (the
+    backward's compute and its memory with every copy back in at its start, less in the judge
+    each one not yet issued; when each swapped tensor is first read)."""
     from .simulate import simulate
     cost = stage_cost(prof, plan, boundary)
     fwd = sum(op.time_us for op in prof.ops[:prof.n_forward])
@@ -149,17 +189,14 @@ def stage_work(prof: Profile, plan: Plan | None, hw, boundary: Boundary = Bounda
     acts = {d.tensor: d.action for d in plan.decisions}
     kept = simulate(prof, {t: (Action.KEEP if a == Action.SWAP else a) for t, a in acts.items()},
                     hw, None, record=True)
-    real = simulate(prof, plan.decisions, hw, plan.budget_bytes, record=True)
-    fwd_end = max((e.end_us for e in real.events if e.engine == "compute"
-                   and e.kind != "stall" and e.op is not None and e.op < prof.n_forward),
-                  default=0.0)
+    free = simulate(prof, plan.decisions, hw, None, record=True)
+    own = simulate(prof, plan.decisions, hw, plan.budget_bytes, record=True)   # its forward
+    own_end = max((e.end_us for e in own.events if e.engine == "compute"
+                   and e.kind == "op" and e.op < prof.n_forward), default=0.0)
     swapped = [t for t, a in acts.items() if a == Action.SWAP]
     need = _first_need(prof, kept.events, fwd, swapped)
-    alone = {ev.tensor: ev.end_us for ev in real.schedule if ev.kind == "offload"}
-    ends, t = {}, 0.0
-    for op in prof.ops[:prof.n_forward]:
-        t += op.time_us
-        ends[op.id] = t
+    alone = {ev.tensor: ev.end_us for ev in free.schedule if ev.kind == "offload"}
+    ends = _forward_ends(prof)
     swaps = []
     for tid in sorted(swapped, key=lambda x: ends.get(prof.tensors[x].producer, 0.0)):
         size = prof.tensors[tid].size_bytes
@@ -167,12 +204,14 @@ def stage_work(prof: Profile, plan: Plan | None, hw, boundary: Boundary = Bounda
         swaps.append(Swap(0 if tid in boundary.pinned else size, hw.copy_us(size, "d2h"),
                           hw.copy_us(size, "h2d"), ready, need.get(tid, 0.0),
                           alone.get(tid, ready)))
-    fwd_peak = _peak_in(real.memory, 0.0, fwd_end) + extra
-    bwd_peak = _peak_in(kept.memory, fwd, float("inf")) + extra + cost.boundary_bytes
-    alone_peak = _peak_in(real.memory, fwd_end, float("inf")) + extra + cost.boundary_bytes
-    return StageWork(fwd_end, kept.predicted.step_us - fwd, cost.held_bytes, fwd_peak,
-                     bwd_peak, cost.linger_bytes, tuple(swaps), max(0.0, fwd_end - fwd),
-                     real.predicted.step_us - fwd_end, alone_peak)
+    back, inf = cost.boundary_bytes + extra, float("inf")
+    return StageWork(fwd, kept.predicted.step_us - fwd, cost.held_bytes,
+                     _peak_in(free.memory, 0.0, fwd) + extra,
+                     _peak_in(kept.memory, fwd, inf) + back, cost.linger_bytes,
+                     tuple(swaps), own_end, _peak_in(own.memory, 0.0, own_end) + extra,
+                     _segments(free.memory, 0.0, fwd, extra),
+                     _segments(own.memory, 0.0, own_end, extra),
+                     _segments(kept.memory, fwd, kept.predicted.step_us, back))
 
 
 def _pairs(steps: Sequence[Step]) -> tuple[dict, dict]:
@@ -186,47 +225,50 @@ def _pairs(steps: Sequence[Step]) -> tuple[dict, dict]:
     return made, used
 
 
-def _static_need(steps: Sequence[Step], work: Mapping[int, StageWork]) -> list[int]:
-    """Per action: the others' held bytes, its own peak (a backward's as in its own run) and
-    what lingers; no copies."""
-    need, lingering = [], 0
+def _static_need(steps: Sequence[Step], work: Mapping[int, StageWork], budget: int):
+    """(per action: the others' held bytes, its own peak (a backward's before its copies
+    back) and what lingers, no copies; the limit copies back may fill up to; the forwards that
+    wait for memory as in their own run: those that would not fit the budget without)."""
+    base, own_free, own_wait, lingering = [], [], [], 0
     for (kind, stage, mb), live in _walk(steps):
-        others = sum(work[s].held_bytes for s, m in live if (s, m) != (stage, mb))
-        own = work[stage].fwd_peak_bytes if kind in STARTS else work[stage].alone_peak
-        need.append(others + own + lingering)
+        w = work[stage]
+        base.append(lingering + sum(work[s].held_bytes for s, m in live if (s, m) != (stage, mb)))
+        bwd = w.bwd_peak_bytes - sum(sw.bytes for sw in w.swaps)
+        own_free.append(w.fwd_peak_bytes if kind in STARTS else bwd)
+        own_wait.append(w.fwd_waits[1] if kind in STARTS else bwd)
         if kind in FIRST_USE:
-            lingering += work[stage].linger_bytes
-    return need
-
-
-def _issue_points(steps: Sequence[Step], work: Mapping[int, StageWork],
-                  budget: int) -> dict[tuple[int, int], int]:
-    """pair -> the index of the action at whose start its copies back are issued (its first
-    backward's own index: issued there, as in the stage's own run)."""
-    need = _static_need(steps, work)
+            lingering += w.linger_bytes
+    need = [b + o for b, o in zip(base, own_free)]
     limit = budget if budget > 0 else max(need, default=0)
+    waiting = {k for k, n in enumerate(need) if n > limit and own_wait[k] < own_free[k]}
+    for k in waiting:
+        need[k] = base[k] + own_wait[k]
+    return need, limit, waiting
+
+
+def _issue_points(steps: Sequence[Step], work: Mapping[int, StageWork], budget: int):
+    """(action index -> the copies back, (pair, swap index), issued at its start, in issue
+    order; the forwards that wait for memory as in their own run). A pair's copies back go
+    one by one in order of need, each at the earliest action after its forward (not before
+    the one issued before it) from which holding it until its backward keeps every action
+    under the limit, or else at its backward's start."""
+    need, limit, waiting = _static_need(steps, work, budget)
     made, used = _pairs(steps)
-    out: dict[tuple[int, int], int] = {}
+    issue: dict[int, list] = {}
     floor = 0
     for pair, b in sorted(used.items(), key=lambda kv: kv[1]):
         w = work[pair[0]]
         if not w.swaps or pair not in made:
             continue
-        size = sum(sw.bytes for sw in w.swaps)
-        own = need[b] - w.alone_peak + w.bwd_peak_bytes      # all in at its start
-        j = b
-        if own <= limit:
-            for cand in range(max(made[pair] + 1, floor), b):
-                if all(need[a] + size <= limit for a in range(cand, b)):
-                    j = cand
-                    break
-        if j < b:
-            for a in range(j, b):
+        for i in sorted(range(len(w.swaps)), key=lambda x: w.swaps[x].need_us):
+            size = w.swaps[i].bytes
+            j = next((c for c in range(max(made[pair] + 1, floor), b)
+                      if all(need[a] + size <= limit for a in range(c, b + 1))), b)
+            for a in range(j, b + 1 if j < b else b):
                 need[a] += size
-            need[b] = own
-        floor = j
-        out[pair] = j
-    return out
+            floor = j
+            issue.setdefault(j, []).append((pair, i))
+    return issue, waiting
 
 
 class _Rank:
@@ -239,7 +281,7 @@ class _Rank:
         self.h2d_start: dict = {}
         self.h2d_end: dict = {}
         self.times: list[tuple[float, float]] = []
-        self.late: set = set()
+        self.waiting: set = set()
 
     def offload(self, pair, swaps: Sequence[Swap], start: float) -> None:
         for i, sw in enumerate(swaps):
@@ -247,12 +289,13 @@ class _Rank:
             self.d2h = self.d2h_end[(*pair, i)] = begin + sw.d2h_us
             self.d2h_busy += sw.d2h_us
 
-    def fetch(self, pair, swaps: Sequence[Swap], now: float) -> None:
-        for i, sw in enumerate(swaps):
-            begin = max(now, self.d2h_end[(*pair, i)], self.h2d)
-            self.h2d_start[(*pair, i)] = begin
-            self.h2d = self.h2d_end[(*pair, i)] = begin + sw.h2d_us
-            self.h2d_busy += sw.h2d_us
+    def fetch(self, pair, i: int, sw: Swap, now: float) -> None:
+        """Issue the copy back of swap i of `pair` at `now` (it starts when the engine and
+        its copy to host are done)."""
+        begin = max(now, self.d2h_end[(*pair, i)], self.h2d)
+        self.h2d_start[(*pair, i)] = begin
+        self.h2d = self.h2d_end[(*pair, i)] = begin + sw.h2d_us
+        self.h2d_busy += sw.h2d_us
 
 
 def _duration(kind: str, w: StageWork) -> float:
@@ -261,42 +304,32 @@ def _duration(kind: str, w: StageWork) -> float:
 
 def _act(r: _Rank, k: int, step: Step, ready: float, work, plan) -> float:
     """Run action k of a rank that may start at `ready`; returns its end. `plan`: (index ->
-    the pairs whose copies back are issued there, pair -> index of its first backward use,
-    the pairs whose copies back are issued at that backward, as in the stage's own run)."""
-    issue, used, late = plan
+    the copies back issued at its start, pair -> index of its first backward use, the
+    forwards that wait for memory as in their own run)."""
+    issue, used, waiting = plan
     kind, stage, mb = step
     w = work[stage]
-    for pair in issue.get(k, ()):
-        r.fetch(pair, work[pair[0]].swaps, ready)
+    for pair, i in issue.get(k, ()):
+        r.fetch(pair, i, work[pair[0]].swaps[i], ready)
     start, took = ready, _duration(kind, w)
-    first = kind in FIRST_USE and used.get((stage, mb)) == k and bool(w.swaps)
-    if first and (stage, mb) in late:
-        start = max(ready, r.h2d)           # its copies back as in its own run, from its start
-        r.fetch((stage, mb), w.swaps, start)
-        wait = w.alone_us - w.bwd_us
-        took += wait if kind == "B" else wait / 2
-        r.exposed += wait
-    elif first:
+    if kind in FIRST_USE and used.get((stage, mb)) == k and w.swaps:
         start = max(ready, max(r.h2d_end[(stage, mb, i)] - sw.need_us
                                for i, sw in enumerate(w.swaps)))
     if kind in STARTS:
         r.offload((stage, mb), w.swaps, start)
-        r.exposed += w.fwd_wait_us
+        if k in waiting:                    # waits for memory as in its own run
+            took = w.fwd_waits[0]
+            r.exposed += took - w.fwd_us
     r.exposed += start - ready
-    r.busy += _duration(kind, w) - (w.fwd_wait_us if kind in STARTS else 0.0)
+    r.busy += _duration(kind, w)
     r.free = start + took
     r.times.append((start, r.free))
     return r.free
 
 
 def _plan_copies(steps, work, budget: int):
-    points = _issue_points(steps, work, budget)
-    used = _pairs(steps)[1]
-    issue: dict[int, list] = {}
-    for pair, j in sorted(points.items(), key=lambda kv: kv[1]):
-        if j < used[pair]:
-            issue.setdefault(j, []).append(pair)
-    return issue, used, {p for p, j in points.items() if j == used[p]}
+    issue, waiting = _issue_points(steps, work, budget)
+    return issue, _pairs(steps)[1], waiting
 
 
 def _run(order, work, budget, alone: bool) -> dict[int, _Rank]:
@@ -307,7 +340,7 @@ def _run(order, work, budget, alone: bool) -> dict[int, _Rank]:
     plans = {r: _plan_copies(steps, work, budget if isinstance(budget, int)
                              else budget.get(r, 0)) for r, steps in order.items()}
     for r, p in plans.items():
-        ranks[r].late = p[2]
+        ranks[r].waiting = p[2]
     left = sum(len(s) for s in order.values())
     while left:
         moved = False
@@ -332,33 +365,76 @@ def _run(order, work, budget, alone: bool) -> dict[int, _Rank]:
     return ranks
 
 
-def _on_device(r: _Rank, pair, swaps: Sequence[Swap], start: float, end: float) -> int:
-    """Bytes of a live pair's swapped tensors on the device during [start, end)."""
+def _others(r: _Rank, pair, swaps: Sequence[Swap], start: float, end: float,
+            events: list) -> int:
+    """Bytes of a live pair's swapped tensors on the device at `start`; `events` gains
+    (time, change) for each that leaves (copy to host done) or comes back (copy back issued)
+    before `end`."""
     total = 0
     for i, sw in enumerate(swaps):
-        key = (*pair, i)
-        back = r.h2d_start.get(key)
-        if r.d2h_end.get(key, 0.0) > start or (back is not None and back < end):
+        gone = r.d2h_end.get((*pair, i), 0.0)
+        back = r.h2d_start.get((*pair, i))
+        if gone > start:
             total += sw.bytes
+            if gone < end:
+                events.append((gone, -sw.bytes))
+        if back is not None and back <= start:
+            total += sw.bytes
+        elif back is not None and back < end:
+            events.append((back, sw.bytes))
     return total
+
+
+def _own(w: StageWork, kind: str, waiting: bool) -> Segments:
+    """The running action's memory over time (its peak throughout where not known)."""
+    if kind in STARTS:
+        segs, peak = ((w.fwd_alone_mem, w.fwd_waits[1]) if waiting
+                      else (w.fwd_mem, w.fwd_peak_bytes))
+    else:
+        segs, peak = (w.bwd_mem if kind == "B" else None), w.bwd_peak_bytes
+    return segs if segs else ((0.0, float("inf"), peak),)
+
+
+def _action_peak(start: float, end: float, base: int, own: Segments, events: list) -> int:
+    """The most of `base` + the events' changes so far + the running action's own memory,
+    over [start, end)."""
+    events.sort()
+    points = sorted({start, *(start + a for a, _, _ in own if start + a < end),
+                     *(t for t, _ in events)})
+    best, cur, e, o = 0, base, 0, 0
+    for x in points:
+        while e < len(events) and events[e][0] <= x:
+            cur += events[e][1]
+            e += 1
+        while o + 1 < len(own) and start + own[o][1] <= x:
+            o += 1
+        best = max(best, cur + own[o][2])
+    return best
 
 
 def _rank_peak(steps: Sequence[Step], work, r: _Rank) -> int:
     best, lingering = 0, 0
     for k, ((kind, stage, mb), live) in enumerate(_walk(steps)):
         start, end = r.times[k]
+        events: list = []
         mem = lingering
         for s, m in live:
             if (s, m) != (stage, mb):
-                mem += work[s].held_bytes + _on_device(r, (s, m), work[s].swaps, start, end)
+                mem += work[s].held_bytes + _others(r, (s, m), work[s].swaps, start, end, events)
         w = work[stage]
-        if kind in STARTS:
-            mem += w.fwd_peak_bytes + sum(
-                sw.bytes for i, sw in enumerate(w.swaps)
-                if r.d2h_end[(stage, mb, i)] - start > sw.alone_us + 1e-9)
-        else:
-            mem += w.alone_peak if (stage, mb) in r.late else w.bwd_peak_bytes
-        best = max(best, mem)
+        if kind in STARTS:                  # its copies to host ending later than alone
+            for i, sw in enumerate(w.swaps):
+                late_from, done = start + sw.alone_us, r.d2h_end[(stage, mb, i)]
+                if done > late_from + 1e-9 and late_from < end:
+                    events += [(late_from, sw.bytes), (done, -sw.bytes)]
+        elif (stage, mb, 0) in r.h2d_start and kind in FIRST_USE:
+            for i, sw in enumerate(w.swaps):    # its copies back not yet issued
+                back = r.h2d_start[(stage, mb, i)]
+                if back > start:
+                    mem -= sw.bytes
+                    events.append((back, sw.bytes))
+        own = _own(w, kind, k in r.waiting)
+        best = max(best, _action_peak(start, end, mem, own, events))
         if kind in FIRST_USE:
             lingering += w.linger_bytes
     return best

@@ -42,6 +42,14 @@ class Windows:
             raise InputError(f"window factors {tuple(factors)!r}: each must be at least 1",
                              hint="factors=(1, 2, 4)")
         self.planner, self.hw, self.factors = planner, hw, tuple(sorted(set(factors)))
+        self._work: dict = {}
+
+    def work(self, prof: Profile, plan: Plan | None, boundary: Boundary):
+        """`stage_work` on the real hardware, once per (profile, plan, boundary) object."""
+        key = (id(prof), id(plan), boundary)
+        if key not in self._work:
+            self._work[key] = (prof, plan, stage_work(prof, plan, self.hw, boundary))
+        return self._work[key][2]
 
     def search(self, rank, steps, stages, profiles, budget, boundary):
         """What `pipeline.plan_stages` calls per rank (`search_rank`)."""
@@ -66,8 +74,7 @@ class Found(NamedTuple):
 
 
 def _judged(rank, steps, stages, profiles, plans, boundary, windows, budget) -> Judged:
-    work = {s: stage_work(profiles[s], plans[s], windows.hw, boundary.get(s, Boundary()))
-            for s in stages}
+    work = {s: windows.work(profiles[s], plans[s], boundary.get(s, Boundary())) for s in stages}
     return judge({rank: steps}, work, budget, alone=True)
 
 
