@@ -10,32 +10,31 @@ runs the schedule as discrete events and says what the copies cost there.
 **Actions.** Each rank runs its steps (kind, stage, microbatch) in the schedule's order; a
 forward waits for the same microbatch's forward on the stage before, a backward for its
 backward on the stage after (as `pipeline_step.timeline`; sends take no time), unless
-`alone` (each rank back to back, without bubbles: less time for copies and for offloads to
-finish, so a plan that passes alone passes with bubbles too). A forward takes the stage's
-forward time in its own run (`StageWork.fwd_us`: memory waits included, and counted as
-exposed), a backward its backward compute with recomputes (`bwd_us`, without copy waits);
-a split backward's halves ("I", "W") half of it each.
+`alone` (each rank back to back, without bubbles: less time for copies, so a plan that passes
+alone passes with bubbles too). A forward takes the stage's forward time; one that would take
+the rank over the limit without waiting (copies in flight counted) waits for memory as the
+stage's own run does (`StageWork.fwd_waits`, exposed). A backward takes its compute with
+recomputes (`bwd_us`); a split backward's halves ("I", "W") half of it each.
 
 **Copies.** Each swap of a stage is, per microbatch, a copy to host queued when its producer
 ends (`Swap.ready_us` after the forward starts) on the rank's D2H engine, and a copy back on
-its H2D engine, both FIFO, one microbatch's copies after the other's. The copies back for a
-microbatch's backward are issued together, in the order of the backwards, at the start of
-the earliest action (after its forward) from which holding them until the backward keeps
-every action's memory under `budget` (counted without copies to host still in flight:
-transient), no earlier than the copies back issued before them and never before the copy to
-host is done. A backward starts only when each of its copies back has arrived by its first
-use (`Swap.need_us` after the backward starts): the wait is **exposed copy time**, with the
-forwards' memory waits. The two directions do not slow each other (a duplex link; a rank's
-engines are its own).
+its H2D engine, both FIFO. A microbatch's copies back go one by one in order of need, each at
+the start of the earliest action after its forward (not before the copy back issued before
+it) from which holding it until the backward keeps every action's memory, counted without
+copies, under the limit (`budget`; without one, the rank's peak without copies), else at
+the backward's start; never before its copy to host is done. A backward starts when each
+copy back is in by its first use (`Swap.need_us` after it starts): the wait is **exposed copy
+time**. The two directions do not slow each other (a duplex link; a rank's engines are its
+own).
 
-**Memory** per action: every other live (stage, microbatch) pair holds `held_bytes` (its
-plan's, swapped bytes out) plus each of its swapped tensors still on the device (copy to host
-not done when the action starts) or back on it (copy back started before the action ends);
-the running forward reaches its stage's forward peak in its own run, plus its swapped tensors
-whose copy to host ends later than there (the engine was busy with other microbatches'); a
-running backward its backward peak with every copy back arrived at its start
-(`bwd_peak_bytes`); what finished backwards left until the step ends (`linger_bytes`). The
-rank's peak is the largest. Torch-free.
+**Memory** at every moment of an action: every other live (stage, microbatch) pair holds
+`held_bytes` (its plan's, swapped bytes out) plus each of its swapped tensors on its way to
+host or on its way back (a copy counts from its start, as in the simulator); the running
+action its stage's memory over time in its own run (`Segments`: 64 spans, each at its most)
+plus, for a forward, each of its swapped tensors whose copy to host ends later than there
+(the engine was busy with other microbatches'), less, for a backward, each copy back not yet
+issued; what finished backwards left until the step ends (`linger_bytes`). The rank's peak
+is the largest. Torch-free.
 """
 from __future__ import annotations
 
@@ -248,11 +247,11 @@ def _static_need(steps: Sequence[Step], work: Mapping[int, StageWork], budget: i
 
 def _issue_points(steps: Sequence[Step], work: Mapping[int, StageWork], budget: int):
     """(action index -> the copies back, (pair, swap index), issued at its start, in issue
-    order; the forwards that wait for memory as in their own run). A pair's copies back go
+    order; the limit they fill up to). A pair's copies back go
     one by one in order of need, each at the earliest action after its forward (not before
     the one issued before it) from which holding it until its backward keeps every action
     under the limit, or else at its backward's start."""
-    need, limit, waiting = _static_need(steps, work, budget)
+    need, limit, _ = _static_need(steps, work, budget)
     made, used = _pairs(steps)
     issue: dict[int, list] = {}
     floor = 0
@@ -268,7 +267,7 @@ def _issue_points(steps: Sequence[Step], work: Mapping[int, StageWork], budget: 
                 need[a] += size
             floor = j
             issue.setdefault(j, []).append((pair, i))
-    return issue, waiting
+    return issue, limit
 
 
 class _Rank:
@@ -303,10 +302,10 @@ def _duration(kind: str, w: StageWork) -> float:
 
 
 def _act(r: _Rank, k: int, step: Step, ready: float, work, plan) -> float:
-    """Run action k of a rank that may start at `ready`; returns its end. `plan`: (index ->
-    the copies back issued at its start, pair -> index of its first backward use, the
-    forwards that wait for memory as in their own run)."""
-    issue, used, waiting = plan
+    """Run action k of a rank that may start at `ready`; returns its end (`plan`:
+    `_plan_copies`). A forward that would take the rank over the limit without waiting waits
+    for memory as in the stage's own run."""
+    issue, used, limit, walk, linger = plan
     kind, stage, mb = step
     w = work[stage]
     for pair, i in issue.get(k, ()):
@@ -315,21 +314,27 @@ def _act(r: _Rank, k: int, step: Step, ready: float, work, plan) -> float:
     if kind in FIRST_USE and used.get((stage, mb)) == k and w.swaps:
         start = max(ready, max(r.h2d_end[(stage, mb, i)] - sw.need_us
                                for i, sw in enumerate(w.swaps)))
+    r.times.append((start, start + took))
     if kind in STARTS:
         r.offload((stage, mb), w.swaps, start)
-        if k in waiting:                    # waits for memory as in its own run
+        if (w.fwd_waits[1] < w.fwd_peak_bytes
+                and _action_mem(r, k, walk[k], linger[k], work, False) > limit):
             took = w.fwd_waits[0]
             r.exposed += took - w.fwd_us
+            r.waiting.add(k)
+            r.times[k] = (start, start + took)
     r.exposed += start - ready
     r.busy += _duration(kind, w)
     r.free = start + took
-    r.times.append((start, r.free))
     return r.free
 
 
 def _plan_copies(steps, work, budget: int):
-    issue, waiting = _issue_points(steps, work, budget)
-    return issue, _pairs(steps)[1], waiting
+    """What `_act` needs of a rank: (index -> the copies back issued at its start, pair ->
+    index of its first backward use, the memory limit, each action's step and live pairs,
+    what lingers at each)."""
+    issue, limit = _issue_points(steps, work, budget)
+    return (issue, _pairs(steps)[1], limit, list(_walk(steps)), _lingering(steps, work))
 
 
 def _run(order, work, budget, alone: bool) -> dict[int, _Rank]:
@@ -339,8 +344,6 @@ def _run(order, work, budget, alone: bool) -> dict[int, _Rank]:
     ranks = {r: _Rank() for r in order}
     plans = {r: _plan_copies(steps, work, budget if isinstance(budget, int)
                              else budget.get(r, 0)) for r, steps in order.items()}
-    for r, p in plans.items():
-        ranks[r].waiting = p[2]
     left = sum(len(s) for s in order.values())
     while left:
         moved = False
@@ -412,32 +415,44 @@ def _action_peak(start: float, end: float, base: int, own: Segments, events: lis
     return best
 
 
-def _rank_peak(steps: Sequence[Step], work, r: _Rank) -> int:
-    best, lingering = 0, 0
-    for k, ((kind, stage, mb), live) in enumerate(_walk(steps)):
-        start, end = r.times[k]
-        events: list = []
-        mem = lingering
-        for s, m in live:
-            if (s, m) != (stage, mb):
-                mem += work[s].held_bytes + _others(r, (s, m), work[s].swaps, start, end, events)
-        w = work[stage]
-        if kind in STARTS:                  # its copies to host ending later than alone
-            for i, sw in enumerate(w.swaps):
-                late_from, done = start + sw.alone_us, r.d2h_end[(stage, mb, i)]
-                if done > late_from + 1e-9 and late_from < end:
-                    events += [(late_from, sw.bytes), (done, -sw.bytes)]
-        elif (stage, mb, 0) in r.h2d_start and kind in FIRST_USE:
-            for i, sw in enumerate(w.swaps):    # its copies back not yet issued
-                back = r.h2d_start[(stage, mb, i)]
-                if back > start:
-                    mem -= sw.bytes
-                    events.append((back, sw.bytes))
-        own = _own(w, kind, k in r.waiting)
-        best = max(best, _action_peak(start, end, mem, own, events))
+def _action_mem(r: _Rank, k: int, at, lingering: int, work, waiting: bool) -> int:
+    """The rank's peak while action k runs (`at`: the step and the pairs live then)."""
+    (kind, stage, mb), live = at
+    start, end = r.times[k]
+    events: list = []
+    mem = lingering
+    for s, m in live:
+        if (s, m) != (stage, mb):
+            mem += work[s].held_bytes + _others(r, (s, m), work[s].swaps, start, end, events)
+    w = work[stage]
+    if kind in STARTS:                  # its copies to host ending later than alone
+        for i, sw in enumerate(w.swaps):
+            late_from, done = start + sw.alone_us, r.d2h_end[(stage, mb, i)]
+            if done > late_from + 1e-9 and late_from < end:
+                events += [(late_from, sw.bytes), (done, -sw.bytes)]
+    elif (stage, mb, 0) in r.h2d_start and kind in FIRST_USE:
+        for i, sw in enumerate(w.swaps):    # its copies back not yet issued
+            back = r.h2d_start[(stage, mb, i)]
+            if back > start:
+                mem -= sw.bytes
+                events.append((back, sw.bytes))
+    return _action_peak(start, end, mem, _own(w, kind, waiting), events)
+
+
+def _lingering(steps: Sequence[Step], work) -> list[int]:
+    """Per action: what the backwards before it left until the step ends."""
+    out, total = [], 0
+    for kind, stage, _ in steps:
+        out.append(total)
         if kind in FIRST_USE:
-            lingering += w.linger_bytes
-    return best
+            total += work[stage].linger_bytes
+    return out
+
+
+def _rank_peak(steps: Sequence[Step], work, r: _Rank) -> int:
+    linger = _lingering(steps, work)
+    return max((_action_mem(r, k, at, linger[k], work, k in r.waiting)
+                for k, at in enumerate(_walk(steps))), default=0)
 
 
 def judge(order: Mapping[int, Sequence[Step]], work: Mapping[int, StageWork],
