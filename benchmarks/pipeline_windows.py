@@ -120,10 +120,14 @@ def _cell(fig, key, scale=1.0, fmt="{:.0f}"):
     return "-" if fig is None else fmt.format(fig[key] / scale)
 
 
+def _over(fig, budget: int) -> str:
+    return "-" if fig is None else f"{100 * (max(fig['judged_peak_bytes']) / budget - 1):+.1f}%"
+
+
 def markdown(rows) -> str:
     head = ("| profile | schedule | pp | mb | budget | step now (us) | step windows (us) | gain "
             "| recomputed now / windows (MiB) | swapped now / windows (MiB) | exposed now / "
-            "windows (us, worst rank) | fits now / windows | factors |")
+            "windows (us, worst rank) | worst rank's judged peak over budget, now / windows | factors |")
     lines = [head, "|" + "---|" * 13]
     for r in rows:
         c, w = r["current"], r["windows"]
@@ -139,7 +143,7 @@ def markdown(rows) -> str:
             f"{_cell(w, 'swapped_bytes', mib, '{:.1f}')} | "
             f"{'-' if c is None else round(max(c['exposed_us']))} / "
             f"{'-' if w is None else round(max(w['exposed_us']))} | "
-            f"{'-' if c is None else c['fits']} / {'-' if w is None else w['fits']} | "
+            f"{_over(c, r['budget_bytes'])} / {_over(w, r['budget_bytes'])} | "
             f"{'-' if w is None else ','.join(f'{f:g}' for f in w['link_factors'])} |")
     return "\n".join(lines)
 
@@ -149,7 +153,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="the tiny stages, and bert-large at 2 x 4 and 4 x 8 only")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--render", metavar="JSON", help="only write the table of a results file")
     args = ap.parse_args()
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        return _write(Path(args.out), data["meta"], data["rows"])
     planner, rows = Planner(), []
     with tempfile.TemporaryDirectory() as tmp:
         profiles = {f"tiny-{f}": load_profile(_tiny(f, Path(tmp))) for f in ("gpt", "llama")}
@@ -162,10 +170,13 @@ def main() -> None:
             for fraction in FRACTIONS:
                 rows.append(case(name, prof, schedule, pp, mb, fraction, planner))
                 print(json.dumps(rows[-1]), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"hardware": HW.name, "planner": "slackswap", "plans_made": planner.calls,
             "command": "python benchmarks/pipeline_windows.py" + (" --quick" if args.quick else "")}
+    _write(Path(args.out), meta, rows)
+
+
+def _write(out: Path, meta: dict, rows: list) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     (out / "pipeline_windows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out / "pipeline_windows.md").write_text(
         f"# Pipeline idle windows: current plans vs window-aware ({meta['command']})\n\n"

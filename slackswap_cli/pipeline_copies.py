@@ -301,6 +301,21 @@ def _duration(kind: str, w: StageWork) -> float:
     return w.fwd_us if kind in STARTS else w.bwd_us if kind == "B" else w.bwd_us / 2
 
 
+def _just_in_time(r: _Rank, pair, swaps: Sequence[tuple[int, Swap]], ready: float) -> float:
+    """Issue a backward's own copies back (in order of need) each as late as lets every one
+    arrive by its first use if the backward starts at `ready` (the engine FIFO): what the
+    stage's own run does when memory is short. Returns when the last was issued."""
+    latest, starts = float("inf"), []
+    for _, sw in reversed(swaps):
+        latest = min(latest, sw.need_us) - sw.h2d_us
+        starts.append(latest)
+    last = ready
+    for (i, sw), at in zip(swaps, reversed(starts)):
+        last = max(last, ready + at)
+        r.fetch(pair, i, sw, last)
+    return last
+
+
 def _act(r: _Rank, k: int, step: Step, ready: float, work, plan) -> float:
     """Run action k of a rank that may start at `ready`; returns its end (`plan`:
     `_plan_copies`). A forward that would take the rank over the limit without waiting waits
@@ -308,8 +323,11 @@ def _act(r: _Rank, k: int, step: Step, ready: float, work, plan) -> float:
     issue, used, limit, walk, linger = plan
     kind, stage, mb = step
     w = work[stage]
+    mine = [i for pair, i in issue.get(k, ()) if pair == (stage, mb)]
+    after = _just_in_time(r, (stage, mb), [(i, w.swaps[i]) for i in mine], ready)
     for pair, i in issue.get(k, ()):
-        r.fetch(pair, i, work[pair[0]].swaps[i], ready)
+        if pair != (stage, mb):
+            r.fetch(pair, i, work[pair[0]].swaps[i], after)
     start, took = ready, _duration(kind, w)
     if kind in FIRST_USE and used.get((stage, mb)) == k and w.swaps:
         start = max(ready, max(r.h2d_end[(stage, mb, i)] - sw.need_us

@@ -93,15 +93,13 @@ def test_stage_work_reads_the_stage_run_alone():
 
 
 def test_windows_swap_more_than_a_stage_alone_and_the_judge_keeps_the_budget():
-    """1F1B on 2 ranks, 4 microbatches; a stage of 10 ops of 50 us, each making 2 MiB (a copy:
-    90 us). Judged with its copies on shared engines, the plan made for the stage alone
-    (factor 1) must recompute 2 MiB a microbatch to keep rank 0 under the budget; planned as
-    on a link twice as fast it swaps it instead, and the judge (the real link) finds the
-    rank under its budget, the copy time it exposes (88 us) less than the recomputes it
-    replaces, and the step 150 us shorter (the bubbles absorb the exposed time). The plain search's
-    plans, which count a swap as freed when the stage alone would have freed it, are over the
-    budget by the judge's count."""
-    prof = chain_profile(10, act_bytes=2 * MiB, fwd_us=50.0)
+    """1F1B on 2 ranks, 4 microbatches; a stage of 6 ops of 50 us, each making 3 MiB (a copy:
+    130 us, more than the op after it). Planned for the stage alone, rank 0's stage swaps 3 MiB
+    a microbatch and recomputes 3 (150 us of recompute a step); planned as on a link twice as
+    fast it swaps 6 and recomputes nothing, and the judge (the real link) keeps the rank under
+    its budget: it exposes 182 us of copy time where the recomputes cost more, and with the
+    schedule's bubbles the step is 28 us shorter."""
+    prof = chain_profile(6, act_bytes=3 * MiB, fwd_us=50.0)
     profiles = {0: prof, 1: prof}
     steps = schedule_steps("1F1B", 2, 4)
     budget = int(0.7 * 2 * stage_cost(prof).held_bytes)
@@ -111,19 +109,21 @@ def test_windows_swap_more_than_a_stage_alone_and_the_judge_keeps_the_budget():
     alone = plan_stages(steps, profiles, budget, None, windows=Windows(planner, HW, (1,)))
     win = plan_stages(steps, profiles, budget, None, windows=Windows(planner, HW))
     a0, w0 = alone.rows[0], win.rows[0]
-    assert w0.planned_peak_bytes <= budget and w0.exposed_copy_us >= 0.0
-    assert (a0.recomputed_bytes, w0.recomputed_bytes) == (4 * 2 * MiB, 0)
-    assert w0.swapped_bytes > a0.swapped_bytes
+    assert (a0.swapped_bytes, a0.recomputed_bytes) == (12 * MiB, 12 * MiB)     # 4 microbatches
+    assert (w0.swapped_bytes, w0.recomputed_bytes) == (24 * MiB, 0)
+    assert w0.planned_peak_bytes <= budget and w0.exposed_copy_us == pytest.approx(182.4, abs=1)
     assert w0.link_factor == 2.0 and any("copy link x2" in n for n in win.plans[0].notes)
     assert win.plans[0].hardware["d2h_bytes_per_s"] == 2 * HW.d2h_bytes_per_s
+    assert alone.rows[1].link_factor == 1.0 and win.plans[1] is None   # rank 1 keeps all
 
     def judged(table):
         work = {s: stage_work(profiles[s], table.plans[s], HW) for s in profiles}
         return judge(steps, work, budget)
-    assert judged(alone).step_us - judged(win).step_us == pytest.approx(150.0)
-    assert judged(win).ranks[0].peak_bytes <= budget
+    assert judged(alone).step_us - judged(win).step_us == pytest.approx(28.4, abs=0.5)
+    assert all(r.peak_bytes <= budget for r in judged(win).ranks.values())
+    # the plain search (peaks as `rank_peak` counts them) makes the same plans as factor 1
     plain = plan_stages(steps, profiles, budget, planner)
-    assert plain.rows[0].planned_peak_bytes <= budget < judged(plain).ranks[0].peak_bytes
+    assert plain.rows[0].recomputed_bytes == a0.recomputed_bytes
 
 
 def test_window_factors_are_checked():
