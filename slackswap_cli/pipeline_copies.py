@@ -22,7 +22,8 @@ its H2D engine, both FIFO. A microbatch's copies back go one by one in order of 
 the start of the earliest action after its forward (not before the copy back issued before
 it) from which holding it until the backward keeps every action's memory, counted without
 copies, under the limit (`budget`; without one, the rank's peak without copies), else at
-the backward's start; never before its copy to host is done. A backward starts when each
+the backward's start, just in time (each as late as lets all arrive by their first use);
+never before its copy to host is done. A backward starts when each
 copy back is in by its first use (`Swap.need_us` after it starts): the wait is **exposed copy
 time**. The two directions do not slow each other (a duplex link; a rank's engines are its
 own).
