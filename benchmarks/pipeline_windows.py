@@ -6,9 +6,11 @@ same rank-level judge (`pipeline_copies.judge`: every rank's schedule with bubbl
 copies on its shared engines, copies back issued as early as the budget allows).
 
 Every stage of a pipeline is priced as one profile (as `simulate --pp` does): the sample
-profiles (whole models standing in for a stage) and the tiny GPT and Llama stages of
-examples/gpt_stage.py (profiled here with fake tensors, microbatch 8). The budget is a
-fraction of rank 0's keep-all peak (the rank that holds the most), the same for every rank.
+profiles (whole models standing in for a stage), the tiny GPT and Llama stages of
+examples/gpt_stage.py (profiled here with fake tensors, microbatch 8), and a synthetic chain
+of 6 ops of 50 us each making 3 MiB (copies slower than its ops: where planned alone it
+recomputes). The budget is a fraction of rank 0's keep-all peak (the rank that holds the
+most), the same for every rank.
 
     python benchmarks/pipeline_windows.py            # every case (hours on 2 cores: not run)
     python benchmarks/pipeline_windows.py --quick    # the tiny stages; bert-large at pp 2 x 4
@@ -37,6 +39,7 @@ from slackswap_cli.pipeline_step import SENDS_OF, boundary_of  # noqa: E402
 from slackswap_cli.pipeline_windows import Windows  # noqa: E402
 from slackswap_cli.planning import plan_profile  # noqa: E402
 from slackswap_cli.schema import load_profile  # noqa: E402
+from slackswap_testkit.synthetic import chain_profile  # noqa: E402
 
 PIPELINES = [(s, pp, mb) for s in ("1F1B", "Interleaved1F1B", "GPipe")
              for pp in (2, 4) for mb in (4, 8)]
@@ -161,6 +164,7 @@ def main() -> None:
     planner, rows = Planner(), []
     with tempfile.TemporaryDirectory() as tmp:
         profiles = {f"tiny-{f}": load_profile(_tiny(f, Path(tmp))) for f in ("gpt", "llama")}
+    profiles["chain-3MiB"] = chain_profile(6, act_bytes=3 << 20, fwd_us=50.0)
     for name in SAMPLES[:1] if args.quick else SAMPLES:
         profiles[name] = load_profile(ROOT / "sample_profiles" / f"{name}.json")
     for name, prof in profiles.items():
