@@ -47,7 +47,6 @@ from .schema import Action, Plan, Profile
 
 __all__ = ["Swap", "StageWork", "RankJudged", "Judged", "stage_work", "judge"]
 
-BACKWARDS = ("B", "I", "W")
 FIRST_USE = ("B", "I")          # the backward kinds that read the saved tensors first
 
 
@@ -248,10 +247,10 @@ def _static_need(steps: Sequence[Step], work: Mapping[int, StageWork], budget: i
 
 def _issue_points(steps: Sequence[Step], work: Mapping[int, StageWork], budget: int):
     """(action index -> the copies back, (pair, swap index), issued at its start, in issue
-    order; the limit they fill up to). A pair's copies back go
-    one by one in order of need, each at the earliest action after its forward (not before
-    the one issued before it) from which holding it until its backward keeps every action
-    under the limit, or else at its backward's start."""
+    order; the limit they fill up to). A pair's copies back go one by one in order of need,
+    each at the earliest action after its forward (not before the one issued before it) from
+    which holding it until its backward keeps every action under the limit, or else at its
+    backward's start."""
     need, limit, _ = _static_need(steps, work, budget)
     made, used = _pairs(steps)
     issue: dict[int, list] = {}
