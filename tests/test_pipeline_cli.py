@@ -51,9 +51,13 @@ def test_simulate_pp_prints_each_ranks_memory_and_the_bubbled_step(ws):
     assert all(r["swapped_bytes"] + r["recomputed_bytes"] > 0 for r in ranks)
     human = run("simulate", "chain.plan.json", "--pp", 4, "--microbatches", 8)
     assert human.exit_code == 0 and "Per rank: 1F1B, 4 ranks, 8 microbatches" in human.stdout
-    # show --pp: the same table for the plan, and keeping everything for the profile
-    assert _pipeline("show", "chain.plan.json", "--pp", 4, "--microbatches", 8)["ranks"] \
-        == [dict(r, budget_bytes=0, fits=True) for r in ranks]
+    # show --pp: the same table for the plan (the judge's figures aside: without a budget
+    # copies back fill only what the rank holds anyway), keeping everything for the profile
+    shown = _pipeline("show", "chain.plan.json", "--pp", 4, "--microbatches", 8)["ranks"]
+    judged = ("judged_peak_bytes", "exposed_copy_us")
+    assert [{k: v for k, v in r.items() if k not in judged} for r in shown] \
+        == [{k: v for k, v in dict(r, budget_bytes=0, fits=True).items() if k not in judged}
+            for r in ranks]
     prof = _pipeline("show", "chain.profile.json", "--pp", 4, "--microbatches", 8)["ranks"]
     assert [r["planned_peak_bytes"] for r in prof] == keep
 
