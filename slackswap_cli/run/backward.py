@@ -23,6 +23,8 @@ arguments the forward ran, on the same values.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -40,12 +42,15 @@ def unpack(s, packed):
     """The unpack hook of call `s` (see the module docstring)."""
     if isinstance(packed, torch.Tensor):
         return packed
-    if packed.taken:
-        raise InputError("a second backward through a step whose saved tensors slackswap "
-                         "swapped or recomputed: they were handed to the first one "
-                         "(backward(retain_graph=True) twice, or double backward)",
-                         hint="run one backward per forward, or unpatch(model) for this step")
-    packed.taken = True                   # a saved tensor is handed out once
+    if torch.is_grad_enabled():           # (only under create_graph=True)
+        raise InputError("a backward with create_graph=True (double backward) through a step "
+                         "whose saved tensors slackswap swapped or recomputed: they come "
+                         "back without the graph that made them, so higher-order gradients "
+                         "would be wrong",
+                         hint="unpatch(model) for a step that needs create_graph=True")
+    if packed.taken:                      # a later backward through a retained graph
+        return unpack_again(s, packed)
+    packed.taken = True
     r = packed.root
     first = s.table.bwd_use.get(r)
     if first is not None and first > s.progress:
@@ -68,6 +73,39 @@ def unpack(s, packed):
         out = resolve(s, packed.loc, {})
     s.packs[r] = s.packs.get(r, 0) - 1
     release(s, r)
+    return out
+
+
+def unpack_again(s, packed):
+    """A saved tensor unpacked again, by a later backward through a graph retained by the
+    first (`backward(retain_graph=True)` and another backward; a split backward's weight
+    pass): a swapped one fetched again from its host copy, a recomputed one made again
+    (`remake`). Neither is kept here: between backwards the call holds what it held after
+    the first, what autograd keeps as it is (a microbatch's kept activations, until its
+    weight pass: `pipeline.ENDS`)."""
+    if type(packed) is SwappedRef:
+        return view_of(packed.host.fetch(), packed.dtype, packed.shape, packed.stride,
+                       packed.offset)
+    return remake(s, packed.loc)
+
+
+def remake(s, loc: tuple[int, int]) -> torch.Tensor:
+    """Recorded output `loc` made again after its chain ran (see `unpack_again`): what is
+    at hand is read (kept activations autograd still holds, host copies fetched again, the
+    call's inputs, parameters), what is not is re-run from its own arguments (`resolve`),
+    under `no_grad` with autocast off, as a chain runs."""
+    grad = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)
+    prev, STATE.run = getattr(STATE, "run", None), None      # (no recording)
+    again, s.again = s.again, True
+    autocast = AutocastOff(s.device)
+    try:
+        with autocast:
+            out = resolve(s, loc, {})
+    finally:
+        torch.set_grad_enabled(grad)
+        STATE.run = prev
+        s.again = again
     return out
 
 
@@ -114,7 +152,9 @@ def run_chain(s, owner: int) -> None:
         for loc in s.tpl.chain_reads.get(owner, ()):
             s.bound_uses[loc] -= 1
             if s.bound_uses[loc] <= 0:
-                s.bound.pop(loc, None)
+                x = s.bound.pop(loc, None)
+                if x is not None:     # (for a later backward: `live`)
+                    s.gone[loc] = weakref.ref(x)
     for loc, tid in chain_made(s, owner, local):
         t = local.get(loc)
         if t is not None:
@@ -158,7 +198,11 @@ def live(s, loc: tuple[int, int]):
     tensor itself, or the alias autograd holds of it; in a call that follows a template, the
     value its pack handed over."""
     if s.tpl is not None:
-        return s.bound.get(loc)
+        x = s.bound.get(loc)
+        if x is None and s.again:     # handed over, then let go of: autograd's, if it holds it
+            ref = s.gone.get(loc)
+            x = ref() if ref is not None else None
+        return x
     ref = s.records[loc[0]].outs[loc[1]]
     x = ref() if ref is not None else None
     if x is not None:
@@ -287,6 +331,9 @@ def resolve(s, loc: tuple[int, int], local: dict) -> torch.Tensor:
     if tid is not None and tid in s.metas and tid in s.root_swap:
         out = local[loc] = view_of(s.root_swap[tid].fetch(), *s.metas[tid])
         return out
+    if s.again:       # made again after a first backward: from its arguments (an in-place
+        replay(s, k, local)       # write to a copy of what it wrote into)
+        return local[loc]
     if rec.alias:
         if rec.wfirst:
             src = rec.args[0]      # in place: its effect is already in the data
