@@ -201,8 +201,20 @@ def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps, fami
             "params": [p.detach().clone() for m in mods.values() for p in m.parameters()]}
 
 
+def hardware_for(link: float | None):
+    """The default preset, its host link at `link` bytes per second each way (None: as it
+    is). On these KiB-sized stages, timed on a CPU, every copy hides under compute at a
+    real link's speed and slackswap's plans swap alone; at 5e7 B/s they recompute too."""
+    import dataclasses
+
+    from slackswap_cli.hardware import load_hardware
+    hw = load_hardware(None)
+    return hw if link is None else dataclasses.replace(hw, h2d_bytes_per_s=link,
+                                                       d2h_bytes_per_s=link)
+
+
 def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, planner="slackswap",
-           steps=3, family="gpt"):
+           steps=3, family="gpt", link=None, measure=True):
     import torch.distributed as dist
     sys.path.insert(0, str(ROOT))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -222,7 +234,8 @@ def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, planner
         started = time.perf_counter()
         planned = plan_pipeline(specs, schedule, pp=world, microbatches=n_mb, budget=budget,
                                 stages_per_rank=per_rank if per_rank > 1 else None,
-                                ranks=[rank], planner=planner)
+                                ranks=[rank], planner=planner,
+                                hardware=hardware_for(link), measure=measure)
         results = {"plan_s": time.perf_counter() - started,
                    "row": vars(planned.rows[0]) | {"fits": planned.rows[0].fits}}
         for label in ("plain", "patched"):
@@ -241,11 +254,14 @@ def free_port() -> int:
 
 
 def run(schedule: str, world: int, n_mb: int, per_rank: int, budget, out_dir,
-        planner: str = "slackswap", family: str = "gpt") -> list[dict]:
+        planner: str = "slackswap", family: str = "gpt", link: float | None = None,
+        measure: bool = True) -> list[dict]:
     """Spawn the ranks; each rank's results: plan row, plain and patched runs. `family`: the
-    model split into stages, "gpt" (`make_stage`) or "llama" (`make_llama_stage`)."""
+    model split into stages, "gpt" (`make_stage`) or "llama" (`make_llama_stage`); `link`:
+    the host link planned for (`hardware_for`); `measure`: plan_pipeline's."""
     torch.multiprocessing.spawn(worker, args=(world, free_port(), schedule, n_mb, per_rank,
-                                              budget, str(out_dir), planner, 3, family),
+                                              budget, str(out_dir), planner, 3, family, link,
+                                              measure),
                                 nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
             for r in range(world)]

@@ -328,7 +328,8 @@ def resolve(s, loc: tuple[int, int], local: dict) -> torch.Tensor:
     k, j = loc
     rec = s.records[k]
     tid = s.tid_of.get(loc)
-    if tid is not None and tid in s.metas and tid in s.root_swap:
+    if tid is not None and tid in s.metas and tid in s.root_swap and (
+            not s.again or s.root_swap[tid].can_fetch()):
         out = local[loc] = view_of(s.root_swap[tid].fetch(), *s.metas[tid])
         return out
     if s.again:       # made again after a first backward: from its arguments (an in-place

@@ -198,6 +198,12 @@ class StorageCopy:
                 hc.fetched = True
         return self.dev
 
+    def can_fetch(self) -> bool:
+        """Whether `fetch` can give the bytes: at hand, still on the host before the first
+        fetch, or after it while a saved reference holds the host copy."""
+        return (self.dev is not None or self.handle is not None
+                or (self.host is not None and self.host() is not None))
+
     def fetch_again(self) -> torch.Tensor:
         """After the first backward let go of the device bytes: a fresh device copy from the
         host copy, while a saved reference still holds it (a graph retained for another
