@@ -1,12 +1,15 @@
 """The one backward path of every kind of call: saved tensors handed back, chains replayed.
 
 `unpack(s, packed)` gives autograd what a pack stood in for: a kept tensor as it is; a swapped
-one (`packs.SwappedRef`) viewed from its storage fetched back (`swap.wait`), its copy back
+one (`packs.SwappedRef`) viewed from its storage fetched back (`swap.wait_kept`), its copy back
 issued ahead of need as backward progresses (the plan's prefetch points: `issue_prefetches`);
 a recomputed one (`packs.RecomputedRef`) after its chain ran (`run_chain`: the records the
 chain needs replayed under `no_grad` with autocast off, chains laid out earlier first, as
 simulated). What the call holds for a root (made by a chain, fetched back) is let go once
-autograd took every saved reference to it and no later chain reads it (`release`).
+autograd took every saved reference to it and no later chain reads it (`release`). A later
+backward through a graph the first retained (`backward(retain_graph=True)` twice, a split
+backward's weight pass) unpacks again (`unpack_again`): a swapped tensor fetched again from
+the host copy its saved references hold, a recomputed one made again (`remake`), neither kept.
 
 Re-running recorded ops: `resolve(s, loc, local)` gives the value recorded output `loc` had
 when the forward made it: made in this replay (`local`) or by an earlier chain, still alive and
