@@ -8,7 +8,8 @@ memory and the step with the schedule's bubbles:
 
 A middle stage (`stage=1` of `n_stages=4`): its input a hidden state that takes a gradient, as
 PipelineStage's received inputs do, its loss a stand-in sum (its backward saves what the
-gradient sent back does). `batch` is the microbatch.
+gradient sent back does). `batch` is the microbatch; `family="llama"` makes it a Llama-style
+stage (RMSNorm, rotary attention, SwiGLU: `make_llama_stage`).
 """
 import sys
 from pathlib import Path
@@ -22,9 +23,9 @@ def _stand_in(out, inputs):
     return out.float().sum()
 
 
-def workload(stage=1, n_stages=4, batch=2, layers=2):
-    from slackswap_testkit.pipeline_run import MB, D, T, V, loss_fn, make_stage
-    module = make_stage(stage, n_stages, layers)
+def workload(stage=1, n_stages=4, batch=2, layers=2, family="gpt"):
+    from slackswap_testkit.pipeline_run import FAMILIES, MB, D, T, V, loss_fn
+    module = FAMILIES[family](stage, n_stages, layers)
     torch.manual_seed(7)
     rows = batch or MB
     if stage == 0:

@@ -16,7 +16,10 @@ Per rank:
 
 The step's time is the schedule's, with its bubbles (`pipeline_step.timeline`): samples/s
 counts the global batch (microbatch x microbatches). `bubble_fraction` is the ranks' mean idle
-time over the step.
+time over the step. The row that fits also carries the rank-level judge's figures
+(`pipeline_copies.judge`: the plan's copies on each rank's shared engines): per rank the
+compute time that waits for copies (`rank_exposed_copy_us`) and the peak with copies in
+flight (`rank_judged_peak_bytes`), and the step so judged (`judged_step_us`).
 
 Torch-free.
 """
@@ -86,7 +89,8 @@ def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: 
     row.update(budget_bytes=budget, keep_all_peak_bytes=prof.keep_all_peak_bytes,
                pipeline=spec._asdict(), global_batch=batch * spec.microbatches,
                rank_peak_bytes=None, rank_held=None, worst_rank_peak_bytes=None,
-               bubble_fraction=None)
+               bubble_fraction=None, judged_step_us=None, rank_exposed_copy_us=None,
+               rank_judged_peak_bytes=None)
     if budget <= 0:
         return _no(row, f"a rank's static memory and reserve exceed the device by "
                         f"{fmt_bytes(-budget)}"), None
@@ -113,6 +117,11 @@ def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: 
                f"activation budget {fmt_bytes(budget)}" if figs is not None else
                (plan.notes[-1] if plan.notes else "the plan does not fit"))
         return _no(row, why), None
+    figs = pipeline_figures(prof, plan, spec.schedule, spec.pp, spec.microbatches,
+                            spec.stages_per_rank, budget, copy, hw=hw)
+    row.update(judged_step_us=figs.judged_step_us,
+               rank_exposed_copy_us=[figs.exposed_us[r.rank] for r in figs.rows],
+               rank_judged_peak_bytes=[figs.judged_peak_bytes[r.rank] for r in figs.rows])
     rate = batch * spec.microbatches / figs.step_us * 1e6
     seq = tokens_per_sample(prof, batch)
     idle = sum(figs.idle_us.values()) / len(figs.idle_us) if figs.idle_us else 0.0

@@ -198,6 +198,8 @@ class RankRow:
     swapped_bytes: int          # per step: every microbatch's swaps on the rank's stages
     recomputed_bytes: int
     fraction: float             # of each stage's keep-all peak its plan was made at
+    exposed_copy_us: float | None = None    # judged with copies on shared engines (windows)
+    link_factor: float = 1.0    # the copy link speed-up its stages were planned at (windows)
 
     @property
     def fits(self) -> bool:
@@ -273,11 +275,14 @@ def _search(steps, stages, profiles, planner, budget: int, boundary, steps_n: in
 
 def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Profile],
                 budget_bytes: Mapping[int, int] | int, planner: Planner,
-                boundary: Mapping[int, Boundary] | None = None) -> PipelinePlan:
+                boundary: Mapping[int, Boundary] | None = None,
+                windows=None) -> PipelinePlan:
     """One plan per stage, each rank's peak (`rank_peak`) under its budget: activation bytes
     per rank (a mapping rank -> bytes, or one figure for every rank). `planner(profile,
-    budget_bytes)` makes a stage's plan; `boundary`: stage -> its `boundary_bytes`. Raises
-    InfeasibleError naming the ranks that no plan
+    budget_bytes)` makes a stage's plan; `boundary`: stage -> its `boundary_bytes`.
+    `windows` (a `pipeline_windows.Windows`): spend the schedule's idle windows on swaps,
+    each rank judged with its copies on shared engines (`pipeline_copies.judge`; the row's
+    planned peak is the judge's). Raises InfeasibleError naming the ranks that no plan
     brings under their budget."""
     _checked_order(order)
     boundary = dict(boundary or {})
@@ -291,19 +296,24 @@ def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Prof
             raise InputError(f"rank {rank} runs stage(s) {missing}, which have no profile",
                              hint="give a profile for every stage index the schedule runs")
         budget = budget_bytes if isinstance(budget_bytes, int) else budget_bytes[rank]
-        found = _search(steps, stages, profiles, planner, budget, boundary)
+        if windows is None:
+            found = _search(steps, stages, profiles, planner, budget, boundary)
+        else:
+            found = windows.search(rank, steps, stages, profiles, budget, boundary)
         keep = {s: stage_cost(profiles[s], None, boundary.get(s, Boundary())) for s in stages}
         if found is None:
             short.append((rank, budget))
             continue
-        fraction, stage_plans, cost = found
+        fraction, stage_plans, cost = found[:3]
         plans.update(stage_plans)
         n = _counts(steps)
+        judged = found.judged.ranks[rank] if windows is not None else None
         rows.append(RankRow(rank, stages, held[rank], budget, rank_peak(steps, keep),
-                            rank_peak(steps, cost),
+                            judged.peak_bytes if judged else rank_peak(steps, cost),
                             sum(cost[s].swapped_bytes * n.get(s, 0) for s in stages),
                             sum(cost[s].recomputed_bytes * n.get(s, 0) for s in stages),
-                            fraction))
+                            fraction, judged.exposed_us if judged else None,
+                            found.factor if judged else 1.0))
     if short:
         from .units import fmt_bytes
         which = ", ".join(f"rank {r} ({fmt_bytes(b)})" for r, b in short)

@@ -106,14 +106,19 @@ class PipelineFigures:
     keep_all_step_us: float
     idle_us: dict[int, float]       # rank -> its bubbles under the plan
     swap_copy_us: dict[int, float]  # rank -> time its swaps' copies take per step, one way
+    # with `hw`: the rank-level judge (pipeline_copies.judge), copies on each rank's engines
+    judged_step_us: float | None = None
+    exposed_us: dict[int, float] | None = None      # rank -> compute waiting for copies
+    judged_peak_bytes: dict[int, int] | None = None  # rank -> peak with copies in flight
 
 
 def pipeline_figures(prof: Profile, plan: Plan | None, schedule: str, pp: int,
                      microbatches: int, stages_per_rank: int = 2, rank_budget: int = 0,
-                     copy_us_per_byte: float = 0.0) -> PipelineFigures:
+                     copy_us_per_byte: float = 0.0, hw=None) -> PipelineFigures:
     """Per rank and for the step, a pipeline of stages like `prof` under `plan` (None: keep
     everything). `rank_budget`: each rank's activation memory (a row's `fits`);
-    `copy_us_per_byte`: the host link's time per byte (for `swap_copy_us`)."""
+    `copy_us_per_byte`: the host link's time per byte (for `swap_copy_us`); `hw`: the
+    hardware, for the rank-level judge's figures (`judged`)."""
     steps = schedule_steps(schedule, pp, microbatches, stages_per_rank)
     n_stages = 1 + max(s for st in steps.values() for _, s, _ in st)
     rank_of = {s: r for r, st in steps.items() for _, s, _ in st}
@@ -141,5 +146,20 @@ def pipeline_figures(prof: Profile, plan: Plan | None, schedule: str, pp: int,
                             rank_peak(st, cost), swapped, recomputed, min(1.0, fraction)))
         idle[rank] = step_us - busy[rank]
         copy[rank] = swapped * copy_us_per_byte
-    return PipelineFigures(schedule, pp, microbatches, tuple(rows), step_us, keep_step, idle,
+    figs = PipelineFigures(schedule, pp, microbatches, tuple(rows), step_us, keep_step, idle,
                            copy)
+    return figs if hw is None else judged(figs, prof, plan, steps, bound, hw, rank_budget)
+
+
+def judged(figs: PipelineFigures, prof: Profile, plan: Plan | None, steps, bound, hw,
+           rank_budget: int) -> PipelineFigures:
+    """`figs` with the rank-level judge's step, exposed copy time and peaks, every stage
+    priced as `prof` under `plan`."""
+    from dataclasses import replace
+
+    from .pipeline_copies import judge, stage_work
+    work = {s: stage_work(prof, plan, hw, b) for s, b in bound.items()}
+    got = judge(steps, work, rank_budget)
+    return replace(figs, judged_step_us=got.step_us,
+                   exposed_us={r: j.exposed_us for r, j in got.ranks.items()},
+                   judged_peak_bytes={r: j.peak_bytes for r, j in got.ranks.items()})

@@ -95,7 +95,8 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch.utils._pytree (tree_map, tree_leaves, tree_flatten)",
                "run/*, trace/*", _ALL, "none (stable in practice since 2.0)"),
     PrivateAPI("Tensor._version, Tensor._base",
-               "run/first_call.py, run/holding.py, run/backward.py, run/steady_call.py", _ALL,
+               "run/first_call.py, run/holding.py, run/backward.py, run/steady_call.py, "
+               "run/excess.py", _ALL,
                "the runtime cannot tell in-place writes and views apart: no fallback"),
     PrivateAPI("UntypedStorage._cdata", "trace/storage.py", _ALL,
                "none: the identity of a fake tensor's storage"),

@@ -67,6 +67,11 @@ def test_each_rank_fits_its_budget_with_the_microbatches_it_holds():
     assert row["step_us"] == figs.step_us >= 11 * 1800
     assert row["samples_per_s"] == pytest.approx(8 / figs.step_us * 1e6)
     assert row["bubble_fraction"] == pytest.approx(sum(figs.idle_us.values()) / 4 / figs.step_us)
+    # the rank-level judge's figures: the plan's copies on each rank's shared engines
+    judged = pipeline_figures(_stage(), plan, "1F1B", 4, 8, 2, 15 * MiB, hw=hand_hw())
+    assert row["rank_exposed_copy_us"] == [judged.exposed_us[r] for r in range(4)]
+    assert row["rank_judged_peak_bytes"] == [judged.judged_peak_bytes[r] for r in range(4)]
+    assert row["judged_step_us"] == judged.judged_step_us >= 11 * 1800
 
 
 def test_interleaved_ranks_hold_two_stages_of_static_memory():

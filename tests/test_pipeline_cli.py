@@ -51,9 +51,13 @@ def test_simulate_pp_prints_each_ranks_memory_and_the_bubbled_step(ws):
     assert all(r["swapped_bytes"] + r["recomputed_bytes"] > 0 for r in ranks)
     human = run("simulate", "chain.plan.json", "--pp", 4, "--microbatches", 8)
     assert human.exit_code == 0 and "Per rank: 1F1B, 4 ranks, 8 microbatches" in human.stdout
-    # show --pp: the same table for the plan, and keeping everything for the profile
-    assert _pipeline("show", "chain.plan.json", "--pp", 4, "--microbatches", 8)["ranks"] \
-        == [dict(r, budget_bytes=0, fits=True) for r in ranks]
+    # show --pp: the same table for the plan (the judge's figures aside: without a budget
+    # copies back fill only what the rank holds anyway), keeping everything for the profile
+    shown = _pipeline("show", "chain.plan.json", "--pp", 4, "--microbatches", 8)["ranks"]
+    judged = ("judged_peak_bytes", "exposed_copy_us")
+    assert [{k: v for k, v in r.items() if k not in judged} for r in shown] \
+        == [{k: v for k, v in dict(r, budget_bytes=0, fits=True).items() if k not in judged}
+            for r in ranks]
     prof = _pipeline("show", "chain.profile.json", "--pp", 4, "--microbatches", 8)["ranks"]
     assert [r["planned_peak_bytes"] for r in prof] == keep
 
@@ -108,3 +112,30 @@ def test_simulate_pp_runs_without_torch(ws):
         assert r.exit_code == 0, r.stdout + r.stderr
     """)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_simulate_pp_reports_the_rank_level_judge(ws):
+    """Per rank the judge's peak with copies in flight and its exposed copy time, and the
+    step with copies on each rank's engines: what pipeline_copies.judge says of the same
+    stages (every stage the profile, the plan's copies on the plan's hardware)."""
+    from slackswap_cli.hardware import HardwareSpec
+    from slackswap_cli.pipeline_copies import judge, stage_work
+    from slackswap_cli.pipeline_orders import order
+    from slackswap_cli.pipeline_step import boundary_of
+    d = _pipeline("simulate", "chain.plan.json", "--pp", 2, "--schedule", "GPipe",
+                  "--microbatches", 4, "--rank-budget", "9MiB")
+    prof = schema.load_profile("chain.profile.json")
+    plan = schema.load_plan("chain.plan.json")
+    hw = HardwareSpec.from_dict(plan.hardware, "the plan")
+    work = {s: stage_work(prof, plan, hw, boundary_of(prof, s, 2, "gpipe")) for s in (0, 1)}
+    got = judge(order("GPipe", 2, 4), work, 9 * MiB)
+    assert d["judged_step_us"] == pytest.approx(got.step_us)
+    assert d["judged_step_us"] >= d["keep_all_step_us"]
+    assert [r["exposed_copy_us"] for r in d["ranks"]] == \
+        pytest.approx([got.ranks[r].exposed_us for r in (0, 1)])
+    assert [r["judged_peak_bytes"] for r in d["ranks"]] == [got.ranks[r].peak_bytes for r in (0, 1)]
+    assert all(r["swapped_bytes"] > 0 for r in d["ranks"])
+    human = runner.invoke(app, ["simulate", "chain.plan.json", "--pp", "2", "--microbatches", "4"],
+                          env={"COLUMNS": "250"})
+    assert "exposed copies/step" in human.stdout and "step (copies on each rank's engines)" \
+        in human.stdout

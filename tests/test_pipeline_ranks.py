@@ -3,7 +3,9 @@ embeddings, grouped-query attention, SwiGLU) split by hand into PipelineStages,
 two CPU processes (gloo), run by torch's GPipe, 1F1B and Interleaved1F1B for three AdamW steps
 (slackswap_testkit/pipeline_run.py), planned by slackswap and by recompute-only. The patched stages train bit for bit as the same pipeline
 unpatched; each rank holds the microbatches read from the schedule; its measured activation
-peak is within 5% of the predicted one, keeping everything and under its plan.
+peak is within 5% of the predicted one, keeping everything and under its plan. The same for
+models split by torch's `pipeline()` (slackswap_testkit/pipe_split_run.py, including Hugging
+Face's LlamaForCausalLM; benchmarks/pipeline_split_ranks.py).
 
 About a minute per schedule on two cores (each rank profiles and plans its stages, then trains
 twice), so they run with SLACKSWAP_SLOW=1 (`SLACKSWAP_SLOW=1 pytest tests/test_pipeline_ranks.py`);
@@ -80,4 +82,43 @@ def test_planned_pipeline_trains_exactly_within_its_peaks(family, schedule, per_
     first = ranks[0]["row"]
     assert first["keep_all_peak_bytes"] > budget                 # rank 0 had to be planned
     assert first["swapped_bytes"] + first["recomputed_bytes"] > 0
+    assert not off, off
+
+
+@slow
+@pytest.mark.parametrize("family,schedule,per_rank,budget,held,link,planner", [
+    ("gpt", "GPipe", 1, 300_000, [4, 4], 1e8, "slackswap"),
+    ("gpt", "1F1B", 1, 200_000, [2, 1], 1e8, "slackswap"),
+    ("gpt", "Interleaved1F1B", 2, 300_000, [5, 3], None, "slackswap"),
+    ("llama", "1F1B", 1, 230_000, [2, 1], 1e8, "slackswap"),
+    ("llama", "Interleaved1F1B", 2, 480_000, [5, 3], None, "slackswap"),
+    ("hf-llama", "1F1B", 1, 280_000, [2, 1], 1e8, "slackswap"),
+    ("gpt", "GPipe", 1, 400_000, [4, 4], None, "recompute-only"),
+])
+def test_a_pipeline_split_model_trains_exactly_within_its_peaks(family, schedule, per_rank,
+                                                                 budget, held, link, planner,
+                                                                 tmp_path):
+    """The same on models split by torch's `pipeline()` (slackswap_testkit/pipe_split_run.py:
+    GPT-style, Llama-style, Hugging Face's LlamaForCausalLM), planned from the pipe and run
+    through `pipe.build_stage`; at a slow host link (`link`) the plans recompute as well."""
+    from slackswap_testkit.pipe_split_run import Case
+    from slackswap_testkit.pipe_split_run import run as run_split
+    ranks = run_split(Case(schedule, 2, 4, per_rank, budget, planner=planner, family=family,
+                           link=link), tmp_path)
+    off = []
+    for rank, res in enumerate(ranks):
+        row, plain, patched = res["row"], res["plain"], res["patched"]
+        assert same(plain, patched), f"rank {rank}: the planned stages trained otherwise"
+        assert row["held"] == plain["held"] == patched["held"] == held[rank]
+        assert row["planned_peak_bytes"] <= budget
+        keep, planned = max(plain["peaks"][1:]), max(patched["peaks"][1:])
+        for what, predicted, measured in (("keep-all", row["keep_all_peak_bytes"], keep),
+                                          ("planned", row["planned_peak_bytes"], planned)):
+            if abs(measured / predicted - 1) > 0.05:
+                off.append((rank, what, predicted, measured))
+    first = ranks[0]["row"]
+    assert first["keep_all_peak_bytes"] > budget
+    assert first["swapped_bytes"] + first["recomputed_bytes"] > 0
+    if link is not None:
+        assert first["swapped_bytes"] > 0 and any(r["row"]["recomputed_bytes"] for r in ranks)
     assert not off, off

@@ -20,6 +20,7 @@ CORE = (
     "slackswap_cli.guard", "slackswap_cli.fit", "slackswap_cli.fit_pipeline", "slackswap_cli.profile_scale",
     "slackswap_cli.planning", "slackswap_cli.table_rows", "slackswap_cli.pipeline",
     "slackswap_cli.pipeline_orders", "slackswap_cli.pipeline_step",
+    "slackswap_cli.pipeline_copies", "slackswap_cli.pipeline_windows",
     "slackswap_cli.op_cost", "slackswap_cli.compile_limits",
     "slackswap_cli.planners", "slackswap_cli.planners.common", "slackswap_cli.planners.settings",
     "slackswap_cli.planners.slackswap", "slackswap_cli.planners.optimal",

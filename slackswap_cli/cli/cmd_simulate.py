@@ -63,7 +63,8 @@ def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
     from ..pipeline_step import pipeline_figures
     schedule, pp, microbatches, per_rank, budget = settings
     figs = pipeline_figures(prof, plan, schedule, pp, microbatches, per_rank, budget,
-                            1.0 / hw.d2h_bytes_per_s * 1e6 if hw.d2h_bytes_per_s else 0.0)
+                            1.0 / hw.d2h_bytes_per_s * 1e6 if hw.d2h_bytes_per_s else 0.0,
+                            hw=hw)
 
     def views():
         from .render.pipeline import pipeline_views

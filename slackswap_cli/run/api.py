@@ -25,6 +25,7 @@ TABLE an emitted file holds) and `compile(model, plan)` its `compile_planned` (r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import warnings
@@ -66,9 +67,11 @@ class Plan:
     """What `plan_model` returns: the profile, the plan (`schema.Plan`, what a plan file
     holds) and the tables the runtimes follow. `save(path)` writes the files the CLI reads.
     `note`: what the costs were priced for when that is not what a user may expect (a
-    meta-device model's plan: a fake trace and a hardware preset's roofline), else None."""
+    meta-device model's plan: a fake trace and a hardware preset's roofline), else None.
+    `measured`: what `plan_model`'s measure found (`excess.Settled`), else None."""
 
     note: str | None = None
+    measured = None     # plan_model's measure: an `excess.Settled`, or None (not measured)
 
     def __init__(self, profile: Profile, plan: PlanFile, meta: dict, table: dict,
                  graph_table: dict):
@@ -103,7 +106,8 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
                loss_fn: Callable | None = None, device: str = "auto",
                planner: str = "slackswap", autocast: str | None = None, optimizer="adamw",
                time_limit: float | None = None, for_compile: str | None = None,
-               progress: Callable[[str], None] | None = None) -> Plan:
+               progress: Callable[[str], None] | None = None,
+               measure: bool | None = None) -> Plan:
     """Profile one training step of `model` on `inputs` in this process and plan it.
 
     `inputs`: a tuple of positional arguments, a dict of keyword arguments or one tensor (as a
@@ -114,7 +118,13 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     fit's reserve. `hardware`: a preset, a JSON file or a HardwareSpec (the roofline of a fake
     trace, and the copy engine the plan is simulated on). `planner`, `autocast`, `time_limit`,
     `for_compile` ("model" or "per-block": a plan for `compile_planned`, what it cannot
-    offload kept or recomputed): as the CLI's options. Raises SlackswapError subclasses: InputError (bad arguments),
+    offload kept or recomputed): as the CLI's options. `measure`: run the plan once on the
+    model and measure its step (`Plan.measured`); where eager peaks above the budget (it holds
+    what Python still names longer than the simulator counts), plan again below the budget by
+    that excess (run/excess.py). None (default): when the step was traced on real tensors
+    (device "cpu" or "cuda") and the plan is not `for_compile` (the measured run is
+    `patch`'s); True: after a fake trace too, on the model itself (its parameters real, on
+    the plan's device type); False: never. Raises SlackswapError subclasses: InputError (bad arguments),
     TraceError (the model cannot be traced), InfeasibleError (no plan fits; its `.plan` is
     the closest one)."""
     started = time.perf_counter()
@@ -147,6 +157,18 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     out.note = note
     if not result.feasible:
         raise _infeasible(prof, planner, hw, budget_bytes, out)
+    run_on = _measured_on(measure if for_compile is None else bool(measure), how, model,
+                          work, traced, out)
+    if run_on is not None:
+        from .excess import ParameterWritten
+        try:
+            out = _settled(out, run_on, prof, hw, planner, joint, traced, loss_fn,
+                           dict(time_limit=time_limit, for_compile=for_compile))
+        except ParameterWritten as exc:
+            if measure:
+                raise
+            warnings.warn(f"slackswap: the plan is not measured: {exc}", stacklevel=2)
+        out.note = note
     return out
 
 
@@ -338,6 +360,56 @@ def _plan_of(prof: Profile, result: PlanFile, joint, traced: Workload, loss_fn) 
     return Plan(prof, result, meta,
                 runtime_table(prof, result.decisions, is_inplace_target, result.schedule),
                 graph_table(prof, result))
+
+
+def _measured_on(measure, how: str, model, work: Workload, traced: Workload,
+                 plan: Plan) -> Workload | None:
+    """The workload `measure` runs the plan on (the model itself), or None: not measured."""
+    if measure is None:
+        return traced if how != "fake" else None
+    if not measure:
+        return None
+    if how != "fake":
+        return traced
+    first = next(iter(model.parameters()), None)
+    on = first.device.type if first is not None else "cpu"
+    if on != plan.meta["device_type"]:
+        raise InputError(f"measure=True: the plan is for {plan.meta['device_type']} and the "
+                         f"model's parameters are on {on}, so its step cannot be measured",
+                         hint="measure=None (the default) plans without measuring after a fake "
+                              "trace; or move the model to the device the plan is for")
+    return work
+
+
+def _settled(out: Plan, run_on: Workload, prof: Profile, hw, planner: str, joint,
+             traced: Workload, loss_fn, options: dict) -> Plan:
+    """`out` measured on the model (`excess.settle`): where its step peaks above the budget,
+    planned again below it by what eager held beyond the simulator. A plan made so keeps the
+    budget asked for (what the runtime holds a call to) and says in its notes what it was
+    planned at; `Plan.measured` holds what was measured."""
+    from .excess import measured_peaks, settle, simulated_peaks
+    budget, fraction = out.budget_bytes, out.plan.budget_fraction
+
+    def plan_at(at: int) -> Plan:
+        result, _ = plan_profile(prof, hw, at, None, planner, **options)
+        result = dataclasses.replace(
+            result, budget_bytes=budget, budget_fraction=fraction, notes=(*result.notes, (
+                f"planned at {at} bytes, the budget less what eager was measured to hold "
+                "beyond the simulator (plan_model's measure)")))
+        return _plan_of(prof, result, joint, traced, loss_fn)
+
+    plan, measured = settle(out, budget, plan_at,
+                            lambda p: measured_peaks(run_on.model, run_on.inputs, loss_fn, p),
+                            lambda p: simulated_peaks(prof, p.plan, hw))
+    plan.measured = measured
+    if measured.measured > budget:
+        warnings.warn(f"slackswap: the plan's measured step peaks at {measured.measured} "
+                      f"bytes of activations, above the budget of {budget} (the simulator "
+                      f"predicts {measured.predicted}: eager holds what Python still names "
+                      "longer); no plan below the budget measured under it. A budget of "
+                      f"{measured.measured} bytes or more fits this step as measured",
+                      stacklevel=3)
+    return plan
 
 
 def _auto_budget(model: torch.nn.Module, inputs, optimizer) -> int:  # pragma: no cover - CUDA

@@ -45,6 +45,8 @@ from ..pipeline import (
 from ..pipeline_orders import one_f_one_b
 from ..planning import plan_inputs, plan_profile
 from . import api
+from .excess import settle_stages
+from .pipe_stages import check_stage_count, is_pipe, pipe_stages
 from .split_backward import split_held_bytes
 
 __all__ = ["schedule_order", "held_microbatches", "plan_pipeline", "PlannedPipeline"]
@@ -149,9 +151,12 @@ class PlannedPipeline:
     def held(self) -> dict[int, int]:
         return {row.rank: row.held for row in self.table.rows}
 
-    def patch(self, modules: Mapping[int, torch.nn.Module]) -> None:
+    def patch(self, modules) -> None:
         """Patch each given stage module (stage index -> module: the ones on this rank) with
-        its plan; a stage that keeps everything is left as it is."""
+        its plan; a stage that keeps everything is left as it is. A pipe from `pipeline()`:
+        the stage modules of the stages planned."""
+        if is_pipe(modules):
+            modules = {s: modules.get_stage_module(s) for s in self.plans}
         for stage, module in modules.items():
             if stage not in self.plans:
                 raise InputError(f"stage {stage} was not planned",
@@ -215,6 +220,25 @@ def _not_a_fraction(budget) -> None:
                              hint="budget='2GiB' or a number of bytes, per rank")
 
 
+def _stage_specs(stages, full, schedule, pp, ranks, inputs, loss_fn, target):
+    """The stages as plan_pipeline plans them: given by hand, or read from a `pipeline()`
+    pipe (the stages of the ranks planned)."""
+    if not is_pipe(stages):
+        if inputs is not None or loss_fn is not None or target is not None:
+            raise InputError("inputs, loss_fn and target are for a pipe from pipeline(); "
+                             "stages given by hand carry their own",
+                             hint="stages={index: (module, inputs, loss_fn or None)}")
+        return stages
+    check_stage_count(stages, 1 + max(s for steps in full.values() for _, s, _ in steps),
+                      schedule, pp)
+    if inputs is None:
+        raise InputError("plan_pipeline(pipe, ...) needs one microbatch's inputs",
+                         hint="plan_pipeline(pipe, ..., inputs=mb_args, loss_fn=loss_fn, "
+                              "target=mb_target): mb_args as given to pipeline()")
+    mine = {s for r, steps in full.items() if ranks is None or r in ranks for _, s, _ in steps}
+    return pipe_stages(stages, inputs, loss_fn=loss_fn, target=target, stages=mine)
+
+
 def _rank_bytes(budget, prof) -> int:
     return parse_budget(budget, prof)[0]
 
@@ -223,25 +247,30 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
                   budget, stages_per_rank: int | None = None, hardware=None,
                   planner: str = "slackswap", device: str = "cpu", ranks=None,
                   progress: Callable[[str], None] | None = None,
-                  measure: bool = True) -> PlannedPipeline:
+                  measure: bool = True, inputs=None, loss_fn=None,
+                  target=None) -> PlannedPipeline:
     """Profile each stage (stage index -> (module, one microbatch's inputs, loss_fn or None:
     `out.sum()`)) and plan it for its rank's budget knowing how many microbatches the
     schedule holds there. `budget`: per rank, activation memory: a size ("2GiB", bytes) or a
     mapping rank -> size. `ranks`: plan only these ranks' stages (each rank its own, say:
     `ranks=[dist.get_rank()]`), the stages given those ranks run. `measure` (not on the fake
     device): run each planned stage's plan once on its inputs and plan again where eager
-    peaks above the simulator (`eager_excess`)."""
+    peaks above the simulator (run/excess.py: `eager_excess`, `settle_stages`). `stages` may
+    be the pipe torch's `pipeline()` returns, with `inputs` one microbatch's inputs to the model
+    and the schedule's `loss_fn(output, target)` with one microbatch's `target`
+    (run/pipe_stages.py)."""
     _not_a_fraction(budget)
     order = schedule_order(schedule, pp, microbatches, stages_per_rank)
+    full = order
     if ranks is not None:
         unknown = sorted(set(ranks) - set(order))
         if unknown:
             raise InputError(f"ranks {unknown} are not in a pipeline of {pp} ranks",
                              hint=f"ranks from 0 to {pp - 1}")
         order = {r: order[r] for r in ranks}
+    stages = _stage_specs(stages, full, schedule, pp, ranks, inputs, loss_fn, target)
     profiles, traced, boundary, outputs = {}, {}, {}, {}
     hw = api._hardware(hardware)
-    full = schedule_order(schedule, pp, microbatches, stages_per_rank)
     n_stages = 1 + max(s for steps in full.values() for _, s, _ in steps)
     rank_of = {s: r for r, steps in full.items() for _, s, _ in steps}
     sends = sends_kept(schedule)
@@ -274,59 +303,8 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
     plans = {s: (None if p is None else api._plan_of(profiles[s], p, *traced[s]))
              for s, p in table.plans.items()}
     if measure and not device.startswith("fake"):
-        table, plans = _settled(stages, order, profiles, per_rank, planner_fn, boundary,
-                                table, plans, traced)
+        table, plans = settle_stages(stages, order, profiles, per_rank, planner_fn, boundary,
+                                     table, plans, traced,
+                                     lambda s, p: api._plan_of(profiles[s], p, *traced[s]))
     return PlannedPipeline(plans, table, profiles)
 
-
-def _settled(stages, order, profiles, per_rank, planner_fn, boundary, table, plans, traced):
-    """Plan again where the eager run of a stage's plan, measured on one microbatch, peaks
-    above the simulator's prediction (`eager_excess`): the excess counts at that stage's
-    peak (`Boundary.eager`), and the search runs again (twice at most)."""
-    for _ in range(2):
-        excess = {s: eager_excess(*stages[s][:2], traced[s][2], plans[s], table.plans[s])
-                  for s in table.plans if plans.get(s) is not None}
-        if not any(e > boundary[s].eager for s, e in excess.items()):
-            break
-        for s, e in excess.items():
-            boundary[s] = boundary[s]._replace(eager=max(e, boundary[s].eager))
-        table = plan_stages(order, profiles, per_rank, planner_fn, boundary)
-        plans = {s: (None if p is None else api._plan_of(profiles[s], p, *traced[s]))
-                 for s, p in table.plans.items()}
-    return table, plans
-
-
-def eager_excess(module, inputs, loss_fn, plan, raw) -> int:
-    """Bytes by which one patched microbatch of `module` (a copy, patched with `plan`; its
-    second call, the first one records) peaks above the simulator's peak of `raw` (the plan
-    file), activations as the profile counts them. Eager holds what Python still names (a
-    block's locals, its input in the caller's loop) until the statement or function ends,
-    where the simulator frees a swapped or recomputed tensor after its last reader."""
-    import copy
-
-    from ..trace.storage import storage_object_key
-    from .memtrace import MemTracker
-    work = copy.deepcopy(module)
-    api.patch(work, plan)
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
-                 else a for a in args)
-    peak = 0
-    for _ in range(2):
-        tracker = MemTracker()
-
-        def grad_hook(g, tracker=tracker):
-            i = tracker._live.get(storage_object_key(g))
-            if i is not None and tracker.storages[i].nbytes > 0:
-                tracker.storages[i].nbytes = -tracker.storages[i].nbytes - 1
-        leaves = [*work.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]
-        hooks = [t.register_hook(grad_hook) for t in leaves if t.requires_grad]
-        try:
-            with tracker:
-                loss_fn(work(*args), args).backward()
-            tracker.finish()
-        finally:
-            for h in hooks:
-                h.remove()
-        peak = max(tracker.timeline(), default=0)
-    return max(0, peak - raw.predicted.peak_bytes)

@@ -118,7 +118,8 @@ def fit_views(result: FitResult, *, planner: str, hardware: str, memory_bytes: i
     if pipe and best is not None:
         views.append(Text(f"  batch {best['batch']} per rank: peak "
                           + ", ".join(fmt_bytes(b) for b in best["rank_peak_bytes"])
-                          + "; microbatches held " + ", ".join(map(str, best["rank_held"])),
+                          + "; microbatches held " + ", ".join(map(str, best["rank_held"]))
+                          + _exposed(best),
                           style="dim"))
     reasons = [(r["batch"], r["reason"]) for r in result.rows if r["reason"]]
     if reasons:
@@ -133,3 +134,9 @@ def fit_views(result: FitResult, *, planner: str, hardware: str, memory_bytes: i
                           f"{_rate(best['samples_per_s'])} samples/s; against the best of "
                           + ", ".join(gains), style="bold"))
     return views
+
+
+def _exposed(row: dict) -> str:
+    """The rank-level judge's exposed copy time per rank, where the row has it."""
+    exposed = row.get("rank_exposed_copy_us")
+    return "" if exposed is None else "; exposed copy time " + ", ".join(map(fmt_us, exposed))

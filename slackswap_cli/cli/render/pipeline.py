@@ -1,18 +1,25 @@
 """Terminal view of a pipeline's per-rank figures (`simulate --pp`, `show --pp`): per rank the
 stages, the microbatches held, keep-all and planned peaks, swapped and recomputed bytes per
-step, its bubbles; then the step's time with the schedule's bubbles."""
+step, its bubbles, and (from the rank-level judge, `pipeline_copies`) its peak with copies in
+flight and the compute time that waits for copies; then the step's time with the schedule's
+bubbles."""
 from __future__ import annotations
 
 from ...pipeline import ROW_HEADERS, row_cells
 from ...pipeline_step import PipelineFigures
-from ...units import fmt_us
+from ...units import fmt_bytes, fmt_us
 from .format import _kv_table, _rows_table
 
 
 def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
     cols = [(h, "right") for h in ROW_HEADERS]
     cols += [("idle/step", "right"), ("swap copies/step", "right")]
-    rows = [[*row_cells(r), fmt_us(figs.idle_us[r.rank]), fmt_us(figs.swap_copy_us[r.rank])]
+    judged = figs.exposed_us is not None
+    if judged:
+        cols += [("peak w/ copies", "right"), ("exposed copies/step", "right")]
+    rows = [[*row_cells(r), fmt_us(figs.idle_us[r.rank]), fmt_us(figs.swap_copy_us[r.rank]),
+             *((fmt_bytes(figs.judged_peak_bytes[r.rank]), fmt_us(figs.exposed_us[r.rank]))
+               if judged else ())]
             for r in figs.rows]
     title = (f"Per rank: {figs.schedule}, {figs.pp} ranks, {figs.microbatches} microbatches "
              f"({stage_note})")
@@ -20,6 +27,8 @@ def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
             _kv_table("Step with the schedule's bubbles", [
                 ("step (plan)", fmt_us(figs.step_us)),
                 ("step (keep all)", fmt_us(figs.keep_all_step_us)),
+                *([("step (copies on each rank's engines)", fmt_us(figs.judged_step_us))]
+                  if judged else []),
                 ("note", "sends and receives take no time here; every stage is priced as "
                          "the profile's")])]
 
@@ -35,4 +44,13 @@ def figures_json(figs: PipelineFigures) -> dict:
                        "swapped_bytes": r.swapped_bytes,
                        "recomputed_bytes": r.recomputed_bytes,
                        "idle_us": figs.idle_us[r.rank],
-                       "swap_copy_us": figs.swap_copy_us[r.rank]} for r in figs.rows]}
+                       "swap_copy_us": figs.swap_copy_us[r.rank],
+                       **_judged(figs, r.rank)} for r in figs.rows],
+            "judged_step_us": figs.judged_step_us}
+
+
+def _judged(figs: PipelineFigures, rank: int) -> dict:
+    if figs.exposed_us is None:
+        return {}
+    return {"judged_peak_bytes": figs.judged_peak_bytes[rank],
+            "exposed_copy_us": figs.exposed_us[rank]}
