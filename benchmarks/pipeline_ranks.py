@@ -10,7 +10,9 @@ step also allocates the stages' receive buffers).
     python benchmarks/pipeline_ranks.py                      # the default cases
     python benchmarks/pipeline_ranks.py 1F1B 4 8 1 300000 recompute-only
         # schedule, ranks, microbatches, stages per rank, budget bytes per rank[, planner
-        # [, model: gpt or llama]]
+        # [, model: gpt or llama[, host link bytes/s planned for]]]
+    python benchmarks/pipeline_ranks.py ZBVZeroBubble 2 4 2 480000 slackswap gpt 5e7
+        # a split backward; at a 5e7 B/s link the plans recompute as well as swap
 Writes benchmarks/results/pipeline_ranks.{json,md}.
 """
 import json
@@ -31,21 +33,23 @@ CASES = [("GPipe", 2, 4, 1, 300_000, "slackswap"), ("1F1B", 2, 4, 1, 200_000, "s
          ("Interleaved1F1B", 2, 4, 2, 480_000, "slackswap", "llama"),
          ("GPipe", 2, 4, 1, 400_000, "recompute-only"),
          ("Interleaved1F1B", 2, 4, 2, 400_000, "recompute-only"),
-         ("1F1B", 4, 8, 1, 300_000, "recompute-only")]
+         ("1F1B", 4, 8, 1, 300_000, "recompute-only"),
+         ("ZBVZeroBubble", 2, 4, 2, 480_000, "slackswap", "gpt", 5e7),
+         ("DualPipeV", 2, 4, 2, 480_000, "slackswap", "gpt", 5e7)]
 
 
 def _rows(case) -> list[dict]:
-    schedule, world, n_mb, per_rank, budget, planner, family = (*case, "gpt")[:7]
+    schedule, world, n_mb, per_rank, budget, planner, family, link = (*case, "gpt", None)[:8]
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        ranks = run(schedule, world, n_mb, per_rank, budget, tmp, planner, family)
+        ranks = run(schedule, world, n_mb, per_rank, budget, tmp, planner, family, link)
         wall = time.perf_counter() - started
     out = []
     for rank, res in enumerate(ranks):
         row, plain, patched = res["row"], res["plain"], res["patched"]
         keep_meas, plan_meas = max(plain["peaks"][1:]), max(patched["peaks"][1:])
         out.append({"model": family, "schedule": schedule, "planner": planner, "ranks": world, "microbatches": n_mb,
-                    "stages_per_rank": per_rank, "rank": rank, "stages": list(row["stages"]),
+                    "stages_per_rank": per_rank, "link_bytes_per_s": link, "rank": rank, "stages": list(row["stages"]),
                     "held_read": row["held"], "held_counted": patched["held"],
                     "budget_bytes": budget, "keep_all_predicted": row["keep_all_peak_bytes"],
                     "keep_all_measured": keep_meas,
@@ -75,7 +79,8 @@ def _markdown(rows: list[dict]) -> str:
 def main(argv: list[str]) -> None:
     cases = CASES if not argv else [(argv[0], *map(int, argv[1:5]),
                                      argv[5] if len(argv) > 5 else "slackswap",
-                                     argv[6] if len(argv) > 6 else "gpt")]
+                                     argv[6] if len(argv) > 6 else "gpt",
+                                     float(argv[7]) if len(argv) > 7 else None)]
     rows = [r for case in cases for r in _rows(case)]
     out = ROOT / "benchmarks" / "results"
     name = "pipeline_ranks" if not argv else "pipeline_ranks_" + "_".join(argv)

@@ -79,6 +79,7 @@ class StageCost:
     boundary_bytes: int = 0     # what the pipeline adds while its backward runs
     boundary_held: int = 0      # what the pipeline adds to held_bytes (counted in it)
     linger_bytes: int = 0       # left from its backward until the step ends (unwaited sends)
+    split_bytes: int = 0        # added from its input pass to its weight pass (split backward)
 
 
 class Boundary(NamedTuple):
@@ -91,6 +92,8 @@ class Boundary(NamedTuple):
     pinned: frozenset = frozenset()
     linger: int = 0
     eager: int = 0      # what the eager run holds at its peak beyond the simulator's (measured)
+    split: int = 0      # held from a split backward's input pass to its weight pass (measured:
+    #                     the gradients its weight pass starts from, run/split_backward.py)
 
 
 # What a schedule's sends keep alive after a microbatch's backward, until the step ends.
@@ -143,11 +146,11 @@ def stage_cost(prof: Profile, plan: Plan | None = None,
     plan swaps or recomputes; peak: the plan's simulated peak (the keep-all peak without).
     `boundary`: the pipeline's own bytes, added, and the roots it holds anyway (a plan's
     eviction of one frees nothing: its bytes count as held and at the peak)."""
-    held, extra, pinned, linger, eager = boundary
+    held, extra, pinned, linger, eager, split = boundary
     live_at_end = prof.live_bytes_per_op[prof.n_forward - 1] if prof.n_forward else 0
     if plan is None:
         return StageCost(live_at_end + held, prof.keep_all_peak_bytes, boundary_bytes=extra,
-                         boundary_held=held, linger_bytes=linger)
+                         boundary_held=held, linger_bytes=linger, split_bytes=split)
     size = {t.id: t.size_bytes for t in prof.saved_activations}
     moved = {Action.SWAP: 0, Action.RECOMPUTE: 0}
     stuck = 0
@@ -158,20 +161,28 @@ def stage_cost(prof: Profile, plan: Plan | None = None,
     evicted = moved[Action.SWAP] + moved[Action.RECOMPUTE] - stuck
     return StageCost(max(0, live_at_end - evicted) + held,
                      plan.predicted.peak_bytes + stuck + eager,
-                     moved[Action.SWAP], moved[Action.RECOMPUTE], extra, held, linger)
+                     moved[Action.SWAP], moved[Action.RECOMPUTE], extra, held, linger, split)
 
 
 def rank_peak(steps: Sequence[Step], cost: Mapping[int, StageCost]) -> int:
     """The rank's activation peak: the largest, over its steps, of what the other live pairs
     hold, plus the running stage's own peak, plus what the backwards done so far left behind
-    until the step ends (`StageCost.linger_bytes`)."""
-    best, lingering = 0, 0
+    until the step ends (`StageCost.linger_bytes`). A pair between its input pass and its
+    weight pass (a split backward) holds its `split_bytes` too; its weight pass starts from
+    them, with its output still held (`boundary_held`) but nothing received or sent."""
+    best, lingering, split = 0, 0, set()
     for (kind, stage, mb), live in _walk(steps):
-        others = sum(cost[s].held_bytes for s, m in live if (s, m) != (stage, mb))
-        extra = cost[stage].boundary_bytes if kind != "F" else 0
-        best = max(best, others + cost[stage].peak_bytes + extra + lingering)
+        others = sum(cost[s].held_bytes + (cost[s].split_bytes if (s, m) in split else 0)
+                     for s, m in live if (s, m) != (stage, mb))
+        c = cost[stage]
+        extra = {"F": 0, "W": c.boundary_held + c.split_bytes}.get(kind, c.boundary_bytes)
+        best = max(best, others + c.peak_bytes + extra + lingering)
         if kind in ("B", "I"):
-            lingering += cost[stage].linger_bytes
+            lingering += c.linger_bytes
+        if kind == "I":
+            split.add((stage, mb))
+        elif kind == "W":
+            split.discard((stage, mb))
     return best
 
 

@@ -150,6 +150,10 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "run/pipeline.py", ("2.13",),
                "plan_pipeline and schedule_order fail where missing: no fallback (the "
                "torch-free slackswap_cli.pipeline takes an order written by hand)"),
+    PrivateAPI("torch.distributed.pipelining._backward.stage_backward_input (returns the "
+               "parameter groups: 'grads' captured at their 'intermediates')",
+               "run/split_backward.py", ("2.13",),
+               "plan_pipeline fails for a split-backward schedule where missing: no fallback"),
     # tensor parallelism: DTensor models traced and run on their local shards --------------
     PrivateAPI("DTensor._local_tensor (the local shard, the very tensor its op made); "
                "torch.distributed._functional_collectives.AsyncCollectiveTensor (elem, "

@@ -175,11 +175,12 @@ def _measured_step(sched, mods, args, target, losses) -> int:
     return max(tracker.timeline(), default=0)
 
 
-def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps, family="gpt"):
+def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps, family="gpt",
+           quick=False):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
     cls = get_schedule_class(schedule)
-    mods = {s: FAMILIES[family](s, n_stages) for s in mine}
+    mods = {s: FAMILIES[family](s, n_stages, 1 if quick else 2) for s in mine}
     if label == "patched":
         planned.patch(mods)
     stages = [PipelineStage(mods[s], s, n_stages, torch.device("cpu")) for s in mine]
@@ -193,16 +194,31 @@ def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps, fami
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         out: list = []
-        peaks.append(_measured_step(sched, mods, (ids,) if 0 in mine else (),
-                                    tgt if n_stages - 1 in mine else None, out))
+        args, target = (ids,) if 0 in mine else (), tgt if n_stages - 1 in mine else None
+        if quick:
+            sched.step(*args, target=target, losses=out, return_outputs=False)
+        else:
+            peaks.append(_measured_step(sched, mods, args, target, out))
         opt.step()
         losses.append([x.detach() for x in out])
     return {"losses": losses, "peaks": peaks, "held": held[0],
             "params": [p.detach().clone() for m in mods.values() for p in m.parameters()]}
 
 
+def hardware_for(link: float | None):
+    """The default preset, its host link at `link` bytes per second each way (None: as it
+    is). On these KiB-sized stages, timed on a CPU, every copy hides under compute at a
+    real link's speed and slackswap's plans swap alone; at 5e7 B/s they recompute too."""
+    import dataclasses
+
+    from slackswap_cli.hardware import load_hardware
+    hw = load_hardware(None)
+    return hw if link is None else dataclasses.replace(hw, h2d_bytes_per_s=link,
+                                                       d2h_bytes_per_s=link)
+
+
 def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, planner="slackswap",
-           steps=3, family="gpt"):
+           steps=3, family="gpt", link=None, quick=False):
     import torch.distributed as dist
     sys.path.insert(0, str(ROOT))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -218,16 +234,17 @@ def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, planner
         for s in mine:
             x = ids[:MB] if s == 0 else torch.randn(MB, T, D, requires_grad=True)
             last = (lambda out, inp: loss_fn(out, tgt[:MB])) if s == n_stages - 1 else None
-            specs[s] = (FAMILIES[family](s, n_stages), (x,), last)
+            specs[s] = (FAMILIES[family](s, n_stages, 1 if quick else 2), (x,), last)
         started = time.perf_counter()
         planned = plan_pipeline(specs, schedule, pp=world, microbatches=n_mb, budget=budget,
                                 stages_per_rank=per_rank if per_rank > 1 else None,
-                                ranks=[rank], planner=planner)
+                                ranks=[rank], planner=planner,
+                                hardware=hardware_for(link), measure=not quick)
         results = {"plan_s": time.perf_counter() - started,
                    "row": vars(planned.rows[0]) | {"fits": planned.rows[0].fits}}
         for label in ("plain", "patched"):
             results[label] = _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt,
-                                    steps, family)
+                                    steps, family, quick)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     finally:
@@ -241,11 +258,16 @@ def free_port() -> int:
 
 
 def run(schedule: str, world: int, n_mb: int, per_rank: int, budget, out_dir,
-        planner: str = "slackswap", family: str = "gpt") -> list[dict]:
+        planner: str = "slackswap", family: str = "gpt", link: float | None = None,
+        quick: bool = False) -> list[dict]:
     """Spawn the ranks; each rank's results: plan row, plain and patched runs. `family`: the
-    model split into stages, "gpt" (`make_stage`) or "llama" (`make_llama_stage`)."""
+    model split into stages, "gpt" (`make_stage`) or "llama" (`make_llama_stage`); `link`:
+    the host link planned for (`hardware_for`); `quick`: one block per stage, no eager
+    measure in planning (plan_pipeline's `measure=False`) and no memory tracked (no peaks):
+    the default suite's short run."""
     torch.multiprocessing.spawn(worker, args=(world, free_port(), schedule, n_mb, per_rank,
-                                              budget, str(out_dir), planner, 3, family),
+                                              budget, str(out_dir), planner, 3, family, link,
+                                              quick),
                                 nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
             for r in range(world)]

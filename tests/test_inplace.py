@@ -9,9 +9,11 @@ budget falls. The model object is the same, returns what it returned (a Hugging 
 
 import pytest
 import torch
+from helpers import two_us_kernels
 from workloads import HW, profiled, token_dataset
 
 from slackswap_cli.errors import InputError
+from slackswap_cli.run import swap as swap_engine
 from slackswap_cli.run.emit import apply_plan, load_patched
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
@@ -332,15 +334,65 @@ def test_strict_refuses_other_shapes(files, tmp_path):
     model(*work.inputs)                        # evaluation never needs the plan
 
 
-def test_a_second_backward_is_a_clear_error_not_wrong_gradients(files, tmp_path):
+def _two_backwards(model, work, steps=3):
+    """`steps` AdamW steps, each a forward, `backward(retain_graph=True)` and a second
+    backward through the same graph (a weighted loss: the gradients add); after each step,
+    the host pool's bytes ever allocated and the last call's state."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, seen = [], []
+    for _ in range(steps):
+        loss = model(*work.inputs)
+        loss.backward(retain_graph=True)
+        (0.5 * loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        del loss                                       # the graph is gone
+        seen.append(swap_engine.host_pool().allocated_bytes)
+    return losses, [p.detach().clone() for p in model.parameters()], seen
+
+
+def test_a_second_backward_through_a_retained_graph_is_exact_and_frees(files, tmp_path,
+                                                                        monkeypatch):
+    """backward(retain_graph=True) then another backward: swapped tensors fetched again from
+    their host copies, recomputed ones made again; bitwise like eager over three steps (the
+    recorded first call and two that follow its template); once the graph is gone, nothing
+    is left: no host copy held, nothing made, the pool's buffers reused step after step."""
+    from slackswap_cli.planners import make_plan
+    from slackswap_cli.trace import profile_workload
+    two_us_kernels(monkeypatch)   # plans that recompute as well as swap (see helpers)
+    args = {"dropout": 0.0}
+    prof = profile_workload(str(files["tiny_gpt"]), device="fake", hardware=HW, args=args)
+    plan = make_plan("slackswap", prof, HW, int(prof.summary["peak_activation_bytes"] * 0.4))
+    path = tmp_path / "twice.py"
+    path.write_text(apply_plan(plan, prof, args=args))
+    mod = load_patched(str(path))
+    acts = [d.action for d in plan.decisions]
+    assert acts.count("swap") > 0 and acts.count("recompute") > 0
+    eager = load_workload(str(files["tiny_gpt"]), args=args)
+    work = load_workload(str(files["tiny_gpt"]), args=args)
+    work.model.load_state_dict(eager.model.state_dict())
+    want_losses, want_params, _ = _two_backwards(eager.model, eager)
+    model = mod.patch(work.model)
+    losses, params, pool = _two_backwards(model, work)
+    assert losses == want_losses
+    assert all(torch.equal(p, q) for p, q in zip(params, want_params))
+    run = run_of(model)
+    assert run.tpl is not None and not run.broken      # the last step followed the template
+    assert run.rerun_ops > 0 and run.swaps
+    assert pool[1] == pool[2] > 0                      # host buffers reused, not re-allocated
+    assert not run.made and not run.pinned and not run.bound
+    assert all(sw.host() is None and sw.dev is None for sw in run.swaps)   # host copies gone
+
+
+def test_double_backward_is_a_clear_error_not_wrong_gradients(files, tmp_path):
     mod, plan = patched_module(tmp_path, files, "tiny_gpt", 0.4)
     assert any(d.action != "keep" for d in plan.decisions)
     work = load_workload(str(files["tiny_gpt"]))
     model = mod.patch(work.model)
     loss = model(*work.inputs)
-    loss.backward(retain_graph=True)
-    with pytest.raises(InputError, match="second backward"):
-        loss.backward()
+    with pytest.raises(InputError, match="create_graph=True"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
 
 
 def test_a_slow_planners_plan_is_replanned_by_its_quick_stand_in(files, tmp_path):

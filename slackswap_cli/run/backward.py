@@ -1,12 +1,15 @@
 """The one backward path of every kind of call: saved tensors handed back, chains replayed.
 
 `unpack(s, packed)` gives autograd what a pack stood in for: a kept tensor as it is; a swapped
-one (`packs.SwappedRef`) viewed from its storage fetched back (`swap.wait`), its copy back
+one (`packs.SwappedRef`) viewed from its storage fetched back (`swap.wait_kept`), its copy back
 issued ahead of need as backward progresses (the plan's prefetch points: `issue_prefetches`);
 a recomputed one (`packs.RecomputedRef`) after its chain ran (`run_chain`: the records the
 chain needs replayed under `no_grad` with autocast off, chains laid out earlier first, as
 simulated). What the call holds for a root (made by a chain, fetched back) is let go once
-autograd took every saved reference to it and no later chain reads it (`release`).
+autograd took every saved reference to it and no later chain reads it (`release`). A later
+backward through a graph the first retained (`backward(retain_graph=True)` twice, a split
+backward's weight pass) unpacks again (`unpack_again`): a swapped tensor fetched again from
+the host copy its saved references hold, a recomputed one made again (`remake`), neither kept.
 
 Re-running recorded ops: `resolve(s, loc, local)` gives the value recorded output `loc` had
 when the forward made it: made in this replay (`local`) or by an earlier chain, still alive and
@@ -22,6 +25,8 @@ Correctness never depends on the line-up being right: a replay runs the very fun
 arguments the forward ran, on the same values.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.utils._pytree as pytree
@@ -40,12 +45,15 @@ def unpack(s, packed):
     """The unpack hook of call `s` (see the module docstring)."""
     if isinstance(packed, torch.Tensor):
         return packed
-    if packed.taken:
-        raise InputError("a second backward through a step whose saved tensors slackswap "
-                         "swapped or recomputed: they were handed to the first one "
-                         "(backward(retain_graph=True) twice, or double backward)",
-                         hint="run one backward per forward, or unpatch(model) for this step")
-    packed.taken = True                   # a saved tensor is handed out once
+    if torch.is_grad_enabled():           # (only under create_graph=True)
+        raise InputError("a backward with create_graph=True (double backward) through a step "
+                         "whose saved tensors slackswap swapped or recomputed: they come "
+                         "back without the graph that made them, so higher-order gradients "
+                         "would be wrong",
+                         hint="unpatch(model) for a step that needs create_graph=True")
+    if packed.taken:                      # a later backward through a retained graph
+        return unpack_again(s, packed)
+    packed.taken = True
     r = packed.root
     first = s.table.bwd_use.get(r)
     if first is not None and first > s.progress:
@@ -68,6 +76,39 @@ def unpack(s, packed):
         out = resolve(s, packed.loc, {})
     s.packs[r] = s.packs.get(r, 0) - 1
     release(s, r)
+    return out
+
+
+def unpack_again(s, packed):
+    """A saved tensor unpacked again, by a later backward through a graph retained by the
+    first (`backward(retain_graph=True)` and another backward; a split backward's weight
+    pass): a swapped one fetched again from its host copy, a recomputed one made again
+    (`remake`). Neither is kept here: between backwards the call holds what it held after
+    the first, what autograd keeps as it is (a microbatch's kept activations, until its
+    weight pass: `pipeline.ENDS`)."""
+    if type(packed) is SwappedRef:
+        return view_of(packed.host.fetch(), packed.dtype, packed.shape, packed.stride,
+                       packed.offset)
+    return remake(s, packed.loc)
+
+
+def remake(s, loc: tuple[int, int]) -> torch.Tensor:
+    """Recorded output `loc` made again after its chain ran (see `unpack_again`): what is
+    at hand is read (kept activations autograd still holds, host copies fetched again, the
+    call's inputs, parameters), what is not is re-run from its own arguments (`resolve`),
+    under `no_grad` with autocast off, as a chain runs."""
+    grad = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)
+    prev, STATE.run = getattr(STATE, "run", None), None      # (no recording)
+    again, s.again = s.again, True
+    autocast = AutocastOff(s.device)
+    try:
+        with autocast:
+            out = resolve(s, loc, {})
+    finally:
+        torch.set_grad_enabled(grad)
+        STATE.run = prev
+        s.again = again
     return out
 
 
@@ -114,7 +155,9 @@ def run_chain(s, owner: int) -> None:
         for loc in s.tpl.chain_reads.get(owner, ()):
             s.bound_uses[loc] -= 1
             if s.bound_uses[loc] <= 0:
-                s.bound.pop(loc, None)
+                x = s.bound.pop(loc, None)
+                if x is not None:     # (for a later backward: `live`)
+                    s.gone[loc] = weakref.ref(x)
     for loc, tid in chain_made(s, owner, local):
         t = local.get(loc)
         if t is not None:
@@ -158,7 +201,11 @@ def live(s, loc: tuple[int, int]):
     tensor itself, or the alias autograd holds of it; in a call that follows a template, the
     value its pack handed over."""
     if s.tpl is not None:
-        return s.bound.get(loc)
+        x = s.bound.get(loc)
+        if x is None and s.again:     # handed over, then let go of: autograd's, if it holds it
+            ref = s.gone.get(loc)
+            x = ref() if ref is not None else None
+        return x
     ref = s.records[loc[0]].outs[loc[1]]
     x = ref() if ref is not None else None
     if x is not None:
@@ -284,9 +331,13 @@ def resolve(s, loc: tuple[int, int], local: dict) -> torch.Tensor:
     k, j = loc
     rec = s.records[k]
     tid = s.tid_of.get(loc)
-    if tid is not None and tid in s.metas and tid in s.root_swap:
+    if tid is not None and tid in s.metas and tid in s.root_swap and (
+            not s.again or s.root_swap[tid].can_fetch()):
         out = local[loc] = view_of(s.root_swap[tid].fetch(), *s.metas[tid])
         return out
+    if s.again:       # made again after a first backward: from its arguments (an in-place
+        replay(s, k, local)       # write to a copy of what it wrote into)
+        return local[loc]
     if rec.alias:
         if rec.wfirst:
             src = rec.args[0]      # in place: its effect is already in the data

@@ -49,6 +49,9 @@ class CallState:
         "progress", "next_prefetch", "rerun_ops", "chain",
         # following a template: the pack counter, values handed over to chains
         "n", "i", "broken", "bound", "bound_version", "bound_uses",
+        # a later backward through a retained graph: values handed over, then let go of
+        # (weakly: autograd's, while it holds them); making values again (`backward.remake`)
+        "gone", "again",
         # the guard's count and what a keep-all run holds (`guard.py`)
         "guard", "followed", "saved_keys", "saved_bytes", "__weakref__")
 
@@ -73,6 +76,8 @@ class CallState:
         self.i, self.broken = 0, False
         self.bound: dict = {}                       # a followed call: loc -> handed-over value
         self.bound_version: dict = {}               # loc -> its version when handed over
+        self.gone: dict = {}                        # loc -> weak ref to a let-go handed-over value
+        self.again = False
         self.saved_keys, self.saved_bytes = Storages(), 0
         self.kept_alias: dict = {}                  # output loc -> weak ref to what it holds
         if tpl is None:

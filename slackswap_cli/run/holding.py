@@ -67,6 +67,13 @@ def swap(s, x: torch.Tensor, r, own: bool) -> SwappedRef:
         copy = swap_engine.offload(swap_engine.storage_as_bytes(x))
         sw = s.by_storage[key] = swap_engine.StorageCopy(ref, copy, x._version)
         s.swaps.append(sw)
+        host = swap_engine.HostCopy(copy)     # (held by the saved references alone)
+        sw.host = weakref.ref(host)
+    else:
+        host = sw.host()
+        if host is None:                      # (the references made so far are gone)
+            host = swap_engine.HostCopy(sw.handle)
+            sw.host = weakref.ref(host)
     if own:
         s.root_swap[r] = sw
         held = s.pinned.pop(r, None)      # the host copy serves a chain that reads it
@@ -74,7 +81,8 @@ def swap(s, x: torch.Tensor, r, own: bool) -> SwappedRef:
             s.guard.drop(key, storage_nbytes(held))
     sw.packs += 1
     s.packs[r] = s.packs.get(r, 0) + 1
-    return SwappedRef(r, sw, x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+    return SwappedRef(r, sw, host, x.dtype, tuple(x.shape), tuple(x.stride()),
+                      x.storage_offset())
 
 
 def guard_decision(s, x: torch.Tensor, loc, note, reserve: int, tracked: bool = True):

@@ -5,7 +5,8 @@
 - `TemplatePack`: one pack of a steady-state template (`templates.Template.seq`), what a later
   call checks and does at that pack;
 - `SwappedRef` and `RecomputedRef`: what autograd holds for a swapped or recomputed saved
-  tensor (the pack hook returns one, the unpack hook hands the tensor back, once);
+  tensor (the pack hook returns one, the unpack hook hands the tensor back: fetched or made
+  in the first backward, fetched or made again in a later one through a retained graph);
 - `SteadyRoute` and `NewShapeRoute`: the route a call takes (`inplace._Patched.forward`): a
   later call at a signature with a template, or the first call at new shapes following another
   shape's template;
@@ -58,18 +59,21 @@ class TemplatePack(NamedTuple):
 
 
 class SwappedRef:
-    """What autograd holds for a swapped saved tensor: the host copy of its storage (`copy`,
-    a `swap.StorageCopy`) and the view of it to hand back; `taken`: handed back already."""
-    __slots__ = ("taken", "root", "copy", "dtype", "shape", "stride", "offset")
+    """What autograd holds for a swapped saved tensor: the copy of its storage (`copy`, a
+    `swap.StorageCopy`), its host bytes (`host`, a `swap.HostCopy`: held here, so as long as
+    the graph may unpack it again) and the view of it to hand back; `taken`: handed back
+    already (a later unpack fetches `host` again)."""
+    __slots__ = ("taken", "root", "copy", "host", "dtype", "shape", "stride", "offset")
 
-    def __init__(self, root, copy, dtype, shape, stride, offset):
-        self.taken, self.root, self.copy = False, root, copy
+    def __init__(self, root, copy, host, dtype, shape, stride, offset):
+        self.taken, self.root, self.copy, self.host = False, root, copy, host
         self.dtype, self.shape, self.stride, self.offset = dtype, shape, stride, offset
 
 
 class RecomputedRef:
     """What autograd holds for a recomputed saved tensor: its `root` and record output `loc`,
-    resolved in backward once its chain ran; `taken`: handed back already."""
+    resolved in backward once its chain ran; `taken`: handed back already (a later unpack
+    makes it again: `backward.remake`)."""
     __slots__ = ("taken", "root", "loc")
 
     def __init__(self, root: int, loc: tuple):

@@ -47,6 +47,7 @@ from ..planning import plan_inputs, plan_profile
 from . import api
 from .excess import settle_stages
 from .pipe_stages import check_stage_count, is_pipe, pipe_stages
+from .split_backward import split_held_bytes
 
 __all__ = ["schedule_order", "held_microbatches", "plan_pipeline", "PlannedPipeline"]
 
@@ -219,20 +220,6 @@ def _not_a_fraction(budget) -> None:
                              hint="budget='2GiB' or a number of bytes, per rank")
 
 
-def _no_split_backward(schedule, order) -> None:
-    """Refuse a schedule that splits backward into its input half and its weight half (I
-    and W: ZBVZeroBubble, DualPipeV, InterleavedZeroBubble): the weight half is a second
-    backward through the saved tensors, which a patched stage handed to the first (the
-    runtime refuses it mid-step; measured on two gloo ranks)."""
-    if any(kind in ("I", "W") for steps in order.values() for kind, _, _ in steps):
-        name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__",
-                                                                   type(schedule).__name__)
-        raise InputError(f"{name} splits each backward into an input and a weight pass: "
-                         "the weight pass is a second backward through saved tensors that a "
-                         "patched stage swapped or recomputed for the first",
-                         hint="plan for GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
-
-
 def _stage_specs(stages, full, schedule, pp, ranks, inputs, loss_fn, target):
     """The stages as plan_pipeline plans them: given by hand, or read from a `pipeline()`
     pipe (the stages of the ranks planned)."""
@@ -274,7 +261,6 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
     (run/pipe_stages.py)."""
     _not_a_fraction(budget)
     order = schedule_order(schedule, pp, microbatches, stages_per_rank)
-    _no_split_backward(schedule, order)
     full = order
     if ranks is not None:
         unknown = sorted(set(ranks) - set(order))
@@ -303,7 +289,9 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
         profiles[index], traced[index] = prof, (joint, tr, loss_fn)
         pinned = _output_roots(prof, outputs[index])
         held = output_held(prof, pinned, sum(n for _, n in outputs[index]))
-        boundary[index] = boundary[index]._replace(pinned=pinned, held=held)
+        split = (split_held_bytes(module, inputs, loss_fn, index == 0, index == n_stages - 1)
+                 if any(k == "I" for steps in full.values() for k, _, _ in steps) else 0)
+        boundary[index] = boundary[index]._replace(pinned=pinned, held=held, split=split)
 
     def planner_fn(prof, budget_bytes):
         return plan_profile(prof, hw, budget_bytes, None, planner)[0]

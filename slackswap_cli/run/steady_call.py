@@ -93,16 +93,24 @@ class SteadyCall:
                 type(x.grad_fn) is not p.node and not same_node(type(x.grad_fn), p.node)):
             return self.differs(x)
         binds = p.binds
+        kind = p.action
+        kept = None
         if binds is not None:
             bound = s.bound
             for bloc, via_base in binds:
                 v = x._base if via_base else x
                 if v is None:
                     return self.differs(x)
-                bound[bloc] = v.detach()     # (an alias: see `holding.keep`)
+                if via_base or kind is not _KEEP:
+                    bound[bloc] = v.detach()     # (an alias: see `holding.keep`)
+                else:       # the very alias autograd holds (a later backward reads it weakly)
+                    if kept is None:
+                        kept = keep(s, x) if p.tracked else x.detach()
+                    bound[bloc] = kept
                 s.bound_version[bloc] = v._version
-        kind = p.action
         if kind is _KEEP:
+            if kept is not None:
+                return kept
             if p.tracked:
                 return keep(s, x)
             return x.detach()          # (never `x` itself: see `holding.keep`)

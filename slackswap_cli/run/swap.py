@@ -41,7 +41,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..trace.storage import storage_key, storage_nbytes
 
 __all__ = ["HostPool", "Handle", "StepStore", "offload", "prefetch", "wait", "host_pool",
-           "side_streams", "storage_as_bytes", "Storages", "StorageCopy"]
+           "side_streams", "storage_as_bytes", "Storages", "StorageCopy", "HostCopy",
+           "wait_kept"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,24 +148,71 @@ class Storages:
         return got
 
 
+class HostCopy:
+    """The host copy of one swapped storage, held by the saved references autograd holds
+    (`packs.SwappedRef.host`) and so kept as long as the graph can still unpack them: a
+    second backward through a retained graph (`backward(retain_graph=True)` twice, a split
+    backward's weight pass) fetches it again (`fetch`, a fresh device copy each time). The
+    buffer goes back to the pool when the last of them is gone (the graph freed, or each
+    node's saved tensors released by a backward without `retain_graph`), once fetched: a
+    copy never fetched (a graph dropped without backward) may still be read through its
+    `StorageCopy`, so its buffer is left to the collector rather than handed out again."""
+    __slots__ = ("handle", "fetched", "__weakref__")
+
+    def __init__(self, handle: Handle):
+        self.handle, self.fetched = handle, False
+
+    def fetch(self) -> torch.Tensor:
+        """A device copy of the host bytes (not kept: the caller holds it as long as it
+        needs it)."""
+        self.fetched = True
+        return wait_kept(self.handle)
+
+    def __del__(self):
+        h = self.handle
+        if self.fetched and h is not None and h.host is not None:
+            _HOST_POOL.put(h.host, h.h2d_done)
+            h.host = None
+
+
 class StorageCopy:
     """One storage copied to host memory: its copy (`handle`) until fetched back, then the
     device bytes (`dev`) while anything may still read them; `packs`: saved references to it
-    autograd has not taken yet."""
-    __slots__ = ("ref", "handle", "dev", "packs", "version")
+    autograd has not taken yet; `host`: a weak reference to its `HostCopy` (which the saved
+    references hold), to fetch it again after the first backward let go of it."""
+    __slots__ = ("ref", "handle", "dev", "packs", "version", "host")
 
     def __init__(self, ref, handle, version: int):
         self.ref, self.handle, self.dev, self.packs = ref, handle, None, 0
         self.version = version
+        self.host = None
 
     def fetch(self) -> torch.Tensor:
         if self.dev is None:
             if self.handle is None:
-                raise RuntimeError("slackswap: a swapped tensor was read after its last use; "
-                                   "this is a bug in slackswap, please report it")
-            self.dev = wait(self.handle)
+                return self.fetch_again()
+            self.dev = wait_kept(self.handle)
             self.handle = None
+            hc = self.host() if self.host is not None else None
+            if hc is not None:
+                hc.fetched = True
         return self.dev
+
+    def can_fetch(self) -> bool:
+        """Whether `fetch` can give the bytes: at hand, still on the host before the first
+        fetch, or after it while a saved reference holds the host copy."""
+        return (self.dev is not None or self.handle is not None
+                or (self.host is not None and self.host() is not None))
+
+    def fetch_again(self) -> torch.Tensor:
+        """After the first backward let go of the device bytes: a fresh device copy from the
+        host copy, while a saved reference still holds it (a graph retained for another
+        backward), not kept here."""
+        hc = self.host() if self.host is not None else None
+        if hc is None:
+            raise RuntimeError("slackswap: a swapped tensor was read after its last use; "
+                               "this is a bug in slackswap, please report it")
+        return hc.fetch()
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,6 +307,17 @@ def prefetch(handle: Handle) -> None:
                                   device=handle.device)
         dev.copy_(handle.host)
         handle.device_copy = dev
+
+
+def wait_kept(handle: Handle) -> torch.Tensor:
+    """The prefetched device tensor, once its copy is done (prefetches now if nobody did),
+    keeping the host buffer for another fetch (`HostCopy` gives it back to the pool)."""
+    prefetch(handle)
+    dev = handle.device_copy
+    if handle.h2d_done is not None:
+        torch.cuda.current_stream(handle.device).wait_event(handle.h2d_done)
+    handle.device_copy = None
+    return dev
 
 
 def wait(handle: Handle) -> torch.Tensor:
