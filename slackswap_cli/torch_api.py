@@ -146,7 +146,7 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "torch.distributed.pipelining.schedules._PipelineSchedule, "
                "_PipelineScheduleRuntime (sends waited at the step's end), _Action "
                "(computation_type, stage_index, microbatch_index, sub_actions)",
-               "run/pipeline.py", ("2.13",),
+               "run/pipeline.py", ("2.13", "2.14"),
                "plan_pipeline and schedule_order fail where missing: no fallback (the "
                "torch-free slackswap_cli.pipeline takes an order written by hand)"),
     # tensor parallelism: DTensor models traced and run on their local shards --------------
@@ -155,7 +155,7 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "completed, trigger_wait); Module._distribute_module_applied, "
                "Module._forward_pre_hooks, Module._forward_hooks (our body hooks put before "
                "the ones distribute_module added)",
-               "run/dtensor.py, trace/dtensor.py, run/memtrace.py", ("2.13",),
+               "run/dtensor.py, trace/dtensor.py, run/memtrace.py", _ALL,
                "a tensor parallel model's saved DTensors are not placed (the pack fails) and "
                "its TP hooks' ops do not line up: no fallback"),
     # compiled path: compile_planned, verify --compile, compare --with-torch-compile --------
