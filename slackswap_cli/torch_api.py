@@ -147,7 +147,7 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "torch.distributed.pipelining.schedules._PipelineSchedule, "
                "_PipelineScheduleRuntime (sends waited at the step's end), _Action "
                "(computation_type, stage_index, microbatch_index, sub_actions)",
-               "run/pipeline.py", ("2.13",),
+               "run/pipeline.py", ("2.13", "2.14"),
                "plan_pipeline and schedule_order fail where missing: no fallback (the "
                "torch-free slackswap_cli.pipeline takes an order written by hand)"),
     PrivateAPI("torch.distributed.pipelining._backward.stage_backward_input (returns the "
@@ -160,7 +160,7 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "completed, trigger_wait); Module._distribute_module_applied, "
                "Module._forward_pre_hooks, Module._forward_hooks (our body hooks put before "
                "the ones distribute_module added)",
-               "run/dtensor.py, trace/dtensor.py, run/memtrace.py", ("2.13",),
+               "run/dtensor.py, trace/dtensor.py, run/memtrace.py", _ALL,
                "a tensor parallel model's saved DTensors are not placed (the pack fails) and "
                "its TP hooks' ops do not line up: no fallback"),
     # compiled path: compile_planned, verify --compile, compare --with-torch-compile --------

@@ -155,6 +155,32 @@ def test_tensor_internals_are_in_this_torch():
     assert isinstance(x.untyped_storage()._cdata, int)
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+def test_pipeline_and_tensor_parallel_internals_are_in_this_torch():
+    """The PRIVATE_API rows of run/pipeline.py and the tensor parallel code, as they use them:
+    an `_Action`'s fields, the compute kinds `_steps` reads, the schedule classes,
+    `get_schedule_ops`' keyword, AsyncCollectiveTensor's slots and `distribute_module`'s mark."""
+    import inspect
+
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.pipelining import _schedule_visualizer, schedules
+    from torch.distributed.tensor import _api as dtensor_api
+    from torch.distributed.tensor import distribute_module
+
+    fields = schedules._Action._fields
+    assert {"stage_index", "computation_type", "microbatch_index", "sub_actions"} <= set(fields)
+    kinds = {c.value for c in schedules._ComputationType}
+    assert {"F", "B", "I", "W"} <= kinds, kinds
+    assert issubclass(schedules.ScheduleInterleaved1F1B, schedules._PipelineScheduleRuntime)
+    assert issubclass(schedules._PipelineScheduleRuntime, schedules._PipelineSchedule)
+    params = inspect.signature(_schedule_visualizer.get_schedule_ops).parameters
+    assert "num_stages_per_rank" in params
+    assert {"elem", "completed"} <= set(AsyncCollectiveTensor.__slots__)
+    assert hasattr(AsyncCollectiveTensor, "trigger_wait")
+    assert "r._local_tensor = local_tensor" in inspect.getsource(dtensor_api)
+    assert "_distribute_module_applied" in inspect.getsource(distribute_module)
+
+
 def test_the_design_doc_shows_every_row():
     text = (SRC.parent / "docs" / "torch_api.md").read_text()
     for a in torch_api.PRIVATE_API:

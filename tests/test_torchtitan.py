@@ -1,5 +1,6 @@
 """A real client on torch 2.15: torchtitan 0.3.0's Llama 3 model definition (tiny config, no
-weights, CPU), profiled with fake tensors, planned at half its activation peak and trained
+weights, CPU), profiled with fake tensors, planned at 0.35 of its activation peak (ops priced
+at 2 us a kernel, helpers.two_us_kernels, so that the plan recomputes as well as swaps) and trained
 three AdamW steps bitwise equal to eager with `patch(model)` and with
 `compile_planned(per_block=True)` (aot_eager), as the blocks of the Hugging Face Llama do
 in test_compiled.py.
@@ -29,6 +30,7 @@ from importlib import metadata
 
 import pytest
 import torch
+from helpers import two_us_kernels
 from workloads import HW, adamw_steps, plan_at, write_patched
 
 from slackswap_cli.run.compiled import totals
@@ -92,15 +94,18 @@ def workload(batch=2, seq=32):
 
 @pytest.fixture(scope="module")
 def titan(tmp_path_factory):
-    """The workload files (sdpa, flex), the sdpa model's profile and its plan at half the peak
+    """The workload files (sdpa, flex), the sdpa model's profile and its plan at 0.35 of the peak
     written as a patched module."""
     d = tmp_path_factory.mktemp("titan")
     paths = {}
     for attn in ("sdpa", "flex"):
         paths[attn] = d / f"titan_llama_{attn}.py"
         paths[attn].write_text(TITAN_LLAMA.replace("ATTENTION", attn))
-    prof = profile_workload(str(paths["sdpa"]), device="fake", hardware=HW)
-    plan = plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"])
+    with pytest.MonkeyPatch.context() as mp:   # module-scoped: priced as helpers says
+        two_us_kernels(mp)                      # (a plan that recomputes as well as swaps)
+        prof = profile_workload(str(paths["sdpa"]), device="fake", hardware=HW)
+        # 0.3-0.4 recompute in both blocks; 0.45 and above only keep and swap
+        plan = plan_at(prof, 0.35 * prof.summary["peak_activation_bytes"])
     mod = load_patched(str(write_patched(d, plan, prof, name="titan_patched.py")))
     return paths, prof, plan, mod
 
@@ -127,7 +132,7 @@ def test_the_plan_swaps_and_recomputes_across_both_blocks(titan):
 
 
 def test_patch_trains_torchtitan_llama_bitwise_like_eager(titan):
-    paths, prof, _, mod = titan
+    paths, _, _, mod = titan
     eager, work = _twin(paths["sdpa"])
     want = adamw_steps(eager.model, eager)
     assert mod.patch(work.model) is work.model
@@ -135,12 +140,9 @@ def test_patch_trains_torchtitan_llama_bitwise_like_eager(titan):
     assert _same(got, want), (got[0], want[0])
     rep = work.model.forward.__slackswap__.last_report
     assert rep["held_bytes"] <= rep["budget_bytes"] and rep["run_unmatched"] == 0, rep
-    # every op of the model lines up; the profile's ops outside it (the loss: view, clone,
-    # _unsafe_view, _log_softmax, nll_loss_forward, run by loss_fn after the patched forward
-    # returned) do not (151 of 156 on torch 2.15)
-    outside = sum(1 for o in prof.ops if o.phase == "forward" and o.module == ""
-                  and o.target != "aten.alias.default")
-    assert outside >= 4 and rep["lined_up"] == rep["expected"] - outside, (rep, outside)
+    # every op the runtime expects in the model's call lines up (the profile's ops outside
+    # it, the loss run by loss_fn after the patched forward returned, are not expected)
+    assert rep["lined_up"] == rep["expected"] > 0, rep
 
 
 def test_compile_planned_per_block_trains_torchtitan_llama_bitwise_like_eager(titan):
