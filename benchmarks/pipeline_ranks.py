@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from slackswap_testkit.pipeline_run import run, same  # noqa: E402
+from slackswap_testkit.pipeline_run import rank_records, run  # noqa: E402
 
 CASES = [("GPipe", 2, 4, 1, 300_000, "slackswap"), ("1F1B", 2, 4, 1, 200_000, "slackswap"),
          ("Interleaved1F1B", 2, 4, 2, 300_000, "slackswap"),
@@ -44,22 +44,9 @@ def _rows(case) -> list[dict]:
         started = time.perf_counter()
         ranks = run(schedule, world, n_mb, per_rank, budget, tmp, planner, family, link)
         wall = time.perf_counter() - started
-    out = []
-    for rank, res in enumerate(ranks):
-        row, plain, patched = res["row"], res["plain"], res["patched"]
-        keep_meas, plan_meas = max(plain["peaks"][1:]), max(patched["peaks"][1:])
-        out.append({"model": family, "schedule": schedule, "planner": planner, "ranks": world, "microbatches": n_mb,
-                    "stages_per_rank": per_rank, "link_bytes_per_s": link, "rank": rank, "stages": list(row["stages"]),
-                    "held_read": row["held"], "held_counted": patched["held"],
-                    "budget_bytes": budget, "keep_all_predicted": row["keep_all_peak_bytes"],
-                    "keep_all_measured": keep_meas,
-                    "planned_peak": row["planned_peak_bytes"], "planned_measured": plan_meas,
-                    "planned_error": round(plan_meas / row["planned_peak_bytes"] - 1, 4),
-                    "swapped_bytes": row["swapped_bytes"],
-                    "recomputed_bytes": row["recomputed_bytes"],
-                    "bitwise": same(plain, patched), "plan_s": round(res["plan_s"], 1),
-                    "wall_s": round(wall, 1)})
-    return out
+    return rank_records(ranks, wall, model=family, schedule=schedule, planner=planner,
+                        ranks=world, microbatches=n_mb, stages_per_rank=per_rank,
+                        link_bytes_per_s=link, budget_bytes=budget)
 
 
 def _markdown(rows: list[dict]) -> str:

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from slackswap_testkit.pipe_split_run import Case, run  # noqa: E402
-from slackswap_testkit.pipeline_run import same  # noqa: E402
+from slackswap_testkit.pipeline_run import rank_records  # noqa: E402
 
 CASES = [Case("GPipe", 2, 4, 1, 300_000, link=1e8),
          Case("1F1B", 2, 4, 1, 200_000, link=1e8),
@@ -41,24 +41,10 @@ def _rows(case: Case) -> list[dict]:
         started = time.perf_counter()
         ranks = run(case, tmp)
         wall = time.perf_counter() - started
-    out = []
-    for rank, res in enumerate(ranks):
-        row, plain, patched = res["row"], res["plain"], res["patched"]
-        keep_meas, plan_meas = max(plain["peaks"][1:]), max(patched["peaks"][1:])
-        out.append({"model": case.family, "schedule": case.schedule, "planner": case.planner,
-                    "link": case.link, "ranks": case.world, "microbatches": case.microbatches,
-                    "stages_per_rank": case.per_rank, "rank": rank,
-                    "stages": list(row["stages"]), "held_read": row["held"],
-                    "held_counted": patched["held"], "budget_bytes": case.budget,
-                    "keep_all_predicted": row["keep_all_peak_bytes"],
-                    "keep_all_measured": keep_meas,
-                    "planned_peak": row["planned_peak_bytes"], "planned_measured": plan_meas,
-                    "planned_error": round(plan_meas / row["planned_peak_bytes"] - 1, 4),
-                    "swapped_bytes": row["swapped_bytes"],
-                    "recomputed_bytes": row["recomputed_bytes"],
-                    "bitwise": same(plain, patched), "plan_s": round(res["plan_s"], 1),
-                    "wall_s": round(wall, 1)})
-    return out
+    return rank_records(ranks, wall, model=case.family, schedule=case.schedule,
+                        planner=case.planner, link=case.link, ranks=case.world,
+                        microbatches=case.microbatches, stages_per_rank=case.per_rank,
+                        budget_bytes=case.budget)
 
 
 def _link(link) -> str:

@@ -278,3 +278,25 @@ def same(a: dict, b: dict) -> bool:
     return (all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
             and all(torch.equal(x, y) for la, lb in zip(a["losses"], b["losses"])
                     for x, y in zip(la, lb)))
+
+
+def rank_records(ranks, wall: float, **case) -> list[dict]:
+    """One record per rank of a real-rank run (`run`'s result; `case`: the run's settings,
+    written first): microbatches held read and counted, keep-all and planned peaks predicted
+    and measured (steps 2 and 3: the first also allocates receive buffers), bytes swapped and
+    recomputed, whether it trained bitwise as unpatched."""
+    out = []
+    for rank, res in enumerate(ranks):
+        row, plain, patched = res["row"], res["plain"], res["patched"]
+        keep_meas, plan_meas = max(plain["peaks"][1:]), max(patched["peaks"][1:])
+        out.append({**case, "rank": rank, "stages": list(row["stages"]),
+                    "held_read": row["held"], "held_counted": patched["held"],
+                    "keep_all_predicted": row["keep_all_peak_bytes"],
+                    "keep_all_measured": keep_meas,
+                    "planned_peak": row["planned_peak_bytes"], "planned_measured": plan_meas,
+                    "planned_error": round(plan_meas / row["planned_peak_bytes"] - 1, 4),
+                    "swapped_bytes": row["swapped_bytes"],
+                    "recomputed_bytes": row["recomputed_bytes"],
+                    "bitwise": same(plain, patched), "plan_s": round(res["plan_s"], 1),
+                    "wall_s": round(wall, 1)})
+    return out
