@@ -3,7 +3,7 @@ does it train like eager? (CPU).
 
 For tiny GPT (dropout on), HF GPT-2 (dropout on), Llama and the BatchNorm CNN, profiled with
 fake tensors and planned by slackswap at 0.3/0.5/0.7 of the keep-all peak, `verify --compile`
-(`run/verify_compiled.py`, 3 AdamW steps against eager) with backend aot_eager at every
+(`run/verify/compiled.py`, 3 AdamW steps against eager) with backend aot_eager at every
 budget and inductor at the budgets given by --inductor. Writes
 benchmarks/results/compiled_check.json and .md: the compiled graphs beside the whole plan
 (the plan's bytes as the graphs hold them: `verify_compiled`'s docstring).
@@ -98,7 +98,7 @@ def main() -> None:
     from workloads import ROOT as TROOT
 
     from slackswap_cli.run.emit import apply_plan
-    from slackswap_cli.run.verify_compiled import verify_compiled
+    from slackswap_cli.run.verify.compiled import verify_compiled
     from slackswap_cli.trace import profile_workload
     tmp = Path(tempfile.mkdtemp())
     rows = []
@@ -129,7 +129,7 @@ def write_md(rows: list[dict], path: str) -> None:
     lines = ["# compile_planned: the compiled graphs against the whole plan (CPU, 3 AdamW steps)",
              "", "`python benchmarks/compiled_check.py --inductor 0.5`. Profiles `--device fake`, "
              "plans by slackswap at 0.3/0.5/0.7 of the keep-all peak, `verify --compile` "
-             "(run/verify_compiled.py). Bytes: saved for backward on the device and offloaded, "
+             "(run/verify/compiled.py). Bytes: saved for backward on the device and offloaded, "
              "beside the plan's kept and swapped bytes, whole and as the graphs hold them "
              "(\"in graph\": bool dropout masks for the profile's float noise (resized roots), "
              "roots of CSE-merged ops (merged roots) and roots only a recompute chain's ops "

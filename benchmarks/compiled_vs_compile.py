@@ -41,7 +41,7 @@ def _plain(xs, ys) -> float:
 
 
 def _measure(a: dict, b: dict, kind: str) -> dict:
-    from slackswap_cli.run.verify_compiled import scaled_diff
+    from slackswap_cli.run.verify.compiled import scaled_diff
     value, at = scaled_diff(a[kind], b[kind])
     return {"scaled": value, "at": None if at is None or not value else a[kind + "_names"][at],
             "plain": _plain(a[kind], b[kind])}

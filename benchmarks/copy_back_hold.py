@@ -6,7 +6,7 @@ runtime's rule before: every swapped tensor fetched as backward begins).
 The tiny GPT of examples/tiny_gpt.py (dropout off), profiled fake:cpu and planned by slackswap
 at the fitted op costs (KiB-sized ops at ~10 us a kernel: the plans swap what they do not
 keep, and recompute little), patched in place, one training step measured op by op with
-`run/memtrace.py` (activation storages; the swap engine's host buffers and the parameters'
+`run/verify/memtrace.py` (activation storages; the swap engine's host buffers and the parameters'
 gradients left out), after a first call that records the plan. Per budget: the plan's
 keep/swap/recompute counts, its predicted peak, and the measured forward and backward peaks
 of each variant; the eager step's for scale.
@@ -42,7 +42,7 @@ def row(budget: float) -> dict:
     import slackswap_cli as slackswap
     from slackswap_cli.chains import runtime_table
     from slackswap_cli.run.api import Plan
-    from slackswap_cli.run.memtrace import step_peaks
+    from slackswap_cli.run.verify.memtrace import step_peaks
     from slackswap_cli.trace.aten import is_inplace_target
     model, inputs = _tiny_gpt()
     eager = copy.deepcopy(model)
@@ -65,7 +65,7 @@ def markdown(rows: list[dict]) -> str:
     lines = ["# Plain `patch`: bytes held through backward on swap-heavy plans", "",
              "`python benchmarks/copy_back_hold.py`: the tiny GPT of examples/tiny_gpt.py "
              "(dropout off), fake:cpu profile, fitted op costs, slackswap's plan, patched in "
-             "place; activation bytes measured op by op (run/memtrace.py) in the second patched "
+             "place; activation bytes measured op by op (run/verify/memtrace.py) in the second patched "
              "step. pinned: copy backs issued where the plan's schedule issued them (the "
              "runtime's rule, chains.copy_back_pins); unpinned: every swapped tensor fetched as "
              "backward begins (the rule before).", "",

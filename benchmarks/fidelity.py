@@ -4,7 +4,7 @@ For each model (small configurations of the shipped examples: our tiny GPT, Hugg
 BERT and Llama, and a BatchNorm CNN) and each budget, this profiles the step with fake tensors
 on the `a100-pcie4` roofline, plans it with `slackswap`, applies the plan, and runs
 `verify` (CPU here, CUDA where present), which measures activation memory op by op
-(`run/memtrace.py`) and aligns it with the simulator's timeline. Per row:
+(`run/verify/memtrace.py`) and aligns it with the simulator's timeline. Per row:
 
 - `predicted_peak_bytes`: the plan's own prediction (its hardware, copies taking PCIe time);
 - `predicted_device_peak_bytes`: the same decisions re-simulated with copies as this device
@@ -71,7 +71,7 @@ HW = PRESETS["a100-pcie4"]
 
 
 def run_one(name: str, fraction: float, prof, tmp: Path, device: str) -> dict:
-    from slackswap_cli.run.verify import verify
+    from slackswap_cli.run.verify.verify import verify
     path, _ = MODELS[name]
     peak = prof.summary["peak_activation_bytes"]
     budget = int(peak * fraction)
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
                                                      option=orjson.OPT_INDENT_2))
     md = (f"# Memory fidelity: simulator vs measured ({device}, torch {torch.__version__})\n\n"
           "Activation memory = live activation storages (views once; parameters, inputs, "
-          "buffers, gradients out), measured op by op with `slackswap_cli/run/memtrace.py`. "
+          "buffers, gradients out), measured op by op with `slackswap_cli/run/verify/memtrace.py`. "
           "`predicted (device copies)` re-simulates the plan with copies as this device makes "
           "them (CPU: synchronous), the like-for-like figure; `predicted (plan)` is the plan's "
           "own (copies over a100-pcie4 PCIe). `ops re-run`: "

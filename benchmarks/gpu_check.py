@@ -58,8 +58,8 @@ import torch  # noqa: E402
 from slackswap_cli.hardware import PRESETS  # noqa: E402
 from slackswap_cli.planners import make_plan  # noqa: E402
 from slackswap_cli.run.emit import apply_plan  # noqa: E402
-from slackswap_cli.run.verify import verify  # noqa: E402
-from slackswap_cli.run.verify_memory import saved_bytes_original  # noqa: E402
+from slackswap_cli.run.verify.memory import saved_bytes_original  # noqa: E402
+from slackswap_cli.run.verify.verify import verify  # noqa: E402
 from slackswap_cli.trace import profile_workload  # noqa: E402
 from slackswap_cli.trace.joint import loss_from_output, split_inputs  # noqa: E402
 from slackswap_cli.trace.workload import load_workload  # noqa: E402
@@ -431,8 +431,8 @@ def run_compile_planned(prof, hw, args: dict, fractions: list[float], cuda: bool
     """`compile_planned(model)` (the plan inside torch.compile; inductor on CUDA, aot_eager in
     the dry run: inductor on a CPU compiles for minutes) at each budget: predicted vs measured
     peak and step time, losses against eager, and what the compiled graphs save, offload and
-    recompute (run/compiled.py's reports)."""
-    from slackswap_cli.run.compiled import totals
+    recompute (run/compiled/backend.py's reports)."""
+    from slackswap_cli.run.compiled.backend import totals
     from slackswap_cli.run.emit import load_patched
     device = "cuda" if cuda else None
     backend = "inductor" if cuda else "aot_eager"

@@ -182,9 +182,9 @@ def _capture_work(work) -> dict:
     and back, each tagged with where it ran: the index of the saved-tensor pack (host copy) or
     unpack (chain call, copy back) of that step; and every pack's and unpack's shape, so the
     in-place reference can check that its eager step packs and unpacks the same tensors."""
-    import slackswap_cli.run.backward as rec_mod
+    import slackswap_cli.run.eager.backward as rec_mod
     import slackswap_cli.run.swap as rt
-    from slackswap_cli.run.steady_call import SteadyCall
+    from slackswap_cli.run.eager.steady_call import SteadyCall
     strided = rec_mod._as_strided
     state = work.model.forward.__slackswap__
     tpl = next(t for t in state.templates.by_sig.values() if hasattr(t, "records"))

@@ -1,7 +1,7 @@
 """Does plain `plan_model` + `patch` meet its budget when the step is measured? Before: the
 plan as the simulator judges it (`measure=False`); after: `plan_model`'s default on a real
 trace, which runs the plan once on the model and plans again below the budget by what eager
-held beyond the simulator where the measured step does not fit (run/excess.py).
+held beyond the simulator where the measured step does not fit (run/verify/excess.py).
 
 Models: the tiny GPT of examples/tiny_gpt.py (dropout off; the plans swap what they do not
 keep at the fitted op costs), and three of the zoo's (benchmarks/zoo_models.py: dropout on):
@@ -9,7 +9,7 @@ Hugging Face Llama (causal-lm/llama) and two timm models (deit_tiny_patch16_224,
 resnetv2_18). Each is profiled on the CPU (`device="cpu"`, op times measured here) at each
 budget and planned by slackswap. Per plan: keep/swap/recompute counts, its predicted peak,
 and the forward and backward activation peaks of its second patched step on a deep copy of
-the model, measured op by op here (run/memtrace.py: activation storages; gradients and the
+the model, measured op by op here (run/verify/memtrace.py: activation storages; gradients and the
 swap engine's host buffers left out), apart from plan_model's own measurement; with the
 after-plan, what plan_model measured (its first plan's measured peak, rounds) and the CPU
 seconds each plan_model call took.
@@ -54,10 +54,10 @@ def _build(name: str):
 
 
 def peaks(model, inputs, loss_fn) -> tuple[int, int]:
-    """(forward, backward) activation peaks of one training step (run/memtrace.py), the
+    """(forward, backward) activation peaks of one training step (run/verify/memtrace.py), the
     parameters' gradients and the swap engine's host buffers left out."""
     from slackswap_cli.run import swap
-    from slackswap_cli.run.memtrace import SKIP, MemTracker, caller_line
+    from slackswap_cli.run.verify.memtrace import SKIP, MemTracker, caller_line
     from slackswap_cli.trace.joint import loss_from_output, split_inputs
     tracker = MemTracker(caller_line({swap.HostPool.get.__code__: SKIP}, outside=None))
     a, kw = split_inputs(inputs)
@@ -118,7 +118,7 @@ def markdown(rows: list[dict], device: str) -> str:
              "plan_model's default (the plan run once on the model, planned again below the "
              "budget by the measured excess where the step does not fit). Peaks: activation "
              "bytes of the second patched step of a deep copy, measured op by op "
-             "(run/memtrace.py), apart from plan_model's own measurement. peak / budget: the "
+             "(run/verify/memtrace.py), apart from plan_model's own measurement. peak / budget: the "
              "larger of the forward and backward peaks over the budget. first measured: what "
              "plan_model measured of its first plan; rounds: plans it measured; measuring s: "
              "its wall seconds measuring and planning again (each round two patched steps, "

@@ -32,11 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 from slackswap_cli.errors import InfeasibleError  # noqa: E402
 from slackswap_cli.hardware import load_hardware  # noqa: E402
-from slackswap_cli.pipeline import plan_stages, rank_peak, stage_cost  # noqa: E402
-from slackswap_cli.pipeline_copies import judge  # noqa: E402
-from slackswap_cli.pipeline_orders import order  # noqa: E402
-from slackswap_cli.pipeline_step import SENDS_OF, boundary_of  # noqa: E402
-from slackswap_cli.pipeline_windows import Windows  # noqa: E402
+from slackswap_cli.pipeline.copies import judge  # noqa: E402
+from slackswap_cli.pipeline.orders import order  # noqa: E402
+from slackswap_cli.pipeline.stages import plan_stages, rank_peak, stage_cost  # noqa: E402
+from slackswap_cli.pipeline.step import SENDS_OF, boundary_of  # noqa: E402
+from slackswap_cli.pipeline.windows import Windows  # noqa: E402
 from slackswap_cli.planning import plan_profile  # noqa: E402
 from slackswap_cli.schema import load_profile  # noqa: E402
 from slackswap_testkit.synthetic import chain_profile  # noqa: E402

@@ -268,7 +268,7 @@ def write_markdown(out: Path, rows: list[dict], padding: list[dict]) -> None:
           "they took, one fake trace each, counted in their cost; later, the second call at "
           "a length, on the plan borrowed from another length. 'new_shape' is the first call "
           "at a new length after a recorded call: another length's template followed without "
-          "a trace (`slackswap_cli/run/new_shape.py`; right after a plan was made again, the "
+          "a trace (`slackswap_cli/run/eager/new_shape.py`; right after a plan was made again, the "
           "template of the call recorded on the plan before it, whose alignment it reports); "
           "'steady' the calls after. held/budget: "
           "bytes held for backward after forward against the budget at that length (the "

@@ -8,7 +8,7 @@ bytes the runtime counted held for backward at the end of forward (its guard's c
 shards) against the budget, the swapped and recomputed bytes the plan predicts, and whether the
 patched run trained bit for bit as plain TP. Measured peaks are those of steps 2 and 3 (the
 first step also records the forward and fills the swap engine's host pool), activation bytes
-as run/memtrace.py counts them (live storages, gradients of parameters taken off).
+as run/verify/memtrace.py counts them (live storages, gradients of parameters taken off).
 
 Each swapped tensor's copy back is issued at the backward op the simulator issued it at
 (`chains.copy_back_pins`, the runtime's rule for every patched model). A row "none" is

@@ -115,7 +115,7 @@ def flash_cpu_expensive():
 
 
 def _forward_names(gm) -> set[str]:
-    from slackswap_cli.run.compiled import _split
+    from slackswap_cli.run.compiled.backend import _split
     return {n.name for n in _split(gm)[0]}
 
 
@@ -124,7 +124,7 @@ def read_partition(forward: set[str], fw, bw, num_fwd_outputs: int) -> dict:
     offloaded bytes counted too) and the forward ops backward re-runs (views out), by op."""
     import torch
 
-    from slackswap_cli.run.compiled import GraphReport, _is_view, _measure_saved
+    from slackswap_cli.run.compiled.backend import GraphReport, _is_view, _measure_saved
     rep = GraphReport(graph_ops=0, lined_up_ops=0)
     primal = {v.untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
               if isinstance(v := n.meta.get("val"), torch.Tensor)}

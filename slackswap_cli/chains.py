@@ -2,7 +2,7 @@
 
 This module is the one owner of that question. The simulator (`simulate`) lays its compute
 tasks out with `lay_out`, the planners (`planners.common`) cost each candidate with
-`candidate_chain`, and `run/step_code.py`'s `partition` writes the patched module's backward
+`candidate_chain`, and `run/written/code.py`'s `partition` writes the patched module's backward
 from the same `Layout`, so what runs is what was simulated. Torch-free.
 
 Everything here works on storage *roots* (`Tables`): a view or an in-place result is read
@@ -384,7 +384,7 @@ def copy_back_pins(decisions, schedule=()) -> dict[int, int]:
     """Swapped root -> the backward op from which its copy back may be issued: where the
     plan's schedule issued it (the simulator issues a prefetch as late as memory needs), else
     the decision's own `prefetch_at`. The emitted step takes the same rule
-    (`run/step_code.py`); a swap with neither is fetched as backward begins, every one of
+    (`run/written/code.py`); a swap with neither is fetched as backward begins, every one of
     them at once, which holds all swapped bytes through the start of backward."""
     pins = {d.tensor: d.prefetch_at for d in decisions
             if d.action == Action.SWAP and d.prefetch_at is not None}
@@ -396,7 +396,7 @@ def copy_back_pins(decisions, schedule=()) -> dict[int, int]:
 
 def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool],
                   schedule=()) -> dict:
-    """The plan as the in-place runtime (`run/first_call.py`) carries it out, in plain Python
+    """The plan as the in-place runtime (`run/eager/first_call.py`) carries it out, in plain Python
     values and `OpRow`s.
 
     - `ops`: the forward ops in order, each a `table_rows.OpRow` (the runtime aligns the ops
@@ -421,7 +421,7 @@ def runtime_table(prof, decisions, writes_in_place: Callable[[str], bool],
     - `keep_after`: per forward op, the bytes of kept saved roots it and later ops produce;
     - `saved_by_shape`: `[shape, bytes]` of the saved roots, summed per shape (what a keep-all
       run saves at the profiled shapes: a plan borrowed at other shapes before any call ran
-      scales it, `run/inplace.py`).
+      scales it, `run/eager/inplace.py`).
     """
     tab = tables(prof)
     action = action_codes(tab, decisions)

@@ -1,6 +1,6 @@
 """What `compile_planned` cannot offload, known from the profile before a plan is made.
 
-`compile_planned` (run/compiled.py) offloads a swapped root with torch's own insertion pass
+`compile_planned` (run/compiled/backend.py) offloads a swapped root with torch's own insertion pass
 (`torch._functorch._activation_offloading`): a `device_put` to the host placed after the
 value's last forward use in the *forward graph that computes it*, and one back before its first
 use in the backward graph. torch's `can_offload` takes only values its forward graph computes
@@ -23,7 +23,7 @@ So these kinds of saved value are not offloaded whatever the plan says:
   them outside every block).
 
 Everything else a whole-model `compile_planned` offloads (a decomposed reader's own values are
-re-derived from the root or offloaded in its place: run/compiled_derived.py).
+re-derived from the root or offloaded in its place: run/compiled/derived.py).
 
 `plan --for-compile model|per-block` (`plan_model(..., for_compile=...)`) hands these roots to
 the planner as `no_swap` (a `StaticSettings` option): it treats them as keep-or-recompute, and

@@ -5,7 +5,7 @@ it (a library branching otherwise in eager than under fake tensors, another rout
 the trace does not have) saves tensors the plan does not name, and recomputes it cannot
 carry out (an op its chain needs did not line up). Eager would keep them all; on a GPU that
 is the out-of-memory error the plan exists to prevent. The guard's rule, one for the runtime
-(`run/holding.py`, pack by pack) and for the simulator (`guarded_decisions`):
+(`run/eager/holding.py`, pack by pack) and for the simulator (`guarded_decisions`):
 
 - the bytes held for backward are counted in forward order: every saved storage kept (by
   the plan or by the guard) counts once, from the moment autograd saves it; swapped and
@@ -23,14 +23,14 @@ was saved, except roots the profile knows are written later (`last_write`), whic
 runtime keeps and counts.
 
 At input shapes the plan was not made for, the first call follows the plan of a call at
-other shapes (`run/new_shape.py`) and the guard holds it to the budget at these shapes: the
+other shapes (`run/eager/new_shape.py`) and the guard holds it to the budget at these shapes: the
 plan's fraction of what a keep-all run holds at them, which `Scale` predicts pack by pack
 before the call has seen it all. The run's first call, when it is at such shapes, has no call
 to follow: it is recorded on the profiled plan, the guard's limit guessed with `Scale` from
 the saved bytes the profile names per shape, then settled by the call
-(`run/signatures.py`, `first_guess`).
+(`run/eager/signatures.py`, `first_guess`).
 
-This module is the torch-free core's; `run/holding.py` applies it on the torch side (`guard_decision`).
+This module is the torch-free core's; `run/eager/holding.py` applies it on the torch side (`guard_decision`).
 """
 from __future__ import annotations
 

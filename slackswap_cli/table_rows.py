@@ -17,7 +17,7 @@ __all__ = ["OpRow", "GraphRow"]
 
 
 class OpRow(NamedTuple):
-    """One forward op as the in-place runtime lines the model's ops up with it (run/first_call.py).
+    """One forward op as the in-place runtime lines the model's ops up with it (run/eager/first_call.py).
 
     `shapes`: each output's shape; `outputs`: the profile's tensor ids of its outputs (in the
     same order); `reads_act`: whether it reads an activation (a value computed from the
@@ -32,7 +32,7 @@ class OpRow(NamedTuple):
 
 
 class GraphRow(NamedTuple):
-    """One forward op as a graph runtime tags it (run/compiled.py, run/sac.py).
+    """One forward op as a graph runtime tags it (run/compiled/backend.py, run/compiled/sac.py).
 
     `results`: `[shape, dtype]` of each tensor result; `tags[i]`: what the plan does with
     result i ("recompute", "save", "offload" or None: left to torch); `input_shapes`: the

@@ -90,13 +90,13 @@ _ALL = TESTED_TORCH
 PRIVATE_API: tuple[PrivateAPI, ...] = (
     # eager recorder and runtime -----------------------------------------------------------
     PrivateAPI("torch.utils._python_dispatch.TorchDispatchMode",
-               "run/first_call.py, run/branches.py, run/memtrace.py", _ALL,
+               "run/eager/first_call.py, run/eager/branches.py, run/verify/memtrace.py", _ALL,
                "the eager runtime (patch, verify) cannot run: no fallback"),
     PrivateAPI("torch.utils._pytree (tree_map, tree_leaves, tree_flatten)",
                "run/*, trace/*", _ALL, "none (stable in practice since 2.0)"),
     PrivateAPI("Tensor._version, Tensor._base",
-               "run/first_call.py, run/holding.py, run/backward.py, run/steady_call.py, "
-               "run/excess.py", _ALL,
+               "run/eager/first_call.py, run/eager/holding.py, run/eager/backward.py, run/eager/steady_call.py, "
+               "run/verify/excess.py", _ALL,
                "the runtime cannot tell in-place writes and views apart: no fallback"),
     PrivateAPI("UntypedStorage._cdata", "trace/storage.py", _ALL,
                "none: the identity of a fake tensor's storage"),
@@ -104,8 +104,8 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch._subclasses.fake_tensor (FakeTensorMode, FakeTensor, "
                "unset_fake_temporarily, DataDependentOutputException, "
                "DynamicOutputShapeException; FakeTensor also as torch._subclasses.FakeTensor)",
-               "trace/*, run/api.py, run/step.py, run/replan.py, run/branches.py, "
-               "run/step_code.py", _ALL,
+               "trace/*, run/api.py, run/written/step.py, run/eager/replan.py, run/eager/branches.py, "
+               "run/written/code.py", _ALL,
                "no fallback: profiling, replanning and patch(model) need fake tensors"),
     PrivateAPI("torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT, "
                "FakeTensorMode.fake_tensor_converter",
@@ -133,7 +133,7 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "process-wide while a fake model is built, restored in a finally)",
                "trace/fake_build.py", _ALL,
                "public names: replaced and restored on every version"),
-    PrivateAPI("torch._ops.OpOverload", "run/step_code.py, trace/graph_profile.py", _ALL,
+    PrivateAPI("torch._ops.OpOverload", "run/written/code.py, trace/graph_profile.py", _ALL,
                "none (isinstance checks on FX node targets)"),
     PrivateAPI("logger names torch._subclasses.fake_tensor, "
                "torch.fx.experimental.proxy_tensor, torch.fx.experimental.symbolic_shapes",
@@ -147,12 +147,12 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "torch.distributed.pipelining.schedules._PipelineSchedule, "
                "_PipelineScheduleRuntime (sends waited at the step's end), _Action "
                "(computation_type, stage_index, microbatch_index, sub_actions)",
-               "run/pipeline.py", ("2.13", "2.14"),
+               "run/parallel/pipeline.py", ("2.13", "2.14"),
                "plan_pipeline and schedule_order fail where missing: no fallback (the "
-               "torch-free slackswap_cli.pipeline takes an order written by hand)"),
+               "torch-free slackswap_cli.pipeline.stages takes an order written by hand)"),
     PrivateAPI("torch.distributed.pipelining._backward.stage_backward_input (returns the "
                "parameter groups: 'grads' captured at their 'intermediates')",
-               "run/split_backward.py", ("2.13",),
+               "run/parallel/split_backward.py", ("2.13",),
                "plan_pipeline fails for a split-backward schedule where missing: no fallback"),
     # tensor parallelism: DTensor models traced and run on their local shards --------------
     PrivateAPI("DTensor._local_tensor (the local shard, the very tensor its op made); "
@@ -160,41 +160,41 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "completed, trigger_wait); Module._distribute_module_applied, "
                "Module._forward_pre_hooks, Module._forward_hooks (our body hooks put before "
                "the ones distribute_module added)",
-               "run/dtensor.py, trace/dtensor.py, run/memtrace.py", _ALL,
+               "run/parallel/dtensor.py, trace/dtensor.py, run/verify/memtrace.py", _ALL,
                "a tensor parallel model's saved DTensors are not placed (the pack fails) and "
                "its TP hooks' ops do not line up: no fallback"),
     # compiled path: compile_planned, verify --compile, compare --with-torch-compile --------
     PrivateAPI("torch._functorch.partitioners.min_cut_rematerialization_partition, "
-               "get_default_op_list", "run/compiled.py, trace/torch_choice.py", _ALL,
+               "get_default_op_list", "run/compiled/backend.py, trace/torch_choice.py", _ALL,
                "refused by version (PARTS['compile'], PARTS['torch_choice'])"),
     PrivateAPI("torch._functorch.partitioners._extract_fwd_bwd_modules (2nd argument: "
                "saved_values)", "trace/torch_choice.py", _ALL,
                "refused by version (PARTS['torch_choice'])"),
     PrivateAPI("torch._functorch.partitioners._extract_fwd_bwd_outputs",
-               "run/compiled.py (the CSE key of 2.14 and 2.15 only)", ("2.14", "2.15"),
+               "run/compiled/backend.py (the CSE key of 2.14 and 2.15 only)", ("2.14", "2.15"),
                "used where fx_graph_cse takes extra_node_key (2.14, 2.15); not on 2.13"),
     PrivateAPI("torch._functorch.compile_utils.fx_graph_cse (extra_node_key= on 2.14, 2.15)",
-               "run/compiled.py", _ALL, "refused by version (PARTS['compile'])"),
+               "run/compiled/backend.py", _ALL, "refused by version (PARTS['compile'])"),
     PrivateAPI("torch._functorch.config (cse, activation_memory_budget, patch)",
-               "run/compiled.py, trace/torch_choice.py", _ALL, "refused by version"),
+               "run/compiled/backend.py, trace/torch_choice.py", _ALL, "refused by version"),
     PrivateAPI("torch._functorch._activation_offloading.activation_offloading "
                "(offload_chosen_sets[_async], activation_offload_sink_wait_async, "
                "activation_reload_prefetch_async, CPU_OFFLOAD_PREFIX)",
-               "run/compiled.py", _ALL, "refused by version (PARTS['compile'])"),
+               "run/compiled/backend.py", _ALL, "refused by version (PARTS['compile'])"),
     PrivateAPI("node.meta keys recompute (CheckpointPolicy), should_offload, "
-               "saved_for_offloading, original_aten, from_node, val", "run/compiled.py", _ALL,
+               "saved_for_offloading, original_aten, from_node, val", "run/compiled/backend.py", _ALL,
                "refused by version (PARTS['compile'])"),
-    PrivateAPI("torch._guards.CompileContext.current_compile_id", "run/compiled.py", _ALL,
+    PrivateAPI("torch._guards.CompileContext.current_compile_id", "run/compiled/backend.py", _ALL,
                "refused by version (PARTS['compile']): the graph reports' compile ids"),
     PrivateAPI("torch._dynamo.backends.common.aot_autograd, "
-               "torch._dynamo.backends.debugging.boxed_nop", "run/compiled.py", _ALL,
+               "torch._dynamo.backends.debugging.boxed_nop", "run/compiled/backend.py", _ALL,
                "refused by version (PARTS['compile'])"),
     PrivateAPI("torch._inductor.custom_graph_pass.CustomPartitionerFn, inductor options "
-               "custom_partitioner_fn, fx_graph_cache", "run/compiled.py", _ALL,
+               "custom_partitioner_fn, fx_graph_cache", "run/compiled/backend.py", _ALL,
                "refused by version (PARTS['compile'])"),
     PrivateAPI("SymInt.node (torch.fx.experimental.sym_node.SymNode: .expr, the sympy size "
                "expression; .hint)",
-               "run/sym_sizes.py", _ALL,
+               "run/compiled/sym_sizes.py", _ALL,
                "refused by version (PARTS['compile']): a graph with symbolic sizes is read "
                "without guards through them"),
 )

@@ -156,7 +156,7 @@ def _train(label, planned, mine, case: Case, ids, tgt):
 
 
 def _plan(case: Case, rank: int, ids, tgt):
-    from slackswap_cli.run.pipeline import plan_pipeline
+    from slackswap_cli.run.parallel.pipeline import plan_pipeline
     costs = small_model_costs() if case.device.startswith("fake") else contextlib.nullcontext()
     pipe = make_pipe(case.family, case.world * case.per_rank, ids[:MB], case.layers)
     with costs:

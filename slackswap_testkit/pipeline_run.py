@@ -3,7 +3,7 @@ and run by one of torch's schedules on CPU ranks (gloo): the patched stages agai
 and each rank's activation memory measured against its planned peak. tests/test_pipeline.py
 and benchmarks/pipeline_ranks.py run it.
 
-Memory is measured as the profile counts it (run/memtrace.py: live activation storages), with
+Memory is measured as the profile counts it (run/verify/memtrace.py: live activation storages), with
 the parameters' gradients taken off as autograd makes them (a hook on each parameter marks the
 storage it is handed). The schedules run with `return_outputs=False`: a last stage asked for
 its outputs keeps every microbatch's until the step ends.
@@ -156,7 +156,7 @@ def _counting(stage, live: set, peak: list) -> None:
 
 def _measured_step(sched, mods, args, target, losses) -> int:
     """One schedule step under the memory tracker; its peak of live activation bytes."""
-    from slackswap_cli.run.memtrace import MemTracker
+    from slackswap_cli.run.verify.memtrace import MemTracker
     from slackswap_cli.trace.storage import storage_object_key
     tracker = MemTracker()
 
@@ -224,7 +224,7 @@ def worker(rank, world, port, schedule, n_mb, per_rank, budget, out_dir, planner
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from slackswap_cli.run.pipeline import plan_pipeline
+        from slackswap_cli.run.parallel.pipeline import plan_pipeline
         n_stages = world * per_rank
         mine = stages_of(schedule, rank, world, per_rank)
         torch.manual_seed(7)

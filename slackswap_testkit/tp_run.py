@@ -10,7 +10,7 @@ SequenceParallel norms: activations between the layers sharded on the sequence) 
 LlamaForCausalLM, its decoder layers parallelised the same way; its loss is its own). Every
 rank of a TP group gets the same batch; the loss is the mean square of the output.
 
-Memory is measured as the profile counts it (run/memtrace.py: live activation storages, the
+Memory is measured as the profile counts it (run/verify/memtrace.py: live activation storages, the
 parameters' gradients taken off as autograd makes them), during one training step.
 """
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _sharded(model: Model, mesh) -> None:
 def _not_fsdp2():
     """The memory tracker's `locate`: a call FSDP2 makes (its all-gathered parameters, its
     reduce-scatter buffers) is not activation memory."""
-    from slackswap_cli.run.memtrace import SKIP
+    from slackswap_cli.run.verify.memtrace import SKIP
     f = sys._getframe(2)
     while f is not None:
         if "/distributed/fsdp/" in f.f_code.co_filename:
@@ -187,7 +187,7 @@ def _not_fsdp2():
 def _measured(model, x) -> tuple[torch.Tensor, int]:
     """One forward and backward under the memory tracker: (loss, peak live activation
     bytes), the parameters' gradients and FSDP2's own buffers not counted."""
-    from slackswap_cli.run.memtrace import MemTracker
+    from slackswap_cli.run.verify.memtrace import MemTracker
     from slackswap_cli.trace.storage import storage_object_key
     tracker = MemTracker(locate=_not_fsdp2)
 

@@ -56,7 +56,7 @@ def test_planning_leaves_the_model_rng_and_disk_as_they_were(tmp_path, monkeypat
         assert plan.feasible and plan.budget_bytes == plan.profile.keep_all_peak_bytes // 2
     assert plan.profile.env["device"] == "cpu" and plan.profile.summary["time_source"] == "measured"
     assert list(tmp_path.iterdir()) == []
-    from slackswap_cli.run.inplace import is_patched
+    from slackswap_cli.run.eager.inplace import is_patched
     assert not is_patched(work.model)
 
 
@@ -106,7 +106,7 @@ def test_patched_model_trains_bitwise_like_eager(tmp_path):
     assert work.model.forward.__slackswap__.last_run.rerun_ops > 0
     import pickle
 
-    from slackswap_cli.run.inplace import is_patched
+    from slackswap_cli.run.eager.inplace import is_patched
     assert is_patched(pickle.loads(pickle.dumps(work.model)))    # torch.save(model) keeps it
     with pytest.raises(InputError, match="already patched"):
         slackswap.plan_model(work.model, work.inputs, budget=0.5)

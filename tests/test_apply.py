@@ -28,7 +28,7 @@ from workloads import (  # noqa: F401
 
 from slackswap_cli.errors import FingerprintMismatch, InputError
 from slackswap_cli.run.emit import apply_plan, load_patched
-from slackswap_cli.run.verify import verify
+from slackswap_cli.run.verify.verify import verify
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.workload import load_workload
 
@@ -338,7 +338,8 @@ def test_a_module_written_with_another_layout_is_refused(files, tmp_path):
     mod = load_patched(str(path))
     work = load_workload(str(files["tiny_gpt"]))
     old = dict(mod.META, generator_version=0)
-    from slackswap_cli.run import inplace, step
+    from slackswap_cli.run.eager import inplace
+    from slackswap_cli.run.written import step
     for call in (lambda: inplace.patch(work.model, old, mod.TABLE),
                  lambda: step.PatchedStep(work.model, old, mod.forward_step, mod.backward_step)):
         with pytest.raises(InputError, match="layout version 0") as exc:

@@ -188,7 +188,7 @@ def test_a_chain_that_needs_a_swapped_value_early_fetches_it(files, tmp_path):
     assert code_chains(prof, src) == recompute_chains(prof, plan.decisions)
     path = tmp_path / "p.py"
     path.write_text(src)
-    from slackswap_cli.run.verify import verify
+    from slackswap_cli.run.verify.verify import verify
     r = verify(str(path), steps=1, check_trace=False)
     assert r.passed, r.reasons
     assert r.max_grad_rel_diff == 0.0

@@ -9,10 +9,10 @@ from workloads import ROOT
 
 import slackswap_cli as slackswap
 from slackswap_cli.errors import CheckFailed, InputError
-from slackswap_cli.run import backward
-from slackswap_cli.run import check as check_module
-from slackswap_cli.run.inplace import is_patched
-from slackswap_cli.run.packs import RecomputedRef
+from slackswap_cli.run.eager import backward
+from slackswap_cli.run.eager.inplace import is_patched
+from slackswap_cli.run.eager.packs import RecomputedRef
+from slackswap_cli.run.verify import check as check_module
 from slackswap_cli.trace.workload import load_workload
 
 

@@ -316,9 +316,9 @@ def test_findings_end_through_the_boundary_after_the_report(ws, monkeypatch):
         passed: bool = False
         reasons: tuple = ("losses differ",)
 
-    fake = types.ModuleType("slackswap_cli.run.verify")
+    fake = types.ModuleType("slackswap_cli.run.verify.verify")
     fake.verify = lambda *a, **k: Report()
-    monkeypatch.setitem(sys.modules, "slackswap_cli.run.verify", fake)
+    monkeypatch.setitem(sys.modules, "slackswap_cli.run.verify.verify", fake)
     r = run("verify", "chain.plan.json", "--json")       # the report is the fake's
     assert_clean_error(r, 5, "verify failed: losses differ")
     assert orjson.loads(r.stdout) == {"passed": False, "reasons": ["losses differ"]}

@@ -30,13 +30,13 @@ THIS = Path(__file__).resolve()
 
 # retired name (a regular expression on comment text) -> what does its job now
 RETIRED: dict[str, str] = {
-    r"\bpartition\.py\b|slackswap_cli[./]partition\b": "run/step_code.py",
-    r"\breplay\.py\b|slackswap_cli[./]replay\b|`replay`": "run/inplace.py (patch(model))",
+    r"\bpartition\.py\b|slackswap_cli[./]partition\b": "run/written/code.py",
+    r"\breplay\.py\b|slackswap_cli[./]replay\b|`replay`": "run/eager/inplace.py (patch(model))",
     r"\bruntime\.py\b|slackswap_cli[./]runtime\b|`runtime\.\w+":
-        "run/swap.py (the swap engine) and run/step.py (PatchedStep)",
+        "run/swap.py (the swap engine) and run/written/step.py (PatchedStep)",
     r"\b_Template\b": "run/steady.py's Template",
-    r"\btrace[./]memtrace\b": "run/memtrace.py",
-    r"\btrace[./]replan\b": "run/replan.py",
+    r"\btrace[./]memtrace\b": "run/verify/memtrace.py",
+    r"\btrace[./]replan\b": "run/eager/replan.py",
     r"(?<![\w/.])cli\.py\b": "the cli/ package (cli/__init__.py, cli/cmd_*.py)",
     r"(?<![\w/.])render\.py\b": "the cli/render/ package",
     r"\brender_fit\b": "cli/render/fit.py",
@@ -46,14 +46,14 @@ RETIRED: dict[str, str] = {
     r"\bonnx_grad_rules\b": "onnx/grad_rules.py",
     r"slackswap_cli[./]output\b": "cli/output.py",
     r"slackswap_cli[./]chrome_trace\b": "cli/chrome_trace.py",
-    r"slackswap_cli[./]verify\b": "run/verify.py",
+    r"slackswap_cli[./]verify\b": "run/verify/verify.py",
     r"slackswap_cli[./]synthetic\b": "slackswap_testkit/synthetic.py",
     r"slackswap_cli[./]local_search\b|planners[./]local_search\b":
         "slackswap_testkit/local_search.py",
     r"\bverify\.(TimelineRow|MeasuredStep|align|measure_eager_step|measure_patched_step"
-    r"|predicted_timeline|synchronous_copies|worst_divergence)\b": "run/verify_timeline.py",
-    r"\bverify\.(check_fits|saved_bytes_original)\b": "run/verify_memory.py",
-    r"\bverify\.(compare_steps|rel_diff|tolerances)\b": "run/verify_steps.py",
+    r"|predicted_timeline|synchronous_copies|worst_divergence)\b": "run/verify/timeline.py",
+    r"\bverify\.(check_fits|saved_bytes_original)\b": "run/verify/memory.py",
+    r"\bverify\.(compare_steps|rel_diff|tolerances)\b": "run/verify/steps.py",
 }
 # (file, retired pattern) pairs still to fix in files another change owns right now
 PENDING: set[tuple[str, str]] = set()

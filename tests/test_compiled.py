@@ -30,7 +30,7 @@ from workloads import (
 
 from slackswap_cli.errors import InputError, SlackswapError
 from slackswap_cli.run.emit import load_patched
-from slackswap_cli.run.verify_compiled import verify_compiled
+from slackswap_cli.run.verify.compiled import verify_compiled
 from slackswap_cli.trace.workload import load_workload
 
 SLOW = pytest.mark.skipif(os.environ.get("SLACKSWAP_SLOW") != "1",
@@ -158,8 +158,8 @@ def test_a_kv_cache_copy_is_carried_by_the_value_it_copies(files):
     states (`cat` of an empty tensor and the states), a copy inductor's no-op removal drops;
     the graph table maps each such row to the op whose whole result it copies (the key: the
     rotary `add`; the value: its projection's `mm`, through the views), which then carries the
-    copy's decision (`compiled._stand_in_copies`)."""
-    from slackswap_cli.run.graph_plan import graph_table
+    copy's decision (`backend._stand_in_copies`)."""
+    from slackswap_cli.run.compiled.graph_plan import graph_table
     prof = profiled(files, "llama_cache", device="fake:cpu")
     table = graph_table(prof, plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"]))
     ops = table["ops"]
@@ -182,7 +182,7 @@ def test_inductor_offloads_every_swap_and_saves_at_most_the_kept_bytes(name, fil
     on the device at most the plan's kept bytes plus 2%, decomposed values included (Llama's
     KV-cache copies dropped by inductor, ViT's and GPT-2's decomposed layer norms; GPT-2's
     `1 - tanh(x)**2` and attention transposes, re-derived from the swapped root in backward:
-    compiled_derived.py)."""
+    run/compiled/derived.py)."""
     prof = profiled(files, name, device="fake:cpu")
     for frac in (0.5, 0.7):
         plan = plan_at(prof, frac * prof.summary["peak_activation_bytes"])
@@ -198,7 +198,7 @@ def test_inductor_offloads_every_swap_and_saves_at_most_the_kept_bytes(name, fil
 def test_a_cpu_dropout_run_lines_up_with_native_dropout():
     """graph_units folds at::dropout's CPU run (empty_like, bernoulli_, div_, mul) into one
     native_dropout row: its result carries mul's decision, its bool mask the noise's."""
-    from slackswap_cli.run.graph_plan import graph_units, line_up, op_key
+    from slackswap_cli.run.compiled.graph_plan import graph_units, line_up, op_key
     from slackswap_cli.table_rows import GraphRow
     f32 = [[[2, 8], "float32"]]
     rows = [GraphRow(*r) for r in (
@@ -277,7 +277,7 @@ def test_a_recompile_is_its_own_graph_set_never_summed_into_the_step(files, tmp_
     equal the plan's in-graph figures once (not twice), and the recompile is reported on its
     own (the whole model again: judged like the step). A graph break's two graphs at two
     input shapes: two sets of two graphs, frames paired."""
-    from slackswap_cli.run.compiled import graph_sets, totals
+    from slackswap_cli.run.compiled.backend import graph_sets, totals
     prof = profiled(files, "vit")
     path = write_patched(tmp_path, plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"]),
                          prof)
@@ -426,14 +426,14 @@ def test_inductor_byte_checks_count_decomposed_values_and_fail_on_what_the_plan_
     values included, is checked against the plan's kept bytes (+2%); offloaded against the
     swapped roots backward reads; re-running ops outside the chains fails; aot_eager checks
     the total."""
-    from slackswap_cli.run.verify_compiled import _notes, _reasons
+    from slackswap_cli.run.verify.compiled import _notes, _reasons
     got = {"graphs": 1, "saved_bytes": 1015, "saved_bytes_not_lined_up": 300,
            "offloaded_bytes": 400, "off_plan_recomputes": [],
            "decomposed_saves": ["aten.native_layer_norm.default"], "substituted_swaps": 2,
            "stood_in_copies": 1}
     plan = {"kept_bytes_in_graph": 1000, "swapped_bytes_in_graph": 500,
             "swapped_bytes_read": 400, "unread_swapped_roots": ["mul"]}
-    from slackswap_cli.run.verify_compiled import KEYS
+    from slackswap_cli.run.verify.compiled import KEYS
     diffs = dict.fromkeys(KEYS, 0.0)
     diffs.update(vs_eager=dict(diffs), reference_vs_eager=dict(diffs))
     assert _reasons(got, plan, diffs, 1e-5, 1e-4, "torch.compile") == []
@@ -459,7 +459,7 @@ def test_inductor_byte_checks_count_decomposed_values_and_fail_on_what_the_plan_
 def _value_reasons_of(diffs, **change):
     """`_value_reasons` with inductor's tolerances, `change`: {key: (vs torch.compile, vs eager,
     torch.compile vs eager)}."""
-    from slackswap_cli.run.verify_compiled import _value_reasons
+    from slackswap_cli.run.verify.compiled import _value_reasons
     d = {**diffs, "vs_eager": dict(diffs["vs_eager"]),
          "reference_vs_eager": dict(diffs["reference_vs_eager"])}
     for key, (ref, mine, base) in change.items():
@@ -472,7 +472,7 @@ def test_inductor_values_are_judged_against_torch_compiles_own_distance_from_eag
     torch.compile, or no further from eager than RATIO_TO_REFERENCE times torch.compile's own
     distance plus the fp32 tolerance (BERT's key biases: parameters ~1e-3 from eager for
     both); step-1 gradients as well as parameters after the last step."""
-    from slackswap_cli.run.verify_compiled import KEYS, RATIO_TO_REFERENCE
+    from slackswap_cli.run.verify.compiled import KEYS, RATIO_TO_REFERENCE
     zero = dict.fromkeys(KEYS, 0.0)
     diffs = {**zero, "vs_eager": dict(zero), "reference_vs_eager": dict(zero)}
     p, g = "max_param_rel_diff", "first_grad_rel_diff"
@@ -498,7 +498,7 @@ INDUCTOR_VS_COMPILE = 1e-5
 
 
 def assert_trains_as_plain_torch_compile(mod, path):
-    from slackswap_cli.run.verify_compiled import scaled_diff
+    from slackswap_cli.run.verify.compiled import scaled_diff
     runs = {}
     for kind in ("plain", "planned"):
         work = load_workload(str(path))
@@ -527,7 +527,7 @@ def test_inductor_trains_as_plain_torch_compile(name, files, tmp_path):
 @SLOW
 def test_inductor_cnn_gradients_match_plain_torch_compile_to_rounding(files, tmp_path):
     """The BatchNorm CNN: backward re-derives the decomposed batch norm's values from the
-    offloaded convolution output (compiled_derived.py) where plain torch.compile saves them,
+    offloaded convolution output (run/compiled/derived.py) where plain torch.compile saves them,
     so inductor's kernels round differently: one step's gradients agree with plain
     torch.compile's to fp32 rounding (5e-8 absolute; the largest is ~0.4). Not bitwise, and
     AdamW makes lr-sized steps of the rounding on the convolution biases before BatchNorm
@@ -602,7 +602,7 @@ def _fsdp_worker(rank, world, port, patched_path, workload_path, out_dir):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from slackswap_cli.run.compiled import totals
+    from slackswap_cli.run.compiled.backend import totals
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

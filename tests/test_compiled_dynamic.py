@@ -3,7 +3,7 @@ symbolic sizes (after a second sequence length, torch's automatic dynamic; or fr
 call under `torch._dynamo.mark_dynamic`), and that graph serves every later length without a
 recompile.
 
-The partition function reads a symbolic size at the profiled step's value (run/sym_sizes.py)
+The partition function reads a symbolic size at the profiled step's value (run/compiled/sym_sizes.py)
 without adding a guard: before, it read sizes with `int()`, which specialised the graph to the
 length at hand (a recompile at every new length, lined up with nothing: 10 of 172 ops on this
 GPT-2; and `ConstraintViolationError` under mark_dynamic)."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 from workloads import HF_GPT2, HF_LLAMA, HW, plan_at, write_patched
 
-from slackswap_cli.run.compiled import graph_sets
+from slackswap_cli.run.compiled.backend import graph_sets
 from slackswap_cli.run.emit import load_patched
-from slackswap_cli.run.verify_compiled import verify_compiled
+from slackswap_cli.run.verify.compiled import verify_compiled
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.joint import loss_from_output
 from slackswap_cli.trace.workload import load_workload

@@ -11,7 +11,7 @@ import torch
 
 import slackswap_cli as slackswap
 from slackswap_cli.chains import copy_back_pins
-from slackswap_cli.run.memtrace import step_peaks
+from slackswap_cli.run.verify.memtrace import step_peaks
 from slackswap_cli.schema import Action, Decision, ScheduleEvent
 
 ROOT = Path(__file__).resolve().parents[1]

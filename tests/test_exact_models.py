@@ -24,7 +24,7 @@ from slackswap_cli.errors import TraceError
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
 from slackswap_cli.run.emit import apply_plan
-from slackswap_cli.run.verify import verify
+from slackswap_cli.run.verify.verify import verify
 from slackswap_cli.simulate import budget_floor_bytes, min_peak_bytes, simulate
 from slackswap_cli.trace import profile_workload
 from slackswap_testkit.repair import repair_to_fit

@@ -1,4 +1,4 @@
-"""plan_model measures its plan on the model (run/excess.py): eager holds what Python still
+"""plan_model measures its plan on the model (run/verify/excess.py): eager holds what Python still
 names longer than the simulator counts, so a plan predicted at its budget can peak above it
 (a tiny GPT at 0.35: 247552 bytes in forward against 231078); where it does, plan_model plans
 again below the budget by that excess. The measurement runs on the user's model itself and
@@ -13,8 +13,8 @@ import torch
 
 import slackswap_cli as slackswap
 from slackswap_cli.errors import InputError
-from slackswap_cli.run.excess import measured_peak
-from slackswap_cli.run.memtrace import step_peaks
+from slackswap_cli.run.verify.excess import measured_peak
+from slackswap_cli.run.verify.memtrace import step_peaks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,9 +135,9 @@ def test_measuring_refuses_a_forward_that_writes_its_parameters():
 def test_plan_pipeline_measures_each_stage_on_the_stage_itself(monkeypatch):
     """plan_pipeline's measure (settle_stages) runs on the stage module, not a copy of it,
     and leaves it, the inputs and the random number generators as they were."""
-    from slackswap_cli.run import excess
-    from slackswap_cli.run.inplace import is_patched
-    from slackswap_cli.run.pipeline import plan_pipeline
+    from slackswap_cli.run.eager.inplace import is_patched
+    from slackswap_cli.run.parallel.pipeline import plan_pipeline
+    from slackswap_cli.run.verify import excess
     seen = []
 
     def spy(model, *args):
@@ -164,7 +164,7 @@ def test_settle_plans_lower_by_the_phase_where_eager_holds_more():
     forward's excess over its own simulated peak."""
     from types import SimpleNamespace
 
-    from slackswap_cli.run.excess import settle
+    from slackswap_cli.run.verify.excess import settle
 
     def plan(peak, fwd_sim, fwd_measured):
         return SimpleNamespace(predicted=SimpleNamespace(peak_bytes=peak), feasible=True,

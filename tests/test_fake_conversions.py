@@ -241,7 +241,7 @@ def test_process_wide_replacements_are_undone_after_an_exception():
     from torch._subclasses import fake_tensor as ft
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from slackswap_cli.run.branches import eager_branches
+    from slackswap_cli.run.eager.branches import eager_branches
     from slackswap_cli.trace.fake_build import fake_build
 
     def state():

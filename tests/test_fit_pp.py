@@ -1,5 +1,5 @@
 """`slackswap fit --pp`: a pipeline of stages like the workload, the batch its microbatch (
-slackswap_cli/fit_pipeline.py). Per rank the static memory of its stages, the activation budget
+slackswap_cli/pipeline/fit.py). Per rank the static memory of its stages, the activation budget
 left, the microbatches the schedule holds there; one plan of the stage that keeps every rank
 under its budget; the step with the schedule's bubbles. The pipeline a workload declares
 (`Workload.pipeline`) read by fit and simulate, flags over it; bad values refused with a hint
@@ -17,9 +17,9 @@ from slackswap_cli import schema
 from slackswap_cli.cli import app
 from slackswap_cli.errors import InputError
 from slackswap_cli.fit import FitSettings, ModelFacts, ParamFact, sweep
-from slackswap_cli.fit_pipeline import row_maker
-from slackswap_cli.pipeline_orders import PipelineSpec, pipeline_spec
-from slackswap_cli.pipeline_step import pipeline_figures
+from slackswap_cli.pipeline.fit import row_maker
+from slackswap_cli.pipeline.orders import PipelineSpec, pipeline_spec
+from slackswap_cli.pipeline.step import pipeline_figures
 from slackswap_testkit.synthetic import chain_profile
 
 MiB = 1 << 20

@@ -17,7 +17,7 @@ hf_utils = pytest.importorskip("transformers.utils.import_utils")
 class HostRandom(torch.nn.Module):
     """Scales by a NumPy and a Python draw; asks, as Hugging Face's masks do, whether its
     input is fake, and takes another path when it is: a patched call re-plans along eager's
-    branches (run/branches.py), tracing the forward again."""
+    branches (run/eager/branches.py), tracing the forward again."""
 
     def __init__(self):
         super().__init__()

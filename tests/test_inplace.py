@@ -223,7 +223,7 @@ def test_another_input_shape_is_planned_for_once_and_trains_exactly(files, tmp_p
     lined up by rank, no trace), its limit guessed from the profile's saved bytes; a table
     written before it named them is traced at the new shape and planned for (said once on
     stderr), cached. The profiled shape keeps its plan; results stay exact."""
-    from slackswap_cli.run import inplace as replay
+    from slackswap_cli.run.eager import inplace as replay
     args = {"dropout": 0.0}
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.4, args=args)
     from slackswap_cli.trace.workload import load_workload as load
@@ -254,7 +254,7 @@ def test_another_input_shape_is_planned_for_once_and_trains_exactly(files, tmp_p
 
 def test_without_replanning_another_shape_runs_unplanned_and_says_so(files, tmp_path, capfd):
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.4)
-    from slackswap_cli.run import inplace
+    from slackswap_cli.run.eager import inplace
     from slackswap_cli.trace.workload import load_workload as load
     eager = load(str(files["tiny_gpt"]), args={"batch": 3})
     work = load(str(files["tiny_gpt"]), args={"batch": 3})
@@ -305,7 +305,7 @@ def test_verify_checks_the_in_place_patch_too(files, tmp_path):
     profile (random ops as a CPU draws them) every op lines up and the in-place step holds
     what the written-out step holds."""
     from slackswap_cli.planners import make_plan
-    from slackswap_cli.run.verify import verify
+    from slackswap_cli.run.verify.verify import verify
     from slackswap_cli.trace import profile_workload
     prof = profile_workload(str(files["tiny_gpt"]), device="fake:cpu", hardware=HW)
     peak = prof.summary["peak_activation_bytes"]
@@ -317,7 +317,7 @@ def test_verify_checks_the_in_place_patch_too(files, tmp_path):
     ip = r.inplace
     assert ip["max_loss_rel_diff"] == 0 and ip["max_grad_rel_diff"] == 0
     # every op: make_fx's detaches (2.13's profile has them, 2.15's none) are not counted as
-    # missed (run/lineup.py's TRACE_ONLY)
+    # missed (run/eager/lineup.py's TRACE_ONLY)
     assert ip["ops_lined_up"] == ip["profile_forward_ops"]
     assert ip["held_bytes_after_forward"] == r.patched_peak_bytes
 
@@ -398,7 +398,7 @@ def test_double_backward_is_a_clear_error_not_wrong_gradients(files, tmp_path):
 def test_a_slow_planners_plan_is_replanned_by_its_quick_stand_in(files, tmp_path):
     """A MILP takes a minute: inside a training step the registry's stand-in (optimal's
     fallback, slackswap) plans the new shape instead."""
-    from slackswap_cli.run.replan import replan_table
+    from slackswap_cli.run.eager.replan import replan_table
     mod, _ = patched_module(tmp_path, files, "tiny_gpt", 0.5)
     work = load_workload(str(files["tiny_gpt"]))
     a, kw = split_inputs(work.inputs)

@@ -22,9 +22,9 @@ from workloads import HW, hand_plan, profiled, write_patched
 from slackswap_cli import op_cost
 from slackswap_cli.errors import InputError
 from slackswap_cli.planners import make_plan
+from slackswap_cli.run.eager.inplace import is_patched
+from slackswap_cli.run.eager.recorded import OpRecord, OutRef, prepare_replay, view_geometry
 from slackswap_cli.run.emit import load_patched
-from slackswap_cli.run.inplace import is_patched
-from slackswap_cli.run.recorded import OpRecord, OutRef, prepare_replay, view_geometry
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
@@ -117,7 +117,7 @@ def test_later_calls_run_on_hooks_alone_bitwise_like_eager(name, frac, args, fil
     _same(want, got)
     kinds = [k for k, _, _ in got[3]]
     # the HF Llama's first call plans again along eager's branches (no mask in eager: see
-    # run/branches.py), so the second records that plan
+    # run/eager/branches.py), so the second records that plan
     records = 2 if name == "llama" else 1
     assert kinds == ["first"] * records + ["steady"] * (4 - records)
     assert not any(b for _, _, b in got[3][records:])         # every pack lined up

@@ -1,7 +1,7 @@
 """memtrace: live activation storages op by op, views once, weak references, exclusion."""
 import torch
 
-from slackswap_cli.run.memtrace import SKIP, MemTracker, caller_line
+from slackswap_cli.run.verify.memtrace import SKIP, MemTracker, caller_line
 
 
 def test_views_count_once_and_frees_are_seen_at_the_next_call():

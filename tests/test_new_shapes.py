@@ -1,4 +1,4 @@
-"""New input shapes without a trace (`slackswap_cli/run/new_shape.py`): after a recorded call,
+"""New input shapes without a trace (`slackswap_cli/run/eager/new_shape.py`): after a recorded call,
 the first call at another sequence length or batch size follows that call's template, held
 by the guard to the plan's fraction of what a keep-all run holds at the new shapes; the next
 call records on the borrowed plan and the calls after it run the steady state. Every call is
@@ -215,7 +215,7 @@ def test_a_new_length_right_after_a_plan_was_made_follows_the_call_before_it(
 def _spy_traces(monkeypatch) -> list:
     """Each fake trace a patched model plans from (`replan.replan_table`): the values it was
     handed (None: a trace at new shapes, not along a call's branches), then the trace."""
-    from slackswap_cli.run import replan
+    from slackswap_cli.run.eager import replan
     traced, trace = [], replan.replan_table
 
     def spy(*args, **kwargs):

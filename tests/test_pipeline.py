@@ -1,12 +1,12 @@
 """Pipeline parallelism: the microbatches each rank holds, read from torch's schedules without a
-process group, and one plan per stage under a per-rank budget (slackswap_cli/pipeline.py,
-slackswap_cli/run/pipeline.py). The runs on real ranks are in tests/test_pipeline_ranks.py."""
+process group, and one plan per stage under a per-rank budget (slackswap_cli/pipeline/stages.py,
+slackswap_cli/run/parallel/pipeline.py). The runs on real ranks are in tests/test_pipeline_ranks.py."""
 import pytest
 import torch
 from workloads import HW
 
 from slackswap_cli.errors import InfeasibleError, InputError
-from slackswap_cli.pipeline import (
+from slackswap_cli.pipeline.stages import (
     StageCost,
     format_rows,
     held_microbatches,
@@ -15,7 +15,7 @@ from slackswap_cli.pipeline import (
     stage_cost,
 )
 from slackswap_cli.planners import make_plan
-from slackswap_cli.run.pipeline import schedule_order
+from slackswap_cli.run.parallel.pipeline import schedule_order
 from slackswap_testkit.synthetic import chain_profile
 
 
@@ -84,8 +84,8 @@ def test_sends_kept_to_the_step_end_count_after_each_backward():
     """The runtime schedules (Interleaved1F1B, ...) wait for their sends when the step ends:
     each backward leaves its sent output and input gradient behind; GPipe its input gradient;
     1F1B nothing. A stage's output is held from its forward to its backward."""
-    from slackswap_cli.pipeline import boundary_bytes
-    from slackswap_cli.run.pipeline import sends_kept
+    from slackswap_cli.pipeline.stages import boundary_bytes
+    from slackswap_cli.run.parallel.pipeline import sends_kept
     assert [sends_kept(s) for s in ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")] == \
         ["none", "gpipe", "runtime", "runtime"]
     middle = boundary_bytes(40, 30, first=False, last=False, sends="runtime")
@@ -169,7 +169,7 @@ def test_copy_back_pins_follow_the_simulated_schedule():
 
 
 def test_plan_pipeline_refuses_plainly_before_tracing():
-    from slackswap_cli.run.pipeline import plan_pipeline
+    from slackswap_cli.run.parallel.pipeline import plan_pipeline
     stage = (torch.nn.Linear(4, 4), (torch.randn(2, 4),), None)
     with pytest.raises(InputError, match="a size, not a fraction"):
         plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget=0.5)
@@ -181,8 +181,8 @@ def test_plan_pipeline_refuses_plainly_before_tracing():
 
 @pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B"])
 def test_torch_free_orders_are_torchs(name):
-    """The CLI's orders (pipeline_orders.py, no torch) are the ones torch's schedules run."""
-    from slackswap_cli.pipeline_orders import order
+    """The CLI's orders (pipeline/orders.py, no torch) are the ones torch's schedules run."""
+    from slackswap_cli.pipeline.orders import order
     for pp, n in ((1, 1), (2, 4), (3, 6), (4, 8), (4, 12), (8, 16)):
         spr = 2 if name == "Interleaved1F1B" else None
         assert order(name, pp, n) == schedule_order(name, pp, n, spr), (pp, n)
@@ -194,7 +194,7 @@ def test_eager_excess_counts_at_the_stages_peak():
     """What eager was measured to hold beyond the simulator under a plan (`Boundary.eager`:
     what Python still names of what the plan evicts) is added to the planned stage's peak
     and nowhere else; keeping everything, there is nothing evicted to hold longer."""
-    from slackswap_cli.pipeline import Boundary
+    from slackswap_cli.pipeline.stages import Boundary
     prof = _chain()
     plan = make_plan("slackswap", prof, HW, prof.keep_all_peak_bytes // 2)
     plain, more = stage_cost(prof, plan), stage_cost(prof, plan, Boundary(eager=1000))
@@ -207,7 +207,7 @@ def test_a_patched_stage_lines_up_without_its_loss(capfd):
     """PipelineStage runs a stage's module and sends its output (no loss on a stage that is not
     the last): the profile's stand-in loss ops are trailing ops outside every module, not
     counted as missed, so a patched stage says nothing of re-profiling."""
-    from slackswap_cli.run.pipeline import plan_pipeline
+    from slackswap_cli.run.parallel.pipeline import plan_pipeline
     torch.manual_seed(0)
 
     def stage():

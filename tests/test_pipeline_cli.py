@@ -1,5 +1,5 @@
 """`slackswap simulate --pp` and `show --pp`: the per-rank table of a pipeline of stages like
-the profile (slackswap_cli/pipeline_step.py), the step with the schedule's bubbles, and bad
+the profile (slackswap_cli/pipeline/step.py), the step with the schedule's bubbles, and bad
 pipeline options refused with a hint that works. Synthetic profiles: no torch."""
 import orjson
 import pytest
@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from slackswap_cli import schema
 from slackswap_cli.cli import app
-from slackswap_cli.pipeline_step import timeline
+from slackswap_cli.pipeline.step import timeline
 from slackswap_testkit.synthetic import chain_profile
 
 runner = CliRunner()
@@ -75,7 +75,7 @@ def test_interleaved_holds_more_and_gpipe_holds_every_microbatch(ws):
 def test_timeline_by_hand():
     # GPipe, 2 ranks, 2 microbatches, F 1 us, B 2 us: rank 0 F0 F1 at 0-1, 1-2; rank 1 F0
     # 1-2, F1 2-3, B0 3-5, B1 5-7; rank 0 B0 5-7, B1 7-9
-    from slackswap_cli.pipeline_orders import order
+    from slackswap_cli.pipeline.orders import order
     step, busy = timeline(order("GPipe", 2, 2), 1.0, 2.0)
     assert step == 9.0 and busy == {0: 6.0, 1: 6.0}
 
@@ -119,9 +119,9 @@ def test_simulate_pp_reports_the_rank_level_judge(ws):
     step with copies on each rank's engines: what pipeline_copies.judge says of the same
     stages (every stage the profile, the plan's copies on the plan's hardware)."""
     from slackswap_cli.hardware import HardwareSpec
-    from slackswap_cli.pipeline_copies import judge, stage_work
-    from slackswap_cli.pipeline_orders import order
-    from slackswap_cli.pipeline_step import boundary_of
+    from slackswap_cli.pipeline.copies import judge, stage_work
+    from slackswap_cli.pipeline.orders import order
+    from slackswap_cli.pipeline.step import boundary_of
     d = _pipeline("simulate", "chain.plan.json", "--pp", 2, "--schedule", "GPipe",
                   "--microbatches", 4, "--rank-budget", "9MiB")
     prof = schema.load_profile("chain.profile.json")

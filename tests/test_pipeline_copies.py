@@ -1,14 +1,14 @@
-"""The rank-level judge (slackswap_cli/pipeline_copies.py): a schedule's actions with the
+"""The rank-level judge (slackswap_cli/pipeline/copies.py): a schedule's actions with the
 stages' swaps as copies on each rank's shared engines, by hand; and plans that spend the
-schedule's idle windows on swaps (slackswap_cli/pipeline_windows.py). No torch."""
+schedule's idle windows on swaps (slackswap_cli/pipeline/windows.py). No torch."""
 import pytest
 from workloads import HW
 
 from slackswap_cli.errors import InputError
-from slackswap_cli.pipeline import plan_stages, stage_cost
-from slackswap_cli.pipeline_copies import StageWork, Swap, judge, stage_work
-from slackswap_cli.pipeline_orders import order as schedule_steps
-from slackswap_cli.pipeline_windows import Windows, faster_link
+from slackswap_cli.pipeline.copies import StageWork, Swap, judge, stage_work
+from slackswap_cli.pipeline.orders import order as schedule_steps
+from slackswap_cli.pipeline.stages import plan_stages, stage_cost
+from slackswap_cli.pipeline.windows import Windows, faster_link
 from slackswap_cli.planners import make_plan
 from slackswap_testkit.synthetic import chain_profile
 

@@ -1,4 +1,4 @@
-"""Models split by torch's `pipeline()` (slackswap_cli/run/pipe_stages.py): the stages and
+"""Models split by torch's `pipeline()` (slackswap_cli/run/parallel/pipe_stages.py): the stages and
 their inputs read from the pipe, `plan_pipeline(pipe, ...)`, the refusals, and one small run on
 two gloo ranks (slackswap_testkit/pipe_split_run.py) where the patched pipe trains bit for bit
 as the same pipe unpatched within its planned peaks. The larger runs (GPipe, 1F1B and
@@ -36,7 +36,7 @@ def test_stage_inputs_are_what_each_stage_receives(pipe):
     takes a gradient (as the stage's receive buffer does); the last stage's loss is the
     schedule's loss_fn on the target. The pipe's buffers (BatchNorm's statistics) and the
     random generators are as they were."""
-    from slackswap_cli.run.pipe_stages import pipe_stages
+    from slackswap_cli.run.parallel.pipe_stages import pipe_stages
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     buffers = [b.clone() for b in pipe.split_gm.buffers()]
     rng = torch.random.get_rng_state()
@@ -58,8 +58,8 @@ def test_stage_inputs_are_what_each_stage_receives(pipe):
 
 
 def test_pipe_refusals_say_what_to_pass(pipe):
-    from slackswap_cli.run.pipe_stages import pipe_stages
-    from slackswap_cli.run.pipeline import plan_pipeline
+    from slackswap_cli.run.parallel.pipe_stages import pipe_stages
+    from slackswap_cli.run.parallel.pipeline import plan_pipeline
     x = torch.randn(4, 8)
     with pytest.raises(InputError, match="the pipe has 3 stages, but 1F1B on pp=2 ranks runs 2"
                        ) as e:

@@ -228,7 +228,8 @@ def test_the_guard_has_one_owner():
     for rel, tree in _modules():
         if rel.startswith("run/") and any(name == "Guard" for r, name in built if r == rel):
             imports = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                       and (n.module or "") == "guard" and n.level == 2 for a in n.names}
+                       and (n.module or "") == "guard"
+                       and n.level == rel.count("/") + 1 for a in n.names}
             assert "Guard" in imports, f"{rel} builds a Guard that is not guard.py's"
     guard = dict(_modules())["guard.py"]
     fn = next(n for n in guard.body if isinstance(n, ast.FunctionDef)

@@ -146,7 +146,7 @@ def test_a_mixture_of_experts_on_other_routings_is_held_to_the_budget_exactly(tm
 
 def test_a_new_length_after_a_branchy_first_call_costs_no_trace_and_lines_up(tmp_path, capfd):
     """Once a model's calls had to be planned along their own branches, a new sequence length
-    follows the template of the calls along them (`run/new_shape.py`: no trace), held by the
+    follows the template of the calls along them (`run/eager/new_shape.py`: no trace), held by the
     guard; the next call at it records on that plan and lines up."""
     mod, src = _patched(tmp_path, "llama", MODELS["llama"], "fake:cpu")
     eager, work = load_workload(str(src)), load_workload(str(src))
@@ -178,7 +178,7 @@ def test_a_new_length_after_a_branchy_first_call_costs_no_trace_and_lines_up(tmp
 def test_a_fake_trace_is_answered_the_values_eager_read_and_refuses_other_branches():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from slackswap_cli.run.branches import BranchesDiffer, eager_branches
+    from slackswap_cli.run.eager.branches import BranchesDiffer, eager_branches
 
     class Branchy(torch.nn.Module):
         def forward(self, x):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from workloads import ROOT, plan_at, profiled, write_patched
 
-from slackswap_cli.run import call_state
+from slackswap_cli.run.eager import call_state
 
-RUN = ROOT / "slackswap_cli" / "run"
+RUN = ROOT / "slackswap_cli" / "run" / "eager"
 # the call machinery: its classes declare their state (slots), its functions over a call's
 # state (`s`) read only `CallState`'s fields
 MACHINERY = ["call_state", "holding", "backward", "first_call", "steady_call", "new_shape",
@@ -21,7 +21,7 @@ UNSLOTTED = {"first_call.Recorder", "inplace._PatchedForward"}
 TRACER_AND_PLANNERS = ("slackswap_cli.trace.joint", "slackswap_cli.trace.graph_profile",
                        "slackswap_cli.trace.workload", "slackswap_cli.trace.fake_build",
                        "slackswap_cli.planners", "slackswap_cli.simulate",
-                       "slackswap_cli.chains", "slackswap_cli.run.replan")
+                       "slackswap_cli.chains", "slackswap_cli.run.eager.replan")
 
 
 def _loaded_after(code: str) -> dict:

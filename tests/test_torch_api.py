@@ -157,7 +157,7 @@ def test_tensor_internals_are_in_this_torch():
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 def test_pipeline_and_tensor_parallel_internals_are_in_this_torch():
-    """The PRIVATE_API rows of run/pipeline.py and the tensor parallel code, as they use them:
+    """The PRIVATE_API rows of run/parallel/pipeline.py and the tensor parallel code, as they use them:
     an `_Action`'s fields, the compute kinds `_steps` reads, the schedule classes,
     `get_schedule_ops`' keyword, AsyncCollectiveTensor's slots and `distribute_module`'s mark."""
     import inspect

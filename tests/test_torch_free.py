@@ -1,8 +1,9 @@
 """The planning core must run without torch: plan, show, simulate and compare start fast, and
 the commands that need torch say so plainly.
 
-The core is the top level of slackswap_cli, named here module by module (a new top-level
-module must be added to CORE, which makes it a core module); the CLI and its presentation
+The core is the top level of slackswap_cli and its schema/, planners/ and pipeline/ packages,
+named here module by module (a new module there must be added to CORE, which makes it a core
+module); the CLI and its presentation
 (slackswap_cli/cli/) are torch-free too, importing torch only inside the commands that need it.
 """
 from pathlib import Path
@@ -11,16 +12,18 @@ from helpers import run_torch_blocked
 
 ROOT = Path(__file__).resolve().parents[1] / "slackswap_cli"
 
-# the core: every module at the top level of slackswap_cli, the schema package and the planners
+# the core: every module at the top level of slackswap_cli, the schema, planners and pipeline
+# packages
 CORE = (
     "slackswap_cli", "slackswap_cli.workload_spec", "slackswap_cli.errors",
     "slackswap_cli.units", "slackswap_cli.schema", "slackswap_cli.hardware",
     "slackswap_cli.torch_api", "slackswap_cli.profile_build", "slackswap_cli.chains",
     "slackswap_cli.layers", "slackswap_cli.simulate", "slackswap_cli.budget",
-    "slackswap_cli.guard", "slackswap_cli.fit", "slackswap_cli.fit_pipeline", "slackswap_cli.profile_scale",
-    "slackswap_cli.planning", "slackswap_cli.table_rows", "slackswap_cli.pipeline",
-    "slackswap_cli.pipeline_orders", "slackswap_cli.pipeline_step",
-    "slackswap_cli.pipeline_copies", "slackswap_cli.pipeline_windows",
+    "slackswap_cli.guard", "slackswap_cli.fit", "slackswap_cli.profile_scale",
+    "slackswap_cli.planning", "slackswap_cli.table_rows",
+    "slackswap_cli.pipeline", "slackswap_cli.pipeline.stages", "slackswap_cli.pipeline.fit",
+    "slackswap_cli.pipeline.orders", "slackswap_cli.pipeline.step",
+    "slackswap_cli.pipeline.copies", "slackswap_cli.pipeline.windows",
     "slackswap_cli.op_cost", "slackswap_cli.compile_limits",
     "slackswap_cli.planners", "slackswap_cli.planners.common", "slackswap_cli.planners.settings",
     "slackswap_cli.planners.slackswap", "slackswap_cli.planners.optimal",
@@ -40,11 +43,11 @@ PRESENTATION = (
 
 
 def test_core_is_the_top_level_and_the_planners():
-    # every module at the top level (and in schema/ and planners/) is named in CORE, and
-    # nothing else is
+    # every module at the top level (and in schema/, planners/ and pipeline/) is named in CORE,
+    # and nothing else is
     found = {"slackswap_cli"} | {f"slackswap_cli.{f.stem}" for f in ROOT.glob("*.py")
                                   if f.stem != "__init__"}
-    for pkg in ("schema", "planners"):
+    for pkg in ("schema", "planners", "pipeline"):
         found |= {f"slackswap_cli.{pkg}"} | {f"slackswap_cli.{pkg}.{f.stem}"
                                              for f in (ROOT / pkg).glob("*.py")
                                              if f.stem != "__init__"}
@@ -133,7 +136,7 @@ def _import_graph():
 
 def test_no_import_cycles_and_the_core_never_imports_the_run_side():
     graph = _import_graph()
-    assert "slackswap_cli.run.inplace" in graph and "slackswap_cli.schema" in graph
+    assert "slackswap_cli.run.eager.inplace" in graph and "slackswap_cli.schema" in graph
     # a package's __init__ re-exporting its modules is not a cycle through them
     edges = {m: {d for d in ds if not m.startswith(d + ".")} for m, ds in graph.items()}
     state, stack = {}, []

@@ -12,7 +12,7 @@ from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
 from slackswap_cli.profile_build import recost
 from slackswap_cli.run.emit import apply_plan
-from slackswap_cli.run.verify import verify
+from slackswap_cli.run.verify.verify import verify
 from slackswap_cli.trace import profile_workload
 
 HW = PRESETS["a100-pcie4"]
@@ -166,7 +166,7 @@ def test_eager_peak_matches_keep_all_without_dropout(tmp_path):
 
 
 def test_no_kept_root_is_held_past_its_last_use(tiny_profile, tmp_path):
-    """The divergence this check found: the written-out step (`run/step_code.py`) stored a root
+    """The divergence this check found: the written-out step (`run/written/code.py`) stored a root
     whose views backward took instead, and the store held it until the step ended. Now every
     kept value is taken, and verify finds nothing held past its last use."""
     prof = tiny_profile
@@ -316,7 +316,7 @@ def test_in_place_on_another_device_is_held_to_the_budget_and_progress_is_shown(
 
 
 def test_in_place_memory_reason_names_kept_recomputes_and_passes_within_5_percent():
-    from slackswap_cli.run.verify_memory import inplace_memory_reason
+    from slackswap_cli.run.verify.memory import inplace_memory_reason
     inplace = {"held_bytes_after_forward": 1040, "recomputes_kept": 2, "planned_recomputes": 5,
                "ops_lined_up": 20, "profile_forward_ops": 23}
     meta = {"target_device": "cpu"}

@@ -83,7 +83,7 @@ def verify(
     if compile_:
         _verify_compiled(patched, model, steps, backend, sink, also_at)
         return
-    from ..run.verify import verify as run_verify
+    from ..run.verify.verify import verify as run_verify
     plan_obj = None
     if plan is not None:
         from ..schema import load_plan
@@ -103,8 +103,8 @@ def verify(
 
 def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: str,
                      sink: Sink, also_at: List[str] = ()) -> None:
-    """`verify --compile`: the report of run/verify_compiled.py (`--also-at`: its `also_at`)."""
-    from ..run.compiled import BACKENDS  # torch: a command imports it when it runs
+    """`verify --compile`: the report of run/verify/compiled.py (`--also-at`: its `also_at`)."""
+    from ..run.compiled.backend import BACKENDS  # torch: a command imports it when it runs
     if backend not in BACKENDS:
         raise InputError(f"--backend must be {' or '.join(BACKENDS)}, not {backend!r}",
                          hint="compile_planned sets the partitioner of these two backends")
@@ -112,7 +112,7 @@ def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: 
         if "=" not in item:
             raise InputError(f"bad --also-at {item!r}: expected key=value",
                              hint="e.g. --also-at seq=24")
-    from ..run.verify_compiled import verify_compiled
+    from ..run.verify.compiled import verify_compiled
     from ..trace.workload import parse_workload_args
     with sink.working(f"compiling with the plan ({backend}) and running eager beside it"):
         report = verify_compiled(str(patched), str(model) if model else None,

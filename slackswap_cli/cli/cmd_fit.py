@@ -53,7 +53,7 @@ def _pipeline_flags(pp, schedule, microbatches, stages_per_rank) -> dict:
     flags = dict(pp=pp, schedule=schedule, microbatches=microbatches,
                  stages_per_rank=stages_per_rank)
     if pp is not None:
-        from ..pipeline_orders import pipeline_spec
+        from ..pipeline.orders import pipeline_spec
         pipeline_spec(**flags)
     return flags
 
@@ -100,7 +100,7 @@ def fit(
     memory, plan the activations in what is left, and pick the batch that trains fastest."""
     sink = Sink(as_json, quiet)
     from ..fit import check_static_fits, parse_batches, sweep
-    from ..fit_pipeline import row_maker
+    from ..pipeline.fit import row_maker
     from ..trace import split_device
     from ..trace.workload import parse_workload_args
     batches = parse_batches(batch)

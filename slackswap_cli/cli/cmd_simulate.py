@@ -41,7 +41,7 @@ _SCHEDULE, _MICROBATCHES, _STAGES_PER_RANK, _RANK_BUDGET = _pipeline_options()
 def _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, declared=None):
     """The checked pipeline settings (flags over the workload's `declared` pipeline), or None
     where neither gives one (refusing the pipeline's options alone)."""
-    from ..pipeline_orders import pipeline_spec
+    from ..pipeline.orders import pipeline_spec
     spec = pipeline_spec(pp, schedule, microbatches, stages_per_rank, declared)
     if spec is None:
         if rank_budget is not None:
@@ -60,7 +60,7 @@ def _declared(prof) -> dict | None:
 
 def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
     """The per-rank table of a pipeline of stages like `prof` under `plan`."""
-    from ..pipeline_step import pipeline_figures
+    from ..pipeline.step import pipeline_figures
     schedule, pp, microbatches, per_rank, budget = settings
     figs = pipeline_figures(prof, plan, schedule, pp, microbatches, per_rank, budget,
                             1.0 / hw.d2h_bytes_per_s * 1e6 if hw.d2h_bytes_per_s else 0.0,

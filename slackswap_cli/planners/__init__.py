@@ -12,7 +12,7 @@ settings (imported on first use: the CLI reads names, help and traits without nu
 and the traits callers ask about (whether it is quick enough for a training step and a budget
 search, the bound it proves). The CLI's --planner help, default, options (`--time-limit`
 goes to a planner whose settings have `time_limit_s`) and special cases, and the re-plan
-inside a training step (run/replan.py), all read it: adding a planner touches its own module
+inside a training step (run/eager/replan.py), all read it: adding a planner touches its own module
 and this table, nothing else.
 
 - `slackswap` (default): swap what the copy slack hides, recompute the rest (slackswap.py).
@@ -67,7 +67,7 @@ class PlannerSpec:
     that runs instead where this one is too slow (see `quick`)."""
 
     quick: bool = True
-    """Fast enough to run inside a training step (a re-plan for new shapes, run/replan.py) and
+    """Fast enough to run inside a training step (a re-plan for new shapes, run/eager/replan.py) and
     a dozen times over in a budget search (`plan` saying where a planner first fits). A MILP
     with a time limit of a minute is not."""
 

@@ -1,10 +1,12 @@
 """The run side: carrying a plan out on the real model, and checking that it was.
 
-The modules, one line each, are listed in docs/design.md, section 3 (the one list of the
-layout): the emitted file (emit.py, and door.py, the one module it imports), the plan inside
-the model's own forward (inplace.py and the modules it runs: signatures, call_state and the
-kinds of call, first_call, steady_call, new_shape, holding, backward, swap), the written-out step (step_code.py, step.py), torch.compile (compiled.py, sac.py) and
-the checks (verify*.py).
+One folder a part: eager/ (the plan inside the model's own forward: `patch(model)`), written/
+(the written-out step: `step_module`), compiled/ (`compile_planned`, sac_policy), verify/
+(`verify`, `check`, plan_model's measure), parallel/ (pipeline and tensor parallel). What they
+share stays here: api.py (the library face), door.py (the one module a patched file imports),
+emit.py and generated.py (the patched file), swap.py (the swap engine), notes.py (the library's
+one voice), rng.py, hf.py (the Trainer callback). The module list, one line each:
+docs/design.md, section 3.
 
 Everything here imports torch; the planning core (schema, simulate, planners, ...) never imports
 this package (tests/test_torch_free.py).

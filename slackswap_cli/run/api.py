@@ -19,8 +19,8 @@ Planning leaves the model as it was: parameters and buffers keep their values (a
 trace's buffer updates, BatchNorm statistics, are undone), nothing gets a `.grad`, the random
 number generators are restored, and nothing is written unless `Plan.save` is called.
 
-`patch(model, plan)` is the emitted module's `patch` (run/inplace.py, from the same META and
-TABLE an emitted file holds) and `compile(model, plan)` its `compile_planned` (run/compiled.py).
+`patch(model, plan)` is the emitted module's `patch` (run/eager/inplace.py, from the same META and
+TABLE an emitted file holds) and `compile(model, plan)` its `compile_planned` (run/compiled/backend.py).
 """
 from __future__ import annotations
 
@@ -53,12 +53,13 @@ from ..trace.static_memory import model_facts
 from ..trace.workload import _as_workload
 from ..units import fmt_bytes
 from ..workload_spec import Workload
-from . import compiled, inplace
-from .check import CheckReport, check_step
+from .compiled import backend as compiled
+from .eager import inplace
+from .eager.inplace import is_patched
+from .eager.replan import _fake_copy, fake_of
 from .emit import patch_meta
-from .inplace import is_patched
-from .replan import _fake_copy, fake_of
 from .rng import forked_rng
+from .verify.check import CheckReport, check_step
 
 __all__ = ["Plan", "plan_model", "patch", "unpatch", "compile", "check", "CheckReport"]
 
@@ -121,7 +122,7 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     offload kept or recomputed): as the CLI's options. `measure`: run the plan once on the
     model and measure its step (`Plan.measured`); where eager peaks above the budget (it holds
     what Python still names longer than the simulator counts), plan again below the budget by
-    that excess (run/excess.py). None (default): when the step was traced on real tensors
+    that excess (run/verify/excess.py). None (default): when the step was traced on real tensors
     (device "cpu" or "cuda") and the plan is not `for_compile` (the measured run is
     `patch`'s); True: after a fake trace too, on the model itself (its parameters real, on
     the plan's device type); False: never. Raises SlackswapError subclasses: InputError (bad arguments),
@@ -160,7 +161,7 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     run_on = _measured_on(measure if for_compile is None else bool(measure), how, model,
                           work, traced, out)
     if run_on is not None:
-        from .excess import ParameterWritten
+        from .verify.excess import ParameterWritten
         try:
             out = _settled(out, run_on, prof, hw, planner, joint, traced, loss_fn,
                            dict(time_limit=time_limit, for_compile=for_compile))
@@ -194,7 +195,7 @@ def check(model: torch.nn.Module, plan: Plan, inputs: Any, *, samples="auto",
     whole batch). Gradients, loss and buffers must be bitwise equal, else CheckFailed names the
     first parameter whose gradient differs and by how much. The model is left as it was;
     call it before `patch` (or use `patch(model, plan, check=True)`). `loss_fn`: default the
-    one `plan_model` was given. Returns a CheckReport (run/check.py)."""
+    one `plan_model` was given. Returns a CheckReport (run/verify/check.py)."""
     _is_plan(plan, "check")
     return check_step(model, plan.meta, plan.table, inputs, samples=samples, loss_fn=loss_fn)
 
@@ -224,7 +225,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 def compile(model: torch.nn.Module, plan: Plan, *, block=None, per_block: bool = False,
             **torch_compile_kwargs):
     """`torch.compile(model, **torch_compile_kwargs)` with `plan` in its joint graphs (the
-    emitted module's `compile_planned`, run/compiled.py)."""
+    emitted module's `compile_planned`, run/compiled/backend.py)."""
     _is_plan(plan, "compile")
     return compiled.compile_planned(model, plan.graph_table, block=block, per_block=per_block,
                                     **torch_compile_kwargs)
@@ -351,12 +352,12 @@ def _profile(work: Workload, how: str, target: str, hw, autocast, progress, star
 def _plan_of(prof: Profile, result: PlanFile, joint, traced: Workload, loss_fn) -> Plan:
     """The Plan with the tables `patch` and `compile` follow (an emitted module's META, TABLE
     and GRAPH_TABLE)."""
-    from .graph_plan import graph_table  # here: Plan has a field of this name
+    from .compiled.graph_plan import graph_table  # here: Plan has a field of this name
     device_type = next(iter(dict(traced.model.named_parameters()).values())).device.type
     ref = {"path": None, "entry": None, "args": {}, "name": prof.workload.get("name", "")}
     meta = patch_meta(joint, traced, prof, result, device_type, ref)
     if loss_fn is not None:
-        meta["loss_fn"] = loss_fn        # for a re-plan at other shapes (run/replan.py)
+        meta["loss_fn"] = loss_fn        # for a re-plan at other shapes (run/eager/replan.py)
     return Plan(prof, result, meta,
                 runtime_table(prof, result.decisions, is_inplace_target, result.schedule),
                 graph_table(prof, result))
@@ -387,7 +388,7 @@ def _settled(out: Plan, run_on: Workload, prof: Profile, hw, planner: str, joint
     planned again below it by what eager held beyond the simulator. A plan made so keeps the
     budget asked for (what the runtime holds a call to) and says in its notes what it was
     planned at; `Plan.measured` holds what was measured."""
-    from .excess import measured_peaks, settle, simulated_peaks
+    from .verify.excess import measured_peaks, settle, simulated_peaks
     budget, fraction = out.budget_bytes, out.plan.budget_fraction
 
     def plan_at(at: int) -> Plan:

@@ -10,7 +10,7 @@ tensor id of the profile and a decision of the plan.
 
 The emitted file imports only torch and one module of slackswap_cli's run side (`run/door.py`,
 which loads the rest as it is used).
-`patch(model)` patches the model in place (`run/inplace.py`): the plan runs inside its own forward and
+`patch(model)` patches the model in place (`run/eager/inplace.py`): the plan runs inside its own forward and
 autograd's backward, from the table of `chains.runtime_table`. `step_module(model)` returns a
 module sharing the model's parameters and buffers whose forward takes the workload's inputs and
 returns the loss; the two written-out steps run inside one `torch.autograd.Function`
@@ -33,9 +33,9 @@ from ..schema import Action, Plan, Profile
 from ..trace.aten import is_inplace_target
 from ..trace.retrace import joint_fingerprint, trace_fake, trace_matching, trace_options
 from ..workload_spec import resolve_workload_path
+from .compiled.graph_plan import graph_table
 from .generated import GENERATOR_VERSION, check_generated
-from .graph_plan import graph_table
-from .step_code import UnknownConstant, partition, source_lines
+from .written.code import UnknownConstant, partition, source_lines
 
 
 def plan_fingerprint(plan: Plan) -> str:
@@ -116,7 +116,7 @@ def _meta(joint, work, profile: Profile, plan: Plan, step, device_type: str,
 
 def patch_meta(joint, work, profile: Profile, plan: Plan, device_type: str,
                workload_ref: dict, trace_fingerprint: str | None = None) -> dict[str, Any]:
-    """META without what the written-out step adds: all `patch` (run/inplace.py) reads, for
+    """META without what the written-out step adds: all `patch` (run/eager/inplace.py) reads, for
     the emitted module and for the library's `slackswap_cli.patch(model, plan)`."""
     params = dict(work.model.named_parameters())
     buffers = dict(work.model.named_buffers())
@@ -204,7 +204,7 @@ or in eager (one line added):
     loss = model(*inputs)          # (or whatever the model returns) trains under the plan
     loss.backward(); optimizer.step()
 
-`patch` carries the plan out inside the model's own forward (slackswap_cli/run/inplace.py) using
+`patch` carries the plan out inside the model's own forward (slackswap_cli/run/eager/inplace.py) using
 TABLE below: ops that do not line up with the profile (another input shape, a wrapper's own
 ops) run as eager runs them, never with other values. `unpatch(model)` undoes it.
 
@@ -220,12 +220,12 @@ aten = torch.ops.aten
 
 META = {pprint.pformat(meta, width=100, sort_dicts=False)}
 
-# The plan as `patch` carries it out (see slackswap_cli/run/inplace.py): the forward ops it
+# The plan as `patch` carries it out (see slackswap_cli/run/eager/inplace.py): the forward ops it
 # aligns the model's with (OpRow: slackswap_cli/table_rows.py), each saved root's action, and the
 # recompute chains (the simulator's; the keys: slackswap_cli/chains.py runtime_table).
 TABLE = {pprint.pformat(table, width=100, compact=True)}
 
-# The plan per forward op, for the graph runtimes (slackswap_cli/run/graph_plan.py):
+# The plan per forward op, for the graph runtimes (slackswap_cli/run/compiled/graph_plan.py):
 # compile_planned and sac_policy line the ops they see up with these rows (GraphRow).
 GRAPH_TABLE = {pprint.pformat(graph_table(profile, plan), width=100, compact=True)}
 
@@ -271,7 +271,7 @@ def compile_planned(model, block=None, per_block=False, **torch_compile_kwargs):
     offloaded to the host (on CUDA on a side stream, prefetched). backend="inductor" (the
     default) or "aot_eager". Per block (torchtitan style): `compile_planned(block, block=i)`
     on repeated block i, or `compile_planned(model, per_block=True)` to compile every block in
-    place (slackswap_cli/run/compiled.py).
+    place (slackswap_cli/run/compiled/backend.py).
     """
     return door.compile_planned(model, GRAPH_TABLE, block=block, per_block=per_block,
                                 **torch_compile_kwargs)
@@ -279,7 +279,7 @@ def compile_planned(model, block=None, per_block=False, **torch_compile_kwargs):
 
 def sac_policy(block_index):
     """The plan of repeated block `block_index` as a selective-checkpoint policy (one per
-    checkpointed call); a swapped tensor is saved (slackswap_cli/run/sac.py)."""
+    checkpointed call); a swapped tensor is saved (slackswap_cli/run/compiled/sac.py)."""
     return door.sac_policy(GRAPH_TABLE, block_index)
 
 

@@ -17,7 +17,7 @@ from ..budget import _ceil3
 from ..errors import InfeasibleError, InputError
 from ..simulate import budget_floor_bytes
 from .api import patch, plan_model
-from .inplace import patched_state
+from .eager.inplace import patched_state
 
 __all__ = ["SlackswapCallback"]
 

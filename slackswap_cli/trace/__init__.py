@@ -165,7 +165,7 @@ def profile_traced(work, header: dict, *, device: str, target: str, hardware=Non
     if autocast:
         header["autocast"] = autocast
     if getattr(work, "pipeline", None) is not None:
-        from ..pipeline_orders import declared_pipeline
+        from ..pipeline.orders import declared_pipeline
         header["pipeline"] = declared_pipeline(work.pipeline, f"{Path(header['path']).name}'s workload")
     if device == "fake":
         prof = _fake_profile(joint, work, header, hardware, target, autocast, say)

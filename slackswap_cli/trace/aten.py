@@ -1,6 +1,6 @@
 """What slackswap needs to know about aten ops' aliasing and writes: one place, used by the
-profile (`graph_profile`), the written-out step (`run/step_code.py`), the in-place patch
-(`run/first_call.py`) and the compiled plan (`run/graph_plan.py`).
+profile (`graph_profile`), the written-out step (`run/written/code.py`), the in-place patch
+(`run/eager/first_call.py`) and the compiled plan (`run/compiled/graph_plan.py`).
 
 - a *view* returns an alias of its input without writing it: the schema says so
   (`view`, `t`, `split`, `detach`, ...), or it is one of the views the schema does not declare
@@ -66,7 +66,7 @@ def is_inplace(target) -> bool:
 def _overload(target: str):
     """The `torch.ops.aten` overload a profile op's target name ("aten.add_.Tensor") names, or
     None for anything else (ONNX ops, `getitem`)."""
-    import torch  # only here: run/graph_plan.py and run/emit.py import this module torch-free
+    import torch  # only here: run/compiled/graph_plan.py and run/emit.py import this module torch-free
     parts = target.split(".")
     if len(parts) != 3 or parts[0] != "aten":
         return None

@@ -1,6 +1,6 @@
 """Trace a workload again (with fake tensors when possible) and fingerprint the result: what
 `apply` checks a workload against its profile with, and what the whole-step module
-(`run/step.py`'s `PatchedStep`) checks a user's model against."""
+(`run/written/step.py`'s `PatchedStep`) checks a user's model against."""
 from __future__ import annotations
 
 from ..errors import FingerprintMismatch, TraceError

@@ -5,8 +5,8 @@ flight and the compute time that waits for copies; then the step's time with the
 bubbles."""
 from __future__ import annotations
 
-from ...pipeline import ROW_HEADERS, row_cells
-from ...pipeline_step import PipelineFigures
+from ...pipeline.stages import ROW_HEADERS, row_cells
+from ...pipeline.step import PipelineFigures
 from ...units import fmt_bytes, fmt_us
 from .format import _kv_table, _rows_table
 

@@ -1,0 +1,183 @@
+"""Pipeline schedules' order of compute actions, written without torch, for the CLI (`fit` and
+`simulate --pp`): GPipe, 1F1B and Interleaved1F1B, each rank's steps (kind, stage,
+microbatch) in the order torch 2.13's schedules run them (tests/test_pipeline.py checks them
+against `parallel.pipeline.schedule_order`, which reads torch). Other schedules are read from torch
+(`slackswap_cli.run.parallel.pipeline.schedule_order`).
+
+GPipe: every forward, then every backward. 1F1B: `min(microbatches, pp - rank)` forwards, then
+a backward and a forward in turn, then the remaining backwards (the loop Schedule1F1B runs).
+Interleaved1F1B (two or more stages per rank, stage `k * pp + rank`): torch's
+`_get_1f1b_rank_ops` with `_get_warmup_ops`: the microbatches go in rounds of
+`microbatches // rounds`, `rounds = max(1, microbatches // pp)`, which must divide them.
+
+Torch-free.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..errors import InputError
+
+__all__ = ["SCHEDULES", "order", "check_schedule", "PipelineSpec", "declared_pipeline",
+           "pipeline_spec"]
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+Step = tuple[str, int, int]
+
+
+def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 2) -> None:
+    """Refuse, with what to do, what the schedule cannot run."""
+    if schedule not in SCHEDULES:
+        known = {s.lower(): s for s in SCHEDULES}
+        near = known.get(str(schedule).lower())
+        raise InputError(f"unknown pipeline schedule {schedule!r}",
+                         hint=(f"did you mean --schedule {near}?" if near else
+                               "one of --schedule " + ", ".join(SCHEDULES)))
+    if pp < 1:
+        raise InputError(f"--pp {pp}: a pipeline has at least 1 rank",
+                         hint="--pp 4 for four pipeline ranks")
+    if microbatches < 1:
+        raise InputError(f"--microbatches {microbatches}: a step has at least 1 microbatch",
+                         hint=f"--microbatches {2 * pp} (twice the ranks, say)")
+    if schedule == "1F1B" and microbatches < pp:
+        raise InputError(f"1F1B with --pp {pp} needs at least {pp} microbatches, not "
+                         f"{microbatches} (torch's Schedule1F1B refuses fewer)",
+                         hint=f"--microbatches {pp}")
+    if schedule == "Interleaved1F1B":
+        if stages_per_rank < 2:
+            raise InputError(f"Interleaved1F1B runs at least 2 stages per rank, not "
+                             f"{stages_per_rank}", hint="--stages-per-rank 2")
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            fit = ((microbatches + pp - 1) // pp) * pp
+            raise InputError(f"Interleaved1F1B with --pp {pp} runs the microbatches in "
+                             f"rounds of {pp}: {microbatches} is not a multiple of the "
+                             f"{rounds} rounds", hint=f"--microbatches {fit}")
+
+
+def _gpipe(pp: int, n: int) -> dict[int, tuple[Step, ...]]:
+    return {r: tuple([("F", r, m) for m in range(n)] + [("B", r, m) for m in range(n)])
+            for r in range(pp)}
+
+
+def one_f_one_b(pp: int, n: int) -> dict[int, tuple[Step, ...]]:
+    """Schedule1F1B's `_step_microbatches`, rank by rank (one stage per rank): the order its
+    loop runs, which `run/parallel/pipeline.py` takes too."""
+    out = {}
+    for rank in range(pp):
+        warmup = min(n, pp - rank)
+        steps: list[Step] = [("F", rank, i) for i in range(warmup)]
+        fwd, bwd = warmup, 0
+        while bwd < n:
+            steps.append(("B", rank, bwd))
+            bwd += 1
+            if fwd < n:
+                steps.append(("F", rank, fwd))
+                fwd += 1
+        out[rank] = tuple(steps)
+    return out
+
+
+def _interleaved(pp: int, n: int, local: int) -> dict[int, tuple[Step, ...]]:
+    per_round = n // max(1, n // pp)
+    out = {}
+    for rank in range(pp):
+        warmup = min((local - 1) * per_round + 2 * (pp - 1 - rank), n * local)
+        total = n * local                      # forwards, and as many backwards
+        fwd_mb: dict[int, int] = {}
+        bwd_mb: dict[int, int] = {}
+        steps: list[Step] = []
+
+        def fwd(op):
+            s = ((op // per_round) % local) * pp + rank
+            fwd_mb[s] = fwd_mb.get(s, 0) + 1
+            steps.append(("F", s, fwd_mb[s] - 1))
+
+        def bwd(op):
+            s = (local - 1 - ((op - warmup) // per_round) % local) * pp + rank
+            bwd_mb[s] = bwd_mb.get(s, 0) + 1
+            steps.append(("B", s, bwd_mb[s] - 1))
+        for op in range(warmup):
+            fwd(op)
+        for op in range(warmup, total):
+            fwd(op)
+            bwd(op)
+        for op in range(total, total + warmup):
+            bwd(op)
+        out[rank] = tuple(steps)
+    return out
+
+
+def order(schedule: str, pp: int, microbatches: int,
+          stages_per_rank: int = 2) -> dict[int, tuple[Step, ...]]:
+    """rank -> its compute steps in the order `schedule` runs them (checked first)."""
+    check_schedule(schedule, pp, microbatches, stages_per_rank)
+    if schedule == "GPipe":
+        return _gpipe(pp, microbatches)
+    if schedule == "1F1B":
+        return one_f_one_b(pp, microbatches)
+    return _interleaved(pp, microbatches, stages_per_rank)
+
+
+class PipelineSpec(NamedTuple):
+    """A checked pipeline: the schedule, its ranks, microbatches per step, stages per rank
+    (Interleaved1F1B; one for the others)."""
+    schedule: str
+    pp: int
+    microbatches: int
+    stages_per_rank: int = 2
+
+
+DECLARED_KEYS = ("pp", "schedule", "microbatches", "stages_per_rank")
+
+
+def declared_pipeline(value, where: str = "the workload") -> dict:
+    """A workload's `pipeline = dict(pp=4, schedule="1F1B", microbatches=8)` as plain values,
+    its keys and types checked (the values are checked by `pipeline_spec`)."""
+    hint = 'pipeline=dict(pp=4, schedule="1F1B", microbatches=8) (stages_per_rank for Interleaved1F1B)'
+    if not isinstance(value, dict):
+        raise InputError(f"{where} declares pipeline={value!r}, not a dict", hint=hint)
+    unknown = [k for k in value if k not in DECLARED_KEYS]
+    if unknown:
+        raise InputError(f"{where} declares pipeline keys {unknown}, not among "
+                         f"{', '.join(DECLARED_KEYS)}", hint=hint)
+    if "pp" not in value:
+        raise InputError(f"{where} declares a pipeline without pp (its ranks)", hint=hint)
+    for key in ("pp", "microbatches", "stages_per_rank"):
+        if key in value and (isinstance(value[key], bool) or not isinstance(value[key], int)):
+            raise InputError(f"{where} declares pipeline {key}={value[key]!r}, not an integer",
+                             hint=hint)
+    if "schedule" in value and not isinstance(value["schedule"], str):
+        raise InputError(f"{where} declares pipeline schedule={value['schedule']!r}, not a "
+                         "name", hint="one of " + ", ".join(SCHEDULES))
+    return dict(value)
+
+
+def pipeline_spec(pp: int | None, schedule: str | None = None, microbatches: int | None = None,
+                  stages_per_rank: int | None = None, declared: dict | None = None
+                  ) -> PipelineSpec | None:
+    """The checked pipeline from the flags (None where not given), each one overriding the
+    workload's `declared` pipeline; None when neither gives --pp. Defaults: 1F1B, twice the
+    ranks microbatches, 2 stages per rank. A bad value (given or declared) is refused with
+    the flag that fixes it (the flag overrides the declared value)."""
+    base = declared_pipeline(declared) if declared is not None else {}
+    if pp is None and not base:
+        given = [o for o, v in (("--schedule", schedule), ("--microbatches", microbatches),
+                                ("--stages-per-rank", stages_per_rank)) if v is not None]
+        if given:
+            raise InputError(f"{', '.join(given)} describe(s) a pipeline, and --pp is not given",
+                             hint=f"add --pp N (the pipeline's ranks), e.g. --pp 4 {given[0]} ...")
+        return None
+    pp = base["pp"] if pp is None else pp
+    schedule = schedule or base.get("schedule") or "1F1B"
+    microbatches = base.get("microbatches", 2 * pp) if microbatches is None else microbatches
+    per_rank = base.get("stages_per_rank", 2) if stages_per_rank is None else stages_per_rank
+    try:
+        check_schedule(schedule, pp, microbatches, per_rank)
+    except InputError as exc:
+        if not base:
+            raise
+        raise InputError(f"{exc.message} (the workload declares pipeline={base!r}; a flag "
+                         "overrides it)", hint=exc.hint) from None
+    return PipelineSpec(schedule, pp, microbatches, per_rank)

@@ -1,0 +1,197 @@
+"""What later calls at a signature follow: the first call's template, by signature.
+
+`Template` keeps what a later call needs from the first call's full record (its packs'
+decisions, the records its chains replay, the values each chain read and the pack that hands
+each over); `Templates` holds each signature's first call until its backward ran, then its
+template; `Fingerprint` is what a template is valid for besides the signature (the very
+parameter and buffer tensors in their slots, the autocast state). The calls that follow a
+template: run/eager/steady_call.py (later calls), run/eager/new_shape.py (the first call at new shapes).
+"""
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.utils._pytree as pytree
+
+from .packs import SteadyRoute, TemplatePack
+
+if TYPE_CHECKING:
+    from .call_state import CallState
+
+__all__ = ["Template", "Templates", "Fingerprint"]
+
+_KEEP = "keep"          # (schema.Action.KEEP's value: a table names actions by value)
+
+
+class Template:
+    """What a later call at the same input signature needs from the first one's full record
+    (a `first_call.FirstCall`'s state) to run the plan with saved-tensor hooks alone
+    (`steady_call.SteadyCall`): each pack's expected shape, dtype and node type and its
+    decision, the records of the ops (with the call's inputs as `InputRef` markers, so later
+    calls' inputs take their place), and, for each value a chain read while it was alive, the
+    pack that hands it over; the first call's line-up, which a followed call reports."""
+    __slots__ = ("fingerprint", "n", "records", "reads_act", "rec_of_op", "tid_of",
+                 "loc_of_tid", "usable", "metas", "device", "prefetch_order", "lineup",
+                 "external", "chain_reads", "uses", "ok", "seq", "held_at", "fresh",
+                 "saved_total", "guarded", "seq_quiet", "keep_only", "chain_records",
+                 "chain_made", "shape_groups")
+
+    def __init__(self, run: "CallState", fingerprint: "Fingerprint"):
+        # (made after a first call, whose machinery is loaded: not at import, see inplace.py)
+        from .recorded import InputRef, OpRecord
+        self.fingerprint = fingerprint
+        self.n = len(run.seq)
+        pos = {id(x): i for i, x in enumerate(run.call_inputs)}
+
+        def sub(a):
+            return InputRef(pos[id(a)]) if isinstance(a, torch.Tensor) and id(a) in pos else a
+        self.records = [OpRecord(r.func, pytree.tree_map(sub, r.args),
+                                pytree.tree_map(sub, r.kwargs), None, r.versions, r.op,
+                                r.in_locs) for r in run.records]
+        self.reads_act, self.rec_of_op, self.tid_of = run.reads_act, run.rec_of_op, run.tid_of
+        self.loc_of_tid, self.usable, self.metas = run.loc_of_tid, run.usable, run.metas
+        self.device, self.prefetch_order = run.device, run.prefetch_order
+        self.lineup = run.lineup
+        self.external = run.external.without_tensors(run.call_inputs)
+        self.chain_reads = {o: tuple(locs) for o, locs in run.live_reads.items()}
+        self.uses: dict[tuple, int] = {}          # loc -> chains that read it
+        for locs in self.chain_reads.values():
+            for loc in locs:
+                self.uses[loc] = self.uses.get(loc, 0) + 1
+        binds = self._binds(run.seq)
+        # each pack: what a later call checks and does there (`packs.TemplatePack`)
+        self.seq = [TemplatePack(n.shape, n.dtype, n.node, n.action, n.root, n.loc, n.tracked,
+                                 binds.get(i), n.own) for i, n in enumerate(run.seq)]
+        # the guard's count before each pack, and after the last (`guard.py`): where a later
+        # call that leaves the template resumes counting
+        self.held_at = [n.held for n in run.seq] + [run.guard.held]
+        # the bytes each pack added to what a keep-all run holds (its storage's, the first
+        # time it is saved), and their sum: what a first call at other shapes scales by
+        self.fresh = [n.fresh for n in run.seq]
+        self.saved_total = sum(self.fresh)
+        self.guarded = (run.guard.swaps, run.guard.swapped_bytes)   # followed by later calls
+        # the same, for a call that does not measure what it holds: nothing weakly tracked
+        self.seq_quiet = [n._replace(tracked=False) for n in self.seq]
+        # a keep-all plan: nothing depends on which tensor is which, nothing to check
+        self.keep_only = all(a == _KEEP for a in run.table.action.values())
+        self.chain_records: dict[int, list[int]] = {}    # filled by the first steady call
+        self.chain_made: dict[int, list] = {}
+        self.shape_groups = None       # the packs by old shape (`new_shape.groups`)
+
+    def holds(self) -> bool:
+        """Still valid for a later call: a keep-all plan reads no parameter, any other needs
+        its fingerprint to hold."""
+        return self.keep_only or self.fingerprint.holds()
+
+    def _binds(self, seq: list) -> dict[int, list]:
+        """pack -> [(loc, via its _base?)]: the pack that hands each value a chain read while
+        it was alive over to this call (the tensor autograd saves, or its `_base`). `ok` is
+        False when a chain read a value autograd does not save (nothing can hand it over)."""
+        first_self, first_base = {}, {}
+        for i, n in enumerate(seq):
+            first_self.setdefault(n.loc, i)
+            first_base.setdefault(n.base_loc, i)
+        binds: dict[int, list] = {}
+        self.ok = True
+        for loc in self.uses:
+            if loc in first_self:
+                binds.setdefault(first_self[loc], []).append((loc, False))
+            elif loc in first_base:
+                binds.setdefault(first_base[loc], []).append((loc, True))
+            else:
+                self.ok = False
+        return binds
+
+
+class Templates:
+    """A patched model's first calls, by input signature: each one's record (with the
+    fingerprint it was made with) until its backward ran, then its `Template` (False: none
+    can be made); `hot`: a later call's key -> its `packs.SteadyRoute`, the one lookup a
+    steady call makes; `superseded`: the first call's record at a signature whose plan was
+    since made again along its branches (a new length may follow it:
+    `signatures.SignaturePlans._borrow`)."""
+    __slots__ = ("by_sig", "hot", "superseded")
+
+    def __init__(self):
+        self.by_sig: dict[tuple, object] = {}
+        self.hot: dict[tuple, SteadyRoute] = {}
+        self.superseded: dict[tuple, object] = {}
+
+    def note(self, sig, run: "CallState", fingerprint: "Fingerprint") -> None:
+        """`run` is the first call at `sig` (its template is made once its backward ran)."""
+        self.by_sig[sig] = (run, fingerprint)
+
+    def supersede(self, sig, run: "CallState") -> None:
+        """`sig`'s plan was made again after its first call `run`: keep that call's record
+        (a new length may follow its template: `SignaturePlans._borrow`)."""
+        got = self.by_sig.get(sig)
+        if type(got) is tuple and got[0] is run:
+            self.superseded[sig] = got
+
+    def get(self, sig):
+        """The steady-state template for `sig`, made from its first call once that call's
+        backward ran every chain it deferred (it then knows what each chain reads)."""
+        got = self.by_sig.get(sig)
+        if got is None or got is False:
+            return None
+        if type(got) is not tuple:
+            if got.holds():
+                return got
+            self.drop(sig)                     # parameters replaced, or autocast changed
+            return None
+        run, made_with = got
+        if not made_with.holds() or not set(run.deferred) <= run.done_chains:
+            return None                          # (the first call's backward has not run)
+        tpl = Template(run, made_with)
+        self.by_sig[sig] = tpl if tpl.ok else False
+        return tpl if tpl.ok else None
+
+    def superseded_of(self, sig):
+        """(template, the plan it ran) of `sig`'s first call, recorded on a plan since made
+        again, once its backward ran; None if there is none, it keeps everything (nothing
+        to follow pack by pack) or the parameters were replaced since."""
+        got = self.superseded.get(sig)
+        if got is None:
+            return None
+        if type(got[1]) is Fingerprint:        # (a first call's record: no template yet)
+            run, made_with = got
+            if made_with.holds() and not set(run.deferred) <= run.done_chains:
+                return None                     # (its backward has not run yet)
+            tpl = Template(run, made_with) if made_with.holds() else None
+            got = (tpl, run.t) if tpl is not None and tpl.ok and not tpl.keep_only else None
+        if got is None or not got[0].holds():
+            self.superseded.pop(sig, None)      # (nothing to follow: not kept either)
+            return None
+        self.superseded[sig] = got
+        return got
+
+    def drop(self, sig) -> None:
+        """Forget `sig`'s template: the next call at it records again."""
+        self.by_sig.pop(sig, None)
+        self.hot = {k: v for k, v in self.hot.items() if v.sig != sig}
+
+
+def _autocast_state() -> tuple:
+    return (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
+
+
+class Fingerprint:
+    """What a template is valid for besides the signature: the very parameter and buffer
+    tensors in each module's slots (its records hold them) and the autocast state. `holds()`
+    checks it without walking the module tree (three flat lists, compared at C level)."""
+    __slots__ = ("autocast", "dicts", "names", "tensors")
+
+    def __init__(self, model: torch.nn.Module):
+        self.autocast = _autocast_state()
+        slots = [(d, name, t) for m in model.modules()
+                 for d in (m._parameters, m._buffers) for name, t in d.items()]
+        self.dicts = [d for d, _, _ in slots]
+        self.names = [name for _, name, _ in slots]
+        self.tensors = [t for _, _, t in slots]
+
+    def holds(self) -> bool:
+        return (_autocast_state() == self.autocast
+                and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.tensors)))
