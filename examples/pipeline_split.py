@@ -4,7 +4,7 @@
 
 Every rank builds the whole model and the pipe (as `pipeline()` needs), plans the stage it
 runs for its budget knowing how many microbatches 1F1B holds there, patches it and trains.
-docs/training.md ("A model split by pipeline()") walks through it.
+docs/pipeline.md ("A model split by pipeline()") walks through it.
 """
 import torch
 import torch.distributed as dist

@@ -1,6 +1,6 @@
 """slackswap: fit training into GPU memory by keeping, swapping or recomputing saved activations.
 
-From a training script (docs/training.md, "The library API"):
+From a training script (docs/library.md):
 
     plan = slackswap_cli.plan_model(model, inputs, budget=0.5)
     slackswap_cli.patch(model, plan)          # or model = slackswap_cli.compile(model, plan)

@@ -1,5 +1,5 @@
 """The docs hold together: every relative link in README.md and docs/*.md names a file that
-exists, and every `$ slackswap ...` command they show is a real command with real options."""
+exists (and a heading there, for a link with an anchor), and every `$ slackswap ...` command they show is a real command with real options."""
 import re
 import shlex
 from pathlib import Path
@@ -32,6 +32,33 @@ def shown_commands(doc: Path):
 def test_relative_links_point_to_files(doc):
     missing = [t for t in relative_links(doc) if not (doc.parent / t.split("#")[0]).exists()]
     assert not missing, f"{doc.name} links to files that do not exist: {missing}"
+
+
+def heading_anchors(doc: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings (fenced code blocks left out)."""
+    anchors, fenced = set(), False
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            title = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower())
+            anchors.add(title.replace(" ", "-"))
+    return anchors
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_anchors_name_headings(doc):
+    """A link to page.md#anchor (or #anchor in the page) names a heading that page has: a
+    section moved to another page takes its links along."""
+    broken = []
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"[a-z]+:", target) or "#" not in target:
+            continue
+        page, anchor = target.split("#", 1)
+        page = (doc.parent / page) if page else doc
+        if page.suffix == ".md" and page.exists() and anchor not in heading_anchors(page):
+            broken.append(target)
+    assert not broken, f"{doc.name} links to headings that do not exist: {broken}"
 
 
 def test_the_readme_links_every_doc():

@@ -114,14 +114,14 @@ def test_a_pipeline_split_trains_exactly_on_two_ranks(tmp_path):
 
 
 def test_the_docs_recipe_is_the_examples():
-    """docs/training.md's `pipeline()` recipe is examples/pipeline_split.py's (which the
+    """docs/pipeline.md's `pipeline()` recipe is examples/pipeline_split.py's (which the
     2-rank runs above exercise through the same calls), line for line."""
     import textwrap
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     example = (root / "examples" / "pipeline_split.py").read_text()
     recipe = example.split("# --8<-- [start:recipe]\n")[1].split("    # --8<-- [end:recipe]")[0]
-    doc = (root / "docs" / "training.md").read_text()
+    doc = (root / "docs" / "pipeline.md").read_text()
     assert "```python\n" + textwrap.dedent(recipe) + "```\n" in doc
 
 
