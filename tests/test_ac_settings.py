@@ -110,3 +110,39 @@ def test_checkpoint_gap_counts_cached_outputs_backward_does_not_read():
     # the block input is saved by the profile itself: nothing to add or take away
     assert gap.input_bytes == 0 and gap.derived_kept_bytes == 0
     assert "not simulated" in plan.notes[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# through the CLI and the Python API
+# ---------------------------------------------------------------------------------------------
+AC = ("torchtitan-sac", "full-ac", "megatron-selective")
+
+
+def test_compare_fit_and_plan_model_take_them(tmp_path):
+    import orjson
+    from typer.testing import CliRunner
+    from workloads import ROOT
+
+    import slackswap_cli as slackswap
+    from slackswap_cli.cli import app
+    from slackswap_cli.schema import save
+    from slackswap_cli.trace.workload import load_workload
+
+    prof_path = tmp_path / "llama.profile.json"
+    save(llama(4), prof_path)
+    runner = CliRunner()
+    r = runner.invoke(app, ["compare", str(prof_path), "--budget", "1.0", "--planners",
+                            ",".join(("slackswap", *AC)), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["planner"]: row for row in orjson.loads(r.stdout)["results"]}
+    assert set(rows) == {"slackswap", *AC} and all(row["feasible"] for row in rows.values())
+    tiny = ROOT / "examples" / "tiny_gpt.py"
+    args = ["--arg", "n_layer=2", "--arg", "seq=32"]
+    r = runner.invoke(app, ["fit", str(tiny), *args, "--batch", "1,2", "--planner", "full-ac",
+                            "--memory", "8GiB", "--json", "-o", str(tmp_path / "fit.plan.json")])
+    assert r.exit_code == 0, r.output
+    assert orjson.loads(r.stdout)["best"]["planner"] == "full-ac"
+    work = load_workload(str(tiny), args={"n_layer": 2, "seq": 32})
+    plan = slackswap.plan_model(work.model, work.inputs, budget=1.0, planner="torchtitan-sac",
+                                device="fake")
+    assert plan.planner == "torchtitan-sac" and plan.feasible
