@@ -203,7 +203,9 @@ def checkpoint_gap(profile: Profile, state: State, cached: set[int]) -> Checkpoi
 
 def _gap_note(profile, state, cached) -> str:
     g = checkpoint_gap(profile, state, cached)
-    return (f"not simulated: torch's checkpoint holds {fmt_bytes(g.held_bytes)} more "
-            f"(block inputs {fmt_bytes(g.input_bytes)} for kept copies of them "
-            f"{fmt_bytes(g.derived_kept_bytes)}, cached outputs backward does not read "
-            f"{fmt_bytes(g.cached_unread_bytes)}) and its replay takes {g.time_us:.0f} us more")
+    more = "more" if g.held_bytes >= 0 else "less"
+    return (f"not simulated: torch's checkpoint holds {fmt_bytes(abs(g.held_bytes))} {more} "
+            f"(the blocks' inputs, {fmt_bytes(g.input_bytes)}, where this plan keeps "
+            f"{fmt_bytes(g.derived_kept_bytes)} derived from them; cached outputs backward does "
+            f"not read, {fmt_bytes(g.cached_unread_bytes)}) and its replay takes "
+            f"{abs(g.time_us):.0f} us {'more' if g.time_us >= 0 else 'less'}")
