@@ -146,3 +146,22 @@ def test_compare_fit_and_plan_model_take_them(tmp_path):
     plan = slackswap.plan_model(work.model, work.inputs, budget=1.0, planner="torchtitan-sac",
                                 device="fake")
     assert plan.planner == "torchtitan-sac" and plan.feasible
+
+
+def test_core_attention_is_the_fused_kernel_or_square_matrices_inside_attention():
+    from slackswap_cli.planners.ac_settings import is_core_attention
+    b = ProfileBuilder()
+    x = b.add_tensor("x", "input", (1, 2, 8, 4), "float32")
+    outs = {}
+    for name, target, mod, shape in (
+            ("scores", "aten.bmm.default", "layers.0.self_attn", (1, 2, 8, 8)),
+            ("probs", "aten._softmax.default", "layers.0.self_attn", (1, 2, 8, 8)),
+            ("proj", "aten.mm.default", "layers.0.self_attn.o_proj", (1, 2, 8, 4)),
+            ("feature", "aten.convolution.default", "layers.0.conv", (1, 2, 8, 8)),
+            ("flash", "aten._scaled_dot_product_flash_attention.default", "layers.0.mix",
+             (1, 2, 8, 4))):
+        t = b.add_tensor(name, "activation", shape, "float32")
+        outs[name] = b.add_op(name, target, "forward", (x,), (t,), module=mod)
+    prof = b.build()
+    assert {n for n, op in outs.items() if is_core_attention(prof, op)} == \
+        {"scores", "probs", "flash"}

@@ -13,14 +13,18 @@ from module paths), what the framework's own rule would keep or recompute:
   memory-efficient SDPA kernels, abs, max and reduce-scatter; today's adds torch's other
   compute-intensive ops (addmm, bmm, convolution, ...), linear, cuDNN attention, topk and
   all-to-all, and no longer abs. On a bias-free Llama (mm and SDPA only) both pick the same.
-- `full-ac`: `torch.utils.checkpoint` around every block (torchtitan `mode = "full"`, Hugging
-  Face `gradient_checkpointing_enable()`, which wraps each decoder layer): only what the next
-  block reads stays; it is `checkpoint-layers` with every block checkpointed.
-- `megatron-selective`: Megatron-LM's `recompute_granularity = "selective"` (its default
-  `recompute_modules = ["core_attn"]`): the core attention (scores, softmax, dropout, the
-  product with V; a fused kernel's output and log-sum-exp) is recomputed from the kept
-  query, key and value, everything else is kept. Random outputs (an attention dropout mask)
-  cannot be recomputed here and are kept.
+- `full-ac`: `torch.utils.checkpoint` around every block (torchtitan `FullAC`; Hugging
+  Face's `gradient_checkpointing_enable()`, an alias of `activation_checkpointing_enable` in
+  transformers/modeling_utils.py that wraps each `GradientCheckpointingLayer`, the decoder
+  layers, non-reentrant by default): only what the next block reads stays; it is
+  `checkpoint-layers` with every block checkpointed.
+- `megatron-selective`: Megatron-LM's `recompute_granularity = "selective"` with its default
+  `recompute_modules = ["core_attn"]` (megatron.core.transformer.transformer_config; the
+  checkpoint is `_checkpointed_attention_forward` in megatron.core.transformer.attention,
+  around the core attention with query, key and value as its inputs): the core attention
+  (scores, softmax, dropout, the product with V; a fused kernel's output and log-sum-exp)
+  is recomputed from the kept query, key and value, everything else is kept. Random outputs
+  (an attention dropout mask) cannot be recomputed here and are kept.
 
 In every block the rule leaves alone, and outside the blocks (embeddings, head, loss),
 everything is kept. A tensor whose recompute would have to re-run ops of another block (what
@@ -32,7 +36,9 @@ planners' notes say it): the checkpoint saves the block's input where the profil
 a copy derived from it (Hugging Face's RMSNorm saves an fp32 copy of a bf16 input); selective
 AC caches the output of every op it saves whether backward reads it or not (the down
 projection's output); and the replay re-runs the whole block forward except the cached ops,
-where the simulator re-runs only the chains of the recomputed tensors.
+where the simulator re-runs only the chains of the recomputed tensors. That is torchtitan's
+replay (`early_stop=False`); torch's default, which Hugging Face's checkpoint gets, stops once
+backward has what it needs, and re-runs less.
 """
 from __future__ import annotations
 
@@ -154,11 +160,15 @@ def full_ac(profile: Profile, hw, budget_bytes: int):
 
 
 def is_core_attention(profile: Profile, op_id: int) -> bool:
-    """An op of the core attention: a fused attention kernel, or an op writing a
-    (..., heads, seq, seq) matrix (the unfused path's scores, softmax, dropout)."""
+    """An op of the core attention: a fused attention kernel, or, in a module whose path
+    names attention ("attn", "attention"), an op writing a (..., heads, seq, seq) matrix
+    (the unfused path's scores, softmax, dropout; a convolution's square feature map is not
+    one)."""
     op = profile.ops[op_id]
     if op.target in FUSED_ATTENTION:
         return True
+    if "attn" not in op.module.lower() and "attention" not in op.module.lower():
+        return False
     return any(len(sh) >= 4 and sh[-1] == sh[-2] > 1
                for sh in (profile.tensors[t].shape for t in op.outputs))
 
