@@ -18,8 +18,8 @@ torch.compile. For each:
    states, sharded over N (16 bytes per parameter / N); the unsharded bf16 parameters of two
    blocks (the one running and the one prefetched) and of the root (embeddings, final norm,
    head: FSDP2 keeps the root unsharded through the step). Communication: every block's bf16
-   parameters are all-gathered in forward and again in backward, its gradients
-   reduce-scattered in fp32, (N - 1) / N of the bytes each over the link (`LINKS`: its
+   parameters are all-gathered in forward and again in backward (but the last block's,
+   which torchtitan does not reshard after forward), its gradients reduce-scattered in fp32, (N - 1) / N of the bytes each over the link (`LINKS`: its
    per-direction rate times 0.8). FSDP2 prefetches the next block's all-gather under the
    current block's compute, so per block only what exceeds the block's compute is exposed,
    plus the first all-gather and the last reduce-scatter (and the root's, once each).
@@ -188,7 +188,7 @@ def exposed_comm_us(run: Run, f: dict, step_us: float) -> tuple[float, float]:
     exposed = (ag_root + rs_root + ag + rs
                + (layers - 1) * max(0.0, ag - f["fwd_block_us"])
                + (layers - 1) * max(0.0, ag + rs - bwd_block))
-    total = ag_root + rs_root + layers * (2 * ag + rs)
+    total = ag_root + rs_root + (2 * layers - 1) * ag + layers * rs
     return exposed, total
 
 
