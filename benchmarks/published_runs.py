@@ -37,6 +37,7 @@ constants are `op_costs.json`'s, the link rates are stated in `LINKS`.
 
     python benchmarks/published_runs.py   # writes benchmarks/results/published_runs.{json,md}
     python benchmarks/published_runs.py --profiles /tmp/runs   # keeps the traces to reuse
+    python benchmarks/published_runs.py --check-depth 8   # the extrapolation against 8 layers
 """
 from __future__ import annotations
 
@@ -303,15 +304,32 @@ def write_md(rows: list[dict], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def check_depth(layers: int, out: Path) -> None:
+    """Print the 2- and 3-layer extrapolation against a direct trace at `layers` layers, for
+    the first and the last run (the 8B on H100, the 70B on A100)."""
+    for run in (RUNS[0], RUNS[-1]):
+        hw, arg = hardware(run, out, False)
+        f2, f3, fx = (figures(run, profile(run, n, out, arg), hw) for n in (2, 3, layers))
+        for key in ("ac_step_us", "ac_peak_bytes", "ours_step_us", "ours_peak_bytes"):
+            guess = f2[key] + (layers - 2) * (f3[key] - f2[key])
+            print(f"{run.name}: {key} at {layers} layers extrapolated {guess:.6g}, traced "
+                  f"{fx[key]:.6g} ({guess / fx[key] - 1:+.3%})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profiles", type=Path, default=None,
                     help="keep the traced profiles in this folder (and reuse them)")
+    ap.add_argument("--check-depth", type=int, default=None, metavar="N",
+                    help="only compare the extrapolation with a direct trace of N layers")
     args = ap.parse_args()
     out_dir = ROOT / "benchmarks" / "results"
     with tempfile.TemporaryDirectory() as tmp:
         keep = args.profiles or Path(tmp)
         keep.mkdir(parents=True, exist_ok=True)
+        if args.check_depth:
+            check_depth(args.check_depth, keep)
+            return
         rows = [predict(run, keep) for run in RUNS]
     (out_dir / "published_runs.json").write_text(json.dumps(rows, indent=1) + "\n")
     write_md(rows, out_dir / "published_runs.md")
