@@ -38,8 +38,10 @@ the facts of its parameters, `ModelFacts`), and here, without torch:
 
 The same sweep is run for what a user would do otherwise (`BASELINES`): keep everything (the
 plain step: fits when its keep-all peak fits), full activation checkpointing
-(`checkpoint-layers` with every block checkpointed) and `recompute-only` (torch.compile's
-memory budget). The best row of each is the feasible one with the most samples/s.
+(`checkpoint-layers` with every block checkpointed, the `full-ac` planner's plan), torchtitan's
+selective op AC (`torchtitan-sac`), Megatron's selective recompute (`megatron-selective`) and
+`recompute-only` (torch.compile's memory budget). The best row of each is the feasible one
+with the most samples/s.
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ OPTIMIZERS: dict[str, tuple[int, bool]] = {
     "sgd": (0, False), "sgd-momentum": (1, False), "none": (0, False),
 }
 STEP_BYTES = 4            # `step`: torch.tensor(0.0) in float32 (float64 only as default dtype)
-BASELINES = ("keep-all", "checkpoint-layers", "recompute-only")
+BASELINES = ("keep-all", "checkpoint-layers", "torchtitan-sac", "megatron-selective",
+             "recompute-only")
 
 
 @dataclass(frozen=True)

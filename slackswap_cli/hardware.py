@@ -159,6 +159,10 @@ _BOUNDS: dict[str, tuple[float, float, str]] = {
 #          GB/s (40GB PCIe and SXM). 108 SMs: NVIDIA A100 architecture whitepaper.
 # [H100]   NVIDIA H100 Tensor Core GPU datasheet (SXM5): 67 TFLOPS FP32, 494.7 TF32, 989 BF16,
 #          1,979 FP8, 3.35 TB/s HBM3. 132 SMs: NVIDIA H100 architecture whitepaper (SXM5).
+# [H100-96] The H100 of torchtitan's benchmarks (pytorch/torchtitan,
+#          benchmarks/llama3_h100_202412_torchtitan.md): 96GB HBM2e at 2.4 TB/s, SXM, run at
+#          a 500 W limit; its peak "is between SXM and NVL" (their footnote): the SXM5
+#          datasheet's compute is taken, with 132 SMs.
 # [H200]   NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute (67 FP32, 494.7 TF32,
 #          989 BF16, 1,979 FP8, 132 SMs), 4.8 TB/s HBM3e, 141 GB.
 # [GH200]  NVIDIA GH200 Grace Hopper Superchip datasheet: H100-class GPU (67 FP32, 494.7 TF32,
@@ -259,6 +263,9 @@ PRESETS: dict[str, HardwareSpec] = {
     "h100-sxm": _spec("h100-sxm", 989e12, 67e12, 494.7e12, 1979e12, 132, 3350,  # [H100]
                       80 * GIB, "pcie5", "H100 80GB SXM5 on a PCIe 5.0 x16 host link",
                       eff=0.70),
+    "h100-sxm-96gb": _spec("h100-sxm-96gb", 989e12, 67e12, 494.7e12, 1979e12, 132,  # [H100-96]
+                           2400, 96 * 10**9, "pcie5", "H100 SXM 96GB HBM2e (2.4 TB/s, 500 W), "
+                           "the GPU of torchtitan's 2024-12 benchmarks", eff=0.70),
     "v100-pcie": _spec("v100-pcie", 112e12, 14e12, 0, 0, 80, 900, 32 * GIB,  # [V100]
                        "pcie3", "V100 32GB PCIe (PCIe 3.0 x16); fp16 tensor cores, no bf16"),
     "t4": _spec("t4", 65e12, 8.1e12, 0, 0, 40, 320, 16 * GIB,  # [T4]

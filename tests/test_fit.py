@@ -213,7 +213,8 @@ def test_fit_json_rows_best_and_baselines(tmp_path):
         assert row["budget_bytes"] == (40 * 2**30 - row["static_bytes"] - row["reserve_bytes"])
         assert row["static_bytes"] >= row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"]
     assert data["best"] == max(data["rows"], key=lambda x: x["samples_per_s"])
-    assert set(data["baselines"]) == {"keep-all", "checkpoint-layers", "recompute-only"}
+    assert set(data["baselines"]) == {"keep-all", "checkpoint-layers", "torchtitan-sac",
+                                      "megatron-selective", "recompute-only"}
     for name, b in data["baselines"].items():
         assert [row["planner"] for row in b["rows"]] == [name] * 3
         assert b["best"]["samples_per_s"] <= data["best"]["samples_per_s"]
@@ -236,7 +237,8 @@ def test_fit_tables_and_chart(tmp_path):
               "-o", str(tmp_path / "p.plan.json")])
     assert r.exit_code == 0, r.output + r.stderr
     for text in ("fit: slackswap on a100-pcie4", "Baselines", "samples/s against batch", "best: batch",
-                 "checkpoint-layers", "recompute-only", "keep-all", "wrote"):
+                 "checkpoint-layers", "torchtitan-sac", "megatron-selective", "recompute-only",
+                 "keep-all", "wrote"):
         assert text in r.stdout, r.stdout
     assert "[2/2] batch 2" in r.stderr
 

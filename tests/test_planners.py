@@ -152,7 +152,8 @@ def test_checkpoint_layers_recomputes_inside_blocks_only():
 def test_registry_names_and_unknown_planner():
     assert planner_names() == list(PLANNERS)
     assert set(planner_names()) == {"slackswap", "optimal", "recompute-only", "swap-all",
-                                    "checkpoint-layers"}
+                                    "checkpoint-layers", "torchtitan-sac", "full-ac",
+                                    "megatron-selective"}
     p = chain_profile(2)
     with pytest.raises(InputError, match="unknown planner 'nope'") as exc:
         make_plan("nope", p, HW, 10)

@@ -28,7 +28,7 @@ CORE = (
     "slackswap_cli.planners", "slackswap_cli.planners.common", "slackswap_cli.planners.settings",
     "slackswap_cli.planners.slackswap", "slackswap_cli.planners.optimal",
     "slackswap_cli.planners.baselines", "slackswap_cli.planners.bound",
-    "slackswap_cli.planners.polish",
+    "slackswap_cli.planners.polish", "slackswap_cli.planners.ac_settings",
     "slackswap_cli.schema.types", "slackswap_cli.schema.load", "slackswap_cli.schema.validate",
     "slackswap_cli.schema.write",
 )

@@ -36,7 +36,8 @@ from .step import PipelineFigures, pipeline_figures
 
 __all__ = ["stages_on_rank", "rank_static", "pipeline_row", "row_maker"]
 
-FIXED = ("keep-all", "checkpoint-layers")     # plans that do not change with the budget
+# plans that do not change with the budget
+FIXED = ("keep-all", "checkpoint-layers", "torchtitan-sac", "full-ac", "megatron-selective")
 BISECTIONS = 8
 
 

@@ -19,6 +19,8 @@ and this table, nothing else.
 - `optimal`: a MILP over the same choices, solved by HiGHS with a time limit (optimal.py);
   slackswap's plan is its fallback and the plan to beat, passed in here.
 - `recompute-only`, `swap-all`, `checkpoint-layers`: baselines (baselines.py), no settings.
+- `torchtitan-sac`, `full-ac`, `megatron-selective`: the activation-checkpointing settings
+  users run (ac_settings.py), no settings.
 """
 from __future__ import annotations
 
@@ -114,6 +116,14 @@ PLANNERS: dict[str, PlannerSpec] = {
     "swap-all": PlannerSpec("swap every saved activation", "baselines:swap_all",
                             fits_from_floor=True),
     "checkpoint-layers": PlannerSpec("checkpoint whole blocks", "baselines:checkpoint_layers"),
+    "torchtitan-sac": PlannerSpec("torchtitan's selective op AC: keep matmuls (every other one) "
+                                  "and attention, recompute the rest of each block",
+                                  "ac_settings:torchtitan_sac"),
+    "full-ac": PlannerSpec("checkpoint every block (torchtitan full AC, Hugging Face "
+                           "gradient_checkpointing_enable)", "ac_settings:full_ac"),
+    "megatron-selective": PlannerSpec("Megatron's selective recompute: recompute the core "
+                                      "attention, keep the rest",
+                                      "ac_settings:megatron_selective"),
 }
 
 

@@ -9,8 +9,8 @@ from ...units import fmt_bytes, fmt_us
 from .format import _Fit, _rows_table, fmt_pct
 
 # the chart's marks: the planner's sweep, then the baselines in fit.BASELINES order
-_MARKS = ("●", "k", "c", "r")
-_STYLES = ("bold green", "yellow", "cyan", "magenta")
+_MARKS = ("●", "k", "c", "t", "m", "r")
+_STYLES = ("bold green", "yellow", "cyan", "blue", "red", "magenta")
 
 
 def _rate(x: float | None) -> str:
@@ -72,6 +72,7 @@ def rate_chart(result: FitResult, planner: str, height: int = 10, col: int = 8) 
     """samples/s (y) against batch (x, one column group per batch of the sweep): one mark per
     sweep where its row fits (see the legend under the chart)."""
     series = [(planner, result.rows), *result.baselines.items()]
+    col = max(col, 2 * len(series))    # one mark every other column, each sweep its own
     top = max((r["samples_per_s"] for _, rows in series for r in rows if r["feasible"]),
               default=0.0)
     if not top:

@@ -1,0 +1,340 @@
+"""Published bf16 training runs, predicted: tokens/s and peak memory per GPU, and what
+slackswap's plan gives instead at the same memory.
+
+Each run (`RUNS`) is a measured torchtitan run with its configuration stated in its source
+(pytorch/torchtitan; file and commit named per run): Llama 3 8B / 70B, FSDP2 over N GPUs,
+bf16 compute with fp32 parameters, gradients reduced in fp32, AdamW, no float8, no
+torch.compile. For each:
+
+1. **Profile.** `examples/llama3.py` (Hugging Face's Llama at the run's size, SDPA) traced with
+   `--device fake` on the GPU's preset, at the run's local batch and sequence, with 2 and 3
+   layers. Every figure below is computed on both and extrapolated linearly to the run's
+   depth: v(L) = v(2) + (L - 2) (v(3) - v(2)) (the blocks repeat; the embeddings, head and
+   loss are in the constant part).
+2. **AC setting.** The run's setting through its baseline planner (`torchtitan-sac` or
+   `full-ac`), judged by the simulator with no memory limit: step time, activation peak; plus
+   `checkpoint_gap` (what torch's checkpoint holds and re-runs beyond that picture).
+3. **FSDP.** Static memory per GPU: fp32 parameters, fp32 gradients and AdamW's two fp32
+   states, sharded over N (16 bytes per parameter / N); the unsharded bf16 parameters of two
+   blocks (the one running and the one prefetched) and of the root (embeddings, final norm,
+   head: FSDP2 keeps the root unsharded through the step). Communication: every block's bf16
+   parameters are all-gathered in forward and again in backward (but the last block's,
+   which torchtitan does not reshard after forward), its gradients reduce-scattered in fp32, (N - 1) / N of the bytes each over the link (`LINKS`: its
+   per-direction rate times 0.8). FSDP2 prefetches the next block's all-gather under the
+   current block's compute, so per block only what exceeds the block's compute is exposed,
+   plus the first all-gather and the last reduce-scatter (and the root's, once each).
+4. **Predicted:** tokens/s per GPU = local batch x seq / (step + exposed communication +
+   optimizer step: AdamW and gradient clipping over the shard, memory bound);
+   peak memory per GPU = static + activation peak + checkpoint gap. Counted: what the
+   caching allocator hands out at the peak; not counted: its fragmentation, the CUDA context,
+   NCCL's buffers, cuBLAS workspaces (the published figure is torch's max reserved memory).
+5. **slackswap at the same memory:** slackswap's plan on each profile, with the activation
+   budget the AC setting used there (its simulated peak plus the checkpoint gap), extrapolated
+   the same way; FSDP communication as above.
+
+Nothing is fitted to these runs: the presets' figures are datasheet ones, the cost model's
+constants are `op_costs.json`'s, the link rates are stated in `LINKS`.
+
+    python benchmarks/published_runs.py   # writes benchmarks/results/published_runs.{json,md}
+    python benchmarks/published_runs.py --profiles /tmp/runs   # keeps the traces to reuse
+    python benchmarks/published_runs.py --check-depth 8   # the extrapolation against 8 layers
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from slackswap_cli.hardware import PRESETS  # noqa: E402
+from slackswap_cli.planners import make_plan  # noqa: E402
+from slackswap_cli.planners.ac_settings import checkpoint_gap, sac_cached_ops  # noqa: E402
+from slackswap_cli.planners.common import State, build_cost_model  # noqa: E402
+from slackswap_cli.schema import load_profile  # noqa: E402
+
+GIB = 1 << 30
+TT = "pytorch/torchtitan"
+# link -> (GB/s per direction, source). The rate used is 0.8 of it (NCCL's ring bus bandwidth
+# on large messages reaches about 80% of the link: an assumption, not measured here).
+LINKS = {
+    "nvlink4": (450.0, "NVLink 4 on H100 SXM: 900 GB/s both directions (H100 datasheet)"),
+    "rdma400": (50.0, "400 Gb/s RDMA per GPU between hosts (the run's source states it)"),
+    "ib200": (25.0, "200 Gb/s InfiniBand per GPU between hosts: assumed, the source does not "
+                    "state the A100 cluster's network"),
+}
+LINK_EFFICIENCY = 0.8
+# AdamW reads parameter, gradient and both moments and writes back parameter and moments (28
+# bytes in fp32); clipping reads the gradient for its norm and scales it in place (12)
+OPTIMIZER_BYTES = 28 + 12
+# layers, hidden, kv heads x head dim, MLP, vocab (examples/llama3.py)
+SIZES = {"8b": (32, 4096, 1024, 14336, 128256), "70b": (80, 8192, 1024, 28672, 128256)}
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    source: str
+    size: str
+    hardware: str
+    gpus: int
+    link: str
+    batch: int
+    seq: int
+    ac: str                      # the baseline planner of its AC setting
+    tokens_per_s: float          # measured, per GPU
+    memory_gib: float | None     # measured, per GPU (torch's max reserved), None: not published
+    low_peak: float | None = None  # a lower dense bf16 peak the source allows (FLOP/s)
+    low_peak_source: str = ""
+
+
+# torchtitan's footnote: its H100's peak "is between SXM and NVL"
+NVL = (835e12, "H100 NVL datasheet: 1,671 TFLOPS bf16 with sparsity, 835 dense")
+RUNS = [
+    Run("8B, 8x H100, FSDP 8, selective op AC", f"{TT} benchmarks/llama3_h100_202412_torchtitan.md "
+        "Table 1 row FSDP (torchtitan 9dec370, torch 1963fc8)", "8b", "h100-sxm-96gb", 8,
+        "nvlink4", 2, 8192, "torchtitan-sac", 5762, 82.4, *NVL),
+    Run("8B, 128x H100, FSDP 128, selective op AC", f"{TT} benchmarks/llama3_h100_202412_"
+        "torchtitan.md Table 3 row FSDP (torchtitan 9dec370)", "8b", "h100-sxm-96gb", 128,
+        "rdma400", 2, 8192, "torchtitan-sac", 5605, 67.0, *NVL),
+    Run("8B, 64x A100, FSDP 64, selective op AC", f"{TT} docs/performance.md at 1ea476e9f "
+        "(2024-04-24), train_configs/llama3_8b.toml there (seq 8192)", "8b", "a100-pcie4", 64,
+        "ib200", 1, 8192, "torchtitan-sac", 2973, None),
+    Run("70B, 64x A100, FSDP 64, full AC", f"{TT} docs/performance.md at 1ea476e9f "
+        "(2024-04-24), train_configs/llama3_70b.toml there (seq 8192)", "70b", "a100-pcie4", 64,
+        "ib200", 1, 8192, "full-ac", 331, None),
+]
+
+
+def block_params(size: str) -> tuple[int, int]:
+    """(parameters per block, parameters outside the blocks) of Llama 3 at `size`."""
+    _, h, kv, mlp, vocab = SIZES[size]
+    block = h * (2 * h + 2 * kv) + 3 * h * mlp + 2 * h
+    return block, 2 * vocab * h + h
+
+
+def hardware(run: Run, out: Path, low: bool):
+    """(the HardwareSpec, the --hardware argument): the run's preset, or with `low` the same
+    at the lower peak its source allows (written as a hardware file)."""
+    hw = PRESETS[run.hardware]
+    if not low:
+        return hw, run.hardware
+    hw = dataclasses.replace(hw, name=f"{hw.name}-low-peak", peak_flops_per_s=run.low_peak)
+    path = out / f"{hw.name}.json"
+    path.write_text(json.dumps(hw.to_dict()))
+    return hw, str(path)
+
+
+def profile(run: Run, layers: int, out: Path, hw_arg: str):
+    tag = Path(hw_arg).stem
+    path = out / f"{run.size}_{tag}_b{run.batch}_l{layers}.profile.json"
+    if not path.exists():
+        exe = Path(sys.executable).with_name("slackswap")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        subprocess.run([str(exe), "profile", "examples/llama3.py", "--device", "fake",
+                        "--hardware", hw_arg, "--arg", f"size='{run.size}'",
+                        "--arg", f"n_layer={layers}", "--arg", f"batch={run.batch}",
+                        "--arg", f"seq={run.seq}", "-o", str(path), "-q"],
+                       check=True, cwd=ROOT, env=env)
+    return load_profile(path)
+
+
+def figures(run: Run, prof, hw) -> dict:
+    """The AC setting and slackswap on one profile: times (us) and activation bytes."""
+    ac = make_plan(run.ac, prof, hw, 1 << 50)
+    m = build_cost_model(prof, hw)
+    acts = ac.actions()
+    state = State(m, [acts[t] for t in m.cands])
+    gap = checkpoint_gap(prof, state, sac_cached_ops(prof) if run.ac == "torchtitan-sac"
+                         else set())
+    budget = ac.predicted.peak_bytes + gap.held_bytes
+    ours = make_plan("slackswap", prof, hw, budget)
+    return {"ac_step_us": ac.predicted.step_us + gap.time_us,
+            "ours_swapped_bytes": ours.predicted.swapped_bytes,
+            "ours_recompute_us": ours.predicted.recompute_us,
+            "ac_recompute_us": ac.predicted.recompute_us + gap.time_us,
+            "ac_peak_bytes": budget, "gap_bytes": gap.held_bytes, "gap_us": gap.time_us,
+            "ours_step_us": ours.predicted.step_us if ours.feasible else None,
+            "ours_peak_bytes": ours.predicted.peak_bytes,
+            "fwd_us": prof.summary["forward_us"], "bwd_us": prof.summary["backward_us"]}
+
+
+def scaled(f2: dict, f3: dict, layers: int) -> dict:
+    out = {}
+    for k, v2 in f2.items():
+        v3 = f3[k]
+        out[k] = None if v2 is None or v3 is None else v2 + (layers - 2) * (v3 - v2)
+    out["fwd_block_us"] = f3["fwd_us"] - f2["fwd_us"]
+    out["bwd_block_us"] = f3["bwd_us"] - f2["bwd_us"]
+    return out
+
+
+def exposed_comm_us(run: Run, f: dict, step_us: float) -> tuple[float, float]:
+    """(exposed communication, total communication) in us of one step (see the docstring)."""
+    layers = SIZES[run.size][0]
+    blk, root = block_params(run.size)
+    rate = LINKS[run.link][0] * 1e9 * LINK_EFFICIENCY / 1e6          # bytes per us
+    share = (run.gpus - 1) / run.gpus
+    ag, rs = 2 * blk * share / rate, 4 * blk * share / rate
+    ag_root, rs_root = 2 * root * share / rate, 4 * root * share / rate
+    # backward's block time includes its share of the AC setting's replay
+    bwd_block = f["bwd_block_us"] + (step_us - f["fwd_us"] - f["bwd_us"]) / layers
+    exposed = (ag_root + rs_root + ag + rs
+               + (layers - 1) * max(0.0, ag - f["fwd_block_us"])
+               + (layers - 1) * max(0.0, ag + rs - bwd_block))
+    total = ag_root + rs_root + (2 * layers - 1) * ag + layers * rs
+    return exposed, total
+
+
+def optimizer_us(run: Run) -> float:
+    """AdamW (foreach) over the rank's fp32 shard, after clipping the gradients' norm: memory
+    bound, `OPTIMIZER_BYTES` per parameter at the preset's achievable HBM bandwidth."""
+    blk, root = block_params(run.size)
+    shard = (SIZES[run.size][0] * blk + root) / run.gpus
+    return shard * OPTIMIZER_BYTES / PRESETS[run.hardware].achievable_hbm_bytes_per_s * 1e6
+
+
+def static_bytes(run: Run) -> dict:
+    blk, root = block_params(run.size)
+    total = SIZES[run.size][0] * blk + root
+    return {"sharded": -(-16 * total // run.gpus), "unsharded": 2 * (2 * blk + root)}
+
+
+def scaled_figures(run: Run, out: Path, low: bool = False) -> dict:
+    hw, arg = hardware(run, out, low)
+    return scaled(figures(run, profile(run, 2, out, arg), hw),
+                  figures(run, profile(run, 3, out, arg), hw), SIZES[run.size][0])
+
+
+def predict(run: Run, out: Path) -> dict:
+    f = scaled_figures(run, out)
+    opt = optimizer_us(run)
+    st = static_bytes(run)
+    tokens = run.batch * run.seq
+    exp_ac, comm = exposed_comm_us(run, f, f["ac_step_us"])
+    tps = tokens / (f["ac_step_us"] + exp_ac + opt) * 1e6
+    mem = (st["sharded"] + st["unsharded"] + f["ac_peak_bytes"]) / GIB
+    row = {"run": run.name, "source": run.source, "ac": run.ac, "gpus": run.gpus,
+           "hardware": run.hardware, "link": LINKS[run.link][1],
+           "measured_tokens_per_s": run.tokens_per_s, "measured_memory_gib": run.memory_gib,
+           "predicted_tokens_per_s": tps, "predicted_memory_gib": mem,
+           "tokens_error": tps / run.tokens_per_s - 1,
+           "memory_error": None if run.memory_gib is None else mem / run.memory_gib - 1,
+           "sharded_gib": st["sharded"] / GIB, "unsharded_gib": st["unsharded"] / GIB,
+           "activations_gib": f["ac_peak_bytes"] / GIB, "gap_gib": f["gap_bytes"] / GIB,
+           "compute_ms": f["ac_step_us"] / 1e3, "comm_ms": comm / 1e3,
+           "exposed_comm_ms": exp_ac / 1e3, "optimizer_ms": opt / 1e3,
+           "compute_only_tokens_per_s": tokens / (f["ac_step_us"] + opt) * 1e6,
+           "ac_recompute_ms": f["ac_recompute_us"] / 1e3,
+           "slackswap_recompute_ms": f["ours_recompute_us"] / 1e3,
+           "slackswap_swapped_gib": f["ours_swapped_bytes"] / GIB}
+    row["low_peak_tokens_per_s"] = row["low_peak_source"] = None
+    if run.low_peak:
+        low = scaled_figures(run, out, low=True)
+        row["low_peak_tokens_per_s"] = tokens / (low["ac_step_us"] + opt + exposed_comm_us(
+            run, low, low["ac_step_us"])[0]) * 1e6
+        row["low_peak_source"] = run.low_peak_source
+    if f["ours_step_us"] is not None:
+        exp_ours, _ = exposed_comm_us(run, f, f["ours_step_us"])
+        row["slackswap_tokens_per_s"] = tokens / (f["ours_step_us"] + exp_ours + opt) * 1e6
+        row["slackswap_vs_ac"] = row["slackswap_tokens_per_s"] / tps
+        row["slackswap_compute_vs_ac"] = f["ac_step_us"] / f["ours_step_us"]
+    else:
+        row["slackswap_tokens_per_s"] = row["slackswap_vs_ac"] = None
+        row["slackswap_compute_vs_ac"] = None
+    return row
+
+
+def pct(x):
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def rate(x):
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def write_md(rows: list[dict], path: Path) -> None:
+    lines = ["# Published bf16 runs, predicted", "",
+             "`python benchmarks/published_runs.py` (method: its docstring; sources below). "
+             "Per GPU; memory: measured is torch's max reserved, predicted is what the "
+             "allocator hands out at the peak (no fragmentation, context, NCCL buffers).", "",
+             "| run | AC | tokens/s measured | predicted | error | memory measured | predicted "
+             "| error |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        mm = "-" if r["measured_memory_gib"] is None else f"{r['measured_memory_gib']:.1f} GiB"
+        lines.append(f"| {r['run']} | {r['ac']} | {rate(r['measured_tokens_per_s'])} | "
+                     f"{rate(r['predicted_tokens_per_s'])} | {pct(r['tokens_error'])} | {mm} | "
+                     f"{r['predicted_memory_gib']:.1f} GiB | {pct(r['memory_error'])} |")
+    lines += ["", "Beside each reproduction: its step without FSDP communication, at the lower "
+              "peak its source allows, and slackswap's plan at the same activation memory "
+              "(the AC setting's, checkpoint gap included), FSDP communication the same:", "",
+              "| run | compute only | at the lower peak | AC recompute ms | slackswap tokens/s "
+              "| vs AC | compute only, vs AC | its recompute ms | its swaps GiB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        vs = "-" if r["slackswap_vs_ac"] is None else f"{r['slackswap_vs_ac']:.3f}x"
+        ours = ("does not fit" if r["slackswap_tokens_per_s"] is None
+                else rate(r["slackswap_tokens_per_s"]))
+        cvs = ("-" if r["slackswap_compute_vs_ac"] is None
+               else f"{r['slackswap_compute_vs_ac']:.3f}x")
+        lines.append(f"| {r['run']} | {rate(r['compute_only_tokens_per_s'])} | "
+                     f"{rate(r['low_peak_tokens_per_s'])} | {r['ac_recompute_ms']:.0f} | {ours} "
+                     f"| {vs} | {cvs} | {r['slackswap_recompute_ms']:.0f} | "
+                     f"{r['slackswap_swapped_gib']:.1f} |")
+    lines += ["", "Memory parts (GiB) and time parts (ms per step):", "",
+              "| run | sharded state | unsharded params | activations | of which checkpoint gap "
+              "| forward + backward | optimizer | FSDP comm | exposed |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['sharded_gib']:.2f} | {r['unsharded_gib']:.2f} | "
+                     f"{r['activations_gib']:.2f} | {r['gap_gib']:.2f} | {r['compute_ms']:.0f} | "
+                     f"{r['optimizer_ms']:.0f} | "
+                     f"{r['comm_ms']:.0f} | {r['exposed_comm_ms']:.0f} |")
+    lines += ["", "Sources:", ""]
+    for r in rows:
+        low = f"; lower peak: {r['low_peak_source']}" if r["low_peak_source"] else ""
+        lines.append(f"- {r['run']}: {r['source']}; link: {r['link']}{low}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def check_depth(layers: int, out: Path) -> None:
+    """Print the 2- and 3-layer extrapolation against a direct trace at `layers` layers, for
+    the first and the last run (the 8B on H100, the 70B on A100)."""
+    for run in (RUNS[0], RUNS[-1]):
+        hw, arg = hardware(run, out, False)
+        f2, f3, fx = (figures(run, profile(run, n, out, arg), hw) for n in (2, 3, layers))
+        for key in ("ac_step_us", "ac_peak_bytes", "ours_step_us", "ours_peak_bytes"):
+            guess = f2[key] + (layers - 2) * (f3[key] - f2[key])
+            print(f"{run.name}: {key} at {layers} layers extrapolated {guess:.6g}, traced "
+                  f"{fx[key]:.6g} ({guess / fx[key] - 1:+.3%})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profiles", type=Path, default=None,
+                    help="keep the traced profiles in this folder (and reuse them)")
+    ap.add_argument("--check-depth", type=int, default=None, metavar="N",
+                    help="only compare the extrapolation with a direct trace of N layers")
+    args = ap.parse_args()
+    out_dir = ROOT / "benchmarks" / "results"
+    with tempfile.TemporaryDirectory() as tmp:
+        keep = args.profiles or Path(tmp)
+        keep.mkdir(parents=True, exist_ok=True)
+        if args.check_depth:
+            check_depth(args.check_depth, keep)
+            return
+        rows = [predict(run, keep) for run in RUNS]
+    (out_dir / "published_runs.json").write_text(json.dumps(rows, indent=1) + "\n")
+    write_md(rows, out_dir / "published_runs.md")
+    print((out_dir / "published_runs.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""benchmarks/published_runs.py's FSDP arithmetic, checked by hand and against the model it
+describes (the benchmark itself traces eight profiles: run it as a benchmark)."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("published_runs",
+                                                  ROOT / "benchmarks" / "published_runs.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("published_runs", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("size", ["8b", "70b"])
+def test_block_and_root_parameters_are_the_models(size):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    pr = _load()
+    layers, hidden, kv, mlp, vocab = pr.SIZES[size]
+    heads = hidden // 128
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=hidden, num_attention_heads=heads,
+                         num_key_value_heads=kv // 128, intermediate_size=mlp, vocab_size=vocab)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    block, root = pr.block_params(size)
+    per_block = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert per_block == block
+    assert sum(p.numel() for p in model.parameters()) == 2 * block + root
+    if size == "8b":    # Llama 3.1 8B: 8,030,261,248 parameters
+        assert layers * block + root == 8_030_261_248
+
+
+def test_static_memory_and_exposed_communication_by_hand():
+    pr = _load()
+    run = pr.RUNS[0]                                    # 8B on 8 GPUs over NVLink
+    block, root = pr.block_params("8b")
+    st = pr.static_bytes(run)
+    assert st["sharded"] == -(-16 * (32 * block + root) // 8)
+    assert st["unsharded"] == 2 * (2 * block + root)
+    rate = 450e9 * 0.8 / 1e6                            # bytes per us
+    ag, rs = 2 * block * 7 / 8 / rate, 4 * block * 7 / 8 / rate
+    ag_root, rs_root = 2 * root * 7 / 8 / rate, 4 * root * 7 / 8 / rate
+    # blocks slower than their communication: only the first gather, the last reduce-scatter
+    # and the root's are exposed
+    slow = {"fwd_block_us": 1e9, "bwd_block_us": 1e9, "fwd_us": 0.0, "bwd_us": 0.0}
+    exposed, total = pr.exposed_comm_us(run, slow, 0.0)
+    assert exposed == pytest.approx(ag_root + rs_root + ag + rs)
+    # the last block stays gathered from forward into backward (torchtitan does not reshard it)
+    assert total == pytest.approx(ag_root + rs_root + 63 * ag + 32 * rs)
+    # blocks that take no time: everything is exposed
+    idle = {"fwd_block_us": 0.0, "bwd_block_us": 0.0, "fwd_us": 0.0, "bwd_us": 0.0}
+    assert pr.exposed_comm_us(run, idle, 0.0)[0] == pytest.approx(total)
