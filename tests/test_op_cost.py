@@ -219,6 +219,14 @@ def test_fit_script_reproduces_the_committed_constants():
     assert 72 < without["fp32_power_knee_w"] < 250
 
 
+def test_each_per_op_file_times_an_empty_node_at_6_to_13_us():
+    import csv
+    fc = _fit_costs()
+    files = sorted((fc.DATA / "labels").glob("*/*-train-*.csv"))
+    harness = [fc.harness_ms(list(csv.DictReader(f.open()))) for f in files]
+    assert len(files) == 22 and all(0.006 <= h <= 0.013 for h in harness), harness
+
+
 def test_the_steps_left_out_of_the_whole_step_fit_are_the_mistimed_a100_ones():
     fc = _fit_costs()
     left = sorted(f"{s['gpu']} {s['model']}-{s['seq']}-{s['batch']}"
