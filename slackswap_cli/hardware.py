@@ -59,6 +59,12 @@ class HardwareSpec:
     fp8_flops_per_s: float = 0.0     # dense FP8 tensor-core FLOP/s (datasheet; 0 = none)
     sm_count: int = 0                # streaming multiprocessors (GEMM waves; 0 = not given)
     link_source: str = ""            # where the H2D / D2H / both-at-once figures come from
+    # what bounds the fp32 FMA rate and the memory traffic of small tensors (op_cost.py;
+    # 0 = not given: no bound of that kind)
+    fp32_lanes_per_sm: int = 0       # FP32 cores per SM: 64, or 128 (two FP32 datapaths)
+    board_power_w: float = 0.0       # board power limit (TDP), watts (datasheet)
+    l2_bytes: int = 0                # L2 cache size
+    l2_bytes_per_s: float = 0.0      # L2 read bandwidth (whitepaper bytes/clk x boost clock)
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -120,7 +126,7 @@ class HardwareSpec:
             value = getattr(spec, name)
             ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
                   and math.isfinite(value) and lo <= value <= hi)
-            if name in ("memory_bytes", "sm_count"):
+            if name in ("memory_bytes", "sm_count", "fp32_lanes_per_sm", "l2_bytes"):
                 ok = ok and (isinstance(value, int) or float(value).is_integer())
             if not ok:
                 raise FormatError(f"{source}: {name} is {value!r:.40}, expected a number in "
@@ -151,6 +157,10 @@ _BOUNDS: dict[str, tuple[float, float, str]] = {
     "tf32_flops_per_s": (0, 1e20, _RATE + " (0: no TF32)"),
     "fp8_flops_per_s": (0, 1e20, _RATE + " (0: no FP8)"),
     "sm_count": (0, 1e6, "the GPU's SM count, e.g. 108 (0: not given)"),
+    "fp32_lanes_per_sm": (0, 4096, "FP32 cores per SM, e.g. 64 (0: not given)"),
+    "board_power_w": (0, 1e5, "the board's power limit in watts, e.g. 300 (0: not given)"),
+    "l2_bytes": (0, 2**40, "the L2 cache in bytes, e.g. 41943040 for 40 MiB (0: not given)"),
+    "l2_bytes_per_s": (0, 1e17, _RATE + " (0: not given)"),
 }
 
 # Sources (datasheet figures are dense, i.e. without structured sparsity):
@@ -177,6 +187,16 @@ _BOUNDS: dict[str, tuple[float, float, str]] = {
 # [L4]     NVIDIA L4 datasheet: 30.3 TFLOPS FP32, 60 TF32, 121 BF16/FP16, 242.5 FP8 (half the
 #          datasheet's with-sparsity figures), 300 GB/s GDDR6, 24 GB. 58 SMs: NVIDIA Ada
 #          Lovelace architecture whitepaper (AD104 as configured for L4).
+# [CHIP]   FP32 cores per SM: 64 on Volta, Turing and A100 (their whitepapers), 128 on Ada and
+#          Hopper (two FP32 datapaths per SM partition; Ada and H100 whitepapers). Board power
+#          (TDP): A100 datasheet 400 W SXM, 300 W 80GB PCIe, 250 W 40GB PCIe; H100 SXM5 and H200
+#          SXM datasheets 700 W; V100 PCIe datasheet 250 W; T4 datasheet 70 W; L4 datasheet 72 W;
+#          RTX 4090: Ada whitepaper, 450 W total graphics power; GH200's datasheet gives the
+#          module's (450-1000 W, CPU included), not the GPU's: not given. L2: A100 whitepaper 40 MB
+#          and 5,120 bytes/clk read bandwidth (V100: 2,048 bytes/clk), V100 6 MB (Volta
+#          whitepaper), T4 4 MB (Turing whitepaper), H100 SXM5 50 MB (H100 whitepaper), L4 48 MB
+#          and RTX 4090 72 MB (Ada whitepaper). Ada, Hopper and Turing whitepapers give no L2
+#          bytes/clk: theirs is A100's (Ada, Hopper) or V100's (Turing) per SM, an estimate.
 # [PCIe3]  Pinned cudaMemcpy on PCIe 3.0 x16 (15.75 GB/s raw each way) measures about 12-13 GB/s
 #          each way in published bandwidthTest runs; both at once about 80% each (typical, not
 #          measured by slackswap).
@@ -210,10 +230,24 @@ _LINK = {
 }
 
 
+# bytes per clock per SM of the L2 (read): A100 5,120 B/clk over 108 SMs, V100 2,048 B/clk over
+# 80 SMs ([CHIP]); GPUs whose whitepaper gives no figure take their generation's
+_L2_AMPERE = 5120 / 108
+_L2_VOLTA = 2048 / 80
+
+
+def _chip(lanes: int, watts: float, l2_mib: int, l2_per_sm_clk: float, fp32: float) -> dict:
+    """The figures that bound the fp32 rate and small tensors' traffic ([CHIP]); the L2's
+    bandwidth is its bytes per SM per clock times the SMs and the boost clock, i.e.
+    `fp32 / (2 * lanes)` times the per-SM figure (fp32 = 2 FLOPs x lanes x SMs x clock)."""
+    return {"fp32_lanes_per_sm": lanes, "board_power_w": watts, "l2_bytes": l2_mib * 2**20,
+            "l2_bytes_per_s": round(l2_per_sm_clk * fp32 / (2 * lanes), -9)}
+
+
 def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72,
-          bw=None) -> HardwareSpec:
+          bw=None, chip=None) -> HardwareSpec:
     """A preset: the compute and memory figures given, the host link of `link` (its typical
-    bandwidth each way unless `bw` GB/s is given)."""
+    bandwidth each way unless `bw` GB/s is given), the `_chip` figures."""
     typical, lat = {"pcie3": (12.5, 10.0), "pcie4": (25.7, 8.0), "pcie5": (55.0, 6.0)}[link]
     bw = typical if bw is None else bw
     return HardwareSpec(
@@ -222,19 +256,21 @@ def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72,
         d2h_bytes_per_s=bw * GB, copy_latency_us=lat, duplex=True,
         duplex_derate=0.8 if link == "pcie3" else 0.85, description=desc,
         fp32_flops_per_s=fp32, tf32_flops_per_s=tf32, fp8_flops_per_s=fp8, sm_count=sms,
-        link_source=_LINK[link])
+        link_source=_LINK[link], **(chip or {}))
 
 
+_A100 = {w: _chip(64, w, 40, _L2_AMPERE, 19.5e12) for w in (250, 300, 400)}
+_HOPPER = _chip(128, 700, 50, _L2_AMPERE, 67e12)
 PRESETS: dict[str, HardwareSpec] = {
     # name              bf16     fp32     tf32      fp8      SMs  HBM GB/s  memory [source]
     "a100-pcie4": _spec("a100-pcie4", 312e12, 19.5e12, 156e12, 0, 108, 2039, 80 * GIB,  # [A100]
-                        "pcie4", "A100 80GB SXM on a PCIe 4.0 x16 host link"),
+                        "pcie4", "A100 80GB SXM on a PCIe 4.0 x16 host link", chip=_A100[400]),
     "h100-pcie5": _spec("h100-pcie5", 989e12, 67e12, 494.7e12, 1979e12, 132, 3350,  # [H100]
                         80 * GIB, "pcie5", "H100 80GB SXM on a PCIe 5.0 x16 host link",
-                        eff=0.70),
+                        eff=0.70, chip=_HOPPER),
     "h200-pcie5": _spec("h200-pcie5", 989e12, 67e12, 494.7e12, 1979e12, 132, 4800,  # [H200]
                         141 * 10**9, "pcie5", "H200 141GB on a PCIe 5.0 x16 host link",
-                        eff=0.70),
+                        eff=0.70, chip=_HOPPER),
     "gh200-c2c": HardwareSpec(
         name="gh200-c2c",
         peak_flops_per_s=989e12,             # [GH200]
@@ -249,29 +285,35 @@ PRESETS: dict[str, HardwareSpec] = {
         description="GH200 Grace Hopper, NVLink-C2C between Grace and Hopper",
         fp32_flops_per_s=67e12, tf32_flops_per_s=494.7e12, fp8_flops_per_s=1979e12,  # [GH200]
         sm_count=132, link_source=_LINK["c2c"],
+        **_chip(128, 0, 50, _L2_AMPERE, 67e12),   # [CHIP] no GPU-only power limit given
     ),
     "rtx4090-pcie4": _spec("rtx4090-pcie4", 165.2e12, 82.6e12, 82.6e12, 330.3e12, 128,  # [4090]
                            1008, 24 * GIB, "pcie4", "GeForce RTX 4090 on a PCIe 4.0 x16 host "
-                           "link", eff=0.75, bw=25.0),
+                           "link", eff=0.75, bw=25.0,
+                           chip=_chip(128, 450, 72, _L2_AMPERE, 82.6e12)),
     # the GPUs of benchmarks/data/gpu_truth (measured steps), on the host link of their form
     "a100-80gb-pcie": _spec("a100-80gb-pcie", 312e12, 19.5e12, 156e12, 0, 108, 1935,  # [A100]
-                            80 * GIB, "pcie4", "A100 80GB PCIe (PCIe 4.0 x16)"),
+                            80 * GIB, "pcie4", "A100 80GB PCIe (PCIe 4.0 x16)", chip=_A100[300]),
     "a100-40gb-pcie": _spec("a100-40gb-pcie", 312e12, 19.5e12, 156e12, 0, 108, 1555,  # [A100]
-                            40 * GIB, "pcie4", "A100 40GB PCIe (PCIe 4.0 x16)"),
+                            40 * GIB, "pcie4", "A100 40GB PCIe (PCIe 4.0 x16)", chip=_A100[250]),
     "a100-40gb-sxm": _spec("a100-40gb-sxm", 312e12, 19.5e12, 156e12, 0, 108, 1555,  # [A100]
-                           40 * GIB, "pcie4", "A100 40GB SXM4 on a PCIe 4.0 x16 host link"),
+                           40 * GIB, "pcie4", "A100 40GB SXM4 on a PCIe 4.0 x16 host link",
+                           chip=_A100[400]),
     "h100-sxm": _spec("h100-sxm", 989e12, 67e12, 494.7e12, 1979e12, 132, 3350,  # [H100]
                       80 * GIB, "pcie5", "H100 80GB SXM5 on a PCIe 5.0 x16 host link",
-                      eff=0.70),
+                      eff=0.70, chip=_HOPPER),
     "h100-sxm-96gb": _spec("h100-sxm-96gb", 989e12, 67e12, 494.7e12, 1979e12, 132,  # [H100-96]
                            2400, 96 * 10**9, "pcie5", "H100 SXM 96GB HBM2e (2.4 TB/s, 500 W), "
-                           "the GPU of torchtitan's 2024-12 benchmarks", eff=0.70),
+                           "the GPU of torchtitan's 2024-12 benchmarks", eff=0.70,
+                           chip=_chip(128, 500, 50, _L2_AMPERE, 67e12)),
     "v100-pcie": _spec("v100-pcie", 112e12, 14e12, 0, 0, 80, 900, 32 * GIB,  # [V100]
-                       "pcie3", "V100 32GB PCIe (PCIe 3.0 x16); fp16 tensor cores, no bf16"),
+                       "pcie3", "V100 32GB PCIe (PCIe 3.0 x16); fp16 tensor cores, no bf16",
+                       chip=_chip(64, 250, 6, _L2_VOLTA, 14e12)),
     "t4": _spec("t4", 65e12, 8.1e12, 0, 0, 40, 320, 16 * GIB,  # [T4]
-                "pcie3", "T4 16GB (PCIe 3.0 x16); fp16 tensor cores, no bf16"),
+                "pcie3", "T4 16GB (PCIe 3.0 x16); fp16 tensor cores, no bf16",
+                chip=_chip(64, 70, 4, _L2_VOLTA, 8.1e12)),
     "l4": _spec("l4", 121e12, 30.3e12, 60e12, 242.5e12, 58, 300, 24 * GIB,  # [L4]
-                "pcie4", "L4 24GB (PCIe 4.0 x16)"),
+                "pcie4", "L4 24GB (PCIe 4.0 x16)", chip=_chip(128, 72, 48, _L2_AMPERE, 30.3e12)),
 }
 
 DEFAULT_PRESET = "a100-pcie4"

@@ -8,13 +8,22 @@ An op's time is a roofline with two things the plain one (`HardwareSpec.roofline
   workload allowed TF32 (`torch.backends.cuda.matmul.allow_tf32` or a float32 matmul
   precision of "high"/"medium" for matmuls, `torch.backends.cudnn.allow_tf32` for
   convolutions: the profile records them in `env.float32_matmul`), else on the FP32 FMA units
-  at `fp32_flops_per_s` times a fitted efficiency of its class and the wave quantization of
-  its output over the GPU's SMs (`sm_count`; 128x128 output tiles);
+  at `fp32_flops_per_s` times a fitted efficiency of its class, the wave quantization of
+  its output over the GPU's SMs (`sm_count`; 128x128 output tiles) and `fp32_clock_factor`:
+  a fitted efficiency on SMs with 128 FP32 lanes (`fp32_lanes_per_sm`: two FP32 datapaths
+  per SM partition, which an FP32 GEMM does not keep both busy) and the clock a board power
+  limit sustains (`board_power_w` under the fitted knee: the clock falls in proportion, as
+  it does once the voltage sits at its floor, where power is about C x V_min^2 x clock; the
+  70-75 W cards measured, T4 and L4, run FP32 GEMMs at about half their boost clock);
+- **the L2**: a memory-bound op (not a matmul class) whose bytes fit in the L2 (`l2_bytes`)
+  streams at the L2's bandwidth (`l2_bytes_per_s`) where that beats HBM's: the tensors of one
+  op of a small model were just written by the op before;
 - **per-class constants fitted on measured GPU steps** (`op_costs.json`, written by
-  benchmarks/fit_costs.py from benchmarks/data/gpu_truth/): the achievable fraction of HBM
-  bandwidth per class of op, the FP32 GEMM efficiencies, and one per-kernel overhead.
+  benchmarks/fit_costs.py from benchmarks/data/gpu_truth/): the achievable fraction of
+  memory bandwidth per class of op, the FP32 GEMM efficiencies, the wide-SM efficiency and
+  power knee, and one per-kernel overhead.
 
-time = max(FLOPs / compute rate, bytes / (HBM bandwidth x class efficiency)) + overhead;
+time = max(FLOPs / compute rate, bytes / (bandwidth x class efficiency)) + overhead;
 an op that neither computes nor moves bytes (a view) is free.
 
 `price_profile` re-times every roofline op of a profile this way and records the cost model
@@ -101,6 +110,8 @@ class CostModel:
     kernel_overhead_us: float      # added to every op that computes or moves bytes
     digest: str
     fitted_from: tuple = ()        # the files the constants came from
+    wide_sm_efficiency: float = 1.0   # fp32 FMA rate kept on SMs with 128 FP32 lanes
+    power_knee_w: float = 0.0         # board power under which the fp32 clock falls (0: none)
 
     @property
     def identity(self) -> dict:
@@ -110,7 +121,7 @@ class CostModel:
 def cost_model_from_dict(data: dict) -> CostModel:
     """A `CostModel` from the JSON object `fit_costs.py` writes."""
     body = orjson.dumps({k: data[k] for k in ("fp32_efficiency", "memory_efficiency",
-                                                "kernel_overhead_us")},
+                                                "kernel_overhead_us", *_OPTIONAL) if k in data},
                         option=orjson.OPT_SORT_KEYS)
     missing = [c for c in CLASSES if c not in data["memory_efficiency"]]
     if missing:
@@ -118,7 +129,13 @@ def cost_model_from_dict(data: dict) -> CostModel:
                          hint="run benchmarks/fit_costs.py to write them again")
     return CostModel(dict(data["fp32_efficiency"]), dict(data["memory_efficiency"]),
                      float(data["kernel_overhead_us"]),
-                     hashlib.sha256(body).hexdigest()[:12], tuple(data.get("fitted_from", ())))
+                     hashlib.sha256(body).hexdigest()[:12], tuple(data.get("fitted_from", ())),
+                     float(data.get("fp32_wide_sm_efficiency", 1.0)),
+                     float(data.get("fp32_power_knee_w", 0.0)))
+
+
+# constants a file may leave out (the file then prices as before they existed)
+_OPTIONAL = ("fp32_wide_sm_efficiency", "fp32_power_knee_w")
 
 
 @lru_cache(maxsize=1)
@@ -151,6 +168,26 @@ def wave_utilisation(out_shape, sm_count: int) -> float:
     return tiles / (math.ceil(tiles / sm_count) * sm_count)
 
 
+def fp32_clock_factor(hw, model: CostModel) -> float:
+    """The fraction of `fp32_flops_per_s` the FMA units keep: the wide-SM efficiency where an
+    SM has 128 FP32 lanes, times the board-power-limited clock (power over the knee, at most
+    1). Rounded to 4 places."""
+    factor = model.wide_sm_efficiency if hw.fp32_lanes_per_sm >= 128 else 1.0
+    if hw.board_power_w > 0 and model.power_knee_w > 0:
+        factor *= min(1.0, hw.board_power_w / model.power_knee_w)
+    return round(factor, 4)
+
+
+def memory_rate(hw, model: CostModel, cls: str, nbytes: float) -> float:
+    """Achievable bytes/s of an op of class `cls` moving `nbytes`: the L2's bandwidth where
+    the bytes fit in it and it beats HBM's (not for matmul classes), else HBM's; times the
+    class's fitted efficiency."""
+    bandwidth = hw.hbm_bytes_per_s
+    if cls not in MATMUL_CLASSES and 0 < nbytes <= hw.l2_bytes:
+        bandwidth = max(bandwidth, hw.l2_bytes_per_s)
+    return bandwidth * model.memory_efficiency.get(cls, model.memory_efficiency["elementwise"])
+
+
 def compute_rate(hw, model: CostModel, cls: str, dtype: str, precision: Precision,
                  out_shape=None) -> float:
     """Achievable FLOP/s of an op of class `cls` whose operands are `dtype`."""
@@ -165,7 +202,8 @@ def compute_rate(hw, model: CostModel, cls: str, dtype: str, precision: Precisio
     if hw.fp32_flops_per_s <= 0:   # a hardware file without the figure: its one peak
         return hw.peak_flops_per_s * hw.matmul_efficiency
     eff = model.fp32_efficiency.get(cls, model.fp32_efficiency["gemm"])
-    return hw.fp32_flops_per_s * eff * wave_utilisation(out_shape, hw.sm_count)
+    return (hw.fp32_flops_per_s * eff * fp32_clock_factor(hw, model)
+            * wave_utilisation(out_shape, hw.sm_count))
 
 
 def op_time_us(hw, model: CostModel, cls: str, dtype: str, flops: float, nbytes: float,
@@ -176,8 +214,7 @@ def op_time_us(hw, model: CostModel, cls: str, dtype: str, flops: float, nbytes:
     compute_us = 0.0
     if flops > 0:
         compute_us = flops / compute_rate(hw, model, cls, dtype, precision, out_shape) * 1e6
-    mem_eff = model.memory_efficiency.get(cls, model.memory_efficiency["elementwise"])
-    memory_us = nbytes / (hw.hbm_bytes_per_s * mem_eff) * 1e6
+    memory_us = nbytes / memory_rate(hw, model, cls, nbytes) * 1e6
     return max(compute_us, memory_us) + model.kernel_overhead_us
 
 

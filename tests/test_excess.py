@@ -1,6 +1,6 @@
 """plan_model measures its plan on the model (run/verify/excess.py): eager holds what Python still
 names longer than the simulator counts, so a plan predicted at its budget can peak above it
-(a tiny GPT at 0.35: 247552 bytes in forward against 231078); where it does, plan_model plans
+(a tiny GPT at 0.35: 231168 bytes against 231078); where it does, plan_model plans
 again below the budget by that excess. The measurement runs on the user's model itself and
 leaves it, its gradients, buffers and random number generators as they were."""
 import copy

@@ -292,7 +292,9 @@ def test_planner_settings_reach_the_planner():
 def test_price_ladder_finds_what_the_dearest_price_misses():
     # GPT-2 XL at 0.5: pricing every swap at the dearest recompute of the plan without swaps
     # fills the slack with masks, residuals and norm statistics; a lower price on the ladder
-    # swaps matmul outputs instead, and the simulator prefers that plan
+    # swaps matmul outputs instead, and the simulator prefers that plan (retention 0.94817
+    # against 0.94779 on the sample as traced now; the margin was over 5e-4 on the constants
+    # before fp32 GEMMs were priced per GPU class)
     from pathlib import Path
 
     from slackswap_cli.hardware import PRESETS
@@ -303,7 +305,7 @@ def test_price_ladder_finds_what_the_dearest_price_misses():
     one = make_plan("slackswap", p, hw, budget, price_quantiles=(1.0,), polish_work_ops=0)
     ladder = make_plan("slackswap", p, hw, budget, polish_work_ops=0)
     assert one.feasible and ladder.feasible
-    assert ladder.predicted.retention > one.predicted.retention + 5e-4
+    assert ladder.predicted.retention > one.predicted.retention + 3e-4
     swapped = {d.tensor for d in ladder.decisions if d.action == "swap"}
     assert swapped != {d.tensor for d in one.decisions if d.action == "swap"}
 
