@@ -139,7 +139,7 @@ class HardwareSpec:
 # 0 ("not given", `_ZERO_MEANS_NONE`) is otherwise held to the floor of the rate it stands in
 # for: an FP32 peak of 1 FLOP/s would price a step at a billion years. Whether a profile's
 # step on a given machine stays within what a plan records is checked where the two meet
-# (`planning.check_step_range`).
+# (`simulate.check_step_range`).
 _RATE = "rates are in bytes or FLOPs per second, e.g. 25e9"
 _EFF = "an efficiency is the achievable fraction of the peak, e.g. 0.85"
 _BOUNDS: dict[str, tuple[float, float, str]] = {

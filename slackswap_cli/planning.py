@@ -5,7 +5,8 @@ writing its file, as functions the library API (`slackswap_cli.plan_model`) call
   the profile was costed on, else the default preset), the profile re-costed for it (a
   roofline profile is re-timed), and the budget read as `--budget` reads it; a profile priced
   by other cost constants than this slackswap's is refused (`op_cost.check_cost_model`), and
-  so is a pair whose step could outlast what a plan file records (`check_step_range`);
+  so is a pair whose step could outlast what a plan file records
+  (`simulate.check_step_range`);
 - `planner_time_options(spec, time_limit, started)`: `--time-limit` as a planner option;
 - `plan_profile(...)`: the planner run and its plan simulated (`plan_and_simulate`).
 
@@ -14,23 +15,21 @@ Torch-free, like the rest of the planning core.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from pathlib import Path
 from typing import Optional
 
 from .budget import parse_budget
 from .compile_limits import no_swap_option
-from .errors import InputError
 from .hardware import HardwareSpec, load_hardware, stored_hardware
 from .op_cost import check_cost_model
 from .planners import PLANNERS, plan_and_simulate, planner_spec
 from .profile_build import recost
-from .schema import MAX_US, Profile, check_target, save
-from .simulate import budget_floor_bytes
+from .schema import Profile, check_target, save
+from .simulate import budget_floor_bytes, check_step_range
 from .units import fmt_bytes
 
-__all__ = ["plan_inputs", "planner_time_options", "plan_profile", "check_step_range"]
+__all__ = ["plan_inputs", "planner_time_options", "plan_profile"]
 
 
 def plan_inputs(prof: Profile, budget, hardware=None, source: str = "profile"):
@@ -49,36 +48,6 @@ def plan_inputs(prof: Profile, budget, hardware=None, source: str = "profile"):
     check_step_range(prof, hw, source)
     budget_bytes, fraction = parse_budget(budget, prof)
     return prof, hw, budget_bytes, fraction
-
-
-def step_bound_us(prof: Profile, hw: HardwareSpec) -> float:
-    """The longest step any plan of `prof` can take on `hw`: every op once, every saved
-    activation's chain re-run (each re-runs forward ops only, so at most the forward time), and
-    compute waiting for every copy both ways at the slowed both-at-once rate (compute only
-    waits while a copy runs)."""
-    ideal = math.fsum(op.time_us for op in prof.ops)
-    forward = math.fsum(op.time_us for op in prof.ops[:prof.n_forward])
-    saved = prof.saved_activations
-    copies = math.fsum(hw.copy_us(t.size_bytes, way, contended=True)
-                       for t in saved for way in ("d2h", "h2d"))
-    return ideal + len(saved) * forward + copies
-
-
-def check_step_range(prof: Profile, hw: HardwareSpec, source: str = "profile") -> None:
-    """InputError when a plan of `prof` on `hw` could hold times past what a plan file records
-    (`schema.MAX_US`): the plan would be written and then refused when read. Only absurd
-    figures get here (a rate of a few FLOP/s in a hardware file, op times of years)."""
-    bound = step_bound_us(prof, hw)
-    if bound <= MAX_US:
-        return
-    ideal = math.fsum(op.time_us for op in prof.ops)
-    raise InputError(
-        f"{source} on hardware {hw.name}: a step could take up to {bound:.3g} us (its ideal "
-        f"step {ideal:.3g} us), past the {MAX_US:g} us a plan can record",
-        hint="check the hardware's rates (peak_flops_per_s, fp32_flops_per_s, tf32_flops_per_s, "
-             "hbm_bytes_per_s, h2d_bytes_per_s, d2h_bytes_per_s) against a real GPU's: "
-             "`slackswap hardware a100-pcie4 --json` prints a preset's to start from; or the "
-             "profile's op times, if they were edited by hand")
 
 
 def planner_time_options(spec, time_limit: Optional[float],
