@@ -14,7 +14,11 @@ every digest as it was:
     python benchmarks/plans_unchanged.py --check benchmarks/results/plans_unchanged.json
                                                                # exit 1, naming the cases, if any differs
 
-Solve times are left out (they are clock readings); everything else is deterministic.
+Solve times are left out (they are clock readings); everything else is deterministic, and the
+same on every machine: run it with numpy's CPU dispatch restricted too (docs/planning.md,
+"Plans identical on every machine"), e.g.
+
+    NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4" python benchmarks/plans_unchanged.py --check benchmarks/results/plans_unchanged.json
 """
 from __future__ import annotations
 

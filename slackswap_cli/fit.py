@@ -58,7 +58,7 @@ from .hardware import HardwareSpec
 from .planners import DEFAULT_PLANNER, baselines, judge, make_plan
 from .profile_scale import affine, derive
 from .schema import Action, Decision, Plan, Profile
-from .simulate import budget_floor_bytes
+from .simulate import budget_floor_bytes, check_step_range
 from .units import GIB, MIB, fmt_bytes
 
 # optimizer -> (state tensors per trainable parameter, each like the parameter; has a step counter)
@@ -249,6 +249,7 @@ def plan_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: FitS
     if floor > budget:
         return _no(row, f"the activation floor {fmt_bytes(floor)} is above the budget "
                         f"{fmt_bytes(budget)}"), None
+    check_step_range(prof, s.hardware, f"the profile at batch {batch}")   # else unloadable
     if kind == "keep-all" and prof.keep_all_peak_bytes > budget:
         return _no(row, f"the keep-all peak {fmt_bytes(prof.keep_all_peak_bytes)} is above "
                         f"the budget {fmt_bytes(budget)}"), None

@@ -125,12 +125,14 @@ class HardwareSpec:
         for name, (lo, hi, hint) in _BOUNDS.items():
             value = getattr(spec, name)
             ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-                  and math.isfinite(value) and lo <= value <= hi)
+                  and math.isfinite(value) and (lo <= value <= hi
+                                                or (name in _ZERO_MEANS_NONE and value == 0)))
             if name in ("memory_bytes", "sm_count", "fp32_lanes_per_sm", "l2_bytes"):
                 ok = ok and (isinstance(value, int) or float(value).is_integer())
             if not ok:
-                raise FormatError(f"{source}: {name} is {value!r:.40}, expected a number in "
-                                  f"[{lo:g}, {hi:g}]", hint=hint)
+                zero = "0 or " if name in _ZERO_MEANS_NONE else ""
+                raise FormatError(f"{source}: {name} is {value!r:.40}, expected {zero}a number "
+                                  f"in [{lo:g}, {hi:g}]", hint=hint)
         if not isinstance(spec.duplex, bool):
             raise FormatError(f"{source}: duplex must be true or false, got {spec.duplex!r}",
                               hint="true when the link copies both ways at once")
@@ -139,7 +141,11 @@ class HardwareSpec:
 
 # What a hardware file may hold: bounds far outside any real machine on both sides, but
 # tight enough that every simulated time stays finite and the event loop moves on (a bandwidth
-# of 5e-324 B/s or a latency of 1e308 us would make copies last forever).
+# of 5e-324 B/s or a latency of 1e308 us would make copies last forever). A rate that may be
+# 0 ("not given", `_ZERO_MEANS_NONE`) is otherwise held to the floor of the rate it stands in
+# for: an FP32 peak of 1 FLOP/s would price a step at a billion years. Whether a profile's
+# step on a given machine stays within what a plan records is checked where the two meet
+# (`simulate.check_step_range`).
 _RATE = "rates are in bytes or FLOPs per second, e.g. 25e9"
 _EFF = "an efficiency is the achievable fraction of the peak, e.g. 0.85"
 _BOUNDS: dict[str, tuple[float, float, str]] = {
@@ -153,15 +159,16 @@ _BOUNDS: dict[str, tuple[float, float, str]] = {
     "memory_bytes": (0, 2**60, "device memory in bytes, e.g. 85899345920 for 80 GiB"),
     "copy_latency_us": (0, 1e6, "microseconds per copy, e.g. 8"),
     "kernel_overhead_us": (0, 1e6, "microseconds per kernel, e.g. 2"),
-    "fp32_flops_per_s": (0, 1e20, _RATE + " (0: not given)"),
-    "tf32_flops_per_s": (0, 1e20, _RATE + " (0: no TF32)"),
-    "fp8_flops_per_s": (0, 1e20, _RATE + " (0: no FP8)"),
+    "fp32_flops_per_s": (1e6, 1e20, _RATE + " (0: not given)"),
+    "tf32_flops_per_s": (1e6, 1e20, _RATE + " (0: no TF32)"),
+    "fp8_flops_per_s": (1e6, 1e20, _RATE + " (0: no FP8)"),
     "sm_count": (0, 1e6, "the GPU's SM count, e.g. 108 (0: not given)"),
     "fp32_lanes_per_sm": (0, 4096, "FP32 cores per SM, e.g. 64 (0: not given)"),
     "board_power_w": (0, 1e5, "the board's power limit in watts, e.g. 300 (0: not given)"),
     "l2_bytes": (0, 2**40, "the L2 cache in bytes, e.g. 41943040 for 40 MiB (0: not given)"),
     "l2_bytes_per_s": (0, 1e17, _RATE + " (0: not given)"),
 }
+_ZERO_MEANS_NONE = ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s")
 
 # Sources (datasheet figures are dense, i.e. without structured sparsity):
 # [A100]   NVIDIA A100 Tensor Core GPU datasheet: 19.5 TFLOPS FP32, 156 TFLOPS TF32, 312 TFLOPS

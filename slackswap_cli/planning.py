@@ -4,7 +4,9 @@ writing its file, as functions the library API (`slackswap_cli.plan_model`) call
 - `plan_inputs(prof, budget, hardware)`: the hardware planned for (`--hardware`, else the one
   the profile was costed on, else the default preset), the profile re-costed for it (a
   roofline profile is re-timed), and the budget read as `--budget` reads it; a profile priced
-  by other cost constants than this slackswap's is refused (`op_cost.check_cost_model`);
+  by other cost constants than this slackswap's is refused (`op_cost.check_cost_model`), and
+  so is a pair whose step could outlast what a plan file records
+  (`simulate.check_step_range`);
 - `planner_time_options(spec, time_limit, started)`: `--time-limit` as a planner option;
 - `plan_profile(...)`: the planner run and its plan simulated (`plan_and_simulate`).
 
@@ -24,7 +26,7 @@ from .op_cost import check_cost_model
 from .planners import PLANNERS, plan_and_simulate, planner_spec
 from .profile_build import recost
 from .schema import Profile, check_target, save
-from .simulate import budget_floor_bytes
+from .simulate import budget_floor_bytes, check_step_range
 from .units import fmt_bytes
 
 __all__ = ["plan_inputs", "planner_time_options", "plan_profile"]
@@ -43,6 +45,7 @@ def plan_inputs(prof: Profile, budget, hardware=None, source: str = "profile"):
         hw = (load_hardware(hardware) if hardware else
               stored_hardware(prof.env.get("hardware"), source) or load_hardware(None))
     prof = recost(prof, hw)  # a roofline profile is re-timed for the hardware planned for
+    check_step_range(prof, hw, source)
     budget_bytes, fraction = parse_budget(budget, prof)
     return prof, hw, budget_bytes, fraction
 

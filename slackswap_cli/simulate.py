@@ -71,7 +71,9 @@ budget, showing by how much).
 recompute ops (chain temporaries included); one `ScheduleEvent` per offload, prefetch and
 recompute op. `events` and `memory` (the timeline) are filled only with `record=True`.
 
-**Static helpers.** `budget_floor_bytes` (no plan fits below it), `min_peak_bytes` (the least
+**Static helpers.** `budget_floor_bytes` (no plan fits below it), `step_bound_us` (no plan
+takes longer; `check_step_range` refuses a profile and hardware whose plans could hold times a
+plan file cannot), `min_peak_bytes` (the least
 peak of one plan; the plan is feasible exactly when it fits the budget), `static_costs` (that
 peak and the plan's recompute time, the least overhead it can have) and `recompute_chains`
 (what each backward op re-runs) need no timing and cost one pass over the task sequence.
@@ -90,6 +92,7 @@ task program, the prefetch gates) and the result (`_Outcome`).
 """
 from __future__ import annotations
 
+import math
 import operator
 from bisect import bisect_left
 from collections import deque
@@ -355,6 +358,36 @@ def budget_floor_bytes(profile: schema.Profile) -> int:
         action = [SWAP_CODE if s else NOT_SAVED for s in tab.saved]
         tab.floor_bytes = max(_Program(profile, tab, action).req(), default=0)
     return tab.floor_bytes
+
+
+def step_bound_us(profile: schema.Profile, hw: HardwareSpec) -> float:
+    """The longest step any plan of `profile` can take on `hw` (the time counterpart of
+    `budget_floor_bytes`): every op once, every saved activation's chain re-run (a chain re-runs
+    forward ops only, each once, so at most the forward time), and compute waiting for every
+    copy both ways at the both-at-once rate (compute waits only while a copy runs)."""
+    ideal = math.fsum(op.time_us for op in profile.ops)
+    forward = math.fsum(op.time_us for op in profile.ops[:profile.n_forward])
+    saved = profile.saved_activations
+    copies = math.fsum(hw.copy_us(t.size_bytes, way, contended=True)
+                       for t in saved for way in ("d2h", "h2d"))
+    return ideal + len(saved) * forward + copies
+
+
+def check_step_range(profile: schema.Profile, hw: HardwareSpec, source: str = "profile") -> None:
+    """InputError when a plan of `profile` on `hw` could hold times past what a plan file
+    records (`schema.MAX_US`): the plan would be written and then refused when read. Only
+    absurd figures get here (rates of a few FLOP/s or bytes/s, op times of years)."""
+    bound = step_bound_us(profile, hw)
+    if bound <= schema.MAX_US:
+        return
+    ideal = math.fsum(op.time_us for op in profile.ops)
+    raise InputError(
+        f"{source} on hardware {hw.name}: a step could take up to {bound:.3g} us (its ideal "
+        f"step {ideal:.3g} us), past the {schema.MAX_US:g} us a plan can record",
+        hint="check the hardware's rates (peak_flops_per_s, fp32_flops_per_s, tf32_flops_per_s, "
+             "hbm_bytes_per_s, h2d_bytes_per_s, d2h_bytes_per_s) against a real GPU's: "
+             "`slackswap hardware a100-pcie4 --json` prints a preset's to start from; or the "
+             "profile's op times, if they were edited by hand")
 
 
 def min_peak_bytes(profile: schema.Profile, decisions) -> int:

@@ -1,4 +1,5 @@
 import dataclasses
+from pathlib import Path
 
 import orjson
 import pytest
@@ -70,7 +71,8 @@ def test_bad_hardware_inputs(tmp_path):
     ("copy_latency_us", 1e308), ("kernel_overhead_us", 1e308), ("peak_flops_per_s", 0),
     ("matmul_efficiency", 1e-300), ("duplex_derate", 1.5), ("memory_bytes", 1.5),
     ("memory_bytes", -1), ("name", 7), ("name", ["a"]), ("name", {"a": 1}), ("name", ""),
-    ("description", 3),
+    ("description", 3), ("fp32_flops_per_s", 1), ("tf32_flops_per_s", 1e3),
+    ("fp8_flops_per_s", 0.5), ("fp32_flops_per_s", -1),
 ])
 def test_hardware_numbers_are_bounded(field, value):
     data = PRESETS["a100-pcie4"].to_dict() | {"name": "mine", field: value}
@@ -103,3 +105,48 @@ def test_a_custom_file_may_not_reuse_a_presets_name_with_other_figures(tmp_path)
     path.write_bytes(orjson.dumps(edited | {"name": "a100-slow-host"}))
     spec = load_hardware(str(path))
     assert spec.name == "a100-slow-host" and spec.h2d_bytes_per_s == 1e9
+
+
+def test_rates_that_may_be_zero_are_zero_or_a_real_rate():
+    """0 means "not given" for the FP32, TF32 and FP8 peaks; anything else is held to the
+    floor of the rate it stands in for (an FP32 peak of 1 FLOP/s would price a step at years)."""
+    data = PRESETS["a100-pcie4"].to_dict() | {"name": "mine"}
+    for field in ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s"):
+        assert getattr(HardwareSpec.from_dict(data | {field: 0}), field) == 0
+        assert getattr(HardwareSpec.from_dict(data | {field: 1e6}), field) == 1e6
+
+
+def test_every_plan_written_loads_again(tmp_path):
+    """What the loaders accept, `plan` either refuses with a hint that works or writes a plan
+    that loads: a step that could outlast what a plan records (`schema.MAX_US`) on the
+    hardware asked for is refused before planning, not written and refused when read."""
+    from helpers import assert_clean_error
+    from typer.testing import CliRunner
+
+    from slackswap_cli import schema
+    from slackswap_cli.cli import app
+    runner = CliRunner()
+    profile = Path(__file__).resolve().parents[1] / "sample_profiles" / "resnet50.json"
+    out = tmp_path / "out.plan.json"
+    slow = PRESETS["a100-pcie4"].to_dict() | {"name": "slow", "fp32_flops_per_s": 1}
+    hw = tmp_path / "slow.json"
+    hw.write_bytes(orjson.dumps(slow))
+    plan = ["plan", str(profile), "--budget", "0.5", "--planner", "recompute-only",
+            "--hardware", str(hw), "-o", str(out)]
+    assert_clean_error(runner.invoke(app, plan), 2, "fp32_flops_per_s")
+    # every figure at its floor: a valid hardware file, but ResNet-50's step on it would take
+    # millennia
+    floors = slow | {"fp32_flops_per_s": 1e6, "peak_flops_per_s": 1e6, "tf32_flops_per_s": 0,
+                     "matmul_efficiency": 1e-3, "hbm_bytes_per_s": 1e6, "hbm_efficiency": 1e-3}
+    hw.write_bytes(orjson.dumps(floors))
+    assert runner.invoke(app, ["hardware", str(hw), "--json"]).exit_code == 0
+    r = runner.invoke(app, plan)
+    assert_clean_error(r, 2, "past the 1e+15 us a plan can record")
+    assert not out.exists()
+    # the hint: start from a preset's figures
+    assert "slackswap hardware a100-pcie4 --json" in r.stderr
+    preset = runner.invoke(app, ["hardware", "a100-pcie4", "--json"])
+    hw.write_bytes(orjson.dumps(orjson.loads(preset.stdout) | {"name": "mine"}))
+    r = runner.invoke(app, plan)
+    assert r.exit_code == 0, r.stderr
+    assert schema.load_plan(out).predicted.step_us < schema.MAX_US

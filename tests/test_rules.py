@@ -9,7 +9,12 @@ the checks cost no import and no torch):
   only where `ALLOWED_RAISES` says why (Python's protocols, internal invariants whose message
   says "this is a bug in slackswap");
 - the memory guard's rule has one owner: `guard.Guard` is the only class that decides what a
-  plan cannot place, and the runtime and `guard.guarded_decisions` both apply it.
+  plan cannot place, and the runtime and `guard.guarded_decisions` both apply it;
+- plans identical on every machine: the planning core (everything but the run side, the
+  tracers and the CLI) calls no numpy or math function whose answer depends on the CPU's
+  instruction set or its maths library (`CPU_DEPENDENT`: SIMD selection and unstable sorts,
+  BLAS products, functions that are not correctly rounded); tests/test_plans_identical.py
+  checks the plans themselves.
 
 Each rule's exceptions are listed below with the reason; an entry that matches nothing fails
 too, so the lists stay true.
@@ -59,6 +64,16 @@ ALLOWED_RAISES: dict[tuple[str, str, str], str] = {
 # misuse still raised as a built-in exception in a file another change owns right now
 PENDING_RAISES: dict[tuple[str, str, str], str] = {}
 BUG = "this is a bug in slackswap"      # an internal invariant's message: exit 1, report it
+
+# numpy / math functions whose answer can differ between CPUs (docs/planning.md, "Plans
+# identical on every machine"): selections and unstable sorts pick differently among ties with
+# each SIMD kernel, products go through BLAS kernels chosen per CPU, and transcendental
+# functions are not correctly rounded (numpy's SIMD versions and libm's FMA variants differ)
+CPU_DEPENDENT = {"argpartition", "partition", "dot", "vdot", "inner", "matmul", "einsum",
+                 "tensordot", "exp", "expm1", "exp2", "log", "log1p", "log2", "log10", "power",
+                 "float_power", "pow", "sin", "cos", "tan", "tanh", "sinh", "cosh", "arcsin",
+                 "arccos", "arctan", "arctan2", "atan", "atan2", "cbrt", "hypot", "erf"}
+NOT_CORE = ("run/", "trace/", "onnx/", "cli/")   # the planning core is everything else
 
 BUILTIN_ERRORS = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
                   and issubclass(getattr(builtins, n), BaseException)}
@@ -155,6 +170,37 @@ def builtin_raises(root: Path = PKG) -> list[tuple[str, str, str, int, str]]:
     return found
 
 
+def cpu_dependent_calls(root: Path = PKG) -> list[tuple[str, str, int]]:
+    """(module, call, line) for every call in the planning core whose answer may depend on the
+    CPU: a `CPU_DEPENDENT` function of numpy or math (or the array methods `argpartition`
+    and `dot`), an `argsort` that does not ask for `kind="stable"`, a `@` product."""
+    found = []
+    for rel, tree in _modules(root):
+        if rel.startswith(NOT_CORE):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+                found.append((rel, "@", node.lineno))
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            name = _dotted(node.func) or f"?.{node.func.attr}"
+            head, attr = name.split(".")[0], node.func.attr
+            stable = any(k.arg == "kind" and isinstance(k.value, ast.Constant)
+                         and k.value.value == "stable" for k in node.keywords)
+            if (attr in CPU_DEPENDENT and (head in ("np", "numpy", "math")
+                                           or attr in ("argpartition", "dot"))) or \
+                    (attr == "argsort" and not stable):
+                found.append((rel, name, node.lineno))
+    return found
+
+
+def test_plans_do_not_depend_on_the_cpu():
+    bad = [f"slackswap_cli/{rel}:{line}: {name}" for rel, name, line in cpu_dependent_calls()]
+    assert not bad, ("calls in the planning core whose answer depends on the CPU (break ties "
+                     "by a stated rule, e.g. np.lexsort((index, key)); sum in a fixed order or "
+                     "with math.fsum; see docs/planning.md):\n" + "\n".join(bad))
+
+
 def test_only_output_and_notes_print():
     bad = [f"slackswap_cli/{rel}:{line}: {name}" for rel, name, line in printing_calls()
            if (rel, name) not in ALLOWED_PRINTS]
@@ -239,6 +285,11 @@ def test_the_guard_has_one_owner():
 
 
 def test_the_checks_see_what_they_look_for(tmp_path):
+    (tmp_path / "planners").mkdir()      # before the first scan: `_modules` caches a root
+    (tmp_path / "planners" / "x.py").write_text(
+        "import math\nimport numpy as np\n"
+        "def pick(a, b):\n    top = np.argpartition(a, 3)\n    o = a.argsort()\n"
+        "    s = np.argsort(a, kind='stable')\n    return a @ b, math.log(2), a.dot(b), top, o, s\n")
     (tmp_path / "cli").mkdir()
     (tmp_path / "cli" / "cmd_x.py").write_text(
         "import sys, typer\nfrom .output import err\n"
@@ -251,3 +302,5 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert [(fn, line) for _, fn, line in exits(tmp_path)] == [("go", 7), ("other", 9)]
     assert [(fn, n, BUG in t) for _, fn, n, _, t in builtin_raises(tmp_path)] == [
         ("other", "ValueError", False), ("fine", "RuntimeError", True)]
+    assert [(n, line) for _, n, line in cpu_dependent_calls(tmp_path)] == [
+        ("np.argpartition", 4), ("a.argsort", 5), ("@", 7), ("math.log", 7), ("a.dot", 7)]

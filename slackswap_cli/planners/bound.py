@@ -102,6 +102,7 @@ level (`quiet_fds`); with a time limit it runs in a forked child stopped at the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing as mp
 import os
 import sys
@@ -234,8 +235,8 @@ class _Facts:
         self.n, self.nf = n, nf
         self.time = np.array([float(o.time_us) for o in ops])
         self.t_start = np.concatenate([[0.0], np.cumsum(self.time)[:-1]]) if n else np.zeros(0)
-        self.ideal = float(self.time.sum())
-        self.fwd_end = float(self.time[:nf].sum())
+        self.ideal = math.fsum(self.time)          # exactly rounded: no summation order
+        self.fwd_end = math.fsum(self.time[:nf])
         self.cands = [j for j in range(len(tensors)) if saved[j]]
         c = self.cands
         self.size = np.array([tensors[j].size_bytes for j in c], dtype=float)

@@ -540,9 +540,8 @@ def recompute_until_fits(m: CostModel, state: State, budget_bytes: int,
         # cost per byte of the excess it removes: near the end a small tensor that just covers
         # the excess beats a big one that is cheaper per byte but frees more than needed
         per_byte = state.marginal_costs(idx) / np.maximum(np.minimum(m.size[idx], excess[i]), 1)
-        if len(idx) > max_tries:
-            top = np.argpartition(per_byte, max_tries - 1)[:max_tries]
-            idx, per_byte = idx[top], per_byte[top]
+        # a total order (ties by candidate index), so no sort or selection algorithm, whatever
+        # numpy's CPU dispatch picks, can choose differently among equal prices
         order = idx[np.lexsort((idx, per_byte))]
         fallback = None
         for c in order[:max_tries]:
