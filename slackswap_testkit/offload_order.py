@@ -4,7 +4,7 @@ paired with an `ao.wait_tensor` (torch/_functorch/_activation_offloading/offload
 carry every synchronization inside them: the transfer stream waits for the compute stream
 before each copy, records an event after it; `wait_tensor` makes the compute stream wait on
 that event and then frees its `keepalive` (the device source of an offload, with
-`storage.resize_(0)`; the host buffer of a reload, into torch's pinned pool when that is on).
+its storage resized to 0 bytes; the host buffer of a reload, into torch's pinned pool when that is on).
 D2H and H2D copies share one transfer stream, so a reload follows its offload in order.
 
 What the graphs must then hold, and `check` tests: each offload's wait keeps the offloaded

@@ -6,7 +6,7 @@ against the streams' events and waits; a race raises `CUDASanitizerErrors`), on 
 step runs in a process of its own (the sanitizer stays on for the life of a process) and is
 also compared with eager, bit for bit.
 
-    python -m slackswap_testkit.race_check PATCHED.py OUT.json '{"n_layer": 2, ...}' [--cuda]
+    python -m slackswap_testkit.race_check PATCHED_MODULE OUT_JSON '{"n_layer": 2, ...}' [--cuda]
 
 is what gpu_check runs in that process; `run` starts it and returns gpu_check's row.
 """
