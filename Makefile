@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slackswap-installed
 
-.PHONY: install demo test test-torch fuzz samples bench zoo gpu-truth clean
+.PHONY: install demo test test-torch test-emulated fuzz samples bench zoo gpu-truth clean
 
 install: $(STAMP)
 
@@ -49,6 +49,13 @@ test-torch:
 	PIP_CONSTRAINT=/dev/null $(TORCH_VENV)/bin/python -m pip install -q -e ".[dev]" "torch==$(TORCH)"
 	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The swap engine's CUDA path on the emulated asynchronous device (docs/runtime.md, "The swap
+# engine"): every case bitwise against eager (`make test` runs a subset), then the mutation
+# check (benchmarks/sync_mutants.py, minutes: each synchronization taken out in turn).
+test-emulated: install
+	SLACKSWAP_SLOW=1 $(PY) -m pytest -q tests/test_emulated_device.py
+	$(PY) benchmarks/sync_mutants.py
 
 # 3000 structurally mutated profiles, plans and hardware files (about a minute of CPU).
 fuzz: install

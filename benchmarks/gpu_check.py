@@ -25,7 +25,11 @@ On a CUDA machine this script
    dry run) at the same budgets, beside the torch.compile activation_memory_budget rows of 4
    and the in-place rows of 5: predicted vs measured peak and step time, losses against
    eager, and the bytes the compiled graphs save and offload and the ops they recompute,
-8. writes JSON (`--out`, default benchmarks/results/gpu_check.json): for every row, predicted
+8. runs two patched steps (budget 0.3) in a process of their own under torch's CUDA sanitizer
+   (`TORCH_CUDA_SANITIZER=1`: a race between the swap engine's streams raises), and records
+   whether it reported one and whether the steps were bitwise equal to eager
+   (slackswap_testkit/race_check.py; the dry run uses the emulated asynchronous device instead),
+9. writes JSON (`--out`, default benchmarks/results/gpu_check.json): for every row, predicted
    vs measured peak activation memory and step time, and measured retention (eager keep-all
    step time / step time).
 
@@ -482,6 +486,23 @@ def run_compile_planned(prof, hw, args: dict, fractions: list[float], cuda: bool
     return rows
 
 
+def run_race_check(prof, hw, args: dict, cuda: bool, frac: float = 0.3) -> dict:
+    """slackswap_testkit/race_check.py: two patched steps at `frac` of the keep-all peak, in a
+    process of their own under torch's CUDA sanitizer (on the CPU: the emulated device);
+    whether it reported a race, and the steps against eager."""
+    from slackswap_testkit import race_check
+    peak = int(prof.summary["peak_activation_bytes"])
+    row: dict = {"budget_fraction": frac, "budget_bytes": int(frac * peak)}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            plan = _planned(prof, hw, frac, peak, row)
+            path = Path(tmp) / "race_check.py"
+            path.write_text(apply_plan(plan, prof, args=args))
+            return {**row, **race_check.run(path, Path(tmp) / "race.json", args, cuda)}
+        except Exception as exc:
+            return {"method": "race-check", **row, "error": _err(exc)}
+
+
 def _err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
@@ -571,6 +592,9 @@ def main(argv=None) -> int:
     fake_prof = profile_workload(str(WORKLOAD), args=args, device="fake", hardware=hw)
     result["rows"] += run_inplace(fake_prof, hw, args, fractions, cuda, opts.steps, opts.seed,
                                   "slackswap-inplace-fake-cpu-profile")
+    say("race check: one patched step under "
+        + ("torch's CUDA sanitizer" if cuda else "the emulated asynchronous device"))
+    result["rows"].append(run_race_check(prof, hw, args, cuda))
     say("the library API: plan_model + patch in this process (budget fractions and 'auto')")
     result["rows"] += run_library_api(hw, args, fractions, cuda, opts.steps, opts.seed)
     say("compile_planned: the plan inside torch.compile")
@@ -586,7 +610,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
     say(f"wrote {out}")
-    failed = [r for r in result["rows"] if r["method"].startswith("slackswap")
+    failed = [r for r in result["rows"] if r["method"].startswith(("slackswap", "race-check"))
               and (r.get("error") or not r.get("passed", False))]
     return 1 if failed else 0
 

@@ -197,4 +197,9 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "run/compiled/sym_sizes.py", _ALL,
                "refused by version (PARTS['compile']): a graph with symbolic sizes is read "
                "without guards through them"),
+    # outside the package: the GPU check's race run, enabled by environment variable
+    PrivateAPI("torch.cuda._sanitizer (TORCH_CUDA_SANITIZER=1; CUDASanitizerErrors, by name)",
+               "slackswap_testkit/race_check.py (benchmarks/gpu_check.py)", _ALL,
+               "the race check's row records the step's error instead of a race: its "
+               "bitwise check still runs"),
 )

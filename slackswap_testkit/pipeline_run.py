@@ -191,17 +191,22 @@ def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps, fami
                 loss_fn=loss_fn)
     opt = torch.optim.AdamW([p for m in mods.values() for p in m.parameters()], lr=1e-2)
     losses, peaks = [], []
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        out: list = []
-        args, target = (ids,) if 0 in mine else (), tgt if n_stages - 1 in mine else None
-        if quick:
-            sched.step(*args, target=target, losses=out, return_outputs=False)
-        else:
-            peaks.append(_measured_step(sched, mods, args, target, out))
-        opt.step()
-        losses.append([x.detach() for x in out])
+    from contextlib import nullcontext
+
+    from .emulated_device import emulated_if_asked, emulated_stats
+    with emulated_if_asked() if label == "patched" else nullcontext() as dev:
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            out: list = []
+            args, target = (ids,) if 0 in mine else (), tgt if n_stages - 1 in mine else None
+            if quick:
+                sched.step(*args, target=target, losses=out, return_outputs=False)
+            else:
+                peaks.append(_measured_step(sched, mods, args, target, out))
+            opt.step()
+            losses.append([x.detach() for x in out])
     return {"losses": losses, "peaks": peaks, "held": held[0],
+            "emulated": None if dev is None else emulated_stats(dev),
             "params": [p.detach().clone() for m in mods.values() for p in m.parameters()]}
 
 

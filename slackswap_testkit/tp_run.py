@@ -218,19 +218,24 @@ def _train(label: str, layout: str, world: int, plan, steps: int, measure: bool,
         _sharded(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, peaks, reruns = [], [], []
-    for _ in range(steps):
-        if measure:
-            loss, peak = _measured(model, x)
-            peaks.append(peak)
-        else:
-            loss = loss_of(model, x)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-        if label == "patched":
-            reruns.append(model.forward.__slackswap__.last_run.rerun_ops)
+    from contextlib import nullcontext
+
+    from .emulated_device import emulated_if_asked, emulated_stats
+    with emulated_if_asked() if label == "patched" else nullcontext() as dev:
+        for _ in range(steps):
+            if measure:
+                loss, peak = _measured(model, x)
+                peaks.append(peak)
+            else:
+                loss = loss_of(model, x)
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            if label == "patched":
+                reruns.append(model.forward.__slackswap__.last_run.rerun_ops)
     out = {"losses": losses, "peaks": peaks,
+           "emulated": None if dev is None else emulated_stats(dev),
            "params": [getattr(p, "_local_tensor", p).detach().clone()
                       for p in model.parameters()]}
     if label == "patched":

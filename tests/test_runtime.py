@@ -10,14 +10,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def test_pool_reuses_buffers_by_shape_stride_dtype():
-    pool = rt.HostPool()
-    a = pool.get((4, 8), (8, 1), torch.float32, pinned=False)
+    pool = rt.HostPool(pinned=False)
+    a = pool.get((4, 8), (8, 1), torch.float32)
     assert pool.allocated_bytes == 4 * 8 * 4
     pool.put(a)
-    b = pool.get((4, 8), (8, 1), torch.float32, pinned=False)
+    b = pool.get((4, 8), (8, 1), torch.float32)
     assert b is a and pool.allocated_bytes == 128          # reused, nothing new allocated
-    c = pool.get((4, 8), (1, 4), torch.float32, pinned=False)  # other strides: another buffer
-    d = pool.get((4, 8), (8, 1), torch.float16, pinned=False)  # other dtype: another buffer
+    c = pool.get((4, 8), (1, 4), torch.float32)  # other strides: another buffer
+    d = pool.get((4, 8), (8, 1), torch.float16)  # other dtype: another buffer
     assert c is not a and d is not a
     assert pool.allocated_bytes == 128 + 128 + 64
     pool.put(b)

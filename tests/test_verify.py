@@ -218,6 +218,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert planned["passed"] and planned["compiled"]["offloaded_bytes"] > 0, planned
     assert planned["measured_peak_bytes"] > 0 and planned["predicted_peak_bytes"] > 0
     assert data["hardware"]["h2d_bytes_per_s"] > 0
+    race = rows[("race-check", 0.3)]      # the emulated device in the dry run
+    assert race["passed"] and not race["race_reported"] and race["bitwise"], race
+    assert race["swaps"] > 0 and race["emulated"]["copies"] > 0
     api = {f: r for (m, f), r in rows.items() if m == "slackswap-api"}   # plan_model + patch
     assert api["auto"]["passed"] and "needs a CUDA device" in api["auto"]["refused"]
     assert api[0.5]["passed"] and 0 < api[0.5]["measured_peak_bytes"] <= api[0.5]["budget_bytes"] * 1.05

@@ -15,8 +15,12 @@ copies them back ahead of their use in backward. This module does the copying, s
   stream still reads the device tensor, so freeing it on the compute stream does not let the
   memory be reused before the copy is done. The compute stream waits on the H2D copy's event
   before it uses the prefetched tensor.
-- **On CPU** the same code path runs: the "host buffer" is another CPU tensor and copies are
-  synchronous, so tests exercise every call.
+- **Engines**: each device type's swaps run on one engine, chosen once (`engine_for`):
+  `StreamEngine` over `CudaOps` on CUDA (the streams, events and allocator calls above),
+  `SyncEngine` on the CPU (the "host buffer" is another CPU tensor and copies are
+  synchronous). `StreamEngine` takes its device calls from an object, so the tests run it,
+  the very code CUDA runs, over the emulated asynchronous device of
+  `slackswap_testkit/emulated_device.py` (`set_engine`; docs/runtime.md, "The swap engine").
 
 `StepStore` is the per-step object a patched step's forward fills and its backward empties:
 `keep(name, t)` / `take(name)` for kept tensors, `offload(name, t)` / `prefetch(name)` /
@@ -27,7 +31,8 @@ as `None`. The store also accounts honestly for what it holds on the device
 (`held_device_bytes`): kept storages (each counted once, parameters, buffers and inputs
 excluded, since they exist anyway) plus swapped tensors whose D2H copy has not finished.
 
-Global state: only the reusable pools (host buffers, side streams), never anything per step.
+Global state: only the reusable pools (host buffers, side streams) and the engines that hold
+them, never anything per step.
 """
 from __future__ import annotations
 
@@ -42,44 +47,49 @@ from ..trace.storage import storage_key, storage_nbytes
 
 __all__ = ["HostPool", "Handle", "StepStore", "offload", "prefetch", "wait", "host_pool",
            "side_streams", "storage_as_bytes", "Storages", "StorageCopy", "HostCopy",
-           "wait_kept"]
+           "wait_kept", "CudaOps", "SyncEngine", "StreamEngine", "engine_for", "set_engine"]
 
 
 # --------------------------------------------------------------------------------------------
 # Pools (the only global state)
 # --------------------------------------------------------------------------------------------
 class HostPool:
-    """Host buffers keyed by (shape, stride, dtype, pinned), reused across steps.
+    """Host buffers keyed by (shape, stride, dtype), reused across steps; `pinned`:
+    page-locked (the CUDA engine's pool), `alloc`: how a new buffer is made (the emulated
+    device fills its own with a sentinel).
 
     `get` hands out a free buffer (or allocates one); `put` returns it together with the event
     of the last copy that touches it, and `get` never hands out a buffer whose copy may still
     run (on CUDA it checks the event; a finished event costs nothing).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: bool = False, alloc=None) -> None:
         self._free: dict[tuple, list[tuple[torch.Tensor, Any]]] = {}
+        self.pinned, self._alloc = pinned, alloc
         self.allocated_bytes = 0   # host bytes ever allocated by this pool (a reuse check)
 
     @staticmethod
-    def _key(shape, stride, dtype, pinned: bool) -> tuple:
-        return (tuple(shape), tuple(stride), dtype, pinned)
+    def _key(shape, stride, dtype) -> tuple:
+        return (tuple(shape), tuple(stride), dtype)
 
-    def get(self, shape, stride, dtype, pinned: bool) -> torch.Tensor:
-        key = self._key(shape, stride, dtype, pinned)
-        free = self._free.get(key)
+    def get(self, shape, stride, dtype) -> torch.Tensor:
+        free = self._free.get(self._key(shape, stride, dtype))
         if free:
             for i, (buf, event) in enumerate(free):
                 if event is None or event.query():
                     free.pop(i)
                     return buf
-        buf = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device="cpu",
-                                  pin_memory=pinned)
+        if self._alloc is not None:
+            buf = self._alloc(tuple(shape), tuple(stride), dtype)
+        else:
+            buf = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device="cpu",
+                                      pin_memory=self.pinned)
         self.allocated_bytes += buf.untyped_storage().nbytes()
         return buf
 
     def put(self, buf: torch.Tensor, event=None) -> None:
-        key = self._key(buf.shape, buf.stride(), buf.dtype, buf.is_pinned())
-        self._free.setdefault(key, []).append((buf, event))
+        self._free.setdefault(self._key(buf.shape, buf.stride(), buf.dtype), []).append(
+            (buf, event))
 
     def free_bytes(self) -> int:
         return sum(b.untyped_storage().nbytes() for v in self._free.values() for b, _ in v)
@@ -88,13 +98,7 @@ class HostPool:
         self._free.clear()
 
 
-_HOST_POOL = HostPool()
 _STREAMS: dict[Any, tuple[Any, Any]] = {}
-
-
-def host_pool() -> HostPool:
-    """The process-wide pool of host buffers."""
-    return _HOST_POOL
 
 
 def side_streams(device: torch.device) -> tuple[Any, Any]:
@@ -104,6 +108,31 @@ def side_streams(device: torch.device) -> tuple[Any, Any]:
         with torch.cuda.device(key[1]):
             _STREAMS[key] = (torch.cuda.Stream(), torch.cuda.Stream())
     return _STREAMS[key]
+
+
+class CudaOps:
+    """What the stream engine asks of the device: torch.cuda's streams, events and caching
+    allocator. The emulated device (`slackswap_testkit/emulated_device.py`) gives the same
+    calls over CPU tensors, with copies that run late."""
+    pinned = True
+    side_streams = staticmethod(side_streams)
+    current_stream = staticmethod(lambda device: torch.cuda.current_stream(device))
+    stream = staticmethod(lambda s: torch.cuda.stream(s))
+    Event = staticmethod(lambda: torch.cuda.Event())
+
+    @staticmethod
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue the copy on the current stream."""
+        dst.copy_(src, non_blocking=True)
+
+    @staticmethod
+    def record_stream(t: torch.Tensor, s) -> None:
+        t.record_stream(s)
+
+    @staticmethod
+    def empty_device(shape, stride, dtype, device) -> torch.Tensor:
+        """Device memory from the caching allocator, on the current (compute) stream."""
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,8 +200,7 @@ class HostCopy:
     def __del__(self):
         h = self.handle
         if self.fetched and h is not None and h.host is not None:
-            _HOST_POOL.put(h.host, h.h2d_done)
-            h.host = None
+            h.engine.give_back(h)
 
 
 class StorageCopy:
@@ -237,6 +265,7 @@ class Handle:
     source: Any = None
     device_copy: torch.Tensor | None = None
     h2d_done: Any = None
+    engine: Any = None       # the engine that copies it (`engine_for`)
     _storage: Any = field(default=None, repr=False)   # weakref to the device storage
 
     def device_storage_alive(self) -> bool:
@@ -253,60 +282,22 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def offload(t: torch.Tensor) -> Handle:
-    """Start copying `t` to a host buffer; the caller may drop `t` right after.
-
-    On CUDA the copy runs on the D2H side stream after everything the compute stream has
-    queued so far (so `t` is fully written); `record_stream` keeps the caching allocator from
-    reusing `t`'s memory before the copy is done, even if the caller frees `t` at once.
-    """
+    """Start copying `t` to a host buffer; the caller may drop `t` right after (the engine of
+    t's device: `engine_for`)."""
     dense = _dense(t)
     stride = t.stride() if dense else torch.empty(t.shape, device="meta").stride()
+    engine = engine_for(t.device)
     handle = Handle(host=None, shape=tuple(t.shape), stride=tuple(stride), dtype=t.dtype,  # type: ignore[arg-type]
                     device=t.device, nbytes=t.numel() * t.element_size(),
-                    source=weakref.ref(t))
-    if t.device.type == "cuda":
-        host = _HOST_POOL.get(t.shape, stride, t.dtype, pinned=True)
-        d2h, _ = side_streams(t.device)
-        d2h.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(d2h):
-            host.copy_(t, non_blocking=True)
-            t.record_stream(d2h)
-            done = torch.cuda.Event()
-            done.record(d2h)
-        handle.host, handle.d2h_done = host, done
-    else:
-        host = _HOST_POOL.get(t.shape, stride, t.dtype, pinned=False)
-        host.copy_(t)
-        handle.host = host
+                    source=weakref.ref(t), engine=engine)
+    engine.offload(t, handle)
     return handle
 
 
 def prefetch(handle: Handle) -> None:
-    """Start copying a swapped tensor back to its device (no-op if already started).
-
-    The device memory is allocated on the compute stream (so the allocator orders it after
-    the compute stream's earlier uses of that memory), and the H2D stream waits for the
-    compute stream before writing into it.
-    """
-    if handle.device_copy is not None:
-        return
-    if handle.device.type == "cuda":
-        dev = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype,
-                                  device=handle.device)
-        _, h2d = side_streams(handle.device)
-        h2d.wait_stream(torch.cuda.current_stream(handle.device))
-        with torch.cuda.stream(h2d):
-            if handle.d2h_done is not None:
-                h2d.wait_event(handle.d2h_done)
-            dev.copy_(handle.host, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(h2d)
-        handle.device_copy, handle.h2d_done = dev, done
-    else:
-        dev = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype,
-                                  device=handle.device)
-        dev.copy_(handle.host)
-        handle.device_copy = dev
+    """Start copying a swapped tensor back to its device (no-op if already started)."""
+    if handle.device_copy is None:
+        handle.engine.prefetch(handle)
 
 
 def wait_kept(handle: Handle) -> torch.Tensor:
@@ -314,8 +305,7 @@ def wait_kept(handle: Handle) -> torch.Tensor:
     keeping the host buffer for another fetch (`HostCopy` gives it back to the pool)."""
     prefetch(handle)
     dev = handle.device_copy
-    if handle.h2d_done is not None:
-        torch.cuda.current_stream(handle.device).wait_event(handle.h2d_done)
+    handle.engine.wait_copy(handle)
     handle.device_copy = None
     return dev
 
@@ -327,13 +317,116 @@ def wait(handle: Handle) -> torch.Tensor:
     """
     prefetch(handle)
     dev = handle.device_copy
-    if handle.h2d_done is not None:
-        torch.cuda.current_stream(handle.device).wait_event(handle.h2d_done)
+    handle.engine.wait_copy(handle)
     if handle.host is not None:
-        _HOST_POOL.put(handle.host, handle.h2d_done)
-        handle.host = None
+        handle.engine.give_back(handle)
     handle.device_copy = None
     return dev
+
+
+class SyncEngine:
+    """The CPU: the "host buffer" is another CPU tensor and every copy is synchronous."""
+
+    def __init__(self, pool: HostPool) -> None:
+        self.pool = pool
+
+    def offload(self, t: torch.Tensor, handle: Handle) -> None:
+        host = self.pool.get(t.shape, handle.stride, t.dtype)
+        host.copy_(t)
+        handle.host = host
+
+    def prefetch(self, handle: Handle) -> None:
+        dev = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype,
+                                  device=handle.device)
+        dev.copy_(handle.host)
+        handle.device_copy = dev
+
+    def wait_copy(self, handle: Handle) -> None:
+        pass
+
+    def give_back(self, handle: Handle) -> None:
+        self.pool.put(handle.host)
+        handle.host = None
+
+
+class StreamEngine:
+    """CUDA (through `ops`: `CudaOps`, or the emulated device's): copies on side streams,
+    ordered by waits and events.
+
+    offload: the copy runs on the D2H side stream after everything the compute stream has
+    queued so far (so `t` is fully written); `record_stream` keeps the caching allocator from
+    reusing `t`'s memory before the copy is done, even if the caller frees `t` at once.
+    prefetch: the device memory is allocated on the compute stream (so the allocator orders it
+    after the compute stream's earlier uses of that memory), and the H2D stream waits for the
+    compute stream before writing into it, and for the D2H copy before reading the host
+    buffer. wait_copy: the compute stream waits for the H2D copy before it reads the result.
+    give_back: the host buffer goes back to the pool with the event of the last copy that
+    reads it (the pool hands it out again once that event has fired).
+    """
+
+    def __init__(self, ops, pool: HostPool) -> None:
+        self.ops, self.pool = ops, pool
+
+    def offload(self, t: torch.Tensor, handle: Handle) -> None:
+        ops = self.ops
+        host = self.pool.get(t.shape, handle.stride, t.dtype)
+        d2h, _ = ops.side_streams(t.device)
+        d2h.wait_stream(ops.current_stream(t.device))
+        with ops.stream(d2h):
+            ops.copy(host, t)
+            ops.record_stream(t, d2h)
+            done = ops.Event()
+            done.record(d2h)
+        handle.host, handle.d2h_done = host, done
+
+    def prefetch(self, handle: Handle) -> None:
+        ops = self.ops
+        dev = ops.empty_device(handle.shape, handle.stride, handle.dtype, handle.device)
+        _, h2d = ops.side_streams(handle.device)
+        h2d.wait_stream(ops.current_stream(handle.device))
+        with ops.stream(h2d):
+            if handle.d2h_done is not None:
+                h2d.wait_event(handle.d2h_done)
+            ops.copy(dev, handle.host)
+            done = ops.Event()
+            done.record(h2d)
+        handle.device_copy, handle.h2d_done = dev, done
+
+    def wait_copy(self, handle: Handle) -> None:
+        if handle.h2d_done is not None:
+            self.ops.current_stream(handle.device).wait_event(handle.h2d_done)
+
+    def give_back(self, handle: Handle) -> None:
+        self.pool.put(handle.host, handle.h2d_done)
+        handle.host = None
+
+
+_ENGINES: dict[str, Any] = {}
+
+
+def engine_for(device: torch.device):
+    """The engine swaps of `device` run on, made once per device type: `StreamEngine` over
+    `CudaOps` for CUDA, `SyncEngine` otherwise; `set_engine` puts another in its place."""
+    engine = _ENGINES.get(device.type)
+    if engine is None:
+        engine = _ENGINES[device.type] = (
+            StreamEngine(CudaOps, HostPool(pinned=True)) if device.type == "cuda"
+            else SyncEngine(HostPool()))
+    return engine
+
+
+def set_engine(device_type: str, engine):
+    """Swaps of `device_type` run on `engine` from now on (None: the default again); returns
+    the one it replaces (the emulated device puts itself in for "cpu" and back)."""
+    old = _ENGINES.pop(device_type, None)
+    if engine is not None:
+        _ENGINES[device_type] = engine
+    return old
+
+
+def host_pool(device_type: str = "cpu") -> HostPool:
+    """The pool of host buffers of `device_type`'s engine."""
+    return engine_for(torch.device(device_type)).pool
 
 
 # --------------------------------------------------------------------------------------------

@@ -610,6 +610,7 @@ def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda:
         out.update_arg(0, tuple(outs[:num_fwd_outputs]) + tuple(out.args[0]))
         ao.activation_offload_sink_wait_async(fw)
         ao.activation_reload_prefetch_async(bw)
+        _keep_outputs(fw, outs[:num_fwd_outputs])
     else:
         ao.offload_chosen_sets(fw, bw)
         out.update_arg(0, tuple(outs[:num_fwd_outputs]) + tuple(out.args[0]))
@@ -617,6 +618,19 @@ def _offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, cuda:
         g.graph.lint()
         g.recompile()
     return refused
+
+
+def _keep_outputs(fw: fx.GraphModule, model_outputs: list) -> None:
+    """torch's offload wait (`ao.wait_tensor`) frees the storage of its `keepalive`, the
+    offloaded device value, once the compute stream has waited for the copy: a value that is
+    also a model output (a KV cache's tensor) would reach the caller with no storage. Such a
+    wait keeps nothing alive instead: the value lives on as the output, and the wait still
+    comes before the graph returns (sunk to its end), so the copy has finished by then."""
+    outputs = {n for n in model_outputs if isinstance(n, fx.Node)}
+    for n in fw.graph.nodes:
+        if n.op == "call_function" and n.target == torch.ops.ao.wait_tensor.default \
+                and len(n.args) > 1 and n.args[1] in outputs:
+            n.update_arg(1, None)
 
 
 def _substitute_unread(fw: fx.GraphModule, num_fwd_outputs: int, graph_ops, matched,
