@@ -29,6 +29,7 @@ def timm_case(name, side=32):
     def build():
         import timm
         import torch
+
         from benchmarks.zoo_models import classify_loss
         torch.manual_seed(0)
         m = timm.create_model(name, pretrained=False, num_classes=8)
