@@ -78,7 +78,9 @@ def roberta_mc():
     m = RobertaForMultipleChoice(cfg)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 64, (2, 3, 8), generator=g)
-    return m, {"input_ids": ids, "labels": torch.tensor([0, 2])}, None
+    mask = torch.ones_like(ids)
+    mask[:, :, 6:] = 0                    # padded choices, as a tokenizer gives them
+    return m, {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 2])}, None
 
 
 # name: (builder, planner, budget)

@@ -221,7 +221,8 @@ class _Patched:
 
     def _follows(self, run, sig) -> bool:
         """Whether `_follow_branches` plans again after this recorded call."""
-        return bool(self.replan and ("branches", sig) not in self.notes.said
+        return bool(self.replan and not self.meta.value_dependent
+                    and ("branches", sig) not in self.notes.said
                     and (run.values or run.t.borrowed)
                     and run.report()["fraction"] < ALIGN_WARN)
 
@@ -231,6 +232,10 @@ class _Patched:
         a library that branches otherwise under fake tensors), into the same budget; or, for
         a plan borrowed from other shapes that did not line up here (other ops at these
         shapes), from a trace at these shapes. The next call runs that plan."""
+        if self.meta.value_dependent and rep["fraction"] < ALIGN_WARN:
+            from .replan import VALUE_DEPENDENT, VALUE_DEPENDENT_HINT  # (no fake trace can
+            self.notes.say("value-dependent",     # follow it: the guard holds, at once)
+                           f"{VALUE_DEPENDENT}; {VALUE_DEPENDENT_HINT}")
         if not self._follows(run, sig):
             return          # (no value read, own plan: no branch a trace could take otherwise)
         self.notes.said.add(("branches", sig))
