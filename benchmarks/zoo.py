@@ -8,9 +8,10 @@ in training mode with dropout on, goes the library user's way:
 
     plan = plan_model(model, inputs, budget=0.5, device="fake:cpu")  # InfeasibleError: the
     patch(model, plan)                    # first feasible budget above the floor instead
-    3 AdamW steps, patched, against an eager deep copy from the same RNG state
+    5 AdamW steps, patched, against an eager deep copy from the same RNG state
 
-and gets a status: `pass` (losses and gradients of all three steps bitwise equal), `refused`
+then the same model again, fresh, under `planner="recompute-only"` at its first feasible
+budget (the `rc_` columns: recompute exercised on real models), and gets a status: `pass` (losses and gradients of all five steps bitwise equal), `refused`
 (a SlackswapError: the reason recorded; where the refusal's hint is to profile for real, as
 for a data-dependent step, the zoo follows it: `plan_model(..., device="cpu")`, and the row
 is `pass-real` when that plan trains bitwise, the fake refusal kept in its detail) or `fail` (numbers differ: the largest difference; or
@@ -21,14 +22,17 @@ Columns: library, model, status, bitwise, max_diff (largest |patched - eager| ov
 gradients), budget (fraction of the keep-all peak planned for), held_budget (bytes held for
 backward after the first patched forward / the plan's budget), keep_swap_recompute (the
 plan's saved activations by action), plan_s (plan_model's seconds),
-step_ratio (patched / eager seconds of steps 2-3), seconds, cpu_s, detail. Ops are priced
+step_ratio (patched / eager seconds of steps 2-3), first_steady (the first of the 5 calls
+from which none was recorded: `last_report["recorded"]`), steady_ratio (patched / eager CPU
+seconds of the calls after it), rc_status, rc_budget, rc_keep_swap_recompute,
+rc_first_steady, rc_steady_ratio (the recompute-only run's), seconds, cpu_s, detail, rc_detail. Ops are priced
 with 2 us a kernel (slackswap_testkit/small_costs.py): on the fitted ~10 us the zoo's tiny
 models would swap all they do not keep, and the recompute path would go untested.
 
 Models run in worker processes (--jobs, one torch thread each), one after another in each; a
 model that hangs past --timeout or kills its worker is a `fail` and a new worker takes the
 next. Rows are written as they come, and sorted at the end. seconds: wall time of the model's
-whole check (build, plan, six steps); cpu_s: the worker's CPU time for it, which a shared
+whole check (build, plan, ten steps; again for recompute-only); cpu_s: the worker's CPU time for it, which a shared
 machine does not inflate.
 
     python benchmarks/zoo.py                        # all; writes benchmarks/results/zoo.csv, .md
@@ -55,8 +59,11 @@ if str(ROOT) not in sys.path:
 from benchmarks import zoo_models  # noqa: E402
 
 COLUMNS = ("library", "model", "status", "bitwise", "max_diff", "budget", "held_budget",
-           "keep_swap_recompute", "plan_s", "step_ratio", "seconds", "cpu_s", "detail")
-STEPS = 3
+           "keep_swap_recompute", "plan_s", "step_ratio", "first_steady", "steady_ratio",
+           "rc_status", "rc_budget", "rc_keep_swap_recompute", "rc_first_steady",
+           "rc_steady_ratio", "seconds", "cpu_s", "detail", "rc_detail")
+STEPS = 5
+RECOMPUTE = "recompute-only"     # the second run's planner, at its first feasible budget
 BUDGET = 0.5
 RESULT = "ZOO-RESULT "
 
@@ -94,22 +101,61 @@ def check_model(library: str, name: str) -> dict:
             plan, row["budget"], row["plan_s"] = _plan(model, inputs, loss_fn, "cpu")
         except SlackswapError as again:
             return {"status": "refused", "detail": f"--device cpu too: {_one_line(again)}"}
-    import slackswap_cli as slackswap
-    try:
-        slackswap.patch(model, plan)
-        diff, held, ratio = _train_both(twin, model, inputs, loss_fn)
-    except SlackswapError as exc:
-        where = "--device cpu too: " if "detail" in row else ""
-        return {**row, "status": "refused", "detail": where + _one_line(exc)}
-    acts = plan.actions()
-    row.update(max_diff=diff, held_budget=held, step_ratio=ratio, bitwise=diff == 0.0,
-               keep_swap_recompute=f"{acts['keep']}/{acts['swap']}/{acts['recompute']}")
     real = "detail" in row
+    try:
+        row.update(_patched_run(model, twin, plan, inputs, loss_fn))
+    except SlackswapError as exc:
+        where = "--device cpu too: " if real else ""
+        return {**row, "status": "refused", "detail": where + _one_line(exc)}
+    diff = row["max_diff"]
     row["status"] = ("pass-real" if real else "pass") if diff == 0.0 else "fail"
     if diff != 0.0:
         row["detail"] = (f"losses or gradients differ from eager by up to {diff:.3g}"
                          + (" (profiled --device cpu)" if real else ""))
+    row.update(recompute_run(library, name, plan, "cpu" if real else "fake:cpu"))
     return row
+
+
+def _patched_run(model, twin, plan, inputs, loss_fn) -> dict:
+    """Patch `model` with `plan` and train it against `twin`: the row's figures."""
+    import slackswap_cli as slackswap
+    slackswap.patch(model, plan)
+    got = _train_both(twin, model, inputs, loss_fn)
+    acts = plan.actions()
+    return {**got, "bitwise": got["max_diff"] == 0.0,
+            "keep_swap_recompute": f"{acts['keep']}/{acts['swap']}/{acts['recompute']}"}
+
+
+def recompute_run(library: str, name: str, plan, device: str) -> dict:
+    """The model again, fresh, under the recompute-only planner at its first feasible budget
+    (on `plan`'s profile, traced on `device`): the rc_ columns. Recompute gets exercised on
+    real models: the default planner recomputes in few of them at the zoo's sizes."""
+    from slackswap_cli.budget import first_feasible_budget
+    from slackswap_cli.errors import SlackswapError
+    from slackswap_cli.hardware import load_hardware
+    prof = plan.profile
+    first = first_feasible_budget(prof, load_hardware(None), RECOMPUTE)
+    if first is None:
+        return {"rc_status": "refused", "rc_detail": f"{RECOMPUTE} fits no budget"}
+    model, inputs, loss_fn = zoo_models.build(library, name)
+    twin = _deepcopy(model)
+    import slackswap_cli as slackswap
+    try:
+        rc = slackswap.plan_model(model, inputs, budget=int(first), device=device,
+                                  loss_fn=loss_fn, planner=RECOMPUTE)
+        got = _patched_run(model, twin, rc, inputs, loss_fn)
+    except SlackswapError as exc:
+        return {"rc_status": "refused", "rc_detail": _one_line(exc)}
+    except _Differs as exc:
+        return {"rc_status": "fail", "rc_detail": str(exc)}
+    except Exception as exc:          # (the first run's row stands: this run's fail apart)
+        return {"rc_status": "fail", "rc_detail": _one_line(exc)}
+    out = {f"rc_{k}": got[k] for k in ("keep_swap_recompute", "first_steady", "steady_ratio")}
+    out.update(rc_budget=first / prof.keep_all_peak_bytes,
+               rc_status="pass" if got["max_diff"] == 0.0 else "fail")
+    if got["max_diff"] != 0.0:
+        out["rc_detail"] = f"losses or gradients differ from eager by up to {got['max_diff']:.3g}"
+    return out
 
 
 def follows_hint(exc) -> bool:
@@ -146,9 +192,10 @@ def _plan(model, inputs, loss_fn, device="fake:cpu"):
 
 
 def _step(model, inputs, loss_fn, opt, state=None):
-    """One training step; (loss, gradients, seconds, bytes held after forward or None)."""
+    """One training step; (loss, gradients, (seconds, CPU seconds), bytes held after forward
+    or None)."""
     from slackswap_cli.trace.joint import loss_from_output, split_inputs
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     a, kw = split_inputs(inputs)
     out = model(*a, **kw)
     held = None
@@ -159,18 +206,23 @@ def _step(model, inputs, loss_fn, opt, state=None):
     grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.detach().clone(), grads, time.perf_counter() - t, held
+    return (loss.detach().clone(), grads, (time.perf_counter() - t, time.process_time() - c),
+            held)
 
 
-def _train_both(eager, patched, inputs, loss_fn):
-    """STEPS AdamW steps of each, from the same RNG state at every step; (largest difference
-    over losses and gradients, held/budget of the first patched step, patched/eager seconds
-    of the later steps)."""
+def _train_both(eager, patched, inputs, loss_fn) -> dict:
+    """STEPS AdamW steps of each, from the same RNG state at every step: the largest
+    difference over losses and gradients (`max_diff`), held/budget of the first patched step
+    (`held_budget`), patched/eager seconds of steps 2-3 (`step_ratio`), the first call from
+    which no call was recorded (`first_steady`, 1-based; None: the last one was recorded)
+    and patched/eager CPU seconds of the calls after it (`steady_ratio`: the first steady
+    call also works out its chains' records once; CPU time, which a shared machine does
+    not inflate)."""
     import torch
     state = patched.forward.__slackswap__
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, patched)]
     _set_rng_state((torch.manual_seed(1).get_state(), *_seeded_others()))
-    diff, held, times = 0.0, None, [0.0, 0.0]
+    diff, held, times, recorded = 0.0, None, [], []
     for k in range(STEPS):
         rng = _rng_state()
         le, ge, te, _ = _step(eager, inputs, loss_fn, opts[0])
@@ -182,11 +234,21 @@ def _train_both(eager, patched, inputs, loss_fn):
             raise _Differs(f"step {k + 1}: the patched step drew other random numbers")
         held = h if k == 0 else held
         diff = max(diff, _diff(le, lp), *(_diff(x, y) for x, y in zip(ge, gp)))
-        if k:
-            times[0] += te
-            times[1] += tp
+        times.append((te, tp))
+        recorded.append(state.last_report["recorded"])
     state.measure_held = False
-    return diff, held, times[1] / times[0] if times[0] else None
+    first = next((k + 1 for k in range(STEPS) if not any(recorded[k:])), None)
+    return {"max_diff": diff, "held_budget": held,
+            "step_ratio": _ratio([(e[0], p[0]) for e, p in times[1:3]]),
+            "first_steady": first,
+            "steady_ratio": None if first is None or first >= STEPS else
+            _ratio([(e[1], p[1]) for e, p in times[first:]])}
+
+
+def _ratio(pairs) -> float | None:
+    """patched / eager seconds summed over (eager, patched) pairs."""
+    eager, patched = sum(e for e, _ in pairs), sum(p for _, p in pairs)
+    return patched / eager if eager else None
 
 
 def _rng_state() -> tuple:
@@ -392,7 +454,7 @@ def summary(rows: list[dict]) -> str:
     libs = sorted({r["library"] for r in rows}, key=zoo_models.LIBRARIES.index)
     kinds = ("pass", "pass-real", "refused", "fail", "skipped")
     lines = ["# Model zoo: patched (plan_model + patch, budget 0.5 or the first feasible)",
-             "vs eager, 3 AdamW steps, training mode with dropout", "",
+             "vs eager, 5 AdamW steps, training mode with dropout", "",
              "Written by `python benchmarks/zoo.py` (`make zoo`); rows in zoo.csv. pass: losses",
              "and gradients bitwise equal at every step, profiled fake (`device=\"fake:cpu\"`);",
              "pass-real: the fake trace refused with the hint to profile for real, and the plan",
@@ -435,7 +497,35 @@ def summary(rows: list[dict]) -> str:
         passed.sort()
         lines += ["", f"Patched/eager step time over the passes (this CPU, tiny models): median "
                       f"{passed[len(passed) // 2]:.2f}, max {passed[-1]:.2f}."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + steady_lines(rows)) + "\n"
+
+
+def steady_lines(rows: list[dict]) -> list[str]:
+    """zoo.md's steady state, per planner: how many passing rows were steady by call 3 (no
+    call recorded from it on), the median and worst steady patched/eager CPU-time ratio,
+    and every row steady later or never."""
+    out = ["", "## Steady state", "",
+           f"Each model trained {STEPS} steps; first steady call: the first from which no call "
+           "was recorded (`last_report[\"recorded\"]`); steady ratio: patched/eager CPU "
+           "seconds of the calls after it. Default planner (`budget`), then recompute-only at "
+           "its first feasible budget (`rc_` columns).", "",
+           "| planner | passing rows | steady by call 3 | median steady ratio | worst | "
+           "rows over 1.5x |", "|---|---|---|---|---|---|"]
+    late = []
+    for label, pre, ok in (("default", "", ("pass", "pass-real")),
+                           ("recompute-only", "rc_", ("pass",))):
+        sel = [r for r in rows if r.get(f"{pre}status") in ok]
+        steady = [r for r in sel if r.get(f"{pre}first_steady")
+                  and int(r[f"{pre}first_steady"]) <= 3]
+        ratios = sorted((float(r[f"{pre}steady_ratio"]), r["model"]) for r in sel
+                        if r.get(f"{pre}steady_ratio"))
+        late += [f"- {label}: {r['library']}/{r['model']}: first steady call "
+                 f"{r.get(f'{pre}first_steady') or 'none'}" for r in sel if r not in steady]
+        med = f"{ratios[len(ratios) // 2][0]:.2f}" if ratios else ""
+        worst = f"{ratios[-1][0]:.2f} ({ratios[-1][1]})" if ratios else ""
+        out.append(f"| {label} | {len(sel)} | {len(steady)} | {med} | {worst} | "
+                   f"{sum(x > 1.5 for x, _ in ratios)} |")
+    return out + ["", f"Not steady by call 3: {len(late)}", "", *late]
 
 
 def main(argv=None) -> None:

@@ -119,10 +119,21 @@ def check_budget(budget_bytes: int, profile: Profile) -> None:
         raise InfeasibleError(below[0], hint=below[1])
 
 
-def _ceil3(x: float) -> float:
-    """x rounded up to 3 decimals, so the suggested fraction is never below the floor."""
-    return math.ceil(x * 1000 - 1e-9) / 1000
+def fraction_at_least(nbytes: int, peak: int) -> float:
+    """The least fraction of `peak` with 3 decimals whose budget (`fraction_bytes`, rounded
+    down) is at least `nbytes`: what a hint prints, so that following it as printed reaches
+    the bytes it names."""
+    k = -(-int(nbytes) * 1000 // int(peak))          # (exact: integers, rounded up)
+    while fraction_bytes(k / 1000, peak) < nbytes:
+        k += 1
+    return k / 1000
 
+
+def fraction_hint(nbytes: int, peak: int) -> str:
+    """`nbytes` as a hint names a budget: the size, the exact bytes and, where the keep-all
+    peak is known, the fraction that reaches it (`fraction_at_least`)."""
+    frac = f"; fraction {fraction_at_least(nbytes, peak):.3f}" if peak else ""
+    return f"{fmt_bytes(nbytes)} ({nbytes} bytes{frac})"
 
 
 def floor_message(budget_bytes: int, profile: Profile) -> tuple[str, str] | None:
@@ -134,7 +145,7 @@ def floor_message(budget_bytes: int, profile: Profile) -> tuple[str, str] | None
     frac = f" ({floor / peak:.3f} of the keep-all peak)" if peak else ""
     return (f"budget {fmt_bytes(budget_bytes)} is below the floor {fmt_bytes(floor)}{frac}: "
             "memory that no plan can free",
-            f"raise the budget to at least {_ceil3(floor / peak) if peak else 1} "
+            f"raise the budget to at least {fraction_at_least(floor, peak) if peak else 1} "
             f"(fraction) or {fmt_bytes(floor)} ({floor} bytes)")
 
 

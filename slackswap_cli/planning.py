@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .budget import parse_budget
+from .budget import fraction_hint, parse_budget
 from .compile_limits import no_swap_option
 from .hardware import HardwareSpec, load_hardware, stored_hardware
 from .op_cost import check_cost_model
@@ -27,7 +27,6 @@ from .planners import PLANNERS, plan_and_simulate, planner_spec
 from .profile_build import recost
 from .schema import Profile, check_target, save
 from .simulate import budget_floor_bytes, check_step_range
-from .units import fmt_bytes
 
 __all__ = ["plan_inputs", "planner_time_options", "plan_profile"]
 
@@ -123,12 +122,13 @@ def infeasible_message(prof: Profile, planner: str, below, reach: Optional[int]
         return below
     peak, floor = prof.keep_all_peak_bytes, budget_floor_bytes(prof)
     fits = ("" if reach is None else
-            f"; planner {planner} first fits at {fmt_bytes(reach)}"
-            + (f" ({reach / peak:.3f})" if peak else ""))
+            f"; planner {planner} first fits at {fraction_hint(reach, peak)}")
     sure = [n for n, spec in PLANNERS.items() if spec.fits_from_floor]
     exact = [n for n, spec in PLANNERS.items() if spec.bound and n != planner]
-    hint = (f"the floor is {fmt_bytes(floor)}" + (f" ({floor / peak:.3f})" if peak else "")
+    hint = (f"the floor is {fraction_hint(floor, peak)}"
             + (f": `--planner {sure[0]}` fits every budget from there up; or" if sure
                else "; ")
-            + " raise --budget" + "".join(f", or try --planner {n}" for n in exact))
+            + " raise --budget" + ("" if reach is None else
+                                   f" to {fraction_hint(reach, peak)} for {planner}")
+            + "".join(f", or try --planner {n}" for n in exact))
     return f"planner {planner} found no plan under the budget{fits}", hint

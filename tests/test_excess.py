@@ -103,7 +103,7 @@ def test_measuring_leaves_the_model_and_its_next_step_bitwise_as_they_were():
     assert measured_peak(model, (x,), None, plan) == plan.measured.measured
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))
-    assert _same(_state(model), before) and not slackswap.run.inplace.is_patched(model)
+    assert _same(_state(model), before) and not slackswap.run.eager.inplace.is_patched(model)
     assert torch.equal(x.grad, x_grad) and model.training
     for m in (model, twin):                         # the next training step, from one RNG state
         torch.manual_seed(1)

@@ -64,6 +64,10 @@ def test_zoo_model_matches_its_committed_row(library, name, one_thread):
             f"{library}/{name} is recorded as {want['status']} in zoo.csv but now {got['status']}: "
             f"{got.get('detail')}")
         assert got["bitwise"] is True and got["max_diff"] == 0.0
+        # steady by call 3 (no call recorded from it on), under both planners
+        assert got["first_steady"] is not None and got["first_steady"] <= 3, got
+        assert got["rc_status"] == "pass", got.get("rc_detail")
+        assert got["rc_first_steady"] is not None and got["rc_first_steady"] <= 3, got
     else:
         assert got["status"] == want["status"], (
             f"{library}/{name} is recorded as {want['status']} ({want['detail']}) but now "

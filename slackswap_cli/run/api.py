@@ -58,6 +58,7 @@ from .eager import inplace
 from .eager.inplace import is_patched
 from .eager.replan import _fake_copy, fake_of
 from .emit import patch_meta
+from .notes import checkpointing_on, tell
 from .rng import forked_rng
 from .verify.check import CheckReport, check_step
 
@@ -149,6 +150,10 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     note = _meta_note(model, how, target, hw)
     if note is not None:
         warnings.warn(f"slackswap: {note}", stacklevel=2)
+    own = checkpointing_on(model)
+    if own is not None:     # (traced as plain calls: the plan is the model's without it)
+        tell(f"{own}; the plan is made for the model without it (its checkpointed regions "
+             "are traced as plain calls)")
     if budget == "auto":
         budget = str(_auto_budget(model, work.inputs, optimizer))
     prof, hw, budget_bytes, fraction = plan_inputs(prof, budget, hw, "plan_model")

@@ -140,6 +140,9 @@ def patch_meta(joint, work, profile: Profile, plan: Plan, device_type: str,
         "input_tensors": [[list(v.shape), str(v.dtype)] for v in input_vals],
         "input_constants": [repr(c) for c in joint.input_constants],
         "autocast": profile.workload.get("autocast"),
+        # traced on real tensors with sizes fixed by this batch's values (nonzero, masks):
+        # no fake trace of this model can plan again in the step (run/eager/replan.py)
+        "value_dependent_sizes": bool(getattr(joint, "value_dependent_sizes", False)),
         "target_device": profile.env.get("target_device"),
         "hardware": plan.hardware,
         "keep_all_peak_bytes": profile.keep_all_peak_bytes,

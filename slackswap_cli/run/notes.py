@@ -11,7 +11,7 @@ import sys
 
 from ..units import fmt_bytes
 
-__all__ = ["Notes", "SAY_MAX", "shapes", "brief", "tell"]
+__all__ = ["Notes", "SAY_MAX", "shapes", "brief", "tell", "checkpointing_on"]
 
 ALIGN_WARN = 0.99       # say so when fewer of the profile's forward ops than this line up
 SAY_MAX = 3             # signatures a kind of note is printed for (`Notes.say_capped`)
@@ -39,11 +39,10 @@ class Notes:
                 tell(text)
 
     def say_checkpointing(self, model) -> None:
-        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-            self.say("checkpointing", "Hugging Face gradient checkpointing is on: its "
-                      "checkpointed blocks save their own tensors, so the plan runs only for "
-                      "the rest of the model (turn it off with "
-                      "model.gradient_checkpointing_disable() to run the whole plan)")
+        """Once: the model checkpoints blocks itself (`checkpointing_on`)."""
+        text = checkpointing_on(model)
+        if text is not None:
+            self.say("checkpointing", text)
 
     def check_run(self, run, sig, replanned_next: bool = False, replans: bool = False) -> dict:
         """Say once per signature, on stderr, when less than 99% of the profile's forward ops
@@ -104,6 +103,24 @@ class Notes:
         elif n == SAY_MAX:
             tell(f"({kind} notes for further input signatures are not printed; "
                  "model.forward.__slackswap__.last_report has each call's figures)")
+
+
+# a model's own gradient checkpointing: (library, the flag its modules set, how to turn it off)
+CHECKPOINTING = (("Hugging Face", "gradient_checkpointing", "model.gradient_checkpointing_disable()"),
+                 ("timm", "grad_checkpointing", "model.set_grad_checkpointing(False)"))
+
+
+def checkpointing_on(model) -> str | None:
+    """What to say when a module of `model` has its library's gradient checkpointing on
+    (Hugging Face's `gradient_checkpointing_enable()`, timm's `set_grad_checkpointing()`):
+    its checkpointed blocks save their own tensors, out of the plan's reach; None when off."""
+    for library, flag, off in CHECKPOINTING:
+        if any(getattr(m, flag, False) is True for m in model.modules()):
+            return (f"{library} gradient checkpointing is on: its checkpointed blocks save their "
+                    "own tensors (out of the plan's reach, and not what the plan was made for), "
+                    "so the plan runs only for the rest of the model and the step holds less "
+                    f"than its budget (turn it off with {off} to run the whole plan)")
+    return None
 
 
 def shapes(sig: tuple) -> str:

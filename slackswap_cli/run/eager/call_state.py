@@ -53,11 +53,14 @@ class CallState:
         # (weakly: autograd's, while it holds them); making values again (`backward.remake`)
         "gone", "again",
         # the guard's count and what a keep-all run holds (`guard.py`)
-        "guard", "followed", "saved_keys", "saved_bytes", "__weakref__")
+        "guard", "followed", "saved_keys", "saved_bytes",
+        # a call recorded again at a signature it had recorded on the same plan: why
+        "not_steady", "__weakref__")
 
     def __init__(self, kind: str, patched, plan, tpl=None, inputs: list = ()):
         self.kind, self.p, self.t, self.table, self.tpl = kind, patched, plan, plan.table, tpl
         self.recorded = tpl is None
+        self.not_steady: str | None = None
         self.measuring = True if tpl is None else patched.measure_held
         self.call_inputs = list(inputs)
         self.pinned: dict[int, torch.Tensor] = {}   # root -> tensor held for a chain
@@ -164,9 +167,11 @@ class CallState:
         tensors stopped matching the template; `borrowed`: the plan was made at other shapes,
         `new_shape.py`), the guard's swaps (count and bytes), the bytes held for backward as
         counted in forward (`guard.py`'s count: kept storages, planned or not) against the
-        plan's budget (None: the plan has none)."""
+        plan's budget (None: the plan has none); `not_steady`: a recorded call that was not
+        meant to be (the signature had recorded on this plan before), why."""
         swaps, swapped = self.guarded()
         return {**self.alignment(), "recorded": self.recorded, "left_template": self.broken,
+                "not_steady": self.not_steady,
                 "borrowed": self.t.borrowed,
                 "guard_swaps": swaps, "guard_swapped_bytes": swapped,
                 "held_bytes": self.held_at_end(), "budget_bytes": self.t.limit}

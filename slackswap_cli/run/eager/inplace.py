@@ -34,7 +34,7 @@ from ..notes import ALIGN_WARN, Notes, brief, shapes, tell
 from .packs import STATE, SteadyRoute
 from .signatures import NESTED, PlanTable, SignaturePlans, tensors
 from .tables import RunMeta
-from .templates import Templates
+from .templates import DIVERGED, Templates
 
 __all__ = ["patch", "unpatch", "is_patched"]
 
@@ -48,7 +48,7 @@ class _Patched:
     __slots__ = ("model", "meta", "table", "_forward", "had_instance_forward", "last_run",
                  "notes", "body_hooks", "_names", "_first", "buffer_ids", "replan", "branchy",
                  "strict", "steady", "measure_held", "templates", "before_first",
-                 "check_report", "sigs", "__weakref__")
+                 "check_report", "sigs", "recorded_on", "__weakref__")
 
     def __init__(self, model, meta: dict, table: dict, original_forward, had_instance_forward,
                  replan: bool = True, strict: bool = False, plans: dict | None = None):
@@ -67,6 +67,7 @@ class _Patched:
         self.steady = True                      # later calls at a signature: hooks alone
         self.measure_held = False               # later calls note what autograd holds
         self.templates = Templates()
+        self.recorded_on: dict = {}             # signature -> the plan its last record ran
         self.before_first = None    # called with the first training call's (args, kwargs)
         self.check_report = None    # (patch(model, plan, check=True): what its check found)
         m = self.meta
@@ -196,6 +197,7 @@ class _Patched:
                 h.remove()
             self.remove_hooks()      # off the model until the next full record
         self.last_run = run
+        self._recorded_again(run, plan, sig)
         self.templates.note(sig, run, self._fingerprint())
         self.sigs.keep_all[sig] = run.saved_bytes
         if plan.fraction is not None:     # lent, no template followed: settle its limit
@@ -204,9 +206,23 @@ class _Patched:
         self._follow_branches(run, sig, args, kwargs, rep)
         return out
 
+    def _recorded_again(self, run, plan, sig) -> None:
+        """A call recorded at a signature whose last recorded call ran the same plan (a
+        template was due): why, in its report and once on stderr with what to do."""
+        again = self.recorded_on.get(sig) is plan and self.steady
+        self.recorded_on[sig] = plan
+        if not again:
+            return
+        cause, todo = self.templates.why_not(sig)
+        run.not_steady = cause
+        self.notes.say(("steady", sig), f"calls at {shapes(sig)} are recorded op by op again, "
+                       f"not followed from a template: {cause}. Each such step pays the "
+                       f"recorder (several times eager on a CPU); {todo}")
+
     def _follows(self, run, sig) -> bool:
         """Whether `_follow_branches` plans again after this recorded call."""
-        return bool(self.replan and ("branches", sig) not in self.notes.said
+        return bool(self.replan and not self.meta.value_dependent
+                    and ("branches", sig) not in self.notes.said
                     and (run.values or run.t.borrowed)
                     and run.report()["fraction"] < ALIGN_WARN)
 
@@ -216,6 +232,10 @@ class _Patched:
         a library that branches otherwise under fake tensors), into the same budget; or, for
         a plan borrowed from other shapes that did not line up here (other ops at these
         shapes), from a trace at these shapes. The next call runs that plan."""
+        if self.meta.value_dependent and rep["fraction"] < ALIGN_WARN:
+            from .replan import VALUE_DEPENDENT, VALUE_DEPENDENT_HINT  # (no fake trace can
+            self.notes.say("value-dependent",     # follow it: the guard holds, at once)
+                           f"{VALUE_DEPENDENT}; {VALUE_DEPENDENT_HINT}")
         if not self._follows(run, sig):
             return          # (no value read, own plan: no branch a trace could take otherwise)
         self.notes.said.add(("branches", sig))
@@ -258,8 +278,8 @@ class _Patched:
                     out = self.original_forward(*args, **kwargs)
         finally:
             STATE.run = None
-        if not call.finish():
-            self.templates.drop(sig)                     # other control flow: the next call records
+        if not call.finish():       # other control flow: the next call records
+            self.templates.drop(sig, DIVERGED if call.kind == "steady" else None)
             self._check_run(run, sig)
         self.last_run = run
         return out

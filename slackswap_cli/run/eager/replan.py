@@ -34,7 +34,12 @@ from ..rng import forked_rng
 from .branches import BranchesDiffer, eager_branches
 from .tables import RunMeta
 
-__all__ = ["replan_table"]
+__all__ = ["replan_table", "VALUE_DEPENDENT", "VALUE_DEPENDENT_HINT"]
+
+VALUE_DEPENDENT = ("this model's sizes depend on its values (its plan was made on a real "
+                   "trace): a fake trace cannot plan it again")
+VALUE_DEPENDENT_HINT = ("the guard holds the plan's budget on the new path; for a plan of its "
+                        "own, profile a batch that takes it (plan_model(..., device=\"cpu\"))")
 
 
 def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta, *,
@@ -46,6 +51,8 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta, *
     plan's fraction of the new keep-all peak, or its byte budget). `meta`: META, or its
     `tables.RunMeta`."""
     meta = RunMeta.of(meta)
+    if meta.value_dependent:        # (refused at once: the trace would fail after seconds)
+        raise TraceError(VALUE_DEPENDENT, hint=VALUE_DEPENDENT_HINT)
     if args and kwargs:
         raise InputError("the call mixes positional and keyword tensors",
                          hint="call the model with one kind to let slackswap re-plan")

@@ -49,10 +49,11 @@ class RunMeta:
     (`device_type`, `param_dtype`, `input_tensors`), the plan's `budget_bytes`, and what a
     re-plan at other shapes needs (run/eager/replan.py): `hardware`, `target_device`, `workload`,
     `budget_fraction`, `planner`, `autocast`, `loss_fn` (a plan made in the training process,
-    run/api.py)."""
+    run/api.py); `value_dependent`: the plan's trace was real, its sizes fixed by the values
+    of the profiled batch (no fake trace can plan this model again)."""
     __slots__ = ("device_type", "param_dtype", "input_tensors", "budget_bytes", "hardware",
                  "target_device", "workload", "budget_fraction", "planner", "autocast",
-                 "loss_fn", "source")
+                 "loss_fn", "value_dependent", "source")
 
     def __init__(self, meta: dict):
         self.source = meta
@@ -68,6 +69,7 @@ class RunMeta:
         self.planner = meta.get("planner")
         self.autocast = meta.get("autocast")
         self.loss_fn = meta.get("loss_fn")
+        self.value_dependent = bool(meta.get("value_dependent_sizes"))
 
     @classmethod
     def of(cls, meta) -> "RunMeta":

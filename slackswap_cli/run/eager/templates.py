@@ -24,6 +24,25 @@ __all__ = ["Template", "Templates", "Fingerprint"]
 
 _KEEP = "keep"          # (schema.Action.KEEP's value: a table names actions by value)
 
+# why a later call at a signature is recorded again (cause, what to do): `Templates.why_not`
+UNREACHABLE = ("a chain of the plan read a value that no saved tensor of the step holds, so "
+               "a call without the recorder cannot hand it over",
+               "this is a gap in slackswap, please report it with the model; training stays "
+               "bitwise meanwhile")
+NO_BACKWARD = ("the last recorded call's backward did not run every recompute chain its plan "
+               "deferred (a forward without backward, or a backward that never reached a "
+               "recomputed tensor)",
+               "run backward through each training forward, or plan with the loss the "
+               "training loop uses (loss_fn)")
+REPLACED = ("the model's parameter or buffer tensors were replaced (or autocast changed) "
+            "since the last recorded call",
+            "update parameters in place (an optimizer, `p.data.copy_`), not by assigning new "
+            "tensors to the module, and keep autocast as it was")
+DIVERGED = ("the last call's saved tensors stopped matching the recorded ones (other control "
+            "flow at the same shapes)",
+            "re-profile on the path the training loop takes (plan_model with inputs like "
+            "the training batches), or set model.forward.__slackswap__.steady = False")
+
 
 class Template:
     """What a later call at the same input signature needs from the first one's full record
@@ -93,6 +112,12 @@ class Template:
         for i, n in enumerate(seq):
             first_self.setdefault(n.loc, i)
             first_base.setdefault(n.base_loc, i)
+        # the same tensor, written in place since (a chain read it through such a write:
+        # an in-place activation's input, held for the chain from its production)
+        same_self, same_base = {}, {}
+        for i, n in enumerate(seq):
+            same_self.setdefault(self._written(n.loc), i)
+            same_base.setdefault(self._written(n.base_loc), i)
         binds: dict[int, list] = {}
         self.ok = True
         for loc in self.uses:
@@ -100,9 +125,25 @@ class Template:
                 binds.setdefault(first_self[loc], []).append((loc, False))
             elif loc in first_base:
                 binds.setdefault(first_base[loc], []).append((loc, True))
+            elif self._written(loc) in same_self:
+                binds.setdefault(same_self[self._written(loc)], []).append((loc, False))
+            elif self._written(loc) in same_base:
+                binds.setdefault(same_base[self._written(loc)], []).append((loc, True))
             else:
                 self.ok = False
         return binds
+
+    def _written(self, loc):
+        """The output an in-place write's result `loc` is (the first one of that tensor,
+        following writes back), or `loc` itself."""
+        from .recorded import OutRef
+        while loc is not None:
+            rec = self.records[loc[0]]
+            src = rec.args[0] if rec.wfirst and rec.args else None
+            if type(src) is not OutRef:
+                return loc
+            loc = src.loc
+        return loc
 
 
 class Templates:
@@ -111,13 +152,15 @@ class Templates:
     can be made); `hot`: a later call's key -> its `packs.SteadyRoute`, the one lookup a
     steady call makes; `superseded`: the first call's record at a signature whose plan was
     since made again along its branches (a new length may follow it:
-    `signatures.SignaturePlans._borrow`)."""
-    __slots__ = ("by_sig", "hot", "superseded")
+    `signatures.SignaturePlans._borrow`); `why`: for a signature whose template is gone or
+    cannot be made, why (what a call recorded again says: `why_not`)."""
+    __slots__ = ("by_sig", "hot", "superseded", "why")
 
     def __init__(self):
         self.by_sig: dict[tuple, object] = {}
         self.hot: dict[tuple, SteadyRoute] = {}
         self.superseded: dict[tuple, object] = {}
+        self.why: dict[tuple, tuple[str, str]] = {}
 
     def note(self, sig, run: "CallState", fingerprint: "Fingerprint") -> None:
         """`run` is the first call at `sig` (its template is made once its backward ran)."""
@@ -139,14 +182,25 @@ class Templates:
         if type(got) is not tuple:
             if got.holds():
                 return got
-            self.drop(sig)                     # parameters replaced, or autocast changed
+            self.drop(sig, REPLACED)           # parameters replaced, or autocast changed
             return None
         run, made_with = got
-        if not made_with.holds() or not set(run.deferred) <= run.done_chains:
+        if not made_with.holds():
+            self.why[sig] = REPLACED
+            return None
+        if not set(run.deferred) <= run.done_chains:
+            self.why[sig] = NO_BACKWARD
             return None                          # (the first call's backward has not run)
         tpl = Template(run, made_with)
         self.by_sig[sig] = tpl if tpl.ok else False
+        if not tpl.ok:
+            self.why[sig] = UNREACHABLE
         return tpl if tpl.ok else None
+
+    def why_not(self, sig) -> tuple[str, str]:
+        """(cause, what to do) for a call at `sig` recorded again on the plan its last
+        recorded call ran."""
+        return self.why.get(sig, NO_BACKWARD)
 
     def superseded_of(self, sig):
         """(template, the plan it ran) of `sig`'s first call, recorded on a plan since made
@@ -167,8 +221,11 @@ class Templates:
         self.superseded[sig] = got
         return got
 
-    def drop(self, sig) -> None:
-        """Forget `sig`'s template: the next call at it records again."""
+    def drop(self, sig, why: tuple[str, str] | None = None) -> None:
+        """Forget `sig`'s template: the next call at it records again (`why`: the cause,
+        where that call is not meant to: `why_not`)."""
+        if why is not None:
+            self.why[sig] = why
         self.by_sig.pop(sig, None)
         self.hot = {k: v for k, v in self.hot.items() if v.sig != sig}
 
