@@ -11,8 +11,8 @@ About a minute per schedule on two cores (each rank profiles and plans its stage
 twice), so they run with SLACKSWAP_SLOW=1 (`SLACKSWAP_SLOW=1 pytest tests/test_pipeline_ranks.py`);
 benchmarks/pipeline_ranks.py prints the same runs' per-rank table. One short run is in the
 default suite: ZBVZeroBubble (a split backward: each weight pass a second backward through the
-saved tensors) on two ranks, one block per stage, planned without the eager measure and
-trained without tracking memory.
+saved tensors) on two ranks, Hugging Face GPT-2 blocks with dropout 0.1, one block per stage,
+planned without the eager measure and trained without tracking memory.
 """
 import os
 
@@ -35,15 +35,16 @@ UNDER = {"InterleavedZeroBubble": 0.07}
 
 def test_split_backward_stages_train_exactly_swapping_and_recomputing(tmp_path):
     """ZBVZeroBubble's weight passes unpack the saved tensors a second time: fetched again
-    from their host copies, made again; bitwise as the unpatched pipeline over three steps,
-    every rank holding the microbatches read from the schedule."""
-    ranks = run("ZBVZeroBubble", 2, 2, 2, 220_000, tmp_path, "slackswap", "gpt", LINK,
+    from their host copies, made again, on Hugging Face GPT-2 blocks with dropout 0.1 (a
+    chain through a dropout mask reads the mask the forward drew); bitwise as the unpatched
+    pipeline over three steps, every rank holding the microbatches read from the schedule."""
+    ranks = run("ZBVZeroBubble", 2, 2, 2, 380_000, tmp_path, "slackswap", "gpt2", LINK,
                 quick=True)
     for rank, res in enumerate(ranks):
         row, plain, patched = res["row"], res["plain"], res["patched"]
         assert same(plain, patched), f"rank {rank}: the planned stages trained otherwise"
         assert row["held"] == plain["held"] == patched["held"] == [3, 4][rank]
-        assert row["planned_peak_bytes"] <= 220_000 < row["keep_all_peak_bytes"]
+        assert row["planned_peak_bytes"] <= 380_000 < row["keep_all_peak_bytes"]
     assert sum(r["row"]["swapped_bytes"] for r in ranks) > 0
     assert sum(r["row"]["recomputed_bytes"] for r in ranks) > 0
 
