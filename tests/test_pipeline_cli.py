@@ -139,3 +139,24 @@ def test_simulate_pp_reports_the_rank_level_judge(ws):
                           env={"COLUMNS": "250"})
     assert "exposed copies/step" in human.stdout and "step (copies on each rank's engines)" \
         in human.stdout
+
+
+@pytest.mark.parametrize("cmd", ["simulate", "show"])
+def test_the_per_rank_table_reads_at_80_columns_and_piped(ws, cmd):
+    """On 80 columns (and piped: no terminal, rich's 80) the per-rank table splits into
+    tables of a few columns, each led by the rank: every header and every figure whole."""
+    r = runner.invoke(app, [cmd, "chain.plan.json", "--pp", "4", "--microbatches", "8",
+                            "--rank-budget", "9MiB"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    d = _pipeline(cmd, "chain.plan.json", "--pp", 4, "--microbatches", 8, "--rank-budget", "9MiB")
+    for h in ("rank", "stages", "held", "budget", "keep-all peak", "planned peak",
+              "swapped/step", "recomputed/step", "fraction", "idle/step", "swap copies/step",
+              "peak w/ copies", "exposed copies/step"):
+        assert f" {h} " in r.stdout, h
+    for rank in d["ranks"]:
+        row = next(x for x in lines if x.startswith("│") and x.split("│")[1].strip() ==
+                   str(rank["rank"]) and "MiB" in x)
+        assert row.split("│")[3].strip() == str(rank["held"])       # no column squeezed away
+    assert "…" not in r.stdout
