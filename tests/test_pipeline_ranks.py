@@ -74,6 +74,25 @@ def test_planned_pipeline_trains_exactly_within_its_peaks(family, schedule, per_
     assert not off, off
 
 
+@slow
+@pytest.mark.parametrize("schedule,held", [
+    ("ZBVZeroBubble", [4, 4]), ("DualPipeV", [5, 5]), ("InterleavedZeroBubble", [4, 4])])
+def test_split_backward_schedules_train_gpt2_with_dropout_exactly(schedule, held, tmp_path):
+    """Hugging Face GPT-2 blocks with dropout 0.1, two blocks a stage, two stages a rank:
+    every split-backward schedule's weight passes make recomputed tensors again through the
+    dropout masks the forward drew; bitwise as the unpatched pipeline over three steps, with
+    plans that swap and recompute. (Memory is not asserted here: under ZBVZeroBubble these
+    ranks measured 8-9% over their planned peak, docs/results.md.)"""
+    ranks = run(schedule, 2, 4, 2, 700_000, tmp_path, "slackswap", "gpt2", LINK)
+    for rank, res in enumerate(ranks):
+        row, plain, patched = res["row"], res["plain"], res["patched"]
+        assert same(plain, patched), f"rank {rank}: the planned stages trained otherwise"
+        assert row["held"] == plain["held"] == patched["held"] == held[rank]
+        assert row["planned_peak_bytes"] <= 700_000 < row["keep_all_peak_bytes"]
+    assert all(r["row"]["swapped_bytes"] > 0 and r["row"]["recomputed_bytes"] > 0
+               for r in ranks)
+
+
 def _checked(ranks, held, budget, under=0.05) -> list:
     """Each rank bitwise as unpatched, holding `held[rank]` microbatches, planned under
     `budget`; rank 0 had to be planned; the ranks whose measured peak (keep-all, planned) is
