@@ -106,3 +106,41 @@ def test_a_split_backward_through_dropout_is_eager_bitwise(name, budget, planner
     assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
     run = model.forward.__slackswap__.last_run
     assert run.tpl is not None and run.rerun_ops > 0   # the last step followed the template
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.4])
+def test_torchs_own_split_backward_over_microbatches_is_eager_bitwise(budget):
+    """What a pipeline stage runs: torch's `stage_backward_input` then `stage_backward_weight`
+    (the weight pass starts from the intermediates the input pass kept), microbatch after
+    microbatch with the next one's forward already run (calls that follow the template):
+    a chain's kept dropout mask is read from what autograd holds, not drawn again."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from slackswap_testkit.pipeline_run import make_gpt2_stage
+    eager, model = make_gpt2_stage(1, 4, 2), make_gpt2_stage(1, 4, 2)
+    torch.manual_seed(0)
+    x0 = torch.randn(2, 16, 32)
+    plan = slackswap.plan_model(model, (x0.clone().requires_grad_(),), budget=budget,
+                                hardware=_hardware(), loss_fn=lambda out, inp: out.sum(),
+                                measure=False)
+    assert plan.actions()["recompute"] > 0
+
+    def steps(m, n=3, mbs=3):
+        torch.manual_seed(5)
+        got = []
+        for _ in range(n):
+            xs = [x0.clone().requires_grad_() for _ in range(mbs)]
+            outs = [m(x) for x in xs]
+            for out, x in zip(outs, xs):
+                gx, groups = stage_backward_input([out], [torch.ones_like(out)], [x],
+                                                  m.parameters())
+                stage_backward_weight(m.parameters(), groups)
+                got += [out.detach(), gx[0], *(p.grad for p in m.parameters())]
+                for p in m.parameters():
+                    p.grad = None
+        return got
+    want = steps(eager)
+    slackswap.patch(model, plan)
+    got = steps(model)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert model.forward.__slackswap__.last_run.tpl is not None

@@ -1,6 +1,6 @@
 """Pipeline schedules' order of compute actions, written without torch, for the CLI (`fit` and
-`simulate --pp`): GPipe, 1F1B and Interleaved1F1B, each rank's steps (kind, stage,
-microbatch) in the order torch 2.13's schedules run them (tests/test_pipeline.py checks them
+`simulate --pp`): GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble, each rank's steps (kind,
+stage, microbatch) in the order torch 2.13's schedules run them (tests/test_pipeline.py checks them
 against `parallel.pipeline.schedule_order`, which reads torch). Other schedules are read from torch
 (`slackswap_cli.run.parallel.pipeline.schedule_order`).
 
@@ -9,6 +9,10 @@ a backward and a forward in turn, then the remaining backwards (the loop Schedul
 Interleaved1F1B (two or more stages per rank, stage `k * pp + rank`): torch's
 `_get_1f1b_rank_ops` with `_get_warmup_ops`: the microbatches go in rounds of
 `microbatches // rounds`, `rounds = max(1, microbatches // pp)`, which must divide them.
+ZBVZeroBubble (stages `rank` and `2 * pp - 1 - rank`): torch's
+`_calculate_single_rank_operations`, backwards split into input ("I") and weight ("W") passes.
+DualPipeV and InterleavedZeroBubble are planned by `plan_pipeline` (which reads torch), not
+here.
 
 Torch-free.
 """

@@ -202,8 +202,8 @@ def live(s, loc: tuple[int, int]):
     value its pack handed over."""
     if s.tpl is not None:
         x = s.bound.get(loc)
-        if x is None and s.again:     # handed over, then let go of: autograd's, if it holds it
-            ref = s.gone.get(loc)
+        if x is None and s.again:     # handed over, then let go of, or kept: autograd's, if
+            ref = s.gone.get(loc) or s.kept_alias.get(loc)      # it holds it
             x = ref() if ref is not None else None
         return x
     ref = s.records[loc[0]].outs[loc[1]]
