@@ -116,7 +116,44 @@ def make_llama_stage(index: int, n_stages: int, layers: int = 2) -> nn.Module:
     return Stage()
 
 
-FAMILIES = {"gpt": make_stage, "llama": make_llama_stage}
+def make_gpt2_stage(index: int, n_stages: int, layers: int = 2) -> nn.Module:
+    """Stage `index` of a Hugging Face GPT-2 (built from its config, no weights downloaded)
+    with its dropout at 0.1 (embeddings, attention, residuals): the token and position
+    embeddings and their dropout on the first, `layers` GPT2Blocks, the final LayerNorm and
+    the head on the last. Each step draws its dropout masks, so a plan's recompute chains
+    read random ops' outputs."""
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    cfg = GPT2Config(vocab_size=V, n_positions=T, n_embd=D, n_layer=n_stages * layers,
+                     n_head=2, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1,
+                     bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"        # (what GPT2LMHeadModel picks on its own)
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.last = index == 0, index == n_stages - 1
+            if self.first:
+                self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
+                self.drop = nn.Dropout(cfg.embd_pdrop)
+            self.h = nn.ModuleList(GPT2Block(cfg, layer_idx=index * layers + i)
+                                   for i in range(layers))
+            if self.last:
+                self.ln_f, self.head = nn.LayerNorm(D), nn.Linear(D, V, bias=False)
+
+        def forward(self, x):
+            if self.first:
+                pos = torch.arange(x.shape[1], device=x.device)
+                x = self.drop(self.wte(x) + self.wpe(pos))
+            for block in self.h:
+                x = block(x)
+            return self.head(self.ln_f(x)) if self.last else x
+
+    torch.manual_seed(3000 + index)
+    return Stage()
+
+
+FAMILIES = {"gpt": make_stage, "llama": make_llama_stage, "gpt2": make_gpt2_stage}
 
 
 def loss_fn(out, target):
@@ -266,7 +303,8 @@ def run(schedule: str, world: int, n_mb: int, per_rank: int, budget, out_dir,
         planner: str = "slackswap", family: str = "gpt", link: float | None = None,
         quick: bool = False) -> list[dict]:
     """Spawn the ranks; each rank's results: plan row, plain and patched runs. `family`: the
-    model split into stages, "gpt" (`make_stage`) or "llama" (`make_llama_stage`); `link`:
+    model split into stages, "gpt" (`make_stage`), "llama" (`make_llama_stage`) or "gpt2"
+    (`make_gpt2_stage`, dropout 0.1); `link`:
     the host link planned for (`hardware_for`); `quick`: one block per stage, no eager
     measure in planning (plan_pipeline's `measure=False`) and no memory tracked (no peaks):
     the default suite's short run."""

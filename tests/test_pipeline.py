@@ -171,20 +171,93 @@ def test_copy_back_pins_follow_the_simulated_schedule():
 def test_plan_pipeline_refuses_plainly_before_tracing():
     from slackswap_cli.run.parallel.pipeline import plan_pipeline
     stage = (torch.nn.Linear(4, 4), (torch.randn(2, 4),), None)
-    with pytest.raises(InputError, match="a size, not a fraction"):
-        plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget=0.5)
-    with pytest.raises(InputError, match="a size, not a fraction"):
-        plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget={0: "50%", 1: "1GiB"})
     with pytest.raises(InputError, match=r"ranks \[5\] are not in a pipeline of 2 ranks"):
         plan_pipeline({0: stage}, "1F1B", pp=2, microbatches=4, budget="1GiB", ranks=[5])
 
 
-@pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B"])
+def _linear_stages(n: int) -> dict:
+    torch.manual_seed(0)
+    def mlp():
+        return torch.nn.Sequential(*[m for _ in range(4) for m in (
+            torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32),
+            torch.nn.Tanh())])
+    return {i: (mlp(), (torch.randn(16, 32, requires_grad=i > 0),), None) for i in range(n)}
+
+
+def _plan(stages, schedule, **kw):
+    from slackswap_cli.run.parallel.pipeline import plan_pipeline
+    return plan_pipeline(stages, schedule, pp=2, device="fake", measure=False, **kw)
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_is_refused_with_a_hint_that_works():
+    """torch's Schedule1F1B refuses microbatches < stages when it is built; so does planning."""
+    with pytest.raises(InputError, match="at least as many microbatches") as err:
+        schedule_order("1F1B", 2, 1)
+    assert "microbatches=2" in err.value.hint
+    assert len(schedule_order("1F1B", 2, 2)) == 2                    # the hint followed
+    assert len(schedule_order("GPipe", 2, 1)) == 2                   # its other suggestion
+
+
+def test_a_stage_the_schedule_does_not_run_is_refused_with_a_hint_that_works():
+    stages = _linear_stages(3)
+    with pytest.raises(InputError, match=r"stage\(s\) \[2\] given") as err:
+        _plan(stages, "1F1B", microbatches=2, budget="1GiB")
+    assert "give stages 0 to 1" in err.value.hint
+    del stages[2]
+    assert _plan(stages, "1F1B", microbatches=2, budget="1GiB").rows    # the hint followed
+
+
+def test_a_pipe_of_one_stage_per_rank_under_an_interleaved_schedule_is_told_1f1b():
+    """A 2-stage pipe under Interleaved1F1B on pp=2 (which runs 4): the hint is a one-stage
+    schedule, which runs the pipe's 2 (torch refuses stages_per_rank=1 for Interleaved1F1B)."""
+    from types import SimpleNamespace
+
+    from slackswap_cli.run.parallel.pipe_stages import check_stage_count
+    pipe = SimpleNamespace(num_stages=2)
+    runs = 1 + max(s for steps in schedule_order("Interleaved1F1B", 2, 4).values()
+                   for _, s, _ in steps)
+    with pytest.raises(InputError, match="the pipe has 2 stages") as err:
+        check_stage_count(pipe, runs, "Interleaved1F1B", 2)
+    assert err.value.hint.startswith("schedule='1F1B'")
+    runs = 1 + max(s for steps in schedule_order("1F1B", 2, 4).values() for _, s, _ in steps)
+    check_stage_count(pipe, runs, "1F1B", 2)                          # the hint followed
+    with pytest.raises(InputError) as err:          # 4 stages on 2 ranks, one-stage schedule
+        check_stage_count(SimpleNamespace(num_stages=4), 2, "1F1B", 2)
+    assert err.value.hint.startswith("stages_per_rank=2")
+
+
+@pytest.mark.parametrize("schedule,tells_1f1b", [("1F1B", False), ("GPipe", True)])
+def test_below_the_floor_names_the_budget_and_the_least_that_fits(schedule, tells_1f1b):
+    """Below what any plan holds, the error names each short rank's budget and the least it
+    holds; the hint's figure plans; 1F1B is suggested only to a schedule that holds more."""
+    import re
+    stages = _linear_stages(2)
+    with pytest.raises(InfeasibleError, match=r"rank 0 \(budget 1000 B, at least") as err:
+        _plan(stages, schedule, microbatches=4, budget=1000)
+    assert ("(1F1B)" in err.value.hint) == tells_1f1b
+    least = int(re.search(r"at least (\d+) bytes", err.value.hint).group(1))
+    assert all(r.fits for r in _plan(stages, schedule, microbatches=4, budget=least).rows)
+
+
+def test_a_per_rank_budget_may_be_a_fraction_of_the_ranks_keep_all_peak():
+    """A user probes with a fraction first: 0.6 (or "60%") of each rank's own keep-all peak,
+    its held microbatches and boundary buffers counted."""
+    stages = _linear_stages(2)
+    for budget in (0.6, "60%", {0: 0.6, 1: "60%"}):
+        rows = _plan(stages, "1F1B", microbatches=4, budget=budget).rows
+        for row in rows:
+            assert row.budget_bytes == int(0.6 * row.keep_all_peak_bytes)
+            assert row.fits and row.planned_peak_bytes < row.keep_all_peak_bytes
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
 def test_torch_free_orders_are_torchs(name):
     """The CLI's orders (pipeline/orders.py, no torch) are the ones torch's schedules run."""
     from slackswap_cli.pipeline.orders import order
-    for pp, n in ((1, 1), (2, 4), (3, 6), (4, 8), (4, 12), (8, 16)):
-        spr = 2 if name == "Interleaved1F1B" else None
+    for pp, n in ((1, 1), (2, 4), (3, 6), (4, 8), (4, 12), (8, 16), (4, 3)):
+        if name == "1F1B" and n < pp:
+            continue                        # (refused: fewer microbatches than stages)
+        spr = 2 if name in ("Interleaved1F1B", "ZBVZeroBubble") else None
         assert order(name, pp, n) == schedule_order(name, pp, n, spr), (pp, n)
     if name == "Interleaved1F1B":
         assert order(name, 4, 8, 3) == schedule_order(name, 4, 8, 3)

@@ -139,3 +139,43 @@ def test_simulate_pp_reports_the_rank_level_judge(ws):
                           env={"COLUMNS": "250"})
     assert "exposed copies/step" in human.stdout and "step (copies on each rank's engines)" \
         in human.stdout
+
+
+@pytest.mark.parametrize("cmd", ["simulate", "show"])
+def test_the_per_rank_table_reads_at_80_columns_and_piped(ws, cmd):
+    """On 80 columns (and piped: no terminal, rich's 80) the per-rank table splits into
+    tables of a few columns, each led by the rank: every header and every figure whole."""
+    r = runner.invoke(app, [cmd, "chain.plan.json", "--pp", "4", "--microbatches", "8",
+                            "--rank-budget", "9MiB"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    d = _pipeline(cmd, "chain.plan.json", "--pp", 4, "--microbatches", 8, "--rank-budget", "9MiB")
+    for h in ("rank", "stages", "held", "budget", "keep-all peak", "planned peak",
+              "swapped/step", "recomputed/step", "fraction", "idle/step", "swap copies/step",
+              "peak w/ copies", "exposed copies/step"):
+        assert f" {h} " in r.stdout, h
+    for rank in d["ranks"]:
+        row = next(x for x in lines if x.startswith("│") and x.split("│")[1].strip() ==
+                   str(rank["rank"]) and "MiB" in x)
+        assert row.split("│")[3].strip() == str(rank["held"])       # no column squeezed away
+    assert "…" not in r.stdout
+
+
+def test_zbv_zero_bubble_is_a_cli_schedule_as_torch_runs_it(ws):
+    """ZBVZeroBubble (two stages a rank in a V, split backwards) through simulate --pp: the
+    torch-free order is torch's (tests/test_pipeline.py), each rank runs stages r and
+    2 pp - 1 - r, every rank as busy as the others (2 x 8 microbatches of at least 600 us
+    forward and 1200 us backward: an input pass and a weight pass of half each) beside its
+    bubbles; --stages-per-rank other than 2 is refused with the flag that fixes it."""
+    d = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", "ZBVZeroBubble",
+                  "--microbatches", 8, "--rank-budget", "40MiB")
+    assert [r["stages"] for r in d["ranks"]] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert all(r["held"] > 0 and r["planned_peak_bytes"] < r["keep_all_peak_bytes"]
+               for r in d["ranks"])
+    busy = [d["step_us"] - r["idle_us"] for r in d["ranks"]]
+    assert busy == pytest.approx([busy[0]] * 4) and busy[0] >= 2 * 8 * 1800
+    assert d["keep_all_step_us"] >= 2 * 8 * 1800 and min(r["idle_us"] for r in d["ranks"]) > 0
+    r = run("simulate", "chain.plan.json", "--pp", 4, "--schedule", "ZBVZeroBubble",
+            "--stages-per-rank", 3)
+    assert r.exit_code != 0 and "--stages-per-rank 2" in r.stdout + r.stderr

@@ -11,8 +11,8 @@ About a minute per schedule on two cores (each rank profiles and plans its stage
 twice), so they run with SLACKSWAP_SLOW=1 (`SLACKSWAP_SLOW=1 pytest tests/test_pipeline_ranks.py`);
 benchmarks/pipeline_ranks.py prints the same runs' per-rank table. One short run is in the
 default suite: ZBVZeroBubble (a split backward: each weight pass a second backward through the
-saved tensors) on two ranks, one block per stage, planned without the eager measure and
-trained without tracking memory.
+saved tensors) on two ranks, Hugging Face GPT-2 blocks with dropout 0.1, one block per stage,
+planned without the eager measure and trained without tracking memory.
 """
 import os
 
@@ -35,15 +35,16 @@ UNDER = {"InterleavedZeroBubble": 0.07}
 
 def test_split_backward_stages_train_exactly_swapping_and_recomputing(tmp_path):
     """ZBVZeroBubble's weight passes unpack the saved tensors a second time: fetched again
-    from their host copies, made again; bitwise as the unpatched pipeline over three steps,
-    every rank holding the microbatches read from the schedule."""
-    ranks = run("ZBVZeroBubble", 2, 2, 2, 220_000, tmp_path, "slackswap", "gpt", LINK,
+    from their host copies, made again, on Hugging Face GPT-2 blocks with dropout 0.1 (a
+    chain through a dropout mask reads the mask the forward drew); bitwise as the unpatched
+    pipeline over three steps, every rank holding the microbatches read from the schedule."""
+    ranks = run("ZBVZeroBubble", 2, 2, 2, 380_000, tmp_path, "slackswap", "gpt2", LINK,
                 quick=True)
     for rank, res in enumerate(ranks):
         row, plain, patched = res["row"], res["plain"], res["patched"]
         assert same(plain, patched), f"rank {rank}: the planned stages trained otherwise"
         assert row["held"] == plain["held"] == patched["held"] == [3, 4][rank]
-        assert row["planned_peak_bytes"] <= 220_000 < row["keep_all_peak_bytes"]
+        assert row["planned_peak_bytes"] <= 380_000 < row["keep_all_peak_bytes"]
     assert sum(r["row"]["swapped_bytes"] for r in ranks) > 0
     assert sum(r["row"]["recomputed_bytes"] for r in ranks) > 0
 
@@ -71,6 +72,30 @@ def test_planned_pipeline_trains_exactly_within_its_peaks(family, schedule, per_
     if off and torch_215():
         pytest.xfail(f"torch 2.15's pipeline buffers are not in the prediction: {off}")
     assert not off, off
+
+
+@slow
+@pytest.mark.parametrize("schedule,held", [
+    ("ZBVZeroBubble", [4, 4]), ("DualPipeV", [5, 5]),
+    pytest.param("InterleavedZeroBubble", [4, 4], marks=pytest.mark.xfail(
+        strict=True, raises=Exception,
+        reason="rank 1's first weight pass (1W0) still re-runs bernoulli_: a kept mask its "
+               "first backward read from a root pinned for a chain, gone by the weight pass "
+               "(docs/results.md)"))])
+def test_split_backward_schedules_train_gpt2_with_dropout_exactly(schedule, held, tmp_path):
+    """Hugging Face GPT-2 blocks with dropout 0.1, two blocks a stage, two stages a rank:
+    every split-backward schedule's weight passes make recomputed tensors again through the
+    dropout masks the forward drew; bitwise as the unpatched pipeline over three steps, with
+    plans that swap and recompute. (Memory is not asserted here: under ZBVZeroBubble these
+    ranks measured 8-9% over their planned peak, docs/results.md.)"""
+    ranks = run(schedule, 2, 4, 2, 700_000, tmp_path, "slackswap", "gpt2", LINK)
+    for rank, res in enumerate(ranks):
+        row, plain, patched = res["row"], res["plain"], res["patched"]
+        assert same(plain, patched), f"rank {rank}: the planned stages trained otherwise"
+        assert row["held"] == plain["held"] == patched["held"] == held[rank]
+        assert row["planned_peak_bytes"] <= 700_000 < row["keep_all_peak_bytes"]
+    assert all(r["row"]["swapped_bytes"] > 0 and r["row"]["recomputed_bytes"] > 0
+               for r in ranks)
 
 
 def _checked(ranks, held, budget, under=0.05) -> list:

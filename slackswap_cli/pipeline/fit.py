@@ -42,7 +42,7 @@ BISECTIONS = 8
 
 
 def stages_on_rank(spec: PipelineSpec) -> int:
-    return spec.stages_per_rank if spec.schedule == "Interleaved1F1B" else 1
+    return spec.stages_per_rank if spec.schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
 
 
 def rank_static(static: StaticMemory, stages: int) -> StaticMemory:

@@ -1,6 +1,6 @@
 """Pipeline schedules' order of compute actions, written without torch, for the CLI (`fit` and
-`simulate --pp`): GPipe, 1F1B and Interleaved1F1B, each rank's steps (kind, stage,
-microbatch) in the order torch 2.13's schedules run them (tests/test_pipeline.py checks them
+`simulate --pp`): GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble, each rank's steps (kind,
+stage, microbatch) in the order torch 2.13's schedules run them (tests/test_pipeline.py checks them
 against `parallel.pipeline.schedule_order`, which reads torch). Other schedules are read from torch
 (`slackswap_cli.run.parallel.pipeline.schedule_order`).
 
@@ -9,6 +9,10 @@ a backward and a forward in turn, then the remaining backwards (the loop Schedul
 Interleaved1F1B (two or more stages per rank, stage `k * pp + rank`): torch's
 `_get_1f1b_rank_ops` with `_get_warmup_ops`: the microbatches go in rounds of
 `microbatches // rounds`, `rounds = max(1, microbatches // pp)`, which must divide them.
+ZBVZeroBubble (stages `rank` and `2 * pp - 1 - rank`): torch's
+`_calculate_single_rank_operations`, backwards split into input ("I") and weight ("W") passes.
+DualPipeV and InterleavedZeroBubble are planned by `plan_pipeline` (which reads torch), not
+here.
 
 Torch-free.
 """
@@ -21,7 +25,7 @@ from ..errors import InputError
 __all__ = ["SCHEDULES", "order", "check_schedule", "PipelineSpec", "declared_pipeline",
            "pipeline_spec"]
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 
 Step = tuple[str, int, int]
 
@@ -44,6 +48,9 @@ def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: i
         raise InputError(f"1F1B with --pp {pp} needs at least {pp} microbatches, not "
                          f"{microbatches} (torch's Schedule1F1B refuses fewer)",
                          hint=f"--microbatches {pp}")
+    if schedule == "ZBVZeroBubble" and stages_per_rank != 2:
+        raise InputError(f"ZBVZeroBubble runs exactly 2 stages per rank (a V), not "
+                         f"{stages_per_rank}", hint="--stages-per-rank 2")
     if schedule == "Interleaved1F1B":
         if stages_per_rank < 2:
             raise InputError(f"Interleaved1F1B runs at least 2 stages per rank, not "
@@ -109,6 +116,67 @@ def _interleaved(pp: int, n: int, local: int) -> dict[int, tuple[Step, ...]]:
     return out
 
 
+def _zbv(pp: int, n: int) -> dict[int, tuple[Step, ...]]:
+    """ScheduleZBVZeroBubble's `_calculate_single_rank_operations`, rank by rank: two stages
+    a rank in a V (`rank` and `2 * pp - 1 - rank`), each backward split into its input pass
+    ("I") and weight pass ("W"); planned for at least `2 * pp - 1` microbatches, the steps
+    of the ones past `n` left out."""
+    micro = max(2 * pp - 1, n)
+    out = {}
+    for rank in range(pp):
+        s0, s1 = rank, 2 * pp - 1 - rank
+        c = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
+        steps: list[Step] = []
+
+        def put(kind, chunk, key):
+            steps.append((kind, s0 if chunk == 0 else s1, c[key]))
+
+        def step(kind, chunk):           # (F, I) count on; W is counted by its own loop
+            key = ("f" if kind == "F" else "b") + str(chunk)
+            put(kind, chunk, key)
+            c[key] += 1
+        for _ in range(2 * (pp - rank) - 1):
+            step("F", 0)
+        for _ in range(rank):
+            step("F", 1)
+            step("F", 0)
+        for _ in range(pp - rank):
+            step("F", 1)
+            put("I", 1, "b1")
+            put("W", 1, "b1")
+            c["b1"] += 1
+        while c["f1"] < c["f0"] or c["f0"] < micro:
+            if c["f0"] < micro:
+                step("F", 0)
+            for chunk in (0, 1):
+                if chunk == 1:
+                    step("F", 1)
+                key = f"b{chunk}"
+                put("I", chunk, key)
+                put("W", chunk, key)
+                c[key] += 1
+        steps += _zbv_cooldown(rank, pp, c, s0, s1)
+        out[rank] = tuple(x for x in steps if x[2] < n)
+    return out
+
+
+def _zbv_cooldown(rank: int, pp: int, c: dict, s0: int, s1: int) -> list[Step]:
+    """ZBV's cool-down: input passes first, the weight passes after."""
+    steps: list[Step] = []
+    w0, w1 = c["b0"], c["b1"]
+    for _ in range(rank):
+        steps += [("I", s0, c["b0"]), ("I", s1, c["b1"])]
+        c["b0"] += 1
+        c["b1"] += 1
+    for _ in range(pp - rank):
+        steps += [("I", s0, c["b0"]), ("W", s0, w0)]
+        c["b0"] += 1
+        w0 += 1
+    steps += [("W", s1, w) for w in range(w1, c["b1"])]
+    steps += [("W", s0, w) for w in range(w0, c["b0"])]
+    return steps
+
+
 def order(schedule: str, pp: int, microbatches: int,
           stages_per_rank: int = 2) -> dict[int, tuple[Step, ...]]:
     """rank -> its compute steps in the order `schedule` runs them (checked first)."""
@@ -117,6 +185,8 @@ def order(schedule: str, pp: int, microbatches: int,
         return _gpipe(pp, microbatches)
     if schedule == "1F1B":
         return one_f_one_b(pp, microbatches)
+    if schedule == "ZBVZeroBubble":
+        return _zbv(pp, microbatches)
     return _interleaved(pp, microbatches, stages_per_rank)
 
 

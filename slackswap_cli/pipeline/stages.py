@@ -273,17 +273,43 @@ def _search(steps, stages, profiles, planner, budget: int, boundary, steps_n: in
     return best
 
 
+def _least(steps, stages, profiles, planner, boundary) -> int | None:
+    """The least peak a rank holds: each of its stages planned at its floor (None: a stage's
+    planner finds no plan there)."""
+    plans, cost = _plans_at(0.0, stages, profiles, planner, {}, boundary)
+    return None if plans is None else rank_peak(steps, cost)
+
+
+def _short(short, fewer: str | None) -> InfeasibleError:
+    """The error for ranks (rank, budget, least peak) that no plan brings under budget."""
+    from ..units import fmt_bytes
+    which = ", ".join(f"rank {r} (budget {fmt_bytes(b)}"
+                      + (f", at least {fmt_bytes(least)} with each stage at its floor)"
+                         if least is not None else ")") for r, b, least in short)
+    known = [least for _, _, least in short if least is not None]
+    raise_to = (f"raise the per-rank budget to at least {max(known)} bytes "
+                f"({fmt_bytes(max(known))})" if len(known) == len(short)
+                else "raise the per-rank budget")
+    return InfeasibleError(f"no plan of its stages keeps {which} under its budget with the "
+                           "microbatches the schedule holds there",
+                           hint=f"{raise_to}, use more microbatches of a smaller size"
+                                + (f", or a schedule that holds fewer ({fewer})"
+                                   if fewer else ""))
+
+
 def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Profile],
                 budget_bytes: Mapping[int, int] | int, planner: Planner,
                 boundary: Mapping[int, Boundary] | None = None,
-                windows=None) -> PipelinePlan:
+                windows=None, fewer: str | None = "1F1B") -> PipelinePlan:
     """One plan per stage, each rank's peak (`rank_peak`) under its budget: activation bytes
-    per rank (a mapping rank -> bytes, or one figure for every rank). `planner(profile,
+    per rank (a mapping rank -> bytes, or one figure for every rank; a float is a fraction
+    of the rank's keep-all peak, its held microbatches and boundary buffers counted). `planner(profile,
     budget_bytes)` makes a stage's plan; `boundary`: stage -> its `boundary_bytes`.
     `windows` (a `pipeline_windows.Windows`): spend the schedule's idle windows on swaps,
     each rank judged with its copies on shared engines (`pipeline_copies.judge`; the row's
     planned peak is the judge's). Raises InfeasibleError naming the ranks that no plan
-    brings under their budget."""
+    brings under their budget, each budget and the least the rank holds (`_least`); its hint
+    names `fewer`, a schedule that holds fewer microbatches (None: the schedule run is it)."""
     _checked_order(order)
     boundary = dict(boundary or {})
     held = held_microbatches(order)
@@ -295,14 +321,16 @@ def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Prof
         if missing:
             raise InputError(f"rank {rank} runs stage(s) {missing}, which have no profile",
                              hint="give a profile for every stage index the schedule runs")
-        budget = budget_bytes if isinstance(budget_bytes, int) else budget_bytes[rank]
+        budget = budget_bytes[rank] if isinstance(budget_bytes, Mapping) else budget_bytes
+        keep = {s: stage_cost(profiles[s], None, boundary.get(s, Boundary())) for s in stages}
+        if isinstance(budget, float):         # a fraction of the rank's keep-all peak
+            budget = int(budget * rank_peak(steps, keep))
         if windows is None:
             found = _search(steps, stages, profiles, planner, budget, boundary)
         else:
             found = windows.search(rank, steps, stages, profiles, budget, boundary)
-        keep = {s: stage_cost(profiles[s], None, boundary.get(s, Boundary())) for s in stages}
         if found is None:
-            short.append((rank, budget))
+            short.append((rank, budget, _least(steps, stages, profiles, planner, boundary)))
             continue
         fraction, stage_plans, cost = found[:3]
         plans.update(stage_plans)
@@ -315,12 +343,7 @@ def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Prof
                             fraction, judged.exposed_us if judged else None,
                             found.factor if judged else 1.0))
     if short:
-        from ..units import fmt_bytes
-        which = ", ".join(f"rank {r} ({fmt_bytes(b)})" for r, b in short)
-        raise InfeasibleError(f"no plan of its stages keeps {which} under budget with the "
-                              "microbatches the schedule holds there",
-                              hint="raise the per-rank budget, use more microbatches of "
-                                   "a smaller size, or a schedule that holds fewer (1F1B)")
+        raise _short(short, fewer)
     return PipelinePlan(plans, tuple(rows), {r: tuple(s) for r, s in order.items()})
 
 

@@ -11,7 +11,12 @@ bytes swapped and recomputed per step.
 The step's time: every rank runs its steps in the schedule's order, a forward of stage s
 after the same microbatch's forward of stage s - 1, a backward after the same microbatch's
 backward of stage s + 1 (`timeline`); a forward takes the profile's forward time, a backward
-the rest of the plan's predicted step (its recomputes and stalls included). Sends and
+the rest of the plan's predicted step (its recomputes and stalls included), a split
+backward's input pass and weight pass (ZBVZeroBubble) half of it each, the previous stage's
+backward waiting for the input pass. What a split backward holds from its input pass to its
+weight pass beyond the saved activations (`Boundary.split`: the gradients its weight pass
+starts from, measured on the stage module by `plan_pipeline`) is not in a profile, so not
+counted here. Sends and
 receives take no time here (on one node they are small against a stage's compute); a rank's
 idle time (its bubbles) is the step's time less its own work.
 
@@ -38,7 +43,8 @@ from .stages import (
 __all__ = ["SENDS_OF", "output_roots", "boundary_of", "timeline", "PipelineFigures",
            "pipeline_figures"]
 
-SENDS_OF = {"GPipe": "gpipe", "1F1B": "none", "Interleaved1F1B": "runtime"}
+SENDS_OF = {"GPipe": "gpipe", "1F1B": "none", "Interleaved1F1B": "runtime",
+            "ZBVZeroBubble": "runtime"}
 
 
 def output_roots(prof: Profile) -> frozenset:
@@ -85,8 +91,10 @@ def timeline(order: Mapping[int, Sequence[Step]], fwd_us: float,
                 if dep is not None and dep not in done:
                     break
                 start = max(free[rank], done.get(dep, 0.0))
-                took = fwd_us if kind == "F" else bwd_us
-                free[rank] = done[("F" if kind == "F" else "B", stage, mb)] = start + took
+                took = fwd_us if kind == "F" else bwd_us if kind == "B" else bwd_us / 2
+                # (the previous stage's backward waits for an input pass, not a weight pass)
+                key = "F" if kind == "F" else "W" if kind == "W" else "B"
+                free[rank] = done[(key, stage, mb)] = start + took
                 busy[rank] += took
                 pos[rank] += 1
                 left -= 1

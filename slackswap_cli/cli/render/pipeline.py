@@ -5,10 +5,12 @@ flight and the compute time that waits for copies; then the step's time with the
 bubbles."""
 from __future__ import annotations
 
+from rich.console import Group
+
 from ...pipeline.stages import ROW_HEADERS, row_cells
 from ...pipeline.step import PipelineFigures
 from ...units import fmt_bytes, fmt_us
-from .format import _kv_table, _rows_table
+from .format import _Fit, _kv_table, _rows_table
 
 
 def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
@@ -23,7 +25,7 @@ def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
             for r in figs.rows]
     title = (f"Per rank: {figs.schedule}, {figs.pp} ranks, {figs.microbatches} microbatches "
              f"({stage_note})")
-    return [_rows_table(title, cols, rows),
+    return [_Fit(_rows_table(title, cols, rows), _narrow(title, cols, rows)),
             _kv_table("Step with the schedule's bubbles", [
                 ("step (plan)", fmt_us(figs.step_us)),
                 ("step (keep all)", fmt_us(figs.keep_all_step_us)),
@@ -31,6 +33,20 @@ def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
                   if judged else []),
                 ("note", "sends and receives take no time here; every stage is priced as "
                          "the profile's")])]
+
+
+def _narrow(title: str, cols: list, rows: list) -> Group:
+    """The per-rank table on 80 columns (or piped): the same cells in tables of a few
+    columns each, every one led by the rank (memory; then the plan's work and the bubbles;
+    then the copies, as judged)."""
+    names = [c for c, _ in cols]
+    parts = [names[:6], ["rank", *names[6:9], "idle/step"], ["rank", *names[10:]]]
+    out = []
+    for i, part in enumerate(parts):
+        idx = [names.index(c) for c in part]
+        out.append(_rows_table(title if i == 0 else "", [cols[k] for k in idx],
+                               [[r[k] for k in idx] for r in rows]))
+    return Group(*out)
 
 
 def figures_json(figs: PipelineFigures) -> dict:

@@ -202,8 +202,8 @@ def live(s, loc: tuple[int, int]):
     value its pack handed over."""
     if s.tpl is not None:
         x = s.bound.get(loc)
-        if x is None and s.again:     # handed over, then let go of: autograd's, if it holds it
-            ref = s.gone.get(loc)
+        if x is None and s.again:     # handed over, then let go of, or kept: autograd's, if
+            ref = s.gone.get(loc) or s.kept_alias.get(loc)      # it holds it
             x = ref() if ref is not None else None
         return x
     ref = s.records[loc[0]].outs[loc[1]]
@@ -336,7 +336,9 @@ def resolve(s, loc: tuple[int, int], local: dict) -> torch.Tensor:
         out = local[loc] = view_of(s.root_swap[tid].fetch(), *s.metas[tid])
         return out
     if s.again:       # made again after a first backward: from its arguments (an in-place
-        replay(s, k, local)       # write to a copy of what it wrote into)
+        if rec.wfirst and swapped_root(s, tid):   # write to a copy of what it wrote into),
+            return from_host_copy(s, loc, local)  # but a write into a swapped storage is
+        replay(s, k, local)                       # in its host copy (a random op's too)
         return local[loc]
     if rec.alias:
         if rec.wfirst:
@@ -351,6 +353,28 @@ def resolve(s, loc: tuple[int, int], local: dict) -> torch.Tensor:
         f"slackswap: backward needs output {j} of {rec.func} (recorded op {k}, profile "
         f"tensor {tid}), which the plan neither kept "
         "nor can recompute here; this is a bug in slackswap, please report it")
+
+
+def swapped_root(s, tid: int | None) -> bool:
+    """Whether profile tensor `tid`'s storage root was swapped and its host copy can still
+    be fetched."""
+    if tid is None:
+        return False
+    sw = s.root_swap.get(s.root(tid))
+    return sw is not None and sw.can_fetch()
+
+
+def from_host_copy(s, loc: tuple[int, int], local: dict) -> torch.Tensor:
+    """In a later backward (`unpack_again`): in-place result `loc` read as the first backward
+    read it, from the host copy of its swapped storage, which the forward took after its
+    writes (a chain never reads a value a later write overwrote: `chains.py`). Re-running the
+    writes instead would draw a random op's numbers anew (dropout's `bernoulli_`) and apply
+    a deterministic write twice to bytes that hold it already."""
+    again, s.again = s.again, False
+    try:
+        return resolve(s, loc, local)
+    finally:
+        s.again = again
 
 
 class AutocastOff:

@@ -43,6 +43,7 @@ False` records every call.
 """
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import torch
@@ -109,11 +110,12 @@ class SteadyCall:
                     bound[bloc] = kept
                 s.bound_version[bloc] = v._version
         if kind is _KEEP:
-            if kept is not None:
-                return kept
-            if p.tracked:
-                return keep(s, x)
-            return x.detach()          # (never `x` itself: see `holding.keep`)
+            if kept is None:
+                kept = keep(s, x) if p.tracked else x.detach()  # (never `x`: `holding.keep`)
+            if p.loc is not None:      # (a later backward through a retained graph reads it
+                s.kept_alias[p.loc] = weakref.ref(kept)         # weakly: `backward.live`)
+                s.bound_version.setdefault(p.loc, x._version)
+            return kept
         r = p.root
         if kind is _SWAP:
             return swap(s, x, r, p.own)

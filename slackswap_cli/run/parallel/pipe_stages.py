@@ -42,10 +42,20 @@ def check_stage_count(pipe, n_stages: int, schedule, pp: int) -> None:
         name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", schedule)
         raise InputError(f"the pipe has {pipe.num_stages} stages, but {name} on pp={pp} ranks "
                          f"runs {n_stages}",
-                         hint=f"pass pp={pipe.num_stages} (one stage per rank), or a "
-                              "multi-stage schedule (Interleaved1F1B, LoopedBFS) with "
-                              f"stages_per_rank={pipe.num_stages // pp if pp else 1}, or split "
-                              "the model into as many stages as the schedule runs")
+                         hint=_stage_count_hint(pipe.num_stages, n_stages, pp))
+
+
+def _stage_count_hint(have: int, runs: int, pp: int) -> str:
+    """What to pass for a pipe of `have` stages where the schedule on `pp` ranks runs `runs`:
+    a one-stage schedule where there is one stage a rank, else a multi-stage schedule with
+    the stages a rank that split gives (torch's multi-stage schedules run 2 or more)."""
+    split = "or split the model into as many stages as the schedule runs"
+    if have == pp:
+        return f"schedule='1F1B' (or 'GPipe'): one stage per rank; {split}"
+    if have % pp == 0 and have // pp >= 2:
+        return (f"stages_per_rank={have // pp} with a multi-stage schedule "
+                f"(Interleaved1F1B, LoopedBFS); {split}")
+    return f"pp={have} with schedule='1F1B' (one stage per rank); {split}"
 
 
 def _root_placeholders(pipe) -> list:

@@ -83,6 +83,12 @@ def _steps(actions) -> tuple[Step, ...]:
     return tuple(out)
 
 
+def _holds_least(schedule) -> bool:
+    """Whether `schedule` is 1F1B (or built on it): no one-stage schedule holds fewer."""
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+    return issubclass(_schedule_class(schedule), Schedule1F1B)
+
+
 def schedule_order(schedule, pp: int, microbatches: int,
                    stages_per_rank: int | None = None) -> dict[int, tuple[Step, ...]]:
     """rank -> its compute steps (kind, stage, microbatch) in the order the schedule runs
@@ -95,6 +101,11 @@ def schedule_order(schedule, pp: int, microbatches: int,
         raise InputError(f"pp={pp} and microbatches={microbatches}: both must be at least 1",
                          hint="pp: the pipeline ranks; microbatches: per step")
     if issubclass(cls, Schedule1F1B):
+        if microbatches < pp:        # (torch's Schedule1F1B refuses it when it is built)
+            raise InputError(f"torch's {cls.__name__} needs at least as many microbatches "
+                             f"as stages: microbatches={microbatches} on pp={pp}",
+                             hint=f"microbatches={pp} or more (a batch split finer), or "
+                                  "schedule='GPipe'")
         return one_f_one_b(pp, microbatches)    # torch's action list holds more: the test pins it
     single = issubclass(cls, PipelineScheduleSingle)
     try:
@@ -210,16 +221,6 @@ def _grad_bytes(inputs) -> int:
                if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
-def _not_a_fraction(budget) -> None:
-    """A rank's budget is a size, never a fraction (of which stage's peak, at how many
-    microbatches held?)."""
-    for b in (budget.values() if isinstance(budget, Mapping) else (budget,)):
-        if isinstance(b, float) and b <= 1 or str(b).strip().endswith("%"):
-            raise InputError(f"a per-rank budget is a size, not a fraction ({b!r}): a rank "
-                             "holds several microbatches of its stages",
-                             hint="budget='2GiB' or a number of bytes, per rank")
-
-
 def _stage_specs(stages, full, schedule, pp, ranks, inputs, loss_fn, target):
     """The stages as plan_pipeline plans them: given by hand, or read from a `pipeline()`
     pipe (the stages of the ranks planned)."""
@@ -239,8 +240,23 @@ def _stage_specs(stages, full, schedule, pp, ranks, inputs, loss_fn, target):
     return pipe_stages(stages, inputs, loss_fn=loss_fn, target=target, stages=mine)
 
 
-def _rank_bytes(budget, prof) -> int:
-    return parse_budget(budget, prof)[0]
+def _runs_every(stages, rank_of: dict, schedule, pp: int) -> None:
+    """Refuse a stage index the schedule does not run."""
+    extra = sorted(set(stages) - set(rank_of))
+    if extra:
+        name = getattr(_schedule_class(schedule), "__name__", schedule)
+        raise InputError(f"stage(s) {extra} given, but {name} on pp={pp} runs stages "
+                         f"0 to {max(rank_of)}",
+                         hint=f"give stages 0 to {max(rank_of)} only (or a pp, "
+                              "stages_per_rank or schedule that runs as many stages as "
+                              "the model is split into)")
+
+
+def _rank_bytes(budget, prof) -> int | float:
+    """A rank's budget: bytes, or a fraction (0.5, "50%") of its keep-all peak, its held
+    microbatches counted (`plan_stages` reads it per rank)."""
+    size, fraction = parse_budget(budget, prof)
+    return size if fraction is None else fraction
 
 
 def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microbatches: int,
@@ -251,15 +267,15 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
                   target=None) -> PlannedPipeline:
     """Profile each stage (stage index -> (module, one microbatch's inputs, loss_fn or None:
     `out.sum()`)) and plan it for its rank's budget knowing how many microbatches the
-    schedule holds there. `budget`: per rank, activation memory: a size ("2GiB", bytes) or a
-    mapping rank -> size. `ranks`: plan only these ranks' stages (each rank its own, say:
+    schedule holds there. `budget`: per rank, activation memory: a size ("2GiB", bytes), a
+    fraction (0.5, "50%") of the rank's keep-all peak (its held microbatches of its stages and
+    their boundary buffers), or a mapping rank -> either. `ranks`: plan only these ranks' stages (each rank its own, say:
     `ranks=[dist.get_rank()]`), the stages given those ranks run. `measure` (not on the fake
     device): run each planned stage's plan once on its inputs and plan again where eager
     peaks above the simulator (run/verify/excess.py: `eager_excess`, `settle_stages`). `stages` may
     be the pipe torch's `pipeline()` returns, with `inputs` one microbatch's inputs to the model
     and the schedule's `loss_fn(output, target)` with one microbatch's `target`
     (run/parallel/pipe_stages.py)."""
-    _not_a_fraction(budget)
     order = schedule_order(schedule, pp, microbatches, stages_per_rank)
     full = order
     if ranks is not None:
@@ -273,6 +289,7 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
     hw = api._hardware(hardware)
     n_stages = 1 + max(s for steps in full.values() for _, s, _ in steps)
     rank_of = {s: r for r, steps in full.items() for _, s, _ in steps}
+    _runs_every(stages, rank_of, schedule, pp)
     sends = sends_kept(schedule)
     for index, (module, inputs, loss_fn) in sorted(stages.items()):
         outputs[index] = _output_shapes(module, inputs)
@@ -299,7 +316,8 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
     some = next(iter(profiles.values()))
     per_rank = ({r: _rank_bytes(b, some) for r, b in budget.items()}
                 if isinstance(budget, Mapping) else _rank_bytes(budget, some))
-    table = plan_stages(order, profiles, per_rank, planner_fn, boundary)
+    table = plan_stages(order, profiles, per_rank, planner_fn, boundary,
+                        fewer=None if _holds_least(schedule) else "1F1B")
     plans = {s: (None if p is None else api._plan_of(profiles[s], p, *traced[s]))
              for s, p in table.plans.items()}
     if measure and not device.startswith("fake"):
