@@ -119,7 +119,7 @@ def check_budget(budget_bytes: int, profile: Profile) -> None:
         raise InfeasibleError(below[0], hint=below[1])
 
 
-def _ceil3(x: float) -> float:
+def ceil3(x: float) -> float:
     """x rounded up to 3 decimals, so the suggested fraction is never below the floor."""
     return math.ceil(x * 1000 - 1e-9) / 1000
 
@@ -134,7 +134,7 @@ def floor_message(budget_bytes: int, profile: Profile) -> tuple[str, str] | None
     frac = f" ({floor / peak:.3f} of the keep-all peak)" if peak else ""
     return (f"budget {fmt_bytes(budget_bytes)} is below the floor {fmt_bytes(floor)}{frac}: "
             "memory that no plan can free",
-            f"raise the budget to at least {_ceil3(floor / peak) if peak else 1} "
+            f"raise the budget to at least {ceil3(floor / peak) if peak else 1} "
             f"(fraction) or {fmt_bytes(floor)} ({floor} bytes)")
 
 

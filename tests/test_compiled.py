@@ -33,8 +33,7 @@ from slackswap_cli.run.emit import load_patched
 from slackswap_cli.run.verify.compiled import verify_compiled
 from slackswap_cli.trace.workload import load_workload
 
-SLOW = pytest.mark.skipif(os.environ.get("SLACKSWAP_SLOW") != "1",
-                          reason="inductor on a real model takes minutes: SLACKSWAP_SLOW=1")
+SLOW = pytest.mark.slow_tier      # inductor on a real model takes minutes (tests/conftest.py)
 
 GRAPH_BREAK = '''
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -158,7 +157,7 @@ def test_a_kv_cache_copy_is_carried_by_the_value_it_copies(files):
     states (`cat` of an empty tensor and the states), a copy inductor's no-op removal drops;
     the graph table maps each such row to the op whose whole result it copies (the key: the
     rotary `add`; the value: its projection's `mm`, through the views), which then carries the
-    copy's decision (`backend._stand_in_copies`)."""
+    copy's decision (`tags.stand_in_copies`)."""
     from slackswap_cli.run.compiled.graph_plan import graph_table
     prof = profiled(files, "llama_cache", device="fake:cpu")
     table = graph_table(prof, plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"]))
@@ -277,7 +276,7 @@ def test_a_recompile_is_its_own_graph_set_never_summed_into_the_step(files, tmp_
     equal the plan's in-graph figures once (not twice), and the recompile is reported on its
     own (the whole model again: judged like the step). A graph break's two graphs at two
     input shapes: two sets of two graphs, frames paired."""
-    from slackswap_cli.run.compiled.backend import graph_sets, totals
+    from slackswap_cli.run.compiled.report import graph_sets, totals
     prof = profiled(files, "vit")
     path = write_patched(tmp_path, plan_at(prof, 0.5 * prof.summary["peak_activation_bytes"]),
                          prof)
@@ -602,7 +601,7 @@ def _fsdp_worker(rank, world, port, patched_path, workload_path, out_dir):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from slackswap_cli.run.compiled.backend import totals
+    from slackswap_cli.run.compiled.report import totals
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

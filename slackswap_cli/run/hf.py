@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import TrainerCallback
 
-from ..budget import _ceil3
+from ..budget import ceil3
 from ..errors import InfeasibleError, InputError
 from ..simulate import budget_floor_bytes
 from .api import patch, plan_model
@@ -97,7 +97,7 @@ def _infeasible(exc: InfeasibleError, budget) -> InfeasibleError:
         prof = plan.profile
         floor = budget_floor_bytes(prof)
         if plan.budget_bytes < floor:
-            hint = (f"SlackswapCallback(budget={_ceil3(floor / prof.keep_all_peak_bytes)}) "
+            hint = (f"SlackswapCallback(budget={ceil3(floor / prof.keep_all_peak_bytes)}) "
                     f"or more: this model's floor is {floor} bytes of its keep-all peak "
                     f"{prof.keep_all_peak_bytes}")
     out = InfeasibleError(f"SlackswapCallback(budget={budget!r}) at the first training batch: "

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ...pipeline.stages import ROW_HEADERS, row_cells
 from ...pipeline.step import PipelineFigures
 from ...units import fmt_bytes, fmt_us
-from .format import _kv_table, _rows_table
+from .format import kv_table, rows_table
 
 
 def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
@@ -23,8 +23,8 @@ def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
             for r in figs.rows]
     title = (f"Per rank: {figs.schedule}, {figs.pp} ranks, {figs.microbatches} microbatches "
              f"({stage_note})")
-    return [_rows_table(title, cols, rows),
-            _kv_table("Step with the schedule's bubbles", [
+    return [rows_table(title, cols, rows),
+            kv_table("Step with the schedule's bubbles", [
                 ("step (plan)", fmt_us(figs.step_us)),
                 ("step (keep all)", fmt_us(figs.keep_all_step_us)),
                 *([("step (copies on each rank's engines)", fmt_us(figs.judged_step_us))]
