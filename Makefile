@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slackswap-installed
 
-.PHONY: install demo test test-torch test-emulated fuzz samples bench zoo gpu-truth clean
+.PHONY: install demo test test-slow test-all test-torch test-emulated fuzz samples bench zoo gpu-truth clean
 
 install: $(STAMP)
 
@@ -31,6 +31,15 @@ demo: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# The slow tier: tests marked slow_tier (more models, steps, ranks or budgets of what a default
+# test checks; tests/conftest.py skips them unless SLACKSWAP_SLOW=1). `make test-all`: both.
+test-slow: install
+	SLACKSWAP_SLOW=1 $(PY) -m pytest -q -m slow_tier
+
+test-all: install
+	$(VENV)/bin/ruff check .
+	SLACKSWAP_SLOW=1 $(PY) -m pytest -q
 
 # The tests on another torch, in a virtualenv of its own: `make test-torch TORCH=2.15.0` builds
 # .venv-torch-2.15.0 (no system site packages) with PyPI's torch==$(TORCH) and the project's

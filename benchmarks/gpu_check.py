@@ -435,8 +435,8 @@ def run_compile_planned(prof, hw, args: dict, fractions: list[float], cuda: bool
     """`compile_planned(model)` (the plan inside torch.compile; inductor on CUDA, aot_eager in
     the dry run: inductor on a CPU compiles for minutes) at each budget: predicted vs measured
     peak and step time, losses against eager, and what the compiled graphs save, offload and
-    recompute (run/compiled/backend.py's reports)."""
-    from slackswap_cli.run.compiled.backend import totals
+    recompute (run/compiled/report.py's reports)."""
+    from slackswap_cli.run.compiled.report import totals
     from slackswap_cli.run.emit import load_patched
     device = "cuda" if cuda else None
     backend = "inductor" if cuda else "aot_eager"

@@ -115,8 +115,8 @@ def flash_cpu_expensive():
 
 
 def _forward_names(gm) -> set[str]:
-    from slackswap_cli.run.compiled.backend import _split
-    return {n.name for n in _split(gm)[0]}
+    from slackswap_cli.run.compiled.graph_ops import split_joint
+    return {n.name for n in split_joint(gm)[0]}
 
 
 def read_partition(forward: set[str], fw, bw, num_fwd_outputs: int) -> dict:
@@ -124,15 +124,16 @@ def read_partition(forward: set[str], fw, bw, num_fwd_outputs: int) -> dict:
     offloaded bytes counted too) and the forward ops backward re-runs (views out), by op."""
     import torch
 
-    from slackswap_cli.run.compiled.backend import GraphReport, _is_view, _measure_saved
+    from slackswap_cli.run.compiled.graph_ops import is_view
+    from slackswap_cli.run.compiled.report import GraphReport, measure_saved
     rep = GraphReport(graph_ops=0, lined_up_ops=0)
     primal = {v.untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
               if isinstance(v := n.meta.get("val"), torch.Tensor)}
-    _measure_saved(rep, fw, num_fwd_outputs, primal, set())
+    measure_saved(rep, fw, num_fwd_outputs, primal, set())
     again = collections.Counter(
         str(getattr(n.target, "_overloadpacket", n.target)).removeprefix("aten.")
         for n in bw.graph.nodes
-        if n.op == "call_function" and n.name in forward and not _is_view(n))
+        if n.op == "call_function" and n.name in forward and not is_view(n))
     return {"saved_bytes": rep.saved_bytes + rep.offloaded_bytes,
             "recomputed": dict(sorted(again.items()))}
 

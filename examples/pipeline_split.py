@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tiny_gpt import Block
 from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
-from slackswap_cli.run.parallel.pipeline import plan_pipeline
+from slackswap_cli import plan_pipeline
 
 V, T, D = 128, 32, 64                  # vocabulary, sequence, width
 MICRO, N_MB = 2, 4                     # rows per microbatch, microbatches per step

@@ -222,7 +222,7 @@ def best_row(rows: list[dict]) -> dict | None:
     return max(ok, key=lambda r: (r["samples_per_s"], -r["batch"])) if ok else None
 
 
-def _plan(kind: str, prof: Profile, hw: HardwareSpec, budget: int, options: dict) -> Plan:
+def plan_kind(kind: str, prof: Profile, hw: HardwareSpec, budget: int, options: dict) -> Plan:
     if kind == "keep-all":
         keep = [Decision(tensor=t.id, action=Action.KEEP) for t in prof.saved_activations]
         return judge("keep-all", prof, hw, budget, keep)[0]
@@ -241,22 +241,22 @@ def plan_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: FitS
     `plan_fn(profile, hw, budget)` when given), and what the simulator predicts (None fields
     where nothing fits)."""
     budget = s.memory_bytes - static.total - s.reserve_bytes
-    row = _row_head(batch, kind, static, s)
+    row = row_head(batch, kind, static, s)
     row.update(budget_bytes=budget, keep_all_peak_bytes=prof.keep_all_peak_bytes)
     if budget <= 0:
-        return _no(row, f"static memory and reserve exceed the device by {fmt_bytes(-budget)}"), None
+        return infeasible_row(row, f"static memory and reserve exceed the device by {fmt_bytes(-budget)}"), None
     floor = budget_floor_bytes(prof)
     if floor > budget:
-        return _no(row, f"the activation floor {fmt_bytes(floor)} is above the budget "
+        return infeasible_row(row, f"the activation floor {fmt_bytes(floor)} is above the budget "
                         f"{fmt_bytes(budget)}"), None
     check_step_range(prof, s.hardware, f"the profile at batch {batch}")   # else unloadable
     if kind == "keep-all" and prof.keep_all_peak_bytes > budget:
-        return _no(row, f"the keep-all peak {fmt_bytes(prof.keep_all_peak_bytes)} is above "
+        return infeasible_row(row, f"the keep-all peak {fmt_bytes(prof.keep_all_peak_bytes)} is above "
                         f"the budget {fmt_bytes(budget)}"), None
     plan = (plan_fn(prof, s.hardware, budget) if plan_fn else
-            _plan(kind, prof, s.hardware, budget, s.planner_options if kind == s.planner else {}))
+            plan_kind(kind, prof, s.hardware, budget, s.planner_options if kind == s.planner else {}))
     if not plan.feasible:
-        return _no(row, plan.notes[-1] if plan.notes else "the plan does not fit"), plan
+        return infeasible_row(row, plan.notes[-1] if plan.notes else "the plan does not fit"), plan
     p = plan.predicted
     rate = batch / p.step_us * 1e6
     seq = tokens_per_sample(prof, batch)
@@ -265,7 +265,7 @@ def plan_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: FitS
     return row, plan
 
 
-def _row_head(batch: int, kind: str, static: StaticMemory | None, s: FitSettings) -> dict:
+def row_head(batch: int, kind: str, static: StaticMemory | None, s: FitSettings) -> dict:
     st = static
     return {"batch": batch, "static_bytes": st.total if st else None,
             "params_bytes": st.params_bytes if st else None,
@@ -279,7 +279,7 @@ def _row_head(batch: int, kind: str, static: StaticMemory | None, s: FitSettings
             "samples_per_s": None, "tokens_per_s": None, "reason": None, "derived_from": None}
 
 
-def _no(row: dict, reason: str) -> dict:
+def infeasible_row(row: dict, reason: str) -> dict:
     row.update(feasible=False, reason=reason)
     return row
 
@@ -425,7 +425,7 @@ def sweep(batches: list[int], profile_at: ProfileAt, s: FitSettings,
                                             say):
         if prof is None:
             for kind, rows in [(s.planner, result.rows), *result.baselines.items()]:
-                rows.append(_no(_row_head(batch, kind, None, s), how))
+                rows.append(infeasible_row(row_head(batch, kind, None, s), how))
             t0 = time.perf_counter()
             continue
         static = check_static_fits(facts, s)

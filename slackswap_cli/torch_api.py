@@ -165,24 +165,25 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
                "its TP hooks' ops do not line up: no fallback"),
     # compiled path: compile_planned, verify --compile, compare --with-torch-compile --------
     PrivateAPI("torch._functorch.partitioners.min_cut_rematerialization_partition, "
-               "get_default_op_list", "run/compiled/backend.py, trace/torch_choice.py", _ALL,
+               "get_default_op_list", "run/compiled/backend.py, run/compiled/offload.py, trace/torch_choice.py", _ALL,
                "refused by version (PARTS['compile'], PARTS['torch_choice'])"),
     PrivateAPI("torch._functorch.partitioners._extract_fwd_bwd_modules (2nd argument: "
                "saved_values)", "trace/torch_choice.py", _ALL,
                "refused by version (PARTS['torch_choice'])"),
     PrivateAPI("torch._functorch.partitioners._extract_fwd_bwd_outputs",
-               "run/compiled/backend.py (the CSE key of 2.14 and 2.15 only)", ("2.14", "2.15"),
+               "run/compiled/graph_ops.py (the CSE key of 2.14 and 2.15 only)", ("2.14", "2.15"),
                "used where fx_graph_cse takes extra_node_key (2.14, 2.15); not on 2.13"),
     PrivateAPI("torch._functorch.compile_utils.fx_graph_cse (extra_node_key= on 2.14, 2.15)",
-               "run/compiled/backend.py", _ALL, "refused by version (PARTS['compile'])"),
+               "run/compiled/graph_ops.py", _ALL, "refused by version (PARTS['compile'])"),
     PrivateAPI("torch._functorch.config (cse, activation_memory_budget, patch)",
                "run/compiled/backend.py, trace/torch_choice.py", _ALL, "refused by version"),
     PrivateAPI("torch._functorch._activation_offloading.activation_offloading "
                "(offload_chosen_sets[_async], activation_offload_sink_wait_async, "
                "activation_reload_prefetch_async, CPU_OFFLOAD_PREFIX)",
-               "run/compiled/backend.py", _ALL, "refused by version (PARTS['compile'])"),
+               "run/compiled/offload.py, run/compiled/report.py", _ALL, "refused by version (PARTS['compile'])"),
     PrivateAPI("node.meta keys recompute (CheckpointPolicy), should_offload, "
-               "saved_for_offloading, original_aten, from_node, val", "run/compiled/backend.py", _ALL,
+               "saved_for_offloading, original_aten, from_node, val",
+               "run/compiled/tags.py, offload.py, graph_ops.py, report.py", _ALL,
                "refused by version (PARTS['compile'])"),
     PrivateAPI("torch._guards.CompileContext.current_compile_id", "run/compiled/backend.py", _ALL,
                "refused by version (PARTS['compile']): the graph reports' compile ids"),

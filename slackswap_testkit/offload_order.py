@@ -43,7 +43,7 @@ def check(fw, bw) -> dict:
         src = n.args[0]
         waits = [u for u in n.users if _is(u, ao.wait_tensor.default)]
         keep = waits[0].args[1] if len(waits) == 1 and len(waits[0].args) > 1 else None
-        # a model output needs no keepalive (it lives on as the output): backend._keep_outputs
+        # a model output needs no keepalive (it lives on as the output): offload.keep_outputs
         if len(waits) != 1 or (keep is not src and not (keep is None and output in src.users)):
             out["problems"].append(f"{n.name}: no wait keeping {src.name} alive")
             continue
@@ -82,7 +82,7 @@ def captured():
     (copies of the graphs), and `check`'s answer appended to the list yielded."""
     from slackswap_cli.run.compiled import backend
     got: list[dict] = []
-    orig = backend._offload
+    orig = backend.offload
 
     from torch._functorch._activation_offloading import activation_offloading as ao_passes
     prefetch = ao_passes.activation_reload_prefetch_async
@@ -98,8 +98,8 @@ def captured():
             ao_passes.activation_reload_prefetch_async = prefetch
         got.append(check(fw2, bw2))
         return orig(fw, bw, n_out, cuda, sizes)
-    backend._offload = both
+    backend.offload = both
     try:
         yield got
     finally:
-        backend._offload = orig
+        backend.offload = orig

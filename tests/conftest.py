@@ -1,5 +1,21 @@
-"""Fixtures shared by the test files (plain helpers live in helpers.py and workloads.py)."""
+"""Fixtures shared by the test files (plain helpers live in helpers.py and workloads.py), and
+the slow tier: a test marked `slow_tier` runs only with SLACKSWAP_SLOW=1 (`make test-slow`
+runs the tier, `make test-all` everything); each such test names, in its docstring or beside
+its marker, the default test that still covers what it checks."""
+import os
+
 import pytest
+
+SLOW = os.environ.get("SLACKSWAP_SLOW") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if SLOW:
+        return
+    skip = pytest.mark.skip(reason="slow tier: SLACKSWAP_SLOW=1 (make test-slow)")
+    for item in items:
+        if item.get_closest_marker("slow_tier") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from slackswap_cli.cli import app
 from slackswap_cli.compile_limits import ACROSS_GRAPHS, no_swap_option, not_offloadable
 from slackswap_cli.errors import InputError
 from slackswap_cli.planning import plan_inputs, plan_profile
-from slackswap_cli.run.compiled.backend import totals
+from slackswap_cli.run.compiled.report import totals
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.schema import Decision, save
 from slackswap_cli.simulate import simulate

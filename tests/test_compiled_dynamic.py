@@ -11,7 +11,7 @@ import pytest
 import torch
 from workloads import HF_GPT2, HF_LLAMA, HW, plan_at, write_patched
 
-from slackswap_cli.run.compiled.backend import graph_sets
+from slackswap_cli.run.compiled.report import graph_sets
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.run.verify.compiled import verify_compiled
 from slackswap_cli.trace import profile_workload

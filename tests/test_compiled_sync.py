@@ -2,14 +2,14 @@
 insertion applied to the graphs `compile_planned` partitions, on the CPU, and checked for what
 its ops need: each offload's wait keeps its device value alive and nothing reads the value
 after the wait frees it; each reload read only through its wait. A KV cache's tensor that is
-both a model output and offloaded would reach the caller freed: `backend._keep_outputs`."""
+both a model output and offloaded would reach the caller freed: `offload.keep_outputs`."""
 import os
 
 import pytest
 import torch
 from workloads import plan_at, profiled, write_patched
 
-from slackswap_cli.run.compiled import backend
+from slackswap_cli.run.compiled import offload
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
@@ -46,7 +46,7 @@ def test_torchs_offload_waits_keep_what_they_free_unread(files, tmp_path):
 
 @SLOW
 def test_without_keep_outputs_the_kv_cache_would_be_freed(files, tmp_path, monkeypatch):
-    monkeypatch.setattr(backend, "_keep_outputs", lambda fw, outs: None)
+    monkeypatch.setattr(offload, "keep_outputs", lambda fw, outs: None)
     got = _graphs(files, tmp_path)
     assert got[0]["problems"] and all("read after its offload's wait freed it (by output)" in p
                                       for p in got[0]["problems"]), got

@@ -95,7 +95,11 @@ def test_ddp_trains_the_patched_model_exactly(files, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,mode", [("tiny_gpt", "fsdp"), ("llama", "fsdp"),
+# HF Llama under FSDP2 in the slow tier: by default the tiny GPT holds both orders under FSDP2,
+# HF Llama trains patched bitwise in test_inplace and compiled per block under FSDP2 in
+# test_compiled
+@pytest.mark.parametrize("name,mode", [("tiny_gpt", "fsdp"),
+                                       pytest.param("llama", "fsdp", marks=pytest.mark.slow_tier),
                                        ("tiny_gpt", "fsdp_first")])
 def test_fsdp2_trains_the_patched_model_exactly(name, mode, files, tmp_path):
     """`patch` then `fully_shard` (as for activation checkpointing), or the other way round."""

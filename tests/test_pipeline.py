@@ -300,3 +300,13 @@ def test_a_patched_stage_lines_up_without_its_loss(capfd):
     report = module.forward.__slackswap__.last_report
     assert report["lined_up"] == report["expected"] > 0
     assert "lined up" not in capfd.readouterr().err
+
+
+def test_the_pipeline_api_is_exported_from_the_package():
+    """`plan_pipeline` and the schedule readers are part of `slackswap_cli`'s face (loaded
+    on first use, as `plan_model` is), the very functions of run/parallel/pipeline.py."""
+    import slackswap_cli
+    from slackswap_cli.run.parallel import pipeline
+    for name in ("plan_pipeline", "PlannedPipeline", "schedule_order", "held_microbatches"):
+        assert name in slackswap_cli.__all__ and name in dir(slackswap_cli)
+        assert getattr(slackswap_cli, name) is getattr(pipeline, name)

@@ -14,7 +14,6 @@ default suite: ZBVZeroBubble (a split backward: each weight pass a second backwa
 saved tensors) on two ranks, Hugging Face GPT-2 blocks with dropout 0.1, one block per stage,
 planned without the eager measure and trained without tracking memory.
 """
-import os
 
 import pytest
 import torch
@@ -23,8 +22,7 @@ from slackswap_testkit.pipeline_run import run, same, torch_215
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not built in")
-slow = pytest.mark.skipif(os.environ.get("SLACKSWAP_SLOW") != "1",
-                          reason="two ranks profile, plan and train twice: SLACKSWAP_SLOW=1")
+slow = pytest.mark.slow_tier      # two ranks profile, plan and train twice (tests/conftest.py)
 LINK = 5e7      # the host link planned for: plans recompute as well as swap (hardware_for)
 # How far under its predicted peak a rank may measure: 5%, but 7% under InterleavedZeroBubble,
 # whose rank 1 peaks at a weight pass, which rank_peak counts at the stage's own peak (the

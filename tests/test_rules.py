@@ -8,6 +8,10 @@ the checks cost no import and no torch):
 - what the library raises: `SlackswapError` for what a user can act on; a built-in exception
   only where `ALLOWED_RAISES` says why (Python's protocols, internal invariants whose message
   says "this is a bug in slackswap");
+- the budget is converted in one place: only budget.py (`fraction_bytes`) multiplies a fraction
+  by a keep-all peak;
+- helpers another module uses are public: no module imports another's `_name` (from-import or
+  `module._name`), so what one module lends another is named as such;
 - the memory guard's rule has one owner: `guard.Guard` is the only class that decides what a
   plan cannot place, and the runtime and `guard.guarded_decisions` both apply it;
 - plans identical on every machine: the planning core (everything but the run side, the
@@ -284,6 +288,52 @@ def test_the_guard_has_one_owner():
     assert {"Guard", "guard.admit", "guard.hold"} <= calls
 
 
+def private_borrows(root: Path = PKG) -> list[tuple[str, str]]:
+    """(module, name) for each private name (`_x`, not `__x__`) a module takes from another
+    module of the package: `from .other import _x`, or `other._x` where `other` is a module
+    of the package it imported."""
+    def private(name):
+        return name.startswith("_") and not name.startswith("__")
+    found = []
+    for rel, tree in _modules(root):
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "")
+                                                     .startswith("slackswap_cli")):
+                found += [(rel, a.name) for a in node.names if private(a.name)]
+                modules |= {a.asname or a.name for a in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in modules and private(node.attr):
+                found.append((rel, f"{node.value.id}.{node.attr}"))
+    return found
+
+
+def test_no_module_borrows_another_modules_private_names():
+    borrowed = private_borrows()
+    assert not borrowed, f"private names taken from another module (make them public): {borrowed}"
+
+
+def fraction_times_peak(root: Path = PKG) -> list[tuple[str, int]]:
+    """(module, line) of each product of a fraction and a keep-all peak (a name holding
+    `frac` times one holding `keep_all`) outside budget.py."""
+    found = []
+    for rel, tree in _modules(root):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                sides = [ast.unparse(node.left), ast.unparse(node.right)]
+                if any("frac" in x for x in sides) and any("keep_all" in x for x in sides) \
+                        and rel != "budget.py":
+                    found.append((rel, node.lineno))
+    return found
+
+
+def test_the_budget_is_converted_in_one_place():
+    """A fraction of the keep-all peak becomes bytes through `budget.fraction_bytes` alone
+    (docs/design.md says so): one rounding, wherever a plan is made."""
+    assert not fraction_times_peak(), fraction_times_peak()
+
+
 def test_the_checks_see_what_they_look_for(tmp_path):
     (tmp_path / "planners").mkdir()      # before the first scan: `_modules` caches a root
     (tmp_path / "planners" / "x.py").write_text(
@@ -304,3 +354,9 @@ def test_the_checks_see_what_they_look_for(tmp_path):
         ("other", "ValueError", False), ("fine", "RuntimeError", True)]
     assert [(n, line) for _, n, line in cpu_dependent_calls(tmp_path)] == [
         ("np.argpartition", 4), ("a.argsort", 5), ("@", 7), ("math.log", 7), ("a.dot", 7)]
+    (tmp_path / "b").mkdir()          # (another root: `_modules` keeps what it read)
+    (tmp_path / "b" / "stage.py").write_text("b = int(prof.keep_all_peak_bytes * fraction)\n")
+    (tmp_path / "b" / "cmd_y.py").write_text(
+        "from .cmd_x import _go, fine\nfrom . import cmd_x\ncmd_x._other()\ncmd_x.fine()\n")
+    assert private_borrows(tmp_path / "b") == [("cmd_y.py", "_go"), ("cmd_y.py", "cmd_x._other")]
+    assert fraction_times_peak(tmp_path / "b") == [("stage.py", 1)]

@@ -73,7 +73,10 @@ def _steps(mod, src, steps: int = 2):
     return calls
 
 
-@pytest.mark.parametrize("name", ["bert", "t5", "vit", "transformer-encoder", "mha"])
+# BERT and T5 in the slow tier: BERT trains patched bitwise in test_inplace, T5 in test_zoo
+@pytest.mark.parametrize("name", [pytest.param("bert", marks=pytest.mark.slow_tier),
+                                  pytest.param("t5", marks=pytest.mark.slow_tier), "vit",
+                                  "transformer-encoder", "mha"])
 def test_models_nobody_here_wrote_line_up_and_train_bitwise(tmp_path, name, capfd):
     mod, src = _patched(tmp_path, name, MODELS[name], "fake:cpu")
     (rep, held), _ = _steps(mod, src)
@@ -82,8 +85,10 @@ def test_models_nobody_here_wrote_line_up_and_train_bitwise(tmp_path, name, capf
     assert "lined up" not in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("name,device", [("qwen2", "fake:cpu"), ("llama", "cpu"),
-                                         ("mistral", "fake:cpu"), ("gpt2", "fake:cpu")])
+# Qwen2 and Mistral (the same grouped-query mask and key repeat as Llama) in the slow tier
+@pytest.mark.parametrize("name,device", [
+    pytest.param("qwen2", "fake:cpu", marks=pytest.mark.slow_tier), ("llama", "cpu"),
+    pytest.param("mistral", "fake:cpu", marks=pytest.mark.slow_tier), ("gpt2", "fake:cpu")])
 def test_causal_lms_plan_again_along_eager_branches_then_line_up(tmp_path, name, device, capfd):
     """transformers builds a mask and repeats grouped-query keys under fake tensors, not in
     eager: the first call lines up less and is held to the budget; it plans again along the

@@ -37,6 +37,8 @@ def test_the_door_loads_at_most_15_modules_and_no_tracer():
                         "print(json.dumps(sorted(k for k in sys.modules "
                         "if k.startswith('slackswap_cli'))))")
     assert "slackswap_cli.run.door" in got and len(got) <= 15, got
+    said = _design_text().split("Patched files import run/door.py only (")[1].split(" ")[0]
+    assert int(said) == len(got), f"docs/design.md says the door loads {said} modules: {got}"
     assert not [m for m in got if m.startswith(("slackswap_cli.trace", "slackswap_cli.schema",
                                                 "slackswap_cli.planners"))], got
 
@@ -135,3 +137,76 @@ def test_the_machinery_modules_exist():
     """(The list above names files that exist: a renamed module is not skipped silently.)"""
     assert all((RUN / f"{name}.py").is_file() for name in MACHINERY)
     assert Path(call_state.__file__).parent == RUN
+
+
+def test_every_call_kind_has_the_declared_interface():
+    """`call_state.CallPolicy` is what the patched forward reads of a call: each of the four
+    call kinds has a `kind` of its own, `s` and `pack` (a method, or a slot `KeepAllCall` sets
+    to None when no hook needs to run) and `finish`."""
+    from slackswap_cli.run.eager.first_call import FirstCall
+    from slackswap_cli.run.eager.new_shape import NewShapeCall
+    from slackswap_cli.run.eager.steady_call import KeepAllCall, SteadyCall
+    declared = set(call_state.CallPolicy.__annotations__) | {
+        n for n in vars(call_state.CallPolicy) if not n.startswith("_")}
+    assert declared >= {"s", "kind", "pack", "finish"}, declared
+    kinds = [FirstCall, SteadyCall, KeepAllCall, NewShapeCall]
+    for cls in kinds:
+        has = set(cls.__slots__) | {n for n in vars(cls) if not n.startswith("__")}
+        assert declared <= has, (cls.__name__, declared - has)
+        assert callable(cls.finish)
+    assert len({cls.kind for cls in kinds}) == len(kinds)
+
+
+def _design_layout() -> set[str]:
+    """The modules docs/design.md's layout (section 3) lists, as paths under slackswap_cli/:
+    an entry (a module's file name opening a line of its folder) or a bare file name in the
+    text of its folder's entries (`cmd_plan.py: plan`); a path with a slash is a reference,
+    not a listing."""
+    import re
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("## 3. Layout and rules")[1].split("```")[1]
+    listed, folders = set(), None          # folders: [(indent, "run/eager/"), ...]
+    for line in block.splitlines():
+        if line.startswith("slackswap_cli/"):
+            folders = [(0, "")]
+            continue
+        if folders is None or not line.strip():
+            continue
+        if not line.startswith(" "):
+            break                          # the package's block ends (slackswap_testkit/ ...)
+        indent = len(line) - len(line.lstrip())
+        first = line.split()[0]
+        if indent <= 8 and re.fullmatch(r"[\w.,]+/?|__init__\.py,", first):   # an entry
+            while folders[-1][0] >= indent and len(folders) > 1:
+                folders.pop()
+            if first.endswith("/"):
+                folders.append((indent, folders[-1][1] + first))
+        listed |= {folders[-1][1] + t for t in re.findall(r"(?<![\w/])(\w+\.py)\b", line)}
+    return listed
+
+
+def test_the_design_layout_lists_every_module_and_only_those():
+    """Every module of the package is in design.md's layout, in its folder, and every module
+    the layout lists exists (a package's own __init__.py may go unlisted)."""
+    pkg = ROOT / "slackswap_cli"
+    on_disk = {p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py")}
+    listed = _design_layout()
+    missing = sorted(p for p in on_disk - listed if not p.endswith("/__init__.py"))
+    assert not missing, f"modules design.md's layout does not list: {missing}"
+    assert not listed - on_disk, f"design.md lists modules that do not exist: {listed - on_disk}"
+
+
+def _design_text() -> str:
+    return " ".join((ROOT / "docs" / "design.md").read_text().split())
+
+
+def test_the_design_zoo_count_is_the_tests():
+    """design.md's counts of the zoo models tests/test_zoo.py holds to their rows are the
+    lengths of its SUBSET (by default) and SLOW_SUBSET (the slow tier)."""
+    tree = ast.parse((ROOT / "tests" / "test_zoo.py").read_text())
+    def length(name):
+        return len(next(n.value for n in tree.body if isinstance(n, ast.Assign) and any(
+            getattr(t, "id", None) == name for t in n.targets)).elts)
+    said = _design_text().split("`tests/test_zoo.py` holds ")[1].split()
+    assert (int(said[0]), int(said[said.index("more") - 1])) == (length("SUBSET"),
+                                                                 length("SLOW_SUBSET"))

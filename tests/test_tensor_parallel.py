@@ -7,7 +7,6 @@ slackswap_testkit/tp_run.py: the model planned on each rank, then three AdamW st
 patched. SLACKSWAP_SLOW=1 adds the other layouts (Hugging Face's LlamaForCausalLM among them)
 and TP + FSDP2 on a 2x2 mesh of 4 ranks.
 """
-import os
 import tempfile
 
 import pytest
@@ -18,7 +17,6 @@ from slackswap_testkit.small_costs import small_model_costs
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not built in")
-SLOW = os.environ.get("SLACKSWAP_SLOW") == "1"
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor")
 
 
@@ -125,14 +123,14 @@ def test_sequence_parallel_block_trains_exactly_on_two_ranks():
                                                  ranks[1]["plain"]["losses"]))
 
 
-@pytest.mark.skipif(not SLOW, reason="SLACKSWAP_SLOW=1: one spawn per layout")
+@pytest.mark.slow_tier            # one spawn per layout (tests/conftest.py)
 @pytest.mark.parametrize("layout,blocks,budget", [("mlp", 1, 0.7), ("block", 2, 0.5),
                                                   ("hf-llama", 2, 0.5)])
 def test_tensor_parallel_layouts_train_exactly(layout, blocks, budget):
     _check_ranks(_trained(layout, 2, budget, blocks))
 
 
-@pytest.mark.skipif(not SLOW, reason="SLACKSWAP_SLOW=1: 4 ranks")
+@pytest.mark.slow_tier            # 4 ranks
 def test_tp_with_fsdp2_on_a_2x2_mesh_trains_exactly():
     """TP inside pairs of ranks, FSDP2 across them (each data parallel rank its own batch)."""
     ranks = _trained("block-fsdp", 4, 0.5, blocks=2)

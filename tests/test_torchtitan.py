@@ -33,7 +33,7 @@ import torch
 from helpers import two_us_kernels
 from workloads import HW, adamw_steps, plan_at, write_patched
 
-from slackswap_cli.run.compiled.backend import totals
+from slackswap_cli.run.compiled.report import totals
 from slackswap_cli.run.emit import load_patched
 from slackswap_cli.trace import profile_workload
 from slackswap_cli.trace.workload import load_workload

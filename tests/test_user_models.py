@@ -237,6 +237,7 @@ def test_value_dependent_expert_sizes_refused_under_fake_with_the_working_path(f
 
 
 @pytest.mark.slow
+@pytest.mark.slow_tier   # by default: test_run_robust's mixture of experts on other routings
 def test_sparse_moe_profiled_on_cpu_trains_patched_on_other_routings(files, tmp_path):
     """Profiled at one batch's routing (a real trace); trained patched on batches routed
     otherwise: exact, with the ops whose sizes differ left unplanned (kept as eager keeps them)."""

@@ -242,7 +242,11 @@ def test_cuda_profile_apply_verify(tmp_path):
 # fidelity: the shipped examples in small configurations, at three budgets
 # --------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny-gpt", "gpt2", "bert", "llama", "bn-cnn"])
+# the Hugging Face models in the slow tier: the tiny GPT (the same transformer block) and the
+# BatchNorm CNN hold the check by default
+@pytest.mark.parametrize("name", ["tiny-gpt", pytest.param("gpt2", marks=pytest.mark.slow_tier),
+                                  pytest.param("bert", marks=pytest.mark.slow_tier),
+                                  pytest.param("llama", marks=pytest.mark.slow_tier), "bn-cnn"])
 def test_measured_peak_within_5_percent_of_predicted(name, tmp_path):
     if name != "tiny-gpt":
         pytest.importorskip("transformers")

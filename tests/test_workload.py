@@ -7,7 +7,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from slackswap_cli import Workload
 from slackswap_cli.errors import InputError, TraceError
-from slackswap_cli.trace.workload import _load, load_workload, parse_workload_args, workload_name
+from slackswap_cli.trace.workload import (
+    load_entry,
+    load_workload,
+    parse_workload_args,
+    workload_name,
+)
 
 
 # -- --arg ----------------------------------------------------------------------------------
@@ -58,13 +63,13 @@ def test_load_tuple_with_loss_fn_and_args(tmp_path):
     assert isinstance(work, Workload) and work.model.in_features == 4
     assert work.loss_fn(work.model(*work.inputs), work.inputs).dim() == 0
     assert load_workload(path, entry="other").model.in_features == 5
-    work, module = _load(path)
+    work, module = load_entry(path)
     assert workload_name(module, path) == "lin"
 
 
 def test_name_defaults_to_file_stem(tmp_path):
     path = write(tmp_path, GOOD.replace('NAME = "lin"', ""), name="my-net.py")
-    _, module = _load(path)
+    _, module = load_entry(path)
     assert workload_name(module, path) == "my-net"
 
 

@@ -24,7 +24,7 @@ from .output import error_lines
 DEBUG_ENV = "SLACKSWAP_DEBUG"
 
 
-class _Group(TyperGroup):
+class BoundaryGroup(TyperGroup):
     """Runs every command behind one error boundary (see the module docstring)."""
 
     def invoke(self, ctx):

@@ -10,13 +10,13 @@ import typer
 
 from ..errors import InputError, VerifyFailed
 from .common import (
-    _check_output_path,
-    _examples,
-    _json_option,
-    _plan_profile,
-    _quiet_option,
-    _render,
     app,
+    check_output_path,
+    help_examples,
+    json_option,
+    plan_profile,
+    quiet_option,
+    renderer,
 )
 from .output import Result, Sink
 
@@ -24,7 +24,7 @@ from .output import Result, Sink
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
 # and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command(short_help="Emit a patched training module that carries a plan out.",
-             epilog=_examples(
+             epilog=help_examples(
                  "slackswap apply model.plan.json -o model_patched.py",
              ))
 def apply(
@@ -32,8 +32,8 @@ def apply(
     output: Path = typer.Option(..., "-o", "--output", help="path of the patched module (.py)"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile JSON [default: the one the plan records]"),
     model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the profile records]"),
-    as_json: bool = _json_option("{patched, module, plan, ...}"),
-    quiet: bool = _quiet_option(),
+    as_json: bool = json_option("{patched, module, plan, ...}"),
+    quiet: bool = quiet_option(),
 ) -> None:
     """Emit a patched training module that carries the plan out on the real model."""
     sink = Sink(as_json, quiet)
@@ -44,8 +44,8 @@ def apply(
                          hint="the patched module is imported by your training script: "
                               f"name it e.g. {output.with_suffix('.py').name}")
     p = load_plan(plan_path)
-    prof = _plan_profile(p, profile_path)
-    _check_output_path(output, "-o", [plan_path, profile_path or p.profile_path, model,
+    prof = plan_profile(p, profile_path)
+    check_output_path(output, "-o", [plan_path, profile_path or p.profile_path, model,
                                       prof.workload.get("path")], example="patched.py")
     with sink.working("writing the patched module (re-tracing the model)"):
         source = apply_plan(p, prof, model_path=str(model) if model else None)
@@ -56,11 +56,11 @@ def apply(
     sink.show(Result({"patched": str(output), "module": output.stem,
                       "importable": output.stem.isidentifier(), "plan": str(plan_path),
                       "planner": p.planner, "feasible": p.feasible},
-                     views=lambda: [f"wrote {output}", _render().patch_usage(output.stem)]))
+                     views=lambda: [f"wrote {output}", renderer().patch_usage(output.stem)]))
 
 
 @app.command(short_help="Compare original and patched: losses, gradients, memory.",
-             epilog=_examples(
+             epilog=help_examples(
                  "slackswap verify model_patched.py --steps 3",
                  "slackswap verify model_patched.py --compile --also-at seq=24",
              ))
@@ -69,11 +69,11 @@ def verify(
     model: Optional[Path] = typer.Option(None, "--model", help="workload file [default: the one the patched module records]"),
     steps: int = typer.Option(1, "--steps", min=1, help="training steps to compare"),
     plan: Optional[Path] = typer.Option(None, "--plan", help="the plan the module was made from, for the simulator's timeline [default: a matching plan next to the module]"),
-    as_json: bool = _json_option("the report"),
+    as_json: bool = json_option("the report"),
     compile_: bool = typer.Option(False, "--compile", help="check compile_planned instead: the partitioned graphs' saved, offloaded and recomputed against the plan, and values against eager"),
     backend: str = typer.Option("inductor", "--backend", help="with --compile: inductor or aot_eager"),
     also_at: List[str] = typer.Option([], "--also-at", metavar="KEY=VALUE", help="with --compile: as many steps again with this workload argument changed (another length: seq=24), which torch recompiles with symbolic sizes, judged like the first; repeatable"),
-    quiet: bool = _quiet_option(),
+    quiet: bool = quiet_option(),
 ) -> None:
     """Run original and patched for N steps: losses and gradients equal, memory (op by op, against the simulator) and time measured."""
     sink = Sink(as_json, quiet)
@@ -92,8 +92,8 @@ def verify(
         report = run_verify(str(patched), model_path=str(model) if model else None,
                             steps=steps, plan=plan_obj, progress=sink.progress)
     sink.show(Result(dataclasses.asdict(report) if dataclasses.is_dataclass(report) else report,
-                     views=lambda: [_render().verify_view(report),
-                                    _render().verify_memory_view(report)]))
+                     views=lambda: [renderer().verify_view(report),
+                                    renderer().verify_memory_view(report)]))
     if not report.passed:
         raise VerifyFailed("verify failed: " + "; ".join(report.reasons),
                            "if the model or its code changed since it was profiled, run "
@@ -118,7 +118,7 @@ def _verify_compiled(patched: Path, model: Optional[Path], steps: int, backend: 
         report = verify_compiled(str(patched), str(model) if model else None,
                                  backend=backend, steps=steps,
                                  also_at=parse_workload_args(list(also_at)))
-    sink.show(Result(report, views=lambda: [_render().verify_compiled_view(report, backend)]))
+    sink.show(Result(report, views=lambda: [renderer().verify_compiled_view(report, backend)]))
     if not report["passed"]:
         raise VerifyFailed("verify --compile failed: " + "; ".join(report["reasons"]),
                            "if the model changed since it was profiled, run `slackswap "

@@ -10,13 +10,13 @@ from ..errors import InputError
 from ..planners import planner_names
 from .common import (
     SLOW_PLANNERS,
-    _examples,
-    _json_option,
-    _plan_inputs,
-    _quiet_option,
-    _render,
-    _time_options,
     app,
+    help_examples,
+    json_option,
+    load_plan_inputs,
+    quiet_option,
+    renderer,
+    time_options,
 )
 from .output import Result, Sink
 
@@ -24,7 +24,7 @@ from .output import Result, Sink
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
 # and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command(short_help="Every planner side by side on one profile.",
-             epilog=_examples(
+             epilog=help_examples(
                  "slackswap compare model.profile.json --budget 0.5",
                  "slackswap compare model.profile.json --budget 0.5 --planners slackswap,swap-all --json",
                  "slackswap compare model.profile.json --budget 0.5 --with-torch-compile",
@@ -35,10 +35,10 @@ def compare(
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file"),
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=1.0, help=f"seconds a planner with a time limit ({SLOW_PLANNERS}) may take [default: the planner's]"),
     planners: Optional[str] = typer.Option(None, "--planners", help=f"comma-separated subset of: {', '.join(planner_names())} [default: all]"),
-    as_json: bool = _json_option("{results: [...]}"),
+    as_json: bool = json_option("{results: [...]}"),
     with_torch_compile: bool = typer.Option(False, "--with-torch-compile", help="add a row for torch.compile's own choice: its min-cut partitioner on the profile's graph (re-traced from the workload with fake tensors; needs torch), activation_memory_budget searched to meet the budget"),
     model: Optional[Path] = typer.Option(None, "--model", help="with --with-torch-compile: the workload file [default: the one the profile records]"),
-    quiet: bool = _quiet_option(),
+    quiet: bool = quiet_option(),
 ) -> None:
     """Every planner side by side on one profile: retention, peak, stall, recompute, solve time."""
     sink = Sink(as_json, quiet)
@@ -46,7 +46,7 @@ def compare(
     if model is not None and not with_torch_compile:
         raise InputError("--model is the workload file for --with-torch-compile",
                          hint="add --with-torch-compile, or leave --model out")
-    prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
+    prof, hw, budget_bytes, fraction = load_plan_inputs(profile_path, budget, hardware)
     check_budget(budget_bytes, prof)
     names = _compared_planners(planners)
     rows = [_compare_row(name, prof, hw, budget_bytes, fraction, time_limit, sink)
@@ -56,7 +56,7 @@ def compare(
                                        sink))
     sink.show(Result({"profile": str(profile_path), "hardware": hw.name,
                       "budget_bytes": budget_bytes, "budget_fraction": fraction, "results": rows},
-                     views=lambda: _render().compare_views(
+                     views=lambda: renderer().compare_views(
                          rows, budget_bytes, hardware=hw.name,
                          keep_all_bytes=prof.keep_all_peak_bytes)))
 
@@ -80,7 +80,7 @@ def _compare_row(name: str, prof, hw, budget_bytes: int, fraction, time_limit: O
     """compare's row of one registered planner."""
     from ..planners import make_plan, planner_spec
     spec = planner_spec(name)
-    options = _time_options(spec, time_limit)
+    options = time_options(spec, time_limit)
     sink.status(f"planning with {name}..." if "time_limit_s" not in options else
                 f"planning with {name} ({spec.summary}, limit {options['time_limit_s']:g} s: set "
                 f"it with --time-limit, or leave {name} out with --planners)...")

@@ -12,13 +12,13 @@ from ..planners import DEFAULT_PLANNER
 from .common import (
     PLANNER_HELP,
     SLOW_PLANNERS,
-    _check_output_path,
-    _examples,
-    _json_option,
-    _quiet_option,
-    _sibling,
-    _time_options,
     app,
+    check_output_path,
+    help_examples,
+    json_option,
+    quiet_option,
+    sibling_file,
+    time_options,
 )
 from .output import Result, Sink
 
@@ -44,7 +44,7 @@ def _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, t
                        reserve_bytes=(default_reserve(hw.memory_bytes) if reserve is None
                                       else parse_size(reserve, "--reserve")),
                        optimizer=optimizer, shard=shard, step_on_device=fused, planner=planner,
-                       planner_options=_time_options(spec, time_limit))
+                       planner_options=time_options(spec, time_limit))
 
 
 def _pipeline_flags(pp, schedule, microbatches, stages_per_rank) -> dict:
@@ -65,7 +65,7 @@ def _write_best(result, plan_target: Path, model: Path) -> Path:
 
 
 @app.command(short_help="Sweep batch sizes on the whole device; write the best plan.",
-             epilog=_examples(
+             epilog=help_examples(
                  "slackswap fit model.py --hardware h100-pcie5 --batch 1,2,4,8,16",
                  "slackswap fit llama_70b.py --hardware h100-pcie5 --shard 8 --batch 1,2,4",
                  "slackswap fit model.py --hardware a100-pcie4 --memory 40GiB --batch 8,16",
@@ -93,8 +93,8 @@ def fit(
     microbatches: Optional[int] = typer.Option(None, "--microbatches", help="with --pp: microbatches per step [default: the workload's, else 2 x --pp]"),
     stages_per_rank: Optional[int] = typer.Option(None, "--stages-per-rank", help="with --pp and Interleaved1F1B: stages per rank [default: the workload's, else 2]"),
     jobs: int = typer.Option(2, "--jobs", min=1, help="traces in forked processes, ahead of planning: 2 overlaps a trace with planning (same rows; helps only with idle cores); 1: one process"),
-    as_json: bool = _json_option("{rows, best, baselines}"),
-    quiet: bool = _quiet_option(),
+    as_json: bool = json_option("{rows, best, baselines}"),
+    quiet: bool = quiet_option(),
 ) -> None:
     """Profile each batch, take parameters, gradients and optimizer state off the device's
     memory, plan the activations in what is left, and pick the batch that trains fastest."""
@@ -117,8 +117,8 @@ def fit(
                          else f"model file {model} does not exist",
                          hint="fit takes a workload .py file with a workload() function")
     target = output or Path(model.stem + ".fit.plan.json")
-    _check_output_path(target, "-o", [model, hardware])
-    _check_output_path(_sibling(target, ".profile.json"), "-o", [model, hardware])
+    check_output_path(target, "-o", [model, hardware])
+    check_output_path(sibling_file(target, ".profile.json"), "-o", [model, hardware])
     from ..trace.static_memory import Profiler, check_batch_arg
     check_batch_arg(str(model), entry, batch_arg)
     profiler = Profiler(str(model), entry=entry, args=args, batch_arg=batch_arg,

@@ -7,11 +7,11 @@ from typing import Optional
 import typer
 
 from .common import (
-    _examples,
-    _json_option,
-    _quiet_option,
-    _render,
     app,
+    help_examples,
+    json_option,
+    quiet_option,
+    renderer,
 )
 from .output import Result, Sink
 
@@ -19,29 +19,29 @@ from .output import Result, Sink
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
 # and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command("hardware", short_help="List hardware presets, or print one.",
-             epilog=_examples(
+             epilog=help_examples(
                  "slackswap hardware",
                  "slackswap hardware a100-pcie4 --json > my-a100.json",
              ))
 def hardware_cmd(
     name: Optional[str] = typer.Argument(None, metavar="NAME", help="a preset to print in full"),
-    as_json: bool = _json_option("the preset(s) (a starting point for a custom --hardware file)"),
-    quiet: bool = _quiet_option(),
+    as_json: bool = json_option("the preset(s) (a starting point for a custom --hardware file)"),
+    quiet: bool = quiet_option(),
 ) -> None:
     """List hardware presets, or print one (its fields are the format of a --hardware JSON file)."""
     from ..hardware import PRESETS, load_hardware
     specs = [load_hardware(name)] if name else list(PRESETS.values())
     # indented: the JSON is the starting point of a hand-edited --hardware file
     Sink(as_json, quiet).show(Result(specs[0].to_dict() if name else {s.name: s.to_dict() for s in specs},
-                              views=lambda: [_render().hardware_table(specs)], indent=True))
+                              views=lambda: [renderer().hardware_table(specs)], indent=True))
 
 
 @app.command(short_help="Print the version.",
-             epilog=_examples(
+             epilog=help_examples(
                  "slackswap version --json",
              ))
-def version(as_json: bool = _json_option("{version, python, torch}"),
-            quiet: bool = _quiet_option()) -> None:
+def version(as_json: bool = json_option("{version, python, torch}"),
+            quiet: bool = quiet_option()) -> None:
     """Print the version (with --json: also Python's and torch's, null if torch is missing)."""
     from .. import __version__
     Sink(as_json, quiet).show(Result(_versions, views=lambda: [__version__]))

@@ -12,15 +12,15 @@ from ..planners import DEFAULT_PLANNER
 from .common import (
     PLANNER_HELP,
     SLOW_PLANNERS,
-    _check_output_path,
-    _examples,
-    _json_option,
-    _plan_inputs,
-    _quiet_option,
-    _render,
-    _sibling,
-    _with_paths,
     app,
+    check_output_path,
+    help_examples,
+    json_option,
+    load_plan_inputs,
+    plan_with_paths,
+    quiet_option,
+    renderer,
+    sibling_file,
 )
 from .output import Result, Sink
 
@@ -28,7 +28,7 @@ from .output import Result, Sink
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
 # and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command(short_help="Decide keep / swap / recompute; simulate; write the plan.",
-             epilog=_examples(
+             epilog=help_examples(
                  "slackswap plan model.profile.json --budget 0.5",
                  "slackswap plan model.profile.json --budget 20GiB --hardware h100-pcie5 -o p.json",
                  "slackswap plan model.profile.json --budget 0.4 --planner optimal --time-limit 30",
@@ -41,8 +41,8 @@ def plan(
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=1.0, help=f"seconds the whole command may take with a planner that has a time limit ({SLOW_PLANNERS}) [default: the planner's]"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan path [default: <profile name>.plan.json in the current directory]"),
     for_compile: Optional[str] = typer.Option(None, "--for-compile", metavar="MODE", help="plan for compile_planned: model (the whole model) or per-block (per_block=True); what it cannot offload is kept or recomputed [default: an eager plan]"),
-    as_json: bool = _json_option("a summary of the plan (the file holds it all)"),
-    quiet: bool = _quiet_option(),
+    as_json: bool = json_option("a summary of the plan (the file holds it all)"),
+    quiet: bool = quiet_option(),
 ) -> None:
     """Decide keep / swap / recompute for every saved activation, simulate, write the plan."""
     started = time.perf_counter()
@@ -51,21 +51,21 @@ def plan(
     from ..planners import planner_spec
     from ..planning import plan_profile
     from ..schema import save
-    prof, hw, budget_bytes, fraction = _plan_inputs(profile_path, budget, hardware)
+    prof, hw, budget_bytes, fraction = load_plan_inputs(profile_path, budget, hardware)
     spec = planner_spec(planner)
     if for_compile is not None:
         from ..compile_limits import check_mode
         check_mode(for_compile)                     # an unknown mode before planning
     # below the floor no plan fits, but the planner's closest plan is still written
     below = floor_message(budget_bytes, prof)
-    target = output or Path(_sibling(profile_path, ".plan.json").name)
-    _check_output_path(target, "-o", [profile_path, hardware])
+    target = output or Path(sibling_file(profile_path, ".plan.json").name)
+    check_output_path(target, "-o", [profile_path, hardware])
     # a planner with a time limit keeps its own reserve for the simulation and writing
     with sink.working(f"planning with {planner}"):
         result, sim = plan_profile(prof, hw, budget_bytes, fraction, planner,
                                    time_limit=time_limit, started=started, record=True,
                                    for_compile=for_compile)
-    result = _with_paths(result, profile_path, prof)
+    result = plan_with_paths(result, profile_path, prof)
     save(result, target)
     reach = None
     if not result.feasible and below is None and spec.quick:   # slow: a solve per step
@@ -73,7 +73,7 @@ def plan(
     summary = _plan_summary(result, target, prof)
     if spec.bound:
         summary["bound_retention"] = spec.bound_retention(prof, hw, budget_bytes)
-    sink.show(Result(summary, views=lambda: _render().plan_views(result, prof, sim),
+    sink.show(Result(summary, views=lambda: renderer().plan_views(result, prof, sim),
                      lines=[f"wrote {target}"]))
     if not result.feasible:
         _plan_failed(prof, planner, target, below, reach)

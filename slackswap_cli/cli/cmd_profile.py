@@ -8,12 +8,12 @@ import typer
 
 from ..errors import InputError, require_file
 from .common import (
-    _check_output_path,
-    _examples,
-    _json_option,
-    _quiet_option,
-    _render,
     app,
+    check_output_path,
+    help_examples,
+    json_option,
+    quiet_option,
+    renderer,
 )
 from .output import Result, Sink
 
@@ -21,7 +21,7 @@ from .output import Result, Sink
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
 # and `compare` start without importing torch (tests/test_torch_free.py).
 @app.command(short_help="Trace one training step and write its profile.",
-             epilog=_examples(
+             epilog=help_examples(
                  "slackswap profile model.py --device fake -o model.profile.json",
                  "slackswap profile examples/tiny_gpt.py --arg n_layer=2 --arg seq=256",
                  "slackswap profile model.onnx --input-shape input=8x3x224x224",
@@ -35,8 +35,8 @@ def profile(
     autocast: Optional[str] = typer.Option(None, "--autocast", help="bf16 | fp16: trace the step under torch.autocast in that dtype (forward and loss inside, backward outside)"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="preset or JSON file for roofline costs [default: a100-pcie4]"),
     input_shape: List[str] = typer.Option([], "--input-shape", metavar="NAME=SHAPE", help="ONNX only: name=1x3x224x224 for a dynamic input; repeatable"),
-    as_json: bool = _json_option("the profile summary"),
-    quiet: bool = _quiet_option(),
+    as_json: bool = json_option("the profile summary"),
+    quiet: bool = quiet_option(),
 ) -> None:
     """Trace one training step and write its profile (every saved activation, its cost and lifetime)."""
     sink = Sink(as_json, quiet)
@@ -51,7 +51,7 @@ def profile(
     from ..trace import split_device
     split_device(device)   # refuses an unknown --device before anything is written
     target = output or model.with_suffix(".profile.json")
-    _check_output_path(target, "-o", [model, hardware])
+    check_output_path(target, "-o", [model, hardware])
     warnings: list[str] = []
     if hardware and not device.startswith("fake") and model.suffix.lower() != ".onnx":
         warnings.append(f"--hardware {hardware} is not used: --device {device} measures op "
@@ -79,4 +79,4 @@ def profile(
         sink.warn(w)
     sink.show(Result({"profile": str(target), "fingerprint": prof.fingerprint,
                       "workload": prof.workload, "env": prof.env, "summary": prof.summary},
-                     views=lambda: _render().profile_views(prof), lines=[f"wrote {target}"]))
+                     views=lambda: renderer().profile_views(prof), lines=[f"wrote {target}"]))

@@ -10,13 +10,13 @@ import typer
 
 from ..errors import InfeasibleError, InputError
 from .common import (
-    _check_output_path,
-    _examples,
-    _json_option,
-    _plan_profile,
-    _quiet_option,
-    _render,
     app,
+    check_output_path,
+    help_examples,
+    json_option,
+    plan_profile,
+    quiet_option,
+    renderer,
 )
 from .output import Result, Sink
 
@@ -74,7 +74,7 @@ def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
 
 
 @app.command(short_help="Re-simulate a plan (what-if on other hardware).",
-             epilog=_examples(
+             epilog=help_examples(
                  "slackswap simulate model.plan.json --hardware gh200-c2c",
                  "slackswap simulate model.plan.json --trace step.trace.json   # open in ui.perfetto.dev",
                  "slackswap simulate stage.plan.json --pp 4 --schedule 1F1B --microbatches 8",
@@ -89,8 +89,8 @@ def simulate(
     microbatches: Optional[int] = _MICROBATCHES,
     stages_per_rank: Optional[int] = _STAGES_PER_RANK,
     rank_budget: Optional[str] = _RANK_BUDGET,
-    as_json: bool = _json_option("the prediction"),
-    quiet: bool = _quiet_option(),
+    as_json: bool = json_option("the prediction"),
+    quiet: bool = quiet_option(),
 ) -> None:
     """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline.
     With --pp: the per-rank table of a pipeline of stages like the plan's profile."""
@@ -102,12 +102,12 @@ def simulate(
     from ..schema import load_plan
     from ..simulate import simulate as run_sim
     p = load_plan(plan_path)
-    prof = _plan_profile(p, profile_path)
+    prof = plan_profile(p, profile_path)
     pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, _declared(prof))
     hw = load_hardware(hardware) if hardware else HardwareSpec.from_dict(p.hardware, "plan hardware")
     prof = recost(prof, hw)  # what-if: a roofline profile's ops are re-timed on `hw` too
     if trace is not None:
-        _check_output_path(trace, "--trace",
+        check_output_path(trace, "--trace",
                            [plan_path, profile_path or p.profile_path, hardware])
     # the timeline feeds the trace file and the views; --json and --quiet need neither
     result = run_sim(prof, p.decisions, hw, p.budget_bytes,
@@ -119,7 +119,7 @@ def simulate(
     def views():
         shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted,
                                     feasible=result.feasible)
-        return _render().plan_views(shown, prof, result, planned=p)
+        return renderer().plan_views(shown, prof, result, planned=p)
     if pipe is not None:
         shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted)
         sink.show(_pipeline_result(pipe, prof, shown, hw, {
@@ -139,7 +139,7 @@ def simulate(
 
 
 @app.command(short_help="Inspect a profile or a plan in the terminal.",
-             epilog=_examples(
+             epilog=help_examples(
                  "slackswap show model.profile.json",
                  "slackswap show model.plan.json --json",
                  "slackswap show stage.plan.json --pp 4 --schedule Interleaved1F1B --microbatches 8",
@@ -152,8 +152,8 @@ def show(
     microbatches: Optional[int] = _MICROBATCHES,
     stages_per_rank: Optional[int] = _STAGES_PER_RANK,
     rank_budget: Optional[str] = _RANK_BUDGET,
-    as_json: bool = _json_option("the summary"),
-    quiet: bool = _quiet_option(),
+    as_json: bool = json_option("the summary"),
+    quiet: bool = quiet_option(),
 ) -> None:
     """Inspect a profile or a plan in the terminal. With --pp: the per-rank table of a
     pipeline of stages like it (a profile: keeping everything)."""
@@ -166,7 +166,7 @@ def show(
         prof = load_profile(path)
         result = Result({"fingerprint": prof.fingerprint, "workload": prof.workload,
                          "env": prof.env, "summary": prof.summary},
-                        views=lambda: _render().profile_views(prof))
+                        views=lambda: renderer().profile_views(prof))
     else:
         p = load_plan(path)
         result = Result(p, views=lambda: _simulated_plan_views(p, profile_path))
@@ -181,7 +181,7 @@ def _show_pipeline(path: Path, profile_path: Optional[Path], pipe) -> Result:
         hw_name = (prof.env or {}).get("hardware") or "a100-pcie4"
         return _pipeline_result(pipe, prof, None, load_hardware(hw_name), {"profile": str(path)})
     p = load_plan(path)
-    return _pipeline_result(pipe, _plan_profile(p, profile_path), p,
+    return _pipeline_result(pipe, plan_profile(p, profile_path), p,
                             HardwareSpec.from_dict(p.hardware, "plan hardware"),
                             {"plan": str(path)})
 
@@ -192,5 +192,5 @@ def _simulated_plan_views(p, profile_path: Optional[Path]) -> list:
     from ..profile_build import recost
     from ..simulate import simulate as run_sim
     hw = HardwareSpec.from_dict(p.hardware, "plan hardware")
-    prof = recost(_plan_profile(p, profile_path), hw)
-    return _render().plan_views(p, prof, run_sim(prof, p.decisions, hw, p.budget_bytes))
+    prof = recost(plan_profile(p, profile_path), hw)
+    return renderer().plan_views(p, prof, run_sim(prof, p.decisions, hw, p.budget_bytes))

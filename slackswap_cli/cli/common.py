@@ -12,15 +12,15 @@ import typer
 from .. import __version__
 from ..errors import InputError
 from ..planners import PLANNERS, planner_names
-from .boundary import _Group
+from .boundary import BoundaryGroup
 
 
-def _examples(*lines: str) -> str:
+def help_examples(*lines: str) -> str:
     """A command's help epilog: example command lines, kept as written (click's \\b)."""
     return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-app = typer.Typer(cls=_Group, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
+app = typer.Typer(cls=BoundaryGroup, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   pretty_exceptions_enable=False,
                   help="Fit training into GPU memory: keep, swap or recompute each saved activation.",
                   epilog="Exit codes: 0 ok, 1 internal error (a bug: SLACKSWAP_DEBUG=1 prints its "
@@ -30,22 +30,22 @@ PLANNER_HELP = " | ".join(planner_names())
 SLOW_PLANNERS = ", ".join(n for n, spec in PLANNERS.items() if not spec.quick)
 
 
-def _json_option(what: str):
+def json_option(what: str):
     return typer.Option(False, "--json", help=f"print {what} as JSON")
 
 
-def _quiet_option():
+def quiet_option():
     return typer.Option(False, "--quiet", "-q", help="print nothing but warnings and errors "
                                                      "(the exit code and the files say the rest)")
 
 
-def _render():
+def renderer():
     """The render package, imported when a person is shown a view (not for --json or --quiet)."""
     from . import render
     return render
 
 
-def _check_output_path(path: Path, option: str = "-o", inputs=(), example: str = "out.json") -> None:
+def check_output_path(path: Path, option: str = "-o", inputs=(), example: str = "out.json") -> None:
     """Refuse, before any work is done, an output that cannot be written or that would
     overwrite one of the command's own inputs (`-o model.py` must not eat the model).
     A missing parent directory is fine: it is created when the file is written."""
@@ -76,29 +76,29 @@ def _check_output_path(path: Path, option: str = "-o", inputs=(), example: str =
                          hint=f"choose another path with {option}")
 
 
-def _plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
+def load_plan_inputs(profile_path: Path, budget: str, hardware: Optional[str]):
     # the library loads inside these helpers, when a command runs: the app starts light
     from ..planning import plan_inputs
     from ..schema import load_profile
     return plan_inputs(load_profile(profile_path), budget, hardware, str(profile_path))
 
 
-def _time_options(spec, time_limit: Optional[float], started: Optional[float] = None) -> dict:
+def time_options(spec, time_limit: Optional[float], started: Optional[float] = None) -> dict:
     from ..planning import planner_time_options
     return planner_time_options(spec, time_limit, started)
 
 
-def _sibling(path: Path, suffix: str) -> Path:
+def sibling_file(path: Path, suffix: str) -> Path:
     from ..planning import sibling_path
     return sibling_path(path, suffix)
 
 
-def _with_paths(plan_obj, profile_path: Path, prof):
+def plan_with_paths(plan_obj, profile_path: Path, prof):
     from ..planning import with_paths
     return with_paths(plan_obj, profile_path, prof)
 
 
-def _plan_profile(p, profile_path: Optional[Path]):
+def plan_profile(p, profile_path: Optional[Path]):
     from ..schema import load_profile
     path = profile_path or (Path(p.profile_path) if p.profile_path else None)
     if path is None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
 from ..schema import Action, Plan, Profile
-from .stages import STARTS, Boundary, Step, _walk, stage_cost
+from .stages import STARTS, Boundary, Step, live_steps, stage_cost
 
 __all__ = ["Swap", "StageWork", "RankJudged", "Judged", "stage_work", "judge"]
 
@@ -229,7 +229,7 @@ def _static_need(steps: Sequence[Step], work: Mapping[int, StageWork], budget: i
     back) and what lingers, no copies; the limit copies back may fill up to; the forwards that
     wait for memory as in their own run: those that would not fit the budget without)."""
     base, own_free, own_wait, lingering = [], [], [], 0
-    for (kind, stage, mb), live in _walk(steps):
+    for (kind, stage, mb), live in live_steps(steps):
         w = work[stage]
         base.append(lingering + sum(work[s].held_bytes for s, m in live if (s, m) != (stage, mb)))
         bwd = w.bwd_peak_bytes - sum(sw.bytes for sw in w.swaps)
@@ -352,7 +352,7 @@ def _plan_copies(steps, work, budget: int):
     index of its first backward use, the memory limit, each action's step and live pairs,
     what lingers at each)."""
     issue, limit = _issue_points(steps, work, budget)
-    return (issue, _pairs(steps)[1], limit, list(_walk(steps)), _lingering(steps, work))
+    return (issue, _pairs(steps)[1], limit, list(live_steps(steps)), _lingering(steps, work))
 
 
 def _run(order, work, budget, alone: bool) -> dict[int, _Rank]:
@@ -470,7 +470,7 @@ def _lingering(steps: Sequence[Step], work) -> list[int]:
 def _rank_peak(steps: Sequence[Step], work, r: _Rank) -> int:
     linger = _lingering(steps, work)
     return max((_action_mem(r, k, at, linger[k], work, k in r.waiting)
-                for k, at in enumerate(_walk(steps))), default=0)
+                for k, at in enumerate(live_steps(steps))), default=0)
 
 
 def judge(order: Mapping[int, Sequence[Step]], work: Mapping[int, StageWork],

@@ -27,7 +27,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..fit import FitSettings, StaticMemory, _no, _plan, _row_head, plan_row, tokens_per_sample
+from ..fit import (
+    FitSettings,
+    StaticMemory,
+    infeasible_row,
+    plan_kind,
+    plan_row,
+    row_head,
+    tokens_per_sample,
+)
 from ..schema import Plan, Profile
 from ..simulate import budget_floor_bytes
 from ..units import fmt_bytes
@@ -86,14 +94,14 @@ def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: 
     """One row of the sweep for the pipeline `spec` at microbatch `batch` (module docstring)."""
     per_rank = rank_static(static, stages_on_rank(spec))
     budget = s.memory_bytes - per_rank.total - s.reserve_bytes
-    row = _row_head(batch, kind, per_rank, s)
+    row = row_head(batch, kind, per_rank, s)
     row.update(budget_bytes=budget, keep_all_peak_bytes=prof.keep_all_peak_bytes,
                pipeline=spec._asdict(), global_batch=batch * spec.microbatches,
                rank_peak_bytes=None, rank_held=None, worst_rank_peak_bytes=None,
                bubble_fraction=None, judged_step_us=None, rank_exposed_copy_us=None,
                rank_judged_peak_bytes=None)
     if budget <= 0:
-        return _no(row, f"a rank's static memory and reserve exceed the device by "
+        return infeasible_row(row, f"a rank's static memory and reserve exceed the device by "
                         f"{fmt_bytes(-budget)}"), None
     hw = s.hardware
     copy = 1e6 / hw.d2h_bytes_per_s if hw.d2h_bytes_per_s else 0.0
@@ -102,7 +110,7 @@ def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: 
     def at(stage_budget: int):
         if stage_budget not in memo:
             options = s.planner_options if kind == s.planner else {}
-            plan = _plan(kind, prof, hw, stage_budget, options)
+            plan = plan_kind(kind, prof, hw, stage_budget, options)
             figs = (pipeline_figures(prof, plan, spec.schedule, spec.pp, spec.microbatches,
                                      spec.stages_per_rank, budget, copy)
                     if plan.feasible else None)
@@ -117,7 +125,7 @@ def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: 
         why = (f"the worst rank's peak {fmt_bytes(row['worst_rank_peak_bytes'])} is above its "
                f"activation budget {fmt_bytes(budget)}" if figs is not None else
                (plan.notes[-1] if plan.notes else "the plan does not fit"))
-        return _no(row, why), None
+        return infeasible_row(row, why), None
     figs = pipeline_figures(prof, plan, spec.schedule, spec.pp, spec.microbatches,
                             spec.stages_per_rank, budget, copy, hw=hw)
     row.update(judged_step_us=figs.judged_step_us,

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
+from ..budget import fraction_bytes
 from ..errors import InfeasibleError, InputError
 from ..schema import Action, Plan, Profile
 from ..simulate import budget_floor_bytes
@@ -48,7 +49,7 @@ def _checked_order(order: Mapping[int, Sequence[Step]]) -> None:
                                  hint="read the order with parallel.pipeline.schedule_order")
 
 
-def _walk(steps: Sequence[Step]) -> Iterable[tuple[Step, frozenset]]:
+def live_steps(steps: Sequence[Step]) -> Iterable[tuple[Step, frozenset]]:
     """Each step with the (stage, microbatch) pairs live on the rank while it runs, itself
     included for a forward (its activations grow as it runs) and a backward (they are read)."""
     live: set[tuple[int, int]] = set()
@@ -65,7 +66,7 @@ def held_microbatches(order: Mapping[int, Sequence[Step]]) -> dict[int, int]:
     """rank -> the most (stage, microbatch) pairs it holds at once: microbatches on a rank with
     one stage, chunk-microbatches on a rank with several."""
     _checked_order(order)
-    return {rank: max((len(live) for _, live in _walk(steps)), default=0)
+    return {rank: max((len(live) for _, live in live_steps(steps)), default=0)
             for rank, steps in order.items()}
 
 
@@ -171,7 +172,7 @@ def rank_peak(steps: Sequence[Step], cost: Mapping[int, StageCost]) -> int:
     weight pass (a split backward) holds its `split_bytes` too; its weight pass starts from
     them, with its output still held (`boundary_held`) but nothing received or sent."""
     best, lingering, split = 0, 0, set()
-    for (kind, stage, mb), live in _walk(steps):
+    for (kind, stage, mb), live in live_steps(steps):
         others = sum(cost[s].held_bytes + (cost[s].split_bytes if (s, m) in split else 0)
                      for s, m in live if (s, m) != (stage, mb))
         c = cost[stage]
@@ -231,7 +232,7 @@ def _counts(steps: Sequence[Step]) -> dict[int, int]:
     return out
 
 
-def _plans_at(fraction: float, stages, profiles, planner: Planner, memo: dict, boundary):
+def plans_at(fraction: float, stages, profiles, planner: Planner, memo: dict, boundary):
     """Each stage's plan at `fraction` of its keep-all peak (the floor at least), None for
     keeping everything at 1.0; and their costs."""
     plans, cost = {}, {}
@@ -240,7 +241,7 @@ def _plans_at(fraction: float, stages, profiles, planner: Planner, memo: dict, b
         if fraction >= 1.0:
             plans[s], cost[s] = None, stage_cost(prof, None, boundary.get(s, Boundary()))
             continue
-        budget = max(budget_floor_bytes(prof), int(prof.keep_all_peak_bytes * fraction))
+        budget = max(budget_floor_bytes(prof), fraction_bytes(fraction, prof.keep_all_peak_bytes))
         if (s, budget) not in memo:
             plan = planner(prof, budget)
             memo[s, budget] = (plan, stage_cost(prof, plan, boundary.get(s, Boundary()))
@@ -255,19 +256,19 @@ def _search(steps, stages, profiles, planner, budget: int, boundary, steps_n: in
     """(fraction, plans, costs): the largest fraction whose plans keep the rank under budget
     (bisection over [0, 1]; 1.0 when keeping everything fits), or None."""
     memo: dict = {}
-    plans, cost = _plans_at(1.0, stages, profiles, planner, memo, boundary)
+    plans, cost = plans_at(1.0, stages, profiles, planner, memo, boundary)
     if rank_peak(steps, cost) <= budget:
         return 1.0, plans, cost
     lo, hi, best = 0.0, 1.0, None
     for _ in range(steps_n):
         mid = (lo + hi) / 2
-        plans, cost = _plans_at(mid, stages, profiles, planner, memo, boundary)
+        plans, cost = plans_at(mid, stages, profiles, planner, memo, boundary)
         if plans is not None and rank_peak(steps, cost) <= budget:
             lo, best = mid, (mid, plans, cost)
         else:
             hi = mid
     if best is None:
-        plans, cost = _plans_at(0.0, stages, profiles, planner, memo, boundary)
+        plans, cost = plans_at(0.0, stages, profiles, planner, memo, boundary)
         if plans is not None and rank_peak(steps, cost) <= budget:
             best = (0.0, plans, cost)
     return best
@@ -276,7 +277,7 @@ def _search(steps, stages, profiles, planner, budget: int, boundary, steps_n: in
 def _least(steps, stages, profiles, planner, boundary) -> int | None:
     """The least peak a rank holds: each of its stages planned at its floor (None: a stage's
     planner finds no plan there)."""
-    plans, cost = _plans_at(0.0, stages, profiles, planner, {}, boundary)
+    plans, cost = plans_at(0.0, stages, profiles, planner, {}, boundary)
     return None if plans is None else rank_peak(steps, cost)
 
 

@@ -24,7 +24,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 from ..schema import Plan, Profile
 from .copies import Judged, judge, stage_work
-from .stages import Boundary, Step, _plans_at
+from .stages import Boundary, Step, plans_at
 
 __all__ = ["Windows", "faster_link", "search_rank", "FACTORS"]
 
@@ -88,7 +88,7 @@ def _at_factor(rank, steps, stages, profiles, budget, boundary, windows, factor,
     memo: dict = {}
 
     def attempt(fraction):
-        plans, cost = _plans_at(fraction, stages, profiles, planner, memo, boundary)
+        plans, cost = plans_at(fraction, stages, profiles, planner, memo, boundary)
         if plans is None:
             return None
         got = _judged(rank, steps, stages, profiles, plans, boundary, windows, budget)

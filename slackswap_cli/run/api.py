@@ -46,17 +46,17 @@ from ..planners import planner_spec
 from ..planning import infeasible_message, plan_inputs, plan_profile, save_with_profile
 from ..schema import Plan as PlanFile
 from ..schema import Profile
-from ..trace import _does_not_fit, profile_traced, split_device
+from ..trace import does_not_fit, profile_traced, split_device
 from ..trace.aten import is_inplace_target
 from ..trace.joint import autocast_name
 from ..trace.static_memory import model_facts
-from ..trace.workload import _as_workload
+from ..trace.workload import as_workload
 from ..units import fmt_bytes
 from ..workload_spec import Workload
 from .compiled import backend as compiled
 from .eager import inplace
 from .eager.inplace import is_patched
-from .eager.replan import _fake_copy, fake_of
+from .eager.replan import fake_copy, fake_of
 from .emit import patch_meta
 from .notes import checkpointing_on, tell
 from .rng import forked_rng
@@ -130,7 +130,7 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     TraceError (the model cannot be traced), InfeasibleError (no plan fits; its `.plan` is
     the closest one)."""
     started = time.perf_counter()
-    work = _checked(model, inputs, loss_fn)
+    work = checked_workload(model, inputs, loss_fn)
     if is_patched(model):
         raise InputError("this model is already patched by slackswap, so its forward runs a plan",
                          hint="slackswap_cli.unpatch(model) first, then plan it again")
@@ -138,15 +138,15 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     if for_compile is not None:
         check_mode(for_compile)                 # an unknown mode before any tracing
     autocast = autocast_name(autocast)
-    how, target = _where(model, device)
+    how, target = where_traced(model, device)
     if budget == "auto" and how != "cuda":
         raise InputError("budget='auto' needs a CUDA device: it plans into the memory the GPU "
                          f"has free, and this model is profiled on {how}",
                          hint="give the budget as a fraction (0.5) or a size ('20GiB'), or "
                               "move the model to a GPU first")
-    hw = _hardware(hardware)
-    with _untouched(model):
-        prof, joint, traced = _profile(work, how, target, hw, autocast, progress, started)
+    hw = hardware_of(hardware)
+    with left_untouched(model):
+        prof, joint, traced = profile_step(work, how, target, hw, autocast, progress, started)
     note = _meta_note(model, how, target, hw)
     if note is not None:
         warnings.warn(f"slackswap: {note}", stacklevel=2)
@@ -159,7 +159,7 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     prof, hw, budget_bytes, fraction = plan_inputs(prof, budget, hw, "plan_model")
     result, _ = plan_profile(prof, hw, budget_bytes, fraction, planner, time_limit=time_limit,
                              started=started, for_compile=for_compile)
-    out = _plan_of(prof, result, joint, traced, loss_fn)
+    out = plan_of(prof, result, joint, traced, loss_fn)
     out.note = note
     if not result.feasible:
         raise _infeasible(prof, planner, hw, budget_bytes, out)
@@ -243,11 +243,11 @@ def _is_plan(plan, what: str) -> None:
                          hint="plan = slackswap_cli.plan_model(model, inputs, budget=0.5)")
 
 
-def _checked(model, inputs, loss_fn) -> Workload:
+def checked_workload(model, inputs, loss_fn) -> Workload:
     """The model and inputs as a Workload, refused plainly when they are not what a step
     needs (the workload loader's own checks)."""
     try:
-        return _as_workload(Workload(model, inputs, loss_fn), "plan_model")
+        return as_workload(Workload(model, inputs, loss_fn), "plan_model")
     except TraceError as exc:
         raise InputError(exc.message.replace("plan_model() returned", "plan_model() got"),
                          hint="plan_model(model, inputs, budget=...): inputs a tuple of "
@@ -255,7 +255,7 @@ def _checked(model, inputs, loss_fn) -> Workload:
                          ) from None
 
 
-def _where(model: torch.nn.Module, device: str) -> tuple[str, str]:
+def where_traced(model: torch.nn.Module, device: str) -> tuple[str, str]:
     """(how the step is traced: "fake", "cpu" or "cuda"; the device the plan is for)."""
     how, target = split_device(device)
     first = next(iter(model.parameters()), None)
@@ -301,12 +301,12 @@ def _meta_note(model: torch.nn.Module, how: str, target: str, hw) -> str | None:
             "of the device it will train on (`slackswap hardware` lists them)")
 
 
-def _hardware(hardware):
+def hardware_of(hardware):
     return hardware if isinstance(hardware, HardwareSpec) else load_hardware(hardware)
 
 
 @contextlib.contextmanager
-def _untouched(model: torch.nn.Module):
+def left_untouched(model: torch.nn.Module):
     """Random number generators restored, and the buffers' values too (a measured trace runs
     BatchNorm's statistics updates), when the block ends."""
     saved = [(b, b.detach().clone()) for b in model.buffers()]
@@ -319,7 +319,7 @@ def _untouched(model: torch.nn.Module):
                 b.copy_(value)
 
 
-def _profile(work: Workload, how: str, target: str, hw, autocast, progress, started):
+def profile_step(work: Workload, how: str, target: str, hw, autocast, progress, started):
     """(profile, joint graph, the traced Workload): the step traced as `how` says."""
     header = {"name": type(work.model).__name__, "path": None, "entry": None, "args": {}}
     if how == "fake":
@@ -329,7 +329,7 @@ def _profile(work: Workload, how: str, target: str, hw, autocast, progress, star
         # user's closure and model stay as they are
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         meta_on = "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
-        traced = Workload(_fake_copy(work.model, mode, meta_on), pytree.tree_map(
+        traced = Workload(fake_copy(work.model, mode, meta_on), pytree.tree_map(
             lambda x: fake_of(mode, x, meta_on) if isinstance(x, torch.Tensor) else x,
             work.inputs), work.loss_fn)
     else:
@@ -344,7 +344,7 @@ def _profile(work: Workload, how: str, target: str, hw, autocast, progress, star
     except SlackswapError:
         raise
     except torch.OutOfMemoryError as exc:     # pragma: no cover - CUDA only
-        raise _does_not_fit(how, exc) from None
+        raise does_not_fit(how, exc) from None
     except Exception as exc:
         text = (str(exc).strip().splitlines() or [""])[0][:300]
         raise TraceError(f"tracing {header['name']}'s training step failed: "
@@ -354,7 +354,7 @@ def _profile(work: Workload, how: str, target: str, hw, autocast, progress, star
     return prof, joint, traced
 
 
-def _plan_of(prof: Profile, result: PlanFile, joint, traced: Workload, loss_fn) -> Plan:
+def plan_of(prof: Profile, result: PlanFile, joint, traced: Workload, loss_fn) -> Plan:
     """The Plan with the tables `patch` and `compile` follow (an emitted module's META, TABLE
     and GRAPH_TABLE)."""
     from .compiled.graph_plan import graph_table  # here: Plan has a field of this name
@@ -402,7 +402,7 @@ def _settled(out: Plan, run_on: Workload, prof: Profile, hw, planner: str, joint
             result, budget_bytes=budget, budget_fraction=fraction, notes=(*result.notes, (
                 f"planned at {at} bytes, the budget less what eager was measured to hold "
                 "beyond the simulator (plan_model's measure)")))
-        return _plan_of(prof, result, joint, traced, loss_fn)
+        return plan_of(prof, result, joint, traced, loss_fn)
 
     plan, measured = settle(out, budget, plan_at,
                             lambda p: measured_peaks(run_on.model, run_on.inputs, loss_fn, p),

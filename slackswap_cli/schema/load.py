@@ -12,8 +12,8 @@ import orjson
 
 from ..errors import FormatError, InputError, require_file
 from .types import (
-    _CORRUPT_HINT,
     ACTIONS,
+    CORRUPT_HINT,
     PLAN_FORMAT,
     PLAN_VERSION,
     PROFILE_FORMAT,
@@ -26,16 +26,16 @@ from .types import (
     ScheduleEvent,
     Tensor,
 )
-from .validate import _is_int, _require, validate_plan, validate_profile
+from .validate import is_int, require, validate_plan, validate_profile
 
 _CHECKS = {
-    "int": _is_int,
+    "int": is_int,
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
     "dict": lambda v: isinstance(v, dict),
 }
-_CHECKS["tuple[int, ...]"] = lambda v: isinstance(v, tuple) and all(map(_is_int, v))
+_CHECKS["tuple[int, ...]"] = lambda v: isinstance(v, tuple) and all(map(is_int, v))
 _CHECKS["tuple[str, ...]"] = lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v)
 for _t in ("int", "float", "str"):
     _CHECKS[f"{_t} | None"] = (lambda c: lambda v: v is None or c(v))(_CHECKS[_t])
@@ -60,14 +60,14 @@ def _check_types(obj, source: str, what: str) -> None:
             base = typ.replace(" | None", "")
             expected = _TYPE_NAMES.get(base, base) + (" or null" if "None" in typ else "")
             raise FormatError(f"{source}: {what}.{name} is {value!r:.60}, expected {expected}",
-                              hint=_CORRUPT_HINT)
+                              hint=CORRUPT_HINT)
 
 
 def _malformed(source: str, exc: Exception) -> FormatError:
     """A field of the wrong type (a string where a number belongs, null ids...) surfaces as a
     TypeError/ValueError deep in construction or validation: name the file, not the line."""
     return FormatError(f"{source}: malformed content ({type(exc).__name__}: {exc})",
-                       hint=_CORRUPT_HINT)
+                       hint=CORRUPT_HINT)
 
 
 def _read_json(path: str | os.PathLike) -> Any:
@@ -95,25 +95,25 @@ def _check_header(data: Any, fmt: str, version: int, source: str) -> None:
     if got is None:
         raise FormatError(f'{source} is not a slackswap {what}: it has no "format" field',
                           hint=origin)
-    _require(got == fmt, source, f"format is {got!r}, expected {fmt!r}", hint=origin)
+    require(got == fmt, source, f"format is {got!r}, expected {fmt!r}", hint=origin)
     v = data.get("version")
-    _require(isinstance(v, int), source, f"version {v!r} is not an integer")
-    _require(v <= version, source, f"{fmt} version {v} is newer than this slackswap reads ({version})",
+    require(isinstance(v, int), source, f"version {v!r} is not an integer")
+    require(v <= version, source, f"{fmt} version {v} is newer than this slackswap reads ({version})",
              hint="upgrade slackswap")
-    _require(v >= 1, source, f"unknown {fmt} version {v}")
+    require(v >= 1, source, f"unknown {fmt} version {v}")
 
 
 def _build(cls, raw: Any, source: str, what: str, tuples: tuple[str, ...] = ()):
-    _require(isinstance(raw, dict), source, f"{what} is not an object")
+    require(isinstance(raw, dict), source, f"{what} is not an object")
     names = {f.name for f in dataclasses.fields(cls)}
     required = {f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     missing = required - set(raw)
-    _require(not missing, source, f"{what} lacks {', '.join(sorted(missing))}")
+    require(not missing, source, f"{what} lacks {', '.join(sorted(missing))}")
     kwargs = {k: v for k, v in raw.items() if k in names}
     for k in tuples:
         if k in kwargs:
-            _require(isinstance(kwargs[k], list), source, f"{what}.{k} is not a list")
+            require(isinstance(kwargs[k], list), source, f"{what}.{k} is not a list")
             kwargs[k] = tuple(kwargs[k])
     obj = cls(**kwargs)
     _check_types(obj, source, what)
@@ -123,8 +123,8 @@ def _build(cls, raw: Any, source: str, what: str, tuples: tuple[str, ...] = ()):
 def profile_from_dict(data: Any, source: str = "profile") -> Profile:
     _check_header(data, PROFILE_FORMAT, PROFILE_VERSION, source)
     for key in ("fingerprint", "workload", "env", "summary", "ops", "tensors"):
-        _require(key in data, source, f"missing key '{key}'")
-    _require(isinstance(data["ops"], list) and isinstance(data["tensors"], list), source,
+        require(key in data, source, f"missing key '{key}'")
+    require(isinstance(data["ops"], list) and isinstance(data["tensors"], list), source,
              "'ops' and 'tensors' must be lists")
     ops = tuple(_build(Op, o, source, f"ops[{i}]", ("inputs", "outputs"))
                 for i, o in enumerate(data["ops"]))
@@ -134,7 +134,7 @@ def profile_from_dict(data: Any, source: str = "profile") -> Profile:
                    summary=data["summary"], ops=ops, tensors=tensors,
                    format=data["format"], version=data["version"])
     _check_types(prof, source, "profile")
-    _require(len(ops) > 0, source, "the profile has no ops: there is nothing to plan")
+    require(len(ops) > 0, source, "the profile has no ops: there is nothing to plan")
     validate_profile(prof, source)
     return prof
 
@@ -151,20 +151,20 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     _check_header(data, PLAN_FORMAT, PLAN_VERSION, source)
     for key in ("profile_fingerprint", "planner", "hardware", "budget_bytes", "feasible",
                 "decisions", "predicted"):
-        _require(key in data, source, f"missing key '{key}'")
+        require(key in data, source, f"missing key '{key}'")
     for key in ("decisions", "schedule"):
-        _require(isinstance(data.get(key, []), list), source, f"'{key}' must be a list")
+        require(isinstance(data.get(key, []), list), source, f"'{key}' must be a list")
     decisions = tuple(_build(Decision, d, source, f"decisions[{i}]")
                       for i, d in enumerate(data["decisions"]))
     for d in decisions:
-        _require(d.action in ACTIONS, source, f"tensor {d.tensor} has action {d.action!r}",
+        require(d.action in ACTIONS, source, f"tensor {d.tensor} has action {d.action!r}",
                  hint=f"actions are {', '.join(ACTIONS)}")
     schedule = tuple(_build(ScheduleEvent, e, source, f"schedule[{i}]")
                      for i, e in enumerate(data.get("schedule", [])))
     predicted = _build(Predicted, data["predicted"], source, "predicted")
     kwargs = {k: data[k] for k in ("profile_fingerprint", "planner", "hardware", "budget_bytes",
                                    "feasible")}
-    _require(isinstance(data.get("notes", []), list), source, "notes is not a list")
+    require(isinstance(data.get("notes", []), list), source, "notes is not a list")
     plan = Plan(**kwargs, budget_fraction=data.get("budget_fraction"), decisions=decisions,
                 schedule=schedule, predicted=predicted, solve_ms=data.get("solve_ms", 0.0),
                 notes=tuple(data.get("notes", ())), profile_path=data.get("profile_path"),

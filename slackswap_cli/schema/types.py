@@ -278,11 +278,11 @@ class Plan:
         for d in self.decisions:
             if d.tensor not in candidates:
                 raise FormatError(f"the plan decides tensor {d.tensor}, which is not a saved "
-                                  "activation of its profile", hint=_CORRUPT_HINT)
+                                  "activation of its profile", hint=CORRUPT_HINT)
             if d.prefetch_at is not None and not profile.n_forward <= d.prefetch_at < len(profile.ops):
                 raise FormatError(f"the plan prefetches tensor {d.tensor} at op {d.prefetch_at}, "
-                                  "which is not a backward op of its profile", hint=_CORRUPT_HINT)
+                                  "which is not a backward op of its profile", hint=CORRUPT_HINT)
 
 
-_CORRUPT_HINT = ("the file is damaged or was edited by hand: write it again with "
+CORRUPT_HINT = ("the file is damaged or was edited by hand: write it again with "
                  "`slackswap profile` or `slackswap plan`")

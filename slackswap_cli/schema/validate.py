@@ -8,15 +8,15 @@ import math
 
 from ..errors import FormatError
 from ..hardware import HardwareSpec
-from .types import _CORRUPT_HINT, KINDS, PHASES, TIME_SOURCES, Action, Plan, Profile, saved_flags
+from .types import CORRUPT_HINT, KINDS, PHASES, TIME_SOURCES, Action, Plan, Profile, saved_flags
 
 
-def _require(cond: bool, source: str, message: str, hint: str | None = None) -> None:
+def require(cond: bool, source: str, message: str, hint: str | None = None) -> None:
     if not cond:
-        raise FormatError(f"{source}: {message}", hint=hint or _CORRUPT_HINT)
+        raise FormatError(f"{source}: {message}", hint=hint or CORRUPT_HINT)
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return (isinstance(v, int) and not isinstance(v, bool)) or (
         isinstance(v, float) and v.is_integer())
 
@@ -35,7 +35,7 @@ def _finite_in(v, lo: float, hi: float) -> bool:
 
 
 def _int_in(v, lo: int, hi: int) -> bool:
-    return _is_int(v) and lo <= v <= hi
+    return is_int(v) and lo <= v <= hi
 
 
 # summary fields the tool reads, with the check each must pass (others are kept as written)
@@ -61,22 +61,22 @@ def validate_profile(prof: Profile, source: str = "profile") -> None:
     producer_of: dict[int, int] = {}
     readers: list[list[int]] = [[] for _ in range(n_t)]
     for i, op in enumerate(prof.ops):
-        _require(op.id == i, source, f"ops[{i}] has id {op.id}; ids must equal positions")
-        _require(op.phase in PHASES, source, f"op {i} has phase {op.phase!r}")
-        _require(op.time_source in TIME_SOURCES, source, f"op {i} has time_source {op.time_source!r}")
+        require(op.id == i, source, f"ops[{i}] has id {op.id}; ids must equal positions")
+        require(op.phase in PHASES, source, f"op {i} has phase {op.phase!r}")
+        require(op.time_source in TIME_SOURCES, source, f"op {i} has time_source {op.time_source!r}")
         if op.phase == "backward":
             seen_backward = True
-        _require(not (seen_backward and op.phase == "forward"), source,
+        require(not (seen_backward and op.phase == "forward"), source,
                  f"op {i} is a forward op after backward started")
-        _require(_finite_in(op.time_us, 0, MAX_US), source,
+        require(_finite_in(op.time_us, 0, MAX_US), source,
                  f"op {i} has time_us {op.time_us!r}: not a time in [0, {MAX_US:g}] us")
-        _require(_int_in(op.flops, 0, MAX_COUNT) and _int_in(op.bytes, 0, MAX_COUNT), source,
+        require(_int_in(op.flops, 0, MAX_COUNT) and _int_in(op.bytes, 0, MAX_COUNT), source,
                  f"op {i} has a negative or out-of-range FLOP or byte count")
         for tid in (*op.inputs, *op.outputs):
-            _require(_is_int(tid) and 0 <= tid < n_t, source,
+            require(is_int(tid) and 0 <= tid < n_t, source,
                      f"op {i} refers to tensor {tid}, which does not exist")
         for tid in op.outputs:
-            _require(tid not in producer_of, source,
+            require(tid not in producer_of, source,
                      f"tensor {tid} is output by op {producer_of.get(tid)} and op {i}; "
                      "a tensor has one producer")
             producer_of[tid] = i
@@ -84,27 +84,27 @@ def validate_profile(prof: Profile, source: str = "profile") -> None:
             readers[tid].append(i)
     n_forward = prof.n_forward
     for j, t in enumerate(prof.tensors):
-        _require(t.id == j, source, f"tensors[{j}] has id {t.id}; ids must equal positions")
-        _require(t.kind in KINDS, source, f"tensor {j} has kind {t.kind!r}")
-        _require(_int_in(t.size_bytes, 0, MAX_BYTES), source,
+        require(t.id == j, source, f"tensors[{j}] has id {t.id}; ids must equal positions")
+        require(t.kind in KINDS, source, f"tensor {j} has kind {t.kind!r}")
+        require(_int_in(t.size_bytes, 0, MAX_BYTES), source,
                  f"tensor {j} has size_bytes {t.size_bytes!r}: not a size in [0, 2**60]")
-        _require(all(_int_in(d, 0, MAX_COUNT) for d in t.shape), source,
+        require(all(_int_in(d, 0, MAX_COUNT) for d in t.shape), source,
                  f"tensor {j} has shape {list(t.shape)!r:.60}: dimensions are non-negative integers")
-        _require(t.producer is None or _is_int(t.producer) and 0 <= t.producer < n_ops, source,
+        require(t.producer is None or is_int(t.producer) and 0 <= t.producer < n_ops, source,
                  f"tensor {j} has producer {t.producer}, which does not exist")
         for c in t.consumers:
-            _require(0 <= c < n_ops, source, f"tensor {j} has consumer {c}, which does not exist")
-        _require(producer_of.get(j) == t.producer, source,
+            require(0 <= c < n_ops, source, f"tensor {j} has consumer {c}, which does not exist")
+        require(producer_of.get(j) == t.producer, source,
                  f"tensor {j} names op {t.producer} as producer, but "
                  + (f"op {producer_of[j]} outputs it" if j in producer_of
                     else "no op outputs it"))
-        _require(list(t.consumers) == readers[j], source,
+        require(list(t.consumers) == readers[j], source,
                  f"tensor {j} lists consumers {list(t.consumers)!r:.60}, but the ops reading it "
                  f"are {readers[j]!r:.60}")
         if t.alias_of is not None:
-            _require(_is_int(t.alias_of) and 0 <= t.alias_of < n_t and t.alias_of != j, source,
+            require(is_int(t.alias_of) and 0 <= t.alias_of < n_t and t.alias_of != j, source,
                      f"tensor {j} aliases tensor {t.alias_of}, which does not exist")
-            _require(prof.tensors[t.alias_of].alias_of is None, source,
+            require(prof.tensors[t.alias_of].alias_of is None, source,
                      f"tensor {j} aliases {t.alias_of}, which is itself an alias; point at the root")
     # `saved` exactly as ProfileBuilder derives it (phases are ordered: checked above)
     saved = saved_flags(prof.tensors, [t.consumers for t in prof.tensors],
@@ -114,12 +114,12 @@ def validate_profile(prof: Profile, source: str = "profile") -> None:
         if t.saved != expected:
             why = ("no backward op reads it" + (" or an alias of it" if t.alias_of is None else "")
                    if not expected else "a backward op reads it")
-            _require(False, source, f"tensor {j} has saved={str(t.saved).lower()}, but {why}")
+            require(False, source, f"tensor {j} has saved={str(t.saved).lower()}, but {why}")
     _validate_summary(prof, source)
-    _require(isinstance(prof.fingerprint, str) and prof.fingerprint != "", source,
+    require(isinstance(prof.fingerprint, str) and prof.fingerprint != "", source,
              "fingerprint is not a non-empty string")
     hw = prof.env.get("hardware")
-    _require(hw is None or isinstance(hw, (str, dict)), source,
+    require(hw is None or isinstance(hw, (str, dict)), source,
              f"env.hardware is {hw!r:.60}, expected a hardware name, a hardware object or null")
     if isinstance(hw, dict):
         HardwareSpec.from_dict(hw, source=f"{source}: env.hardware")
@@ -129,11 +129,11 @@ def _validate_summary(prof: Profile, source: str) -> None:
     for key, (what, ok) in _SUMMARY_CHECKS.items():
         if key in prof.summary:
             v = prof.summary[key]
-            _require(ok(v), source, f"summary.{key} is {v!r:.60}, expected {what}")
+            require(ok(v), source, f"summary.{key} is {v!r:.60}, expected {what}")
     peak = prof.summary.get("peak_activation_bytes")
     if peak is not None:
         derived = prof.keep_all_peak_bytes
-        _require(peak == derived, source,
+        require(peak == derived, source,
                  f"summary.peak_activation_bytes is {peak}, but the ops and tensors give {derived}")
 
 
@@ -142,40 +142,40 @@ def validate_plan(plan: Plan, source: str = "plan") -> None:
     tool writes passes this, and `save` checks it before writing (no `null` time in a file)."""
     seen: set[int] = set()
     for d in plan.decisions:
-        _require(_int_in(d.tensor, 0, MAX_COUNT), source,
+        require(_int_in(d.tensor, 0, MAX_COUNT), source,
                  f"a decision names tensor {d.tensor!r}, which is not a tensor id")
-        _require(d.tensor not in seen, source,
+        require(d.tensor not in seen, source,
                  f"tensor {d.tensor} has two decisions; a plan decides each tensor once")
         seen.add(d.tensor)
-        _require(d.prefetch_at is None or _int_in(d.prefetch_at, 0, MAX_COUNT), source,
+        require(d.prefetch_at is None or _int_in(d.prefetch_at, 0, MAX_COUNT), source,
                  f"tensor {d.tensor} has prefetch_at {d.prefetch_at!r}, not an op id")
-        _require(d.prefetch_at is None or d.action == Action.SWAP, source,
+        require(d.prefetch_at is None or d.action == Action.SWAP, source,
                  f"tensor {d.tensor} has prefetch_at but action {d.action!r}; only a swap prefetches")
     for i, e in enumerate(plan.schedule):
-        _require(e.kind in ("offload", "prefetch", "recompute"), source,
+        require(e.kind in ("offload", "prefetch", "recompute"), source,
                  f"schedule[{i}] has kind {e.kind!r}")
-        _require(_finite_in(e.start_us, 0, MAX_US) and _finite_in(e.end_us, e.start_us, MAX_US),
+        require(_finite_in(e.start_us, 0, MAX_US) and _finite_in(e.end_us, e.start_us, MAX_US),
                  source, f"schedule[{i}] has times {e.start_us!r}..{e.end_us!r} us: not an "
                          f"interval within [0, {MAX_US:g}] us")
     pr = plan.predicted
     for name in ("step_us", "ideal_us", "stall_us", "recompute_us"):
         v = getattr(pr, name)
-        _require(_finite_in(v, 0, MAX_US), source, f"predicted.{name} is {v!r:.40}, "
+        require(_finite_in(v, 0, MAX_US), source, f"predicted.{name} is {v!r:.40}, "
                                                    f"expected a time in [0, {MAX_US:g}] us")
-    _require(_finite_in(pr.retention, 0, 1), source,
+    require(_finite_in(pr.retention, 0, 1), source,
              f"predicted.retention is {pr.retention!r:.40}, expected a number in [0, 1]")
     for name in ("peak_bytes", "swapped_bytes", "prefetched_bytes", "recomputed_bytes"):
         v = getattr(pr, name)
-        _require(_int_in(v, 0, MAX_BYTES), source, f"predicted.{name} is {v!r:.40}, "
+        require(_int_in(v, 0, MAX_BYTES), source, f"predicted.{name} is {v!r:.40}, "
                                                    "expected a whole number of bytes")
     for cause, v in pr.stall_by_cause.items():
-        _require(_finite_in(v, 0, MAX_US), source,
+        require(_finite_in(v, 0, MAX_US), source,
                  f"predicted.stall_by_cause[{cause!r}] is {v!r:.40}, expected a time")
-    _require(_int_in(plan.budget_bytes, 1, MAX_BYTES), source,
+    require(_int_in(plan.budget_bytes, 1, MAX_BYTES), source,
              f"budget_bytes is {plan.budget_bytes!r:.40}, expected a positive number of bytes")
     f = plan.budget_fraction
-    _require(f is None or _finite_in(f, 0, 1) and f > 0, source,
+    require(f is None or _finite_in(f, 0, 1) and f > 0, source,
              f"budget_fraction is {f!r:.40}, expected a number in (0, 1] or null")
-    _require(_finite_in(plan.solve_ms, 0, MAX_US), source,
+    require(_finite_in(plan.solve_ms, 0, MAX_US), source,
              f"solve_ms is {plan.solve_ms!r:.40}, expected a finite time in milliseconds")
     HardwareSpec.from_dict(plan.hardware, source=f"{source}: hardware")

@@ -184,16 +184,16 @@ def _load_workload(path, entry: str, args: dict | None, device: str, autocast: s
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .workload import _load
+    from .workload import load_entry
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if device == "fake" else None
     call = ", ".join(f"{k}={v!r}" for k, v in (args or {}).items())
     say(f"loading {path}: {entry}({call})")
     try:
-        work, module = _load(path, entry, args, fake_mode=fake_mode,
+        work, module = load_entry(path, entry, args, fake_mode=fake_mode,
                              device=None if device == "fake" else device)
     except torch.OutOfMemoryError as exc:
-        raise _does_not_fit(device, exc) from None
+        raise does_not_fit(device, exc) from None
     if autocast and work.autocast and autocast != work.autocast:
         raise InputError(f"--autocast {autocast}, but the workload asks for autocast "
                          f"{work.autocast}", hint="give one of them, or make them agree")
@@ -245,7 +245,7 @@ def _measured_profile(joint, work, header: dict, device: str, target: str,
     try:
         m = measure_joint(joint, work.model, work.inputs, device=dev, progress=say)
     except torch.OutOfMemoryError as exc:
-        raise _does_not_fit(device, exc) from None
+        raise does_not_fit(device, exc) from None
     extra = {"measured_step_us": m["measured_step_us"], "op_sum_us": m["op_sum_us"],
              "measure_warmup": m["warmup"], "measure_repeats": m["repeats"]}
     return joint_to_profile(joint, workload=header, env=env, op_times_us=m["op_times_us"],
@@ -279,7 +279,7 @@ def _ref_device(model) -> str:
     return next(model.parameters()).device.type
 
 
-def _does_not_fit(device: str, exc: BaseException) -> TraceError:
+def does_not_fit(device: str, exc: BaseException) -> TraceError:
     """Measuring runs the whole step for real: a model that does not fit cannot be measured."""
     first = (str(exc).strip().splitlines() or [""])[0][:200]
     return TraceError(

@@ -26,7 +26,7 @@ from ..errors import InputError, SlackswapError
 from ..fit import ModelFacts, ParamFact
 from . import profile_workload
 from .storage import storage_nbytes, storage_object_key
-from .workload import _import_file
+from .workload import import_file
 
 
 def _blocks(model: torch.nn.Module) -> list[str]:
@@ -69,7 +69,7 @@ def model_facts(model: torch.nn.Module, inputs=None) -> ModelFacts:
 
 def check_batch_arg(path: str, entry: str, batch_arg: str) -> None:
     """InputError unless the workload's entry function takes `batch_arg`."""
-    fn = getattr(_import_file(Path(path)), entry, None)
+    fn = getattr(import_file(Path(path)), entry, None)
     if fn is None or not callable(fn):
         return                      # profiling says what is missing, with its own hint
     try:

@@ -87,7 +87,7 @@ def parse_workload_args(items: list[str] | None) -> dict:
     return out
 
 
-def _import_file(path: Path):
+def import_file(path: Path):
     """Import `path` as a fresh module (a new name each call, so two files named model.py never clash)."""
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     name = f"slackswap_workload_{path.stem.replace('-', '_')}_{digest}"
@@ -133,12 +133,12 @@ def _one_line(exc: BaseException) -> str:
     return (text.splitlines() or [type(exc).__name__])[0][:300]
 
 
-def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=None,
+def load_entry(path, entry: str = "workload", args: dict | None = None, *, fake_mode=None,
           device=None) -> tuple[Workload, Any]:
     """load_workload, also returning the imported module (for its NAME)."""
     p = require_file(Path(path).expanduser(), "workload file", hint="check the path",
                      dir_hint="pass a .py file").resolve()
-    module = _import_file(p)
+    module = import_file(p)
     fn = getattr(module, entry, None)
     if fn is None or not callable(fn):
         found = sorted(n for n, v in vars(module).items()
@@ -182,7 +182,7 @@ def _load(path, entry: str = "workload", args: dict | None = None, *, fake_mode=
                      "torch._subclasses.FakeTensor)`, or profile with --device cpu") from None
         raise TraceError(f"{entry}() in {p.name} raised {_one_line(exc)}",
                          hint="run the workload eagerly to see the full traceback") from None
-    work = _as_workload(result, entry)
+    work = as_workload(result, entry)
     try:
         work = dataclasses.replace(work, autocast=autocast_name(work.autocast))
     except InputError as exc:
@@ -218,7 +218,7 @@ def load_workload(path, entry: str = "workload", args: dict | None = None, *, fa
     move model and inputs there. Errors: a missing file or entry, or bad arguments ->
     InputError; a file or workload that raises, or returns the wrong thing -> TraceError.
     """
-    return _load(path, entry, args, fake_mode=fake_mode, device=device)[0]
+    return load_entry(path, entry, args, fake_mode=fake_mode, device=device)[0]
 
 
 def workload_name(module, path) -> str:
@@ -226,7 +226,7 @@ def workload_name(module, path) -> str:
     return name if isinstance(name, str) and name else Path(path).stem
 
 
-def _as_workload(result: Any, entry: str) -> Workload:
+def as_workload(result: Any, entry: str) -> Workload:
     expected = "return (model, inputs), (model, inputs, loss_fn) or slackswap_cli.Workload(...)"
     if isinstance(result, Workload):
         work = result

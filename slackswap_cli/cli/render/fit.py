@@ -6,7 +6,7 @@ from rich.text import Text
 
 from ...fit import FitResult, best_row
 from ...units import fmt_bytes, fmt_us
-from .format import _Fit, _rows_table, fmt_pct
+from .format import Fit, fmt_pct, rows_table
 
 # the chart's marks: the planner's sweep, then the baselines in fit.BASELINES order
 _MARKS = ("●", "k", "c", "t", "m", "r")
@@ -46,8 +46,8 @@ def fit_table(result: FitResult, title: str) -> object:
     # 80 columns: without the keep-all peak, the planner (the title names it) and the step
     narrow = [k for k, (c, _) in enumerate(cols)
               if c not in ("keep-all peak", "planner", "step", "static", "tokens/s")[:5 if pipe else 3]]
-    return _Fit(_rows_table(title, cols, cells, fixed=("planner",)),
-                _rows_table(title, [cols[k] for k in narrow], [[c[k] for k in narrow] for c in cells],
+    return Fit(rows_table(title, cols, cells, fixed=("planner",)),
+                rows_table(title, [cols[k] for k in narrow], [[c[k] for k in narrow] for c in cells],
                             compact=True))
 
 
@@ -65,7 +65,7 @@ def baselines_table(result: FitResult) -> object:
             row.append(Text(_rate(r["samples_per_s"]) + (" ▶" if r is bests[n] else ""),
                             style="bold" if r is bests[n] else ""))
         cells.append(row)
-    return _rows_table("Baselines: samples/s (- does not fit)", cols, cells)
+    return rows_table("Baselines: samples/s (- does not fit)", cols, cells)
 
 
 def rate_chart(result: FitResult, planner: str, height: int = 10, col: int = 8) -> Text:

@@ -75,7 +75,7 @@ def fmt_pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-class _Fit:
+class Fit:
     """The first of several renderings of the same view that fits the console's width (the last
     one when none does): a wide table where there is room, a narrower one on 80 columns,
     rather than one table squeezed until every cell wraps."""
@@ -92,12 +92,12 @@ class _Fit:
         yield self.choices[-1]
 
 
-def _short_target(target: str) -> str:
+def short_target(target: str) -> str:
     t = target[5:] if target.startswith("aten.") else target
     return t[:-8] if t.endswith(".default") else t
 
 
-def _kv_table(title: str, rows: Sequence[tuple[str, str | Text]]) -> Table:
+def kv_table(title: str, rows: Sequence[tuple[str, str | Text]]) -> Table:
     t = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
     t.add_column(style="bold")
     t.add_column()
@@ -106,7 +106,7 @@ def _kv_table(title: str, rows: Sequence[tuple[str, str | Text]]) -> Table:
     return t
 
 
-def _rows_table(title: str, cols, rows, compact: bool = False, fixed: tuple = ()) -> Table:
+def rows_table(title: str, cols, rows, compact: bool = False, fixed: tuple = ()) -> Table:
     """A table whose cells never wrap (a number and its unit split over two lines read wrong);
     what does not fit ends in an ellipsis."""
     t = Table(title=title, title_justify="left",

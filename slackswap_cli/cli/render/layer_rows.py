@@ -16,11 +16,11 @@ from ...schema import Profile
 # --------------------------------------------------------------------------------------------
 # layers (found by `layers`)
 # --------------------------------------------------------------------------------------------
-def _close(a: float, b: float, tol: float = 0.25) -> bool:
+def close_enough(a: float, b: float, tol: float = 0.25) -> bool:
     return abs(a - b) <= tol * max(abs(a), abs(b), 1e-9)
 
 
-def _collapse(rows: list[tuple[str, tuple]], container: str | None,
+def collapse_rows(rows: list[tuple[str, tuple]], container: str | None,
               same) -> list[tuple[str, int, tuple]]:
     """Merge runs of consecutive numbered blocks whose values `same(a, b)` agree.
     Returns (label, count, values of the run's first block averaged) per row."""
@@ -53,7 +53,7 @@ def _collapse(rows: list[tuple[str, tuple]], container: str | None,
     return out
 
 
-def _ordered_layers(profile: Profile, layers: list[str]) -> list[str]:
+def ordered_layers(profile: Profile, layers: list[str]) -> list[str]:
     seen: dict[str, None] = {}
     for i in range(len(profile.ops)):
         seen.setdefault(layers[i], None)

@@ -10,7 +10,7 @@ from rich.console import Group
 from ...pipeline.stages import ROW_HEADERS, row_cells
 from ...pipeline.step import PipelineFigures
 from ...units import fmt_bytes, fmt_us
-from .format import _Fit, _kv_table, _rows_table
+from .format import Fit, kv_table, rows_table
 
 
 def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
@@ -25,8 +25,8 @@ def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
             for r in figs.rows]
     title = (f"Per rank: {figs.schedule}, {figs.pp} ranks, {figs.microbatches} microbatches "
              f"({stage_note})")
-    return [_Fit(_rows_table(title, cols, rows), _narrow(title, cols, rows)),
-            _kv_table("Step with the schedule's bubbles", [
+    return [Fit(rows_table(title, cols, rows), _narrow(title, cols, rows)),
+            kv_table("Step with the schedule's bubbles", [
                 ("step (plan)", fmt_us(figs.step_us)),
                 ("step (keep all)", fmt_us(figs.keep_all_step_us)),
                 *([("step (copies on each rank's engines)", fmt_us(figs.judged_step_us))]
@@ -44,7 +44,7 @@ def _narrow(title: str, cols: list, rows: list) -> Group:
     out = []
     for i, part in enumerate(parts):
         idx = [names.index(c) for c in part]
-        out.append(_rows_table(title if i == 0 else "", [cols[k] for k in idx],
+        out.append(rows_table(title if i == 0 else "", [cols[k] for k in idx],
                                [[r[k] for k in idx] for r in rows]))
     return Group(*out)
 

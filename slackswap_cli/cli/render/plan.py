@@ -17,8 +17,8 @@ from ...layers import op_layers
 from ...schema import Action, Plan, Predicted, Profile
 from ...simulate import recompute_chains
 from ...units import MIB, fmt_bytes, fmt_us
-from .format import _Fit, _kv_table, bar_chart, fmt_pct
-from .layer_rows import _collapse, _ordered_layers
+from .format import Fit, bar_chart, fmt_pct, kv_table
+from .layer_rows import collapse_rows, ordered_layers
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def _plan_summary(plan: Plan, profile: Profile, pr: Predicted, feasible: bool,
         rows.extend(("note", note) for note in plan.notes)
     else:
         rows.append(("vs the plan", _change(planned, pr)))
-    return _kv_table("Plan", rows)
+    return kv_table("Plan", rows)
 
 
 def _bytes_per_action(profile: Profile, act_of: dict[int, Action]) -> Table:
@@ -247,14 +247,14 @@ def _bytes_per_action(profile: Profile, act_of: dict[int, Action]) -> Table:
 def _actions_per_layer(profile: Profile, act_of: dict[int, Action],
                        op_layers_: tuple[list[str], str | None]) -> Table:
     layers, container = op_layers_
-    per = {name: [0, 0, 0, 0, 0, 0] for name in _ordered_layers(profile, layers)}
+    per = {name: [0, 0, 0, 0, 0, 0] for name in ordered_layers(profile, layers)}
     for t in profile.saved_activations:
         k = list(Action).index(act_of[t.id])
         s = per[layers[t.producer]]
         s[2 * k] += 1
         s[2 * k + 1] += t.size_bytes
     rows = [(name, tuple(v)) for name, v in per.items() if any(v)]
-    merged = _collapse(rows, container, lambda a, b: a == b)
+    merged = collapse_rows(rows, container, lambda a, b: a == b)
     table = Table(title="Actions per layer: tensors and bytes"
                         + (" (collapsed rows show one block)"
                            if any(n > 1 for _, n, _ in merged) else ""),
@@ -282,7 +282,7 @@ def _prefetch_lateness(profile: Profile, result) -> dict[int, float]:
 
 
 def _biggest_with_action(plan: Plan, profile: Profile, result, act_of: dict[int, Action],
-                         layers: list[str], feasible: bool, top: int) -> "_Fit":
+                         layers: list[str], feasible: bool, top: int) -> "Fit":
     """The largest saved activations, their action and why; narrower without the layer."""
     hwd = plan.hardware or {}
     try:
@@ -319,7 +319,7 @@ def _biggest_with_action(plan: Plan, profile: Profile, result, act_of: dict[int,
         return tb
 
     # 80 columns: the reason matters more than the layer (the tensor's name hints at it)
-    return _Fit(table(True, False), table(False, True))
+    return Fit(table(True, False), table(False, True))
 
 
 def _memory_over_step(profile: Profile, result, budget: int, step_us: float) -> Group:

@@ -8,8 +8,8 @@ from rich.text import Text
 from ...layers import op_layers
 from ...schema import Profile
 from ...units import MIB, fmt_bytes, fmt_us
-from .format import _Fit, _kv_table, _rows_table, _short_target
-from .layer_rows import _close, _collapse, _ordered_layers
+from .format import Fit, kv_table, rows_table, short_target
+from .layer_rows import close_enough, collapse_rows, ordered_layers
 
 
 # --------------------------------------------------------------------------------------------
@@ -45,7 +45,7 @@ def _profile_totals(profile: Profile) -> Table:
     step_us, sum_us = (profile.summary.get("measured_step_us"),
                        profile.summary.get("op_sum_us"))
     wl = profile.workload.get("name") or profile.workload.get("path") or "?"
-    return _kv_table("Profile", [
+    return kv_table("Profile", [
         ("workload", str(wl)),
         ("ops", f"{len(ops)} ({nf} forward, {len(ops) - nf} backward)"),
         ("forward time", fmt_us(sum(o.time_us for o in ops[:nf]))),
@@ -63,7 +63,7 @@ def _profile_totals(profile: Profile) -> Table:
 def _profile_per_layer(profile: Profile, op_layers_: tuple[list[str], str | None]) -> Table:
     layers, container = op_layers_
     nf = profile.n_forward
-    stats: dict[str, list] = {name: [0.0, 0.0, 0, 0, 0] for name in _ordered_layers(profile,
+    stats: dict[str, list] = {name: [0.0, 0.0, 0, 0, 0] for name in ordered_layers(profile,
                                                                                        layers)}
     for o in profile.ops:
         s = stats[layers[o.id]]
@@ -74,8 +74,8 @@ def _profile_per_layer(profile: Profile, op_layers_: tuple[list[str], str | None
         s[2] += t.size_bytes
         s[3] += 1
     rows = [(name, (float(v[0]), float(v[1]), v[2], v[3], v[4])) for name, v in stats.items()]
-    merged = _collapse(rows, container,
-                       lambda a, b: a[2:] == b[2:] and _close(a[0], b[0]) and _close(a[1], b[1]))
+    merged = collapse_rows(rows, container,
+                       lambda a, b: a[2:] == b[2:] and close_enough(a[0], b[0]) and close_enough(a[1], b[1]))
     per_layer = Table(title="Per layer" + (" (collapsed rows show one block)"
                                            if any(n > 1 for _, n, _ in merged) else ""),
                       title_justify="left")
@@ -88,7 +88,7 @@ def _profile_per_layer(profile: Profile, op_layers_: tuple[list[str], str | None
     return per_layer
 
 
-def _biggest_saved(profile: Profile, container: str | None, top: int) -> "_Fit":
+def _biggest_saved(profile: Profile, container: str | None, top: int) -> "Fit":
     ops = profile.ops
     saved = profile.saved_activations
     title = f"Largest saved activations (top {min(top, len(saved))} of {len(saved)})"
@@ -101,7 +101,7 @@ def _biggest_saved(profile: Profile, container: str | None, top: int) -> "_Fit":
         rc = op.time_us
         per_mib = rc / (t.size_bytes / MIB) if t.size_bytes else None
         rows.append((t.name, "x".join(map(str, t.shape)) or "()", t.dtype,
-                     fmt_bytes(t.size_bytes), _short_target(op.target), op.module or "-",
+                     fmt_bytes(t.size_bytes), short_target(op.target), op.module or "-",
                      fmt_us(rc) if t.recomputable else "no (random)",
                      fmt_us(per_mib) if per_mib is not None and t.recomputable else "-"))
     # narrow terminals: drop producer and dtype (the tensor's name and shape say most of it)
@@ -109,8 +109,8 @@ def _biggest_saved(profile: Profile, container: str | None, top: int) -> "_Fit":
     narrow_keep = (0, 1, 3, 5, 6, 7)
     narrow_rows = [[_short_module(r[i], container) if i == 5 else r[i] for i in narrow_keep]
                    for r in rows]
-    return _Fit(_rows_table(title, cols, rows),
-                _rows_table(title, [cols[i] for i in narrow_keep], narrow_rows, compact=True))
+    return Fit(rows_table(title, cols, rows),
+                rows_table(title, [cols[i] for i in narrow_keep], narrow_rows, compact=True))
 
 
 def _short_module(module: str, container: str | None) -> str:

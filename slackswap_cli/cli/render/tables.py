@@ -9,7 +9,7 @@ from rich.text import Text
 
 from ...schema import Predicted
 from ...units import GIB, fmt_bytes, fmt_us
-from .format import _Fit, _rows_table, fmt_pct
+from .format import Fit, fmt_pct, rows_table
 
 
 # --------------------------------------------------------------------------------------------
@@ -42,8 +42,8 @@ def compare_table(rows: Sequence[dict], budget_bytes: int | None = None, *,
     # 80 columns: drop the step time (retention is ideal / step) and the box
     narrow = [k for k in range(len(cols)) if cols[k][0] != "step"]
     narrow_cols = [("fits", "left") if cols[k][0] == "feasible" else cols[k] for k in narrow]
-    return _Fit(_rows_table(title, cols, cells, fixed=("planner",)),
-                _rows_table(title, narrow_cols, [[c[k] for k in narrow] for c in cells],
+    return Fit(rows_table(title, cols, cells, fixed=("planner",)),
+                rows_table(title, narrow_cols, [[c[k] for k in narrow] for c in cells],
                             compact=True, fixed=("planner",)))
 
 

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ...budget import MEMORY_TOLERANCE
 from ...units import fmt_bytes, fmt_us
-from .format import _kv_table, bar_chart
+from .format import bar_chart, kv_table
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def verify_view(report) -> Group:
                else ""),
             style="green" if ip["max_loss_rel_diff"] <= get("loss_tolerance")
             and ip["max_grad_rel_diff"] <= get("grad_tolerance") else "red")))
-    checks = _kv_table("", rows)
+    checks = kv_table("", rows)
     t = Table(title_justify="left")
     t.add_column("")
     for col in ("original", "patched", "predicted"):

@@ -47,8 +47,7 @@ from ...layers import layer_container
 from ...schema import Action, Plan, Profile
 from ...table_rows import GraphRow
 from ...trace.aten import is_inplace_target
-
-ACTION_TAG = {"keep": "save", "swap": "offload", "recompute": "recompute"}
+from .tags import ACTION_TAG, RECOMPUTE
 
 
 def graph_table(profile: Profile, plan: Plan) -> dict:
@@ -63,7 +62,7 @@ def graph_table(profile: Profile, plan: Plan) -> dict:
     for i, o in enumerate(profile.ops[:nf]):
         decided = [r if (r := _decided(profile, o, t)) in saved_roots else None
                    for t in o.outputs]
-        tags = [("recompute" if i in in_chain else
+        tags = [(RECOMPUTE if i in in_chain else
                  ACTION_TAG[saved_roots[r]] if r is not None else None) for r in decided]
         ins = [list(profile.tensors[t].shape) for t in o.inputs]
         outs = [[list(profile.tensors[t].shape), profile.tensors[t].dtype] for t in o.outputs]

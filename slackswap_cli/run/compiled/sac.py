@@ -7,7 +7,8 @@
 (`sac_policy(i)`): every op the block runs is looked up by (op, occurrence of that op in the
 block) among the block's forward ops in the profile (in-place ops under their out-of-place
 name, as `graph_plan.op_key` does), with a check that its first tensor argument has the
-profiled shape. The plan's choice then becomes a `CheckpointPolicy`:
+profiled shape. The plan's choice then becomes a `CheckpointPolicy` (`tags.op_policy`, the map compile_planned
+reads too), but for the cases below:
 
 - kept root -> MUST_SAVE;  recomputed (an op of a recompute chain) -> MUST_RECOMPUTE;
 - swapped root -> MUST_SAVE as well: selective checkpointing cannot offload (torch 2.13's
@@ -37,10 +38,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .graph_plan import block_name, block_rows, op_key
-
-POLICY_OF_TAG = {"recompute": CheckpointPolicy.MUST_RECOMPUTE,
-                 "save": CheckpointPolicy.MUST_SAVE,
-                 "offload": CheckpointPolicy.MUST_SAVE}
+from .tags import op_policy
 
 
 class PlanPolicy:
@@ -85,11 +83,9 @@ class PlanPolicy:
             row = None
         tags = [t for t in (row.tags if row else ()) if t]
         random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-        if "recompute" in tags:
-            policy = CheckpointPolicy.MUST_RECOMPUTE
-        elif tags and not random and r not in self.written:
-            policy = POLICY_OF_TAG[tags[0]]
-        else:
+        policy = op_policy(tags)          # tags.py: the one map from tags to policies
+        if policy is None or (policy == CheckpointPolicy.MUST_SAVE
+                              and (random or r in self.written)):
             policy = CheckpointPolicy.PREFER_RECOMPUTE
         if not ctx.is_recompute:
             self.counts["lined_up" if row is not None else "not_lined_up"] += 1

@@ -10,6 +10,9 @@ does at each saved-tensor pack, and after forward) over this state:
 - the first call at new shapes (run/eager/new_shape.py, `NewShapeCall`): another shape's template
   followed, held to the budget at these shapes by the guard.
 
+`CallPolicy` declares what the four share and all the patched forward (run/eager/inplace.py)
+reads of them: the state `s`, the `kind`, `pack` and `finish`.
+
 What they share are plain functions over this state: what autograd holds for a kept or swapped
 tensor and the guard's decision for one the plan cannot place (run/eager/holding.py), and the one
 backward path (run/eager/backward.py: saved tensors handed back, prefetches, chains replayed).
@@ -17,6 +20,8 @@ backward path (run/eager/backward.py: saved tensors handed back, prefetches, cha
 takes the line-up and records from it, a recorded one starts them empty.
 """
 from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -26,7 +31,24 @@ from ..swap import Storages
 from .holding import held_device_bytes
 from .lineup import LineUp
 
-__all__ = ["CallState"]
+__all__ = ["CallState", "CallPolicy"]
+
+
+class CallPolicy(Protocol):
+    """The interface of a call kind (`FirstCall`, `SteadyCall`, `KeepAllCall`, `NewShapeCall`):
+
+    - `s`: the call's `CallState`;
+    - `kind`: its name (`CallState.kind`, what `last_run.kind` and the reports say);
+    - `pack(x)`: the saved-tensor hook's pack, what autograd holds for `x` instead; None where
+      no hook needs to run (a keep-all plan's later call, not measuring);
+    - `finish()`: after forward; True when every pack lined up (the template holds), False
+      when the call left it (the next call at the signature records again)."""
+    __slots__ = ()
+    s: CallState
+    kind: ClassVar[str]
+    pack: Callable[[torch.Tensor], Any] | None
+
+    def finish(self) -> bool: ...
 
 
 class CallState:

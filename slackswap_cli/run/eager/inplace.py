@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -35,6 +36,9 @@ from .packs import STATE, SteadyRoute
 from .signatures import NESTED, PlanTable, SignaturePlans, tensors
 from .tables import RunMeta
 from .templates import DIVERGED, Templates
+
+if TYPE_CHECKING:         # (the call machinery loads with the first training call)
+    from .call_state import CallPolicy
 
 __all__ = ["patch", "unpatch", "is_patched"]
 
@@ -263,7 +267,7 @@ class _Patched:
                          f"{time.perf_counter() - t0:.1f} s; the next call at {shapes(sig)} "
                          "runs it")
 
-    def _steady(self, call, args, kwargs, sig):
+    def _steady(self, call: CallPolicy, args, kwargs, sig):
         """A call that follows a template (`call`: its policy, run/eager/steady_call.py or
         run/eager/new_shape.py)."""
         run = STATE.run = call.s           # (None before: `forward` checked)
@@ -349,7 +353,7 @@ def patch(model: torch.nn.Module, meta: dict, table: dict, *, replan: bool = Tru
     once per shape; with False the profiled plan is used (and lines up where it can).
     `strict`: refuse (FingerprintMismatch) any call at shapes or on a device other than the profiled ones."""
     check_generated(meta)
-    inner = _unwrap(model)
+    inner = unwrap(model)
     if inner is not model:
         patch(inner, meta, table, replan=replan, strict=strict)   # the wrapper calls it
         return model
@@ -397,7 +401,7 @@ def _repatch(model, meta, table, forward, had, replan, strict) -> _PatchedForwar
     return _PatchedForward(_Patched(model, meta, table, forward, had, replan, strict))
 
 
-def _unwrap(model):
+def unwrap(model):
     """The model a DDP wrapper holds (its forward calls it); a compiled model is refused."""
     if type(model).__name__ == "OptimizedModule":
         raise _error("this model is compiled with torch.compile; slackswap patches the eager "
@@ -409,7 +413,7 @@ def _unwrap(model):
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `patch`: the model's forward is its own again."""
-    inner = _unwrap(model)
+    inner = unwrap(model)
     if inner is not model:
         unpatch(inner)
         return model
@@ -426,7 +430,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def patched_state(model: torch.nn.Module) -> _Patched:
     """What `patch` attached to `model` (or to the model a DDP wrapper holds)."""
-    return _unwrap(model).__dict__["forward"].__slackswap__
+    return unwrap(model).__dict__["forward"].__slackswap__
 
 
 def is_patched(model: torch.nn.Module) -> bool:

@@ -64,7 +64,7 @@ def replan_table(model: torch.nn.Module, original_forward, args, kwargs, meta, *
     hw = HardwareSpec.from_dict(hw_dict)
     mode = FakeTensorMode(allow_non_fake_inputs=True)   # a loss_fn's real tensors: constants
     with forked_rng():      # NumPy's and Python's generators too (run/rng.py)
-        shadow = _fake_copy(model, mode)
+        shadow = fake_copy(model, mode)
         fake_inputs = pytree.tree_map(
             lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
         loss_fn = None
@@ -108,7 +108,7 @@ def _trace(shadow, fake_inputs, loss_fn, meta: RunMeta, values: list | None):
         raise
 
 
-def _fake_copy(model: torch.nn.Module, mode, meta_on: str = "cpu") -> torch.nn.Module:
+def fake_copy(model: torch.nn.Module, mode, meta_on: str = "cpu") -> torch.nn.Module:
     """A copy of `model` whose parameters and buffers are FakeTensors, its forward its class's
     own (the patched forward stays with the real model). A tensor on the meta device (a model
     built under `torch.device("meta")`) becomes a FakeTensor on `meta_on` (`fake_of`)."""

@@ -109,7 +109,7 @@ def _captured_inputs(pipe, args: tuple, kwargs: dict) -> dict[int, tuple[tuple, 
             seen[i] = (a, k)
         hooks.append(pipe.get_stage_module(i).register_forward_pre_hook(keep, with_kwargs=True))
     try:
-        with torch.no_grad(), api._untouched(pipe.split_gm):   # buffers and generators as they were
+        with torch.no_grad(), api.left_untouched(pipe.split_gm):   # buffers and generators as they were
             pipe(*args, **kwargs)
     except Exception as exc:
         raise InputError(f"the pipe's forward failed on the inputs given: "

@@ -186,9 +186,9 @@ def _output_shapes(module: torch.nn.Module, inputs) -> list[tuple[tuple, int]]:
     (nothing allocated)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..eager.replan import _fake_copy
+    from ..eager.replan import fake_copy
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    shadow = _fake_copy(module, mode)
+    shadow = fake_copy(module, mode)
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     fake = torch.utils._pytree.tree_map(
         lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, args)
@@ -286,7 +286,7 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
         order = {r: order[r] for r in ranks}
     stages = _stage_specs(stages, full, schedule, pp, ranks, inputs, loss_fn, target)
     profiles, traced, boundary, outputs = {}, {}, {}, {}
-    hw = api._hardware(hardware)
+    hw = api.hardware_of(hardware)
     n_stages = 1 + max(s for steps in full.values() for _, s, _ in steps)
     rank_of = {s: r for r, steps in full.items() for _, s, _ in steps}
     _runs_every(stages, rank_of, schedule, pp)
@@ -297,10 +297,10 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
         boundary[index] = boundary_bytes(sum(n for _, n in outputs[index]), _grad_bytes(inputs),
                                          index == 0, index == n_stages - 1, sends, local)
         loss_fn = loss_fn or _stage_loss
-        work = api._checked(module, inputs, loss_fn)
-        how, target = api._where(module, device)
-        with api._untouched(module):
-            prof, joint, tr = api._profile(work, how, target, hw, None, progress,
+        work = api.checked_workload(module, inputs, loss_fn)
+        how, target = api.where_traced(module, device)
+        with api.left_untouched(module):
+            prof, joint, tr = api.profile_step(work, how, target, hw, None, progress,
                                               time.perf_counter())
         prof, hw, _, _ = plan_inputs(prof, 1.0, hw, "plan_pipeline")
         profiles[index], traced[index] = prof, (joint, tr, loss_fn)
@@ -318,11 +318,11 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
                 if isinstance(budget, Mapping) else _rank_bytes(budget, some))
     table = plan_stages(order, profiles, per_rank, planner_fn, boundary,
                         fewer=None if _holds_least(schedule) else "1F1B")
-    plans = {s: (None if p is None else api._plan_of(profiles[s], p, *traced[s]))
+    plans = {s: (None if p is None else api.plan_of(profiles[s], p, *traced[s]))
              for s, p in table.plans.items()}
     if measure and not device.startswith("fake"):
         table, plans = settle_stages(stages, order, profiles, per_rank, planner_fn, boundary,
                                      table, plans, traced,
-                                     lambda s, p: api._plan_of(profiles[s], p, *traced[s]))
+                                     lambda s, p: api.plan_of(profiles[s], p, *traced[s]))
     return PlannedPipeline(plans, table, profiles)
 

@@ -111,7 +111,7 @@ def check_step(model: torch.nn.Module, meta: dict, table: dict, inputs, *,
                samples="auto", loss_fn=None) -> CheckReport:
     """One step eager against the first two calls patched with (`meta`, `table`) on the
     first samples of `inputs` (the module docstring); raises CheckFailed when they differ."""
-    model = inplace._unwrap(model)     # a DDP wrapper's model, checked without its comms
+    model = inplace.unwrap(model)     # a DDP wrapper's model, checked without its comms
     if inplace.is_patched(model):
         raise InputError("check() takes the model before patch: this one is patched already",
                          hint="check(model, plan, inputs) before patch(model, plan), or "

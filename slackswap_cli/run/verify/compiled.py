@@ -60,8 +60,8 @@ import torch
 from ...errors import InputError
 from ...trace.joint import loss_from_output, split_inputs
 from ...trace.workload import load_workload
-from ..compiled.backend import graph_sets, totals
-from ..compiled.graph_plan import ACTION_TAG
+from ..compiled.report import graph_sets, totals
+from ..compiled.tags import ACTION_TAG
 from ..emit import load_patched
 from .steps import rel_diff, tolerances
 
