@@ -101,30 +101,43 @@ def test_polish_respects_its_work_allowance():
     assert small.simulated <= 5 and small.simulated + STATIC_SHARE * small.laid_out <= 6
 
 
-def test_polish_finds_the_one_swap_a_layer_can_hide_on_gpt2_xl():
-    # GPT-2 XL at 0.3 (the sample as priced by the fitted op costs, op_costs.json): the static
-    # passes swap the first layer's QKV projection (addmm, 150 MiB) and recompute its MLP's
-    # first projection (addmm_2, 200 MiB); the polish trades them within its default allowance
-    # (addmm_2 swapped with its copies hidden, addmm recomputed), which the simulator scores
-    # higher. Once the simulator refuses a move, the same move on the other layers' alike
-    # tensors (same sizes and times) waits for the second sweep.
+def test_polish_trades_a_swap_for_a_dearer_recompute_on_resnet50():
+    # ResNet-50 at 0.7 (the sample as priced by the fitted op costs, op_costs.json): the
+    # static passes swap relu_41 (6.1 MiB, recompute chain 12.2 us) and recompute relu_25
+    # (12.3 MiB, chain 20.3 us), since the slack ledger ranks by recompute time per byte
+    # (2.0 vs 1.7 us/MiB) and relu_25's copies no longer fit the slack left. The polish's
+    # exchange with a swap (move 2) trades them within its default allowance: relu_25's
+    # copies hide in its longer gap (ops 175 to 451), relu_41 is recomputed, and the step
+    # drops by the difference of the two chains (8.2 us), with no stall before or after.
+    # (GPT-2 XL at 0.3 no longer shows the polish's value: its static plan, which swaps the
+    # first layer's addmm and keeps its addmm_2, is stall-free and the polish finds nothing
+    # better.)
     from pathlib import Path
 
+    from slackswap_cli.chains import tables
     from slackswap_cli.hardware import PRESETS
     from slackswap_cli.planners import make_plan
+    from slackswap_cli.planners.polish import _chain_time
     from slackswap_cli.schema import load_profile
-    p = load_profile(Path(__file__).resolve().parents[1] / "sample_profiles" / "gpt2-xl.json")
+    p = load_profile(Path(__file__).resolve().parents[1] / "sample_profiles" / "resnet50.json")
     hw = PRESETS["a100-pcie4"]
-    budget = int(0.3 * p.keep_all_peak_bytes)
+    budget = int(0.7 * p.keep_all_peak_bytes)
     start = make_plan("slackswap", p, hw, budget, polish_work_ops=0)
     res = simulate(p, start.decisions, hw, budget, record=False)
     out = polish(p, hw, budget, start.decisions, res)
     before = {d.tensor: d.action for d in start.decisions}
     changed = {d.tensor: d.action for d in out.decisions if before[d.tensor] != d.action}
     name = {t.id: t.name for t in p.tensors}
-    assert {name[t]: str(a) for t, a in changed.items()} == {"addmm": "recompute",
-                                                                "addmm_2": "swap"}
-    assert out.result.predicted.retention > res.predicted.retention + 1e-4
+    assert {name[t]: str(a) for t, a in changed.items()} == {"relu_25": "swap",
+                                                                "relu_41": "recompute"}
+    assert out.moves == 1
+    a, b = res.predicted, out.result.predicted
+    assert a.stall_us == b.stall_us == 0.0
+    by_name = {v: k for k, v in name.items()}
+    tab = tables(p)
+    saved = _chain_time(tab, by_name["relu_25"]) - _chain_time(tab, by_name["relu_41"])
+    assert abs((a.recompute_us - b.recompute_us) - saved) < 1e-6 * a.recompute_us
+    assert b.retention > a.retention + 1e-4
 
 
 def test_polish_leaves_a_plan_at_the_ideal_step_alone():
@@ -188,9 +201,10 @@ def test_where_compute_waits_for_memory_the_polish_tries_swapping_the_biggest_ke
     # peak. a1 (a dropout output: it cannot be recomputed) is swapped: its offload runs
     # 200-450 us, so f3 waits for memory from 300 to 450 us (150 us). Kept tensors live across
     # f3 are a0 and a2; swapping a0 as well frees 1 MiB when its offload ends at
-    # 100 + 250 = 350 us: the wait drops to 50 us and the step from 2150 to 2050 us.
+    # 100 + 250 = 350 us: the wait drops to 50 us and the step from 2150 to 2050 us. a1's gap
+    # lies inside a0's and it is no bigger, so a0 swapped with a1 kept is tried as well.
     from slackswap_cli.hardware import HardwareSpec
-    from slackswap_cli.planners.polish import SWAP, _Polisher
+    from slackswap_cli.planners.polish import KEEP, SWAP, _Polisher
     from slackswap_testkit.synthetic import chain_profile
     mib = 1 << 20
     prof = chain_profile(n=4, act_bytes=mib, fwd_us=100, bwd_us=400, random_layers=[1])
@@ -207,7 +221,8 @@ def test_where_compute_waits_for_memory_the_polish_tries_swapping_the_biggest_ke
     assert start.predicted.stall_by_cause == {"memory_full": 150.0}
     p = _Polisher(prof, hw, budget, dec, start, None, 3, 1e-9)
     assert p.swap_where_memory_waits() == [(150.0, {ids["a0"]: SWAP}),
-                                                (150.0, {ids["a2"]: SWAP})]
+                                           (150.0, {ids["a0"]: SWAP, ids["a1"]: KEEP}),
+                                           (150.0, {ids["a2"]: SWAP})]
     out = polish(prof, hw, budget, dec, start)
     assert out.result.feasible and out.result.predicted.step_us <= 2050.0
     assert next(d.action for d in out.decisions if d.tensor == ids["a0"]) == "swap"
