@@ -77,12 +77,13 @@ def test_eager_plans_are_unchanged_and_the_model_mode_keeps_layer_norm_statistic
     assert stats and all(prof.ops[prof.tensors[t].producer].target ==
                          "aten.native_layer_norm.default" for t in stats)
     assert no_swap_option(prof, None) == {}
-    for frac in (0.3, 0.5):
+    for frac in (0.3, 0.35, 0.5):
         eager = _plan(prof, frac)
         assert eager.decisions == _plan(prof, frac, None).decisions
         compiled = _plan(prof, frac, "model")
         assert not any(_actions(compiled).get(t) == "swap" for t in stats)
-    assert any(_actions(_plan(prof, 0.5)).get(t) == "swap" for t in stats)
+    # (at the fitted op costs the eager plan swaps a statistic at 0.35, not at 0.3 or 0.5)
+    assert any(_actions(_plan(prof, 0.35)).get(t) == "swap" for t in stats)
 
 
 def test_a_swap_the_compiled_path_cannot_make_is_refused(files):

@@ -1,8 +1,8 @@
 """Swapped tensors come back when the plan's schedule fetched them, in plain `patch(model)`
 too: the in-place runtime issues each copy back at the backward op where the simulator issued
 it (`chains.copy_back_pins`). Unpinned, it fetched every swapped tensor as backward began and
-held them all at once (a tiny GPT at 0.35: 610568 bytes through backward against 230912
-simulated, near eager's 660232)."""
+held them all at once (a tiny GPT at 0.35, at the op costs before their fp32 refit: 610568
+bytes through backward against 230912 simulated, near eager's 660232)."""
 import copy
 import importlib.util
 from pathlib import Path
@@ -35,11 +35,12 @@ def _tiny_gpt():
 
 
 def test_plain_patch_holds_swapped_tensors_no_longer_than_simulated():
-    """Swaps dominate at the fitted costs: the plan swaps and keeps, recomputes nothing; the
-    patched backward holds what the simulator predicts (+ a few bytes), and trains bitwise."""
+    """A plan that swaps and keeps and recomputes nothing (at the fitted op costs the tiny GPT's
+    plan does so at 0.6; lower budgets recompute too): the patched backward holds what the
+    simulator predicts (+ a few bytes), and trains bitwise."""
     model, inputs = _tiny_gpt()
     eager = copy.deepcopy(model)
-    plan = slackswap.plan_model(model, inputs, budget=0.35, device="fake:cpu")
+    plan = slackswap.plan_model(model, inputs, budget=0.6, device="fake:cpu")
     acts = plan.actions()
     assert acts["swap"] >= 10 and acts["recompute"] == 0, acts
     slackswap.patch(model, plan)

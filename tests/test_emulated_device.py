@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from test_zoo import ALL as ZOO_SUBSET
 
 from slackswap_cli.run import swap
 from slackswap_testkit import emulated_cases as cases
@@ -186,8 +187,7 @@ def test_tensor_parallel_and_fsdp2_are_bitwise(layout, world, blocks, monkeypatc
         assert res["patched"]["swaps"] > 0
 
 
-ZOO = [("timm", "mobilenetv3_small_100"), ("transformers", "causal-lm/llama"),
-       ("transformers", "seq2seq/t5"), ("torchvision", "resnet18")]
+ZOO = ZOO_SUBSET           # every model tests/test_zoo.py holds to its committed row
 
 
 @slow

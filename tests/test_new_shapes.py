@@ -16,7 +16,7 @@ from slackswap_cli.trace.joint import loss_from_output, split_inputs
 from slackswap_cli.trace.workload import load_workload
 
 HW = PRESETS["a100-pcie4"]
-FRACTION = 0.5
+FRACTION = 0.45    # (at the fitted op costs HF GPT-2 "branchy" recomputes below 0.5)
 
 
 @pytest.fixture(autouse=True)

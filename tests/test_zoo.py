@@ -59,6 +59,12 @@ def test_subset_is_in_the_committed_zoo():
     assert all(rows[k]["status"] in ("pass", "pass-real", "refused", "fail") for k in ALL)
 
 
+# models whose training step takes another path every call, so no template is followed: SEW
+# draws LayerDrop's random number and SpecAugment's NumPy masks anew each call (the runtime
+# says so once on stderr: "recorded op by op again ... other control flow at the same shapes")
+NEVER_STEADY = {"audio-cls/sew"}
+
+
 @pytest.mark.parametrize("library,name", SUBSET + [
     pytest.param(lib, name, marks=pytest.mark.slow_tier) for lib, name in SLOW_SUBSET],
     ids=[n for _, n in ALL])
@@ -72,10 +78,15 @@ def test_zoo_model_matches_its_committed_row(library, name, one_thread):
             f"{library}/{name} is recorded as {want['status']} in zoo.csv but now {got['status']}: "
             f"{got.get('detail')}")
         assert got["bitwise"] is True and got["max_diff"] == 0.0
-        # steady by call 3 (no call recorded from it on), under both planners
-        assert got["first_steady"] is not None and got["first_steady"] <= 3, got
         assert got["rc_status"] == "pass", got.get("rc_detail")
-        assert got["rc_first_steady"] is not None and got["rc_first_steady"] <= 3, got
+        # steady by call 3 (no call recorded from it on), under both planners; a model whose
+        # training step takes another path every call is never steady, and is named here
+        for key in ("first_steady", "rc_first_steady"):
+            if name in NEVER_STEADY:
+                assert got[key] is None, (f"{name} is steady now ({got}): take it out of "
+                                          "NEVER_STEADY")
+            else:
+                assert got[key] is not None and got[key] <= 3, got
     else:
         assert got["status"] == want["status"], (
             f"{library}/{name} is recorded as {want['status']} ({want['detail']}) but now "
