@@ -1,6 +1,6 @@
 """plan_model measures its plan on the model (run/verify/excess.py): eager holds what Python still
 names longer than the simulator counts, so a plan predicted at its budget can peak above it
-(a tiny GPT at 0.35: 231168 bytes against 231078); where it does, plan_model plans
+(a tiny GPT at 0.38: 266496 bytes against 250885); where it does, plan_model plans
 again below the budget by that excess. The measurement runs on the user's model itself and
 leaves it, its gradients, buffers and random number generators as they were."""
 import copy
@@ -36,12 +36,13 @@ def _patched_peak(model, plan, inputs) -> int:
 
 
 def test_measured_plan_fits_its_budget_where_the_simulated_one_does_not():
-    """A fake trace is measured when asked (measure=True: on the model itself)."""
+    """A fake trace is measured when asked (measure=True: on the model itself). (At 0.38 the
+    tiny GPT's plan holds 266496 bytes against a budget of 250885.)"""
     model, inputs = _tiny_gpt()
-    plain = slackswap.plan_model(model, inputs, budget=0.35, device="fake:cpu")
+    plain = slackswap.plan_model(model, inputs, budget=0.38, device="fake:cpu")
     assert plain.measured is None                                      # fake: not by default
     assert _patched_peak(model, plain, inputs) > plain.budget_bytes   # eager's excess
-    plan = slackswap.plan_model(model, inputs, budget=0.35, device="fake:cpu", measure=True)
+    plan = slackswap.plan_model(model, inputs, budget=0.38, device="fake:cpu", measure=True)
     m = plan.measured
     assert m.first_measured > plan.budget_bytes and m.rounds >= 2, m
     assert m.first_predicted == plain.predicted.peak_bytes
