@@ -28,18 +28,23 @@ demo: install
 	$(VENV)/bin/slackswap compare sample_profiles/gpt2-xl.json --budget 0.5 \
 		--planners slackswap,recompute-only,swap-all,checkpoint-layers
 
+# The tests run in TEST_WORKERS processes (pytest-xdist; most tests are one thread of Python,
+# so two processes use this 2-core machine's second core); `TEST_WORKERS=0` runs them in one.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist worksteal
+
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # The slow tier: tests marked slow_tier (more models, steps, ranks or budgets of what a default
 # test checks; tests/conftest.py skips them unless SLACKSWAP_SLOW=1). `make test-all`: both.
 test-slow: install
-	SLACKSWAP_SLOW=1 $(PY) -m pytest -q -m slow_tier
+	SLACKSWAP_SLOW=1 $(PY) -m pytest -q $(XDIST) -m slow_tier
 
 test-all: install
 	$(VENV)/bin/ruff check .
-	SLACKSWAP_SLOW=1 $(PY) -m pytest -q
+	SLACKSWAP_SLOW=1 $(PY) -m pytest -q $(XDIST)
 
 # The tests on another torch, in a virtualenv of its own: `make test-torch TORCH=2.15.0` builds
 # .venv-torch-2.15.0 (no system site packages) with PyPI's torch==$(TORCH) and the project's

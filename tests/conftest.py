@@ -8,6 +8,12 @@ import pytest
 
 SLOW = os.environ.get("SLACKSWAP_SLOW") == "1"
 
+# `make test` runs the tests in two pytest-xdist workers, one a core: each worker's torch (and
+# the processes it starts) then computes on one thread, as two threads a worker would spin
+# against the other worker for the same two cores. Set before any test module imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if SLOW:

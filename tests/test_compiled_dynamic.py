@@ -63,7 +63,9 @@ def _twins(path):
     return a, b
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+# Llama in the slow tier (26 s of the four's 48): by default GPT-2 holds both modes, and Llama's
+# rotary and grouped-query graphs under compile are held by test_compiled's llama_gqa tests
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow_tier)])
 @pytest.mark.parametrize("mark", [False, True], ids=["automatic", "mark_dynamic"])
 def test_a_symbolic_graph_carries_the_plan_at_every_length(name, mark, patched):
     """Lengths 16 (profiled), 24 and 32: with automatic dynamic, one static graph set and one
@@ -112,33 +114,26 @@ def test_verify_compile_over_two_lengths_judges_the_symbolic_recompile(patched):
 
 
 def test_verify_compile_over_two_lengths_through_the_cli(patched):
-    """`slackswap verify --compile --also-at seq=24`: the same report from the command line,
-    and its human view says the recompile is symbolic, read at the profiled length, and lines
-    up every forward op."""
-    import json
+    """`slackswap verify --compile --also-at seq=24`: the command passes, and its human view
+    says the recompile is symbolic, read at the profiled length, and lines up every forward op
+    (the report's fields are checked through the library by the test above; `verify --compile
+    --json` through the CLI by test_compiled's test_verify_compile_json_through_the_cli)."""
+    import re
 
     from typer.testing import CliRunner
 
     from slackswap_cli.cli import app
     torch._dynamo.reset()
     path, patched_path = patched["gpt2"]
-    args = ["verify", str(patched_path), "--model", str(path), "--compile", "--backend",
-            "aot_eager", "--also-at", "seq=24"]
-    r = CliRunner().invoke(app, [*args, "--json"])
-    assert r.exit_code == 0, r.output
-    report = json.loads(r.stdout)
-    assert report["passed"] and report["steps"] == 2 and report["also_at"] == {"seq": 24}
-    (rc,) = report["recompiles"]
-    assert rc["symbolic"] and rc["lined_up_ops"] == rc["graph_ops"] and rc["judged"]
-    torch._dynamo.reset()
-    r = CliRunner().invoke(app, args)
+    r = CliRunner().invoke(app, ["verify", str(patched_path), "--model", str(path), "--compile",
+                                 "--backend", "aot_eager", "--also-at", "seq=24"])
     assert r.exit_code == 0, r.output
     text = " ".join(r.stdout.split())            # (the view wraps at the terminal's width)
     line = text[text.index("recompile 1 "):]
-    assert line.startswith(f"recompile 1 ({', '.join(rc['compile_ids'])}): 2 graph(s), saved "
-                           f"{rc['saved_bytes']} B, offloaded {rc['offloaded_bytes']} B, "
-                           f"symbolic sizes read at "), line
-    assert f"=16, {rc['lined_up_ops']} of {rc['graph_ops']} forward ops line up " \
-           "(checked like the step)" in line, line
+    m = re.match(r"recompile 1 \([^)]*\): 2 graph\(s\), saved (\d+) B, offloaded (\d+) B, "
+                 r"symbolic sizes read at (?:\S+=16, )+(\d+) of (\d+) forward ops line up "
+                 r"\(checked like the step\)", line)
+    assert m, line
+    assert int(m[1]) > 0 and int(m[2]) > 0 and m[3] == m[4], line
     bad = CliRunner().invoke(app, ["verify", str(patched_path), "--also-at", "seq=24"])
     assert bad.exit_code == 2 and "--also-at is for --compile" in bad.output
