@@ -43,7 +43,7 @@ from .stages import (
 )
 
 __all__ = ["SENDS_OF", "output_roots", "output_bytes", "boundary_of", "stage_profiles",
-           "timeline", "PipelineFigures", "pipeline_figures"]
+           "boundaries", "timeline", "PipelineFigures", "pipeline_figures"]
 
 SENDS_OF = {"GPipe": "gpipe", "1F1B": "none", "Interleaved1F1B": "runtime",
             "ZBVZeroBubble": "runtime"}
@@ -162,7 +162,7 @@ def _by_stage(value, n_stages: int) -> dict:
     return dict.fromkeys(range(n_stages), value)
 
 
-def _boundaries(profs: Mapping[int, Profile], steps, sends: str) -> dict[int, Boundary]:
+def boundaries(profs: Mapping[int, Profile], steps, sends: str) -> dict[int, Boundary]:
     """stage -> its Boundary: its own output, its input's gradient the previous stage's
     output (the same profile for every stage: its own output's size, as for equal stages)."""
     n_stages = len(profs)
@@ -198,7 +198,7 @@ def pipeline_figures(prof: Profile | Mapping[int, Profile],
     steps = schedule_steps(schedule, pp, microbatches, stages_per_rank)
     n_stages = 1 + max(s for st in steps.values() for _, s, _ in st)
     profs, plans = _by_stage(prof, n_stages), _by_stage(plan, n_stages)
-    bound = _boundaries(profs, steps, SENDS_OF[schedule])
+    bound = boundaries(profs, steps, SENDS_OF[schedule])
     held = held_microbatches(steps)
     fwd, bwd, keep_bwd = _times(profs, plans)
     rows, idle, copy = [], {}, {}
