@@ -41,10 +41,12 @@ What is counted per rank (GPU), every figure its own column in the results:
    projection (torchtitan leaves it out of float8) and the norms in bf16;
 3. **unsharded gradients**: every TP-local parameter's gradient accumulated in fp32 across the
    microbatches (4 bytes a parameter; a block's bf16 gradient before it is added is in 5);
-4. **activations under full AC**: the per-rank peak of `pipeline_figures` (the schedule's
+4. **activations under full AC**: the per-rank peak (`stages.rank_peak` over the schedule's
    order, the (chunk-)microbatches in flight, each stage's `full-ac` plan on its fake-tensor
    profile: checkpointed block inputs for every microbatch held, the running microbatch's
-   replay of one block and its backward, PipelineStage's output and gradients);
+   replay of one block and its backward, PipelineStage's output and gradients; the
+   checkpoint gap counted: torch's checkpoint keeps each block's bf16 input where the
+   simulated plan keeps fp32 copies derived from it);
 5. **bf16 gradients in flight**: one block's TP-local parameters in bf16 (a block's gradient
    before FSDP adds it to the fp32 accumulation);
 6. **receive buffers**: one per microbatch for each stage's input (not the first stage) and
@@ -63,27 +65,30 @@ gone by then: `end_of_step_gib` shows that point), NCCL's buffers (outside the a
 
 The profiles: the stage modules below (`stage_workload`: the first, a middle and the last
 stage, TP-local sizes, bf16), traced with `--device fake` (nothing allocated) on
-`h100-sxm-96gb`, with 2 and 3 layers; every per-rank figure is computed from the 2-layer and
-the 3-layer profiles and extrapolated linearly to the rank's layers per stage (separately per
-stage a rank runs). A TP collective is written as the local tensor op that allocates what it
-does: an all-gather of the sequence shards as `repeat` (its backward sums, as its
-reduce-scatter does), a reduce-scatter as a slice made contiguous (its backward a full-size
-gradient, as an all-gather's).
+`h100-sxm-96gb` at each stage's own depth (1F1B: 15 and 16 layers, Interleaved1F1B: 7 and 8),
+and at 2 and 3 layers for the slackswap comparison. A few layers extrapolated do not give the
+middle ranks' peaks: under full AC the simulated peak of a 2-5 layer stage sits where its
+fp32 norm inputs (the checkpoint gap's derived copies) weigh, and falls per layer, then rises
+by the checkpointed block input per layer from about 5 layers on, so each stage's figures
+extrapolated linearly from 2 and 3 layers miss the 1F1B middle ranks by -29% to -68% at 16
+layers (the first and last ranks by 0.0%): `--check-depth 16` prints it. A TP collective is
+written as the local tensor op that allocates what it does: an all-gather of the sequence
+shards as `repeat` (its backward sums, as its reduce-scatter does), a reduce-scatter as a
+slice made contiguous (its backward a full-size gradient, as an all-gather's).
 
 slackswap at the same memory: each rank's stages planned by `plan_stages` (the search
 `plan_pipeline` runs) for the rank's full-AC activation peak as its budget, on the 2- and
 3-layer profiles themselves (a plan's structure changes with the depth, so its figures are not
 extrapolated): each rank's least peak with every stage at its floor beside full AC's, and the
-step of the plans where every rank reaches full AC's memory. Full AC's step (the rank-level
-judge over the schedule's order, each stage's compute from its profile and the checkpoint
-gap's replay) is extrapolated to 16 layers a stage (1F1B) and 8 (Interleaved1F1B): the longest
-stages set the step. Tokens/s per GPU as torchtitan counts them: the local batch (32 x 8192
+step of the plans where every rank reaches full AC's memory. Full AC's step: the rank-level
+judge over the schedule's order, each stage's compute from its profile at its depth (the
+replay and the checkpoint gap's included). Tokens/s per GPU as torchtitan counts them: the local batch (32 x 8192
 tokens) per step over the TP x PP = 64 GPUs that run it; compute only (no TP, FSDP or PP
 communication), bf16 matmuls at the preset's peak (no float8).
 
     python benchmarks/published_pipeline.py      # writes benchmarks/results/published_pipeline.{json,md}
     python benchmarks/published_pipeline.py --profiles /tmp/p405   # keeps (and reuses) the traces
-    python benchmarks/published_pipeline.py --check-depth 5   # the extrapolation against 5 layers
+    python benchmarks/published_pipeline.py --check-depth 16   # 2 and 3 layers extrapolated against 16
 """
 from __future__ import annotations
 
@@ -292,11 +297,11 @@ class Case:
         self.profs = {s: profiles[_kind(s, self.n), depth[s]] for s in range(self.n)}
         self.ac = {s: profiles["ac", _kind(s, self.n), depth[s]] for s in range(self.n)}
 
-    def ac_peaks(self) -> dict[int, int]:
-        """rank -> its activation peak under full AC, the checkpoint gap counted."""
+    def costs(self) -> dict:
+        """stage -> its StageCost under full AC, the checkpoint gap counted."""
         from dataclasses import replace
 
-        from slackswap_cli.pipeline.stages import rank_peak, stage_cost
+        from slackswap_cli.pipeline.stages import stage_cost
         from slackswap_cli.pipeline.step import SENDS_OF, boundaries
         bound = boundaries(self.profs, self.steps, SENDS_OF[self.schedule])
         cost = {}
@@ -304,6 +309,13 @@ class Case:
             c = stage_cost(self.profs[s], plan, bound[s])
             cost[s] = replace(c, held_bytes=c.held_bytes + gap.held_bytes,
                               peak_bytes=c.peak_bytes + gap.held_bytes)
+        return cost
+
+    def ac_peaks(self, cost: dict | None = None) -> dict[int, int]:
+        """rank -> its activation peak under full AC (`cost`: stage -> StageCost, by default
+        this case's own)."""
+        from slackswap_cli.pipeline.stages import rank_peak
+        cost = self.costs() if cost is None else cost
         return {r: rank_peak(st, cost) for r, st in self.steps.items()}
 
     def ac_step_us(self) -> float:
@@ -374,37 +386,33 @@ def static_parts(stages: list[tuple[int, bool, bool]]) -> dict:
             "sharded_grads_fp32": 4 * (lin + other) // FSDP}
 
 
-def _depth_sets(schedule: str) -> dict[str, dict[int, int]]:
-    """The stage depths each figure is computed at: all stages at 2 layers (A) and at 3 (D);
-    for two stages a rank, also the first half at 3 (B) and the second (C)."""
-    n = PP * (2 if schedule == "Interleaved1F1B" else 1)
-    sets = {"A": dict.fromkeys(range(n), 2), "D": dict.fromkeys(range(n), 3)}
-    if n > PP:
-        sets["B"] = {s: 3 if s < PP else 2 for s in range(n)}
-        sets["C"] = {s: 3 if s >= PP else 2 for s in range(n)}
-    return sets
+def deep_costs(two: "Case", three: "Case", layers: list[int]) -> dict:
+    """stage -> its full-AC StageCost at `layers[stage]` layers, each field extrapolated
+    linearly from the 2- and 3-layer traces (a stage's figures are linear in its layers; a
+    rank's peak, the largest over the schedule's steps, is not, so it is taken after)."""
+    from dataclasses import fields, replace
+    c2, c3 = two.costs(), three.costs()
+    return {s: replace(c2[s], **{f.name: getattr(c2[s], f.name) + (n - 2) * (
+        getattr(c3[s], f.name) - getattr(c2[s], f.name)) for f in fields(c2[s])})
+        for s, n in enumerate(layers)}
 
 
-def _extrapolate(got: dict, rank: int, layers: list[int]) -> float:
-    """A rank's figure at its stages' depths from those at the depth sets (linear in each
-    stage's layers, see the module docstring)."""
-    a = got["A"][rank]
-    if len(layers) == 1:
-        return a + (layers[0] - 2) * (got["D"][rank] - a)
-    return a + (layers[0] - 2) * (got["B"][rank] - a) + (layers[1] - 2) * (got["C"][rank] - a)
+def depths(schedule: str) -> list[int]:
+    return split(PP * (2 if schedule == "Interleaved1F1B" else 1))
 
 
 def predict(schedule: str, profiles: dict, hw) -> dict:
-    sets = _depth_sets(schedule)
-    n = len(sets["A"])
-    sizes = split(n)
-    cases = {k: Case(schedule, depth, profiles, hw) for k, depth in sets.items()}
+    sizes = depths(schedule)
+    n = len(sizes)
+    cases = {k: Case(schedule, dict.fromkeys(range(n), depth), profiles, hw)
+             for k, depth in (("A", 2), ("D", 3))}
+    cases["run"] = Case(schedule, dict(enumerate(sizes)), profiles, hw)
     act = {k: c.ac_peaks() for k, c in cases.items()}
     rows = []
     for rank, steps in sorted(cases["A"].steps.items()):
         stages = sorted({s for _, s, _ in steps})
         parts = static_parts([(sizes[s], s == 0, s == n - 1) for s in stages])
-        activations = _extrapolate(act, rank, [sizes[s] for s in stages])
+        activations = act["run"][rank]
         peak = sum(v for k, v in parts.items() if k != "sharded_grads_fp32") + activations
         end = (parts["sharded_state"] + parts["sharded_grads_fp32"] + parts["receive_buffers"]
                + parts["last_stage_outputs"])
@@ -422,13 +430,12 @@ def predict(schedule: str, profiles: dict, hw) -> dict:
 
 
 def _slackswap(cases: dict, act: dict, rows: list[dict], sizes: list[int]) -> dict:
-    """Full AC's step (extrapolated: times add up over layers) and, at the traced depths (2
-    and 3 layers a stage, not extrapolated: a plan's structure changes with the depth), each
+    """Full AC's step at the run's depths and, at 2 and 3 layers a stage, each
     rank's full-AC activation peak against the least slackswap's per-stage plans reach (each
     stage at its floor), and where they reach full AC's, the step of those plans."""
     tokens = LOCAL_BATCH * SEQ / (TP * PP)
     ac = {k: cases[k].ac_step_us() for k in ("A", "D")}
-    ac_us = ac["A"] + (max(sizes) - 2) * (ac["D"] - ac["A"])
+    ac_us = cases["run"].ac_step_us()
     traced = {}
     for k, layers in (("A", 2), ("D", 3)):
         least = cases[k].least()
@@ -466,7 +473,7 @@ def write_md(results: list[dict], path: Path) -> None:
             lines.append(f"| {x['rank']} | {st} | "
                          + " | ".join(f"{x[c + '_gib']:.2f}" for c in cols) + " |")
     lines += ["", "Full AC's step, compute only (no TP, FSDP or PP communication, bf16 matmuls "
-              "at the preset's peak, no float8), extrapolated from the traced depths:", "",
+              "at the preset's peak, no float8), each stage traced at its depth:", "",
               "| schedule | full AC step | tokens/s per GPU | measured tokens/s |",
               "|---|---:|---:|---:|"]
     for r in results:
@@ -490,18 +497,18 @@ def write_md(results: list[dict], path: Path) -> None:
 
 def check_depth(layers: int, keep: Path, hw) -> None:
     """Print each 1F1B rank's full-AC activation peak with every stage at `layers` layers,
-    traced directly, against the 2- and 3-layer figures extrapolated."""
+    traced directly, against the one from the 2- and 3-layer stage costs extrapolated."""
     profiles = {}
     for kind in ("first", "middle", "last"):
         for n in (2, 3, layers):
             prof = _profile(kind, n, keep)
             profiles[kind, n], profiles["ac", kind, n] = prof, _full_ac(prof, hw)
-    got = {k: Case("1F1B", dict.fromkeys(range(PP), n), profiles, hw).ac_peaks()
-           for k, n in (("A", 2), ("D", 3), ("X", layers))}
+    case = {n: Case("1F1B", dict.fromkeys(range(PP), n), profiles, hw) for n in (2, 3, layers)}
+    guess = case[2].ac_peaks(deep_costs(case[2], case[3], [layers] * PP))
+    traced = case[layers].ac_peaks()
     for rank in range(PP):
-        guess = _extrapolate(got, rank, [layers])
-        print(f"rank {rank}: {layers} layers a stage, extrapolated {guess / GIB:.3f} GiB, "
-              f"traced {got['X'][rank] / GIB:.3f} GiB ({guess / got['X'][rank] - 1:+.3%})")
+        print(f"rank {rank}: {layers} layers a stage, extrapolated {guess[rank] / GIB:.3f} GiB, "
+              f"traced {traced[rank] / GIB:.3f} GiB ({guess[rank] / traced[rank] - 1:+.3%})")
 
 
 def main() -> None:
@@ -521,11 +528,14 @@ def main() -> None:
             check_depth(args.check_depth, keep, hw)
             return
         profiles = {}
-        for kind in ("first", "middle", "last"):
-            for layers in (2, 3):
-                prof = _profile(kind, layers, keep)
-                profiles[kind, layers] = prof
-                profiles["ac", kind, layers] = _full_ac(prof, hw)
+        need = {(kind, n) for kind in ("first", "middle", "last") for n in (2, 3)}
+        for schedule in ("1F1B", "Interleaved1F1B"):
+            sizes = depths(schedule)
+            need |= {(_kind(s, len(sizes)), n) for s, n in enumerate(sizes)}
+        for kind, layers in sorted(need):
+            prof = _profile(kind, layers, keep)
+            profiles[kind, layers] = prof
+            profiles["ac", kind, layers] = _full_ac(prof, hw)
         results = [predict(s, profiles, hw) for s in ("1F1B", "Interleaved1F1B")]
     out = ROOT / "benchmarks" / "results"
     (out / "published_pipeline.json").write_text(json.dumps(results, indent=1) + "\n")
