@@ -58,6 +58,26 @@ def _pipeline_flags(pp, schedule, microbatches, stages_per_rank) -> dict:
     return flags
 
 
+def _stage_profiles(profiler_of, args: dict, stage_arg: str, flags: dict):
+    """(profile_at, row_maker) profiling every stage of the pipeline the flags give, stage i
+    with `stage_arg`=i (`profiler_of(args, workers)`: a Profiler; pipeline.fit.StageProfiles)."""
+    from ..pipeline.fit import StageProfiles, row_maker
+    from ..pipeline.orders import order, pipeline_spec
+    if stage_arg in args:
+        raise InputError(f"--arg {stage_arg}=... picks the stage, which --stage-arg sweeps",
+                         hint=f"leave --arg {stage_arg} out")
+    spec = pipeline_spec(**flags)
+    if spec is None:
+        raise InputError("--stage-arg profiles a pipeline's stages, and --pp is not given",
+                         hint=f"add --pp N (the pipeline's ranks), e.g. --pp 4 --stage-arg "
+                              f"{stage_arg}")
+    steps = order(spec.schedule, spec.pp, spec.microbatches, spec.stages_per_rank)
+    n_stages = 1 + max(st for each in steps.values() for _, st, _ in each)
+    profilers = {st: profiler_of({**args, stage_arg: st}, 1) for st in range(n_stages)}
+    stages = StageProfiles(profilers)
+    return stages, lambda s, prof: row_maker(s, prof, stages)
+
+
 def _write_best(result, plan_target: Path, model: Path) -> Path:
     """The best row's plan, and next to it the profile it was made from."""
     from ..planning import save_with_profile
@@ -92,6 +112,7 @@ def fit(
     schedule: Optional[str] = typer.Option(None, "--schedule", help="with --pp: GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble [default: the workload's, else 1F1B]"),
     microbatches: Optional[int] = typer.Option(None, "--microbatches", help="with --pp: microbatches per step [default: the workload's, else 2 x --pp]"),
     stages_per_rank: Optional[int] = typer.Option(None, "--stages-per-rank", help="with --pp and Interleaved1F1B: stages per rank [default: the workload's, else 2]"),
+    stage_arg: Optional[str] = typer.Option(None, "--stage-arg", help="with --pp: the workload argument that picks the stage (0, 1, ...): each stage profiled and priced as it is [default: every stage priced as the workload]"),
     jobs: int = typer.Option(2, "--jobs", min=1, help="traces in forked processes, ahead of planning: 2 overlaps a trace with planning (same rows; helps only with idle cores); 1: one process"),
     as_json: bool = json_option("{rows, best, baselines}"),
     quiet: bool = quiet_option(),
@@ -121,14 +142,17 @@ def fit(
     check_output_path(sibling_file(target, ".profile.json"), "-o", [model, hardware])
     from ..trace.static_memory import Profiler, check_batch_arg
     check_batch_arg(str(model), entry, batch_arg)
-    profiler = Profiler(str(model), entry=entry, args=args, batch_arg=batch_arg,
+    def profiler_of(args: dict, workers: int):
+        return Profiler(str(model), entry=entry, args=args, batch_arg=batch_arg,
                         device=device, hardware=s.hardware,
-                        on_facts=lambda f: check_static_fits(f, s),
-                        workers=jobs)
+                        on_facts=lambda f: check_static_fits(f, s), workers=workers)
+    profiler = profiler_of(args, jobs)
+    if stage_arg is not None:
+        profiler, maker = _stage_profiles(profiler_of, args, stage_arg, s.pipeline)
     try:
         result = sweep(batches, profiler, s, progress=sink.status,
-                       derive_batch_arg=None if profile_each else batch_arg,
-                       row_maker=row_maker)
+                       derive_batch_arg=None if profile_each or stage_arg else batch_arg,
+                       row_maker=row_maker if stage_arg is None else maker)
     finally:
         profiler.close()
     if result.best_plan is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -24,7 +24,7 @@ from .output import Result, Sink
 # The library's modules are imported inside the functions, not here: `plan`, `show`, `simulate`
 # and `compare` start without importing torch (tests/test_torch_free.py).
 def _pp_option():
-    return typer.Option(None, "--pp", help="pipeline ranks: the profile is one stage's (one microbatch), every stage priced as it; prints the per-rank table [default: the workload's declared pipeline, if any]")
+    return typer.Option(None, "--pp", help="pipeline ranks: each file one stage's (one microbatch): one file prices every stage as it, one per stage (or 3: the first, middle, last) each as it is; prints the per-rank table [default: the workload's declared pipeline, if any]")
 
 
 def _pipeline_options():
@@ -59,16 +59,19 @@ def _declared(prof) -> dict | None:
 
 
 def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
-    """The per-rank table of a pipeline of stages like `prof` under `plan`."""
+    """The per-rank table of a pipeline of stages like `prof` under `plan` (each one, or a
+    list: one per stage file, `pipeline_figures`)."""
     from ..pipeline.step import pipeline_figures
     schedule, pp, microbatches, per_rank, budget = settings
+    note = ("every stage as this profile" if not isinstance(prof, list) or len(prof) == 1
+            else f"{len(prof)} stage profiles, each stage as its own")
     figs = pipeline_figures(prof, plan, schedule, pp, microbatches, per_rank, budget,
                             1.0 / hw.d2h_bytes_per_s * 1e6 if hw.d2h_bytes_per_s else 0.0,
                             hw=hw)
 
     def views():
         from .render.pipeline import pipeline_views
-        return pipeline_views(figs, "every stage as this profile")
+        return pipeline_views(figs, note)
     from .render.pipeline import figures_json
     return Result({**data, "pipeline": figures_json(figs)}, views=views)
 
@@ -80,7 +83,7 @@ def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
                  "slackswap simulate stage.plan.json --pp 4 --schedule 1F1B --microbatches 8",
              ))
 def simulate(
-    plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan JSON from `slackswap plan`"),
+    plan_paths: List[Path] = typer.Argument(..., metavar="PLAN...", help="plan JSON from `slackswap plan`; with --pp one per stage (or 3: the first, middle, last stage's)"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="re-simulate on this preset or JSON file [default: the plan's]"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile JSON [default: the one the plan records]"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace JSON here"),
@@ -93,10 +96,18 @@ def simulate(
     quiet: bool = quiet_option(),
 ) -> None:
     """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline.
-    With --pp: the per-rank table of a pipeline of stages like the plan's profile."""
+    With --pp: the per-rank table of a pipeline of stages like the plan's profile, or of
+    stages each priced as its own plan (one plan per stage)."""
     sink = Sink(as_json, quiet)
     if pp is not None:      # the flags' own errors before loading anything
         _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget)
+    from .stage_files import simulate_stages
+    if simulate_stages(plan_paths, pp, hardware, profile_path, trace, sink,
+                       lambda plans: _pipeline(pp, schedule, microbatches, stages_per_rank,
+                                               rank_budget, _declared(plans[0][1])),
+                       _pipeline_result):
+        return
+    plan_path = plan_paths[0]
     from ..hardware import HardwareSpec, load_hardware
     from ..profile_build import recost
     from ..schema import load_plan
@@ -145,7 +156,7 @@ def simulate(
                  "slackswap show stage.plan.json --pp 4 --schedule Interleaved1F1B --microbatches 8",
              ))
 def show(
-    path: Path = typer.Argument(..., metavar="FILE", help="a profile or a plan JSON"),
+    paths: List[Path] = typer.Argument(..., metavar="FILE...", help="a profile or a plan JSON; with --pp one per stage (or 3: the first, middle, last stage's)"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="for a plan: its profile [default: the one it records]"),
     pp: Optional[int] = _pp_option(),
     schedule: Optional[str] = _SCHEDULE,
@@ -159,9 +170,11 @@ def show(
     pipeline of stages like it (a profile: keeping everything)."""
     from ..schema import PROFILE_FORMAT, load_plan, load_profile, sniff_format
     pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget)
+    from .stage_files import one_file
     if pipe is not None:
-        Sink(as_json, quiet).show(_show_pipeline(path, profile_path, pipe))
+        Sink(as_json, quiet).show(_show_pipeline(paths, profile_path, pipe))
         return
+    path = one_file(paths, "show")
     if sniff_format(path) == PROFILE_FORMAT:
         prof = load_profile(path)
         result = Result({"fingerprint": prof.fingerprint, "workload": prof.workload,
@@ -173,17 +186,20 @@ def show(
     Sink(as_json, quiet).show(result)
 
 
-def _show_pipeline(path: Path, profile_path: Optional[Path], pipe) -> Result:
+def _show_pipeline(paths: list[Path], profile_path: Optional[Path], pipe) -> Result:
+    """`show --pp`: profiles (keeping everything) or plans, one or one per stage."""
     from ..hardware import HardwareSpec, load_hardware
-    from ..schema import PROFILE_FORMAT, load_plan, load_profile, sniff_format
-    if sniff_format(path) == PROFILE_FORMAT:
-        prof = load_profile(path)
-        hw_name = (prof.env or {}).get("hardware") or "a100-pcie4"
-        return _pipeline_result(pipe, prof, None, load_hardware(hw_name), {"profile": str(path)})
-    p = load_plan(path)
-    return _pipeline_result(pipe, plan_profile(p, profile_path), p,
-                            HardwareSpec.from_dict(p.hardware, "plan hardware"),
-                            {"plan": str(path)})
+    from .stage_files import stage_files
+    profs, plans = stage_files(paths, profile_path)
+    key = "profile" if plans is None else "plan"
+    data = {key: str(paths[0])} if len(paths) == 1 else {key + "s": [str(p) for p in paths]}
+    if plans is None:     # a roofline profile records its hardware's fields, a timed one none
+        costed = (profs[0].env or {}).get("hardware") or "a100-pcie4"
+        hw = (HardwareSpec.from_dict(costed, "the profile's hardware")
+              if isinstance(costed, dict) else load_hardware(costed))
+        return _pipeline_result(pipe, profs, None, hw, data)
+    return _pipeline_result(pipe, profs, plans,
+                            HardwareSpec.from_dict(plans[0].hardware, "plan hardware"), data)
 
 
 def _simulated_plan_views(p, profile_path: Optional[Path]) -> list:

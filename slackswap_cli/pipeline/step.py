@@ -1,17 +1,18 @@
-"""A pipeline of equal stages from one stage's profile: each rank's memory and the step's time
+"""A pipeline's stages priced from their profiles: each rank's memory and the step's time
 with the schedule's bubbles (`slackswap simulate --pp` and `show --pp`).
 
-The profile is one stage's, for one microbatch (a workload that returns one stage of the
-model); every stage of the pipeline is priced as it: the per-rank figures are those of a
-pipeline split into equal stages. Per rank: the (chunk-)microbatches the schedule holds there
-(`pipeline.held_microbatches`), the activation peak keeping everything and under the plan
-(`stages.rank_peak`, with what PipelineStage holds beyond the profile: `boundary_of`), the
-bytes swapped and recomputed per step.
+Each profile is one stage's, for one microbatch: one profile for every stage (a pipeline split
+into equal stages, every stage priced as it), or one per stage (`stage_profiles`: the first
+stage with its embeddings, the last with its head and loss, each priced as it is). Per rank:
+the (chunk-)microbatches the schedule holds there (`pipeline.held_microbatches`), the
+activation peak keeping everything and under the stages' plans (`stages.rank_peak`, with what
+PipelineStage holds beyond the profile: `boundary_of`, a stage's input gradient the size of
+the previous stage's output), the bytes swapped and recomputed per step.
 
 The step's time: every rank runs its steps in the schedule's order, a forward of stage s
 after the same microbatch's forward of stage s - 1, a backward after the same microbatch's
-backward of stage s + 1 (`timeline`); a forward takes the profile's forward time, a backward
-the rest of the plan's predicted step (its recomputes and stalls included), a split
+backward of stage s + 1 (`timeline`); a forward takes its stage profile's forward time, a
+backward the rest of its plan's predicted step (its recomputes and stalls included), a split
 backward's input pass and weight pass (ZBVZeroBubble) half of it each, the previous stage's
 backward waiting for the input pass. What a split backward holds from its input pass to its
 weight pass beyond the saved activations (`Boundary.split`: the gradients its weight pass
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from ..errors import InputError
 from ..schema import Plan, Profile
 from .orders import order as schedule_steps
 from .stages import (
@@ -40,8 +42,8 @@ from .stages import (
     stage_cost,
 )
 
-__all__ = ["SENDS_OF", "output_roots", "boundary_of", "timeline", "PipelineFigures",
-           "pipeline_figures"]
+__all__ = ["SENDS_OF", "output_roots", "output_bytes", "boundary_of", "stage_profiles",
+           "boundaries", "timeline", "PipelineFigures", "pipeline_figures"]
 
 SENDS_OF = {"GPipe": "gpipe", "1F1B": "none", "Interleaved1F1B": "runtime",
             "ZBVZeroBubble": "runtime"}
@@ -61,20 +63,48 @@ def output_roots(prof: Profile) -> frozenset:
     return frozenset(roots)
 
 
+def output_bytes(prof: Profile) -> int:
+    """Bytes of the stage's output in the profile (`output_roots`)."""
+    return sum(prof.tensors[r].size_bytes for r in output_roots(prof))
+
+
 def boundary_of(prof: Profile, stage: int, n_stages: int, sends: str,
-                local: tuple[bool, bool] = (False, False)) -> Boundary:
-    """What stage `stage` of `n_stages` equal ones holds beyond the profile: its output (as
-    the profile reads it), its input's gradient the size of the previous stage's output."""
+                local: tuple[bool, bool] = (False, False),
+                input_bytes: int | None = None) -> Boundary:
+    """What stage `stage` of `n_stages` holds beyond its profile `prof`: its output (as the
+    profile reads it), its input's gradient (`input_bytes`: the previous stage's output;
+    None: the size of this stage's output, as for equal stages)."""
     pinned = output_roots(prof)
     out = sum(prof.tensors[r].size_bytes for r in pinned)
-    b = boundary_bytes(out, out, stage == 0, stage == n_stages - 1, sends, local)
+    b = boundary_bytes(out, out if input_bytes is None else input_bytes, stage == 0,
+                       stage == n_stages - 1, sends, local)
     return b._replace(pinned=pinned, held=output_held(prof, pinned, out))
 
 
-def timeline(order: Mapping[int, Sequence[Step]], fwd_us: float,
-             bwd_us: float) -> tuple[float, dict[int, float]]:
+def stage_profiles(given: Sequence, n_stages: int, what: str = "stage profiles") -> dict:
+    """stage -> its entry of `given` (profiles, plans, ...): one for every stage, one per
+    stage, or three for more than three stages (the first, every middle one, the last);
+    InputError for another count."""
+    if len(given) == 1:
+        return dict.fromkeys(range(n_stages), given[0])
+    if len(given) == n_stages:
+        return dict(enumerate(given))
+    if len(given) == 3 and n_stages > 3:
+        return {s: given[0 if s == 0 else 2 if s == n_stages - 1 else 1]
+                for s in range(n_stages)}
+    three = " or 3 (the first, the middle ones, the last)" if n_stages > 3 else ""
+    raise InputError(f"{len(given)} {what} for a pipeline of {n_stages} stages",
+                     hint=f"give 1 (every stage priced as it), {n_stages} (one per stage, in "
+                          f"stage order){three}")
+
+
+def timeline(order: Mapping[int, Sequence[Step]], fwd_us: float | Mapping[int, float],
+             bwd_us: float | Mapping[int, float]) -> tuple[float, dict[int, float]]:
     """(the step's time, rank -> its busy time): each rank runs its steps in order, each
-    waiting for the step it depends on (see the module docstring)."""
+    waiting for the step it depends on (see the module docstring). `fwd_us`, `bwd_us`: a
+    stage's forward and backward time, one for every stage or stage -> its own."""
+    fwd_of = fwd_us if isinstance(fwd_us, Mapping) else None
+    bwd_of = bwd_us if isinstance(bwd_us, Mapping) else None
     done: dict[tuple[str, int, int], float] = {}
     n_stages = 1 + max((s for steps in order.values() for _, s, _ in steps), default=0)
     pos = {r: 0 for r in order}
@@ -91,7 +121,9 @@ def timeline(order: Mapping[int, Sequence[Step]], fwd_us: float,
                 if dep is not None and dep not in done:
                     break
                 start = max(free[rank], done.get(dep, 0.0))
-                took = fwd_us if kind == "F" else bwd_us if kind == "B" else bwd_us / 2
+                f = fwd_of[stage] if fwd_of is not None else fwd_us
+                b = bwd_of[stage] if bwd_of is not None else bwd_us
+                took = f if kind == "F" else b if kind == "B" else b / 2
                 # (the previous stage's backward waits for an input pass, not a weight pass)
                 key = "F" if kind == "F" else "W" if kind == "W" else "B"
                 free[rank] = done[(key, stage, mb)] = start + took
@@ -120,53 +152,88 @@ class PipelineFigures:
     judged_peak_bytes: dict[int, int] | None = None  # rank -> peak with copies in flight
 
 
-def pipeline_figures(prof: Profile, plan: Plan | None, schedule: str, pp: int,
-                     microbatches: int, stages_per_rank: int = 2, rank_budget: int = 0,
-                     copy_us_per_byte: float = 0.0, hw=None) -> PipelineFigures:
-    """Per rank and for the step, a pipeline of stages like `prof` under `plan` (None: keep
-    everything). `rank_budget`: each rank's activation memory (a row's `fits`);
+def _by_stage(value, n_stages: int) -> dict:
+    """stage -> value: a mapping as given, a list or tuple read by `stage_profiles`, or one
+    value for every stage."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, (list, tuple)):
+        return stage_profiles(value, n_stages)
+    return dict.fromkeys(range(n_stages), value)
+
+
+def boundaries(profs: Mapping[int, Profile], steps, sends: str) -> dict[int, Boundary]:
+    """stage -> its Boundary: its own output, its input's gradient the previous stage's
+    output (the same profile for every stage: its own output's size, as for equal stages)."""
+    n_stages = len(profs)
+    rank_of = {s: r for r, st in steps.items() for _, s, _ in st}
+    equal = len({id(p) for p in profs.values()}) == 1
+    out = {s: output_bytes(p) for s, p in profs.items()}
+    return {s: boundary_of(profs[s], s, n_stages, sends,
+                           (rank_of.get(s - 1) == rank_of[s], rank_of.get(s + 1) == rank_of[s]),
+                           None if equal or s == 0 else out[s - 1])
+            for s in range(n_stages)}
+
+
+def _times(profs, plans) -> tuple[dict, dict, dict]:
+    """stage -> forward time, backward time under its plan, backward time keeping everything."""
+    fwd = {s: float(p.summary.get("forward_us", 0.0)) for s, p in profs.items()}
+    keep = {s: float(p.summary.get("backward_us", 0.0)) for s, p in profs.items()}
+    bwd = {s: max(0.0, plans[s].predicted.step_us - fwd[s]) if plans[s] is not None else keep[s]
+           for s in profs}
+    return fwd, bwd, keep
+
+
+def pipeline_figures(prof: Profile | Mapping[int, Profile],
+                     plan: Plan | None | Mapping[int, Plan | None], schedule: str, pp: int,
+                     microbatches: int, stages_per_rank: int = 2,
+                     rank_budget: int | Mapping[int, int] = 0, copy_us_per_byte: float = 0.0,
+                     hw=None) -> PipelineFigures:
+    """Per rank and for the step, a pipeline of stages priced as `prof` (one profile for every
+    stage, stage -> its profile, or a list read by `stage_profiles`) under `plan` (one plan,
+    or per stage as `prof`; None: keep everything). `rank_budget`: each rank's activation memory (a row's `fits`; one for every
+    rank or rank -> its own);
     `copy_us_per_byte`: the host link's time per byte (for `swap_copy_us`); `hw`: the
     hardware, for the rank-level judge's figures (`judged`)."""
     steps = schedule_steps(schedule, pp, microbatches, stages_per_rank)
     n_stages = 1 + max(s for st in steps.values() for _, s, _ in st)
-    rank_of = {s: r for r, st in steps.items() for _, s, _ in st}
-    sends = SENDS_OF[schedule]
-    bound = {s: boundary_of(prof, s, n_stages, sends,
-                            (rank_of.get(s - 1) == rank_of[s], rank_of.get(s + 1) == rank_of[s]))
-             for s in range(n_stages)}
+    profs, plans = _by_stage(prof, n_stages), _by_stage(plan, n_stages)
+    bound = boundaries(profs, steps, SENDS_OF[schedule])
     held = held_microbatches(steps)
-    fwd = float(prof.summary.get("forward_us", 0.0))
-    keep_bwd = float(prof.summary.get("backward_us", 0.0))
-    bwd = (plan.predicted.step_us - fwd) if plan is not None else keep_bwd
+    fwd, bwd, keep_bwd = _times(profs, plans)
     rows, idle, copy = [], {}, {}
-    step_us, busy = timeline(steps, fwd, max(0.0, bwd))
+    step_us, busy = timeline(steps, fwd, bwd)
     keep_step, _ = timeline(steps, fwd, keep_bwd)
     for rank, st in sorted(steps.items()):
         stages = tuple(sorted({s for _, s, _ in st}))
-        keep = {s: stage_cost(prof, None, bound[s]) for s in stages}
-        cost = {s: stage_cost(prof, plan, bound[s]) for s in stages} if plan else keep
-        n = sum(1 for k, _, _ in st if k == "F")
-        swapped = sum(cost[s].swapped_bytes for s in stages) * n // len(stages)
-        recomputed = sum(cost[s].recomputed_bytes for s in stages) * n // len(stages)
-        fraction = (plan.budget_bytes / prof.keep_all_peak_bytes
-                    if plan is not None and prof.keep_all_peak_bytes else 1.0)
-        rows.append(RankRow(rank, stages, held[rank], rank_budget, rank_peak(st, keep),
+        keep = {s: stage_cost(profs[s], None, bound[s]) for s in stages}
+        cost = {s: stage_cost(profs[s], plans[s], bound[s]) if plans[s] is not None
+                else keep[s] for s in stages}
+        n = {s: sum(1 for k, t, _ in st if k == "F" and t == s) for s in stages}
+        swapped = sum(cost[s].swapped_bytes * n[s] for s in stages)
+        recomputed = sum(cost[s].recomputed_bytes * n[s] for s in stages)
+        fraction = min((plans[s].budget_bytes / profs[s].keep_all_peak_bytes
+                        if plans[s] is not None and profs[s].keep_all_peak_bytes else 1.0)
+                       for s in stages)
+        budget = rank_budget[rank] if isinstance(rank_budget, Mapping) else rank_budget
+        rows.append(RankRow(rank, stages, held[rank], budget, rank_peak(st, keep),
                             rank_peak(st, cost), swapped, recomputed, min(1.0, fraction)))
         idle[rank] = step_us - busy[rank]
         copy[rank] = swapped * copy_us_per_byte
     figs = PipelineFigures(schedule, pp, microbatches, tuple(rows), step_us, keep_step, idle,
                            copy)
-    return figs if hw is None else judged(figs, prof, plan, steps, bound, hw, rank_budget)
+    return figs if hw is None else judged(figs, profs, plans, steps, bound, hw, rank_budget)
 
 
-def judged(figs: PipelineFigures, prof: Profile, plan: Plan | None, steps, bound, hw,
-           rank_budget: int) -> PipelineFigures:
-    """`figs` with the rank-level judge's step, exposed copy time and peaks, every stage
-    priced as `prof` under `plan`."""
+def judged(figs: PipelineFigures, profs: Mapping[int, Profile],
+           plans: Mapping[int, Plan | None], steps, bound, hw,
+           rank_budget: int | Mapping[int, int]) -> PipelineFigures:
+    """`figs` with the rank-level judge's step, exposed copy time and peaks, each stage priced
+    as its profile under its plan."""
     from dataclasses import replace
 
     from .copies import judge, stage_work
-    work = {s: stage_work(prof, plan, hw, b) for s, b in bound.items()}
+    work = {s: stage_work(profs[s], plans[s], hw, b) for s, b in bound.items()}
     got = judge(steps, work, rank_budget)
     return replace(figs, judged_step_us=got.step_us,
                    exposed_us={r: j.exposed_us for r, j in got.ranks.items()},

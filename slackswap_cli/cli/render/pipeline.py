@@ -31,8 +31,7 @@ def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
                 ("step (keep all)", fmt_us(figs.keep_all_step_us)),
                 *([("step (copies on each rank's engines)", fmt_us(figs.judged_step_us))]
                   if judged else []),
-                ("note", "sends and receives take no time here; every stage is priced as "
-                         "the profile's")])]
+                ("note", f"sends and receives take no time here; {stage_note}")])]
 
 
 def _narrow(title: str, cols: list, rows: list) -> Group:
