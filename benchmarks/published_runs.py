@@ -69,11 +69,11 @@ GIB = 1 << 30
 TT = "pytorch/torchtitan"
 # link -> (GB/s per direction a ring collective moves per GPU: its bus bandwidth, source). The
 # rate used is 0.8 of it (NCCL's ring bus bandwidth on large messages reaches about 80-95% of
-# the link: NVIDIA/nccl-tests issue 119, 85-96 GB/s measured against 100). Between hosts
-# NCCL runs one ring per NIC, so a GPU's ring traffic leaves the host over all of its eight
-# NICs at once: the bus bandwidth is the host's NIC bandwidth, 8x one GPU's (that issue: 24
-# A100s, 4 HDR NICs a host, busbw near the 100 GB/s the four NICs give together), up to
-# NVLink's.
+# the link: the NVIDIA/nccl-tests thread "Evaluation of NCCL test result", 2022, 85-96 GB/s
+# measured against 100). Between hosts NCCL runs one ring per NIC, so a GPU's ring traffic
+# leaves the host over all of its eight NICs at once: the bus bandwidth is the host's NIC
+# bandwidth, 8x one GPU's (that thread: 24 A100s, 4 HDR NICs a host, busbw near the 100 GB/s
+# the four NICs give together), up to NVLink's.
 LINKS = {
     "nvlink4": (450.0, "NVLink 4 on H100 SXM: 900 GB/s both directions (H100 datasheet)"),
     "rdma400": (400.0, "400 Gb/s RDMA per GPU between hosts (the run's source states it): "
