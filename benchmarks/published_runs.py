@@ -12,8 +12,9 @@ torch.compile. For each:
    depth: v(L) = v(2) + (L - 2) (v(3) - v(2)) (the blocks repeat; the embeddings, head and
    loss are in the constant part).
 2. **AC setting.** The run's setting through its baseline planner (`torchtitan-sac` or
-   `full-ac`), judged by the simulator with no memory limit: step time, activation peak; plus
-   `checkpoint_gap` (what torch's checkpoint holds and re-runs beyond that picture).
+   `full-ac`; no AC: `recompute-only` with no memory limit, which keeps everything), judged
+   by the simulator with no memory limit: step time, activation peak; plus `checkpoint_gap`
+   (what torch's checkpoint holds and re-runs beyond that picture; none without AC).
 3. **FSDP.** Static memory per GPU: fp32 parameters, fp32 gradients and AdamW's two fp32
    states, sharded over N (16 bytes per parameter / N); the unsharded bf16 parameters of two
    blocks (the one running and the one prefetched) and of the root (embeddings, final norm,
