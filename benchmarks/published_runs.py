@@ -12,16 +12,18 @@ torch.compile. For each:
    depth: v(L) = v(2) + (L - 2) (v(3) - v(2)) (the blocks repeat; the embeddings, head and
    loss are in the constant part).
 2. **AC setting.** The run's setting through its baseline planner (`torchtitan-sac` or
-   `full-ac`), judged by the simulator with no memory limit: step time, activation peak; plus
-   `checkpoint_gap` (what torch's checkpoint holds and re-runs beyond that picture).
+   `full-ac`; no AC: `recompute-only` with no memory limit, which keeps everything), judged
+   by the simulator with no memory limit: step time, activation peak; plus `checkpoint_gap`
+   (what torch's checkpoint holds and re-runs beyond that picture; none without AC).
 3. **FSDP.** Static memory per GPU: fp32 parameters, fp32 gradients and AdamW's two fp32
    states, sharded over N (16 bytes per parameter / N); the unsharded bf16 parameters of two
    blocks (the one running and the one prefetched) and of the root (embeddings, final norm,
    head: FSDP2 keeps the root unsharded through the step). Communication: every block's bf16
    parameters are all-gathered in forward and again in backward (but the last block's,
-   which torchtitan does not reshard after forward), its gradients reduce-scattered in fp32, (N - 1) / N of the bytes each over the link (`LINKS`: its
-   per-direction rate times 0.8). FSDP2 prefetches the next block's all-gather under the
-   current block's compute, so per block only what exceeds the block's compute is exposed,
+   which torchtitan does not reshard after forward), its gradients reduce-scattered in
+   fp32, (N - 1) / N of the bytes each over the link (`LINKS`: a ring's bus bandwidth per
+   GPU times 0.8; between hosts the host's eight NICs together). FSDP2 prefetches the next
+   block's all-gather under the current block's compute, so per block only what exceeds the block's compute is exposed,
    plus the first all-gather and the last reduce-scatter (and the root's, once each).
 4. **Predicted:** tokens/s per GPU = local batch x seq / (step + exposed communication +
    optimizer step: AdamW and gradient clipping over the shard, memory bound);
@@ -32,8 +34,11 @@ torch.compile. For each:
    budget the AC setting used there (its simulated peak plus the checkpoint gap), extrapolated
    the same way; FSDP communication as above.
 
-Nothing is fitted to these runs: the presets' figures are datasheet ones, the cost model's
-constants are `op_costs.json`'s, the link rates are stated in `LINKS`.
+Nothing is fitted to these runs: the presets' peaks are datasheet figures (the 500 W H100's
+interpolated between two datasheets), their bf16 GEMM and fused-attention fractions are
+published kernel measurements (`slackswap_cli/hardware.py`, [EFF] and [ATTN]: best shapes and
+"up to" figures, so an upper bound on speed), the cost model's other constants are
+`op_costs.json`'s (fitted on fp32 steps of other models), the link rates are stated in `LINKS`.
 
     python benchmarks/published_runs.py   # writes benchmarks/results/published_runs.{json,md}
     python benchmarks/published_runs.py --profiles /tmp/runs   # keeps the traces to reuse
@@ -55,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from slackswap_cli.hardware import PRESETS  # noqa: E402
+from slackswap_cli.op_cost import price_profile  # noqa: E402
 from slackswap_cli.planners import make_plan  # noqa: E402
 from slackswap_cli.planners.ac_settings import checkpoint_gap, sac_cached_ops  # noqa: E402
 from slackswap_cli.planners.common import State, build_cost_model  # noqa: E402
@@ -62,20 +68,28 @@ from slackswap_cli.schema import load_profile  # noqa: E402
 
 GIB = 1 << 30
 TT = "pytorch/torchtitan"
-# link -> (GB/s per direction, source). The rate used is 0.8 of it (NCCL's ring bus bandwidth
-# on large messages reaches about 80% of the link: an assumption, not measured here).
+# link -> (GB/s per direction a ring collective moves per GPU: its bus bandwidth, source). The
+# rate used is 0.8 of it (NCCL's ring bus bandwidth on large messages reaches about 80-95% of
+# the link: the NVIDIA/nccl-tests thread "Evaluation of NCCL test result", 2022, 85-96 GB/s
+# measured against 100). Between hosts NCCL runs one ring per NIC, so a GPU's ring traffic
+# leaves the host over all of its eight NICs at once: the bus bandwidth is the host's NIC
+# bandwidth, 8x one GPU's (that thread: 24 A100s, 4 HDR NICs a host, busbw near the 100 GB/s
+# the four NICs give together), up to NVLink's.
 LINKS = {
     "nvlink4": (450.0, "NVLink 4 on H100 SXM: 900 GB/s both directions (H100 datasheet)"),
-    "rdma400": (50.0, "400 Gb/s RDMA per GPU between hosts (the run's source states it)"),
-    "ib200": (25.0, "200 Gb/s InfiniBand per GPU between hosts: assumed, the source does not "
-                    "state the A100 cluster's network"),
+    "rdma400": (400.0, "400 Gb/s RDMA per GPU between hosts (the run's source states it): "
+                       "8 x 50 GB/s a host, under NVLink 4's 450"),
+    "ib200": (200.0, "200 Gb/s InfiniBand per GPU between hosts (8 x 25 GB/s a host, under "
+                     "A100 NVLink 3's 300): assumed, the source does not state the A100 "
+                     "cluster's network"),
 }
 LINK_EFFICIENCY = 0.8
 # AdamW reads parameter, gradient and both moments and writes back parameter and moments (28
 # bytes in fp32); clipping reads the gradient for its norm and scales it in place (12)
 OPTIMIZER_BYTES = 28 + 12
 # layers, hidden, kv heads x head dim, MLP, vocab (examples/llama3.py)
-SIZES = {"8b": (32, 4096, 1024, 14336, 128256), "70b": (80, 8192, 1024, 28672, 128256)}
+SIZES = {"8b": (32, 4096, 1024, 14336, 128256), "70b": (80, 8192, 1024, 28672, 128256),
+         "llama2-13b": (40, 5120, 5120, 13824, 32000), "llama2-70b": (80, 8192, 1024, 28672, 32000)}
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,7 @@ class Run:
     link: str
     batch: int
     seq: int
-    ac: str                      # the baseline planner of its AC setting
+    ac: str                      # the baseline planner of its AC setting ("none": keep all)
     tokens_per_s: float          # measured, per GPU
     memory_gib: float | None     # measured, per GPU (torch's max reserved), None: not published
     low_peak: float | None = None  # a lower dense bf16 peak the source allows (FLOP/s)
@@ -110,6 +124,19 @@ RUNS = [
     Run("70B, 64x A100, FSDP 64, full AC", f"{TT} docs/performance.md at 1ea476e9f "
         "(2024-04-24), train_configs/llama3_70b.toml there (seq 8192)", "70b", "a100-pcie4", 64,
         "ib200", 1, 8192, "full-ac", 331, None),
+    # the Llama 2 table of the same file (seq 4096: train_configs/llama2_*.toml there)
+    Run("Llama 2 13B, 64x A100, FSDP 64, no AC", f"{TT} docs/performance.md at 1ea476e9f "
+        "(2024-04-24), Llama 2 table, train_configs/llama2_13b.toml there (seq 4096)",
+        "llama2-13b", "a100-pcie4", 64, "ib200", 2, 4096, "none", 2162, None),
+    Run("Llama 2 13B, 64x A100, FSDP 64, selective op AC", f"{TT} docs/performance.md at "
+        "1ea476e9f (2024-04-24), Llama 2 table", "llama2-13b", "a100-pcie4", 64, "ib200", 2,
+        4096, "torchtitan-sac", 1904, None),
+    Run("Llama 2 70B, 64x A100, FSDP 64, selective op AC", f"{TT} docs/performance.md at "
+        "1ea476e9f (2024-04-24), Llama 2 table, train_configs/llama2_70b.toml there (seq "
+        "4096)", "llama2-70b", "a100-pcie4", 64, "ib200", 1, 4096, "torchtitan-sac", 355, None),
+    Run("Llama 2 70B, 64x A100, FSDP 64, full AC", f"{TT} docs/performance.md at 1ea476e9f "
+        "(2024-04-24), Llama 2 table", "llama2-70b", "a100-pcie4", 64, "ib200", 2, 4096,
+        "full-ac", 353, None),
 ]
 
 
@@ -120,47 +147,47 @@ def block_params(size: str) -> tuple[int, int]:
     return block, 2 * vocab * h + h
 
 
-def hardware(run: Run, out: Path, low: bool):
-    """(the HardwareSpec, the --hardware argument): the run's preset, or with `low` the same
-    at the lower peak its source allows (written as a hardware file)."""
+def hardware(run: Run, low: bool):
+    """The run's preset, or with `low` the same at the lower peak its source allows."""
     hw = PRESETS[run.hardware]
     if not low:
-        return hw, run.hardware
-    hw = dataclasses.replace(hw, name=f"{hw.name}-low-peak", peak_flops_per_s=run.low_peak)
-    path = out / f"{hw.name}.json"
-    path.write_text(json.dumps(hw.to_dict()))
-    return hw, str(path)
+        return hw
+    return dataclasses.replace(hw, name=f"{hw.name}-low-peak", peak_flops_per_s=run.low_peak)
 
 
-def profile(run: Run, layers: int, out: Path, hw_arg: str):
-    tag = Path(hw_arg).stem
-    path = out / f"{run.size}_{tag}_b{run.batch}_l{layers}.profile.json"
+def profile(run: Run, layers: int, out: Path, hw):
+    """The run's trace at `layers` layers (on its preset), priced on `hw`: a kept trace is
+    priced again, so its op times follow this checkout's presets and op costs."""
+    path = out / f"{run.size}_{run.hardware}_b{run.batch}_l{layers}.profile.json"
     if not path.exists():
         exe = Path(sys.executable).with_name("slackswap")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         subprocess.run([str(exe), "profile", "examples/llama3.py", "--device", "fake",
-                        "--hardware", hw_arg, "--arg", f"size='{run.size}'",
+                        "--hardware", run.hardware, "--arg", f"size='{run.size}'",
                         "--arg", f"n_layer={layers}", "--arg", f"batch={run.batch}",
                         "--arg", f"seq={run.seq}", "-o", str(path), "-q"],
                        check=True, cwd=ROOT, env=env)
-    return load_profile(path)
+    return price_profile(load_profile(path), hw)
 
 
 def figures(run: Run, prof, hw) -> dict:
     """The AC setting and slackswap on one profile: times (us) and activation bytes."""
-    ac = make_plan(run.ac, prof, hw, 1 << 50)
-    m = build_cost_model(prof, hw)
-    acts = ac.actions()
-    state = State(m, [acts[t] for t in m.cands])
-    gap = checkpoint_gap(prof, state, sac_cached_ops(prof) if run.ac == "torchtitan-sac"
-                         else set())
-    budget = ac.predicted.peak_bytes + gap.held_bytes
+    ac = make_plan("recompute-only" if run.ac == "none" else run.ac, prof, hw, 1 << 50)
+    gap_bytes = gap_us = 0   # no AC: every activation kept, no checkpoint
+    if run.ac != "none":
+        m = build_cost_model(prof, hw)
+        acts = ac.actions()
+        state = State(m, [acts[t] for t in m.cands])
+        gap = checkpoint_gap(prof, state, sac_cached_ops(prof) if run.ac == "torchtitan-sac"
+                             else set())
+        gap_bytes, gap_us = gap.held_bytes, gap.time_us
+    budget = ac.predicted.peak_bytes + gap_bytes
     ours = make_plan("slackswap", prof, hw, budget)
-    return {"ac_step_us": ac.predicted.step_us + gap.time_us,
+    return {"ac_step_us": ac.predicted.step_us + gap_us,
             "ours_swapped_bytes": ours.predicted.swapped_bytes,
             "ours_recompute_us": ours.predicted.recompute_us,
-            "ac_recompute_us": ac.predicted.recompute_us + gap.time_us,
-            "ac_peak_bytes": budget, "gap_bytes": gap.held_bytes, "gap_us": gap.time_us,
+            "ac_recompute_us": ac.predicted.recompute_us + gap_us,
+            "ac_peak_bytes": budget, "gap_bytes": gap_bytes, "gap_us": gap_us,
             "ours_step_us": ours.predicted.step_us if ours.feasible else None,
             "ours_peak_bytes": ours.predicted.peak_bytes,
             "fwd_us": prof.summary["forward_us"], "bwd_us": prof.summary["backward_us"]}
@@ -208,9 +235,9 @@ def static_bytes(run: Run) -> dict:
 
 
 def scaled_figures(run: Run, out: Path, low: bool = False) -> dict:
-    hw, arg = hardware(run, out, low)
-    return scaled(figures(run, profile(run, 2, out, arg), hw),
-                  figures(run, profile(run, 3, out, arg), hw), SIZES[run.size][0])
+    hw = hardware(run, low)
+    return scaled(figures(run, profile(run, 2, out, hw), hw),
+                  figures(run, profile(run, 3, out, hw), hw), SIZES[run.size][0])
 
 
 def predict(run: Run, out: Path) -> dict:
@@ -306,10 +333,10 @@ def write_md(rows: list[dict], path: Path) -> None:
 
 def check_depth(layers: int, out: Path) -> None:
     """Print the 2- and 3-layer extrapolation against a direct trace at `layers` layers, for
-    the first and the last run (the 8B on H100, the 70B on A100)."""
-    for run in (RUNS[0], RUNS[-1]):
-        hw, arg = hardware(run, out, False)
-        f2, f3, fx = (figures(run, profile(run, n, out, arg), hw) for n in (2, 3, layers))
+    the first and the fourth run (the 8B on H100, the Llama 3 70B on A100)."""
+    for run in (RUNS[0], RUNS[3]):
+        hw = hardware(run, False)
+        f2, f3, fx = (figures(run, profile(run, n, out, hw), hw) for n in (2, 3, layers))
         for key in ("ac_step_us", "ac_peak_bytes", "ours_step_us", "ours_peak_bytes"):
             guess = f2[key] + (layers - 2) * (f3[key] - f2[key])
             print(f"{run.name}: {key} at {layers} layers extrapolated {guess:.6g}, traced "

@@ -3,10 +3,11 @@
 A `HardwareSpec` holds the handful of numbers that decide how long an op takes and how long a
 copy between device and host takes:
 
-- compute: peak dense bf16 matmul FLOP/s times an achievable fraction (large GEMMs reach about
-  70-80% of the datasheet peak), the FP32 (FMA), TF32 and FP8 peaks and the SM count (what
-  `op_cost` prices an op by, after the arithmetic it runs), and HBM bandwidth times an
-  achievable fraction (streaming kernels reach about 80-90%),
+- compute: peak dense bf16 matmul FLOP/s times an achievable fraction (the best bf16 GEMM
+  measured on that GPU, [EFF]), the fraction fused (flash) attention reaches ([ATTN]), the
+  FP32 (FMA), TF32 and FP8 peaks and the SM count (what `op_cost` prices an op by, after the
+  arithmetic it runs), and HBM bandwidth times an achievable fraction (streaming kernels
+  reach about 80-90%),
 - a fixed per-kernel overhead (launch and tail effects) added to every op that touches memory,
 - the host link: pinned-memory H2D and D2H bandwidth, a fixed per-copy latency, and whether the
   two directions run at once (separate copy engines over a full-duplex link) and, if so, the
@@ -65,6 +66,9 @@ class HardwareSpec:
     board_power_w: float = 0.0       # board power limit (TDP), watts (datasheet)
     l2_bytes: int = 0                # L2 cache size
     l2_bytes_per_s: float = 0.0      # L2 read bandwidth (whitepaper bytes/clk x boost clock)
+    # fraction of peak_flops_per_s a bf16/fp16 fused attention kernel (SDPA's flash) reaches,
+    # causal FLOPs halved ([ATTN]); 0 = not given: matmul_efficiency
+    attention_efficiency: float = 0.0
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -167,8 +171,10 @@ _BOUNDS: dict[str, tuple[float, float, str]] = {
     "board_power_w": (0, 1e5, "the board's power limit in watts, e.g. 300 (0: not given)"),
     "l2_bytes": (0, 2**40, "the L2 cache in bytes, e.g. 41943040 for 40 MiB (0: not given)"),
     "l2_bytes_per_s": (0, 1e17, _RATE + " (0: not given)"),
+    "attention_efficiency": (1e-3, 1.0, _EFF + " (0: matmul_efficiency)"),
 }
-_ZERO_MEANS_NONE = ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s")
+_ZERO_MEANS_NONE = ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s",
+                    "attention_efficiency")
 
 # Sources (datasheet figures are dense, i.e. without structured sparsity):
 # [A100]   NVIDIA A100 Tensor Core GPU datasheet: 19.5 TFLOPS FP32, 156 TFLOPS TF32, 312 TFLOPS
@@ -177,9 +183,12 @@ _ZERO_MEANS_NONE = ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s")
 # [H100]   NVIDIA H100 Tensor Core GPU datasheet (SXM5): 67 TFLOPS FP32, 494.7 TF32, 989 BF16,
 #          1,979 FP8, 3.35 TB/s HBM3. 132 SMs: NVIDIA H100 architecture whitepaper (SXM5).
 # [H100-96] The H100 of torchtitan's benchmarks (pytorch/torchtitan,
-#          benchmarks/llama3_h100_202412_torchtitan.md): 96GB HBM2e at 2.4 TB/s, SXM, run at
-#          a 500 W limit; its peak "is between SXM and NVL" (their footnote): the SXM5
-#          datasheet's compute is taken, with 132 SMs.
+#          benchmarks/llama3_h100_202412_torchtitan.md): 96GB HBM2e at 2.4 TB/s, SXM, 132 SMs,
+#          run at a 500 W limit; its peak "is between SXM and NVL" (their footnote; no source
+#          states its clock). Each compute figure is interpolated in board power between the
+#          H100 NVL datasheet's (400 W: 60 FP32, 417.5 TF32, 835 BF16, 1,671 FP8 dense, 132
+#          SMs) and the SXM5's (700 W): at 500 W one third of the way, e.g. 886.3 TFLOPS BF16
+#          (an assumption: clock linear in power between the two rated points).
 # [H200]   NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute (67 FP32, 494.7 TF32,
 #          989 BF16, 1,979 FP8, 132 SMs), 4.8 TB/s HBM3e, 141 GB.
 # [GH200]  NVIDIA GH200 Grace Hopper Superchip datasheet: H100-class GPU (67 FP32, 494.7 TF32,
@@ -218,11 +227,24 @@ _ZERO_MEANS_NONE = ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s")
 # [C2C]    Grace Hopper microbenchmarks (e.g. Fusco et al., "Understanding Data Movement in Tightly
 #          Coupled Heterogeneous Systems: A Case Study with the Grace Hopper Superchip", 2024)
 #          measure roughly 350 GB/s host->device and about 300 GB/s device->host over NVLink-C2C.
-# [EFF]    Large bf16 GEMMs reach about 70-75% of dense peak on A100/H100 (cuBLAS); streaming
-#          elementwise kernels reach about 80-90% of HBM bandwidth. (Tensor-core efficiency is a
-#          published figure, not fitted: the measured steps in benchmarks/data/gpu_truth are
-#          fp32. The per-class memory efficiencies and fp32 GEMM efficiencies are fitted:
-#          op_costs.json.)
+# [EFF]    bf16 GEMM: the "Maximum Achievable Matmul FLOPS" table of stas00/ml-engineering
+#          (compute/accelerator/README.md; mamf-finder.py, torch.matmul, mean of 100 runs at the
+#          best shape found): A100 SXM 271.2 of 312 TFLOPS (86.9%), A100 PCIe 252.9 (81.1%),
+#          H100 SXM 794.5 of 989 (80.3%, "H200 is the same"), GH200 828.6 (83.8%, its 900 W
+#          141 GiB version). A best-shape figure: an upper bound for a model's GEMMs. GPUs the
+#          table lacks (V100, T4, L4, RTX 4090) keep 0.72-0.75 (typical cuBLAS, no measurement
+#          cited). Streaming elementwise kernels reach about 80-90% of HBM bandwidth. (Tensor-core
+#          efficiency is a published figure, not fitted: the measured steps in
+#          benchmarks/data/gpu_truth are fp32. The per-class memory efficiencies and fp32 GEMM
+#          efficiencies are fitted: op_costs.json.)
+# [ATTN]   Fused attention in bf16/fp16, FLOPs counted as the FlashAttention papers do (causal
+#          halved, backward 2.5x forward), as slackswap's trace counts them: FlashAttention-2
+#          (Dao 2023, arXiv 2307.08691, section 4.1) "reaches up to 230 TFLOPs/s, 73% of the
+#          theoretical maximum" on A100 80GB SXM4, and "up to 335 TFLOPs/s" (forward+backward,
+#          Fig. 7) on H100 80GB SXM5: 33.9% of 989 (FlashAttention-3, arXiv 2407.08608: "only
+#          35% utilization on the H100"). torch's SDPA flash kernel is FlashAttention-2. Other
+#          forms of the same chip (A100 PCIe, GH200) scale it by their [EFF] GEMM fraction over
+#          the measured form's; GPUs without a published figure: 0 (matmul_efficiency).
 # [LAT]    A cudaMemcpyAsync of a small pinned buffer costs on the order of 5-10 us end to end.
 _LINK = {
     "pcie3": "[PCIe3] published bandwidthTest figures for PCIe 3.0 x16 (12-13 GB/s each way); "
@@ -252,7 +274,7 @@ def _chip(lanes: int, watts: float, l2_mib: int, l2_per_sm_clk: float, fp32: flo
 
 
 def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72,
-          bw=None, chip=None) -> HardwareSpec:
+          bw=None, chip=None, attn=0.0) -> HardwareSpec:
     """A preset: the compute and memory figures given, the host link of `link` (its typical
     bandwidth each way unless `bw` GB/s is given), the `_chip` figures."""
     typical, lat = {"pcie3": (12.5, 10.0), "pcie4": (25.7, 8.0), "pcie5": (55.0, 6.0)}[link]
@@ -263,25 +285,46 @@ def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72,
         d2h_bytes_per_s=bw * GB, copy_latency_us=lat, duplex=True,
         duplex_derate=0.8 if link == "pcie3" else 0.85, description=desc,
         fp32_flops_per_s=fp32, tf32_flops_per_s=tf32, fp8_flops_per_s=fp8, sm_count=sms,
-        link_source=_LINK[link], **(chip or {}))
+        link_source=_LINK[link], attention_efficiency=attn, **(chip or {}))
 
 
+# [EFF] best measured bf16 GEMM fractions; [ATTN] FlashAttention-2's on the measured form, and
+# scaled by the GEMM fraction on another form of the same chip
+_EFF_A100_SXM, _EFF_A100_PCIE, _EFF_H100, _EFF_GH200 = 0.869, 0.811, 0.803, 0.838
+_ATTN_A100 = 0.73                      # 230 of 312 TFLOPS
+_ATTN_H100 = round(335 / 989, 4)       # 0.3387
+
+
+def _scaled_attn(base: float, eff: float, measured_eff: float) -> float:
+    return round(base * eff / measured_eff, 4)
+
+
+def _h100_at(watts: float, nvl: float, sxm: float) -> float:
+    """[H100-96]: a compute figure at `watts`, linear in board power between H100 NVL's (400 W)
+    and H100 SXM5's (700 W) datasheet figure."""
+    return round(nvl + (sxm - nvl) * (watts - 400) / (700 - 400), -9)
+
+
+_H100_500W = {k: _h100_at(500, nvl, sxm) for k, (nvl, sxm) in
+              {"bf16": (835e12, 989e12), "fp32": (60e12, 67e12), "tf32": (417.5e12, 494.7e12),
+               "fp8": (1671e12, 1979e12)}.items()}
 _A100 = {w: _chip(64, w, 40, _L2_AMPERE, 19.5e12) for w in (250, 300, 400)}
 _HOPPER = _chip(128, 700, 50, _L2_AMPERE, 67e12)
 PRESETS: dict[str, HardwareSpec] = {
     # name              bf16     fp32     tf32      fp8      SMs  HBM GB/s  memory [source]
     "a100-pcie4": _spec("a100-pcie4", 312e12, 19.5e12, 156e12, 0, 108, 2039, 80 * GIB,  # [A100]
-                        "pcie4", "A100 80GB SXM on a PCIe 4.0 x16 host link", chip=_A100[400]),
+                        "pcie4", "A100 80GB SXM on a PCIe 4.0 x16 host link", chip=_A100[400],
+                        eff=_EFF_A100_SXM, attn=_ATTN_A100),
     "h100-pcie5": _spec("h100-pcie5", 989e12, 67e12, 494.7e12, 1979e12, 132, 3350,  # [H100]
                         80 * GIB, "pcie5", "H100 80GB SXM on a PCIe 5.0 x16 host link",
-                        eff=0.70, chip=_HOPPER),
+                        eff=_EFF_H100, chip=_HOPPER, attn=_ATTN_H100),
     "h200-pcie5": _spec("h200-pcie5", 989e12, 67e12, 494.7e12, 1979e12, 132, 4800,  # [H200]
                         141 * 10**9, "pcie5", "H200 141GB on a PCIe 5.0 x16 host link",
-                        eff=0.70, chip=_HOPPER),
+                        eff=_EFF_H100, chip=_HOPPER, attn=_ATTN_H100),
     "gh200-c2c": HardwareSpec(
         name="gh200-c2c",
         peak_flops_per_s=989e12,             # [GH200]
-        matmul_efficiency=0.70,              # [EFF]
+        matmul_efficiency=_EFF_GH200,        # [EFF]
         hbm_bytes_per_s=4000 * GB,           # [GH200]
         hbm_efficiency=0.85,                 # [EFF]
         memory_bytes=96 * 10**9,             # [GH200]
@@ -292,6 +335,7 @@ PRESETS: dict[str, HardwareSpec] = {
         description="GH200 Grace Hopper, NVLink-C2C between Grace and Hopper",
         fp32_flops_per_s=67e12, tf32_flops_per_s=494.7e12, fp8_flops_per_s=1979e12,  # [GH200]
         sm_count=132, link_source=_LINK["c2c"],
+        attention_efficiency=_scaled_attn(_ATTN_H100, _EFF_GH200, _EFF_H100),  # [ATTN]
         **_chip(128, 0, 50, _L2_AMPERE, 67e12),   # [CHIP] no GPU-only power limit given
     ),
     "rtx4090-pcie4": _spec("rtx4090-pcie4", 165.2e12, 82.6e12, 82.6e12, 330.3e12, 128,  # [4090]
@@ -300,19 +344,24 @@ PRESETS: dict[str, HardwareSpec] = {
                            chip=_chip(128, 450, 72, _L2_AMPERE, 82.6e12)),
     # the GPUs of benchmarks/data/gpu_truth (measured steps), on the host link of their form
     "a100-80gb-pcie": _spec("a100-80gb-pcie", 312e12, 19.5e12, 156e12, 0, 108, 1935,  # [A100]
-                            80 * GIB, "pcie4", "A100 80GB PCIe (PCIe 4.0 x16)", chip=_A100[300]),
+                            80 * GIB, "pcie4", "A100 80GB PCIe (PCIe 4.0 x16)", chip=_A100[300],
+                            eff=_EFF_A100_PCIE,
+                            attn=_scaled_attn(_ATTN_A100, _EFF_A100_PCIE, _EFF_A100_SXM)),
     "a100-40gb-pcie": _spec("a100-40gb-pcie", 312e12, 19.5e12, 156e12, 0, 108, 1555,  # [A100]
-                            40 * GIB, "pcie4", "A100 40GB PCIe (PCIe 4.0 x16)", chip=_A100[250]),
+                            40 * GIB, "pcie4", "A100 40GB PCIe (PCIe 4.0 x16)", chip=_A100[250],
+                            eff=_EFF_A100_PCIE,
+                            attn=_scaled_attn(_ATTN_A100, _EFF_A100_PCIE, _EFF_A100_SXM)),
     "a100-40gb-sxm": _spec("a100-40gb-sxm", 312e12, 19.5e12, 156e12, 0, 108, 1555,  # [A100]
                            40 * GIB, "pcie4", "A100 40GB SXM4 on a PCIe 4.0 x16 host link",
-                           chip=_A100[400]),
+                           chip=_A100[400], eff=_EFF_A100_SXM, attn=_ATTN_A100),
     "h100-sxm": _spec("h100-sxm", 989e12, 67e12, 494.7e12, 1979e12, 132, 3350,  # [H100]
                       80 * GIB, "pcie5", "H100 80GB SXM5 on a PCIe 5.0 x16 host link",
-                      eff=0.70, chip=_HOPPER),
-    "h100-sxm-96gb": _spec("h100-sxm-96gb", 989e12, 67e12, 494.7e12, 1979e12, 132,  # [H100-96]
-                           2400, 96 * 10**9, "pcie5", "H100 SXM 96GB HBM2e (2.4 TB/s, 500 W), "
-                           "the GPU of torchtitan's 2024-12 benchmarks", eff=0.70,
-                           chip=_chip(128, 500, 50, _L2_AMPERE, 67e12)),
+                      eff=_EFF_H100, chip=_HOPPER, attn=_ATTN_H100),
+    "h100-sxm-96gb": _spec("h100-sxm-96gb", _H100_500W["bf16"], _H100_500W["fp32"],  # [H100-96]
+                           _H100_500W["tf32"], _H100_500W["fp8"], 132, 2400, 96 * 10**9,
+                           "pcie5", "H100 SXM 96GB HBM2e (2.4 TB/s, 500 W), the GPU of "
+                           "torchtitan's 2024-12 benchmarks", eff=_EFF_H100, attn=_ATTN_H100,
+                           chip=_chip(128, 500, 50, _L2_AMPERE, _H100_500W["fp32"])),
     "v100-pcie": _spec("v100-pcie", 112e12, 14e12, 0, 0, 80, 900, 32 * GIB,  # [V100]
                        "pcie3", "V100 32GB PCIe (PCIe 3.0 x16); fp16 tensor cores, no bf16",
                        chip=_chip(64, 250, 6, _L2_VOLTA, 14e12)),

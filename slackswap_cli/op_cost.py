@@ -4,7 +4,7 @@ An op's time is a roofline with two things the plain one (`HardwareSpec.roofline
 
 - **the peak of the arithmetic it runs.** Matmul-like ops (GEMM, batched GEMM, attention,
   convolution) in bf16/fp16 run on tensor cores at `peak_flops_per_s` times the preset's
-  `matmul_efficiency`; fp8 at `fp8_flops_per_s`; fp32 at `tf32_flops_per_s` when the
+  `matmul_efficiency` (fused attention: its `attention_efficiency` where given); fp8 at `fp8_flops_per_s`; fp32 at `tf32_flops_per_s` when the
   workload allowed TF32 (`torch.backends.cuda.matmul.allow_tf32` or a float32 matmul
   precision of "high"/"medium" for matmuls, `torch.backends.cudnn.allow_tf32` for
   convolutions: the profile records them in `env.float32_matmul`), else on the FP32 FMA units
@@ -193,7 +193,9 @@ def compute_rate(hw, model: CostModel, cls: str, dtype: str, precision: Precisio
     """Achievable FLOP/s of an op of class `cls` whose operands are `dtype`."""
     if cls in MATMUL_CLASSES:
         if dtype in ("bfloat16", "float16"):
-            return hw.peak_flops_per_s * hw.matmul_efficiency
+            eff = ((cls == "attention" and hw.attention_efficiency)
+                   or hw.matmul_efficiency)
+            return hw.peak_flops_per_s * eff
         if dtype.startswith("float8"):
             return (hw.fp8_flops_per_s or hw.peak_flops_per_s) * hw.matmul_efficiency
         tf32 = precision.tf32_conv if cls == "conv" else precision.tf32_matmul

@@ -24,7 +24,7 @@ def test_roofline_by_hand():
     # a 4096x4096x4096 bf16 matmul: 2*4096^3 FLOPs, reads 2 and writes 1 matrix of 32 MiB
     flops = 2 * 4096**3
     nbytes = 3 * 4096 * 4096 * 2
-    compute_us = flops / (312e12 * 0.72) * 1e6          # 611.8 us: compute bound
+    compute_us = flops / (312e12 * 0.869) * 1e6         # 506.9 us: compute bound
     assert A100.roofline_us(flops, nbytes) == pytest.approx(compute_us + 2.0)
     # an elementwise op on 64 MiB in and out: memory bound
     nbytes = 2 * 64 * 2**20
@@ -150,3 +150,11 @@ def test_every_plan_written_loads_again(tmp_path):
     r = runner.invoke(app, plan)
     assert r.exit_code == 0, r.stderr
     assert schema.load_plan(out).predicted.step_us < schema.MAX_US
+
+
+def test_500w_h100_between_its_two_datasheets():
+    # torchtitan's 500 W H100: one third of the way from H100 NVL (400 W) to SXM5 (700 W)
+    hw = PRESETS["h100-sxm-96gb"]
+    assert hw.peak_flops_per_s == pytest.approx(835e12 + (989e12 - 835e12) / 3, abs=1e9)
+    assert hw.fp8_flops_per_s == pytest.approx(1671e12 + (1979e12 - 1671e12) / 3, abs=1e9)
+    assert PRESETS["h100-sxm"].peak_flops_per_s > hw.peak_flops_per_s > 835e12

@@ -39,19 +39,19 @@ HALF = cost_model_from_dict({
     "kernel_overhead_us": 3.0})
 N = 4096
 GEMM_FLOPS = 2 * N**3            # 1.374e11
-A100 = PRESETS["a100-80gb-pcie"]  # 312 TF bf16, 156 TF32, 19.5 FP32, 1935 GB/s, 108 SMs, eff 0.72
+A100 = PRESETS["a100-80gb-pcie"]  # 312 TF bf16, 156 TF32, 19.5 FP32, 1935 GB/s, 108 SMs, eff 0.811
 
 
 @pytest.mark.parametrize("dtype, precision, expected_us", [
-    # bf16 tensor cores: 1.374e11 / (312e12 x 0.72) = 611.8 us, + 3 us
-    ("bfloat16", Precision(), GEMM_FLOPS / (312e12 * 0.72) * 1e6 + 3),
-    ("float16", Precision(), GEMM_FLOPS / (312e12 * 0.72) * 1e6 + 3),
-    # TF32 allowed: 156e12 x 0.72 -> 1223.6 us
-    ("float32", Precision(tf32_matmul=True), GEMM_FLOPS / (156e12 * 0.72) * 1e6 + 3),
+    # bf16 tensor cores: 1.374e11 / (312e12 x 0.811) = 543.1 us, + 3 us
+    ("bfloat16", Precision(), GEMM_FLOPS / (312e12 * 0.811) * 1e6 + 3),
+    ("float16", Precision(), GEMM_FLOPS / (312e12 * 0.811) * 1e6 + 3),
+    # TF32 allowed: 156e12 x 0.811 -> 1086.3 us
+    ("float32", Precision(tf32_matmul=True), GEMM_FLOPS / (156e12 * 0.811) * 1e6 + 3),
     # fp32 FMA: 19.5e12 x 0.5 x waves (32 x 32 = 1024 tiles over 108 SMs: 10 waves, 1024/1080)
     ("float32", Precision(), GEMM_FLOPS / (19.5e12 * 0.5 * 1024 / 1080) * 1e6 + 3),
     # fp8 on an A100 (none): the bf16 figure
-    ("float8_e4m3fn", Precision(), GEMM_FLOPS / (312e12 * 0.72) * 1e6 + 3),
+    ("float8_e4m3fn", Precision(), GEMM_FLOPS / (312e12 * 0.811) * 1e6 + 3),
 ])
 def test_gemm_time_by_dtype_by_hand(dtype, precision, expected_us):
     got = op_time_us(A100, HALF, "gemm", dtype, GEMM_FLOPS, 3 * N * N * 2, precision, (N, N))
@@ -59,11 +59,11 @@ def test_gemm_time_by_dtype_by_hand(dtype, precision, expected_us):
 
 
 def test_fp32_is_sixteen_times_bf16_and_fp8_twice_on_h100():
-    h100 = PRESETS["h100-sxm"]   # 989 TF bf16, 1979 FP8, 494.7 TF32, 67 FP32, eff 0.70
+    h100 = PRESETS["h100-sxm"]   # 989 TF bf16, 1979 FP8, 494.7 TF32, 67 FP32, eff 0.803
     t = {dt: op_time_us(h100, HALF, "gemm", dt, GEMM_FLOPS, 0, Precision(), (N, N)) - 3
          for dt in ("bfloat16", "float8_e5m2", "float32")}
-    assert t["bfloat16"] == pytest.approx(GEMM_FLOPS / (989e12 * 0.70) * 1e6)
-    assert t["float8_e5m2"] == pytest.approx(GEMM_FLOPS / (1979e12 * 0.70) * 1e6)
+    assert t["bfloat16"] == pytest.approx(GEMM_FLOPS / (989e12 * 0.803) * 1e6)
+    assert t["float8_e5m2"] == pytest.approx(GEMM_FLOPS / (1979e12 * 0.803) * 1e6)
     # 1024 tiles over 132 SMs: 8 waves, 1024 / 1056
     assert t["float32"] == pytest.approx(GEMM_FLOPS / (67e12 * 0.5 * 1024 / 1056) * 1e6)
 
@@ -113,10 +113,29 @@ def test_hardware_file_without_the_new_figures_prices_fp32_at_its_one_peak():
     old = {k: v for k, v in PRESETS["a100-pcie4"].to_dict().items()
            if k not in ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s", "sm_count",
                         "link_source", "fp32_lanes_per_sm", "board_power_w", "l2_bytes",
-                        "l2_bytes_per_s")}
+                        "l2_bytes_per_s", "attention_efficiency")}
     hw = HardwareSpec.from_dict(dict(old, name="old-file"))
     assert op_time_us(hw, HALF, "gemm", "float32", GEMM_FLOPS, 0) == \
-        pytest.approx(GEMM_FLOPS / (312e12 * 0.72) * 1e6 + 3)
+        pytest.approx(GEMM_FLOPS / (312e12 * 0.869) * 1e6 + 3)
+    # no attention figure: fused attention at the GEMM fraction
+    assert op_time_us(hw, HALF, "attention", "bfloat16", GEMM_FLOPS, 0) == \
+        pytest.approx(GEMM_FLOPS / (312e12 * 0.869) * 1e6 + 3)
+
+
+def test_attention_priced_at_its_own_fraction_by_hand():
+    h100 = PRESETS["h100-sxm"]   # 989 TF bf16; GEMMs 0.803, FlashAttention-2 335 of 989
+    assert h100.attention_efficiency == pytest.approx(0.3387)
+    got = op_time_us(h100, HALF, "attention", "bfloat16", GEMM_FLOPS, 0)
+    assert got == pytest.approx(GEMM_FLOPS / (989e12 * 0.3387) * 1e6 + 3)
+    # a GEMM on the same GPU, and the batched GEMMs of eager attention, keep the GEMM fraction
+    for cls in ("gemm", "bgemm"):
+        assert op_time_us(h100, HALF, cls, "bfloat16", GEMM_FLOPS, 0) == \
+            pytest.approx(GEMM_FLOPS / (989e12 * 0.803) * 1e6 + 3)
+    # A100 80GB PCIe: FlashAttention-2's 73% on the SXM4, times 0.811 / 0.869
+    assert A100.attention_efficiency == pytest.approx(round(0.73 * 0.811 / 0.869, 4))
+    # fp32 attention runs on the FMA units, as before
+    fp32 = op_time_us(h100, HALF, "attention", "float32", GEMM_FLOPS, 0, Precision(), (N, N))
+    assert fp32 > 10 * got
 
 
 @pytest.mark.parametrize("target, cls", [
@@ -152,7 +171,7 @@ def test_profile_precision_decides_fp32_matmuls():
                                                          "precision": "high"}}), A100, HALF)
     assert Precision.from_env(high.env).tf32_matmul and not Precision.from_env(off.env).tf32_matmul
     assert off.ops[0].time_us - 3 == pytest.approx(GEMM_FLOPS / (19.5e12 * 0.5 * 1024 / 1080) * 1e6)
-    assert high.ops[0].time_us - 3 == pytest.approx(GEMM_FLOPS / (156e12 * 0.72) * 1e6)
+    assert high.ops[0].time_us - 3 == pytest.approx(GEMM_FLOPS / (156e12 * 0.811) * 1e6)
     assert high.summary["forward_us"] == pytest.approx(high.ops[0].time_us)
     assert high.env["cost_model"] == HALF.identity and high.env["hardware"] == A100.to_dict()
 

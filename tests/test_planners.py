@@ -290,18 +290,17 @@ def test_planner_settings_reach_the_planner():
 
 
 def test_price_ladder_finds_what_the_dearest_price_misses():
-    # GPT-2 XL at 0.5: pricing every swap at the dearest recompute of the plan without swaps
-    # fills the slack with masks, residuals and norm statistics; a lower price on the ladder
-    # swaps matmul outputs instead, and the simulator prefers that plan (retention 0.94817
-    # against 0.94779 on the sample as traced now; the margin was over 5e-4 on the constants
-    # before fp32 GEMMs were priced per GPU class)
+    # GPT-2 XL at 0.4: pricing every swap at the dearest recompute of the plan without swaps
+    # makes 295 swaps; a lower price on the ladder makes 83, and the simulator prefers that plan
+    # (retention 0.90149 against 0.90075 on the sample as priced now; at 0.5, where this test
+    # stood before a100-pcie4's bf16 GEMM fraction was sourced, both prices give one plan)
     from pathlib import Path
 
     from slackswap_cli.hardware import PRESETS
     from slackswap_cli.schema import load_profile
     p = load_profile(Path(__file__).resolve().parents[1] / "sample_profiles" / "gpt2-xl.json")
     hw = PRESETS["a100-pcie4"]
-    budget = int(0.5 * p.keep_all_peak_bytes)
+    budget = int(0.4 * p.keep_all_peak_bytes)
     one = make_plan("slackswap", p, hw, budget, price_quantiles=(1.0,), polish_work_ops=0)
     ladder = make_plan("slackswap", p, hw, budget, polish_work_ops=0)
     assert one.feasible and ladder.feasible

@@ -18,7 +18,7 @@ def _load():
     return mod
 
 
-@pytest.mark.parametrize("size", ["8b", "70b"])
+@pytest.mark.parametrize("size", ["8b", "70b", "llama2-13b", "llama2-70b"])
 def test_block_and_root_parameters_are_the_models(size):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -57,3 +57,17 @@ def test_static_memory_and_exposed_communication_by_hand():
     # blocks that take no time: everything is exposed
     idle = {"fwd_block_us": 0.0, "bwd_block_us": 0.0, "fwd_us": 0.0, "bwd_us": 0.0}
     assert pr.exposed_comm_us(run, idle, 0.0)[0] == pytest.approx(total)
+
+
+def test_inter_host_rings_use_every_nic_of_the_host():
+    # 128 GPUs, 400 Gb/s (50 GB/s) a GPU: a ring's bus bandwidth is the host's eight NICs
+    pr = _load()
+    run = pr.RUNS[1]
+    assert run.link == "rdma400" and pr.LINKS["rdma400"][0] == 8 * 50.0
+    block, root = pr.block_params("8b")
+    rate = 400e9 * 0.8 / 1e6
+    slow = {"fwd_block_us": 1e9, "bwd_block_us": 1e9, "fwd_us": 0.0, "bwd_us": 0.0}
+    _, total = pr.exposed_comm_us(run, slow, 0.0)
+    share = 127 / 128
+    assert total == pytest.approx((2 * root + 4 * root + 63 * 2 * block + 32 * 4 * block)
+                                  * share / rate)
