@@ -36,17 +36,20 @@ MB, N_MB, LAYERS = 2, 4, 2               # rows per microbatch, microbatches, bl
 
 class Block(nn.Module):
     """A Llama block; the heads a rank holds read off its local q and k widths (a TP rank
-    holds HEADS / TP query heads and KV_HEADS / TP key/value heads)."""
+    holds HEADS / TP query heads and KV_HEADS / TP key/value heads). `tp` > 1 builds one TP
+    rank's local shard as a plain module (its linears at the widths ColwiseParallel and
+    RowwiseParallel leave each rank): what examples/llama_3d_stage.py gives `fit --tp`."""
 
-    def __init__(self):
+    def __init__(self, tp: int = 1):
         super().__init__()
+        heads, kv, ffn = HEADS // tp, KV_HEADS // tp, F_ // tp
         self.attention_norm, self.ffn_norm = nn.RMSNorm(D), nn.RMSNorm(D)
-        self.wq = nn.Linear(D, HEADS * HD, bias=False)
-        self.wk = nn.Linear(D, KV_HEADS * HD, bias=False)
-        self.wv = nn.Linear(D, KV_HEADS * HD, bias=False)
-        self.wo = nn.Linear(HEADS * HD, D, bias=False)
-        self.w1, self.w3 = nn.Linear(D, F_, bias=False), nn.Linear(D, F_, bias=False)
-        self.w2 = nn.Linear(F_, D, bias=False)
+        self.wq = nn.Linear(D, heads * HD, bias=False)
+        self.wk = nn.Linear(D, kv * HD, bias=False)
+        self.wv = nn.Linear(D, kv * HD, bias=False)
+        self.wo = nn.Linear(heads * HD, D, bias=False)
+        self.w1, self.w3 = nn.Linear(D, ffn, bias=False), nn.Linear(D, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, D, bias=False)
         inv = 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD))
         angles = torch.outer(torch.arange(T).float(), inv)
         self.register_buffer("cos", angles.cos(), persistent=False)
@@ -74,15 +77,16 @@ class Block(nn.Module):
 
 class Stage(nn.Module):
     """Stage `index` of `n_stages`: the token embedding on the first, LAYERS blocks, the final
-    RMSNorm and the output projection on the last (the same weights per index)."""
+    RMSNorm and the output projection on the last (the same weights per index); `tp`: its
+    blocks as one TP rank's local shard (`Block`)."""
 
-    def __init__(self, index: int, n_stages: int):
+    def __init__(self, index: int, n_stages: int, tp: int = 1):
         super().__init__()
         torch.manual_seed(4000 + index)
         self.first, self.last = index == 0, index == n_stages - 1
         if self.first:
             self.tok_embeddings = nn.Embedding(V, D)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block(tp) for _ in range(LAYERS))
         if self.last:
             self.norm, self.output = nn.RMSNorm(D), nn.Linear(D, V, bias=False)
 
