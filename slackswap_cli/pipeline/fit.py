@@ -5,9 +5,9 @@ microbatch; every stage of the pipeline is priced as it (`pipeline_step.pipeline
 Per rank:
 
 - **static memory** (`rank_static`): its stages' parameters, gradients, optimizer state and
-  buffers (`fit.static_memory` of the stage, `--shard` as without a pipeline), times the
-  stages the rank runs (`stages_per_rank` with Interleaved1F1B, else one); the batch's inputs
-  once;
+  buffers (`fit.static_memory` of the stage, `--shard` as without a pipeline but for what
+  FSDP2 holds unsharded), times the stages the rank runs (`stages_per_rank` with
+  Interleaved1F1B, else one); the batch's inputs once;
 - the **activation budget**: device memory - that static memory - the reserve;
 - one plan of the stage, the same on every stage, made at the largest stage budget (bisected
   between the stage's activation floor and its keep-all peak) at which EVERY rank, with the
@@ -53,15 +53,21 @@ def stages_on_rank(spec: PipelineSpec) -> int:
     return spec.stages_per_rank if spec.schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
 
 
-def rank_static(static: StaticMemory, stages: int) -> StaticMemory:
+def rank_static(static: StaticMemory, stages: int, shard: int = 1) -> StaticMemory:
     """A rank's static memory: `stages` stages like the profiled one (see the module
-    docstring); the batch's inputs once."""
+    docstring); the batch's inputs once. Sharded over `shard` FSDP2 ranks, a stage's
+    parameters stay unsharded and its unsharded gradients accumulate from its first
+    microbatch's backward to its last (PipelineStage runs the others without gradient sync and
+    without resharding): twice the stage's parameters unsharded (each rank's padded chunk
+    times `shard`), not FSDP2's root and two blocks."""
+    unsharded = (2 * static.params_bytes * shard if shard > 1 and static.unsharded_bytes
+                 else static.unsharded_bytes)
     return StaticMemory(params_bytes=static.params_bytes * stages,
                         grads_bytes=static.grads_bytes * stages,
                         optimizer_bytes=static.optimizer_bytes * stages,
                         buffers_bytes=static.buffers_bytes * stages,
                         inputs_bytes=static.inputs_bytes,
-                        unsharded_bytes=static.unsharded_bytes * stages)
+                        unsharded_bytes=unsharded * stages)
 
 
 def _fits(figs: PipelineFigures | None) -> bool:
@@ -92,7 +98,7 @@ def _search(at: Callable[[int], tuple[Plan, PipelineFigures | None]], floor: int
 def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: FitSettings,
                  spec: PipelineSpec) -> tuple[dict, Plan | None]:
     """One row of the sweep for the pipeline `spec` at microbatch `batch` (module docstring)."""
-    per_rank = rank_static(static, stages_on_rank(spec))
+    per_rank = rank_static(static, stages_on_rank(spec), s.shard)
     budget = s.memory_bytes - per_rank.total - s.reserve_bytes
     row = row_head(batch, kind, per_rank, s)
     row.update(budget_bytes=budget, keep_all_peak_bytes=prof.keep_all_peak_bytes,
