@@ -1,4 +1,4 @@
-"""`fit` with the three degrees together: `--pp`, `--fsdp` (the same as `--shard`) and `--tp`
+"""`fit` and `simulate` with the three degrees together: `--pp`, `--fsdp` (the same as `--shard`) and `--tp`
 (passed to the workload as `tp`: it builds one tensor parallel rank's local shard,
 examples/llama_3d_stage.py). Per rank the static memory of the mesh (checked by hand against
 the parameters of the local shard, and against what the 8-rank run of
@@ -28,7 +28,7 @@ def test_a_pipeline_ranks_fsdp2_static_holds_the_stage_unsharded():
     assert rank_static(st, 2).unsharded_bytes == 2 * 7                  # --shard 1: as given
 
 
-def test_fit_takes_pp_fsdp_and_tp_and_prints_per_rank_static_and_activations(tmp_path,
+def test_fit_and_simulate_take_pp_fsdp_and_tp_and_print_per_rank_static_and_activations(tmp_path,
                                                                              monkeypatch):
     """The first stage on 2 TP ranks: the token embedding (128 x 64) and two blocks of
     2 x 64 norms, q 32 x 64, k and v 16 x 64, o 64 x 32, gate and up 64 x 64, down 64 x 64:
@@ -53,6 +53,24 @@ def test_fit_takes_pp_fsdp_and_tp_and_prints_per_rank_static_and_activations(tmp
                             "--jobs", "1"], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.stdout + r.stderr
     assert "mesh pp 2 x fsdp 2 x tp 2 = 8 ranks" in " ".join(r.stdout.split())
+    # simulate on the plan fit wrote: the same per-rank static memory from the profile's
+    # parameters, the tp its workload was built at read from the profile
+    r = runner.invoke(app, ["simulate", "llama_3d_stage.fit.plan.json", "--pp", "2",
+                            "--fsdp", "2", "--json"])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    pipe = orjson.loads(r.stdout)["pipeline"]
+    assert pipe["static"]["total_bytes"] == row["static_bytes"]
+    assert (pipe["static"]["tp"], pipe["static"]["ranks"]) == (2, 8)
+    assert [x["planned_peak_bytes"] for x in pipe["ranks"]] == row["rank_peak_bytes"]
+    r = runner.invoke(app, ["simulate", "llama_3d_stage.fit.plan.json", "--pp", "2",
+                            "--fsdp", "2", "--tp", "2"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert "mesh pp 2 x fsdp 2 x tp 2 = 8 ranks): 710.12 KiB" in " ".join(r.stdout.split())
+    bad = runner.invoke(app, ["simulate", "llama_3d_stage.fit.plan.json", "--pp", "2",
+                              "--tp", "4"])
+    assert_clean_error(bad, 2, "local shard at tp=2")
+    assert_clean_error(runner.invoke(app, ["simulate", "llama_3d_stage.fit.plan.json",
+                                           "--fsdp", "2"]), 2, "--pp is not given")
 
 
 def test_tp_needs_a_workload_that_takes_it(tmp_path, monkeypatch):

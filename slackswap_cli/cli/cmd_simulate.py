@@ -58,19 +58,63 @@ def _declared(prof) -> dict | None:
     return (prof.workload or {}).get("pipeline")
 
 
-def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
-    """The per-rank table of a pipeline of stages like `prof` under `plan`."""
+def _mesh_static(settings, prof, fsdp: int, tp: int | None) -> dict:
+    """Each rank's static memory on a pp x fsdp x tp mesh of stages like `prof` (AdamW, as
+    `fit --pp --fsdp` counts it: `pipeline.fit.rank_static`), from the profile's parameters,
+    buffers and inputs; `tp`: the degree the profile's local shard was built for (its
+    workload's `tp` argument), checked against the one given."""
+    import math
+
+    from ..fit import ModelFacts, ParamFact, static_memory
+    from ..pipeline.fit import rank_static, stages_on_rank
+    from ..pipeline.orders import PipelineSpec
+    if fsdp < 1:
+        raise InputError(f"--fsdp {fsdp} must be at least 1", hint="--fsdp 8 for 8 ranks")
+    built = ((prof.workload or {}).get("args") or {}).get("tp", 1)
+    if tp is not None and tp != built:
+        raise InputError(f"--tp {tp}, but the profile is one rank's local shard at tp={built}",
+                         hint=f"leave --tp out (or --tp {built}), or profile the workload "
+                              f"with --arg tp={tp}")
+    params = tuple(ParamFact(numel=math.prod(t.shape), itemsize=t.size_bytes // max(1, math.prod(t.shape)),
+                             dim0=t.shape[0] if t.shape else None, trainable=True,
+                             storage_bytes=t.size_bytes)
+                   for t in prof.tensors if t.kind == "parameter" and t.alias_of is None)
+    size = {k: sum(t.size_bytes for t in prof.tensors if t.kind == k and t.alias_of is None
+                   and not t.name.startswith("tangent"))      # (the loss's seed gradient)
+            for k in ("buffer", "input")}
+    facts = ModelFacts(params, buffers_bytes=size["buffer"], inputs_bytes=size["input"])
+    schedule, pp, microbatches, per_rank, _ = settings
+    st = rank_static(static_memory(facts, "adamw", shard=fsdp),
+                     stages_on_rank(PipelineSpec(schedule, pp, microbatches, per_rank)), fsdp)
+    return {"fsdp": fsdp, "tp": built, "ranks": pp * fsdp * built, "optimizer": "adamw",
+            "total_bytes": st.total, **dataclasses.asdict(st)}
+
+
+def _pipeline_result(settings, prof, plan, hw, data: dict, fsdp: int = 1,
+                     tp: int | None = None) -> Result:
+    """The per-rank table of a pipeline of stages like `prof` under `plan`, and each rank's
+    static memory on the mesh (`_mesh_static`)."""
     from ..pipeline.step import pipeline_figures
+    from ..units import fmt_bytes
     schedule, pp, microbatches, per_rank, budget = settings
     figs = pipeline_figures(prof, plan, schedule, pp, microbatches, per_rank, budget,
                             1.0 / hw.d2h_bytes_per_s * 1e6 if hw.d2h_bytes_per_s else 0.0,
                             hw=hw)
+    static = _mesh_static(settings, prof, fsdp, tp)
 
     def views():
+        from rich.text import Text
+
         from .render.pipeline import pipeline_views
-        return pipeline_views(figs, "every stage as this profile")
+        return [*pipeline_views(figs, "every stage as this profile"), Text(
+            f"  static per rank (AdamW; mesh pp {pp} x fsdp {fsdp} x tp {static['tp']} = "
+            f"{static['ranks']} ranks): {fmt_bytes(static['total_bytes'])} (parameters "
+            f"{fmt_bytes(static['params_bytes'])}, gradients {fmt_bytes(static['grads_bytes'])}"
+            f", optimizer {fmt_bytes(static['optimizer_bytes'])}, unsharded "
+            f"{fmt_bytes(static['unsharded_bytes'])}, buffers and inputs "
+            f"{fmt_bytes(static['buffers_bytes'] + static['inputs_bytes'])})", style="dim")]
     from .render.pipeline import figures_json
-    return Result({**data, "pipeline": figures_json(figs)}, views=views)
+    return Result({**data, "pipeline": {**figures_json(figs), "static": static}}, views=views)
 
 
 @app.command(short_help="Re-simulate a plan (what-if on other hardware).",
@@ -78,6 +122,7 @@ def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
                  "slackswap simulate model.plan.json --hardware gh200-c2c",
                  "slackswap simulate model.plan.json --trace step.trace.json   # open in ui.perfetto.dev",
                  "slackswap simulate stage.plan.json --pp 4 --schedule 1F1B --microbatches 8",
+                 "slackswap simulate stage.plan.json --pp 2 --fsdp 2 --tp 2",
              ))
 def simulate(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan JSON from `slackswap plan`"),
@@ -89,11 +134,14 @@ def simulate(
     microbatches: Optional[int] = _MICROBATCHES,
     stages_per_rank: Optional[int] = _STAGES_PER_RANK,
     rank_budget: Optional[str] = _RANK_BUDGET,
+    fsdp: int = typer.Option(1, "--fsdp", help="with --pp: FSDP2 ranks over each stage; each rank's static memory (AdamW) is printed under the table"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="with --pp: tensor parallel ranks, as the profile's local shard was built (its workload's tp argument) [default: that]"),
     as_json: bool = json_option("the prediction"),
     quiet: bool = quiet_option(),
 ) -> None:
     """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline.
-    With --pp: the per-rank table of a pipeline of stages like the plan's profile."""
+    With --pp: the per-rank table of a pipeline of stages like the plan's profile, and each
+    rank's static memory on the pp x fsdp x tp mesh."""
     sink = Sink(as_json, quiet)
     if pp is not None:      # the flags' own errors before loading anything
         _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget)
@@ -104,6 +152,9 @@ def simulate(
     p = load_plan(plan_path)
     prof = plan_profile(p, profile_path)
     pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, _declared(prof))
+    if pipe is None and (fsdp != 1 or tp is not None):
+        raise InputError("--fsdp and --tp describe a pipeline's mesh, and --pp is not given",
+                         hint="add --pp N (the pipeline's ranks), e.g. --pp 2 --fsdp 2 --tp 2")
     hw = load_hardware(hardware) if hardware else HardwareSpec.from_dict(p.hardware, "plan hardware")
     prof = recost(prof, hw)  # what-if: a roofline profile's ops are re-timed on `hw` too
     if trace is not None:
@@ -124,7 +175,7 @@ def simulate(
         shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted)
         sink.show(_pipeline_result(pipe, prof, shown, hw, {
             "plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
-            "predicted": result.predicted}))
+            "predicted": result.predicted}, fsdp, tp))
         return
     sink.show(Result({"plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
                       "reason": result.reason, "predicted": result.predicted,
