@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slackswap-installed
 
-.PHONY: install demo test test-slow test-all test-torch test-emulated fuzz samples bench zoo gpu-truth clean
+.PHONY: install demo test test-slow test-all test-3d test-torch test-emulated fuzz samples bench zoo gpu-truth clean
 
 install: $(STAMP)
 
@@ -45,6 +45,11 @@ test-slow: install
 test-all: install
 	$(VENV)/bin/ruff check .
 	SLACKSWAP_SLOW=1 $(PY) -m pytest -q $(XDIST)
+
+# FSDP2 x TP x PP on 8 gloo ranks (tests/test_three_d.py, slow tier): minutes on two cores,
+# so run under nice; `python benchmarks/three_d_ranks.py` prints its per-rank table.
+test-3d: install
+	SLACKSWAP_SLOW=1 timeout 1800 nice -n 19 $(PY) -m pytest -q tests/test_three_d.py
 
 # The tests on another torch, in a virtualenv of its own: `make test-torch TORCH=2.15.0` builds
 # .venv-torch-2.15.0 (no system site packages) with PyPI's torch==$(TORCH) and the project's

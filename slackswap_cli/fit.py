@@ -201,6 +201,7 @@ class FitSettings:
     planner: str = DEFAULT_PLANNER
     planner_options: dict = field(default_factory=dict)
     pipeline: dict = field(default_factory=dict)   # --pp and its flags as given (fit_pipeline)
+    tp: int = 1         # --tp: the workload was built as one tensor parallel rank's local shard
 
 
 @dataclass

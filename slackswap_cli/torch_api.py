@@ -145,9 +145,10 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
     # pipeline parallelism: the schedules' order of actions -------------------------------
     PrivateAPI("torch.distributed.pipelining._schedule_visualizer.get_schedule_ops; "
                "torch.distributed.pipelining.schedules._PipelineSchedule, "
-               "_PipelineScheduleRuntime (sends waited at the step's end), _Action "
+               "_PipelineScheduleRuntime (sends waited at the step's end; from 2.15 a "
+               "forward send after its microbatch's backward), _Action "
                "(computation_type, stage_index, microbatch_index, sub_actions)",
-               "run/parallel/pipeline.py", ("2.13", "2.14"),
+               "run/parallel/pipeline.py", ("2.13", "2.14", "2.15"),
                "plan_pipeline and schedule_order fail where missing: no fallback (the "
                "torch-free slackswap_cli.pipeline.stages takes an order written by hand)"),
     PrivateAPI("torch.distributed.pipelining._backward.stage_backward_input (returns the "

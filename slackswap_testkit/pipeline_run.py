@@ -343,12 +343,3 @@ def rank_records(ranks, wall: float, **case) -> list[dict]:
                     "bitwise": same(plain, patched), "plan_s": round(res["plan_s"], 1),
                     "wall_s": round(wall, 1)})
     return out
-
-
-def torch_215() -> bool:
-    """torch 2.15 or later, whose pipeline stages allocate their receive buffers in every step,
-    release sent outputs and wait forward sends after the local backward: memory the per-rank
-    prediction (`pipeline.boundary_bytes`, written to 2.13's and 2.14's behaviour) does not
-    count yet (docs/results.md, the suite on 2.14.1 and 2.15.0)."""
-    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    return (major, minor) >= (2, 15)

@@ -1,6 +1,8 @@
 """Pipeline parallelism: the microbatches each rank holds, read from torch's schedules without a
 process group, and one plan per stage under a per-rank budget (slackswap_cli/pipeline/stages.py,
 slackswap_cli/run/parallel/pipeline.py). The runs on real ranks are in tests/test_pipeline_ranks.py."""
+import dataclasses
+
 import pytest
 import torch
 from workloads import HW
@@ -104,6 +106,48 @@ def test_sends_kept_to_the_step_end_count_after_each_backward():
     cost = {s: StageCost(held_bytes=60, peak_bytes=100, linger_bytes=70) for s in (0, 2)}
     assert rank_peak(steps, plain) == 4 * 60 + 100
     assert rank_peak(steps, cost) == 100 + 7 * 70
+
+
+def test_torch_215s_per_step_buffers_by_hand():
+    """torch 2.15's PipelineStage ("per-step" buffers): a stage that receives holds that
+    microbatch's buffer with it (the last stage until the step ends, its loss keeping it);
+    under 1F1B and GPipe a sent output is dropped before the rank's next backward, so a
+    backward holds neither its own output nor the others'; the action-list schedules drop it
+    right after its own backward (nothing sent lingers but input gradients)."""
+    from slackswap_cli.pipeline.stages import boundary_bytes
+    from slackswap_cli.run.parallel.pipeline import stage_buffers
+    assert [stage_buffers(v) for v in ("2.13.0", "2.14.1+cu130", "2.15.0+cu132", "2.16.0")] \
+        == ["reused", "reused", "per-step", "per-step"]
+    middle = boundary_bytes(40, 30, False, False, "none", buffers="per-step")
+    assert (middle.held, middle.backward, middle.linger, middle.received, middle.released) \
+        == (40, 40 + 30, 0, 30, True)
+    last = boundary_bytes(40, 30, False, True, "none", buffers="per-step")
+    assert (last.backward, last.linger, last.received, last.released) == (40 + 30, 30, 30, False)
+    first = boundary_bytes(40, 30, True, False, "runtime", buffers="per-step")
+    assert (first.backward, first.linger, first.received, first.released) == (80, 0, 0, False)
+    with pytest.raises(InputError, match="buffers='fresh'"):
+        boundary_bytes(40, 30, False, False, "none", buffers="fresh")
+    # 1F1B rank 0 of 2, 3 microbatches: F0 F1 B0 F2 B1 B2; held 60 of which 40 is the
+    # output, own peak 100, a backward 10 more: at F1 microbatch 0 holds all 60 (its send
+    # is waited after F1), at B0 microbatch 1 holds 20 (its output's send was waited)
+    steps = schedule_order("1F1B", 2, 3)[0]
+    cost = {0: StageCost(held_bytes=60, peak_bytes=100, boundary_bytes=10, boundary_held=40,
+                         released=True)}
+    assert rank_peak(steps, cost) == 60 + 100
+    cost = {0: StageCost(held_bytes=60, peak_bytes=100, boundary_bytes=50, boundary_held=40,
+                         released=True)}
+    assert rank_peak(steps, cost) == 20 + 100 + 50                  # B0
+    # GPipe: every output held through the forwards (F2: 2 * 60 + 100), none at a backward
+    # (B0: 2 * 20 + 100 + 50, under F2's peak)
+    assert rank_peak(schedule_order("GPipe", 2, 3)[0], cost) == 2 * 60 + 100
+    cost = {0: dataclasses.replace(cost[0], boundary_bytes=90)}
+    assert rank_peak(schedule_order("GPipe", 2, 3)[0], cost) == 2 * 20 + 100 + 90
+    # the last rank of 1F1B (F0 B0 F1 B1 F2 B2), receiving 30 a microbatch: each backward
+    # leaves its buffer to the step's end, and the running microbatch holds its own: at B2
+    # two left behind and one running
+    last = {1: StageCost(held_bytes=60 + 30, peak_bytes=100, boundary_bytes=10,
+                         linger_bytes=30, received_bytes=30)}
+    assert rank_peak(schedule_order("1F1B", 2, 3)[1], last) == 100 + 10 + 30 + 2 * 30
 
 
 def _chain(n=6):

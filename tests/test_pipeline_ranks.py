@@ -18,7 +18,7 @@ planned without the eager measure and trained without tracking memory.
 import pytest
 import torch
 
-from slackswap_testkit.pipeline_run import run, same, torch_215
+from slackswap_testkit.pipeline_run import run, same
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not built in")
@@ -67,8 +67,6 @@ def test_planned_pipeline_trains_exactly_within_its_peaks(family, schedule, per_
                                                           tmp_path):
     ranks = run(schedule, 2, n_mb, per_rank, budget, tmp_path, planner, family, link)
     off = _checked(ranks, held, budget, UNDER.get(schedule, 0.05))
-    if off and torch_215():
-        pytest.xfail(f"torch 2.15's pipeline buffers are not in the prediction: {off}")
     assert not off, off
 
 
@@ -140,8 +138,6 @@ def test_a_pipeline_split_model_trains_exactly_within_its_peaks(family, schedule
     ranks = run_split(Case(schedule, 2, 4, per_rank, budget, planner=planner, family=family,
                            link=link), tmp_path)
     off = _checked(ranks, held, budget)
-    if off and torch_215():
-        pytest.xfail(f"torch 2.15's pipeline buffers are not in the prediction: {off}")
     if recomputes:
         assert all(r["row"]["recomputed_bytes"] > 0 for r in ranks)
     assert not off, off

@@ -90,7 +90,7 @@ def test_a_pipeline_split_trains_exactly_on_two_ranks(tmp_path):
     and must swap and recompute to meet 100000 bytes; both ranks train bit for bit as the
     unpatched pipe, each holding what the schedule says, within 5% of the planned peak."""
     from slackswap_testkit.pipe_split_run import Case, run
-    from slackswap_testkit.pipeline_run import same, torch_215
+    from slackswap_testkit.pipeline_run import same
     case = Case("1F1B", 2, 2, 1, 100_000, steps=2, layers=1, device="fake:cpu")
     ranks = run(case, tmp_path)
     first = ranks[0]["row"]
@@ -108,8 +108,6 @@ def test_a_pipeline_split_trains_exactly_on_two_ranks(tmp_path):
                ("planned", res["row"]["planned_peak_bytes"], res["patched"]["peaks"][1]),
                ("keep-all", res["row"]["keep_all_peak_bytes"], res["plain"]["peaks"][1]))
            if abs(measured / predicted - 1) > 0.05]
-    if off and torch_215():
-        pytest.xfail(f"torch 2.15's pipeline buffers are not in the prediction: {off}")
     assert not off, off
 
 

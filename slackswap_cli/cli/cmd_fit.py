@@ -78,6 +78,33 @@ def _stage_profiles(profiler_of, args: dict, stage_arg: str, flags: dict):
     return stages, lambda s, prof: row_maker(s, prof, stages)
 
 
+def _tp_args(args: dict, tp: int, model: Path, entry: str) -> dict:
+    """The workload's arguments with `tp` (--tp N > 1: the entry builds one tensor parallel
+    rank's local shard), refused where the entry takes no `tp` or --arg gives it too."""
+    if tp < 1:
+        raise InputError(f"--tp {tp} must be at least 1", hint="--tp 2 for two tensor parallel ranks")
+    if tp == 1:
+        return args
+    if "tp" in args:
+        raise InputError("--arg tp=... and --tp both give the tensor parallel degree",
+                         hint="leave --arg tp out")
+    import inspect
+
+    from ..trace.static_memory import import_file
+    fn = getattr(import_file(model), entry, None)
+    try:
+        params = inspect.signature(fn).parameters if callable(fn) else {}
+    except (TypeError, ValueError):
+        params = {}
+    if callable(fn) and "tp" not in params:
+        raise InputError(f"--tp {tp}: {entry}() in {model.name} takes no `tp` to build one "
+                         "tensor parallel rank's local shard",
+                         hint="add a `tp` argument that divides the heads and MLP width "
+                              "(examples/llama_3d_stage.py), or leave --tp out and profile "
+                              "the local shard yourself")
+    return {**args, "tp": tp}
+
+
 def _write_best(result, plan_target: Path, model: Path) -> Path:
     """The best row's plan, and next to it the profile it was made from."""
     from ..planning import save_with_profile
@@ -90,6 +117,7 @@ def _write_best(result, plan_target: Path, model: Path) -> Path:
                  "slackswap fit llama_70b.py --hardware h100-pcie5 --shard 8 --batch 1,2,4",
                  "slackswap fit model.py --hardware a100-pcie4 --memory 40GiB --batch 8,16",
                  "slackswap fit examples/gpt_stage.py --pp 4 --schedule 1F1B --microbatches 8 --batch 1,2,4",
+                 "slackswap fit examples/llama_3d_stage.py --pp 2 --fsdp 2 --tp 2 --batch 1,2,4 --memory 4MiB",
              ))
 def fit(
     model: Path = typer.Argument(..., metavar="MODEL", help="workload file (model.py with a workload() function)"),
@@ -98,7 +126,8 @@ def fit(
     memory: Optional[str] = typer.Option(None, "--memory", help="device memory, overriding the hardware's (80GiB, 40GB)"),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | adam | adamw-amsgrad | adam-amsgrad | sgd | sgd-momentum | none"),
     fused: bool = typer.Option(False, "--fused", help="the optimizer runs with fused=True or capturable=True: its step counters live on the device"),
-    shard: int = typer.Option(1, "--shard", help="FSDP2 / ZeRO-3 world size: parameters, gradients and optimizer state split over N ranks (figures per rank)"),
+    shard: int = typer.Option(1, "--shard", "--fsdp", help="FSDP2 / ZeRO-3 world size: parameters, gradients and optimizer state split over N ranks (figures per rank)"),
+    tp: int = typer.Option(1, "--tp", help="tensor parallel ranks: passed to the workload as `tp`, which builds one rank's local shard (as examples/llama_3d_stage.py); the mesh is --pp x --fsdp x --tp"),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="memory kept free for the CUDA context, fragmentation, workspaces [default: 1 GiB + 5% of the device]"),
     batch_arg: str = typer.Option("batch", "--batch-arg", help="the workload argument that sets the batch"),
     planner: str = typer.Option(DEFAULT_PLANNER, "--planner", "-p", help=PLANNER_HELP),
@@ -132,6 +161,8 @@ def fit(
     if batch_arg in args:
         raise InputError(f"--arg {batch_arg}=... sets the batch, which --batch sweeps",
                          hint=f"leave --arg {batch_arg} out")
+    args = _tp_args(args, tp, model, entry)
+    s = dataclasses.replace(s, tp=tp)
     split_device(device)
     if not model.is_file() or model.suffix.lower() != ".py":
         raise InputError(f"{model} is not a workload file" if model.exists()
@@ -166,10 +197,11 @@ def _fit_report(result, s, target: Optional[Path], prof_target: Optional[Path],
     def views():
         from .render.fit import fit_views
         return fit_views(result, planner=s.planner, hardware=s.hardware.name,
-                         memory_bytes=s.memory_bytes, optimizer=s.optimizer, shard=s.shard)
+                         memory_bytes=s.memory_bytes, optimizer=s.optimizer, shard=s.shard,
+                         tp=s.tp)
     sink.show(Result({**result.to_json(), "hardware": s.hardware.name,
                       "memory_bytes": s.memory_bytes, "reserve_bytes": s.reserve_bytes,
-                      "optimizer": s.optimizer, "shard": s.shard,
+                      "optimizer": s.optimizer, "shard": s.shard, "tp": s.tp,
                       "plan": str(target) if target else None,
                       "profile": str(prof_target) if prof_target else None},
                      views=views, lines=[f"wrote {target} (the best batch's plan) and "

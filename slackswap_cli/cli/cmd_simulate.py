@@ -58,22 +58,87 @@ def _declared(prof) -> dict | None:
     return (prof.workload or {}).get("pipeline")
 
 
-def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
-    """The per-rank table of a pipeline of stages like `prof` under `plan` (each one, or a
-    list: one per stage file, `pipeline_figures`)."""
+def _stage_static(prof, fsdp: int):
+    """A stage's static memory (AdamW, sharded over `fsdp`) from its profile's parameters,
+    buffers and inputs."""
+    import math
+
+    from ..fit import ModelFacts, ParamFact, static_memory
+    params = tuple(ParamFact(numel=math.prod(t.shape), itemsize=t.size_bytes // max(1, math.prod(t.shape)),
+                             dim0=t.shape[0] if t.shape else None, trainable=True,
+                             storage_bytes=t.size_bytes)
+                   for t in prof.tensors if t.kind == "parameter" and t.alias_of is None)
+    size = {k: sum(t.size_bytes for t in prof.tensors if t.kind == k and t.alias_of is None
+                   and not t.name.startswith("tangent"))      # (the loss's seed gradient)
+            for k in ("buffer", "input")}
+    facts = ModelFacts(params, buffers_bytes=size["buffer"], inputs_bytes=size["input"])
+    return static_memory(facts, "adamw", shard=fsdp)
+
+
+def _stage_of(profs: list, stage: int, n_stages: int):
+    """The profile of `stage`: one for every stage, one per stage, or the first, middle and
+    last stages' three (`stage_files`)."""
+    if len(profs) == 1:
+        return profs[0]
+    if len(profs) == n_stages:
+        return profs[stage]
+    return profs[0] if stage == 0 else profs[-1] if stage == n_stages - 1 else profs[1]
+
+
+def _mesh_static(settings, prof, fsdp: int, tp: int | None) -> dict:
+    """The static memory of the rank that holds most on a pp x fsdp x tp mesh of stages like
+    `prof`, or of stages each priced as its own (a list of profiles) (AdamW, as
+    `fit --pp --fsdp` counts it: `pipeline.fit.rank_static`); `tp`: the degree the profile's
+    local shard was built for (its workload's `tp` argument), checked against the one given."""
+    from ..pipeline.fit import rank_static
+    from ..pipeline.orders import order
+    if fsdp < 1:
+        raise InputError(f"--fsdp {fsdp} must be at least 1", hint="--fsdp 8 for 8 ranks")
+    profs = prof if isinstance(prof, list) else [prof]
+    built = ((profs[0].workload or {}).get("args") or {}).get("tp", 1)
+    if tp is not None and tp != built:
+        raise InputError(f"--tp {tp}, but the profile is one rank's local shard at tp={built}",
+                         hint=f"leave --tp out (or --tp {built}), or profile the workload "
+                              f"with --arg tp={tp}")
+    schedule, pp, microbatches, per_rank, _ = settings
+    steps = order(schedule, pp, microbatches, per_rank)
+    n_stages = 1 + max(st for each in steps.values() for _, st, _ in each)
+    statics = [_stage_static(_stage_of(profs, st, n_stages), fsdp) for st in range(n_stages)]
+    ranks = {r: rank_static([statics[st] for st in sorted({x for _, x, _ in each})], shard=fsdp)
+             for r, each in steps.items()}
+    worst = max(sorted(ranks), key=lambda r: ranks[r].total)
+    st = ranks[worst]
+    return {"fsdp": fsdp, "tp": built, "ranks": pp * fsdp * built, "optimizer": "adamw",
+            "rank": worst, "total_bytes": st.total, **dataclasses.asdict(st)}
+
+
+def _pipeline_result(settings, prof, plan, hw, data: dict, fsdp: int = 1,
+                     tp: int | None = None) -> Result:
+    """The per-rank table of a pipeline of stages like `prof` under `plan`, and each rank's
+    static memory on the mesh (`_mesh_static`)."""
     from ..pipeline.step import pipeline_figures
+    from ..units import fmt_bytes
     schedule, pp, microbatches, per_rank, budget = settings
     note = ("every stage as this profile" if not isinstance(prof, list) or len(prof) == 1
             else f"{len(prof)} stage profiles, each stage as its own")
     figs = pipeline_figures(prof, plan, schedule, pp, microbatches, per_rank, budget,
                             1.0 / hw.d2h_bytes_per_s * 1e6 if hw.d2h_bytes_per_s else 0.0,
                             hw=hw)
+    static = _mesh_static(settings, prof, fsdp, tp)
 
     def views():
+        from rich.text import Text
+
         from .render.pipeline import pipeline_views
-        return pipeline_views(figs, note)
+        return [*pipeline_views(figs, note), Text(
+            f"  static per rank (the largest, rank {static['rank']}; AdamW; mesh pp {pp} x fsdp {fsdp} x tp {static['tp']} = "
+            f"{static['ranks']} ranks): {fmt_bytes(static['total_bytes'])} (parameters "
+            f"{fmt_bytes(static['params_bytes'])}, gradients {fmt_bytes(static['grads_bytes'])}"
+            f", optimizer {fmt_bytes(static['optimizer_bytes'])}, unsharded "
+            f"{fmt_bytes(static['unsharded_bytes'])}, buffers and inputs "
+            f"{fmt_bytes(static['buffers_bytes'] + static['inputs_bytes'])})", style="dim")]
     from .render.pipeline import figures_json
-    return Result({**data, "pipeline": figures_json(figs)}, views=views)
+    return Result({**data, "pipeline": {**figures_json(figs), "static": static}}, views=views)
 
 
 @app.command(short_help="Re-simulate a plan (what-if on other hardware).",
@@ -81,6 +146,7 @@ def _pipeline_result(settings, prof, plan, hw, data: dict) -> Result:
                  "slackswap simulate model.plan.json --hardware gh200-c2c",
                  "slackswap simulate model.plan.json --trace step.trace.json   # open in ui.perfetto.dev",
                  "slackswap simulate stage.plan.json --pp 4 --schedule 1F1B --microbatches 8",
+                 "slackswap simulate stage.plan.json --pp 2 --fsdp 2 --tp 2",
              ))
 def simulate(
     plan_paths: List[Path] = typer.Argument(..., metavar="PLAN...", help="plan JSON from `slackswap plan`; with --pp one per stage (or 3: the first, middle, last stage's)"),
@@ -92,12 +158,15 @@ def simulate(
     microbatches: Optional[int] = _MICROBATCHES,
     stages_per_rank: Optional[int] = _STAGES_PER_RANK,
     rank_budget: Optional[str] = _RANK_BUDGET,
+    fsdp: int = typer.Option(1, "--fsdp", help="with --pp: FSDP2 ranks over each stage; each rank's static memory (AdamW) is printed under the table"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="with --pp: tensor parallel ranks, as the profile's local shard was built (its workload's tp argument) [default: that]"),
     as_json: bool = json_option("the prediction"),
     quiet: bool = quiet_option(),
 ) -> None:
     """Re-simulate a plan (what-if on other hardware); optionally write a Perfetto timeline.
     With --pp: the per-rank table of a pipeline of stages like the plan's profile, or of
-    stages each priced as its own plan (one plan per stage)."""
+    stages each priced as its own plan (one plan per stage), and the static memory of the
+    rank that holds most on the pp x fsdp x tp mesh."""
     sink = Sink(as_json, quiet)
     if pp is not None:      # the flags' own errors before loading anything
         _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget)
@@ -105,7 +174,7 @@ def simulate(
     if simulate_stages(plan_paths, pp, hardware, profile_path, trace, sink,
                        lambda plans: _pipeline(pp, schedule, microbatches, stages_per_rank,
                                                rank_budget, _declared(plans[0][1])),
-                       _pipeline_result):
+                       lambda *a: _pipeline_result(*a, fsdp=fsdp, tp=tp)):
         return
     plan_path = plan_paths[0]
     from ..hardware import HardwareSpec, load_hardware
@@ -115,6 +184,9 @@ def simulate(
     p = load_plan(plan_path)
     prof = plan_profile(p, profile_path)
     pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, _declared(prof))
+    if pipe is None and (fsdp != 1 or tp is not None):
+        raise InputError("--fsdp and --tp describe a pipeline's mesh, and --pp is not given",
+                         hint="add --pp N (the pipeline's ranks), e.g. --pp 2 --fsdp 2 --tp 2")
     hw = load_hardware(hardware) if hardware else HardwareSpec.from_dict(p.hardware, "plan hardware")
     prof = recost(prof, hw)  # what-if: a roofline profile's ops are re-timed on `hw` too
     if trace is not None:
@@ -135,7 +207,7 @@ def simulate(
         shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted)
         sink.show(_pipeline_result(pipe, prof, shown, hw, {
             "plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
-            "predicted": result.predicted}))
+            "predicted": result.predicted}, fsdp, tp))
         return
     sink.show(Result({"plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
                       "reason": result.reason, "predicted": result.predicted,

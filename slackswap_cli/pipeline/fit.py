@@ -7,9 +7,9 @@ argument that picks the stage: `StageProfiles`), each stage is profiled and pric
 Per rank:
 
 - **static memory** (`rank_static`): its stages' parameters, gradients, optimizer state and
-  buffers (`fit.static_memory` of each stage, `--shard` as without a pipeline), summed over
-  the stages the rank runs (`stages_per_rank` with Interleaved1F1B and ZBVZeroBubble, else
-  one); the batch's inputs once;
+  buffers (`fit.static_memory` of each stage, `--shard` as without a pipeline but for what
+  FSDP2 holds unsharded), summed over the stages the rank runs (`stages_per_rank` with
+  Interleaved1F1B and ZBVZeroBubble, else one); the batch's inputs once;
 - the **activation budget**: device memory - that static memory - the reserve;
 - one plan per stage (the same on every stage priced as one profile), each made at the same
   point between its stage's activation floor and its keep-all peak, the largest (bisected) at
@@ -57,16 +57,25 @@ def stages_on_rank(spec: PipelineSpec) -> int:
     return spec.stages_per_rank if spec.schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
 
 
-def rank_static(static: StaticMemory | list[StaticMemory], stages: int = 1) -> StaticMemory:
+def rank_static(static: StaticMemory | list[StaticMemory], stages: int = 1,
+                shard: int = 1) -> StaticMemory:
     """A rank's static memory: `stages` stages like `static`, or the stages listed, summed
-    (see the module docstring); the batch's inputs once."""
+    (see the module docstring); the batch's inputs once. Sharded over `shard` FSDP2 ranks, a
+    stage's parameters stay unsharded and its unsharded gradients accumulate from its first
+    microbatch's backward to its last (PipelineStage runs the others without gradient sync and
+    without resharding): twice the stage's parameters unsharded (each rank's padded chunk
+    times `shard`), not FSDP2's root and two blocks."""
     each = static if isinstance(static, list) else [static] * stages
+
+    def unsharded(st: StaticMemory) -> int:
+        return (2 * st.params_bytes * shard if shard > 1 and st.unsharded_bytes
+                else st.unsharded_bytes)
     return StaticMemory(params_bytes=sum(st.params_bytes for st in each),
                         grads_bytes=sum(st.grads_bytes for st in each),
                         optimizer_bytes=sum(st.optimizer_bytes for st in each),
                         buffers_bytes=sum(st.buffers_bytes for st in each),
                         inputs_bytes=max(st.inputs_bytes for st in each),
-                        unsharded_bytes=sum(st.unsharded_bytes for st in each))
+                        unsharded_bytes=sum(unsharded(st) for st in each))
 
 
 class StageProfiles:
@@ -128,7 +137,8 @@ class _Stages:
                       else {st: stages[st][0] for st in range(n_stages)})
         statics = ({st: static for st in range(n_stages)} if self.one
                    else {st: check_static_fits(stages[st][1], s) for st in range(n_stages)})
-        self.static = {r: rank_static([statics[st] for st in sorted({x for _, x, _ in steps})])
+        self.static = {r: rank_static([statics[st] for st in sorted({x for _, x, _ in steps})],
+                                       shard=s.shard)
                        for r, steps in self.steps.items()}
         self.budget = {r: s.memory_bytes - st.total - s.reserve_bytes
                        for r, st in self.static.items()}

@@ -30,7 +30,7 @@ from ..schema import Action, Plan, Profile
 from ..simulate import budget_floor_bytes
 
 __all__ = ["STARTS", "ENDS", "StageCost", "RankRow", "held_microbatches", "stage_cost",
-           "rank_peak", "Boundary", "SENDS", "boundary_bytes", "output_held", "plan_stages", "PipelinePlan",
+           "rank_peak", "Boundary", "SENDS", "BUFFERS", "boundary_bytes", "output_held", "plan_stages", "PipelinePlan",
            "format_rows"]
 
 STARTS = ("F",)                 # the action that makes a microbatch's activations on a stage
@@ -81,6 +81,8 @@ class StageCost:
     boundary_held: int = 0      # what the pipeline adds to held_bytes (counted in it)
     linger_bytes: int = 0       # left from its backward until the step ends (unwaited sends)
     split_bytes: int = 0        # added from its input pass to its weight pass (split backward)
+    released: bool = False      # its output (boundary_held) is gone at the rank's next backward
+    received_bytes: int = 0     # its receive buffer (counted in held_bytes), per microbatch
 
 
 class Boundary(NamedTuple):
@@ -95,6 +97,8 @@ class Boundary(NamedTuple):
     eager: int = 0      # what the eager run holds at its peak beyond the simulator's (measured)
     split: int = 0      # held from a split backward's input pass to its weight pass (measured:
     #                     the gradients its weight pass starts from, run/parallel/split_backward.py)
+    received: int = 0   # a receive buffer allocated in every step, held with each microbatch
+    released: bool = False  # the output is dropped at the rank's next backward (its send waited)
 
 
 # What a schedule's sends keep alive after a microbatch's backward, until the step ends.
@@ -104,10 +108,17 @@ class Boundary(NamedTuple):
 # backward (its forward sends after the last forward, when the outputs are held anyway);
 # "none": 1F1B waits for each send before the next.
 SENDS = ("runtime", "gpipe", "none")
+# How a PipelineStage holds its buffers: "reused" (torch 2.13 and 2.14: receive buffers
+# allocated once, in the first step, and reused; every output kept to its microbatch's
+# backward) or "per-step" (torch 2.15: each receive's buffer allocated before it, in every
+# step; an output dropped once its send is waited, which GPipe and 1F1B do before the rank's
+# next backward and the action-list schedules right after that microbatch's backward).
+BUFFERS = ("reused", "per-step")
 
 
 def boundary_bytes(output_bytes: int, input_bytes: int, first: bool, last: bool,
-                   sends: str = "none", local: tuple[bool, bool] = (False, False)) -> Boundary:
+                   sends: str = "none", local: tuple[bool, bool] = (False, False),
+                   buffers: str = "reused") -> Boundary:
     """What a pipeline stage holds beyond its profile, per microbatch held (`held`), while a
     backward of it runs (`backward`) and after it (`linger`). PipelineStage keeps each
     microbatch's output (its forward cache) until that microbatch's backward, where the
@@ -117,17 +128,30 @@ def boundary_bytes(output_bytes: int, input_bytes: int, first: bool, last: bool,
     last receives its output's gradient; one that is not the first makes its input's gradient
     to send back (a gradient: the profile does not count it). `sends` (one of SENDS): how
     long the schedule keeps what it sent; `local`: whether the previous and the next stage run
-    on this rank (a V schedule's middle), where nothing is sent."""
+    on this rank (a V schedule's middle), where nothing is sent. `buffers` (one of BUFFERS):
+    under "per-step" a stage that receives its input holds that buffer with each microbatch
+    (`received`; the last stage's loss, kept to the step's end, holds it until then), and a
+    sent output is dropped when its send is waited: before the rank's next backward under
+    GPipe and 1F1B (`released`: not held then, not at its own backward), right after its own
+    backward under the action-list schedules (nothing sent lingers but input gradients)."""
     if sends not in SENDS:
         raise InputError(f"sends={sends!r} is not one of {SENDS}",
                          hint="'runtime' for the schedules torch runs from action lists")
+    if buffers not in BUFFERS:
+        raise InputError(f"buffers={buffers!r} is not one of {BUFFERS}",
+                         hint="'per-step' for torch 2.15's PipelineStage, else 'reused'")
+    per_step = buffers == "per-step"
+    released = per_step and sends != "runtime" and not last and not local[1]
     held = output_bytes
-    backward = output_bytes + (0 if last else output_bytes) + (0 if first else input_bytes)
+    backward = ((0 if released else output_bytes) + (0 if last else output_bytes)
+                + (0 if first else input_bytes))
     grad_sent = 0 if first or local[0] else input_bytes
-    out_sent = 0 if last or local[1] else output_bytes
+    out_sent = 0 if last or local[1] or per_step else output_bytes
     linger = {"runtime": grad_sent + out_sent, "gpipe": grad_sent,
               "none": 0}[sends]
-    return Boundary(held, backward, linger=linger)
+    received = grad_sent if per_step else 0
+    linger += received if last else 0
+    return Boundary(held, backward, linger=linger, received=received, released=released)
 
 
 def output_held(prof: Profile, pinned: frozenset, output_bytes: int) -> int:
@@ -147,11 +171,12 @@ def stage_cost(prof: Profile, plan: Plan | None = None,
     plan swaps or recomputes; peak: the plan's simulated peak (the keep-all peak without).
     `boundary`: the pipeline's own bytes, added, and the roots it holds anyway (a plan's
     eviction of one frees nothing: its bytes count as held and at the peak)."""
-    held, extra, pinned, linger, eager, split = boundary
+    held, extra, pinned, linger, eager, split, received, released = boundary
     live_at_end = prof.live_bytes_per_op[prof.n_forward - 1] if prof.n_forward else 0
     if plan is None:
-        return StageCost(live_at_end + held, prof.keep_all_peak_bytes, boundary_bytes=extra,
-                         boundary_held=held, linger_bytes=linger, split_bytes=split)
+        return StageCost(live_at_end + held + received, prof.keep_all_peak_bytes,
+                         boundary_bytes=extra, boundary_held=held, linger_bytes=linger,
+                         split_bytes=split, released=released, received_bytes=received)
     size = {t.id: t.size_bytes for t in prof.saved_activations}
     moved = {Action.SWAP: 0, Action.RECOMPUTE: 0}
     stuck = 0
@@ -160,9 +185,10 @@ def stage_cost(prof: Profile, plan: Plan | None = None,
             moved[d.action] += size[d.tensor]
             stuck += size[d.tensor] if d.tensor in pinned else 0
     evicted = moved[Action.SWAP] + moved[Action.RECOMPUTE] - stuck
-    return StageCost(max(0, live_at_end - evicted) + held,
+    return StageCost(max(0, live_at_end - evicted) + held + received,
                      plan.predicted.peak_bytes + stuck + eager,
-                     moved[Action.SWAP], moved[Action.RECOMPUTE], extra, held, linger, split)
+                     moved[Action.SWAP], moved[Action.RECOMPUTE], extra, held, linger, split,
+                     released, received)
 
 
 def rank_peak(steps: Sequence[Step], cost: Mapping[int, StageCost]) -> int:
@@ -170,14 +196,23 @@ def rank_peak(steps: Sequence[Step], cost: Mapping[int, StageCost]) -> int:
     hold, plus the running stage's own peak, plus what the backwards done so far left behind
     until the step ends (`StageCost.linger_bytes`). A pair between its input pass and its
     weight pass (a split backward) holds its `split_bytes` too; its weight pass starts from
-    them, with its output still held (`boundary_held`) but nothing received or sent."""
-    best, lingering, split = 0, 0, set()
+    them, with its output still held (`boundary_held`) but nothing received or sent. A
+    `released` stage's output is held only until the rank's next backward begins; a stage's
+    per-step receive buffer (`received_bytes`) is held by the running pair too."""
+    best, lingering, split, sent = 0, 0, set(), set()
     for (kind, stage, mb), live in live_steps(steps):
+        if kind in ("B", "I"):
+            sent.clear()
         others = sum(cost[s].held_bytes + (cost[s].split_bytes if (s, m) in split else 0)
+                     - (cost[s].boundary_held if cost[s].released and (s, m) not in sent
+                        else 0)
                      for s, m in live if (s, m) != (stage, mb))
         c = cost[stage]
-        extra = {"F": 0, "W": c.boundary_held + c.split_bytes}.get(kind, c.boundary_bytes)
+        extra = c.received_bytes + {"F": 0, "W": c.boundary_held + c.split_bytes}.get(
+            kind, c.boundary_bytes)
         best = max(best, others + c.peak_bytes + extra + lingering)
+        if kind == "F":
+            sent.add((stage, mb))
         if kind in ("B", "I"):
             lingering += c.linger_bytes
         if kind == "I":

@@ -107,13 +107,17 @@ def rate_chart(result: FitResult, planner: str, height: int = 10, col: int = 8) 
 
 
 def fit_views(result: FitResult, *, planner: str, hardware: str, memory_bytes: int,
-              optimizer: str, shard: int) -> list:
+              optimizer: str, shard: int, tp: int = 1) -> list:
     title = (f"fit: {planner} on {hardware} ({fmt_bytes(memory_bytes)}), {optimizer}"
-             + (f", per rank of {shard}" if shard > 1 else ""))
+             + (f", per rank of {shard}" if shard > 1 else "")
+             + (f", tensor parallel {tp} (the workload's local shard)" if tp > 1 else ""))
     pipe = next((r["pipeline"] for r in result.rows if r.get("pipeline")), None)
     if pipe:
         title += (f"; pipeline {pipe['schedule']}, {pipe['pp']} ranks, {pipe['microbatches']} "
                   "microbatches (batch = microbatch, static and budget per rank)")
+        if shard > 1 or tp > 1:
+            title += (f"; mesh pp {pipe['pp']} x fsdp {shard} x tp {tp} = "
+                      f"{pipe['pp'] * shard * tp} ranks")
     views: list = [fit_table(result, title)]
     best = best_row(result.rows)
     if pipe and best is not None:

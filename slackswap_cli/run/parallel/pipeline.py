@@ -140,6 +140,16 @@ def sends_kept(schedule) -> str:
                           "(Interleaved1F1B, ZBVZeroBubble, DualPipeV, ...)")
 
 
+def stage_buffers(version: str | None = None) -> str:
+    """How this torch's PipelineStage holds its buffers (`slackswap_cli.pipeline.stages.BUFFERS`):
+    from 2.15 on, "per-step" (each receive allocates its buffer in every step,
+    `_RecvInfo.allocate_buffer`; a sent output is dropped once its send is waited,
+    `release_fwd_send_outputs`); before, "reused" (buffers allocated once, outputs kept to
+    their backward). `version`: torch's, as `torch.__version__` writes it."""
+    major, minor = (int(x) for x in (version or torch.__version__).split("+")[0].split(".")[:2])
+    return "per-step" if (major, minor) >= (2, 15) else "reused"
+
+
 StageSpec = tuple  # (module, inputs, loss_fn or None)
 
 
@@ -295,7 +305,8 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
         outputs[index] = _output_shapes(module, inputs)
         local = (rank_of.get(index - 1) == rank_of[index], rank_of.get(index + 1) == rank_of[index])
         boundary[index] = boundary_bytes(sum(n for _, n in outputs[index]), _grad_bytes(inputs),
-                                         index == 0, index == n_stages - 1, sends, local)
+                                         index == 0, index == n_stages - 1, sends, local,
+                                         stage_buffers())
         loss_fn = loss_fn or _stage_loss
         work = api.checked_workload(module, inputs, loss_fn)
         how, target = api.where_traced(module, device)
