@@ -125,6 +125,7 @@ def check_counts_what_it_holds(build, x, planner="slackswap"):
     twin = copy.deepcopy(model)
     slackswap.patch(model, plan)
     state = model.forward.__slackswap__
+    state.measure_held = True
     for k in range(3):
         grads = []
         for m in (twin, model):
