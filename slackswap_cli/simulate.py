@@ -351,11 +351,14 @@ def budget_floor_bytes(profile: schema.Profile) -> int:
     also needs its producer's inputs, so swapping is the least memory an eviction can leave):
     each saved root is resident only while forward reads it and from its first backward reader
     to its last, non-saved values live as they must. Its peak is met by the swap-everything plan
-    when compute may wait for every copy, and no plan goes below it.
+    when compute may wait for every copy, and no plan goes below it. What the model's own
+    checkpoints hold (`summary["checkpoint_held"]`: trace/checkpointed.py) is kept.
     """
     tab = _tables(profile)
     if tab.floor_bytes is None:
-        action = [SWAP_CODE if s else NOT_SAVED for s in tab.saved]
+        held = set(profile.summary.get("checkpoint_held") or ())   # (its checkpoints' own)
+        action = [(KEEP_CODE if j in held else SWAP_CODE) if s else NOT_SAVED
+                  for j, s in enumerate(tab.saved)]
         tab.floor_bytes = max(_Program(profile, tab, action).req(), default=0)
     return tab.floor_bytes
 

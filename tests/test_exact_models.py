@@ -3,8 +3,9 @@
 Each tiny model goes profile -> plan -> apply -> verify, and must match eager PyTorch within
 `verify`'s tolerances (or be refused cleanly):
 
-- user `torch.utils.checkpoint` regions with dropout inside (traced as plain calls, so the
-  patched step draws eager's masks), reentrant and not; a hand-written RNG replay is refused;
+- user `torch.utils.checkpoint` regions with dropout inside (re-run in the traced backward as
+  the checkpoint re-runs them, their masks read from forward, never drawn again: the patched
+  step draws eager's masks), reentrant and not; a hand-written RNG replay is refused;
 - `nn.LSTM` (CPU oneDNN kernel): a fake trace, which cannot see its workspace, is refused;
   `nn.GRU` fake and real traces agree; the cpu profile's patched step runs both (the LSTM's
   workspace is defined in grad mode);
@@ -167,9 +168,12 @@ def plans_at(prof, fractions=(1.0, 0.8)):
 # -- 1. user checkpoint regions with dropout --------------------------------------------------
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointed_dropout_gives_eager_gradients(files, tmp_path, reentrant):
-    prof = profile_workload(str(files["ckpt"]), args={"reentrant": reentrant}, device="fake",
-                            hardware=HW)
+    # (on this CPU's kernels: the plan counts what the checkpointed step holds, no more, so
+    # a CUDA-sized mask would not be this run's)
+    prof = profile_workload(str(files["ckpt"]), args={"reentrant": reentrant},
+                            device="fake:cpu", hardware=HW)
     assert prof.summary["checkpoints_inlined"] == 2
+    assert prof.summary["checkpoint_held"]      # the regions' inputs, kept by every plan
     # no random op runs in backward: the region's masks are forward values, never re-drawn
     random_bwd = [o.name for o in prof.ops if o.phase == "backward" and "dropout" in o.target
                   and "backward" not in o.target]

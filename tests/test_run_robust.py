@@ -92,7 +92,8 @@ def test_models_nobody_here_wrote_line_up_and_train_bitwise(tmp_path, name, capf
 def test_causal_lms_plan_again_along_eager_branches_then_line_up(tmp_path, name, device, capfd):
     """transformers builds a mask and repeats grouped-query keys under fake tensors, not in
     eager: the first call lines up less and is held to the budget; it plans again along the
-    branches it took, and every later call lines up."""
+    branches it took, every later call lines up, and the third follows its template (the
+    second, the first on the new plan, is recorded)."""
     mod, src = _patched(tmp_path, name, MODELS[name], device)
     calls = _steps(mod, src, steps=3)
     (first, held), later = calls[0], calls[1:]
@@ -101,6 +102,7 @@ def test_causal_lms_plan_again_along_eager_branches_then_line_up(tmp_path, name,
         assert rep["fraction"] >= 0.99 and rep["run_unmatched"] == 0, rep
         assert held <= 1.05 * rep["budget_bytes"], (rep, held)
         assert rep["budget_bytes"] == first["budget_bytes"]       # the same budget, in bytes
+    assert [rep["recorded"] for rep, _ in calls] == [True, True, False]
     err = capfd.readouterr().err
     assert err.count("planned again along the branches this call took") == 1, err
     # the note on the first call says that the re-plan follows, not to re-profile (which a

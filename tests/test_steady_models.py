@@ -13,16 +13,22 @@ from slackswap_cli.errors import InfeasibleError
 from slackswap_cli.hardware import load_hardware
 
 
-@pytest.mark.slow
+@pytest.mark.slow_tier   # ~100 s a model; the default tests below hold each cause, and
+# test_run_robust's causal LMs the re-plan on a first call that took other branches
 @pytest.mark.parametrize("name", ["lcnet_050", "tinynet_e", "lraspp_mobilenet_v3_large",
                                   "speech2text_checkpointing", "roberta_multiple_choice"])
 def test_steady_from_the_second_call(name):
+    """Recorded on the first call only, or, where the first call did not line up (RoBERTa
+    multiple choice: eager drops an all-ones mask the fake trace builds) and planned again
+    along its branches, on the first two; bitwise equal to eager throughout."""
     for lib in ("timm", "torchvision", "transformers"):
         pytest.importorskip(lib)
     from benchmarks import steady_calls
-    got = steady_calls.run_case(name, calls=3)
+    got = steady_calls.run_case(name, calls=4)
     assert got["bitwise"], name
-    assert got["recorded"] == [True, False, False], (name, got["recorded"])
+    replanned = got["fractions"][0] < 0.99
+    assert replanned == (name == "roberta_multiple_choice"), got["fractions"]
+    assert got["recorded"] == [True] * (1 + replanned) + [False] * (3 - replanned), got
     assert got["report"]["not_steady"] is None
 
 

@@ -188,14 +188,26 @@ def plan_and_simulate(name: str, profile: Profile, hw: HardwareSpec, budget_byte
     # `no_swap`, `no_recompute` (plan --for-compile) go to a planner that takes them; one that
     # does not is held to them by the simulator (swap-all is refused)
     barred = {k: tuple(options.pop(k, ())) for k in ("no_swap", "no_recompute")}
+    held = profile.summary.get("checkpoint_held")
+    if held:    # the inputs of the model's own checkpointed regions: its checkpoints hold them
+        barred = {k: tuple(sorted({*v, *held})) for k, v in barred.items()}
     options.update(planner_spec(name).accepted(**{k: v for k, v in barred.items() if v}))
     decisions, notes, solve_ms = run_planner(name, profile, hw, budget_bytes, **options)
-    if barred["no_swap"]:
+    if held:    # (a planner that does not take them: what it would free there, kept)
+        decisions = _kept(decisions, set(held))
+    if barred["no_swap"] and not held:
         notes = tuple(notes) + (f"for the compiled path: {len(barred['no_swap'])} value(s) "
                                 f"compile_planned cannot offload are not swapped "
                                 f"({len(barred['no_recompute'])} of them kept)",)
     return judge(name, profile, hw, budget_bytes, decisions, notes, solve_ms,
                  budget_fraction, record=record, **barred)
+
+
+def _kept(decisions: list, held: set) -> list:
+    """`decisions` with every root of `held` kept."""
+    from ..schema import Action, Decision
+    return [d if d.tensor not in held or d.action == Action.KEEP else
+            Decision(tensor=d.tensor, action=Action.KEEP) for d in decisions]
 
 
 def judge(name: str, profile: Profile, hw: HardwareSpec, budget_bytes: int,

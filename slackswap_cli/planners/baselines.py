@@ -46,7 +46,10 @@ def recompute_only(profile: Profile, hw: HardwareSpec, budget_bytes: int):
 
 
 def swap_all(profile: Profile, hw: HardwareSpec, budget_bytes: int):
-    return [Decision(tensor=t.id, action=SWAP) for t in profile.saved_activations]
+    """Every saved activation swapped, but what the model's own checkpoints hold (kept)."""
+    held = set(profile.summary.get("checkpoint_held") or ())
+    return [Decision(tensor=t.id, action=KEEP if t.id in held else SWAP)
+            for t in profile.saved_activations]
 
 
 def checkpoint_layers(profile: Profile, hw: HardwareSpec, budget_bytes: int, *,

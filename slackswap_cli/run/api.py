@@ -151,9 +151,8 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     if note is not None:
         warnings.warn(f"slackswap: {note}", stacklevel=2)
     own = checkpointing_on(model)
-    if own is not None:     # (traced as plain calls: the plan is the model's without it)
-        tell(f"{own}; the plan is made for the model without it (its checkpointed regions "
-             "are traced as plain calls)")
+    if own is not None:     # (its regions re-run in the traced backward: trace/checkpointed.py)
+        tell(own)
     if budget == "auto":
         budget = str(_auto_budget(model, work.inputs, optimizer))
     prof, hw, budget_bytes, fraction = plan_inputs(prof, budget, hw, "plan_model")

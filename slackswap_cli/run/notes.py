@@ -113,13 +113,15 @@ CHECKPOINTING = (("Hugging Face", "gradient_checkpointing", "model.gradient_chec
 def checkpointing_on(model) -> str | None:
     """What to say when a module of `model` has its library's gradient checkpointing on
     (Hugging Face's `gradient_checkpointing_enable()`, timm's `set_grad_checkpointing()`):
-    its checkpointed blocks save their own tensors, out of the plan's reach; None when off."""
+    its checkpointed blocks hold only their inputs and re-run in backward, out of the plan's
+    reach (trace/checkpointed.py); None when off."""
     for library, flag, off in CHECKPOINTING:
         if any(getattr(m, flag, False) is True for m in model.modules()):
-            return (f"{library} gradient checkpointing is on: its checkpointed blocks save their "
-                    "own tensors (out of the plan's reach, and not what the plan was made for), "
-                    "so the plan runs only for the rest of the model and the step holds less "
-                    f"than its budget (turn it off with {off} to run the whole plan)")
+            return (f"{library} gradient checkpointing is on: its checkpointed blocks hold only "
+                    "their inputs and re-run in backward, out of the plan's reach; the plan and "
+                    "its budget count what the model holds with it (those inputs kept, the "
+                    "re-runs in backward) and place the rest (turn it off with "
+                    f"{off} before planning to let the plan place everything)")
     return None
 
 

@@ -173,6 +173,9 @@ def joint_to_profile(joint: JointGraph, *, workload: dict, env: dict,
              "time_source": source,
              "checkpoints_inlined": joint.checkpoints_inlined,
              **(summary_extra or {})}
+    if joint.checkpoint_held:     # what the model's own checkpoints hold (trace/checkpointed.py)
+        extra["checkpoint_held"] = sorted({g.root(g.tid_of[n]) for n in joint.checkpoint_held
+                                           if n in g.tid_of})
     return b.build(workload=workload, env=env, summary_extra=extra)
 
 

@@ -26,7 +26,9 @@ mutated tensor as not recomputable, which is always safe.
 
 `torch.utils.checkpoint` regions are traced as plain calls (`_inline_checkpoints`): a traced
 graph cannot replay the generator state a checkpoint restores before its recompute, so its
-recompute would draw fresh dropout masks. Any other `set_rng_state` inside a step that draws
+recompute would draw fresh dropout masks. Each outermost region's nodes are noted, and its
+re-run is then copied into the backward, its random results read from forward
+(`_own_checkpoints`, trace/checkpointed.py): the graph holds what the checkpointed model holds. Any other `set_rng_state` inside a step that draws
 random numbers is refused (`_watch_rng_restores`). `loss_fn(output, inputs)` gets the inputs
 in the form the workload gave them (`workload_inputs`).
 
@@ -77,6 +79,10 @@ class JointGraph:
     loss_node: str = ""
     fake: bool = False
     checkpoints_inlined: int = 0          # torch.utils.checkpoint regions traced as plain calls
+    # each outermost region's forward nodes, by name, in order (`checkpointed.py` makes
+    # the graph's backward recompute them, as the model's own checkpointing does)
+    checkpoint_regions: list[list[str]] = field(default_factory=list)
+    checkpoint_held: list[str] = field(default_factory=list)   # the regions' inputs
     value_dependent_sizes: bool = False   # traced for real: sizes fixed at this batch's values
 
     def placeholders(self) -> list[fx.Node]:
@@ -253,11 +259,22 @@ def capture_joint(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None 
     joint = JointGraph(gm=gm, param_names=param_names, buffer_names=buffer_names, input_spec=spec,
                        input_leaf_is_tensor=is_tensor, input_constants=constants,
                        grad_param_index=grad_index, fake=fake_mode is not None,
-                       checkpoints_inlined=inlined["n"], value_dependent_sizes=real_sizes)
+                       checkpoints_inlined=inlined["n"], value_dependent_sizes=real_sizes,
+                       checkpoint_regions=_region_nodes(gm, inlined["spans"]))
     _annotate(joint, tracker, boundary.get("n", 0))
+    _own_checkpoints(joint)
     if restores:
         _refuse_rng_replay(joint, restores)
     return joint
+
+
+def _own_checkpoints(joint: JointGraph) -> None:
+    """The model's checkpointed regions re-run in the graph's backward, as their checkpoints
+    re-run them (trace/checkpointed.py); `checkpoint_held`: what the checkpoints hold."""
+    if joint.checkpoint_regions:
+        from .checkpointed import recompute_regions
+        joint.checkpoint_held = recompute_regions(joint.gm, joint.checkpoint_regions,
+                                                  joint.phase, joint.module)
 
 
 def _param_grads(loss, params: list, inputs: list, tangent) -> list:
@@ -299,37 +316,39 @@ def autocast_region(autocast: Any, device_type: str):
 
 @contextlib.contextmanager
 def _inline_checkpoints():
-    """Trace `torch.utils.checkpoint` regions as plain calls; yields {"n": regions inlined}.
+    """Trace `torch.utils.checkpoint` regions as plain calls; yields {"n": regions inlined,
+    "spans": (tracer, first node, end node) of each outermost region}.
 
     A checkpointed region re-runs its forward in backward with the random-number generator
     restored to its state at the region's forward, so dropout draws the same mask twice. A
     traced graph cannot replay a generator state: the re-run would draw a fresh mask, and the
     patched step would compute other gradients than eager. Tracing the region as a plain call
-    gives the values and gradients eager computes (checkpointing changes only what is held),
-    and leaves the choice of what to recompute to the plan, which never re-runs a random op.
+    gives the values and gradients eager computes (checkpointing changes only what is held);
+    what it holds is then put back by copying the region's re-run into the backward, random
+    ops left out (`_own_checkpoints`).
     Both variants are inlined: non-reentrant (a generator around the call: torch 2.15's
     `checkpoint` calls `_checkpoint_without_reentrant_generator_impl`, 2.13's the name without
     `_impl`, which 2.15 keeps for other callers: both are replaced) and reentrant
     (`CheckpointFunction`, which runs the region without grad when no input needs one).
     """
-    count = {"n": 0}
+    count = {"n": 0, "spans": [], "depth": 0}
     generators = {name: getattr(ckpt, name) for name in (
         "_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
         if hasattr(ckpt, name)}
     function = ckpt.CheckpointFunction
 
     def plain_generator(fn, *args, **kwargs):
-        count["n"] += 1
-        yield
+        with _span(count):
+            yield
 
     class PlainCall:
         @staticmethod
         def apply(run_function, preserve_rng_state, *args):
-            count["n"] += 1
-            if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-                return run_function(*args)
-            with torch.no_grad():
-                return run_function(*args)
+            with _span(count):
+                if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                    return run_function(*args)
+                with torch.no_grad():
+                    return run_function(*args)
 
     for name in generators:
         setattr(ckpt, name, plain_generator)
@@ -340,6 +359,32 @@ def _inline_checkpoints():
         for name, generator in generators.items():
             setattr(ckpt, name, generator)
         ckpt.CheckpointFunction = function
+
+
+@contextlib.contextmanager
+def _span(count: dict):
+    """One checkpointed region traced: counted, and, when outermost, the graph's node count
+    at its start and end noted (`count["spans"]`)."""
+    count["n"] += 1
+    mode = get_proxy_mode()
+    start = len(mode.tracer.graph.nodes) if mode is not None else None
+    count["depth"] += 1
+    try:
+        yield
+    finally:
+        count["depth"] -= 1
+    if start is not None and count["depth"] == 0:
+        count["spans"].append((id(mode.tracer), start, len(mode.tracer.graph.nodes)))
+
+
+def _region_nodes(gm: fx.GraphModule, spans: list[tuple[int, int, int]]) -> list[list[str]]:
+    """The names of each span's call_function nodes (node counts of the traced graph,
+    whose order the GraphModule keeps); the last trace's spans only (a fake trace that
+    needed values is traced again for real)."""
+    nodes = list(gm.graph.nodes)
+    last = spans[-1][0] if spans else None
+    return [[n.name for n in nodes[a:b] if n.op == "call_function"]
+            for tracer, a, b in spans if tracer == last]
 
 
 @contextlib.contextmanager

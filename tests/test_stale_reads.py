@@ -1,0 +1,105 @@
+"""A root a chain reads, written in place after it was saved: on the first call the chain
+reads it through an alias the recorder made (`first_call._lined_up`'s pin), whose version
+counter is its own, so no version check sees the write. What holds the run bitwise is that
+a chain never reads a value a later write overwrote (the profile's stale reads are not
+recomputable: trace/graph_profile.py), and a write the chain does want is in the alias's
+data already; a write under a view autograd saved is refused when the step is traced."""
+import copy
+
+import pytest
+import torch
+from helpers import two_us_kernels
+
+import slackswap_cli as slackswap
+from slackswap_cli.budget import first_feasible_budget
+from slackswap_cli.errors import InfeasibleError, TraceError
+from slackswap_cli.hardware import load_hardware
+
+
+class _Block(torch.nn.Module):
+    """`r` made by an op that saves nothing, read by tanh (which saves its output), then
+    written in place; autograd saves only a view of `r` (its slice, through `sin`)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        r = self.a(x) + 1
+        t = torch.tanh(r)
+        if self.how == "raise":
+            v = r[:, :8].sin()       # saves the slice; the write below is under it
+            r.mul_(0.5)
+            return self.b(t) + v.sum(1, keepdim=True)
+        if self.how == "data":
+            r.data.mul_(0.5)         # a write autograd's version counter does not see
+        else:
+            r.mul_(0.5)
+        if self.how == "after":
+            t = torch.tanh(r)        # reads the written value
+        return self.b(t) + r[:, :8].sin().sum(1, keepdim=True)
+
+
+def _loss(out, inputs):
+    return out.pow(2).mean()
+
+
+def _planned(how):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_Block(how) for _ in range(2)))
+    x = torch.randn(32, 64)
+    kw = dict(loss_fn=_loss, device="fake:cpu", planner="recompute-only")
+    with pytest.raises(InfeasibleError) as e:
+        slackswap.plan_model(model, (x,), budget=0.3, **kw)
+    first = first_feasible_budget(e.value.plan.profile, load_hardware(None), "recompute-only")
+    return model, x, slackswap.plan_model(model, (x,), budget=int(first), **kw)
+
+
+def _tanh_outputs(plan):
+    """{name: (recomputable, action)} of the tanh outputs tanh's backward reads."""
+    acts = {d.tensor: str(d.action) for d in plan.plan.decisions}
+    return {t.name: (t.recomputable, acts.get(t.id)) for t in plan.profile.tensors
+            if t.name.startswith("tanh") and "backward" not in t.name and t.saved}
+
+
+def _bitwise_calls(model, x, plan, calls=3):
+    twin = copy.deepcopy(model)
+    slackswap.patch(model, plan)
+    for _ in range(calls):
+        grads = []
+        for m in (twin, model):
+            m(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("how", ["before", "data"])
+def test_a_value_written_after_it_was_read_is_never_a_chains(monkeypatch, how):
+    """tanh read `r` before the write (seen by autograd, or through `.data`): re-running
+    tanh would read the written value, so its output is kept, never recomputed."""
+    two_us_kernels(monkeypatch)
+    model, x, plan = _planned(how)
+    assert plan.actions()["recompute"] > 0
+    tanh = _tanh_outputs(plan)
+    assert tanh and not any(ok for ok, _ in tanh.values()), tanh
+    _bitwise_calls(model, x, plan)
+
+
+def test_a_chain_reads_the_written_value_through_the_recorders_alias(monkeypatch):
+    """tanh reads `r` after the write: its output is recomputed from `r`, which on the first
+    call is the recorder's alias (its version 0, the write already in its data)."""
+    two_us_kernels(monkeypatch)
+    model, x, plan = _planned("after")
+    tanh = _tanh_outputs(plan)
+    assert any(act == "recompute" for _, act in tanh.values()), tanh
+    _bitwise_calls(model, x, plan)
+
+
+def test_a_write_under_a_saved_view_is_refused_when_traced():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_Block("raise") for _ in range(2)))
+    with pytest.raises(TraceError, match="modified by an inplace operation"):
+        slackswap.plan_model(model, (torch.randn(32, 64),), budget=0.5, loss_fn=_loss,
+                             device="fake:cpu")
