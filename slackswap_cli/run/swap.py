@@ -46,7 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..trace.storage import storage_key, storage_nbytes
 
 __all__ = ["HostPool", "Handle", "StepStore", "offload", "prefetch", "wait", "host_pool",
-           "side_streams", "storage_as_bytes", "Storages", "StorageCopy", "HostCopy",
+           "side_streams", "storage_as_bytes", "offload_storage", "Storages", "StorageCopy", "HostCopy",
            "wait_kept", "CudaOps", "SyncEngine", "StreamEngine", "engine_for", "set_engine"]
 
 
@@ -294,6 +294,19 @@ def offload(t: torch.Tensor) -> Handle:
     return handle
 
 
+def offload_storage(st, device: torch.device) -> Handle:
+    """`offload(storage_as_bytes(x))` for `x`'s storage `st` on `device`, without the
+    checks a flat byte view needs not (it is dense; its shape and stride are known): the
+    eager runtime's swap, on every swapped saved tensor of a step."""
+    n = st.nbytes()
+    t = torch.empty(0, dtype=torch.uint8, device=device).set_(st, 0, (n,), (1,))
+    engine = engine_for(device)
+    handle = Handle(host=None, shape=(n,), stride=(1,), dtype=torch.uint8,  # type: ignore[arg-type]
+                    device=device, nbytes=n, source=weakref.ref(t), engine=engine)
+    engine.offload(t, handle)
+    return handle
+
+
 def prefetch(handle: Handle) -> None:
     """Start copying a swapped tensor back to its device (no-op if already started)."""
     if handle.device_copy is None:
@@ -336,6 +349,9 @@ class SyncEngine:
         handle.host = host
 
     def prefetch(self, handle: Handle) -> None:
+        if handle.device.type == "cpu":         # (one call: the host buffer is dense)
+            handle.device_copy = handle.host.clone()
+            return
         dev = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype,
                                   device=handle.device)
         dev.copy_(handle.host)

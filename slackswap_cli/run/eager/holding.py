@@ -14,10 +14,11 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...errors import InputError
 from ...schema import Action
-from ...trace.storage import storage_id, storage_key, storage_nbytes
+from ...trace.storage import storage_key, storage_nbytes
 from .. import swap as swap_engine
 from .packs import SwappedRef
 
@@ -59,13 +60,15 @@ def swap(s, x: torch.Tensor, r, own: bool) -> SwappedRef:
     first call, followed later."""
     # one copy per storage (a root and its views), found by the storage itself: an
     # address alone may be a new tensor's, once a swapped one's memory was freed
-    key, ref = storage_id(x)
+    st, dev = x.untyped_storage(), x.device
+    key = (dev.type, dev.index, st.data_ptr())          # (`storage_key`)
     sw = s.by_storage.get(key)
     if sw is None or sw.ref.expired() or sw.version != x._version:
         # (a storage written since its copy, say a buffer filled step by step, is
         # copied again: a copy serves only the contents it saw)
-        copy = swap_engine.offload(swap_engine.storage_as_bytes(x))
-        sw = s.by_storage[key] = swap_engine.StorageCopy(ref, copy, x._version)
+        copy = swap_engine.offload_storage(st, dev)
+        sw = s.by_storage[key] = swap_engine.StorageCopy(StorageWeakRef(st), copy,
+                                                         x._version)
         s.swaps.append(sw)
         host = swap_engine.HostCopy(copy)     # (held by the saved references alone)
         sw.host = weakref.ref(host)
