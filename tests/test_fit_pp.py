@@ -84,6 +84,17 @@ def test_interleaved_ranks_hold_two_stages_of_static_memory():
     assert not tight["feasible"] and "a rank's static memory and reserve exceed" in tight["reason"]
 
 
+def test_v_schedules_hold_two_stages_of_static_memory():
+    """ZBVZeroBubble and DualPipeV run two stages a rank in a V: static memory of two stages,
+    the step from their own order (pipeline/orders.py)."""
+    for schedule in ("ZBVZeroBubble", "DualPipeV"):
+        row = _sweep(40 * MiB, pp=2, schedule=schedule, microbatches=4).rows[0]
+        assert row["static_bytes"] == 8 * MiB and row["budget_bytes"] == 31 * MiB, schedule
+        assert row["feasible"] and row["pipeline"]["schedule"] == schedule
+        figs = pipeline_figures(_stage(), None, schedule, 2, 4, 2)
+        assert row["rank_held"] == [r.held for r in figs.rows]
+
+
 def test_the_workload_declared_pipeline_and_flags_over_it():
     declared = {"pp": 2, "schedule": "GPipe", "microbatches": 4}
     row = _sweep(1 << 30, declared).rows[0]
@@ -98,6 +109,8 @@ def test_the_workload_declared_pipeline_and_flags_over_it():
 @pytest.mark.parametrize("flags,declared,needle", [
     (dict(pp=0), None, "--pp 0"),
     (dict(pp=4, schedule="1F1B", microbatches=2), None, "at least 4 microbatches"),
+    (dict(pp=4, schedule="DualPipeV", microbatches=6), None, "at least 8 microbatches"),
+    (dict(pp=2, schedule="DualPipeV", stages_per_rank=3), None, "exactly 2 stages"),
     (dict(pp=2, schedule="1f1b"), None, "unknown pipeline schedule"),
     (dict(schedule="GPipe"), None, "--pp is not given"),
     ({}, {"pp": 4, "microbatches": 2}, "the workload declares"),

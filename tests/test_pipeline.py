@@ -250,14 +250,16 @@ def test_a_per_rank_budget_may_be_a_fraction_of_the_ranks_keep_all_peak():
             assert row.fits and row.planned_peak_bytes < row.keep_all_peak_bytes
 
 
-@pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble",
+                                  "DualPipeV"])
 def test_torch_free_orders_are_torchs(name):
     """The CLI's orders (pipeline/orders.py, no torch) are the ones torch's schedules run."""
     from slackswap_cli.pipeline.orders import order
-    for pp, n in ((1, 1), (2, 4), (3, 6), (4, 8), (4, 12), (8, 16), (4, 3)):
-        if name == "1F1B" and n < pp:
-            continue                        # (refused: fewer microbatches than stages)
-        spr = 2 if name in ("Interleaved1F1B", "ZBVZeroBubble") else None
+    odd = ((3, 7), (5, 13)) if name in ("ZBVZeroBubble", "DualPipeV") else ()
+    for pp, n in ((1, 1), (2, 4), (3, 6), (4, 8), (4, 12), (8, 16), (4, 3), *odd):
+        if name == "1F1B" and n < pp or name == "DualPipeV" and n < 2 * pp:
+            continue              # (refused: fewer microbatches than stages, as torch does)
+        spr = 2 if name in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV") else None
         assert order(name, pp, n) == schedule_order(name, pp, n, spr), (pp, n)
     if name == "Interleaved1F1B":
         assert order(name, 4, 8, 3) == schedule_order(name, 4, 8, 3)

@@ -179,3 +179,24 @@ def test_zbv_zero_bubble_is_a_cli_schedule_as_torch_runs_it(ws):
     r = run("simulate", "chain.plan.json", "--pp", 4, "--schedule", "ZBVZeroBubble",
             "--stages-per-rank", 3)
     assert r.exit_code != 0 and "--stages-per-rank 2" in r.stdout + r.stderr
+
+
+def test_dualpipev_is_a_cli_schedule_as_torch_runs_it(ws):
+    """DualPipeV through simulate --pp and show --pp: the torch-free order is torch's
+    (tests/test_pipeline.py), stages r and 2 pp - 1 - r on rank r, every rank as busy as the
+    others (2 x 8 microbatches of 600 us forward and 1200 us backward, split or not); fewer
+    than 2 pp microbatches refused with the flag that fixes it, as torch refuses them."""
+    d = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", "DualPipeV",
+                  "--microbatches", 8, "--rank-budget", "40MiB")
+    assert [r["stages"] for r in d["ranks"]] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert all(r["held"] > 0 and r["planned_peak_bytes"] < r["keep_all_peak_bytes"]
+               for r in d["ranks"])
+    busy = [d["step_us"] - r["idle_us"] for r in d["ranks"]]
+    assert busy == pytest.approx([busy[0]] * 4) and busy[0] >= 2 * 8 * 1800
+    shown = _pipeline("show", "chain.plan.json", "--pp", 4, "--schedule", "DualPipeV",
+                      "--microbatches", 8)["ranks"]
+    assert [r["held"] for r in shown] == [r["held"] for r in d["ranks"]]
+    r = run("simulate", "chain.plan.json", "--pp", 4, "--schedule", "DualPipeV",
+            "--microbatches", 6)
+    assert_clean_error(r, 2, "at least 8 microbatches")
+    assert "--microbatches 8" in r.stderr.split("Hint:", 1)[1]

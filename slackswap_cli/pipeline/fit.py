@@ -39,7 +39,7 @@ from ..fit import (
 from ..schema import Plan, Profile
 from ..simulate import budget_floor_bytes
 from ..units import fmt_bytes
-from .orders import PipelineSpec, pipeline_spec
+from .orders import V_SCHEDULES, PipelineSpec, pipeline_spec
 from .step import PipelineFigures, pipeline_figures
 
 __all__ = ["stages_on_rank", "rank_static", "pipeline_row", "row_maker"]
@@ -50,7 +50,7 @@ BISECTIONS = 8
 
 
 def stages_on_rank(spec: PipelineSpec) -> int:
-    return spec.stages_per_rank if spec.schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
+    return spec.stages_per_rank if spec.schedule in ("Interleaved1F1B", *V_SCHEDULES) else 1
 
 
 def rank_static(static: StaticMemory, stages: int) -> StaticMemory:

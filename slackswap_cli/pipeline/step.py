@@ -12,7 +12,7 @@ The step's time: every rank runs its steps in the schedule's order, a forward of
 after the same microbatch's forward of stage s - 1, a backward after the same microbatch's
 backward of stage s + 1 (`timeline`); a forward takes the profile's forward time, a backward
 the rest of the plan's predicted step (its recomputes and stalls included), a split
-backward's input pass and weight pass (ZBVZeroBubble) half of it each, the previous stage's
+backward's input pass and weight pass (ZBVZeroBubble, DualPipeV) half of it each, the previous stage's
 backward waiting for the input pass. What a split backward holds from its input pass to its
 weight pass beyond the saved activations (`Boundary.split`: the gradients its weight pass
 starts from, measured on the stage module by `plan_pipeline`) is not in a profile, so not
@@ -44,7 +44,7 @@ __all__ = ["SENDS_OF", "output_roots", "boundary_of", "timeline", "PipelineFigur
            "pipeline_figures"]
 
 SENDS_OF = {"GPipe": "gpipe", "1F1B": "none", "Interleaved1F1B": "runtime",
-            "ZBVZeroBubble": "runtime"}
+            "ZBVZeroBubble": "runtime", "DualPipeV": "runtime"}
 
 
 def output_roots(prof: Profile) -> frozenset:
