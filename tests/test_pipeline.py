@@ -241,12 +241,13 @@ def test_below_the_floor_names_the_budget_and_the_least_that_fits(schedule, tell
 
 def test_a_per_rank_budget_may_be_a_fraction_of_the_ranks_keep_all_peak():
     """A user probes with a fraction first: 0.6 (or "60%") of each rank's own keep-all peak,
-    its held microbatches and boundary buffers counted."""
+    its held microbatches, boundary buffers and receive buffers counted."""
     stages = _linear_stages(2)
     for budget in (0.6, "60%", {0: 0.6, 1: "60%"}):
         rows = _plan(stages, "1F1B", microbatches=4, budget=budget).rows
         for row in rows:
-            assert row.budget_bytes == int(0.6 * row.keep_all_peak_bytes)
+            assert row.recv_bytes > 0
+            assert row.budget_bytes == int(0.6 * (row.keep_all_peak_bytes + row.recv_bytes))
             assert row.fits and row.planned_peak_bytes < row.keep_all_peak_bytes
 
 

@@ -36,9 +36,11 @@ def _pipeline(*args):
 
 def test_simulate_pp_prints_each_ranks_memory_and_the_bubbled_step(ws):
     """1F1B, 4 ranks, 8 microbatches of a stage taking 600 us forward and 1200 us backward:
-    rank r holds 4 - r; uniform stages take (8 + 4 - 1) x 1800 us, each rank idle 3 x 1800."""
+    rank r holds 4 - r; uniform stages take (8 + 4 - 1) x 1800 us, each rank idle 3 x 1800.
+    Each rank's receive buffers (a 1 MiB input and output gradient per microbatch) count in
+    its budget beside its planned peak."""
     d = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", "1F1B",
-                  "--microbatches", 8, "--rank-budget", "9MiB")
+                  "--microbatches", 8, "--rank-budget", "18MiB")
     ranks = d["ranks"]
     assert [r["held"] for r in ranks] == [4, 3, 2, 1]
     assert d["keep_all_step_us"] == pytest.approx(11 * 1800)
@@ -46,7 +48,9 @@ def test_simulate_pp_prints_each_ranks_memory_and_the_bubbled_step(ws):
     keep = [r["keep_all_peak_bytes"] for r in ranks]
     planned = [r["planned_peak_bytes"] for r in ranks]
     assert keep == sorted(keep, reverse=True) and all(p < k for p, k in zip(planned, keep))
-    assert [r["fits"] for r in ranks] == [p <= 9 * MiB for p in planned]
+    assert [r["recv_bytes"] for r in ranks] == [8 * MiB, 16 * MiB, 16 * MiB, 8 * MiB]
+    assert [r["fits"] for r in ranks] == [p + r["recv_bytes"] <= 18 * MiB
+                                          for p, r in zip(planned, ranks)]
     assert not ranks[0]["fits"] and ranks[3]["fits"]
     assert all(r["swapped_bytes"] + r["recomputed_bytes"] > 0 for r in ranks)
     human = run("simulate", "chain.plan.json", "--pp", 4, "--microbatches", 8)

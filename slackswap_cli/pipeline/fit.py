@@ -8,7 +8,9 @@ Per rank:
   buffers (`fit.static_memory` of the stage, `--shard` as without a pipeline), times the
   stages the rank runs (`stages_per_rank` with Interleaved1F1B, else one); the batch's inputs
   once;
-- the **activation budget**: device memory - that static memory - the reserve;
+- the **activation budget**: device memory - that static memory - the reserve; the rank's
+  receive buffers (`stages.recv_buffer_bytes`, `rank_recv_bytes`) count in it beside its
+  activation peak;
 - one plan of the stage, the same on every stage, made at the largest stage budget (bisected
   between the stage's activation floor and its keep-all peak) at which EVERY rank, with the
   (chunk-)microbatches the schedule makes it hold, stays under its activation budget
@@ -97,7 +99,8 @@ def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: 
     row = row_head(batch, kind, per_rank, s)
     row.update(budget_bytes=budget, keep_all_peak_bytes=prof.keep_all_peak_bytes,
                pipeline=spec._asdict(), global_batch=batch * spec.microbatches,
-               rank_peak_bytes=None, rank_held=None, worst_rank_peak_bytes=None,
+               rank_peak_bytes=None, rank_held=None, rank_recv_bytes=None,
+               worst_rank_peak_bytes=None,
                bubble_fraction=None, judged_step_us=None, rank_exposed_copy_us=None,
                rank_judged_peak_bytes=None)
     if budget <= 0:
@@ -120,10 +123,13 @@ def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: 
     if figs is not None:
         row.update(rank_peak_bytes=[r.planned_peak_bytes for r in figs.rows],
                    rank_held=[r.held for r in figs.rows],
+                   rank_recv_bytes=[r.recv_bytes for r in figs.rows],
                    worst_rank_peak_bytes=max(r.planned_peak_bytes for r in figs.rows))
     if not _fits(figs):
-        why = (f"the worst rank's peak {fmt_bytes(row['worst_rank_peak_bytes'])} is above its "
-               f"activation budget {fmt_bytes(budget)}" if figs is not None else
+        worst = max(figs.rows, key=lambda r: r.planned_peak_bytes + r.recv_bytes) if figs else None
+        why = (f"the worst rank's peak {fmt_bytes(worst.planned_peak_bytes)} and its receive "
+               f"buffers {fmt_bytes(worst.recv_bytes)} are above its activation budget "
+               f"{fmt_bytes(budget)}" if figs is not None else
                (plan.notes[-1] if plan.notes else "the plan does not fit"))
         return infeasible_row(row, why), None
     figs = pipeline_figures(prof, plan, spec.schedule, spec.pp, spec.microbatches,

@@ -16,7 +16,9 @@ backward's input pass and weight pass (ZBVZeroBubble, DualPipeV) half of it each
 backward waiting for the input pass. What a split backward holds from its input pass to its
 weight pass beyond the saved activations (`Boundary.split`: the gradients its weight pass
 starts from, measured on the stage module by `plan_pipeline`) is not in a profile, so not
-counted here. Sends and
+counted here. Each rank's receive buffers (`recv_buffer_bytes`: a stage's input and its
+output's gradient, the profile's output size, per microbatch) count against `--rank-budget`
+beside the activation peak (a row's `fits`). Sends and
 receives take no time here (on one node they are small against a stage's compute); a rank's
 idle time (its bubbles) is the step's time less its own work.
 
@@ -37,6 +39,7 @@ from .stages import (
     held_microbatches,
     output_held,
     rank_peak,
+    recv_buffer_bytes,
     stage_cost,
 )
 
@@ -135,6 +138,9 @@ def pipeline_figures(prof: Profile, plan: Plan | None, schedule: str, pp: int,
                             (rank_of.get(s - 1) == rank_of[s], rank_of.get(s + 1) == rank_of[s]))
              for s in range(n_stages)}
     held = held_microbatches(steps)
+    out = sum(prof.tensors[r].size_bytes for r in output_roots(prof))
+    recv = recv_buffer_bytes(steps, microbatches, dict.fromkeys(rank_of, out),
+                             dict.fromkeys(rank_of, out))
     fwd = float(prof.summary.get("forward_us", 0.0))
     keep_bwd = float(prof.summary.get("backward_us", 0.0))
     bwd = (plan.predicted.step_us - fwd) if plan is not None else keep_bwd
@@ -151,7 +157,8 @@ def pipeline_figures(prof: Profile, plan: Plan | None, schedule: str, pp: int,
         fraction = (plan.budget_bytes / prof.keep_all_peak_bytes
                     if plan is not None and prof.keep_all_peak_bytes else 1.0)
         rows.append(RankRow(rank, stages, held[rank], rank_budget, rank_peak(st, keep),
-                            rank_peak(st, cost), swapped, recomputed, min(1.0, fraction)))
+                            rank_peak(st, cost), swapped, recomputed, min(1.0, fraction),
+                            recv_bytes=recv[rank]))
         idle[rank] = step_us - busy[rank]
         copy[rank] = swapped * copy_us_per_byte
     figs = PipelineFigures(schedule, pp, microbatches, tuple(rows), step_us, keep_step, idle,
