@@ -78,12 +78,7 @@ def test_planned_pipeline_trains_exactly_within_its_peaks(family, schedule, per_
 
 @slow
 @pytest.mark.parametrize("schedule,held", [
-    ("ZBVZeroBubble", [4, 4]), ("DualPipeV", [5, 5]),
-    pytest.param("InterleavedZeroBubble", [4, 4], marks=pytest.mark.xfail(
-        strict=True, raises=Exception,
-        reason="rank 1's first weight pass (1W0) still re-runs bernoulli_: a kept mask its "
-               "first backward read from a root pinned for a chain, gone by the weight pass "
-               "(docs/results.md)"))])
+    ("ZBVZeroBubble", [4, 4]), ("DualPipeV", [5, 5]), ("InterleavedZeroBubble", [4, 4])])
 def test_split_backward_schedules_train_gpt2_with_dropout_exactly(schedule, held, tmp_path):
     """Hugging Face GPT-2 blocks with dropout 0.1, two blocks a stage, two stages a rank:
     every split-backward schedule's weight passes make recomputed tensors again through the
