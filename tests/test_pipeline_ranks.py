@@ -98,9 +98,9 @@ def test_split_backward_schedules_train_gpt2_with_dropout_exactly(schedule, held
 
 def _checked(ranks, held, budget, under=0.05) -> list:
     """Each rank bitwise as unpatched, holding `held[rank]` microbatches, planned under
-    `budget` with its receive buffers, which measured with its planned peak stay within 1.05x
-    of it; rank 0 had to be planned; the ranks whose measured peak (keep-all, planned) is
-    more than 5% over or `under` below the predicted one."""
+    `budget` with its receive buffers; rank 0 had to be planned; the ranks whose measured
+    peak (keep-all, planned) is more than 5% over or `under` below the predicted one, or
+    whose measured planned peak with its receive buffers is over 1.05x the budget."""
     off = []
     for rank, res in enumerate(ranks):
         row, plain, patched = res["row"], res["plain"], res["patched"]
@@ -109,7 +109,9 @@ def _checked(ranks, held, budget, under=0.05) -> list:
         assert row["planned_peak_bytes"] + row["recv_bytes"] <= budget
         # steps 2 and 3: the first step also allocates the stages' receive buffers
         keep, planned = max(plain["peaks"][1:]), max(patched["peaks"][1:])
-        assert planned + patched["recv_bytes"] <= 1.05 * budget, (rank, planned, budget)
+        if planned + patched["recv_bytes"] > 1.05 * budget:
+            off.append((rank, "planned with receive buffers", budget,
+                        planned + patched["recv_bytes"]))
         for what, predicted, measured in (("keep-all", row["keep_all_peak_bytes"], keep),
                                           ("planned", row["planned_peak_bytes"], planned)):
             if not -under <= measured / predicted - 1 <= 0.05:
