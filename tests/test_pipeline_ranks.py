@@ -56,15 +56,16 @@ def test_split_backward_stages_train_exactly_swapping_and_recomputing(tmp_path):
     ("gpt", "GPipe", 1, 4, 300_000, [4, 4], "slackswap", None),
     ("gpt", "GPipe", 1, 4, 400_000, [4, 4], "recompute-only", None),
     ("gpt", "1F1B", 1, 4, 200_000, [2, 1], "slackswap", None),
-    # the runtime schedules keep what they send until the step ends (pipeline.SENDS)
-    ("gpt", "Interleaved1F1B", 2, 4, 300_000, [5, 3], "slackswap", None),
+    # the runtime schedules keep what they send until the step ends (pipeline.SENDS); the
+    # budgets of two stages a rank hold their receive buffers too (48-64 KiB here)
+    ("gpt", "Interleaved1F1B", 2, 4, 350_000, [5, 3], "slackswap", None),
     ("llama", "1F1B", 1, 4, 230_000, [2, 1], "slackswap", None),
-    ("llama", "Interleaved1F1B", 2, 4, 480_000, [5, 3], "slackswap", None),
+    ("llama", "Interleaved1F1B", 2, 4, 530_000, [5, 3], "slackswap", None),
     # split backward: a pair holds its weight pass's gradients from I to W (Boundary.split)
-    ("gpt", "ZBVZeroBubble", 2, 4, 480_000, [4, 4], "slackswap", LINK),
-    ("gpt", "DualPipeV", 2, 4, 480_000, [5, 5], "slackswap", LINK),
+    ("gpt", "ZBVZeroBubble", 2, 4, 546_000, [4, 4], "slackswap", LINK),
+    ("gpt", "DualPipeV", 2, 4, 546_000, [5, 5], "slackswap", LINK),
     # (rank 1 measured 4.2% and 6.2% under its planned peak in two runs: see UNDER)
-    ("gpt", "InterleavedZeroBubble", 2, 4, 480_000, [4, 4], "slackswap", LINK),
+    ("gpt", "InterleavedZeroBubble", 2, 4, 530_000, [4, 4], "slackswap", LINK),
 ])
 def test_planned_pipeline_trains_exactly_within_its_peaks(family, schedule, per_rank, n_mb,
                                                           budget, held, planner, link,
@@ -117,7 +118,8 @@ def _checked(ranks, held, budget, under=0.05) -> list:
             if not -under <= measured / predicted - 1 <= 0.05:
                 off.append((rank, what, predicted, measured))
     first = ranks[0]["row"]
-    assert first["keep_all_peak_bytes"] > budget                 # rank 0 had to be planned
+    # rank 0 had to be planned
+    assert first["keep_all_peak_bytes"] + first["recv_bytes"] > budget
     assert first["swapped_bytes"] + first["recomputed_bytes"] > 0
     return off
 
