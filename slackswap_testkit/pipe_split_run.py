@@ -30,6 +30,7 @@ from slackswap_testkit.pipeline_run import (
     _measured_step,
     free_port,
     loss_fn,
+    recv_buffer_bytes,
     stages_of,
 )
 from slackswap_testkit.small_costs import small_model_costs
@@ -152,6 +153,7 @@ def _train(label, planned, mine, case: Case, ids, tgt):
         opt.step()
         losses.append([x.detach() for x in out])
     return {"losses": losses, "peaks": peaks, "held": held[0],
+            "recv_bytes": recv_buffer_bytes(stages),
             "params": [p.detach().clone() for m in mods.values() for p in m.parameters()]}
 
 

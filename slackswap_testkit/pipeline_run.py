@@ -212,6 +212,22 @@ def _measured_step(sched, mods, args, target, losses) -> int:
     return max(tracker.timeline(), default=0)
 
 
+def recv_buffer_bytes(stages) -> int:
+    """Bytes of the distinct storages the stages' receive buffers hold (PipelineStage's
+    `args_recv_info` and `grad_recv_info`, every microbatch's), after a step."""
+    seen, total = set(), 0
+    for st in stages:
+        for infos in (*st.args_recv_info.values(), *st.grad_recv_info.values()):
+            for info in infos:
+                buf = getattr(info, "buffer", None)
+                if isinstance(buf, torch.Tensor):
+                    key = buf.untyped_storage().data_ptr()
+                    if key not in seen:
+                        seen.add(key)
+                        total += buf.untyped_storage().nbytes()
+    return total
+
+
 def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps, family="gpt",
            quick=False):
     from torch.distributed.pipelining import PipelineStage
@@ -243,6 +259,7 @@ def _train(label, planned, mine, n_stages, schedule, n_mb, ids, tgt, steps, fami
             opt.step()
             losses.append([x.detach() for x in out])
     return {"losses": losses, "peaks": peaks, "held": held[0],
+            "recv_bytes": recv_buffer_bytes(stages),
             "emulated": None if dev is None else emulated_stats(dev),
             "params": [p.detach().clone() for m in mods.values() for p in m.parameters()]}
 

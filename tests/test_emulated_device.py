@@ -164,10 +164,11 @@ def _ranks_emulated(monkeypatch, run):
 @slow
 def test_pipeline_with_a_split_backward_is_bitwise(monkeypatch, tmp_path):
     """plan_pipeline on 2 gloo ranks, ZBVZeroBubble (each weight pass a second backward
-    through the saved tensors), as tests/test_pipeline_ranks.py's default-suite run."""
+    through the saved tensors), as tests/test_pipeline_ranks.py's default-suite run (the
+    budget holds the ranks' 32 KiB of receive buffers)."""
     from slackswap_testkit import pipeline_run
     ranks = _ranks_emulated(monkeypatch, lambda: pipeline_run.run(
-        "ZBVZeroBubble", 2, 2, 2, 220_000, tmp_path, "slackswap", "gpt", 5e7, quick=True))
+        "ZBVZeroBubble", 2, 2, 2, 253_000, tmp_path, "slackswap", "gpt", 5e7, quick=True))
     for rank, res in enumerate(ranks):
         assert pipeline_run.same(res["plain"], res["patched"]), rank
     assert sum(r["row"]["swapped_bytes"] for r in ranks) > 0

@@ -45,29 +45,35 @@ def _sweep(memory, declared=None, **flags):
 
 def test_each_rank_fits_its_budget_with_the_microbatches_it_holds():
     """1F1B, 4 ranks, 8 microbatches: rank r holds 4 - r microbatches; a rank's static memory
-    is its stage's 4 MiB (params, grads, AdamW's two states), its budget 20 - 4 - 1 MiB.
-    Keeping everything, rank 0 is over it: the plan evicts until every rank fits, and the step
-    (11 slots of 600 + 1200 us, with 3 idle per rank) gives 8 samples per step."""
-    result = _sweep(20 * MiB, pp=4, schedule="1F1B", microbatches=8)
+    is its stage's 4 MiB (params, grads, AdamW's two states), its budget 32 - 4 - 1 MiB, its
+    receive buffers (a 1 MiB input and output gradient per microbatch: 8 MiB on the first
+    and the last rank, 16 MiB between) counted in it. Keeping everything, rank 0 is over it:
+    the plan evicts until every rank fits, and the step (11 slots of 600 + 1200 us, with 3
+    idle per rank) gives 8 samples per step."""
+    result = _sweep(32 * MiB, pp=4, schedule="1F1B", microbatches=8)
     row = result.rows[0]
-    assert row["static_bytes"] == 4 * MiB and row["budget_bytes"] == 15 * MiB
+    assert row["static_bytes"] == 4 * MiB and row["budget_bytes"] == 27 * MiB
     assert row["pipeline"] == {"schedule": "1F1B", "pp": 4, "microbatches": 8,
                                "stages_per_rank": 2}
     assert row["rank_held"] == [4, 3, 2, 1] and row["global_batch"] == 8
-    keep = pipeline_figures(_stage(), None, "1F1B", 4, 8, 2, 15 * MiB)
+    assert row["rank_recv_bytes"] == [8 * MiB, 16 * MiB, 16 * MiB, 8 * MiB]
+    keep = pipeline_figures(_stage(), None, "1F1B", 4, 8, 2, 27 * MiB)
     assert not keep.rows[0].fits and keep.rows[3].fits      # keeping everything: rank 0 over
+    assert keep.rows[3].planned_peak_bytes <= 27 * MiB - 8 * MiB
     keep_row = result.baselines["keep-all"][0]
     assert not keep_row["feasible"] and "worst rank's peak" in keep_row["reason"]
-    assert row["feasible"] and row["worst_rank_peak_bytes"] <= 15 * MiB
+    assert "receive buffers" in keep_row["reason"]
+    assert row["feasible"] and all(p + r <= 27 * MiB for p, r in
+                                   zip(row["rank_peak_bytes"], row["rank_recv_bytes"]))
     assert row["worst_rank_peak_bytes"] == max(row["rank_peak_bytes"]) == row["rank_peak_bytes"][0]
     plan = result.best_plan
     assert any(d.action.value != "keep" for d in plan.decisions)
-    figs = pipeline_figures(_stage(), plan, "1F1B", 4, 8, 2, 15 * MiB)
+    figs = pipeline_figures(_stage(), plan, "1F1B", 4, 8, 2, 27 * MiB)
     assert [r.planned_peak_bytes for r in figs.rows] == row["rank_peak_bytes"]
     assert row["bubble_step_us"] == figs.step_us >= 11 * 1800
     assert row["bubble_fraction"] == pytest.approx(sum(figs.idle_us.values()) / 4 / figs.step_us)
     # the rank-level judge's figures: the plan's copies on each rank's shared engines
-    judged = pipeline_figures(_stage(), plan, "1F1B", 4, 8, 2, 15 * MiB, hw=hand_hw())
+    judged = pipeline_figures(_stage(), plan, "1F1B", 4, 8, 2, 27 * MiB, hw=hand_hw())
     assert row["rank_exposed_copy_us"] == [judged.exposed_us[r] for r in range(4)]
     assert row["rank_judged_peak_bytes"] == [judged.judged_peak_bytes[r] for r in range(4)]
     assert row["step_us"] == row["judged_step_us"] == judged.judged_step_us >= 11 * 1800
@@ -84,6 +90,17 @@ def test_interleaved_ranks_hold_two_stages_of_static_memory():
     assert not tight["feasible"] and "a rank's static memory and reserve exceed" in tight["reason"]
 
 
+def test_v_schedules_hold_two_stages_of_static_memory():
+    """ZBVZeroBubble and DualPipeV run two stages a rank in a V: static memory of two stages,
+    the step from their own order (pipeline/orders.py)."""
+    for schedule in ("ZBVZeroBubble", "DualPipeV"):
+        row = _sweep(40 * MiB, pp=2, schedule=schedule, microbatches=4).rows[0]
+        assert row["static_bytes"] == 8 * MiB and row["budget_bytes"] == 31 * MiB, schedule
+        assert row["feasible"] and row["pipeline"]["schedule"] == schedule
+        figs = pipeline_figures(_stage(), None, schedule, 2, 4, 2)
+        assert row["rank_held"] == [r.held for r in figs.rows]
+
+
 def test_the_workload_declared_pipeline_and_flags_over_it():
     declared = {"pp": 2, "schedule": "GPipe", "microbatches": 4}
     row = _sweep(1 << 30, declared).rows[0]
@@ -98,6 +115,8 @@ def test_the_workload_declared_pipeline_and_flags_over_it():
 @pytest.mark.parametrize("flags,declared,needle", [
     (dict(pp=0), None, "--pp 0"),
     (dict(pp=4, schedule="1F1B", microbatches=2), None, "at least 4 microbatches"),
+    (dict(pp=4, schedule="DualPipeV", microbatches=6), None, "at least 8 microbatches"),
+    (dict(pp=2, schedule="DualPipeV", stages_per_rank=3), None, "exactly 2 stages"),
     (dict(pp=2, schedule="1f1b"), None, "unknown pipeline schedule"),
     (dict(schedule="GPipe"), None, "--pp is not given"),
     ({}, {"pp": 4, "microbatches": 2}, "the workload declares"),

@@ -285,23 +285,26 @@ def test_below_the_floor_names_the_budget_and_the_least_that_fits(schedule, tell
 
 def test_a_per_rank_budget_may_be_a_fraction_of_the_ranks_keep_all_peak():
     """A user probes with a fraction first: 0.6 (or "60%") of each rank's own keep-all peak,
-    its held microbatches and boundary buffers counted."""
+    its held microbatches, boundary buffers and receive buffers counted."""
     stages = _linear_stages(2)
     for budget in (0.6, "60%", {0: 0.6, 1: "60%"}):
         rows = _plan(stages, "1F1B", microbatches=4, budget=budget).rows
         for row in rows:
-            assert row.budget_bytes == int(0.6 * row.keep_all_peak_bytes)
+            assert row.recv_bytes > 0
+            assert row.budget_bytes == int(0.6 * (row.keep_all_peak_bytes + row.recv_bytes))
             assert row.fits and row.planned_peak_bytes < row.keep_all_peak_bytes
 
 
-@pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble",
+                                  "DualPipeV"])
 def test_torch_free_orders_are_torchs(name):
     """The CLI's orders (pipeline/orders.py, no torch) are the ones torch's schedules run."""
     from slackswap_cli.pipeline.orders import order
-    for pp, n in ((1, 1), (2, 4), (3, 6), (4, 8), (4, 12), (8, 16), (4, 3)):
-        if name == "1F1B" and n < pp:
-            continue                        # (refused: fewer microbatches than stages)
-        spr = 2 if name in ("Interleaved1F1B", "ZBVZeroBubble") else None
+    odd = ((3, 7), (5, 13)) if name in ("ZBVZeroBubble", "DualPipeV") else ()
+    for pp, n in ((1, 1), (2, 4), (3, 6), (4, 8), (4, 12), (8, 16), (4, 3), *odd):
+        if name == "1F1B" and n < pp or name == "DualPipeV" and n < 2 * pp:
+            continue              # (refused: fewer microbatches than stages, as torch does)
+        spr = 2 if name in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV") else None
         assert order(name, pp, n) == schedule_order(name, pp, n, spr), (pp, n)
     if name == "Interleaved1F1B":
         assert order(name, 4, 8, 3) == schedule_order(name, 4, 8, 3)

@@ -36,9 +36,11 @@ def _pipeline(*args):
 
 def test_simulate_pp_prints_each_ranks_memory_and_the_bubbled_step(ws):
     """1F1B, 4 ranks, 8 microbatches of a stage taking 600 us forward and 1200 us backward:
-    rank r holds 4 - r; uniform stages take (8 + 4 - 1) x 1800 us, each rank idle 3 x 1800."""
+    rank r holds 4 - r; uniform stages take (8 + 4 - 1) x 1800 us, each rank idle 3 x 1800.
+    Each rank's receive buffers (a 1 MiB input and output gradient per microbatch) count in
+    its budget beside its planned peak."""
     d = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", "1F1B",
-                  "--microbatches", 8, "--rank-budget", "9MiB")
+                  "--microbatches", 8, "--rank-budget", "18MiB")
     ranks = d["ranks"]
     assert [r["held"] for r in ranks] == [4, 3, 2, 1]
     assert d["keep_all_step_us"] == pytest.approx(11 * 1800)
@@ -46,7 +48,9 @@ def test_simulate_pp_prints_each_ranks_memory_and_the_bubbled_step(ws):
     keep = [r["keep_all_peak_bytes"] for r in ranks]
     planned = [r["planned_peak_bytes"] for r in ranks]
     assert keep == sorted(keep, reverse=True) and all(p < k for p, k in zip(planned, keep))
-    assert [r["fits"] for r in ranks] == [p <= 9 * MiB for p in planned]
+    assert [r["recv_bytes"] for r in ranks] == [8 * MiB, 16 * MiB, 16 * MiB, 8 * MiB]
+    assert [r["fits"] for r in ranks] == [p + r["recv_bytes"] <= 18 * MiB
+                                          for p, r in zip(planned, ranks)]
     assert not ranks[0]["fits"] and ranks[3]["fits"]
     assert all(r["swapped_bytes"] + r["recomputed_bytes"] > 0 for r in ranks)
     human = run("simulate", "chain.plan.json", "--pp", 4, "--microbatches", 8)
@@ -179,3 +183,24 @@ def test_zbv_zero_bubble_is_a_cli_schedule_as_torch_runs_it(ws):
     r = run("simulate", "chain.plan.json", "--pp", 4, "--schedule", "ZBVZeroBubble",
             "--stages-per-rank", 3)
     assert r.exit_code != 0 and "--stages-per-rank 2" in r.stdout + r.stderr
+
+
+def test_dualpipev_is_a_cli_schedule_as_torch_runs_it(ws):
+    """DualPipeV through simulate --pp and show --pp: the torch-free order is torch's
+    (tests/test_pipeline.py), stages r and 2 pp - 1 - r on rank r, every rank as busy as the
+    others (2 x 8 microbatches of 600 us forward and 1200 us backward, split or not); fewer
+    than 2 pp microbatches refused with the flag that fixes it, as torch refuses them."""
+    d = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", "DualPipeV",
+                  "--microbatches", 8, "--rank-budget", "40MiB")
+    assert [r["stages"] for r in d["ranks"]] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert all(r["held"] > 0 and r["planned_peak_bytes"] < r["keep_all_peak_bytes"]
+               for r in d["ranks"])
+    busy = [d["step_us"] - r["idle_us"] for r in d["ranks"]]
+    assert busy == pytest.approx([busy[0]] * 4) and busy[0] >= 2 * 8 * 1800
+    shown = _pipeline("show", "chain.plan.json", "--pp", 4, "--schedule", "DualPipeV",
+                      "--microbatches", 8)["ranks"]
+    assert [r["held"] for r in shown] == [r["held"] for r in d["ranks"]]
+    r = run("simulate", "chain.plan.json", "--pp", 4, "--schedule", "DualPipeV",
+            "--microbatches", 6)
+    assert_clean_error(r, 2, "at least 8 microbatches")
+    assert "--microbatches 8" in r.stderr.split("Hint:", 1)[1]

@@ -144,3 +144,64 @@ def test_torchs_own_split_backward_over_microbatches_is_eager_bitwise(budget):
     got = steps(model)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert model.forward.__slackswap__.last_run.tpl is not None
+
+
+def test_interleaved_zero_bubble_rank_order_over_two_stages_is_eager_bitwise():
+    """Rank 1 of InterleavedZeroBubble (pp=2, two stages a rank: 1 and 3, 4 microbatches) in
+    one process: torch's order for that rank (`schedule_order`), each stage first called as
+    PipelineStage's metadata inference calls it (a forward on an uninitialised input, then
+    its input's gradient alone), then input and weight passes of several microbatches
+    interleaved across the two patched stage modules, a stage's forward of a later
+    microbatch between a microbatch's input pass and its weight pass; GPT-2 blocks with
+    dropout 0.1 under plans that swap and recompute, bitwise as eager over two steps."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from slackswap_cli.run.parallel.pipeline import schedule_order
+    from slackswap_testkit.pipeline_run import make_gpt2_stage
+    order = schedule_order("InterleavedZeroBubble", 2, 4, 2)[1]
+    assert [k for k, s, m in order if s == 1][:6] == ["F", "F", "F", "I", "F", "I"]
+    torch.manual_seed(0)
+    xs = {m: torch.randn(2, 16, 32) for m in range(4)}
+    gs = {m: torch.randn(2, 16, 32) for m in range(4)}
+    loss = lambda out: out.float().square().mean()     # (the last stage's loss)
+    models, acts = {}, {}
+    for s in (1, 3):
+        models[s] = (make_gpt2_stage(s, 4, 1), make_gpt2_stage(s, 4, 1))
+        plan = slackswap.plan_model(models[s][1], (xs[0].clone().requires_grad_(),),
+                                    budget=0.6, hardware=_hardware(),
+                                    measure=False,
+                                    loss_fn=(lambda out, inp: loss(out)) if s == 3 else
+                                    (lambda out, inp: out.sum()))
+        acts[s] = plan.actions()
+        slackswap.patch(models[s][1], plan)
+
+    def steps(which, n=2):
+        torch.manual_seed(5)
+        mods, got = {s: pair[which] for s, pair in models.items()}, []
+        for s in (1, 3):                   # PipelineStage's metadata inference
+            x = torch.empty(2, 16, 32).requires_grad_()
+            out = mods[s](x)
+            torch.autograd.grad([out], [x], [torch.ones_like(out)], allow_unused=True)
+        for _ in range(n):
+            ins, outs, groups = {}, {}, {}
+            for kind, s, m in order:
+                if kind == "F":
+                    ins[s, m] = xs[m].clone().requires_grad_()
+                    out = mods[s](ins[s, m])
+                    outs[s, m] = loss(out) if s == 3 else out
+                elif kind == "I":
+                    grad = [None] if s == 3 else [gs[m]]
+                    gx, groups[s, m] = stage_backward_input([outs[s, m]], grad, [ins[s, m]],
+                                                            mods[s].parameters())
+                    got += [outs[s, m].detach(), gx[0]]
+                else:
+                    stage_backward_weight(mods[s].parameters(), groups.pop((s, m)))
+            for s in (1, 3):
+                got += [p.grad for p in mods[s].parameters()]
+                for p in mods[s].parameters():
+                    p.grad = None
+        return got
+    assert all(a["recompute"] > 0 for a in acts.values()) and any(
+        a["swap"] > 0 for a in acts.values()), acts
+    want, got = steps(0), steps(1)
+    assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))

@@ -138,7 +138,7 @@ def fit(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="the best plan [default: <model>.fit.plan.json here]; its profile goes next to it"),
     profile_each: bool = typer.Option(False, "--profile-each", help="trace every batch; by default a batch after the first two is derived from the last two traced where that is exact (same step, sizes affine in the batch)"),
     pp: Optional[int] = typer.Option(None, "--pp", help="pipeline ranks: the workload is ONE stage (as examples/gpt_stage.py), the batch its microbatch; every stage priced as it [default: the workload's declared pipeline, if any]"),
-    schedule: Optional[str] = typer.Option(None, "--schedule", help="with --pp: GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble [default: the workload's, else 1F1B]"),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="with --pp: GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble | DualPipeV [default: the workload's, else 1F1B]"),
     microbatches: Optional[int] = typer.Option(None, "--microbatches", help="with --pp: microbatches per step [default: the workload's, else 2 x --pp]"),
     stages_per_rank: Optional[int] = typer.Option(None, "--stages-per-rank", help="with --pp and Interleaved1F1B: stages per rank [default: the workload's, else 2]"),
     stage_arg: Optional[str] = typer.Option(None, "--stage-arg", help="with --pp: the workload argument that picks the stage (0, 1, ...): each stage profiled and priced as it is [default: every stage priced as the workload]"),

@@ -29,7 +29,7 @@ def _pp_option():
 
 def _pipeline_options():
     """The pipeline's options after --pp (schedule, microbatches, stages per rank, budget)."""
-    return (typer.Option(None, "--schedule", help="with --pp: GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble [default: the workload's, else 1F1B]"),
+    return (typer.Option(None, "--schedule", help="with --pp: GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble | DualPipeV [default: the workload's, else 1F1B]"),
             typer.Option(None, "--microbatches", help="with --pp: microbatches per step [default: the workload's, else 2 x --pp]"),
             typer.Option(None, "--stages-per-rank", help="with --pp and Interleaved1F1B: stages per rank [default: the workload's, else 2]"),
             typer.Option(None, "--rank-budget", help="with --pp: activation memory per rank (20GiB); a rank over it is marked"))

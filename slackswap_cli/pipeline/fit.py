@@ -10,7 +10,9 @@ Per rank:
   buffers (`fit.static_memory` of each stage, `--shard` as without a pipeline but for what
   FSDP2 holds unsharded), summed over the stages the rank runs (`stages_per_rank` with
   Interleaved1F1B and ZBVZeroBubble, else one); the batch's inputs once;
-- the **activation budget**: device memory - that static memory - the reserve;
+- the **activation budget**: device memory - that static memory - the reserve; the rank's
+  receive buffers (`stages.recv_buffer_bytes`, `rank_recv_bytes`) count in it beside its
+  activation peak;
 - one plan per stage (the same on every stage priced as one profile), each made at the same
   point between its stage's activation floor and its keep-all peak, the largest (bisected) at
   which EVERY rank, with the (chunk-)microbatches the schedule makes it hold, stays under its
@@ -43,7 +45,7 @@ from ..fit import (
 from ..schema import Plan, Profile
 from ..simulate import budget_floor_bytes
 from ..units import fmt_bytes
-from .orders import PipelineSpec, order, pipeline_spec
+from .orders import V_SCHEDULES, PipelineSpec, order, pipeline_spec
 from .step import PipelineFigures, pipeline_figures
 
 __all__ = ["stages_on_rank", "rank_static", "StageProfiles", "pipeline_row", "row_maker"]
@@ -54,7 +56,7 @@ BISECTIONS = 8
 
 
 def stages_on_rank(spec: PipelineSpec) -> int:
-    return spec.stages_per_rank if spec.schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
+    return spec.stages_per_rank if spec.schedule in ("Interleaved1F1B", *V_SCHEDULES) else 1
 
 
 def rank_static(static: StaticMemory | list[StaticMemory], stages: int = 1,
@@ -188,7 +190,8 @@ def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: 
     row.update(budget_bytes=budget, keep_all_peak_bytes=prof.keep_all_peak_bytes,
                pipeline=spec._asdict(), global_batch=batch * spec.microbatches,
                rank_budget_bytes=[stg.budget[r] for r in sorted(stg.budget)],
-               rank_peak_bytes=None, rank_held=None, worst_rank_peak_bytes=None,
+               rank_peak_bytes=None, rank_held=None, rank_recv_bytes=None,
+               worst_rank_peak_bytes=None,
                bubble_fraction=None, bubble_step_us=None, judged_step_us=None,
                rank_exposed_copy_us=None, rank_judged_peak_bytes=None)
     if budget <= 0:
@@ -201,12 +204,15 @@ def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: 
     if figs is not None:
         row.update(rank_peak_bytes=[r.planned_peak_bytes for r in figs.rows],
                    rank_held=[r.held for r in figs.rows],
+                   rank_recv_bytes=[r.recv_bytes for r in figs.rows],
                    worst_rank_peak_bytes=max(r.planned_peak_bytes for r in figs.rows))
     if not _fits(figs):
         bad = next((p for p in plans.values() if not p.feasible), None)
-        worst_rank = max(figs.rows, key=lambda r: r.planned_peak_bytes) if figs else None
-        why = (f"the worst rank's peak {fmt_bytes(row['worst_rank_peak_bytes'])} is above its "
-               f"activation budget {fmt_bytes(worst_rank.budget_bytes)}" if figs is not None else
+        worst = (max(figs.rows, key=lambda r: r.planned_peak_bytes + r.recv_bytes) if figs
+                 else None)
+        why = (f"the worst rank's peak {fmt_bytes(worst.planned_peak_bytes)} and its receive "
+               f"buffers {fmt_bytes(worst.recv_bytes)} are above its activation budget "
+               f"{fmt_bytes(worst.budget_bytes)}" if figs is not None else
                (bad.notes[-1] if bad is not None and bad.notes else "the plan does not fit"))
         return infeasible_row(row, why), None
     return _judged_row(row, batch, prof, plans, stg, spec, copy, hw), plans[0]

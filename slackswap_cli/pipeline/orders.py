@@ -1,5 +1,5 @@
 """Pipeline schedules' order of compute actions, written without torch, for the CLI (`fit` and
-`simulate --pp`): GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble, each rank's steps (kind,
+`simulate --pp`): GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble and DualPipeV, each rank's steps (kind,
 stage, microbatch) in the order torch 2.13's schedules run them (tests/test_pipeline.py checks them
 against `parallel.pipeline.schedule_order`, which reads torch). Other schedules are read from torch
 (`slackswap_cli.run.parallel.pipeline.schedule_order`).
@@ -11,8 +11,10 @@ Interleaved1F1B (two or more stages per rank, stage `k * pp + rank`): torch's
 `microbatches // rounds`, `rounds = max(1, microbatches // pp)`, which must divide them.
 ZBVZeroBubble (stages `rank` and `2 * pp - 1 - rank`): torch's
 `_calculate_single_rank_operations`, backwards split into input ("I") and weight ("W") passes.
-DualPipeV and InterleavedZeroBubble are planned by `plan_pipeline` (which reads torch), not
-here.
+DualPipeV (the same V, at least `2 * pp` microbatches): torch's
+`_calculate_single_rank_operations`, its overlapped forward-and-backward pairs as the forward
+then the full backward ("B"), the last backwards split (a weight pass queued after each input
+pass). InterleavedZeroBubble is planned by `plan_pipeline` (which reads torch), not here.
 
 Torch-free.
 """
@@ -22,10 +24,12 @@ from typing import NamedTuple
 
 from ..errors import InputError
 
-__all__ = ["SCHEDULES", "order", "check_schedule", "PipelineSpec", "declared_pipeline",
+__all__ = ["SCHEDULES", "V_SCHEDULES", "order", "check_schedule", "PipelineSpec", "declared_pipeline",
            "pipeline_spec"]
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+# the schedules that run two stages a rank in a V (stages `rank` and `2 * pp - 1 - rank`)
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 Step = tuple[str, int, int]
 
@@ -48,9 +52,13 @@ def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: i
         raise InputError(f"1F1B with --pp {pp} needs at least {pp} microbatches, not "
                          f"{microbatches} (torch's Schedule1F1B refuses fewer)",
                          hint=f"--microbatches {pp}")
-    if schedule == "ZBVZeroBubble" and stages_per_rank != 2:
-        raise InputError(f"ZBVZeroBubble runs exactly 2 stages per rank (a V), not "
+    if schedule in V_SCHEDULES and stages_per_rank != 2:
+        raise InputError(f"{schedule} runs exactly 2 stages per rank (a V), not "
                          f"{stages_per_rank}", hint="--stages-per-rank 2")
+    if schedule == "DualPipeV" and microbatches < 2 * pp:
+        raise InputError(f"DualPipeV with --pp {pp} needs at least {2 * pp} microbatches (one "
+                         f"per stage), not {microbatches} (torch's ScheduleDualPipeV refuses "
+                         "fewer)", hint=f"--microbatches {2 * pp}")
     if schedule == "Interleaved1F1B":
         if stages_per_rank < 2:
             raise InputError(f"Interleaved1F1B runs at least 2 stages per rank, not "
@@ -177,6 +185,77 @@ def _zbv_cooldown(rank: int, pp: int, c: dict, s0: int, s1: int) -> list[Step]:
     return steps
 
 
+class _DualPipeV:
+    """ScheduleDualPipeV's `_calculate_single_rank_operations` for one rank: counters per
+    (stage, kind), a full backward counting the input and the weight pass on, each input
+    pass queueing its weight pass."""
+
+    def __init__(self, rank: int, pp: int):
+        self.s0, self.s1 = rank, 2 * pp - 1 - rank
+        self.count: dict[tuple[int, str], int] = {}
+        self.queue: list[tuple[int, int]] = []
+        self.steps: list[Step] = []
+
+    def add(self, stage: int, kind: str) -> None:
+        key = (stage, "I" if kind == "B" else kind)
+        mb = self.count.get(key, 0)
+        self.steps.append((kind, stage, mb))
+        if kind == "I":
+            self.queue.append((stage, mb))
+        self.count[key] = mb + 1
+
+    def weight(self) -> None:
+        if self.queue:
+            stage, mb = self.queue.pop(0)
+            self.steps.append(("W", stage, mb))
+
+
+def _dualpipev(pp: int, n: int) -> dict[int, tuple[Step, ...]]:
+    out = {}
+    for rank in range(pp):
+        r = _DualPipeV(rank, pp)
+        s0, s1 = r.s0, r.s1
+        for _ in range(2 * (pp - rank - 1)):
+            r.add(s0, "F")
+        for _ in range(rank + 1):
+            r.add(s0, "F")
+            r.add(s1, "F")
+        for _ in range(pp - rank - 1):
+            r.add(s1, "I")
+            r.weight()
+            r.add(s1, "F")
+        for _ in range(n - 2 * pp + rank + 1):      # overlapped pairs: the forward first
+            r.add(s0, "F")
+            r.add(s1, "B")
+            r.add(s1, "F")
+            r.add(s0, "B")
+        for _ in range(pp - rank - 1):
+            r.add(s1, "B")
+            r.add(s1, "F")
+            r.add(s0, "B")
+        _dualpipev_tail(r, rank, pp)
+        out[rank] = tuple(r.steps)
+    return out
+
+
+def _dualpipev_tail(r: _DualPipeV, rank: int, pp: int) -> None:
+    """DualPipeV's last backwards: full ones, then (from the middle, on one side of the V or
+    the other by the rank's parity) split ones, then the queued weight passes."""
+    split = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        r.add(r.s1, "I" if split else "B")
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        r.add(r.s0, "I" if split else "B")
+    for _ in range(pp - rank - 1):
+        r.weight()
+        r.add(r.s0, "I" if split else "B")
+    for _ in range(rank + 1):
+        r.weight()
+
+
 def order(schedule: str, pp: int, microbatches: int,
           stages_per_rank: int = 2) -> dict[int, tuple[Step, ...]]:
     """rank -> its compute steps in the order `schedule` runs them (checked first)."""
@@ -187,6 +266,8 @@ def order(schedule: str, pp: int, microbatches: int,
         return one_f_one_b(pp, microbatches)
     if schedule == "ZBVZeroBubble":
         return _zbv(pp, microbatches)
+    if schedule == "DualPipeV":
+        return _dualpipev(pp, microbatches)
     return _interleaved(pp, microbatches, stages_per_rank)
 
 

@@ -30,8 +30,8 @@ from ..schema import Action, Plan, Profile
 from ..simulate import budget_floor_bytes
 
 __all__ = ["STARTS", "ENDS", "StageCost", "RankRow", "held_microbatches", "stage_cost",
-           "rank_peak", "Boundary", "SENDS", "BUFFERS", "boundary_bytes", "output_held", "plan_stages", "PipelinePlan",
-           "format_rows"]
+           "rank_peak", "Boundary", "SENDS", "BUFFERS", "boundary_bytes", "output_held",
+           "recv_buffer_bytes", "plan_stages", "PipelinePlan", "format_rows"]
 
 STARTS = ("F",)                 # the action that makes a microbatch's activations on a stage
 ENDS = ("B", "W")               # the actions after which they are gone
@@ -154,6 +154,28 @@ def boundary_bytes(output_bytes: int, input_bytes: int, first: bool, last: bool,
     return Boundary(held, backward, linger=linger, received=received, released=released)
 
 
+def recv_buffer_bytes(order: Mapping[int, Sequence[Step]], microbatches: int,
+                      input_bytes: Mapping[int, int], output_bytes: Mapping[int, int],
+                      n_stages: int | None = None) -> dict[int, int]:
+    """rank -> the bytes its stages' receive buffers hold for the whole step, outside the
+    activation peak (`rank_peak`): PipelineStage allocates, per microbatch, one buffer for
+    each input of a stage that is not the first (`input_bytes[stage]`) and one for the
+    gradient of each output of a stage that is not the last (`output_bytes[stage]`), when the
+    schedule is first run, and keeps them from step to step. (Between stages of one rank,
+    a V schedule's middle, torch hands the tensor over in place of the buffer, which then
+    keeps the last step's until it is replaced: counted the same.) What a stage sends is its
+    output and its input's gradient, counted in the activation peak (`Boundary`).
+    `n_stages`: the pipeline's stages (default: as many as `order` runs)."""
+    if n_stages is None:
+        n_stages = 1 + max((s for steps in order.values() for _, s, _ in steps), default=0)
+    out = {}
+    for rank, steps in order.items():
+        out[rank] = microbatches * sum(
+            (input_bytes.get(s, 0) if s > 0 else 0)
+            + (output_bytes.get(s, 0) if s < n_stages - 1 else 0) for s in _stages_of(steps))
+    return out
+
+
 def output_held(prof: Profile, pinned: frozenset, output_bytes: int) -> int:
     """Of the stage's output (`output_bytes`; `pinned`: its roots in the profile), the bytes
     the profile's liveness lets die before forward ends: what `Boundary.held` adds."""
@@ -236,11 +258,15 @@ class RankRow:
     fraction: float             # of each stage's keep-all peak its plan was made at
     exposed_copy_us: float | None = None    # judged with copies on shared engines (windows)
     link_factor: float = 1.0    # the copy link speed-up its stages were planned at (windows)
+    recv_bytes: int = 0         # its receive buffers, all step (`recv_buffer_bytes`): in the
+    #                             budget, beside the activation peaks
 
     @property
     def fits(self) -> bool:
-        """Under the rank's budget (a row without one, budget 0, fits)."""
-        return self.budget_bytes <= 0 or self.planned_peak_bytes <= self.budget_bytes
+        """Under the rank's budget, its receive buffers counted (a row without one, budget
+        0, fits)."""
+        return (self.budget_bytes <= 0
+                or self.planned_peak_bytes + self.recv_bytes <= self.budget_bytes)
 
 
 @dataclass(frozen=True)
@@ -317,12 +343,15 @@ def _least(steps, stages, profiles, planner, boundary) -> int | None:
 
 
 def _short(short, fewer: str | None) -> InfeasibleError:
-    """The error for ranks (rank, budget, least peak) that no plan brings under budget."""
+    """The error for ranks (rank, budget, least it holds, its receive buffers) that no plan
+    brings under budget."""
     from ..units import fmt_bytes
     which = ", ".join(f"rank {r} (budget {fmt_bytes(b)}"
-                      + (f", at least {fmt_bytes(least)} with each stage at its floor)"
-                         if least is not None else ")") for r, b, least in short)
-    known = [least for _, _, least in short if least is not None]
+                      + (f", at least {fmt_bytes(least)} with each stage at its floor"
+                         if least is not None else "")
+                      + (f", its receive buffers {fmt_bytes(recv)} counted" if recv else "")
+                      + ")" for r, b, least, recv in short)
+    known = [least for _, _, least, _ in short if least is not None]
     raise_to = (f"raise the per-rank budget to at least {max(known)} bytes "
                 f"({fmt_bytes(max(known))})" if len(known) == len(short)
                 else "raise the per-rank budget")
@@ -336,10 +365,13 @@ def _short(short, fewer: str | None) -> InfeasibleError:
 def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Profile],
                 budget_bytes: Mapping[int, int] | int, planner: Planner,
                 boundary: Mapping[int, Boundary] | None = None,
-                windows=None, fewer: str | None = "1F1B") -> PipelinePlan:
-    """One plan per stage, each rank's peak (`rank_peak`) under its budget: activation bytes
-    per rank (a mapping rank -> bytes, or one figure for every rank; a float is a fraction
-    of the rank's keep-all peak, its held microbatches and boundary buffers counted). `planner(profile,
+                windows=None, fewer: str | None = "1F1B",
+                recv_bytes: Mapping[int, int] | None = None) -> PipelinePlan:
+    """One plan per stage, each rank's peak (`rank_peak`) under its budget: bytes per rank (a
+    mapping rank -> bytes, or one figure for every rank; a float is a fraction of the rank's
+    keep-all peak, its held microbatches and boundary buffers counted, and its receive
+    buffers); `recv_bytes`: rank -> its receive buffers (`recv_buffer_bytes`), taken off its
+    budget before its activations are planned. `planner(profile,
     budget_bytes)` makes a stage's plan; `boundary`: stage -> its `boundary_bytes`.
     `windows` (a `pipeline_windows.Windows`): spend the schedule's idle windows on swaps,
     each rank judged with its copies on shared engines (`pipeline_copies.judge`; the row's
@@ -359,14 +391,17 @@ def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Prof
                              hint="give a profile for every stage index the schedule runs")
         budget = budget_bytes[rank] if isinstance(budget_bytes, Mapping) else budget_bytes
         keep = {s: stage_cost(profiles[s], None, boundary.get(s, Boundary())) for s in stages}
+        recv = (recv_bytes or {}).get(rank, 0)
         if isinstance(budget, float):         # a fraction of the rank's keep-all peak
-            budget = int(budget * rank_peak(steps, keep))
+            budget = int(budget * (rank_peak(steps, keep) + recv))
+        acts = budget - recv                  # what its activations may take
         if windows is None:
-            found = _search(steps, stages, profiles, planner, budget, boundary)
+            found = _search(steps, stages, profiles, planner, acts, boundary)
         else:
-            found = windows.search(rank, steps, stages, profiles, budget, boundary)
+            found = windows.search(rank, steps, stages, profiles, acts, boundary)
         if found is None:
-            short.append((rank, budget, _least(steps, stages, profiles, planner, boundary)))
+            least = _least(steps, stages, profiles, planner, boundary)
+            short.append((rank, budget, None if least is None else least + recv, recv))
             continue
         fraction, stage_plans, cost = found[:3]
         plans.update(stage_plans)
@@ -377,7 +412,7 @@ def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Prof
                             sum(cost[s].swapped_bytes * n.get(s, 0) for s in stages),
                             sum(cost[s].recomputed_bytes * n.get(s, 0) for s in stages),
                             fraction, judged.exposed_us if judged else None,
-                            found.factor if judged else 1.0))
+                            found.factor if judged else 1.0, recv))
     if short:
         raise _short(short, fewer)
     return PipelinePlan(plans, tuple(rows), {r: tuple(s) for r, s in order.items()})
@@ -401,8 +436,12 @@ def row_cells(row: RankRow) -> tuple[str, ...]:
 def format_rows(rows: Sequence[RankRow]) -> str:
     """The per-rank table as plain text: keep-all peak, planned peak, microbatches held,
     swapped and recomputed bytes per step, the fraction of each stage's keep-all peak its
-    plan was made at."""
+    plan was made at; then each rank's receive buffers, where it has any."""
+    from ..units import fmt_bytes
     table = [ROW_HEADERS, *(row_cells(r) for r in rows)]
     widths = [max(len(line[i]) for line in table) for i in range(len(ROW_HEADERS))]
+    recv = ("\nreceive buffers (all step, in the rank's budget beside its planned peak): "
+            + ", ".join(f"rank {r.rank} {fmt_bytes(r.recv_bytes)}" for r in rows)
+            if any(r.recv_bytes for r in rows) else "")
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths))
-                     for line in table)
+                     for line in table) + recv

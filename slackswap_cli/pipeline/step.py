@@ -13,11 +13,13 @@ The step's time: every rank runs its steps in the schedule's order, a forward of
 after the same microbatch's forward of stage s - 1, a backward after the same microbatch's
 backward of stage s + 1 (`timeline`); a forward takes its stage profile's forward time, a
 backward the rest of its plan's predicted step (its recomputes and stalls included), a split
-backward's input pass and weight pass (ZBVZeroBubble) half of it each, the previous stage's
+backward's input pass and weight pass (ZBVZeroBubble, DualPipeV) half of it each, the previous stage's
 backward waiting for the input pass. What a split backward holds from its input pass to its
 weight pass beyond the saved activations (`Boundary.split`: the gradients its weight pass
 starts from, measured on the stage module by `plan_pipeline`) is not in a profile, so not
-counted here. Sends and
+counted here. Each rank's receive buffers (`recv_buffer_bytes`: a stage's input and its
+output's gradient, the profile's output size, per microbatch) count against `--rank-budget`
+beside the activation peak (a row's `fits`). Sends and
 receives take no time here (on one node they are small against a stage's compute); a rank's
 idle time (its bubbles) is the step's time less its own work.
 
@@ -39,6 +41,7 @@ from .stages import (
     held_microbatches,
     output_held,
     rank_peak,
+    recv_buffer_bytes,
     stage_cost,
 )
 
@@ -46,7 +49,7 @@ __all__ = ["SENDS_OF", "output_roots", "output_bytes", "boundary_of", "stage_pro
            "boundaries", "timeline", "PipelineFigures", "pipeline_figures"]
 
 SENDS_OF = {"GPipe": "gpipe", "1F1B": "none", "Interleaved1F1B": "runtime",
-            "ZBVZeroBubble": "runtime"}
+            "ZBVZeroBubble": "runtime", "DualPipeV": "runtime"}
 
 
 def output_roots(prof: Profile) -> frozenset:
@@ -201,6 +204,9 @@ def pipeline_figures(prof: Profile | Mapping[int, Profile],
     bound = boundaries(profs, steps, SENDS_OF[schedule])
     held = held_microbatches(steps)
     fwd, bwd, keep_bwd = _times(profs, plans)
+    outs = {s: output_bytes(p) for s, p in profs.items()}
+    recv = recv_buffer_bytes(steps, microbatches, {s: outs[s - 1] for s in outs if s > 0}, outs,
+                             n_stages)
     rows, idle, copy = [], {}, {}
     step_us, busy = timeline(steps, fwd, bwd)
     keep_step, _ = timeline(steps, fwd, keep_bwd)
@@ -217,7 +223,8 @@ def pipeline_figures(prof: Profile | Mapping[int, Profile],
                        for s in stages)
         budget = rank_budget[rank] if isinstance(rank_budget, Mapping) else rank_budget
         rows.append(RankRow(rank, stages, held[rank], budget, rank_peak(st, keep),
-                            rank_peak(st, cost), swapped, recomputed, min(1.0, fraction)))
+                            rank_peak(st, cost), swapped, recomputed, min(1.0, fraction),
+                            recv_bytes=recv[rank]))
         idle[rank] = step_us - busy[rank]
         copy[rank] = swapped * copy_us_per_byte
     figs = PipelineFigures(schedule, pp, microbatches, tuple(rows), step_us, keep_step, idle,

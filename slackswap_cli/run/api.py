@@ -124,7 +124,9 @@ def plan_model(model: torch.nn.Module, inputs: Any, *, budget, hardware=None,
     model and measure its step (`Plan.measured`); where eager peaks above the budget (it holds
     what Python still names longer than the simulator counts), plan again below the budget by
     that excess (run/verify/excess.py). None (default): when the step was traced on real tensors
-    (device "cpu" or "cuda") and the plan is not `for_compile` (the measured run is
+    (device "cpu" or "cuda"), or with fake tensors for a tensor parallel model (DTensor
+    parameters, real, on the plan's device type: every rank of the group plans at once, as it
+    must anyway), and the plan is not `for_compile` (the measured run is
     `patch`'s); True: after a fake trace too, on the model itself (its parameters real, on
     the plan's device type); False: never. Raises SlackswapError subclasses: InputError (bad arguments),
     TraceError (the model cannot be traced), InfeasibleError (no plan fits; its `.plan` is
@@ -369,9 +371,15 @@ def plan_of(prof: Profile, result: PlanFile, joint, traced: Workload, loss_fn) -
 
 def _measured_on(measure, how: str, model, work: Workload, traced: Workload,
                  plan: Plan) -> Workload | None:
-    """The workload `measure` runs the plan on (the model itself), or None: not measured."""
+    """The workload `measure` runs the plan on (the model itself), or None: not measured. By
+    default a fake trace is measured for a tensor parallel model: its library may branch
+    otherwise under fake tensors than in eager (transformers builds an attention mask there),
+    so its first call plans again along eager's branches, and eager's peak is known only by
+    running it."""
     if measure is None:
-        return traced if how != "fake" else None
+        if how != "fake":
+            return traced
+        return work if _tensor_parallel_here(model, plan) else None
     if not measure:
         return None
     if how != "fake":
@@ -384,6 +392,19 @@ def _measured_on(measure, how: str, model, work: Workload, traced: Workload,
                          hint="measure=None (the default) plans without measuring after a fake "
                               "trace; or move the model to the device the plan is for")
     return work
+
+
+def _tensor_parallel_here(model, plan: Plan) -> bool:
+    """A model with DTensor parameters whose local shards are real and on the plan's device
+    type (so its step can run here)."""
+    from .parallel.dtensor import uses_dtensor
+    if not uses_dtensor(model):
+        return False
+    first = next(iter(model.parameters()), None)
+    local = getattr(first, "_local_tensor", first)
+    return (local is not None and not local.is_meta
+            and not isinstance(local, torch._subclasses.FakeTensor)
+            and local.device.type == plan.meta["device_type"])
 
 
 def _settled(out: Plan, run_on: Workload, prof: Profile, hw, planner: str, joint,

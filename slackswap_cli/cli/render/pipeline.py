@@ -2,7 +2,7 @@
 stages, the microbatches held, keep-all and planned peaks, swapped and recomputed bytes per
 step, its bubbles, and (from the rank-level judge, `pipeline_copies`) its peak with copies in
 flight and the compute time that waits for copies; then the step's time with the schedule's
-bubbles."""
+bubbles, and each rank's receive buffers (counted in its budget)."""
 from __future__ import annotations
 
 from rich.console import Group
@@ -31,6 +31,9 @@ def pipeline_views(figs: PipelineFigures, stage_note: str) -> list:
                 ("step (keep all)", fmt_us(figs.keep_all_step_us)),
                 *([("step (copies on each rank's engines)", fmt_us(figs.judged_step_us))]
                   if judged else []),
+                ("receive buffers", ", ".join(f"rank {r.rank} {fmt_bytes(r.recv_bytes)}"
+                                              for r in figs.rows)
+                 + " (all step, in the rank's budget beside its planned peak)"),
                 ("note", f"sends and receives take no time here; {stage_note}")])]
 
 
@@ -56,6 +59,7 @@ def figures_json(figs: PipelineFigures) -> dict:
                        "budget_bytes": r.budget_bytes,
                        "keep_all_peak_bytes": r.keep_all_peak_bytes,
                        "planned_peak_bytes": r.planned_peak_bytes, "fits": r.fits,
+                       "recv_bytes": r.recv_bytes,
                        "swapped_bytes": r.swapped_bytes,
                        "recomputed_bytes": r.recomputed_bytes,
                        "idle_us": figs.idle_us[r.rank],

@@ -42,6 +42,7 @@ from ...pipeline.stages import (
     held_microbatches,
     output_held,
     plan_stages,
+    recv_buffer_bytes,
 )
 from ...planning import plan_inputs, plan_profile
 from .. import api
@@ -262,6 +263,15 @@ def _runs_every(stages, rank_of: dict, schedule, pp: int) -> None:
                               "the model is split into)")
 
 
+def _recv_bytes(order, microbatches: int, stages, outputs, n_stages: int) -> dict[int, int]:
+    """rank -> its stages' receive buffers (`recv_buffer_bytes`): per microbatch, a stage's
+    inputs (one microbatch's, as given) and its output's gradient (`outputs`)."""
+    ins = {s: sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(spec[1])
+                  if isinstance(t, torch.Tensor)) for s, spec in stages.items()}
+    return recv_buffer_bytes(order, microbatches, ins,
+                             {s: sum(n for _, n in o) for s, o in outputs.items()}, n_stages)
+
+
 def _rank_bytes(budget, prof) -> int | float:
     """A rank's budget: bytes, or a fraction (0.5, "50%") of its keep-all peak, its held
     microbatches counted (`plan_stages` reads it per rank)."""
@@ -277,9 +287,10 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
                   target=None) -> PlannedPipeline:
     """Profile each stage (stage index -> (module, one microbatch's inputs, loss_fn or None:
     `out.sum()`)) and plan it for its rank's budget knowing how many microbatches the
-    schedule holds there. `budget`: per rank, activation memory: a size ("2GiB", bytes), a
-    fraction (0.5, "50%") of the rank's keep-all peak (its held microbatches of its stages and
-    their boundary buffers), or a mapping rank -> either. `ranks`: plan only these ranks' stages (each rank its own, say:
+    schedule holds there. `budget`: per rank, a size ("2GiB", bytes), a fraction (0.5, "50%")
+    of the rank's keep-all peak (its held microbatches of its stages and their boundary
+    buffers), or a mapping rank -> either: the stages' receive buffers (`recv_buffer_bytes`,
+    a row's `recv_bytes`) are taken off it, the rest is the activations'. `ranks`: plan only these ranks' stages (each rank its own, say:
     `ranks=[dist.get_rank()]`), the stages given those ranks run. `measure` (not on the fake
     device): run each planned stage's plan once on its inputs and plan again where eager
     peaks above the simulator (run/verify/excess.py: `eager_excess`, `settle_stages`). `stages` may
@@ -327,13 +338,17 @@ def plan_pipeline(stages: Mapping[int, StageSpec], schedule, *, pp: int, microba
     some = next(iter(profiles.values()))
     per_rank = ({r: _rank_bytes(b, some) for r, b in budget.items()}
                 if isinstance(budget, Mapping) else _rank_bytes(budget, some))
-    table = plan_stages(order, profiles, per_rank, planner_fn, boundary,
-                        fewer=None if _holds_least(schedule) else "1F1B")
+    # the receive buffers kept from step to step (torch 2.13, 2.14); torch 2.15 allocates
+    # them each step, counted with each microbatch in the stage's boundary (`received`)
+    kw = dict(fewer=None if _holds_least(schedule) else "1F1B",
+              recv_bytes=(_recv_bytes(order, microbatches, stages, outputs, n_stages)
+                          if stage_buffers() == "reused" else None))
+    table = plan_stages(order, profiles, per_rank, planner_fn, boundary, **kw)
     plans = {s: (None if p is None else api.plan_of(profiles[s], p, *traced[s]))
              for s, p in table.plans.items()}
     if measure and not device.startswith("fake"):
         table, plans = settle_stages(stages, order, profiles, per_rank, planner_fn, boundary,
                                      table, plans, traced,
-                                     lambda s, p: api.plan_of(profiles[s], p, *traced[s]))
+                                     lambda s, p: api.plan_of(profiles[s], p, *traced[s]), **kw)
     return PlannedPipeline(plans, table, profiles)
 

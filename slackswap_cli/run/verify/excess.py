@@ -219,11 +219,11 @@ def settle(plan, budget_bytes: int, plan_at: Callable[[int], Any],
 
 
 def settle_stages(stages, order, profiles, per_rank, planner_fn, boundary, table, plans,
-                  traced, plan_of):
+                  traced, plan_of, **kw):
     """`plan_pipeline`'s: plan again where the eager run of a stage's plan, measured on one
     microbatch, peaks above the simulator's prediction (`eager_excess`): the excess counts at
     that stage's peak (`Boundary.eager`), and the search runs again (twice at most).
-    `plan_of(stage, raw plan)`: the `api.Plan` of a stage's plan."""
+    `plan_of(stage, raw plan)`: the `api.Plan` of a stage's plan; `kw`: for `plan_stages`."""
     from ...pipeline.stages import plan_stages
     for _ in range(2):
         excess = {s: eager_excess(*stages[s][:2], traced[s][2], plans[s])
@@ -232,6 +232,6 @@ def settle_stages(stages, order, profiles, per_rank, planner_fn, boundary, table
             break
         for s, e in excess.items():
             boundary[s] = boundary[s]._replace(eager=max(e, boundary[s].eager))
-        table = plan_stages(order, profiles, per_rank, planner_fn, boundary)
+        table = plan_stages(order, profiles, per_rank, planner_fn, boundary, **kw)
         plans = {s: (None if p is None else plan_of(s, p)) for s, p in table.plans.items()}
     return table, plans
