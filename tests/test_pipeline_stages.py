@@ -168,9 +168,11 @@ def test_fit_prices_each_stage_with_its_own_static_memory():
 def test_fit_samples_per_s_come_from_the_judged_step():
     """A plan that swaps everything on a 1 GB/s link: the judge (copies on each rank's
     engines, issued in the schedule's idle windows) gives another step than the bubbles with
-    each microbatch's own stalls; the row's step and samples/s are the judge's."""
+    each microbatch's own stalls; the row's step and samples/s are the judge's. (64 MiB: a
+    middle rank's receive buffers, 8 microbatches' 1 MiB inputs and output gradients, count
+    in its budget.)"""
     slow = hand_hw(d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9)
-    s = _settings(20 * MiB, hw=slow, planner="swap-all", pp=4, schedule="1F1B",
+    s = _settings(64 * MiB, hw=slow, planner="swap-all", pp=4, schedule="1F1B",
                   microbatches=8)
     row = sweep([1], lambda batch: (chain_profile(6, act_bytes=MiB, fwd_us=100.0), FACTS), s,
                 row_maker=row_maker).rows[0]
