@@ -84,6 +84,11 @@ def roberta_mc():
     return m, {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 2])}, None
 
 
+def zamba():
+    from benchmarks.zoo_models import build
+    return build("transformers", "causal-lm/zamba")    # (the zoo's row)
+
+
 # name: (builder, planner, budget)
 CASES = {
     "lcnet_050": (timm_case("lcnet_050"), "recompute-only", 0.661),
@@ -91,6 +96,8 @@ CASES = {
     "lraspp_mobilenet_v3_large": (lraspp, "recompute-only", 0.551),
     "speech2text_checkpointing": (speech2text, "slackswap", 0.535),
     "roberta_multiple_choice": (roberta_mc, "slackswap", 0.3),
+    # refused at 0.05: planned at recompute-only's first feasible budget, as the zoo plans it
+    "zamba_recompute_only": (zamba, "recompute-only", 0.05),
 }
 
 

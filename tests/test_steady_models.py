@@ -80,6 +80,57 @@ def test_a_template_hands_over_a_value_written_in_place_since(monkeypatch):
     assert recorded == [True, False, False]
 
 
+class _Mixer(torch.nn.Module):
+    """A Mamba mixer's start (Hugging Face Zamba's slow path): `linear` on a 3-d input ends
+    with `_unsafe_view`, an alias autograd does not link by `_base`; its halves feed a
+    convolution through `contiguous` and, view by view, a product that saves them."""
+
+    def __init__(self, d, inner):
+        super().__init__()
+        self.norm = torch.nn.Parameter(torch.ones(d))
+        self.in_proj = torch.nn.Linear(d, 2 * inner, bias=False)
+        self.conv = torch.nn.Conv1d(inner, inner, 4, groups=inner, padding=3)
+        self.out = torch.nn.Linear(inner, d, bias=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        proj = self.in_proj(x * self.norm).transpose(1, 2)
+        hs, gate = proj.view(b, -1, 2, n).chunk(2, dim=2)
+        hs = torch.nn.functional.silu(self.conv(hs.squeeze(2).contiguous())[..., :n])
+        gate = gate.squeeze(2)
+        return x + self.out(torch.stack([hs[:, :, i] * gate[:, :, i] for i in range(n)], 1))
+
+
+def test_a_template_hands_over_a_root_through_an_alias_autograd_saves_views_of(monkeypatch):
+    """Under recompute-only at its first feasible budget, a chain reads `linear`'s product
+    (`mm`), which no pack saves: autograd saves views whose `_base` is the `_unsafe_view` of
+    it. A later call hands the product over through that alias (once, every call was
+    recorded, as Hugging Face Zamba's)."""
+    two_us_kernels(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Mixer(8, 16))
+    x = torch.randn(2, 4, 8)
+    kw = dict(loss_fn=_loss, device="fake:cpu", planner="recompute-only")
+    with pytest.raises(InfeasibleError) as e:
+        slackswap.plan_model(model, (x,), budget=0.05, **kw)
+    first = first_feasible_budget(e.value.plan.profile, load_hardware(None), "recompute-only")
+    plan = slackswap.plan_model(model, (x,), budget=int(first), **kw)
+    assert plan.actions()["recompute"] > 0
+    twin = copy.deepcopy(model)
+    slackswap.patch(model, plan)
+    reports = []
+    for _ in range(3):
+        grads = []
+        for m in (twin, model):
+            m(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        reports.append(model.forward.__slackswap__.last_report)
+    assert [r["recorded"] for r in reports] == [True, False, False]
+    assert all(r["not_steady"] is None for r in reports)
+
+
 def test_a_call_that_cannot_be_steady_says_why_once(monkeypatch, capfd):
     """A training loop that puts new parameter tensors into the model every step: each call
     is recorded again; the first such call says so on stderr, with the cause and what to do,

@@ -80,7 +80,8 @@ class FirstCall:
         base = x._base
         note = PackNote(x.shape, x.dtype, Action.KEEP, loc,
                         None if base is None else s.where.get(base), type(x.grad_fn),
-                        s.guard.held, 0 if loc is None else count_fresh(s, x))
+                        s.guard.held, 0 if loc is None else count_fresh(s, x),
+                        (x._version, None if base is None else base._version))
         s.seq.append(note)
         tid = None if loc is None else s.tid_of.get(loc)
         if tid is None:       # not the profile's (or not made by this forward: not counted)

@@ -31,14 +31,16 @@ class PackNote:
     type; the `action` taken and its `root` (None: the guard's swap); its output `loc` in the
     records and `base_loc`, its `_base`'s (None: not this forward's); `tracked`: weakly
     tracked as kept; `own`: swapped as its root's own storage; `held`: the guard's count
-    before it; `fresh`: the bytes it added to what a keep-all run holds."""
+    before it; `fresh`: the bytes it added to what a keep-all run holds; `versions`: the
+    tensor's version and its `_base`'s (None: no base) at the pack."""
     __slots__ = ("shape", "dtype", "action", "root", "loc", "tracked", "base_loc", "own",
-                 "node", "held", "fresh")
+                 "node", "held", "fresh", "versions")
 
-    def __init__(self, shape, dtype, action, loc, base_loc, node, held: int, fresh: int):
+    def __init__(self, shape, dtype, action, loc, base_loc, node, held: int, fresh: int,
+                 versions: tuple = (None, None)):
         self.shape, self.dtype, self.action, self.root = shape, dtype, action, None
         self.loc, self.tracked, self.base_loc, self.own = loc, loc is not None, base_loc, False
-        self.node, self.held, self.fresh = node, held, fresh
+        self.node, self.held, self.fresh, self.versions = node, held, fresh, versions
 
 
 class TemplatePack(NamedTuple):

@@ -74,12 +74,9 @@ class Template:
         self.device, self.prefetch_order = run.device, run.prefetch_order
         self.lineup = run.lineup
         self.external = run.external.without_tensors(run.call_inputs)
-        self.chain_reads = {o: tuple(locs) for o, locs in run.live_reads.items()}
-        self.uses: dict[tuple, int] = {}          # loc -> chains that read it
-        for locs in self.chain_reads.values():
-            for loc in locs:
-                self.uses[loc] = self.uses.get(loc, 0) + 1
-        binds = self._binds(run.seq)
+        self.chain_reads = {o: tuple(sorted(locs)) for o, locs in run.live_reads.items()}
+        self.uses: dict[tuple, int] = {}          # loc -> chains that read it (`_binds`)
+        binds = self._binds(run.seq, _replayed(run))
         # each pack: what a later call checks and does there (`packs.TemplatePack`)
         self.seq = [TemplatePack(n.shape, n.dtype, n.node, n.action, n.root, n.loc, n.tracked,
                                  binds.get(i), n.own) for i, n in enumerate(run.seq)]
@@ -104,7 +101,7 @@ class Template:
         its fingerprint to hold."""
         return self.keep_only or self.fingerprint.holds()
 
-    def _binds(self, seq: list) -> dict[int, list]:
+    def _binds(self, seq: list, replayed: set[int]) -> dict[int, list]:
         """pack -> [(loc, via its _base?)]: the pack that hands each value a chain read while
         it was alive over to this call (the tensor autograd saves, or its `_base`). `ok` is
         False when a chain read a value autograd does not save (nothing can hand it over)."""
@@ -118,6 +115,11 @@ class Template:
         for i, n in enumerate(seq):
             same_self.setdefault(self._written(n.loc), i)
             same_base.setdefault(self._written(n.base_loc), i)
+
+        def saved(loc) -> bool:
+            return (loc in first_self or loc in first_base
+                    or self._written(loc) in same_self or self._written(loc) in same_base)
+        self._read_through_aliases(seq, first_self, first_base, saved, replayed)
         binds: dict[int, list] = {}
         self.ok = True
         for loc in self.uses:
@@ -132,6 +134,41 @@ class Template:
             else:
                 self.ok = False
         return binds
+
+    def _read_through_aliases(self, seq, first_self, first_base, saved, replayed) -> None:
+        """A chain that read a root no pack holds (the first call held it for the chain:
+        `first_call._lined_up`'s pin) reads, in a later call, the alias of it a pack holds:
+        an op's output that is the root's only reader and an alias autograd does not link
+        by `_base` (`_unsafe_view`, which `linear` ends with: the saved views' `_base` is its
+        output, not the root). Only where that output is no record a chain replays (the
+        chain then resolves the alias before the root) and the pack saw it unchanged since
+        its production (its own version counter, not the root's). Fills `uses`."""
+        from .recorded import OutRef
+        readers: dict[tuple, list[int]] = {}
+        moved = {}
+        for loc in sorted({x for locs in self.chain_reads.values() for x in locs}):
+            if saved(loc):
+                continue
+            if not readers:
+                for k, rec in enumerate(self.records):
+                    for x in set(rec.in_locs):
+                        readers.setdefault(x, []).append(k)
+            got = readers.get(loc, [])
+            rec = self.records[got[0]] if len(got) == 1 else None
+            if (rec is None or not rec.alias or rec.wfirst or got[0] in replayed
+                    or not rec.args or type(rec.args[0]) is not OutRef
+                    or rec.args[0].loc != loc):
+                continue
+            to = (got[0], 0)
+            i, j = ((first_self[to], 0) if to in first_self else
+                    (first_base[to], 1) if to in first_base else (None, 0))
+            if i is not None and seq[i].versions[j] == rec.versions[0]:
+                moved[loc] = to
+        self.chain_reads = {o: tuple(dict.fromkeys(moved.get(x, x) for x in locs))
+                            for o, locs in self.chain_reads.items()}
+        for locs in self.chain_reads.values():
+            for loc in locs:
+                self.uses[loc] = self.uses.get(loc, 0) + 1
 
     def _written(self, loc):
         """The output an in-place write's result `loc` is (the first one of that tensor,
@@ -228,6 +265,13 @@ class Templates:
             self.why[sig] = why
         self.by_sig.pop(sig, None)
         self.hot = {k: v for k, v in self.hot.items() if v.sig != sig}
+
+
+def _replayed(run: "CallState") -> set[int]:
+    """The records the chains of recorded call `run` replay (`backward.chain_records`)."""
+    needs, rec_of_op = run.table.needs, run.rec_of_op
+    return {rec_of_op[p] for roots in run.deferred.values() for r in roots
+            for p in needs.get(r, ()) if p in rec_of_op}
 
 
 def _autocast_state() -> tuple:
