@@ -87,11 +87,12 @@ def test_a_pipeline_split_trains_exactly_on_two_ranks(tmp_path):
     """GPT-style, one block a stage, 1F1B on two gloo ranks, two microbatches, two AdamW
     steps; stages profiled on fake tensors at 2 us a kernel (a second each: the timed CPU
     profile and eager's measured excess are the slow tests'). Rank 0 holds two microbatches
-    and must swap and recompute to meet 100000 bytes; both ranks train bit for bit as the
-    unpatched pipe, each holding what the schedule says, within 5% of the planned peak."""
+    and must swap and recompute to meet 108000 bytes, its receive buffers (8 KiB) counted in
+    them; both ranks train bit for bit as the unpatched pipe, each holding what the schedule
+    says, within 5% of the planned peak."""
     from slackswap_testkit.pipe_split_run import Case, run
     from slackswap_testkit.pipeline_run import same
-    case = Case("1F1B", 2, 2, 1, 100_000, steps=2, layers=1, device="fake:cpu")
+    case = Case("1F1B", 2, 2, 1, 108_000, steps=2, layers=1, device="fake:cpu")
     ranks = run(case, tmp_path)
     first = ranks[0]["row"]
     assert first["keep_all_peak_bytes"] > case.budget
@@ -100,7 +101,7 @@ def test_a_pipeline_split_trains_exactly_on_two_ranks(tmp_path):
         row, plain, patched = res["row"], res["plain"], res["patched"]
         assert same(plain, patched), f"rank {rank}: the planned stages trained otherwise"
         assert row["held"] == plain["held"] == patched["held"] == [2, 1][rank]
-        assert row["planned_peak_bytes"] <= case.budget
+        assert row["planned_peak_bytes"] + row["recv_bytes"] <= case.budget
     off = [(rank, what, predicted, measured)
            for rank, res in enumerate(ranks)
            # step 2: the first step also allocates the stages' receive buffers
