@@ -75,16 +75,6 @@ def _stage_static(prof, fsdp: int):
     return static_memory(facts, "adamw", shard=fsdp)
 
 
-def _stage_of(profs: list, stage: int, n_stages: int):
-    """The profile of `stage`: one for every stage, one per stage, or the first, middle and
-    last stages' three (`stage_files`)."""
-    if len(profs) == 1:
-        return profs[0]
-    if len(profs) == n_stages:
-        return profs[stage]
-    return profs[0] if stage == 0 else profs[-1] if stage == n_stages - 1 else profs[1]
-
-
 def _mesh_static(settings, prof, fsdp: int, tp: int | None) -> dict:
     """The static memory of the rank that holds most on a pp x fsdp x tp mesh of stages like
     `prof`, or of stages each priced as its own (a list of profiles) (AdamW, as
@@ -92,6 +82,7 @@ def _mesh_static(settings, prof, fsdp: int, tp: int | None) -> dict:
     local shard was built for (its workload's `tp` argument), checked against the one given."""
     from ..pipeline.fit import rank_static
     from ..pipeline.orders import order
+    from ..pipeline.step import stage_profiles
     if fsdp < 1:
         raise InputError(f"--fsdp {fsdp} must be at least 1", hint="--fsdp 8 for 8 ranks")
     profs = prof if isinstance(prof, list) else [prof]
@@ -103,7 +94,8 @@ def _mesh_static(settings, prof, fsdp: int, tp: int | None) -> dict:
     schedule, pp, microbatches, per_rank, _ = settings
     steps = order(schedule, pp, microbatches, per_rank)
     n_stages = 1 + max(st for each in steps.values() for _, st, _ in each)
-    statics = [_stage_static(_stage_of(profs, st, n_stages), fsdp) for st in range(n_stages)]
+    statics = {st: _stage_static(p, fsdp)
+               for st, p in stage_profiles(profs, n_stages).items()}
     ranks = {r: rank_static([statics[st] for st in sorted({x for _, x, _ in each})], shard=fsdp)
              for r, each in steps.items()}
     worst = max(sorted(ranks), key=lambda r: ranks[r].total)
