@@ -166,19 +166,27 @@ def test_the_per_rank_table_reads_at_80_columns_and_piped(ws, cmd):
     assert "…" not in r.stdout
 
 
-def test_zbv_zero_bubble_is_a_cli_schedule_as_torch_runs_it(ws):
-    """ZBVZeroBubble (two stages a rank in a V, split backwards) through simulate --pp: the
-    torch-free order is torch's (tests/test_pipeline.py), each rank runs stages r and
-    2 pp - 1 - r, every rank as busy as the others (2 x 8 microbatches of at least 600 us
-    forward and 1200 us backward: an input pass and a weight pass of half each) beside its
-    bubbles; --stages-per-rank other than 2 is refused with the flag that fixes it."""
-    d = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", "ZBVZeroBubble",
+def _v_schedule_ranks(schedule: str) -> dict:
+    """`simulate --pp 4` of a V schedule over 8 microbatches (chain.plan.json): rank r runs
+    stages r and 7 - r and holds microbatches under its plan, every rank as busy as the
+    others, at least 2 x 8 microbatches of 1800 us; the JSON document."""
+    d = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", schedule,
                   "--microbatches", 8, "--rank-budget", "40MiB")
     assert [r["stages"] for r in d["ranks"]] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert all(r["held"] > 0 and r["planned_peak_bytes"] < r["keep_all_peak_bytes"]
                for r in d["ranks"])
     busy = [d["step_us"] - r["idle_us"] for r in d["ranks"]]
     assert busy == pytest.approx([busy[0]] * 4) and busy[0] >= 2 * 8 * 1800
+    return d
+
+
+def test_zbv_zero_bubble_is_a_cli_schedule_as_torch_runs_it(ws):
+    """ZBVZeroBubble (two stages a rank in a V, split backwards) through simulate --pp: the
+    torch-free order is torch's (tests/test_pipeline.py), each rank runs stages r and
+    2 pp - 1 - r, every rank as busy as the others (2 x 8 microbatches of at least 600 us
+    forward and 1200 us backward: an input pass and a weight pass of half each) beside its
+    bubbles; --stages-per-rank other than 2 is refused with the flag that fixes it."""
+    d = _v_schedule_ranks("ZBVZeroBubble")
     assert d["keep_all_step_us"] >= 2 * 8 * 1800 and min(r["idle_us"] for r in d["ranks"]) > 0
     r = run("simulate", "chain.plan.json", "--pp", 4, "--schedule", "ZBVZeroBubble",
             "--stages-per-rank", 3)
@@ -190,13 +198,7 @@ def test_dualpipev_is_a_cli_schedule_as_torch_runs_it(ws):
     (tests/test_pipeline.py), stages r and 2 pp - 1 - r on rank r, every rank as busy as the
     others (2 x 8 microbatches of 600 us forward and 1200 us backward, split or not); fewer
     than 2 pp microbatches refused with the flag that fixes it, as torch refuses them."""
-    d = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", "DualPipeV",
-                  "--microbatches", 8, "--rank-budget", "40MiB")
-    assert [r["stages"] for r in d["ranks"]] == [[0, 7], [1, 6], [2, 5], [3, 4]]
-    assert all(r["held"] > 0 and r["planned_peak_bytes"] < r["keep_all_peak_bytes"]
-               for r in d["ranks"])
-    busy = [d["step_us"] - r["idle_us"] for r in d["ranks"]]
-    assert busy == pytest.approx([busy[0]] * 4) and busy[0] >= 2 * 8 * 1800
+    d = _v_schedule_ranks("DualPipeV")
     shown = _pipeline("show", "chain.plan.json", "--pp", 4, "--schedule", "DualPipeV",
                       "--microbatches", 8)["ranks"]
     assert [r["held"] for r in shown] == [r["held"] for r in d["ranks"]]
