@@ -51,6 +51,30 @@ def _loss(out, inputs):
     return out.pow(2).mean()
 
 
+def _three_calls_at_recompute_onlys_first_budget(model, x, below: float) -> list:
+    """`model` planned by recompute-only at its first feasible budget (read from the
+    InfeasibleError at fraction `below`; the plan recomputes), patched, and three calls on `x`
+    each bitwise as an unpatched twin's: their last_reports."""
+    kw = dict(loss_fn=_loss, device="fake:cpu", planner="recompute-only")
+    with pytest.raises(InfeasibleError) as e:
+        slackswap.plan_model(model, (x,), budget=below, **kw)
+    first = first_feasible_budget(e.value.plan.profile, load_hardware(None), "recompute-only")
+    plan = slackswap.plan_model(model, (x,), budget=int(first), **kw)
+    assert plan.actions()["recompute"] > 0
+    twin = copy.deepcopy(model)
+    slackswap.patch(model, plan)
+    reports = []
+    for _ in range(3):
+        grads = []
+        for m in (twin, model):
+            m(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        reports.append(model.forward.__slackswap__.last_report)
+    return reports
+
+
 def test_a_template_hands_over_a_value_written_in_place_since(monkeypatch):
     """Under recompute-only at its first feasible budget, chains read BatchNorm outputs that
     a Hardswish then wrote in place: no pack saves those outputs, only the written tensors,
@@ -60,24 +84,8 @@ def test_a_template_hands_over_a_value_written_in_place_since(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), *(_Block(8) for _ in range(3)),
                                 torch.nn.Flatten(), torch.nn.Linear(8 * 10 * 10, 4))
     x = torch.randn(2, 3, 12, 12)
-    kw = dict(loss_fn=_loss, device="fake:cpu", planner="recompute-only")
-    with pytest.raises(InfeasibleError) as e:
-        slackswap.plan_model(model, (x,), budget=0.3, **kw)
-    first = first_feasible_budget(e.value.plan.profile, load_hardware(None), "recompute-only")
-    plan = slackswap.plan_model(model, (x,), budget=int(first), **kw)
-    assert plan.actions()["recompute"] > 0
-    twin = copy.deepcopy(model)
-    slackswap.patch(model, plan)
-    recorded = []
-    for _ in range(3):
-        grads = []
-        for m in (twin, model):
-            m(x).pow(2).mean().backward()
-            grads.append([p.grad.clone() for p in m.parameters()])
-            m.zero_grad(set_to_none=True)
-        assert all(torch.equal(a, b) for a, b in zip(*grads))
-        recorded.append(model.forward.__slackswap__.last_report["recorded"])
-    assert recorded == [True, False, False]
+    reports = _three_calls_at_recompute_onlys_first_budget(model, x, 0.3)
+    assert [r["recorded"] for r in reports] == [True, False, False]
 
 
 class _Mixer(torch.nn.Module):
@@ -110,23 +118,7 @@ def test_a_template_hands_over_a_root_through_an_alias_autograd_saves_views_of(m
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Mixer(8, 16))
     x = torch.randn(2, 4, 8)
-    kw = dict(loss_fn=_loss, device="fake:cpu", planner="recompute-only")
-    with pytest.raises(InfeasibleError) as e:
-        slackswap.plan_model(model, (x,), budget=0.05, **kw)
-    first = first_feasible_budget(e.value.plan.profile, load_hardware(None), "recompute-only")
-    plan = slackswap.plan_model(model, (x,), budget=int(first), **kw)
-    assert plan.actions()["recompute"] > 0
-    twin = copy.deepcopy(model)
-    slackswap.patch(model, plan)
-    reports = []
-    for _ in range(3):
-        grads = []
-        for m in (twin, model):
-            m(x).pow(2).mean().backward()
-            grads.append([p.grad.clone() for p in m.parameters()])
-            m.zero_grad(set_to_none=True)
-        assert all(torch.equal(a, b) for a, b in zip(*grads))
-        reports.append(model.forward.__slackswap__.last_report)
+    reports = _three_calls_at_recompute_onlys_first_budget(model, x, 0.05)
     assert [r["recorded"] for r in reports] == [True, False, False]
     assert all(r["not_steady"] is None for r in reports)
 
