@@ -54,7 +54,7 @@ def test_each_rank_fits_its_budget_with_the_microbatches_it_holds():
     row = result.rows[0]
     assert row["static_bytes"] == 4 * MiB and row["budget_bytes"] == 27 * MiB
     assert row["pipeline"] == {"schedule": "1F1B", "pp": 4, "microbatches": 8,
-                               "stages_per_rank": 2}
+                               "stages_per_rank": 2, "buffers": "reused"}
     assert row["rank_held"] == [4, 3, 2, 1] and row["global_batch"] == 8
     assert row["rank_recv_bytes"] == [8 * MiB, 16 * MiB, 16 * MiB, 8 * MiB]
     keep = pipeline_figures(_stage(), None, "1F1B", 4, 8, 2, 27 * MiB)
@@ -78,6 +78,35 @@ def test_each_rank_fits_its_budget_with_the_microbatches_it_holds():
     assert row["rank_judged_peak_bytes"] == [judged.judged_peak_bytes[r] for r in range(4)]
     assert row["step_us"] == row["judged_step_us"] == judged.judged_step_us >= 11 * 1800
     assert row["samples_per_s"] == pytest.approx(8 / judged.judged_step_us * 1e6)
+
+
+def test_fit_prices_the_buffers_as_the_pipelines_torch_holds_them():
+    """The same sweep with torch 2.15's PipelineStage (`buffers="per-step"`, `fit --buffers
+    per-step`): no receive buffer is kept all step (each allocated every step, held with its
+    microbatch, in the ranks' peaks); the row's ranks are pipeline_figures' under the plan
+    with the buffers so held, each under its 27 MiB. Keeping everything now fits: rank 0, 26
+    MiB and 8 MiB of buffers with 2.13's, holds 25 MiB (no buffer kept; its backward without
+    the 1 MiB output it sent, dropped once the send was waited), the last rank 16 (8 + its 8
+    microbatches' 1 MiB input buffers, held with their losses to the step's end). A
+    --buffers that is not one is refused before anything is traced."""
+    from functools import partial
+    s = FitSettings(hardware=hand_hw(), memory_bytes=32 * MiB, reserve_bytes=MiB,
+                    pipeline=dict(pp=4, schedule="1F1B", microbatches=8, stages_per_rank=None))
+    result = sweep([1], lambda batch: (_stage(), FACTS), s,
+                   row_maker=partial(row_maker, buffers="per-step"))
+    row = result.rows[0]
+    assert row["pipeline"]["buffers"] == "per-step" and row["rank_recv_bytes"] == [0] * 4
+    figs = pipeline_figures(_stage(), result.best_plan, "1F1B", 4, 8, 2, 27 * MiB,
+                            buffers="per-step")
+    assert row["feasible"] and row["rank_peak_bytes"] == [r.planned_peak_bytes
+                                                          for r in figs.rows]
+    assert max(row["rank_peak_bytes"]) <= 27 * MiB
+    keep = pipeline_figures(_stage(), None, "1F1B", 4, 8, 2, 27 * MiB, buffers="per-step")
+    assert [r.keep_all_peak_bytes // MiB for r in keep.rows] == [25, 23, 16, 16]
+    assert all(r.fits for r in keep.rows) and result.baselines["keep-all"][0]["feasible"]
+    r = runner.invoke(app, ["fit", str(ROOT / "examples" / "gpt_stage.py"), "--batch", "1",
+                            "--pp", "2", "--buffers", "never"])
+    assert_clean_error(r, 2, "--buffers never")
 
 
 def test_interleaved_ranks_hold_two_stages_of_static_memory():
@@ -105,7 +134,7 @@ def test_the_workload_declared_pipeline_and_flags_over_it():
     declared = {"pp": 2, "schedule": "GPipe", "microbatches": 4}
     row = _sweep(1 << 30, declared).rows[0]
     assert row["pipeline"] == {"schedule": "GPipe", "pp": 2, "microbatches": 4,
-                               "stages_per_rank": 2}
+                               "stages_per_rank": 2, "buffers": "reused"}
     assert row["rank_held"] == [4, 4]                  # GPipe holds every microbatch
     over = _sweep(1 << 30, declared, microbatches=6).rows[0]
     assert over["pipeline"]["microbatches"] == 6 and over["global_batch"] == 6

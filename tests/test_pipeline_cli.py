@@ -38,9 +38,9 @@ def test_simulate_pp_prints_each_ranks_memory_and_the_bubbled_step(ws):
     """1F1B, 4 ranks, 8 microbatches of a stage taking 600 us forward and 1200 us backward:
     rank r holds 4 - r; uniform stages take (8 + 4 - 1) x 1800 us, each rank idle 3 x 1800.
     Each rank's receive buffers (a 1 MiB input and output gradient per microbatch) count in
-    its budget beside its planned peak."""
+    its budget beside its planned peak (as torch 2.13 and 2.14 hold them: --buffers reused)."""
     d = _pipeline("simulate", "chain.plan.json", "--pp", 4, "--schedule", "1F1B",
-                  "--microbatches", 8, "--rank-budget", "18MiB")
+                  "--microbatches", 8, "--rank-budget", "18MiB", "--buffers", "reused")
     ranks = d["ranks"]
     assert [r["held"] for r in ranks] == [4, 3, 2, 1]
     assert d["keep_all_step_us"] == pytest.approx(11 * 1800)
@@ -52,18 +52,72 @@ def test_simulate_pp_prints_each_ranks_memory_and_the_bubbled_step(ws):
     assert [r["fits"] for r in ranks] == [p + r["recv_bytes"] <= 18 * MiB
                                           for p, r in zip(planned, ranks)]
     assert not ranks[0]["fits"] and ranks[3]["fits"]
+    # the judge's peak with copies in flight fits as a row does, its receive buffers counted
+    assert [r["judged_fits"] for r in ranks] == [r["judged_peak_bytes"] + r["recv_bytes"]
+                                                 <= 18 * MiB for r in ranks]
     assert all(r["swapped_bytes"] + r["recomputed_bytes"] > 0 for r in ranks)
     human = run("simulate", "chain.plan.json", "--pp", 4, "--microbatches", 8)
     assert human.exit_code == 0 and "Per rank: 1F1B, 4 ranks, 8 microbatches" in human.stdout
     # show --pp: the same table for the plan (the judge's figures aside: without a budget
     # copies back fill only what the rank holds anyway), keeping everything for the profile
-    shown = _pipeline("show", "chain.plan.json", "--pp", 4, "--microbatches", 8)["ranks"]
-    judged = ("judged_peak_bytes", "exposed_copy_us")
+    shown = _pipeline("show", "chain.plan.json", "--pp", 4, "--microbatches", 8, "--buffers",
+                      "reused")["ranks"]
+    judged = ("judged_peak_bytes", "exposed_copy_us", "judged_fits")
     assert [{k: v for k, v in r.items() if k not in judged} for r in shown] \
         == [{k: v for k, v in dict(r, budget_bytes=0, fits=True).items() if k not in judged}
             for r in ranks]
-    prof = _pipeline("show", "chain.profile.json", "--pp", 4, "--microbatches", 8)["ranks"]
+    prof = _pipeline("show", "chain.profile.json", "--pp", 4, "--microbatches", 8, "--buffers",
+                     "reused")["ranks"]
     assert [r["planned_peak_bytes"] for r in prof] == keep
+
+
+def test_the_buffers_are_priced_as_the_pipelines_torch_holds_them(ws):
+    """1F1B, 4 ranks, 8 microbatches, keeping everything. Torch 2.15 (--buffers per-step)
+    allocates each receive buffer in every step, held with its microbatch: no rank keeps one
+    all step, and the last rank holds its 8 microbatches' 1 MiB input buffers with their
+    losses to the step's end: its peak is torch 2.13's (--buffers reused) plus the 8 MiB
+    2.13 keeps beside it. The judge, with no copies, peaks where the table does on every
+    rank (outputs dropped at the next backward, buffers held by the running microbatch).
+    Without --buffers: as the installed torch holds them."""
+    import torch
+
+    from slackswap_cli.pipeline.step import buffers_of
+    args = ("show", "chain.profile.json", "--pp", 4, "--microbatches", 8)
+    reused = _pipeline(*args, "--buffers", "reused")
+    per_step = _pipeline(*args, "--buffers", "per-step")
+    assert (reused["buffers"], per_step["buffers"]) == ("reused", "per-step")
+    assert [r["recv_bytes"] for r in per_step["ranks"]] == [0, 0, 0, 0]
+    last = reused["ranks"][3]
+    assert last["recv_bytes"] == 8 * MiB
+    assert per_step["ranks"][3]["keep_all_peak_bytes"] == last["keep_all_peak_bytes"] + 8 * MiB
+    assert all(r["judged_peak_bytes"] == r["planned_peak_bytes"] for d in (reused, per_step)
+               for r in d["ranks"])
+    assert _pipeline(*args)["buffers"] == buffers_of(torch.__version__)
+    human = run(*args, "--buffers", "per-step")
+    assert human.exit_code == 0 and "allocated every step" in human.stdout
+
+
+def test_without_torch_the_buffers_follow_the_profiles_torch(monkeypatch):
+    """Where torch is not installed (a planning machine), the profile's torch decides."""
+    from importlib import metadata
+    from types import SimpleNamespace
+
+    from slackswap_cli.cli.common import pipeline_buffers
+    from slackswap_cli.errors import InputError
+    from slackswap_cli.pipeline.step import buffers_of
+
+    def absent(name):
+        raise metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(metadata, "version", absent)
+    made = SimpleNamespace(env={"torch_version": "2.15.0+cu132"})
+    assert pipeline_buffers(None, made) == pipeline_buffers(None, [made]) == "per-step"
+    assert pipeline_buffers(None, SimpleNamespace(env={"torch_version": "2.14.1"})) == "reused"
+    assert pipeline_buffers(None, None) == "reused"
+    assert pipeline_buffers("reused", made) == "reused"
+    assert [buffers_of(v) for v in ("2.13.0", "2.15.0", "3.0")] == \
+        ["reused", "per-step", "per-step"]
+    with pytest.raises(InputError):
+        buffers_of("nightly")
 
 
 def test_interleaved_holds_more_and_gpipe_holds_every_microbatch(ws):
@@ -98,6 +152,10 @@ def test_timeline_by_hand():
      ["--pp", 4, "--microbatches", 8]),
     (["--pp", 2, "--rank-budget", "lots"], "--rank-budget", "--rank-budget 40GB",
      ["--pp", 2, "--rank-budget", "40GB"]),
+    (["--pp", 2, "--buffers", "never"], "--buffers never", "--buffers per-step",
+     ["--pp", 2, "--buffers", "per-step"]),
+    (["--buffers", "reused"], "--pp is not given", "add --pp N",
+     ["--pp", 4, "--buffers", "reused"]),
 ])
 def test_bad_pipeline_options_are_refused_with_a_hint_that_works(ws, args, needle, hint, fixed):
     r = run("simulate", "chain.plan.json", *args)
@@ -127,12 +185,14 @@ def test_simulate_pp_reports_the_rank_level_judge(ws):
     from slackswap_cli.pipeline.orders import order
     from slackswap_cli.pipeline.step import boundary_of
     d = _pipeline("simulate", "chain.plan.json", "--pp", 2, "--schedule", "GPipe",
-                  "--microbatches", 4, "--rank-budget", "9MiB")
+                  "--microbatches", 4, "--rank-budget", "9MiB", "--buffers", "reused")
     prof = schema.load_profile("chain.profile.json")
     plan = schema.load_plan("chain.plan.json")
     hw = HardwareSpec.from_dict(plan.hardware, "the plan")
     work = {s: stage_work(prof, plan, hw, boundary_of(prof, s, 2, "gpipe")) for s in (0, 1)}
-    got = judge(order("GPipe", 2, 4), work, 9 * MiB)
+    # each rank's receive buffers (4 microbatches' 1 MiB input or output gradient) off its 9 MiB
+    got = judge(order("GPipe", 2, 4), work, 9 * MiB, recv_bytes={0: 4 * MiB, 1: 4 * MiB})
+    assert [r["recv_bytes"] for r in d["ranks"]] == [4 * MiB, 4 * MiB]
     assert d["judged_step_us"] == pytest.approx(got.step_us)
     assert d["judged_step_us"] >= d["keep_all_step_us"]
     assert [r["exposed_copy_us"] for r in d["ranks"]] == \

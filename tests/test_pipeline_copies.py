@@ -41,6 +41,35 @@ def test_copy_back_waits_for_memory_and_its_wait_is_exposed():
     assert (tight.end_us, tight.exposed_us, tight.peak_bytes) == (66.0, 6.0, 300)
 
 
+def test_receive_buffers_take_their_room_off_the_budget_and_count_in_the_fit():
+    """A rank whose receive buffers hold 100 B all step (torch 2.13's PipelineStage): at a
+    400 B budget its copies back may fill 300 B, as at 300 B without them: microbatch 1's
+    copy back waits for B1's start, B1 waits 3 us, peak 300 B; with the buffers, 400 B: it
+    fits. At 350 B the copies fill 250 B (as at 250 without buffers: both late, 6 us
+    exposed); its peak, 300 B, and the buffers are 50 B over: it does not fit."""
+    w = {0: _stage()}
+    got = judge(TWO, w, 400, recv_bytes={0: 100}).ranks[0]
+    alone = judge(TWO, w, 300).ranks[0]
+    assert (got.end_us, got.exposed_us, got.peak_bytes) == (alone.end_us, 3.0, 300)
+    assert got.fits and (got.budget_bytes, got.recv_bytes) == (400, 100)
+    tight = judge(TWO, w, 350, recv_bytes={0: 100}).ranks[0]
+    assert (tight.exposed_us, tight.peak_bytes) == (6.0, 300) and not tight.fits
+    # without buffers 350 B fits: microbatch 1's copy back goes at B0's start (peak 350 B)
+    free = judge(TWO, w, 350).ranks[0]
+    assert free.fits and (free.exposed_us, free.peak_bytes) == (0.0, 350)
+
+
+def test_an_output_released_at_the_next_backward_is_not_held_there():
+    """Torch 2.15's PipelineStage under GPipe and 1F1B drops a sent output once its send is
+    waited, before the rank's next backward: F0 150 B; F1 100 + 150 = 250; at B0 microbatch
+    1 holds 100 - 30 (its 30 B output gone) beside B0's 200: 270 B, where a held output
+    gives 300."""
+    keep = {0: StageWork(10.0, 20.0, 100, 150, 200)}
+    dropped = {0: StageWork(10.0, 20.0, 100, 150, 200, released_bytes=30)}
+    assert judge(TWO, keep).ranks[0].peak_bytes == 300
+    assert judge(TWO, dropped).ranks[0].peak_bytes == 270
+
+
 def test_a_copy_held_up_by_the_previous_microbatchs_counts_at_the_peak():
     """Copies to host of 12 us: microbatch 0's 2-14, microbatch 1's waits for the engine,
     14-26. Without a budget the copies back go at their backward's start (20-28, 43-51): each

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import List, Optional
 
@@ -13,9 +14,11 @@ from .common import (
     PLANNER_HELP,
     SLOW_PLANNERS,
     app,
+    buffers_option,
     check_output_path,
     help_examples,
     json_option,
+    pipeline_buffers,
     quiet_option,
     sibling_file,
     time_options,
@@ -58,9 +61,10 @@ def _pipeline_flags(pp, schedule, microbatches, stages_per_rank) -> dict:
     return flags
 
 
-def _stage_profiles(profiler_of, args: dict, stage_arg: str, flags: dict):
+def _stage_profiles(profiler_of, args: dict, stage_arg: str, flags: dict, buffers: str):
     """(profile_at, row_maker) profiling every stage of the pipeline the flags give, stage i
-    with `stage_arg`=i (`profiler_of(args, workers)`: a Profiler; pipeline.fit.StageProfiles)."""
+    with `stage_arg`=i (`profiler_of(args, workers)`: a Profiler; pipeline.fit.StageProfiles);
+    `buffers`: as `pipeline.fit.pipeline_row` takes it."""
     from ..pipeline.fit import StageProfiles, row_maker
     from ..pipeline.orders import order, pipeline_spec
     if stage_arg in args:
@@ -75,7 +79,7 @@ def _stage_profiles(profiler_of, args: dict, stage_arg: str, flags: dict):
     n_stages = 1 + max(st for each in steps.values() for _, st, _ in each)
     profilers = {st: profiler_of({**args, stage_arg: st}, 1) for st in range(n_stages)}
     stages = StageProfiles(profilers)
-    return stages, lambda s, prof: row_maker(s, prof, stages)
+    return stages, lambda s, prof: row_maker(s, prof, stages, buffers)
 
 
 def _tp_args(args: dict, tp: int, model: Path, entry: str) -> dict:
@@ -142,6 +146,7 @@ def fit(
     microbatches: Optional[int] = typer.Option(None, "--microbatches", help="with --pp: microbatches per step [default: the workload's, else 2 x --pp]"),
     stages_per_rank: Optional[int] = typer.Option(None, "--stages-per-rank", help="with --pp and Interleaved1F1B: stages per rank [default: the workload's, else 2]"),
     stage_arg: Optional[str] = typer.Option(None, "--stage-arg", help="with --pp: the workload argument that picks the stage (0, 1, ...): each stage profiled and priced as it is [default: every stage priced as the workload]"),
+    buffers: Optional[str] = buffers_option(),
     jobs: int = typer.Option(2, "--jobs", min=1, help="traces in forked processes, ahead of planning: 2 overlaps a trace with planning (same rows; helps only with idle cores); 1: one process"),
     as_json: bool = json_option("{rows, best, baselines}"),
     quiet: bool = quiet_option(),
@@ -157,6 +162,7 @@ def fit(
     s = _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, time_limit)
     s = dataclasses.replace(s, pipeline=_pipeline_flags(pp, schedule, microbatches,
                                                         stages_per_rank))
+    held = pipeline_buffers(buffers)      # fit traces with the installed torch
     args = parse_workload_args(arg)
     if batch_arg in args:
         raise InputError(f"--arg {batch_arg}=... sets the batch, which --batch sweeps",
@@ -178,12 +184,13 @@ def fit(
                         device=device, hardware=s.hardware,
                         on_facts=lambda f: check_static_fits(f, s), workers=workers)
     profiler = profiler_of(args, jobs)
+    maker = functools.partial(row_maker, buffers=held)
     if stage_arg is not None:
-        profiler, maker = _stage_profiles(profiler_of, args, stage_arg, s.pipeline)
+        profiler, maker = _stage_profiles(profiler_of, args, stage_arg, s.pipeline, held)
     try:
         result = sweep(batches, profiler, s, progress=sink.status,
                        derive_batch_arg=None if profile_each or stage_arg else batch_arg,
-                       row_maker=row_maker if stage_arg is None else maker)
+                       row_maker=maker)
     finally:
         profiler.close()
     if result.best_plan is not None:

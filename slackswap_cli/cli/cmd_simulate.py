@@ -11,9 +11,11 @@ import typer
 from ..errors import InfeasibleError, InputError
 from .common import (
     app,
+    buffers_option,
     check_output_path,
     help_examples,
     json_option,
+    pipeline_buffers,
     plan_profile,
     quiet_option,
     renderer,
@@ -38,16 +40,19 @@ def _pipeline_options():
 _SCHEDULE, _MICROBATCHES, _STAGES_PER_RANK, _RANK_BUDGET = _pipeline_options()
 
 
-def _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, declared=None):
+def _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, declared=None,
+              buffers=None):
     """The checked pipeline settings (flags over the workload's `declared` pipeline), or None
     where neither gives one (refusing the pipeline's options alone)."""
     from ..pipeline.orders import pipeline_spec
     spec = pipeline_spec(pp, schedule, microbatches, stages_per_rank, declared)
     if spec is None:
-        if rank_budget is not None:
-            raise InputError("--rank-budget describes a pipeline, and --pp is not given",
-                             hint="add --pp N (the pipeline's ranks), e.g. --pp 4 --rank-budget ...")
+        for flag, value in (("--rank-budget", rank_budget), ("--buffers", buffers)):
+            if value is not None:
+                raise InputError(f"{flag} describes a pipeline, and --pp is not given",
+                                 hint=f"add --pp N (the pipeline's ranks), e.g. --pp 4 {flag} ...")
         return None
+    pipeline_buffers(buffers)       # refused now if it is not one
     from ..budget import parse_size
     budget = 0 if rank_budget is None else parse_size(rank_budget, "--rank-budget")
     return (*spec, budget)
@@ -105,9 +110,10 @@ def _mesh_static(settings, prof, fsdp: int, tp: int | None) -> dict:
 
 
 def _pipeline_result(settings, prof, plan, hw, data: dict, fsdp: int = 1,
-                     tp: int | None = None) -> Result:
+                     tp: int | None = None, buffers: str | None = None) -> Result:
     """The per-rank table of a pipeline of stages like `prof` under `plan`, and each rank's
-    static memory on the mesh (`_mesh_static`)."""
+    static memory on the mesh (`_mesh_static`); `buffers`: --buffers as given
+    (`common.pipeline_buffers`)."""
     from ..pipeline.step import pipeline_figures
     from ..units import fmt_bytes
     schedule, pp, microbatches, per_rank, budget = settings
@@ -115,7 +121,7 @@ def _pipeline_result(settings, prof, plan, hw, data: dict, fsdp: int = 1,
             else f"{len(prof)} stage profiles, each stage as its own")
     figs = pipeline_figures(prof, plan, schedule, pp, microbatches, per_rank, budget,
                             1.0 / hw.d2h_bytes_per_s * 1e6 if hw.d2h_bytes_per_s else 0.0,
-                            hw=hw)
+                            hw=hw, buffers=pipeline_buffers(buffers, prof))
     static = _mesh_static(settings, prof, fsdp, tp)
 
     def views():
@@ -152,6 +158,7 @@ def simulate(
     rank_budget: Optional[str] = _RANK_BUDGET,
     fsdp: int = typer.Option(1, "--fsdp", help="with --pp: FSDP2 ranks over each stage; each rank's static memory (AdamW) is printed under the table"),
     tp: Optional[int] = typer.Option(None, "--tp", help="with --pp: tensor parallel ranks, as the profile's local shard was built (its workload's tp argument) [default: that]"),
+    buffers: Optional[str] = buffers_option(),
     as_json: bool = json_option("the prediction"),
     quiet: bool = quiet_option(),
 ) -> None:
@@ -161,12 +168,12 @@ def simulate(
     rank that holds most on the pp x fsdp x tp mesh."""
     sink = Sink(as_json, quiet)
     if pp is not None:      # the flags' own errors before loading anything
-        _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget)
+        _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, buffers=buffers)
     from .stage_files import simulate_stages
     if simulate_stages(plan_paths, pp, hardware, profile_path, trace, sink,
                        lambda plans: _pipeline(pp, schedule, microbatches, stages_per_rank,
-                                               rank_budget, _declared(plans[0][1])),
-                       lambda *a: _pipeline_result(*a, fsdp=fsdp, tp=tp)):
+                                               rank_budget, _declared(plans[0][1]), buffers),
+                       lambda *a: _pipeline_result(*a, fsdp=fsdp, tp=tp, buffers=buffers)):
         return
     plan_path = plan_paths[0]
     from ..hardware import HardwareSpec, load_hardware
@@ -175,7 +182,8 @@ def simulate(
     from ..simulate import simulate as run_sim
     p = load_plan(plan_path)
     prof = plan_profile(p, profile_path)
-    pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, _declared(prof))
+    pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, _declared(prof),
+                     buffers)
     if pipe is None and (fsdp != 1 or tp is not None):
         raise InputError("--fsdp and --tp describe a pipeline's mesh, and --pp is not given",
                          hint="add --pp N (the pipeline's ranks), e.g. --pp 2 --fsdp 2 --tp 2")
@@ -199,7 +207,7 @@ def simulate(
         shown = dataclasses.replace(p, hardware=hw.to_dict(), predicted=result.predicted)
         sink.show(_pipeline_result(pipe, prof, shown, hw, {
             "plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
-            "predicted": result.predicted}, fsdp, tp))
+            "predicted": result.predicted}, fsdp, tp, buffers))
         return
     sink.show(Result({"plan": str(plan_path), "hardware": hw.name, "feasible": result.feasible,
                       "reason": result.reason, "predicted": result.predicted,
@@ -227,16 +235,17 @@ def show(
     microbatches: Optional[int] = _MICROBATCHES,
     stages_per_rank: Optional[int] = _STAGES_PER_RANK,
     rank_budget: Optional[str] = _RANK_BUDGET,
+    buffers: Optional[str] = buffers_option(),
     as_json: bool = json_option("the summary"),
     quiet: bool = quiet_option(),
 ) -> None:
     """Inspect a profile or a plan in the terminal. With --pp: the per-rank table of a
     pipeline of stages like it (a profile: keeping everything)."""
     from ..schema import PROFILE_FORMAT, load_plan, load_profile, sniff_format
-    pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget)
+    pipe = _pipeline(pp, schedule, microbatches, stages_per_rank, rank_budget, buffers=buffers)
     from .stage_files import one_file
     if pipe is not None:
-        Sink(as_json, quiet).show(_show_pipeline(paths, profile_path, pipe))
+        Sink(as_json, quiet).show(_show_pipeline(paths, profile_path, pipe, buffers))
         return
     path = one_file(paths, "show")
     if sniff_format(path) == PROFILE_FORMAT:
@@ -250,7 +259,8 @@ def show(
     Sink(as_json, quiet).show(result)
 
 
-def _show_pipeline(paths: list[Path], profile_path: Optional[Path], pipe) -> Result:
+def _show_pipeline(paths: list[Path], profile_path: Optional[Path], pipe,
+                   buffers: Optional[str]) -> Result:
     """`show --pp`: profiles (keeping everything) or plans, one or one per stage."""
     from ..hardware import HardwareSpec, load_hardware
     from .stage_files import stage_files
@@ -261,9 +271,10 @@ def _show_pipeline(paths: list[Path], profile_path: Optional[Path], pipe) -> Res
         costed = (profs[0].env or {}).get("hardware") or "a100-pcie4"
         hw = (HardwareSpec.from_dict(costed, "the profile's hardware")
               if isinstance(costed, dict) else load_hardware(costed))
-        return _pipeline_result(pipe, profs, None, hw, data)
+        return _pipeline_result(pipe, profs, None, hw, data, buffers=buffers)
     return _pipeline_result(pipe, profs, plans,
-                            HardwareSpec.from_dict(plans[0].hardware, "plan hardware"), data)
+                            HardwareSpec.from_dict(plans[0].hardware, "plan hardware"), data,
+                            buffers=buffers)
 
 
 def _simulated_plan_views(p, profile_path: Optional[Path]) -> list:

@@ -111,6 +111,40 @@ def plan_profile(p, profile_path: Optional[Path]):
     return prof
 
 
+BUFFERS_HELP = ("with --pp: how the pipeline's torch holds PipelineStage's buffers: reused "
+                "(torch 2.13, 2.14: receive buffers allocated once, kept all step) | per-step "
+                "(torch 2.15: each allocated before its receive, a sent output dropped once "
+                "its send is waited) [default: the installed torch's, else the profile's]")
+
+
+def buffers_option():
+    return typer.Option(None, "--buffers", help=BUFFERS_HELP)
+
+
+def pipeline_buffers(flag: Optional[str], prof=None) -> str:
+    """How the pipeline's PipelineStages hold their buffers (`pipeline.stages.BUFFERS`): as
+    `--buffers` gives it, else as the installed torch does (read from its package metadata,
+    torch not imported), else as the torch that made `prof` (a Profile, or a list of them:
+    the first) did, else "reused"."""
+    from importlib import metadata
+
+    from ..pipeline.stages import BUFFERS
+    from ..pipeline.step import buffers_of
+    if flag is not None:
+        if flag not in BUFFERS:
+            raise InputError(f"--buffers {flag} is not one of {', '.join(BUFFERS)}",
+                             hint="--buffers per-step for torch 2.15 or later, --buffers "
+                                  "reused for torch 2.13 and 2.14")
+        return flag
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        first = prof[0] if isinstance(prof, list) else prof
+        version = ((getattr(first, "env", None) or {}).get("torch_version")
+                   if first is not None else None)
+    return buffers_of(version) if version else "reused"
+
+
 def _version_flag(value: bool) -> None:
     if value:
         from .output import Result, Sink

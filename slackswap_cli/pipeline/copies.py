@@ -34,8 +34,14 @@ host or on its way back (a copy counts from its start, as in the simulator); the
 action its stage's memory over time in its own run (`Segments`: 64 spans, each at its most)
 plus, for a forward, each of its swapped tensors whose copy to host ends later than there
 (the engine was busy with other microbatches'), less, for a backward, each copy back not yet
-issued; what finished backwards left until the step ends (`linger_bytes`). The rank's peak
-is the largest. Torch-free.
+issued; what finished backwards left until the step ends (`linger_bytes`). A stage whose
+output is dropped once its send is waited (torch 2.15's PipelineStage under GPipe and 1F1B:
+`Boundary.released`) holds it only until the rank's next backward begins
+(`released_bytes`); a stage's per-step receive buffer (`Boundary.received`) is in its held
+bytes and in the running action's own memory. The rank's peak is the largest. Receive
+buffers kept all step (torch 2.13 and 2.14: `recv_bytes`, per rank) are beside the
+activations: copies back fill the budget less them, and a rank fits where its peak and
+them are under its budget (`RankJudged.fits`, as `RankRow.fits`). Torch-free.
 """
 from __future__ import annotations
 
@@ -79,6 +85,7 @@ class StageWork:
     fwd_mem: Segments | None = None
     fwd_alone_mem: Segments | None = None
     bwd_mem: Segments | None = None
+    released_bytes: int = 0     # held only until the rank's next backward (module docstring)
 
     @property
     def fwd_waits(self) -> tuple[float, int]:
@@ -97,6 +104,14 @@ class RankJudged:
     peak_bytes: int
     d2h_busy_us: float          # its engines' busy time
     h2d_busy_us: float
+    budget_bytes: int = 0       # as given to `judge` (0: none)
+    recv_bytes: int = 0         # its receive buffers, all step, beside `peak_bytes`
+
+    @property
+    def fits(self) -> bool:
+        """Its peak with copies in flight and its receive buffers under its budget (no budget:
+        fits), as `RankRow.fits`."""
+        return self.budget_bytes <= 0 or self.peak_bytes + self.recv_bytes <= self.budget_bytes
 
 
 @dataclass(frozen=True)
@@ -175,16 +190,19 @@ def stage_work(prof: Profile, plan: Plan | None, hw, boundary: Boundary = Bounda
     without waiting: its memory, when each copy to host ends), with them under the plan's
     budget (its forward as in its own run, waiting for memory) and with its swaps kept (the
     backward's compute and its memory with every copy back in at its start, less in the judge
-    each one not yet issued; when each swapped tensor is first read)."""
+    each one not yet issued; when each swapped tensor is first read). The running action
+    holds its per-step receive buffer (`Boundary.received`) beside its own memory."""
     from ..simulate import simulate
     cost = stage_cost(prof, plan, boundary)
     fwd = sum(op.time_us for op in prof.ops[:prof.n_forward])
+    dropped = cost.boundary_held if cost.released else 0
     if plan is None or not plan.decisions:
         bwd = sum(op.time_us for op in prof.ops[prof.n_forward:])
-        peak = cost.peak_bytes
+        peak = cost.peak_bytes + cost.received_bytes
         return StageWork(fwd, bwd, cost.held_bytes, peak, peak + cost.boundary_bytes,
-                         cost.linger_bytes)
-    extra = cost.peak_bytes - plan.predicted.peak_bytes     # pinned evictions, eager excess
+                         cost.linger_bytes, released_bytes=dropped)
+    # pinned evictions, eager excess; the receive buffer
+    extra = cost.peak_bytes - plan.predicted.peak_bytes + cost.received_bytes
     acts = {d.tensor: d.action for d in plan.decisions}
     kept = simulate(prof, {t: (Action.KEEP if a == Action.SWAP else a) for t, a in acts.items()},
                     hw, None, record=True)
@@ -210,7 +228,7 @@ def stage_work(prof: Profile, plan: Plan | None, hw, boundary: Boundary = Bounda
                      tuple(swaps), own_end, _peak_in(own.memory, 0.0, own_end) + extra,
                      _segments(free.memory, 0.0, fwd, extra),
                      _segments(own.memory, 0.0, own_end, extra),
-                     _segments(kept.memory, fwd, kept.predicted.step_us, back))
+                     _segments(kept.memory, fwd, kept.predicted.step_us, back), dropped)
 
 
 def _pairs(steps: Sequence[Step]) -> tuple[dict, dict]:
@@ -224,14 +242,34 @@ def _pairs(steps: Sequence[Step]) -> tuple[dict, dict]:
     return made, used
 
 
+def _kept_outputs(steps: Sequence[Step]) -> list[frozenset]:
+    """Per action: the pairs whose forward ran since the rank's last backward began, the
+    only ones still holding an output dropped once its send is waited (`released_bytes`)."""
+    out, sent = [], set()
+    for kind, stage, mb in steps:
+        if kind in FIRST_USE:
+            sent.clear()
+        out.append(frozenset(sent))
+        if kind in STARTS:
+            sent.add((stage, mb))
+    return out
+
+
+def _held(work: Mapping[int, StageWork], pair, kept: frozenset) -> int:
+    """What a live pair that is not running holds (its output gone once released)."""
+    w = work[pair[0]]
+    return w.held_bytes - (0 if pair in kept else w.released_bytes)
+
+
 def _static_need(steps: Sequence[Step], work: Mapping[int, StageWork], budget: int):
     """(per action: the others' held bytes, its own peak (a backward's before its copies
     back) and what lingers, no copies; the limit copies back may fill up to; the forwards that
     wait for memory as in their own run: those that would not fit the budget without)."""
     base, own_free, own_wait, lingering = [], [], [], 0
-    for (kind, stage, mb), live in live_steps(steps):
+    for ((kind, stage, mb), live), kept in zip(live_steps(steps), _kept_outputs(steps)):
         w = work[stage]
-        base.append(lingering + sum(work[s].held_bytes for s, m in live if (s, m) != (stage, mb)))
+        base.append(lingering + sum(_held(work, (s, m), kept) for s, m in live
+                                    if (s, m) != (stage, mb)))
         bwd = w.bwd_peak_bytes - sum(sw.bytes for sw in w.swaps)
         own_free.append(w.fwd_peak_bytes if kind in STARTS else bwd)
         own_wait.append(w.fwd_waits[1] if kind in STARTS else bwd)
@@ -320,7 +358,7 @@ def _act(r: _Rank, k: int, step: Step, ready: float, work, plan) -> float:
     """Run action k of a rank that may start at `ready`; returns its end (`plan`:
     `_plan_copies`). A forward that would take the rank over the limit without waiting waits
     for memory as in the stage's own run."""
-    issue, used, limit, walk, linger = plan
+    issue, used, limit, walk, linger, kept = plan
     kind, stage, mb = step
     w = work[stage]
     mine = [i for pair, i in issue.get(k, ()) if pair == (stage, mb)]
@@ -336,7 +374,7 @@ def _act(r: _Rank, k: int, step: Step, ready: float, work, plan) -> float:
     if kind in STARTS:
         r.offload((stage, mb), w.swaps, start)
         if (w.fwd_waits[1] < w.fwd_peak_bytes
-                and _action_mem(r, k, walk[k], linger[k], work, False) > limit):
+                and _action_mem(r, k, walk[k], linger[k], work, False, kept[k]) > limit):
             took = w.fwd_waits[0]
             r.exposed += took - w.fwd_us
             r.waiting.add(k)
@@ -350,18 +388,19 @@ def _act(r: _Rank, k: int, step: Step, ready: float, work, plan) -> float:
 def _plan_copies(steps, work, budget: int):
     """What `_act` needs of a rank: (index -> the copies back issued at its start, pair ->
     index of its first backward use, the memory limit, each action's step and live pairs,
-    what lingers at each)."""
+    what lingers at each, the pairs still holding a released output at each)."""
     issue, limit = _issue_points(steps, work, budget)
-    return (issue, _pairs(steps)[1], limit, list(live_steps(steps)), _lingering(steps, work))
+    return (issue, _pairs(steps)[1], limit, list(live_steps(steps)), _lingering(steps, work),
+            _kept_outputs(steps))
 
 
-def _run(order, work, budget, alone: bool) -> dict[int, _Rank]:
-    """Every rank's actions in time order (cross-rank waits unless `alone`)."""
+def _run(order, work, limits: Mapping[int, int], alone: bool) -> dict[int, _Rank]:
+    """Every rank's actions in time order (cross-rank waits unless `alone`); `limits`: rank ->
+    what its activations and copies may fill (0: no limit)."""
     done: dict[tuple[str, int, int], float] = {}
     n_stages = 1 + max((s for steps in order.values() for _, s, _ in steps), default=0)
     ranks = {r: _Rank() for r in order}
-    plans = {r: _plan_copies(steps, work, budget if isinstance(budget, int)
-                             else budget.get(r, 0)) for r, steps in order.items()}
+    plans = {r: _plan_copies(steps, work, limits[r]) for r, steps in order.items()}
     left = sum(len(s) for s in order.values())
     while left:
         moved = False
@@ -433,15 +472,18 @@ def _action_peak(start: float, end: float, base: int, own: Segments, events: lis
     return best
 
 
-def _action_mem(r: _Rank, k: int, at, lingering: int, work, waiting: bool) -> int:
-    """The rank's peak while action k runs (`at`: the step and the pairs live then)."""
+def _action_mem(r: _Rank, k: int, at, lingering: int, work, waiting: bool,
+                kept: frozenset) -> int:
+    """The rank's peak while action k runs (`at`: the step and the pairs live then; `kept`:
+    `_kept_outputs`)."""
     (kind, stage, mb), live = at
     start, end = r.times[k]
     events: list = []
     mem = lingering
     for s, m in live:
         if (s, m) != (stage, mb):
-            mem += work[s].held_bytes + _others(r, (s, m), work[s].swaps, start, end, events)
+            mem += _held(work, (s, m), kept) + _others(r, (s, m), work[s].swaps, start, end,
+                                                       events)
     w = work[stage]
     if kind in STARTS:                  # its copies to host ending later than alone
         for i, sw in enumerate(w.swaps):
@@ -468,20 +510,26 @@ def _lingering(steps: Sequence[Step], work) -> list[int]:
 
 
 def _rank_peak(steps: Sequence[Step], work, r: _Rank) -> int:
-    linger = _lingering(steps, work)
-    return max((_action_mem(r, k, at, linger[k], work, k in r.waiting)
+    linger, kept = _lingering(steps, work), _kept_outputs(steps)
+    return max((_action_mem(r, k, at, linger[k], work, k in r.waiting, kept[k])
                 for k, at in enumerate(live_steps(steps))), default=0)
 
 
 def judge(order: Mapping[int, Sequence[Step]], work: Mapping[int, StageWork],
-          budget: Mapping[int, int] | int = 0, alone: bool = False) -> Judged:
+          budget: Mapping[int, int] | int = 0, alone: bool = False,
+          recv_bytes: Mapping[int, int] | None = None) -> Judged:
     """Each rank's time, peak and exposed copy time under the stages' `work` (module
-    docstring). `budget`: per rank (or one for all) the memory copies back may fill ahead of
-    their backward (0: what the rank needs anyway without them)."""
-    ranks = _run(order, work, budget, alone)
+    docstring). `budget`: per rank (or one for all) its memory, which copies back may fill
+    ahead of their backward (0: what the rank needs anyway without them); `recv_bytes`: rank
+    -> its receive buffers kept all step, taken off its budget (`RankJudged.fits`)."""
+    budgets = {r: budget if isinstance(budget, int) else budget.get(r, 0) for r in order}
+    recv = {r: (recv_bytes or {}).get(r, 0) for r in order}
+    # a budget the receive buffers fill leaves the activations 1 byte: every copy back late
+    ranks = _run(order, work, {r: max(1, b - recv[r]) if b > 0 else 0
+                               for r, b in budgets.items()}, alone)
     out = {}
     for rank, steps in order.items():
         r = ranks[rank]
         out[rank] = RankJudged(rank, r.free, r.busy, r.exposed, _rank_peak(steps, work, r),
-                               r.d2h_busy, r.h2d_busy)
+                               r.d2h_busy, r.h2d_busy, budgets[rank], recv[rank])
     return Judged(max((j.end_us for j in out.values()), default=0.0), out)

@@ -11,8 +11,10 @@ Per rank:
   FSDP2 holds unsharded), summed over the stages the rank runs (`stages_per_rank` with
   Interleaved1F1B and ZBVZeroBubble, else one); the batch's inputs once;
 - the **activation budget**: device memory - that static memory - the reserve; the rank's
-  receive buffers (`stages.recv_buffer_bytes`, `rank_recv_bytes`) count in it beside its
-  activation peak;
+  receive buffers count in it: all step beside its activation peak where PipelineStage keeps
+  them (`buffers` "reused", torch 2.13 and 2.14: `stages.recv_buffer_bytes`,
+  `rank_recv_bytes`), with each microbatch in the peak where it allocates them every step
+  ("per-step", torch 2.15; `pipeline_step.buffers_of`, `fit --buffers`);
 - one plan per stage (the same on every stage priced as one profile), each made at the same
   point between its stage's activation floor and its keep-all peak, the largest (bisected) at
   which EVERY rank, with the (chunk-)microbatches the schedule makes it hold, stays under its
@@ -131,7 +133,8 @@ class _Stages:
     """The stages' profiles and static memory, per rank its static memory and budget."""
 
     def __init__(self, prof: Profile, static: StaticMemory, s: FitSettings, spec: PipelineSpec,
-                 stages: dict | None):
+                 stages: dict | None, buffers: str = "reused"):
+        self.buffers = buffers
         self.steps = order(spec.schedule, spec.pp, spec.microbatches, spec.stages_per_rank)
         n_stages = 1 + max(st for steps in self.steps.values() for _, st, _ in steps)
         self.one = stages is None
@@ -171,7 +174,8 @@ def _planner(kind: str, stg: _Stages, s: FitSettings, spec: PipelineSpec, copy: 
                     memo[key] = plan_kind(kind, stg.profs[st], s.hardware, budget, options)
                 plans[st] = memo[key]
             figs = (pipeline_figures(stg.profs, plans, spec.schedule, spec.pp,
-                                     spec.microbatches, spec.stages_per_rank, stg.budget, copy)
+                                     spec.microbatches, spec.stages_per_rank, stg.budget, copy,
+                                     buffers=stg.buffers)
                     if all(p.feasible for p in plans.values()) else None)
             memo[x] = (plans, figs)
         return memo[x]
@@ -179,16 +183,17 @@ def _planner(kind: str, stg: _Stages, s: FitSettings, spec: PipelineSpec, copy: 
 
 
 def pipeline_row(kind: str, batch: int, prof: Profile, static: StaticMemory, s: FitSettings,
-                 spec: PipelineSpec, stages: dict | None = None) -> tuple[dict, Plan | None]:
+                 spec: PipelineSpec, stages: dict | None = None,
+                 buffers: str = "reused") -> tuple[dict, Plan | None]:
     """One row of the sweep for the pipeline `spec` at microbatch `batch` (module docstring).
     `stages`: stage -> (profile, facts) of each stage at this batch (None: every stage as
-    `prof`)."""
-    stg = _Stages(prof, static, s, spec, stages)
+    `prof`); `buffers`: how its PipelineStages hold their buffers (`stages.BUFFERS`)."""
+    stg = _Stages(prof, static, s, spec, stages, buffers)
     worst = max(stg.static, key=lambda r: stg.static[r].total)
     budget = min(stg.budget.values())
     row = row_head(batch, kind, stg.static[worst], s)
     row.update(budget_bytes=budget, keep_all_peak_bytes=prof.keep_all_peak_bytes,
-               pipeline=spec._asdict(), global_batch=batch * spec.microbatches,
+               pipeline={**spec._asdict(), "buffers": buffers}, global_batch=batch * spec.microbatches,
                rank_budget_bytes=[stg.budget[r] for r in sorted(stg.budget)],
                rank_peak_bytes=None, rank_held=None, rank_recv_bytes=None,
                worst_rank_peak_bytes=None,
@@ -222,7 +227,7 @@ def _judged_row(row: dict, batch: int, prof: Profile, plans: dict, stg: _Stages,
                 spec: PipelineSpec, copy: float, hw) -> dict:
     """The feasible row's step and rates, from the rank-level judge (module docstring)."""
     figs = pipeline_figures(stg.profs, plans, spec.schedule, spec.pp, spec.microbatches,
-                            spec.stages_per_rank, stg.budget, copy, hw=hw)
+                            spec.stages_per_rank, stg.budget, copy, hw=hw, buffers=stg.buffers)
     ranks = [r.rank for r in figs.rows]
     rate = batch * spec.microbatches / figs.judged_step_us * 1e6
     seq = tokens_per_sample(prof, batch)
@@ -237,15 +242,17 @@ def _judged_row(row: dict, batch: int, prof: Profile, plans: dict, stg: _Stages,
     return row
 
 
-def row_maker(s: FitSettings, prof: Profile, stages: StageProfiles | None = None) -> Callable:
+def row_maker(s: FitSettings, prof: Profile, stages: StageProfiles | None = None,
+              buffers: str = "reused") -> Callable:
     """The sweep's row function (`fit.sweep`'s `row_maker`): `fit.plan_row`, or with a
     pipeline (the flags in `s.pipeline` over the one the profile's workload declares)
-    `pipeline_row` for it; `stages`: each stage's profile (`StageProfiles`)."""
+    `pipeline_row` for it; `stages`: each stage's profile (`StageProfiles`); `buffers`: as
+    `pipeline_row` takes it."""
     spec = pipeline_spec(**s.pipeline, declared=(prof.workload or {}).get("pipeline"))
     if spec is None:
         return plan_row
 
     def row(kind, batch, prof, static, s):
         return pipeline_row(kind, batch, prof, static, s, spec,
-                            None if stages is None else stages.got[batch])
+                            None if stages is None else stages.got[batch], buffers)
     return row

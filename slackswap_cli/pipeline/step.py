@@ -17,9 +17,13 @@ backward's input pass and weight pass (ZBVZeroBubble, DualPipeV) half of it each
 backward waiting for the input pass. What a split backward holds from its input pass to its
 weight pass beyond the saved activations (`Boundary.split`: the gradients its weight pass
 starts from, measured on the stage module by `plan_pipeline`) is not in a profile, so not
-counted here. Each rank's receive buffers (`recv_buffer_bytes`: a stage's input and its
-output's gradient, the profile's output size, per microbatch) count against `--rank-budget`
-beside the activation peak (a row's `fits`). Sends and
+counted here. How PipelineStage holds its buffers (`buffers`, one of `stages.BUFFERS`; the
+torch the stages run on decides it, `buffers_of`): "reused" (torch 2.13, 2.14), each rank's
+receive buffers (`recv_buffer_bytes`: a stage's input and its output's gradient, the profile's
+output size, per microbatch) kept all step, counted against `--rank-budget` beside the
+activation peak (a row's `recv_bytes` and `fits`); "per-step" (torch 2.15), each receive
+buffer allocated in every step and held with its microbatch, a sent output dropped once its
+send is waited (`boundary_bytes`: in the activation peak, a row's `recv_bytes` 0). Sends and
 receives take no time here (on one node they are small against a stage's compute); a rank's
 idle time (its bubbles) is the step's time less its own work.
 
@@ -45,11 +49,22 @@ from .stages import (
     stage_cost,
 )
 
-__all__ = ["SENDS_OF", "output_roots", "output_bytes", "boundary_of", "stage_profiles",
+__all__ = ["SENDS_OF", "buffers_of", "output_roots", "output_bytes", "boundary_of", "stage_profiles",
            "boundaries", "timeline", "PipelineFigures", "pipeline_figures"]
 
 SENDS_OF = {"GPipe": "gpipe", "1F1B": "none", "Interleaved1F1B": "runtime",
             "ZBVZeroBubble": "runtime", "DualPipeV": "runtime"}
+
+
+def buffers_of(torch_version: str) -> str:
+    """How PipelineStage holds its buffers under this torch (`stages.BUFFERS`, as torch's
+    `__version__` writes it, "2.15.0+cpu"): "per-step" from 2.15 on, "reused" before."""
+    try:
+        major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    except ValueError:
+        raise InputError(f"torch version {torch_version!r} is not MAJOR.MINOR[.PATCH]",
+                         hint="give a version as torch writes it, e.g. 2.15.0") from None
+    return "per-step" if (major, minor) >= (2, 15) else "reused"
 
 
 def output_roots(prof: Profile) -> frozenset:
@@ -73,14 +88,15 @@ def output_bytes(prof: Profile) -> int:
 
 def boundary_of(prof: Profile, stage: int, n_stages: int, sends: str,
                 local: tuple[bool, bool] = (False, False),
-                input_bytes: int | None = None) -> Boundary:
+                input_bytes: int | None = None, buffers: str = "reused") -> Boundary:
     """What stage `stage` of `n_stages` holds beyond its profile `prof`: its output (as the
     profile reads it), its input's gradient (`input_bytes`: the previous stage's output;
-    None: the size of this stage's output, as for equal stages)."""
+    None: the size of this stage's output, as for equal stages); `buffers` as
+    `boundary_bytes` takes it."""
     pinned = output_roots(prof)
     out = sum(prof.tensors[r].size_bytes for r in pinned)
     b = boundary_bytes(out, out if input_bytes is None else input_bytes, stage == 0,
-                       stage == n_stages - 1, sends, local)
+                       stage == n_stages - 1, sends, local, buffers)
     return b._replace(pinned=pinned, held=output_held(prof, pinned, out))
 
 
@@ -153,6 +169,9 @@ class PipelineFigures:
     judged_step_us: float | None = None
     exposed_us: dict[int, float] | None = None      # rank -> compute waiting for copies
     judged_peak_bytes: dict[int, int] | None = None  # rank -> peak with copies in flight
+    # rank -> that peak and its receive buffers under its budget (`copies.RankJudged.fits`)
+    judged_fits: dict[int, bool] | None = None
+    buffers: str = "reused"         # how PipelineStage holds its buffers (`buffers_of`)
 
 
 def _by_stage(value, n_stages: int) -> dict:
@@ -165,16 +184,18 @@ def _by_stage(value, n_stages: int) -> dict:
     return dict.fromkeys(range(n_stages), value)
 
 
-def boundaries(profs: Mapping[int, Profile], steps, sends: str) -> dict[int, Boundary]:
+def boundaries(profs: Mapping[int, Profile], steps, sends: str,
+               buffers: str = "reused") -> dict[int, Boundary]:
     """stage -> its Boundary: its own output, its input's gradient the previous stage's
-    output (the same profile for every stage: its own output's size, as for equal stages)."""
+    output (the same profile for every stage: its own output's size, as for equal stages);
+    `buffers` as `boundary_bytes` takes it."""
     n_stages = len(profs)
     rank_of = {s: r for r, st in steps.items() for _, s, _ in st}
     equal = len({id(p) for p in profs.values()}) == 1
     out = {s: output_bytes(p) for s, p in profs.items()}
     return {s: boundary_of(profs[s], s, n_stages, sends,
                            (rank_of.get(s - 1) == rank_of[s], rank_of.get(s + 1) == rank_of[s]),
-                           None if equal or s == 0 else out[s - 1])
+                           None if equal or s == 0 else out[s - 1], buffers)
             for s in range(n_stages)}
 
 
@@ -191,22 +212,23 @@ def pipeline_figures(prof: Profile | Mapping[int, Profile],
                      plan: Plan | None | Mapping[int, Plan | None], schedule: str, pp: int,
                      microbatches: int, stages_per_rank: int = 2,
                      rank_budget: int | Mapping[int, int] = 0, copy_us_per_byte: float = 0.0,
-                     hw=None) -> PipelineFigures:
+                     hw=None, buffers: str = "reused") -> PipelineFigures:
     """Per rank and for the step, a pipeline of stages priced as `prof` (one profile for every
     stage, stage -> its profile, or a list read by `stage_profiles`) under `plan` (one plan,
     or per stage as `prof`; None: keep everything). `rank_budget`: each rank's activation memory (a row's `fits`; one for every
     rank or rank -> its own);
     `copy_us_per_byte`: the host link's time per byte (for `swap_copy_us`); `hw`: the
-    hardware, for the rank-level judge's figures (`judged`)."""
+    hardware, for the rank-level judge's figures (`judged`); `buffers`: how the torch the
+    stages run on holds PipelineStage's buffers (module docstring, `buffers_of`)."""
     steps = schedule_steps(schedule, pp, microbatches, stages_per_rank)
     n_stages = 1 + max(s for st in steps.values() for _, s, _ in st)
     profs, plans = _by_stage(prof, n_stages), _by_stage(plan, n_stages)
-    bound = boundaries(profs, steps, SENDS_OF[schedule])
+    bound = boundaries(profs, steps, SENDS_OF[schedule], buffers)
     held = held_microbatches(steps)
     fwd, bwd, keep_bwd = _times(profs, plans)
     outs = {s: output_bytes(p) for s, p in profs.items()}
-    recv = recv_buffer_bytes(steps, microbatches, {s: outs[s - 1] for s in outs if s > 0}, outs,
-                             n_stages)
+    recv = (recv_buffer_bytes(steps, microbatches, {s: outs[s - 1] for s in outs if s > 0},
+                              outs, n_stages) if buffers == "reused" else dict.fromkeys(steps, 0))
     rows, idle, copy = [], {}, {}
     step_us, busy = timeline(steps, fwd, bwd)
     keep_step, _ = timeline(steps, fwd, keep_bwd)
@@ -228,7 +250,7 @@ def pipeline_figures(prof: Profile | Mapping[int, Profile],
         idle[rank] = step_us - busy[rank]
         copy[rank] = swapped * copy_us_per_byte
     figs = PipelineFigures(schedule, pp, microbatches, tuple(rows), step_us, keep_step, idle,
-                           copy)
+                           copy, buffers=buffers)
     return figs if hw is None else judged(figs, profs, plans, steps, bound, hw, rank_budget)
 
 
@@ -236,12 +258,13 @@ def judged(figs: PipelineFigures, profs: Mapping[int, Profile],
            plans: Mapping[int, Plan | None], steps, bound, hw,
            rank_budget: int | Mapping[int, int]) -> PipelineFigures:
     """`figs` with the rank-level judge's step, exposed copy time and peaks, each stage priced
-    as its profile under its plan."""
+    as its profile under its plan, each rank's receive buffers kept all step off its budget."""
     from dataclasses import replace
 
     from .copies import judge, stage_work
     work = {s: stage_work(profs[s], plans[s], hw, b) for s, b in bound.items()}
-    got = judge(steps, work, rank_budget)
+    got = judge(steps, work, rank_budget, recv_bytes={r.rank: r.recv_bytes for r in figs.rows})
     return replace(figs, judged_step_us=got.step_us,
                    exposed_us={r: j.exposed_us for r, j in got.ranks.items()},
-                   judged_peak_bytes={r: j.peak_bytes for r, j in got.ranks.items()})
+                   judged_peak_bytes={r: j.peak_bytes for r, j in got.ranks.items()},
+                   judged_fits={r: j.fits for r, j in got.ranks.items()})
