@@ -51,13 +51,14 @@ def _rows(case) -> list[dict]:
 
 def _markdown(rows: list[dict]) -> str:
     head = ("| model | schedule | planner | ranks x mb | rank | stages | held (read / run) | keep-all pred / meas "
-            "| planned / measured (error) | budget | swapped | recomputed | bitwise |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| planned / measured (error) | receive buffers pred / meas | budget | swapped | recomputed | bitwise |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r.get('model', 'gpt')} | {r['schedule']} | {r['planner']} | {r['ranks']} x {r['microbatches']} | {r['rank']} | {r['stages']} "
         f"| {r['held_read']} / {r['held_counted']} | {r['keep_all_predicted']} / "
         f"{r['keep_all_measured']} | {r['planned_peak']} / {r['planned_measured']} "
-        f"({r['planned_error']:+.1%}) | {r['budget_bytes']} | {r['swapped_bytes']} | "
+        f"({r['planned_error']:+.1%}) | {r['recv_predicted']} / {r['recv_measured']} "
+        f"| {r['budget_bytes']} | {r['swapped_bytes']} | "
         f"{r['recomputed_bytes']} | {r['bitwise']} |\n" for r in rows)
     return ("# Per-stage plans on CPU pipeline ranks (gloo)\n\nBytes of activation memory per "
             "rank, steps 2-3. `python benchmarks/pipeline_ranks.py`\n\n" + head + body)

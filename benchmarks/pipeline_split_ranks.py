@@ -53,14 +53,16 @@ def _link(link) -> str:
 
 def _markdown(rows: list[dict]) -> str:
     head = ("| model | schedule | planner (link) | ranks x mb | rank | stages | held (read / run) "
-            "| keep-all pred / meas | planned / measured (error) | budget | swapped "
-            "| recomputed | bitwise |\n" + "|---" * 13 + "|\n")
+            "| keep-all pred / meas | planned / measured (error) | receive buffers pred / meas "
+            "| budget | swapped "
+            "| recomputed | bitwise |\n" + "|---" * 14 + "|\n")
     body = "".join(
         f"| {r['model']} | {r['schedule']} | {r['planner']}{_link(r['link'])} "
         f"| {r['ranks']} x {r['microbatches']} | {r['rank']} | {r['stages']} "
         f"| {r['held_read']} / {r['held_counted']} | {r['keep_all_predicted']} / "
         f"{r['keep_all_measured']} | {r['planned_peak']} / {r['planned_measured']} "
-        f"({r['planned_error']:+.1%}) | {r['budget_bytes']} | {r['swapped_bytes']} | "
+        f"({r['planned_error']:+.1%}) | {r['recv_predicted']} / {r['recv_measured']} "
+        f"| {r['budget_bytes']} | {r['swapped_bytes']} | "
         f"{r['recomputed_bytes']} | {r['bitwise']} |\n" for r in rows)
     return ("# Per-stage plans of `pipeline()`-split models on CPU pipeline ranks (gloo)\n\n"
             "Bytes of activation memory per rank, steps 2-3. "

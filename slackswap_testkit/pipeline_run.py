@@ -340,13 +340,14 @@ def same(a: dict, b: dict) -> bool:
                     for x, y in zip(la, lb)))
 
 
-def rank_records(ranks, wall: float, **case) -> list[dict]:
-    """One record per rank of a real-rank run (`run`'s result; `case`: the run's settings,
-    written first): microbatches held read and counted, keep-all and planned peaks predicted
-    and measured (steps 2 and 3: the first also allocates receive buffers), bytes swapped and
-    recomputed, whether it trained bitwise as unpatched."""
+def rank_records(results, wall: float, /, **case) -> list[dict]:
+    """One record per rank of a real-rank run (`results`: `run`'s; `case`: the run's settings,
+    written first, `ranks` among them): microbatches held read and counted, keep-all and
+    planned peaks predicted and measured (steps 2 and 3: the first also allocates receive
+    buffers), the rank's receive buffers counted in its budget and as read from its stages
+    after the run, bytes swapped and recomputed, whether it trained bitwise as unpatched."""
     out = []
-    for rank, res in enumerate(ranks):
+    for rank, res in enumerate(results):
         row, plain, patched = res["row"], res["plain"], res["patched"]
         keep_meas, plan_meas = max(plain["peaks"][1:]), max(patched["peaks"][1:])
         out.append({**case, "rank": rank, "stages": list(row["stages"]),
@@ -355,6 +356,8 @@ def rank_records(ranks, wall: float, **case) -> list[dict]:
                     "keep_all_measured": keep_meas,
                     "planned_peak": row["planned_peak_bytes"], "planned_measured": plan_meas,
                     "planned_error": round(plan_meas / row["planned_peak_bytes"] - 1, 4),
+                    "recv_predicted": row.get("recv_bytes", 0),
+                    "recv_measured": patched.get("recv_bytes", 0),
                     "swapped_bytes": row["swapped_bytes"],
                     "recomputed_bytes": row["recomputed_bytes"],
                     "bitwise": same(plain, patched), "plan_s": round(res["plan_s"], 1),
