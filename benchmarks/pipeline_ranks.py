@@ -11,7 +11,7 @@ step also allocates the stages' receive buffers).
     python benchmarks/pipeline_ranks.py 1F1B 4 8 1 300000 recompute-only
         # schedule, ranks, microbatches, stages per rank, budget bytes per rank[, planner
         # [, model: gpt or llama[, host link bytes/s planned for]]]
-    python benchmarks/pipeline_ranks.py ZBVZeroBubble 2 4 2 480000 slackswap gpt 5e7
+    python benchmarks/pipeline_ranks.py ZBVZeroBubble 2 4 2 546000 slackswap gpt 5e7
         # a split backward; at a 5e7 B/s link the plans recompute as well as swap
 Writes benchmarks/results/pipeline_ranks.{json,md}.
 """
@@ -27,15 +27,15 @@ sys.path.insert(0, str(ROOT))
 from slackswap_testkit.pipeline_run import rank_records, run  # noqa: E402
 
 CASES = [("GPipe", 2, 4, 1, 300_000, "slackswap"), ("1F1B", 2, 4, 1, 200_000, "slackswap"),
-         ("Interleaved1F1B", 2, 4, 2, 300_000, "slackswap"),
+         ("Interleaved1F1B", 2, 4, 2, 350_000, "slackswap"),
          ("1F1B", 4, 8, 1, 220_000, "slackswap"),
          ("1F1B", 2, 4, 1, 230_000, "slackswap", "llama"),
-         ("Interleaved1F1B", 2, 4, 2, 480_000, "slackswap", "llama"),
+         ("Interleaved1F1B", 2, 4, 2, 530_000, "slackswap", "llama"),
          ("GPipe", 2, 4, 1, 400_000, "recompute-only"),
          ("Interleaved1F1B", 2, 4, 2, 400_000, "recompute-only"),
          ("1F1B", 4, 8, 1, 300_000, "recompute-only"),
-         ("ZBVZeroBubble", 2, 4, 2, 480_000, "slackswap", "gpt", 5e7),
-         ("DualPipeV", 2, 4, 2, 480_000, "slackswap", "gpt", 5e7)]
+         ("ZBVZeroBubble", 2, 4, 2, 546_000, "slackswap", "gpt", 5e7),
+         ("DualPipeV", 2, 4, 2, 546_000, "slackswap", "gpt", 5e7)]
 
 
 def _rows(case) -> list[dict]:
