@@ -197,6 +197,10 @@ def test_cli_fit_and_simulate_read_the_declared_pipeline(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.stdout + r.stderr
     row = orjson.loads(r.stdout)["best"]
     assert row["pipeline"]["schedule"] == "GPipe" and row["rank_held"] == [4, 4]
+    import torch
+
+    from slackswap_cli.pipeline.step import buffers_of
+    assert row["pipeline"]["buffers"] == buffers_of(torch.__version__)    # the installed torch's
     assert 0 < row["bubble_fraction"] < 1 and row["worst_rank_peak_bytes"] > 0
     assert schema.load_profile(orjson.loads(r.stdout)["profile"]).workload["pipeline"] == {
         "pp": 2, "schedule": "GPipe", "microbatches": 4}

@@ -162,7 +162,7 @@ def fit(
     s = _fit_settings(hardware, memory, reserve, optimizer, shard, fused, planner, time_limit)
     s = dataclasses.replace(s, pipeline=_pipeline_flags(pp, schedule, microbatches,
                                                         stages_per_rank))
-    held = pipeline_buffers(buffers)      # fit traces with the installed torch
+    how_held = pipeline_buffers(buffers)      # fit traces with the installed torch
     args = parse_workload_args(arg)
     if batch_arg in args:
         raise InputError(f"--arg {batch_arg}=... sets the batch, which --batch sweeps",
@@ -184,9 +184,9 @@ def fit(
                         device=device, hardware=s.hardware,
                         on_facts=lambda f: check_static_fits(f, s), workers=workers)
     profiler = profiler_of(args, jobs)
-    maker = functools.partial(row_maker, buffers=held)
+    maker = functools.partial(row_maker, buffers=how_held)
     if stage_arg is not None:
-        profiler, maker = _stage_profiles(profiler_of, args, stage_arg, s.pipeline, held)
+        profiler, maker = _stage_profiles(profiler_of, args, stage_arg, s.pipeline, how_held)
     try:
         result = sweep(batches, profiler, s, progress=sink.status,
                        derive_batch_arg=None if profile_each or stage_arg else batch_arg,
