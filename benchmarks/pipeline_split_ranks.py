@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from slackswap_testkit.pipe_split_run import Case, run  # noqa: E402
 from slackswap_testkit.pipeline_run import rank_records  # noqa: E402
 
-CASES = [Case("GPipe", 2, 4, 1, 300_000, link=1e8),
+CASES = [Case("GPipe", 2, 4, 1, 300_000, link=5e7),
          Case("1F1B", 2, 4, 1, 200_000, link=1e8),
          Case("Interleaved1F1B", 2, 4, 2, 300_000),
          Case("1F1B", 2, 4, 1, 230_000, family="llama", link=1e8),

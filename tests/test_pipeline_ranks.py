@@ -127,7 +127,7 @@ def _checked(ranks, held, budget, under=0.05) -> list:
 
 @slow
 @pytest.mark.parametrize("family,schedule,per_rank,budget,held,link,planner,recomputes", [
-    ("gpt", "GPipe", 1, 300_000, [4, 4], 1e8, "slackswap", True),
+    ("gpt", "GPipe", 1, 300_000, [4, 4], 5e7, "slackswap", True),
     ("gpt", "1F1B", 1, 200_000, [2, 1], 1e8, "slackswap", False),
     ("gpt", "Interleaved1F1B", 2, 300_000, [5, 3], None, "slackswap", False),
     ("llama", "1F1B", 1, 230_000, [2, 1], 1e8, "slackswap", False),
@@ -148,5 +148,9 @@ def test_a_pipeline_split_model_trains_exactly_within_its_peaks(family, schedule
                            link=link), tmp_path)
     off = _checked(ranks, held, budget)
     if recomputes:
-        assert all(r["row"]["recomputed_bytes"] > 0 for r in ranks)
+        # every rank's plans recompute as well as swap (GPipe at 5e7 B/s; at 1e8 whether a
+        # rank recomputes varied with the load on the CPU-timed profiles: of five runs, two
+        # recomputed on both ranks, two not on every rank, one on neither)
+        got = [r["row"]["recomputed_bytes"] for r in ranks]
+        assert all(got), got
     assert not off, off
