@@ -71,12 +71,15 @@ def held_limit(prof: Profile, held: float) -> int | None:
 
 
 def plan_held(planner: Callable[[Profile, int], Plan], prof: Profile, budget_bytes: int,
-              limit_bytes: int) -> Plan:
+              limit_bytes: int, pinned: frozenset = frozenset()) -> Plan:
     """The plan `planner(profile, budget)` makes for `prof` under peak `budget_bytes` holding
     at most `limit_bytes` at its last forward op (`with_hold`), judged again on `prof`
-    itself (infeasible where the planner found no plan with the hold)."""
+    itself (infeasible where the planner found no plan with the hold). `pinned`: roots the
+    pipeline holds whatever the plan says (`Boundary.pinned`): an eviction of one frees
+    nothing, so it is kept where the plan still fits its peak so."""
     from ..hardware import HardwareSpec
     from ..planners import judge
+    from ..schema import Action, Decision
     hold = max(0, budget_bytes - limit_bytes)
     plan = planner(with_hold(prof, hold), budget_bytes)
     if not plan.feasible:
@@ -84,9 +87,17 @@ def plan_held(planner: Callable[[Profile, int], Plan], prof: Profile, budget_byt
     note = (f"planned for what a microbatch holds in flight: at most {limit_bytes} bytes "
             "live at the end of forward (pipeline.inflight)")
     hw = HardwareSpec.from_dict(plan.hardware, "plan")
-    again, _ = judge(plan.planner, prof, hw, budget_bytes, list(plan.decisions),
-                     tuple(plan.notes) + (note,), plan.solve_ms, plan.budget_fraction)
-    return again
+
+    def judged(decisions):
+        return judge(plan.planner, prof, hw, budget_bytes, list(decisions),
+                     tuple(plan.notes) + (note,), plan.solve_ms, plan.budget_fraction)[0]
+    if any(d.tensor in pinned and d.action != Action.KEEP for d in plan.decisions):
+        kept = judged(d if d.tensor not in pinned else Decision(tensor=d.tensor,
+                                                                action=Action.KEEP)
+                      for d in plan.decisions)
+        if kept.feasible:
+            return kept
+    return judged(plan.decisions)
 
 
 def _bisect(attempt: Callable[[float], object], steps: int, low=None):

@@ -301,8 +301,8 @@ def plans_at(fraction: float, stages, profiles, planner: Planner, memo: dict, bo
     """Each stage's plan at `fraction` of its keep-all peak (the floor at least), None for
     keeping everything at 1.0; and their costs. `held` below 1: each plan also holds at most
     its `inflight.held_limit` at the end of forward (`inflight.plan_held`). `memo`: the
-    (stage, budget, limit) -> (plan, cost) already made; `shared`: (profile, budget, limit)
-    -> plan, across the ranks whose stages share a profile."""
+    (stage, budget, limit) -> (plan, cost) already made; `shared`: (profile, budget, limit,
+    pinned roots) -> plan, across the ranks whose stages share a profile."""
     plans, cost = {}, {}
     shared = {} if shared is None else shared
     for s in stages:
@@ -314,10 +314,11 @@ def plans_at(fraction: float, stages, profiles, planner: Planner, memo: dict, bo
         budget = max(budget_floor_bytes(prof),
                      fraction_bytes(min(fraction, 1.0), prof.keep_all_peak_bytes))
         if (s, budget, limit) not in memo:
-            key = (id(prof), budget, limit)
+            pinned = boundary.get(s, Boundary()).pinned
+            key = (id(prof), budget, limit, pinned if limit is not None else None)
             if key not in shared:
                 shared[key] = (planner(prof, budget) if limit is None
-                               else plan_held(planner, prof, budget, limit))
+                               else plan_held(planner, prof, budget, limit, pinned))
             plan = shared[key]
             memo[s, budget, limit] = (plan, stage_cost(prof, plan, boundary.get(s, Boundary()))
                                       if plan.feasible else None)
