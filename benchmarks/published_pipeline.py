@@ -516,26 +516,29 @@ def write_md(results: list[dict], path: Path) -> None:
               f"factors {', '.join(f'{f:g}' for f in WINDOW_FACTORS)}) at full AC's memory "
               "per rank, each stage's plan made for its peak and for what a microbatch holds "
               "from its forward to its backward (pipeline/inflight.py), at 2 and 3 layers a "
-              "stage and at the run's depths (GiB of activations per rank: full AC's, "
+              "stage (and at the run's depths with `--at-depth`; `slackswap vs full AC`: "
+              "full AC's step over slackswap's; GiB of activations per rank: full AC's, "
               "checkpoint gap counted / the least slackswap's plans reach, each stage at its "
               "floor / the judged peak of the plans made for full AC's):", "",
               "| schedule | layers a stage | " + " | ".join(f"rank {i}" for i in range(PP))
-              + " | full AC step | slackswap step | tokens/s per GPU (full AC / slackswap) "
-              "| slackswap vs full AC |", "|---|---|" + "---:|" * (PP + 4)]
+              + " | full AC step | slackswap step | tokens/s per GPU (full AC / slackswap, as "
+              "run) | slackswap vs full AC |", "|---|---|" + "---:|" * (PP + 4)]
     for r in results:
         for layers, t in r["at_traced_depth"].items():
             ours = t["slackswap_ranks"] or [{}] * PP
-            cells = " | ".join(f"{a:.2f} / {b:.2f} / " + (f"{o['judged_peak_gib']:.2f}"
-                                                            if o else "-")
-                               for a, b, o in zip(t["ac_gib"], t["slackswap_least_gib"], ours))
+            cells = " | ".join(f"{a:.2f} / {b:.2f} / " + (
+                f"{o['judged_peak_gib']:.2f}" + (" (over)" if o["judged_peak_gib"]
+                                                 > o["budget_gib"] else "") if o else "-")
+                for a, b, o in zip(t["ac_gib"], t["slackswap_least_gib"], ours))
             step = t["slackswap_step_s"]
+            # tokens/s only where the stages are the run's (2 or 3 layers a stage are not)
+            tps = (f"{t['ac_tokens_per_s']:.0f} / {t['slackswap_tokens_per_s']:.0f}"
+                   if layers == "run" and step is not None else "-")
             lines.append(f"| {r['schedule']} | "
                          f"{'as run' if layers == 'run' else layers} | {cells} | "
                          f"{t['ac_step_s']:.2f} s | "
                          + ("no plan | - | no plan |" if step is None else
-                            f"{step:.2f} s | {t['ac_tokens_per_s']:.0f} / "
-                            f"{t['slackswap_tokens_per_s']:.0f} | "
-                            f"{t['ac_step_s'] / step:.3f}x |"))
+                            f"{step:.2f} s | {tps} | {t['ac_step_s'] / step:.3f}x |"))
     lines += ["", "Each rank's plans where they fit (peak fraction / hold fraction, 1: no "
               "hold / copy link factor; GiB swapped + recomputed a step):", ""]
     for r in results:
