@@ -113,3 +113,20 @@ def test_below_the_hold_floor_names_the_least(budget):
     prof = _stage()
     with pytest.raises(InfeasibleError, match=f"at least {END + T}"):
         plan_stages(schedule_order("1F1B", 2, 4), {0: prof, 1: prof}, budget, _planner)
+
+
+def test_a_slower_link_factor_is_recorded_and_said():
+    """The windows' search at a link factor below 1 (pipeline/windows.py): the rank fits under
+    the judge, and the plan records the slower link and says why it was planned so."""
+    from slackswap_cli.pipeline.windows import Windows
+    prof = _stage()
+
+    def planner(p, b, hw=HW):
+        return make_plan("slackswap", p, hw, b)
+    win = plan_stages(schedule_order("1F1B", 2, 4), {0: prof, 1: prof}, 720_000, None,
+                      windows=Windows(planner, HW, (0.5,)))
+    row, plan = win.rows[0], win.plans[0]
+    assert row.link_factor == 0.5 and row.planned_peak_bytes <= 720_000
+    assert row.held_fraction < 1.0
+    assert plan.hardware["d2h_bytes_per_s"] == 0.5 * HW.d2h_bytes_per_s
+    assert any("share the rank's copy engines" in n for n in plan.notes)
