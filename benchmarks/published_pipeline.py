@@ -76,18 +76,28 @@ written as the local tensor op that allocates what it does: an all-gather of the
 shards as `repeat` (its backward sums, as its reduce-scatter does), a reduce-scatter as a
 slice made contiguous (its backward a full-size gradient, as an all-gather's).
 
-slackswap at the same memory: each rank's stages planned by `plan_stages` (the search
-`plan_pipeline` runs) for the rank's full-AC activation peak as its budget, on the 2- and
-3-layer profiles themselves (a plan's structure changes with the depth, so its figures are not
-extrapolated): each rank's least peak with every stage at its floor beside full AC's, and the
-step of the plans where every rank reaches full AC's memory. Full AC's step: the rank-level
-judge over the schedule's order, each stage's compute from its profile at its depth (the
-replay and the checkpoint gap's included). Tokens/s per GPU as torchtitan counts them: the local batch (32 x 8192
+slackswap at the same memory: each rank's stages planned by `plan_stages` for the rank's
+full-AC activation peak as its budget, each stage's plan made for its peak and for what a
+microbatch holds from its forward to its backward (pipeline/inflight.py: the rank holds that
+once per microbatch in flight), with the windows' judge (pipeline/windows.py, link factors
+`WINDOW_FACTORS`: every rank's plans judged on its schedule with its copies on its two
+engines, the real link; 0.5 where the copies of the microbatches in flight would otherwise
+hold more than the budget leaves), on the 2- and 3-layer profiles themselves (a plan's
+structure changes with the depth, so its figures are not extrapolated; `--at-depth` plans at
+the run's depths too, slow): each rank's least peak with every stage at its floor beside full
+AC's, the judged peak of the plans made for full AC's, and their judged step (bubbles
+included) against full AC's at the same depths. The judge issues a copy back during an
+earlier action of the rank where memory allows; the patched runtime issues it inside the
+microbatch's own backward (docs/pipeline.md), so these steps are the planning core's, not
+yet what `plan_pipeline` runs. Full AC's step: the rank-level judge over the schedule's
+order, each stage's compute from its profile at its depth (the replay and the checkpoint
+gap's included). Tokens/s per GPU as torchtitan counts them: the local batch (32 x 8192
 tokens) per step over the TP x PP = 64 GPUs that run it; compute only (no TP, FSDP or PP
 communication), bf16 matmuls at the preset's peak (no float8).
 
     python benchmarks/published_pipeline.py      # writes benchmarks/results/published_pipeline.{json,md}
     python benchmarks/published_pipeline.py --profiles /tmp/p405   # keeps (and reuses) the traces
+    python benchmarks/published_pipeline.py --at-depth   # slackswap planned at 15-16 / 7-8 layers too
     python benchmarks/published_pipeline.py --check-depth 16   # 2 and 3 layers extrapolated against 16
 """
 from __future__ import annotations
@@ -113,6 +123,9 @@ HEAD_DIM = DIM // HEADS
 SEQ, LOCAL_BATCH, MICROBATCHES, TP, PP, FSDP = 8192, 32, 8, 8, 8, 8
 MICRO = LOCAL_BATCH // MICROBATCHES
 HARDWARE = "h100-sxm-96gb"
+# the copy link factors the windows' search plans at (pipeline/windows.py): below 1 where the
+# copies of the microbatches in flight hold more than the budget leaves
+WINDOW_FACTORS = (0.5, 1.0)
 MEASURED = {"1F1B": (82.5, 100.0), "Interleaved1F1B": (72.7, 128.0)}   # GiB, tokens/s per GPU
 SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 5 "
           "(torchtitan 9dec370, torch 1963fc8)")
@@ -327,36 +340,45 @@ class Case:
         from slackswap_cli.planners import make_plan
         memo: dict = {}
 
-        def planner(prof, budget_bytes):
-            key = (id(prof), budget_bytes)
+        def planner(prof, budget_bytes, hw=self.hw):
+            key = (id(prof), budget_bytes, hw.name)
             if key not in memo:
-                memo[key] = make_plan("slackswap", prof, self.hw, budget_bytes)
+                memo[key] = make_plan("slackswap", prof, hw, budget_bytes)
             return memo[key]
         return planner
 
     def least(self) -> dict[int, int]:
         """rank -> the least activation peak of its stages' slackswap plans (each stage at its
-        floor: `plan_stages` finds nothing below it)."""
-        from slackswap_cli.pipeline.stages import plans_at, rank_peak
+        floor, for its peak alone and with the hold at its floor: `plan_stages` finds nothing
+        below it)."""
+        from slackswap_cli.pipeline.stages import _least
         from slackswap_cli.pipeline.step import SENDS_OF, boundaries
         bound = boundaries(self.profs, self.steps, SENDS_OF[self.schedule])
-        planner, out = self._planner(), {}
-        for r, st in self.steps.items():
-            stages = sorted({s for _, s, _ in st})
-            _, cost = plans_at(0.0, stages, self.profs, planner, {}, bound)
-            out[r] = rank_peak(st, cost)
-        return out
+        planner, shared = self._planner(), {}
+        return {r: _least(st, sorted({s for _, s, _ in st}), self.profs, planner, bound, shared)
+                for r, st in self.steps.items()}
 
-    def slackswap(self, budget: dict[int, int]) -> tuple[float, dict]:
-        """(the judged step, rank -> its planned peak) of each rank's stages planned by
-        slackswap for `budget` (rank -> bytes)."""
+    def slackswap(self, budget: dict[int, int]) -> dict:
+        """Each rank's stages planned by slackswap for `budget` (rank -> bytes), the windows'
+        search (`plan_stages(..., windows=...)` at `WINDOW_FACTORS`: every rank judged with
+        its copies on its engines): the judged step, and per rank its judged peak, the peak
+        and hold fractions and the link factor its plans were made at, bytes swapped and
+        recomputed a step."""
         from slackswap_cli.pipeline.stages import plan_stages
         from slackswap_cli.pipeline.step import SENDS_OF, boundaries, pipeline_figures
+        from slackswap_cli.pipeline.windows import Windows
         bound = boundaries(self.profs, self.steps, SENDS_OF[self.schedule])
-        table = plan_stages(self.steps, self.profs, budget, self._planner(), bound)
+        table = plan_stages(self.steps, self.profs, budget, None, bound,
+                            windows=Windows(self._planner(), self.hw, WINDOW_FACTORS))
         figs = pipeline_figures(self.profs, table.plans, self.schedule, PP, MICROBATCHES, 2,
                                 budget, 1e6 / self.hw.d2h_bytes_per_s, hw=self.hw)
-        return figs.judged_step_us, {r.rank: r.planned_peak_bytes for r in table.rows}
+        return {"step_us": figs.judged_step_us,
+                "ranks": [{"rank": r.rank, "budget_gib": r.budget_bytes / GIB,
+                           "judged_peak_gib": figs.judged_peak_bytes[r.rank] / GIB,
+                           "fraction": r.fraction, "held_fraction": r.held_fraction,
+                           "link_factor": r.link_factor,
+                           "swapped_gib": r.swapped_bytes / GIB,
+                           "recomputed_gib": r.recomputed_bytes / GIB} for r in table.rows]}
 
 
 def _params(layers: int, first: bool, last: bool) -> tuple[int, int]:
@@ -401,7 +423,7 @@ def depths(schedule: str) -> list[int]:
     return split(PP * (2 if schedule == "Interleaved1F1B" else 1))
 
 
-def predict(schedule: str, profiles: dict, hw) -> dict:
+def predict(schedule: str, profiles: dict, hw, at_depth: bool = False) -> dict:
     sizes = depths(schedule)
     n = len(sizes)
     cases = {k: Case(schedule, dict.fromkeys(range(n), depth), profiles, hw)
@@ -425,26 +447,37 @@ def predict(schedule: str, profiles: dict, hw) -> dict:
     out = {"schedule": schedule, "measured_gib": measured, "measured_tokens_per_s": tps,
            "predicted_gib": worst["peak_gib"], "worst_rank": worst["rank"],
            "error": worst["peak_gib"] / measured - 1, "ranks": rows, "stage_layers": sizes}
-    out.update(_slackswap(cases, act, rows, sizes))
+    out.update(_slackswap(cases, act, at_depth))
     return out
 
 
-def _slackswap(cases: dict, act: dict, rows: list[dict], sizes: list[int]) -> dict:
-    """Full AC's step at the run's depths and, at 2 and 3 layers a stage, each
-    rank's full-AC activation peak against the least slackswap's per-stage plans reach (each
-    stage at its floor), and where they reach full AC's, the step of those plans."""
+def _slackswap(cases: dict, act: dict, at_depth: bool = False) -> dict:
+    """Full AC's step at the run's depths and, at 2 and 3 layers a stage (and at the run's
+    depths with `at_depth`), each rank's full-AC activation peak against the least
+    slackswap's per-stage plans reach (each stage at its floor), and where they reach full
+    AC's, the step of those plans (`Case.slackswap`; None where the windows' judge keeps no
+    plan under it)."""
+    from slackswap_cli.errors import InfeasibleError
     tokens = LOCAL_BATCH * SEQ / (TP * PP)
-    ac = {k: cases[k].ac_step_us() for k in ("A", "D")}
     ac_us = cases["run"].ac_step_us()
     traced = {}
-    for k, layers in (("A", 2), ("D", 3)):
+    for k, layers in (("A", 2), ("D", 3)) + ((("run", "run"),) if at_depth else ()):
         least = cases[k].least()
-        fits = all(least[r] <= act[k][r] for r in least)
-        ours = cases[k].slackswap(act[k])[0] if fits else None
+        ours = None
+        if all(least[r] <= act[k][r] for r in least):
+            try:
+                ours = cases[k].slackswap(act[k])
+            except InfeasibleError:
+                pass
+        ac = ac_us if k == "run" else cases[k].ac_step_us()
         traced[layers] = {"ac_gib": [act[k][r] / GIB for r in sorted(act[k])],
                           "slackswap_least_gib": [least[r] / GIB for r in sorted(least)],
-                          "ac_step_s": ac[k] / 1e6,
-                          "slackswap_step_s": None if ours is None else ours / 1e6}
+                          "ac_step_s": ac / 1e6,
+                          "slackswap_step_s": None if ours is None else ours["step_us"] / 1e6,
+                          "slackswap_ranks": None if ours is None else ours["ranks"],
+                          "ac_tokens_per_s": tokens / ac * 1e6,
+                          "slackswap_tokens_per_s": (None if ours is None
+                                                     else tokens / ours["step_us"] * 1e6)}
     return {"ac_step_s": ac_us / 1e6, "ac_tokens_per_s": tokens / ac_us * 1e6,
             "at_traced_depth": traced}
 
@@ -479,19 +512,44 @@ def write_md(results: list[dict], path: Path) -> None:
     for r in results:
         lines.append(f"| {r['schedule']} | {r['ac_step_s']:.1f} s | {r['ac_tokens_per_s']:.0f} "
                      f"| {r['measured_tokens_per_s']:.0f} |")
-    lines += ["", "slackswap's per-stage plans (`plan_stages`, the search `plan_pipeline` "
-              "runs) at full AC's memory, at the traced depths (GiB of activations per rank: "
-              "full AC's, checkpoint gap counted / the least slackswap's plans reach, each "
-              "stage at its floor):", "", "| schedule | layers a stage | "
-              + " | ".join(f"rank {i}" for i in range(PP)) + " | slackswap step vs full AC |",
-              "|---|---|" + "---:|" * (PP + 1)]
+    lines += ["", "slackswap's per-stage plans (`plan_stages` with the windows' judge, link "
+              f"factors {', '.join(f'{f:g}' for f in WINDOW_FACTORS)}) at full AC's memory "
+              "per rank, each stage's plan made for its peak and for what a microbatch holds "
+              "from its forward to its backward (pipeline/inflight.py), at 2 and 3 layers a "
+              "stage (and at the run's depths with `--at-depth`; `slackswap vs full AC`: "
+              "full AC's step over slackswap's; GiB of activations per rank: full AC's, "
+              "checkpoint gap counted / the least slackswap's plans reach, each stage at its "
+              "floor / the judged peak of the plans made for full AC's):", "",
+              "| schedule | layers a stage | " + " | ".join(f"rank {i}" for i in range(PP))
+              + " | full AC step | slackswap step | tokens/s per GPU (full AC / slackswap, as "
+              "run) | slackswap vs full AC |", "|---|---|" + "---:|" * (PP + 4)]
     for r in results:
         for layers, t in r["at_traced_depth"].items():
-            cells = " | ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(t["ac_gib"],
-                                                                    t["slackswap_least_gib"]))
-            vs = ("no plan" if t["slackswap_step_s"] is None
-                  else f"{t['ac_step_s'] / t['slackswap_step_s']:.3f}x")
-            lines.append(f"| {r['schedule']} | {layers} | {cells} | {vs} |")
+            ours = t["slackswap_ranks"] or [{}] * PP
+            cells = " | ".join(f"{a:.2f} / {b:.2f} / " + (
+                f"{o['judged_peak_gib']:.2f}" + (" (over)" if o["judged_peak_gib"]
+                                                 > o["budget_gib"] else "") if o else "-")
+                for a, b, o in zip(t["ac_gib"], t["slackswap_least_gib"], ours))
+            step = t["slackswap_step_s"]
+            # tokens/s only where the stages are the run's (2 or 3 layers a stage are not)
+            tps = (f"{t['ac_tokens_per_s']:.0f} / {t['slackswap_tokens_per_s']:.0f}"
+                   if layers == "run" and step is not None else "-")
+            lines.append(f"| {r['schedule']} | "
+                         f"{'as run' if layers == 'run' else layers} | {cells} | "
+                         f"{t['ac_step_s']:.2f} s | "
+                         + ("no plan | - | no plan |" if step is None else
+                            f"{step:.2f} s | {tps} | {t['ac_step_s'] / step:.3f}x |"))
+    lines += ["", "Each rank's plans where they fit (peak fraction / hold fraction, 1: no "
+              "hold / copy link factor; GiB swapped + recomputed a step):", ""]
+    for r in results:
+        for layers, t in r["at_traced_depth"].items():
+            if t["slackswap_ranks"]:
+                lines.append(f"- {r['schedule']}, {'as run' if layers == 'run' else layers} "
+                             "layers: " + "; ".join(
+                                 f"rank {o['rank']} {o['fraction']:.3f} / "
+                                 f"{o['held_fraction']:.3f} / x{o['link_factor']:g} "
+                                 f"({o['swapped_gib']:.1f} + {o['recomputed_gib']:.1f})"
+                                 for o in t["slackswap_ranks"]))
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -515,6 +573,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profiles", type=Path, default=None,
                     help="keep the traced profiles in this folder (and reuse them)")
+    ap.add_argument("--at-depth", action="store_true",
+                    help="plan slackswap at the run's stage depths too (15-16 and 7-8 layers; "
+                         "slow), beside 2 and 3 layers")
     ap.add_argument("--check-depth", type=int, default=None, metavar="N",
                     help="only compare the extrapolation with a direct trace of N layers")
     args = ap.parse_args()
@@ -536,7 +597,7 @@ def main() -> None:
             prof = _profile(kind, layers, keep)
             profiles[kind, layers] = prof
             profiles["ac", kind, layers] = _full_ac(prof, hw)
-        results = [predict(s, profiles, hw) for s in ("1F1B", "Interleaved1F1B")]
+        results = [predict(s, profiles, hw, args.at_depth) for s in ("1F1B", "Interleaved1F1B")]
     out = ROOT / "benchmarks" / "results"
     (out / "published_pipeline.json").write_text(json.dumps(results, indent=1) + "\n")
     write_md(results, out / "published_pipeline.md")

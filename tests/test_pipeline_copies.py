@@ -156,8 +156,8 @@ def test_windows_swap_more_than_a_stage_alone_and_the_judge_keeps_the_budget():
 
 
 def test_window_factors_are_checked():
-    with pytest.raises(InputError, match="at least 1"):
-        Windows(None, HW, (0.5, 2.0))
+    with pytest.raises(InputError, match="above 0"):
+        Windows(None, HW, (0.0, 2.0))
     assert faster_link(HW, 1.0) is HW
     fast = faster_link(HW, 2.0)
     assert fast.d2h_bytes_per_s == 2 * HW.d2h_bytes_per_s and "x2" in fast.name

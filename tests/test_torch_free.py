@@ -24,6 +24,7 @@ CORE = (
     "slackswap_cli.pipeline", "slackswap_cli.pipeline.stages", "slackswap_cli.pipeline.fit",
     "slackswap_cli.pipeline.orders", "slackswap_cli.pipeline.step",
     "slackswap_cli.pipeline.copies", "slackswap_cli.pipeline.windows",
+    "slackswap_cli.pipeline.inflight",
     "slackswap_cli.op_cost", "slackswap_cli.compile_limits",
     "slackswap_cli.planners", "slackswap_cli.planners.common", "slackswap_cli.planners.settings",
     "slackswap_cli.planners.slackswap", "slackswap_cli.planners.optimal",

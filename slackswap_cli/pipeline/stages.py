@@ -27,7 +27,8 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 from ..budget import fraction_bytes
 from ..errors import InfeasibleError, InputError
 from ..schema import Action, Plan, Profile
-from ..simulate import budget_floor_bytes
+from ..simulate import budget_floor_bytes, ideal_us
+from .inflight import PEAKS, held_limit, plan_held, search
 
 __all__ = ["STARTS", "ENDS", "StageCost", "RankRow", "held_microbatches", "stage_cost",
            "rank_peak", "Boundary", "SENDS", "BUFFERS", "boundary_bytes", "output_held",
@@ -260,6 +261,8 @@ class RankRow:
     link_factor: float = 1.0    # the copy link speed-up its stages were planned at (windows)
     recv_bytes: int = 0         # its receive buffers, all step (`recv_buffer_bytes`): in the
     #                             budget, beside the activation peaks
+    held_fraction: float = 1.0  # the hold its stages were planned at (`inflight.held_limit`;
+    #                             1: none, each plan made for its peak alone)
 
     @property
     def fits(self) -> bool:
@@ -293,53 +296,87 @@ def _counts(steps: Sequence[Step]) -> dict[int, int]:
     return out
 
 
-def plans_at(fraction: float, stages, profiles, planner: Planner, memo: dict, boundary):
+def plans_at(fraction: float, stages, profiles, planner: Planner, memo: dict, boundary,
+             held: float = 1.0, shared: dict | None = None):
     """Each stage's plan at `fraction` of its keep-all peak (the floor at least), None for
-    keeping everything at 1.0; and their costs."""
+    keeping everything at 1.0; and their costs. `held` below 1: each plan also holds at most
+    its `inflight.held_limit` at the end of forward (`inflight.plan_held`). `memo`: the
+    (stage, budget, limit) -> (plan, cost) already made; `shared`: (profile, budget, limit,
+    pinned roots) -> plan, across the ranks whose stages share a profile."""
     plans, cost = {}, {}
+    shared = {} if shared is None else shared
     for s in stages:
         prof = profiles[s]
-        if fraction >= 1.0:
+        limit = held_limit(prof, held)
+        if fraction >= 1.0 and limit is None:
             plans[s], cost[s] = None, stage_cost(prof, None, boundary.get(s, Boundary()))
             continue
-        budget = max(budget_floor_bytes(prof), fraction_bytes(fraction, prof.keep_all_peak_bytes))
-        if (s, budget) not in memo:
-            plan = planner(prof, budget)
-            memo[s, budget] = (plan, stage_cost(prof, plan, boundary.get(s, Boundary()))
-                               if plan.feasible else None)
-        plans[s], cost[s] = memo[s, budget]
+        budget = max(budget_floor_bytes(prof),
+                     fraction_bytes(min(fraction, 1.0), prof.keep_all_peak_bytes))
+        if (s, budget, limit) not in memo:
+            pinned = boundary.get(s, Boundary()).pinned
+            key = (id(prof), budget, limit, pinned if limit is not None else None)
+            if key not in shared:
+                shared[key] = (planner(prof, budget) if limit is None
+                               else plan_held(planner, prof, budget, limit, pinned))
+            plan = shared[key]
+            memo[s, budget, limit] = (plan, stage_cost(prof, plan, boundary.get(s, Boundary()))
+                                      if plan.feasible else None)
+        plans[s], cost[s] = memo[s, budget, limit]
         if cost[s] is None:
             return None, None
     return plans, cost
 
 
-def _search(steps, stages, profiles, planner, budget: int, boundary, steps_n: int = 8):
-    """(fraction, plans, costs): the largest fraction whose plans keep the rank under budget
-    (bisection over [0, 1]; 1.0 when keeping everything fits), or None."""
+class Fit(NamedTuple):
+    """A rank's stages planned at peak fraction `fraction` and hold fraction `held`
+    (1: no hold), with their costs."""
+    fraction: float
+    plans: dict
+    costs: dict
+    held: float = 1.0
+
+
+def step_us(steps: Sequence[Step], profiles: Mapping[int, Profile], plans) -> float:
+    """The rank's compute under `plans`, its actions back to back: each stage's simulated
+    step (its plan's, recomputes and waits for copies included; keeping everything, its
+    ops' time) once per microbatch the rank runs of it."""
+    return sum(n * (ideal_us(profiles[s]) if plans.get(s) is None
+                    else plans[s].predicted.step_us) for s, n in _counts(steps).items())
+
+
+def _search(steps, stages, profiles, planner, budget: int, boundary,
+            shared: dict | None = None) -> Fit | None:
+    """The rank's stages planned so its peak fits `budget` in the least time (`step_us`):
+    `inflight.search` over the peak fraction and the hold fraction; None when nothing fits."""
     memo: dict = {}
-    plans, cost = plans_at(1.0, stages, profiles, planner, memo, boundary)
-    if rank_peak(steps, cost) <= budget:
-        return 1.0, plans, cost
-    lo, hi, best = 0.0, 1.0, None
-    for _ in range(steps_n):
-        mid = (lo + hi) / 2
-        plans, cost = plans_at(mid, stages, profiles, planner, memo, boundary)
-        if plans is not None and rank_peak(steps, cost) <= budget:
-            lo, best = mid, (mid, plans, cost)
-        else:
-            hi = mid
-    if best is None:
-        plans, cost = plans_at(0.0, stages, profiles, planner, memo, boundary)
-        if plans is not None and rank_peak(steps, cost) <= budget:
-            best = (0.0, plans, cost)
-    return best
+
+    def attempt(fraction, held):
+        plans, cost = plans_at(fraction, stages, profiles, planner, memo, boundary, held,
+                               shared)
+        if plans is None or rank_peak(steps, cost) > budget:
+            return None
+        return Fit(fraction, plans, cost, held)
+    return search(attempt, lambda fit: step_us(steps, profiles, fit.plans),
+                  peaks=hold_peaks(steps))
 
 
-def _least(steps, stages, profiles, planner, boundary) -> int | None:
-    """The least peak a rank holds: each of its stages planned at its floor (None: a stage's
+def hold_peaks(steps: Sequence[Step]) -> tuple[float, ...]:
+    """The peak fractions `inflight.search` tries a hold at: none on a rank that never holds
+    two (stage, microbatch) pairs at once (no other pair's held bytes meet its peak)."""
+    return PEAKS if max((len(live) for _, live in live_steps(steps)), default=0) > 1 else ()
+
+
+def _least(steps, stages, profiles, planner, boundary, shared=None) -> int | None:
+    """The least peak a rank holds: each of its stages planned at its floor, with no hold
+    and with the hold at its floor (`inflight.held_floor`), the lower (None: a stage's
     planner finds no plan there)."""
-    plans, cost = plans_at(0.0, stages, profiles, planner, {}, boundary)
-    return None if plans is None else rank_peak(steps, cost)
+    peaks = []
+    for held in (1.0, 0.0):
+        plans, cost = plans_at(0.0, stages, profiles, planner, {}, boundary, held, shared)
+        if plans is not None:
+            peaks.append(rank_peak(steps, cost))
+    return min(peaks, default=None)
 
 
 def _short(short, fewer: str | None) -> InfeasibleError:
@@ -381,6 +418,7 @@ def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Prof
     _checked_order(order)
     boundary = dict(boundary or {})
     held = held_microbatches(order)
+    shared: dict = {}       # (profile, budget, limit) -> plan, for every rank's search
     plans: dict[int, Plan | None] = {}
     rows, short = [], []
     for rank, steps in sorted(order.items()):
@@ -396,11 +434,12 @@ def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Prof
             budget = int(budget * (rank_peak(steps, keep) + recv))
         acts = budget - recv                  # what its activations may take
         if windows is None:
-            found = _search(steps, stages, profiles, planner, acts, boundary)
+            found = _search(steps, stages, profiles, planner, acts, boundary, shared)
         else:
             found = windows.search(rank, steps, stages, profiles, acts, boundary)
         if found is None:
-            least = _least(steps, stages, profiles, planner, boundary)
+            least = _least(steps, stages, profiles, planner if windows is None
+                           else windows.plain_planner(), boundary, shared)
             short.append((rank, budget, None if least is None else least + recv, recv))
             continue
         fraction, stage_plans, cost = found[:3]
@@ -412,7 +451,7 @@ def plan_stages(order: Mapping[int, Sequence[Step]], profiles: Mapping[int, Prof
                             sum(cost[s].swapped_bytes * n.get(s, 0) for s in stages),
                             sum(cost[s].recomputed_bytes * n.get(s, 0) for s in stages),
                             fraction, judged.exposed_us if judged else None,
-                            found.factor if judged else 1.0, recv))
+                            found.factor if judged else 1.0, recv, found.held))
     if short:
         raise _short(short, fewer)
     return PipelinePlan(plans, tuple(rows), {r: tuple(s) for r, s in order.items()})

@@ -13,7 +13,12 @@ of the plans that fit, the one whose rank finishes first (its compute, recompute
 copy time: run back to back, without bubbles, so a plan judged so keeps its promise with
 them) wins. A plan made at a factor above 1 records that link in its `hardware` and says so in
 a note: re-simulated alone on it, its copies hide; on the real link alone they do not, and
-that is the point.
+that is the point. A factor below 1 goes the other way: where the copies of the microbatches
+in flight, all on the rank's two engines, hold more than the budget leaves (a stage whose plan
+made alone swaps most of what it holds), a plan made as if the link were slower swaps less
+and recomputes more, and the judge may keep it under the budget where no plan at 1 is.
+Each factor's search runs over the peak and the hold fractions (`inflight.search`): plans
+made for what each microbatch holds from its forward to its backward as well as for its peak.
 
 Torch-free.
 """
@@ -24,7 +29,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 from ..schema import Plan, Profile
 from .copies import Judged, judge, stage_work
-from .stages import Boundary, Step, plans_at
+from .inflight import search
+from .stages import Boundary, Step, hold_peaks, plans_at
 
 __all__ = ["Windows", "faster_link", "search_rank", "FACTORS"]
 
@@ -37,12 +43,17 @@ class Windows:
     tried (module docstring)."""
 
     def __init__(self, planner: Callable, hw, factors: Sequence[float] = FACTORS):
-        if not factors or any(f < 1.0 for f in factors):
+        if not factors or any(not f > 0 for f in factors):
             from ..errors import InputError
-            raise InputError(f"window factors {tuple(factors)!r}: each must be at least 1",
-                             hint="factors=(1, 2, 4)")
+            raise InputError(f"window factors {tuple(factors)!r}: each must be above 0",
+                             hint="factors=(1, 2, 4), or (0.5, 1, 2, 4) to try a slower link")
         self.planner, self.hw, self.factors = planner, hw, tuple(sorted(set(factors)))
         self._work: dict = {}
+        self.shared: dict = {}      # factor -> (profile, budget, limit) -> plan, all ranks'
+
+    def plain_planner(self):
+        """The stage planner on the real link: `plan_stages`' `planner` argument."""
+        return lambda prof, b: self.planner(prof, b, self.hw)
 
     def work(self, prof: Profile, plan: Plan | None, boundary: Boundary):
         """`stage_work` on the real hardware, once per (profile, plan, boundary) object."""
@@ -57,7 +68,8 @@ class Windows:
 
 
 def faster_link(hw, factor: float):
-    """`hw` with both copy directions `factor` times faster (the same hardware at 1)."""
+    """`hw` with both copy directions `factor` times faster (the same hardware at 1; slower
+    below 1)."""
     if factor == 1.0:
         return hw
     return replace(hw, name=f"{hw.name} (copy link x{factor:g}: pipeline windows)",
@@ -71,6 +83,7 @@ class Found(NamedTuple):
     costs: dict
     judged: Judged
     factor: float
+    held: float = 1.0
 
 
 def _judged(rank, steps, stages, profiles, plans, boundary, windows, budget) -> Judged:
@@ -78,34 +91,29 @@ def _judged(rank, steps, stages, profiles, plans, boundary, windows, budget) -> 
     return judge({rank: steps}, work, budget, alone=True)
 
 
-def _at_factor(rank, steps, stages, profiles, budget, boundary, windows, factor,
-               bisections: int = 8) -> Found | None:
-    """The largest fraction (bisected) whose plans at `factor` the judge keeps under budget."""
+def _at_factor(rank, steps, stages, profiles, budget, boundary, windows, factor
+               ) -> Found | None:
+    """The plans at `factor` the judge keeps under budget and whose rank ends first, over
+    the peak and hold fractions (`inflight.search`)."""
     hw = faster_link(windows.hw, factor)
 
     def planner(prof, b):
         return windows.planner(prof, b, hw)
     memo: dict = {}
+    shared = windows.shared.setdefault(factor, {})
 
-    def attempt(fraction):
-        plans, cost = plans_at(fraction, stages, profiles, planner, memo, boundary)
+    def attempt(fraction, held):
+        if factor != 1.0 and fraction >= 1.0 and held >= 1.0:
+            return None     # keeping everything is the same at every factor: tried at 1
+        plans, cost = plans_at(fraction, stages, profiles, planner, memo, boundary, held,
+                               shared)
         if plans is None:
             return None
         got = _judged(rank, steps, stages, profiles, plans, boundary, windows, budget)
         ok = got.ranks[rank].peak_bytes <= budget
-        return Found(fraction, plans, cost, got, factor) if ok else None
-    best = attempt(1.0) if factor == 1.0 else None
-    if best is not None:
-        return best
-    lo, hi = 0.0, 1.0
-    for _ in range(bisections):
-        mid = (lo + hi) / 2
-        got = attempt(mid)
-        if got is not None:
-            lo, best = mid, got
-        else:
-            hi = mid
-    return best or attempt(0.0)
+        return Found(fraction, plans, cost, got, factor, held) if ok else None
+    return search(attempt, lambda found: found.judged.ranks[rank].end_us,
+                  peaks=hold_peaks(steps))
 
 
 def search_rank(rank: int, steps: Sequence[Step], stages, profiles: Mapping[int, Profile],
@@ -121,8 +129,10 @@ def search_rank(rank: int, steps: Sequence[Step], stages, profiles: Mapping[int,
         if best is None or got.judged.ranks[rank].end_us < best.judged.ranks[rank].end_us - 1e-6:
             best = got
     if best is not None and best.factor != 1.0:
-        note = (f"planned with the copy link x{best.factor:g}: the pipeline's idle windows "
-                "hide its copies (judged on the rank's schedule with the real link)")
+        why = ("the pipeline's idle windows hide its copies" if best.factor > 1.0 else
+               "the microbatches in flight share the rank's copy engines")
+        note = (f"planned with the copy link x{best.factor:g}: {why} (judged on the rank's "
+                "schedule with the real link)")
         best = best._replace(plans={s: _noted(p, note) for s, p in best.plans.items()})
     return best
 
