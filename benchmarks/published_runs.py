@@ -26,10 +26,17 @@ torch.compile. For each:
    block's all-gather under the current block's compute, so per block only what exceeds the block's compute is exposed,
    plus the first all-gather and the last reduce-scatter (and the root's, once each).
 4. **Predicted:** tokens/s per GPU = local batch x seq / (step + exposed communication +
-   optimizer step: AdamW and gradient clipping over the shard, memory bound);
-   peak memory per GPU = static + activation peak + checkpoint gap. Counted: what the
-   caching allocator hands out at the peak; not counted: its fragmentation, the CUDA context,
-   NCCL's buffers, cuBLAS workspaces (the published figure is torch's max reserved memory).
+   optimizer step: AdamW and gradient clipping over the shard, memory bound + FSDP2's
+   copies on the compute stream: each all-gather's output copied into the unsharded
+   parameters, each block's bf16 gradients cast into the fp32 reduce-scatter input,
+   `COPY_OUT_BYTES` and `COPY_IN_BYTES`, priced as memory-bound copies);
+   peak memory per GPU = static + activation peak + checkpoint gap: what the caching
+   allocator hands out at the peak. The published figure is torch's max *reserved* memory:
+   predicted reserved adds what FSDP2's own streams keep cached at that peak
+   (`ROOT_POOL_BYTES`: the root's all-gather output and fp32 reduce-scatter input). Not
+   counted: fragmentation within the default stream's pool, cuBLAS workspaces (MiBs); the
+   CUDA context and NCCL's buffers are not torch's reserved memory. Retries that free cached
+   blocks when the GPU runs out are not modelled (reserved assumes memory to spare).
 5. **slackswap at the same memory:** slackswap's plan on each profile, with the activation
    budget the AC setting used there (its simulated peak plus the checkpoint gap), extrapolated
    the same way; FSDP communication as above.
@@ -60,7 +67,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from slackswap_cli.hardware import PRESETS  # noqa: E402
-from slackswap_cli.op_cost import price_profile  # noqa: E402
+from slackswap_cli.op_cost import (  # noqa: E402
+    default_cost_model,
+    op_class,
+    op_time_us,
+    price_profile,
+)
 from slackswap_cli.planners import make_plan  # noqa: E402
 from slackswap_cli.planners.ac_settings import checkpoint_gap, sac_cached_ops  # noqa: E402
 from slackswap_cli.planners.common import State, build_cost_model  # noqa: E402
@@ -87,6 +99,14 @@ LINK_EFFICIENCY = 0.8
 # AdamW reads parameter, gradient and both moments and writes back parameter and moments (28
 # bytes in fp32); clipping reads the gradient for its norm and scales it in place (12)
 OPTIMIZER_BYTES = 28 + 12
+# FSDP2's copies on the compute stream (pytorch/pytorch torch/distributed/fsdp/_fully_shard/,
+# _composable/fsdp/ in 2024: read at 01d66d21f and 002a76fbf): `wait_for_unshard` copies each
+# all-gather's output into the unsharded parameters (`foreach_all_gather_copy_out`) on the
+# current stream: bf16 read and written, 4 bytes per parameter per unshard; the reduce-scatter
+# copies the bf16 gradients into its fp32 input (`foreach_reduce_scatter_copy_in`, a cast)
+# and the current stream waits for that copy before freeing the gradients: 2 bytes read and 4
+# written per parameter per reduce-scatter
+COPY_OUT_BYTES, COPY_IN_BYTES = 2 + 2, 2 + 4
 # layers, hidden, kv heads x head dim, MLP, vocab (examples/llama3.py)
 SIZES = {"8b": (32, 4096, 1024, 14336, 128256), "70b": (80, 8192, 1024, 28672, 128256),
          "llama2-13b": (40, 5120, 5120, 13824, 32000), "llama2-70b": (80, 8192, 1024, 28672, 32000)}
@@ -170,6 +190,19 @@ def profile(run: Run, layers: int, out: Path, hw):
     return price_profile(load_profile(path), hw)
 
 
+# the parts of a step the breakdown shows: op classes (op_cost.CLASSES) grouped
+PARTS = {"gemm": "GEMMs", "attention": "attention", "loss": "loss", "embedding": "embedding"}
+MEMORY_PART = "elementwise, norm, reduction"
+
+
+def class_times(prof) -> dict:
+    """Forward and backward op time (us) by part (`PARTS`, the rest `MEMORY_PART`)."""
+    out = dict.fromkeys([*PARTS.values(), MEMORY_PART], 0.0)
+    for op in prof.ops:
+        out[PARTS.get(op_class(op.target), MEMORY_PART)] += op.time_us
+    return {f"part:{k}": v for k, v in out.items()}
+
+
 def figures(run: Run, prof, hw) -> dict:
     """The AC setting and slackswap on one profile: times (us) and activation bytes."""
     ac = make_plan("recompute-only" if run.ac == "none" else run.ac, prof, hw, 1 << 50)
@@ -190,7 +223,8 @@ def figures(run: Run, prof, hw) -> dict:
             "ac_peak_bytes": budget, "gap_bytes": gap_bytes, "gap_us": gap_us,
             "ours_step_us": ours.predicted.step_us if ours.feasible else None,
             "ours_peak_bytes": ours.predicted.peak_bytes,
-            "fwd_us": prof.summary["forward_us"], "bwd_us": prof.summary["backward_us"]}
+            "fwd_us": prof.summary["forward_us"], "bwd_us": prof.summary["backward_us"],
+            **class_times(prof)}
 
 
 def scaled(f2: dict, f3: dict, layers: int) -> dict:
@@ -228,10 +262,45 @@ def optimizer_us(run: Run) -> float:
     return shard * OPTIMIZER_BYTES / PRESETS[run.hardware].achievable_hbm_bytes_per_s * 1e6
 
 
+def fsdp_copy_us(run: Run, hw=None) -> float:
+    """FSDP2's copies on the compute stream in one step (`COPY_OUT_BYTES` per parameter per
+    unshard: every block in forward and again in backward but the last, the root once;
+    `COPY_IN_BYTES` per parameter per reduce-scatter: every block and the root once), each
+    priced as one memory-bound copy kernel by the cost model (`op_time_us`, class
+    elementwise)."""
+    hw = hw or PRESETS[run.hardware]
+    layers = SIZES[run.size][0]
+    blk, root = block_params(run.size)
+    model = default_cost_model()
+
+    def copy(nbytes):
+        return op_time_us(hw, model, "elementwise", "bfloat16", 0, nbytes)
+    return ((2 * layers - 1) * copy(COPY_OUT_BYTES * blk) + copy(COPY_OUT_BYTES * root)
+            + layers * copy(COPY_IN_BYTES * blk) + copy(COPY_IN_BYTES * root))
+
+
+# FSDP2's collectives allocate in their own streams (pytorch/pytorch
+# torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, under _composable/fsdp/ in the 2024
+# FSDP2 the runs used: read at 01d66d21f): each all-gather's output under `all_gather_copy_in_stream`, each reduce-scatter's
+# fp32 input and output (the sharded gradients are views of it) under `reduce_scatter_stream`.
+# The caching allocator hands a freed block only to a later allocation on the stream it was
+# allocated on (torch.Tensor.record_stream's documentation: "the caching allocator is aware of
+# only the stream where a tensor was allocated"), so each stream's high-water mark stays
+# reserved. Beyond what `static_bytes` counts: the copy-in stream's high-water holds the
+# root's bf16 all-gather output beside the first block's (forward keeps each all-gather's
+# output until the next block's copy-out: `FSDPParamGroup.wait_for_unshard`), the
+# reduce-scatter stream's the root's fp32 reduce-scatter input beside every sharded gradient
+# (the root reduces last, at the end of backward): 2 + 4 bytes per root parameter
+ROOT_POOL_BYTES = 2 + 4
+
+
 def static_bytes(run: Run) -> dict:
+    """Per GPU: the sharded fp32 state, the unsharded bf16 parameters (two blocks and the
+    root), and what the side streams' pools keep reserved beyond them (`ROOT_POOL_BYTES`)."""
     blk, root = block_params(run.size)
     total = SIZES[run.size][0] * blk + root
-    return {"sharded": -(-16 * total // run.gpus), "unsharded": 2 * (2 * blk + root)}
+    return {"sharded": -(-16 * total // run.gpus), "unsharded": 2 * (2 * blk + root),
+            "stream_pools": ROOT_POOL_BYTES * root}
 
 
 def scaled_figures(run: Run, out: Path, low: bool = False) -> dict:
@@ -245,32 +314,42 @@ def predict(run: Run, out: Path) -> dict:
     opt = optimizer_us(run)
     st = static_bytes(run)
     tokens = run.batch * run.seq
+    copies = fsdp_copy_us(run)
     exp_ac, comm = exposed_comm_us(run, f, f["ac_step_us"])
-    tps = tokens / (f["ac_step_us"] + exp_ac + opt) * 1e6
+    tps = tokens / (f["ac_step_us"] + exp_ac + opt + copies) * 1e6
     mem = (st["sharded"] + st["unsharded"] + f["ac_peak_bytes"]) / GIB
+    reserved = mem + st["stream_pools"] / GIB
     row = {"run": run.name, "source": run.source, "ac": run.ac, "gpus": run.gpus,
            "hardware": run.hardware, "link": LINKS[run.link][1],
            "measured_tokens_per_s": run.tokens_per_s, "measured_memory_gib": run.memory_gib,
            "predicted_tokens_per_s": tps, "predicted_memory_gib": mem,
            "tokens_error": tps / run.tokens_per_s - 1,
-           "memory_error": None if run.memory_gib is None else mem / run.memory_gib - 1,
+           "predicted_reserved_gib": reserved,
+           "memory_error": None if run.memory_gib is None else reserved / run.memory_gib - 1,
+           "stream_pools_gib": st["stream_pools"] / GIB,
            "sharded_gib": st["sharded"] / GIB, "unsharded_gib": st["unsharded"] / GIB,
            "activations_gib": f["ac_peak_bytes"] / GIB, "gap_gib": f["gap_bytes"] / GIB,
            "compute_ms": f["ac_step_us"] / 1e3, "comm_ms": comm / 1e3,
            "exposed_comm_ms": exp_ac / 1e3, "optimizer_ms": opt / 1e3,
-           "compute_only_tokens_per_s": tokens / (f["ac_step_us"] + opt) * 1e6,
+           "fsdp_copies_ms": copies / 1e3,
+           "measured_step_ms": tokens / run.tokens_per_s * 1e3,
+           "predicted_step_ms": tokens / tps * 1e3,
+           "parts_ms": {**{k[5:]: v / 1e3 for k, v in f.items() if k.startswith("part:")},
+                        "AC recompute": (f["ac_step_us"] - f["fwd_us"] - f["bwd_us"]) / 1e3},
+           "compute_only_tokens_per_s": tokens / (f["ac_step_us"] + opt + copies) * 1e6,
            "ac_recompute_ms": f["ac_recompute_us"] / 1e3,
            "slackswap_recompute_ms": f["ours_recompute_us"] / 1e3,
            "slackswap_swapped_gib": f["ours_swapped_bytes"] / GIB}
     row["low_peak_tokens_per_s"] = row["low_peak_source"] = None
     if run.low_peak:
         low = scaled_figures(run, out, low=True)
-        row["low_peak_tokens_per_s"] = tokens / (low["ac_step_us"] + opt + exposed_comm_us(
-            run, low, low["ac_step_us"])[0]) * 1e6
+        row["low_peak_tokens_per_s"] = tokens / (low["ac_step_us"] + opt + fsdp_copy_us(
+            run, hardware(run, True)) + exposed_comm_us(run, low, low["ac_step_us"])[0]) * 1e6
         row["low_peak_source"] = run.low_peak_source
     if f["ours_step_us"] is not None:
         exp_ours, _ = exposed_comm_us(run, f, f["ours_step_us"])
-        row["slackswap_tokens_per_s"] = tokens / (f["ours_step_us"] + exp_ours + opt) * 1e6
+        row["slackswap_tokens_per_s"] = tokens / (f["ours_step_us"] + exp_ours + opt
+                                                  + copies) * 1e6
         row["slackswap_vs_ac"] = row["slackswap_tokens_per_s"] / tps
         row["slackswap_compute_vs_ac"] = f["ac_step_us"] / f["ours_step_us"]
     else:
@@ -290,15 +369,18 @@ def rate(x):
 def write_md(rows: list[dict], path: Path) -> None:
     lines = ["# Published bf16 runs, predicted", "",
              "`python benchmarks/published_runs.py` (method: its docstring; sources below). "
-             "Per GPU; memory: measured is torch's max reserved, predicted is what the "
-             "allocator hands out at the peak (no fragmentation, context, NCCL buffers).", "",
-             "| run | AC | tokens/s measured | predicted | error | memory measured | predicted "
-             "| error |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "Per GPU; memory: measured is torch's max reserved; predicted allocated is what "
+             "the allocator hands out at the peak, predicted reserved adds what FSDP2's side "
+             "streams keep cached (the docstring; no fragmentation, context, NCCL buffers).",
+             "", "| run | AC | tokens/s measured | predicted | error | memory measured | "
+             "predicted allocated | predicted reserved | error |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mm = "-" if r["measured_memory_gib"] is None else f"{r['measured_memory_gib']:.1f} GiB"
         lines.append(f"| {r['run']} | {r['ac']} | {rate(r['measured_tokens_per_s'])} | "
                      f"{rate(r['predicted_tokens_per_s'])} | {pct(r['tokens_error'])} | {mm} | "
-                     f"{r['predicted_memory_gib']:.1f} GiB | {pct(r['memory_error'])} |")
+                     f"{r['predicted_memory_gib']:.1f} GiB | "
+                     f"{r['predicted_reserved_gib']:.1f} GiB | {pct(r['memory_error'])} |")
     lines += ["", "Beside each reproduction: its step without FSDP communication, at the lower "
               "peak its source allows, and slackswap's plan at the same activation memory "
               "(the AC setting's, checkpoint gap included), FSDP communication the same:", "",
@@ -317,18 +399,39 @@ def write_md(rows: list[dict], path: Path) -> None:
                      f"{r['slackswap_swapped_gib']:.1f} |")
     lines += ["", "Memory parts (GiB) and time parts (ms per step):", "",
               "| run | sharded state | unsharded params | activations | of which checkpoint gap "
-              "| forward + backward | optimizer | FSDP comm | exposed |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| side streams' pools | forward + backward | optimizer | FSDP comm | exposed |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['run']} | {r['sharded_gib']:.2f} | {r['unsharded_gib']:.2f} | "
-                     f"{r['activations_gib']:.2f} | {r['gap_gib']:.2f} | {r['compute_ms']:.0f} | "
+                     f"{r['activations_gib']:.2f} | {r['gap_gib']:.2f} | "
+                     f"{r['stream_pools_gib']:.2f} | {r['compute_ms']:.0f} | "
                      f"{r['optimizer_ms']:.0f} | "
                      f"{r['comm_ms']:.0f} | {r['exposed_comm_ms']:.0f} |")
+    lines += breakdown_lines(rows)
     lines += ["", "Sources:", ""]
     for r in rows:
         low = f"; lower peak: {r['low_peak_source']}" if r["low_peak_source"] else ""
         lines.append(f"- {r['run']}: {r['source']}; link: {r['link']}{low}")
     path.write_text("\n".join(lines) + "\n")
+
+
+def breakdown_lines(rows: list[dict]) -> list[str]:
+    """Where each predicted step goes (ms), against the measured step (batch x seq / tokens/s
+    per GPU): op time by part over forward and backward, the AC setting's recompute (its
+    replay and checkpoint gap), the optimizer, FSDP2's copies, exposed communication."""
+    parts = list(rows[0]["parts_ms"])
+    lines = ["", "Where the predicted step goes (ms per step; missing = measured step - "
+             "predicted step):", "",
+             "| run | measured step | predicted step | missing | " + " | ".join(parts)
+             + " | optimizer | FSDP copies | exposed comm |",
+             "|---|" + "---:|" * (len(parts) + 6)]
+    for r in rows:
+        step = r["predicted_step_ms"]
+        cells = [r["measured_step_ms"], step, r["measured_step_ms"] - step,
+                 *r["parts_ms"].values(), r["optimizer_ms"], r["fsdp_copies_ms"],
+                 r["exposed_comm_ms"]]
+        lines.append(f"| {r['run']} | " + " | ".join(f"{round(c):,}" for c in cells) + " |")
+    return lines
 
 
 def check_depth(layers: int, out: Path) -> None:

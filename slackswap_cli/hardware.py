@@ -69,6 +69,9 @@ class HardwareSpec:
     # fraction of peak_flops_per_s a bf16/fp16 fused attention kernel (SDPA's flash) reaches,
     # causal FLOPs halved ([ATTN]); 0 = not given: matmul_efficiency
     attention_efficiency: float = 0.0
+    # the same for its backward kernel where published apart ([ATTN]); 0 = not given:
+    # attention_efficiency
+    attention_backward_efficiency: float = 0.0
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -172,9 +175,10 @@ _BOUNDS: dict[str, tuple[float, float, str]] = {
     "l2_bytes": (0, 2**40, "the L2 cache in bytes, e.g. 41943040 for 40 MiB (0: not given)"),
     "l2_bytes_per_s": (0, 1e17, _RATE + " (0: not given)"),
     "attention_efficiency": (1e-3, 1.0, _EFF + " (0: matmul_efficiency)"),
+    "attention_backward_efficiency": (1e-3, 1.0, _EFF + " (0: attention_efficiency)"),
 }
 _ZERO_MEANS_NONE = ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s",
-                    "attention_efficiency")
+                    "attention_efficiency", "attention_backward_efficiency")
 
 # Sources (datasheet figures are dense, i.e. without structured sparsity):
 # [A100]   NVIDIA A100 Tensor Core GPU datasheet: 19.5 TFLOPS FP32, 156 TFLOPS TF32, 312 TFLOPS
@@ -245,6 +249,12 @@ _ZERO_MEANS_NONE = ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s",
 #          35% utilization on the H100"). torch's SDPA flash kernel is FlashAttention-2. Other
 #          forms of the same chip (A100 PCIe, GH200) scale it by their [EFF] GEMM fraction over
 #          the measured form's; GPUs without a published figure: 0 (matmul_efficiency).
+#          The A100's 73% is the forward kernel's: the paper's introduction gives both halves,
+#          "up to 73% of the theoretical max throughput in the forward pass, and up to 63% of
+#          the theoretical max throughput in the backward pass" (its Fig. 5 and 6, A100 80GB
+#          SXM4): the backward kernel is priced at 63% (`attention_backward_efficiency`,
+#          scaled like the forward on the A100 PCIe). The H100's 335 TFLOPs/s is forward and
+#          backward together: one figure for both.
 # [LAT]    A cudaMemcpyAsync of a small pinned buffer costs on the order of 5-10 us end to end.
 _LINK = {
     "pcie3": "[PCIe3] published bandwidthTest figures for PCIe 3.0 x16 (12-13 GB/s each way); "
@@ -274,9 +284,10 @@ def _chip(lanes: int, watts: float, l2_mib: int, l2_per_sm_clk: float, fp32: flo
 
 
 def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72,
-          bw=None, chip=None, attn=0.0) -> HardwareSpec:
+          bw=None, chip=None, attn=(0.0, 0.0)) -> HardwareSpec:
     """A preset: the compute and memory figures given, the host link of `link` (its typical
-    bandwidth each way unless `bw` GB/s is given), the `_chip` figures."""
+    bandwidth each way unless `bw` GB/s is given), the `_chip` figures, `attn` the fused
+    attention fractions (forward, backward; 0: not given)."""
     typical, lat = {"pcie3": (12.5, 10.0), "pcie4": (25.7, 8.0), "pcie5": (55.0, 6.0)}[link]
     bw = typical if bw is None else bw
     return HardwareSpec(
@@ -285,18 +296,19 @@ def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72,
         d2h_bytes_per_s=bw * GB, copy_latency_us=lat, duplex=True,
         duplex_derate=0.8 if link == "pcie3" else 0.85, description=desc,
         fp32_flops_per_s=fp32, tf32_flops_per_s=tf32, fp8_flops_per_s=fp8, sm_count=sms,
-        link_source=_LINK[link], attention_efficiency=attn, **(chip or {}))
+        link_source=_LINK[link], attention_efficiency=attn[0],
+        attention_backward_efficiency=attn[1], **(chip or {}))
 
 
 # [EFF] best measured bf16 GEMM fractions; [ATTN] FlashAttention-2's on the measured form, and
 # scaled by the GEMM fraction on another form of the same chip
 _EFF_A100_SXM, _EFF_A100_PCIE, _EFF_H100, _EFF_GH200 = 0.869, 0.811, 0.803, 0.838
-_ATTN_A100 = 0.73                      # 230 of 312 TFLOPS
-_ATTN_H100 = round(335 / 989, 4)       # 0.3387
+_ATTN_A100 = (0.73, 0.63)              # forward 230 of 312 TFLOPS; backward 63%
+_ATTN_H100 = (round(335 / 989, 4), 0.0)   # 0.3387, forward and backward together
 
 
-def _scaled_attn(base: float, eff: float, measured_eff: float) -> float:
-    return round(base * eff / measured_eff, 4)
+def _scaled_attn(base: tuple, eff: float, measured_eff: float) -> tuple:
+    return tuple(round(b * eff / measured_eff, 4) for b in base)
 
 
 def _h100_at(watts: float, nvl: float, sxm: float) -> float:
@@ -335,7 +347,7 @@ PRESETS: dict[str, HardwareSpec] = {
         description="GH200 Grace Hopper, NVLink-C2C between Grace and Hopper",
         fp32_flops_per_s=67e12, tf32_flops_per_s=494.7e12, fp8_flops_per_s=1979e12,  # [GH200]
         sm_count=132, link_source=_LINK["c2c"],
-        attention_efficiency=_scaled_attn(_ATTN_H100, _EFF_GH200, _EFF_H100),  # [ATTN]
+        attention_efficiency=_scaled_attn(_ATTN_H100, _EFF_GH200, _EFF_H100)[0],  # [ATTN]
         **_chip(128, 0, 50, _L2_AMPERE, 67e12),   # [CHIP] no GPU-only power limit given
     ),
     "rtx4090-pcie4": _spec("rtx4090-pcie4", 165.2e12, 82.6e12, 82.6e12, 330.3e12, 128,  # [4090]

@@ -22,6 +22,7 @@ from slackswap_cli.op_cost import (
     cost_model_from_dict,
     default_cost_model,
     fp32_clock_factor,
+    is_backward_kernel,
     memory_rate,
     op_class,
     op_time_us,
@@ -136,6 +137,26 @@ def test_attention_priced_at_its_own_fraction_by_hand():
     # fp32 attention runs on the FMA units, as before
     fp32 = op_time_us(h100, HALF, "attention", "float32", GEMM_FLOPS, 0, Precision(), (N, N))
     assert fp32 > 10 * got
+
+
+def test_attention_backward_kernel_at_its_own_fraction_by_hand():
+    # A100 SXM4: FlashAttention-2's forward kernel 73% of 312 TF, its backward kernel 63%
+    sxm = PRESETS["a100-pcie4"]
+    assert (sxm.attention_efficiency, sxm.attention_backward_efficiency) == (0.73, 0.63)
+    fwd = op_time_us(sxm, HALF, "attention", "bfloat16", GEMM_FLOPS, 0)
+    bwd = op_time_us(sxm, HALF, "attention", "bfloat16", GEMM_FLOPS, 0, backward=True)
+    assert fwd == pytest.approx(GEMM_FLOPS / (312e12 * 0.73) * 1e6 + 3)
+    assert bwd == pytest.approx(GEMM_FLOPS / (312e12 * 0.63) * 1e6 + 3)
+    # a backward GEMM keeps the GEMM fraction; the H100 gives one figure for both halves
+    assert op_time_us(sxm, HALF, "gemm", "bfloat16", GEMM_FLOPS, 0, backward=True) == \
+        op_time_us(sxm, HALF, "gemm", "bfloat16", GEMM_FLOPS, 0)
+    h100 = PRESETS["h100-sxm"]
+    assert h100.attention_backward_efficiency == 0
+    assert op_time_us(h100, HALF, "attention", "bfloat16", GEMM_FLOPS, 0, backward=True) == \
+        op_time_us(h100, HALF, "attention", "bfloat16", GEMM_FLOPS, 0)
+    # price_profile tells the backward kernel by its name
+    assert is_backward_kernel("aten._scaled_dot_product_flash_attention_backward.default")
+    assert not is_backward_kernel("aten._scaled_dot_product_flash_attention.default")
 
 
 @pytest.mark.parametrize("target, cls", [
