@@ -71,3 +71,21 @@ def test_inter_host_rings_use_every_nic_of_the_host():
     share = 127 / 128
     assert total == pytest.approx((2 * root + 4 * root + 63 * 2 * block + 32 * 4 * block)
                                   * share / rate)
+
+
+def test_fsdp_copies_and_stream_pools_by_hand():
+    pr = _load()
+    from slackswap_cli.hardware import PRESETS
+    from slackswap_cli.op_cost import default_cost_model
+    run = pr.RUNS[0]                                    # 8B on 8 H100s: 32 blocks
+    block, root = pr.block_params("8b")
+    hw, model = PRESETS[run.hardware], default_cost_model()
+    # every copy is far above the L2: HBM at the fitted elementwise efficiency, plus a kernel
+    rate = hw.hbm_bytes_per_s * model.memory_efficiency["elementwise"] / 1e6  # bytes per us
+    copy_out = [4 * block] * 63 + [4 * root]            # each block gathered twice but the last
+    copy_in = [6 * block] * 32 + [6 * root]             # one fp32 reduce-scatter input each
+    want = sum(b / rate + model.kernel_overhead_us for b in copy_out + copy_in)
+    assert pr.fsdp_copy_us(run) == pytest.approx(want)
+    # the side streams keep the root's bf16 all-gather output and fp32 reduce-scatter input
+    st = pr.static_bytes(run)
+    assert st["stream_pools"] == 6 * root == 6 * (2 * 128256 * 4096 + 4096)
