@@ -45,7 +45,10 @@ Nothing is fitted to these runs: the presets' peaks are datasheet figures (the 5
 interpolated between two datasheets), their bf16 GEMM and fused-attention fractions are
 published kernel measurements (`slackswap_cli/hardware.py`, [EFF] and [ATTN]: best shapes and
 "up to" figures, so an upper bound on speed), the cost model's other constants are
-`op_costs.json`'s (fitted on fp32 steps of other models), the link rates are stated in `LINKS`.
+`op_costs.json`'s (fitted on fp32 steps of other models), the link rates are stated in `LINKS`,
+FSDP2's copies and side-stream pools are read from torch's FSDP2 code (`COPY_OUT_BYTES`,
+`COPY_IN_BYTES`, `ROOT_POOL_BYTES`). The breakdown table (where each predicted step goes)
+sums the op times of the traces by class, extrapolated like every other figure.
 
     python benchmarks/published_runs.py   # writes benchmarks/results/published_runs.{json,md}
     python benchmarks/published_runs.py --profiles /tmp/runs   # keeps the traces to reuse
