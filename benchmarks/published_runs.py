@@ -23,11 +23,13 @@ torch.compile. For each:
    which torchtitan does not reshard after forward), its gradients reduce-scattered in
    fp32, (N - 1) / N of the bytes each over the link (`LINKS`: a ring's bus bandwidth per
    GPU times 0.8; between hosts the host's eight NICs together). FSDP2 prefetches the next
-   block's all-gather under the current block's compute, so per block only what exceeds the block's compute is exposed,
-   plus the first all-gather and the last reduce-scatter (and the root's, once each).
-4. **Predicted:** tokens/s per GPU = local batch x seq / (step + exposed communication +
-   optimizer step: AdamW and gradient clipping over the shard, memory bound + FSDP2's
-   copies on the compute stream: each all-gather's output copied into the unsharded
+   block's all-gather under the current block's compute, so per block only what exceeds the
+   block's compute is exposed, plus the first all-gather and the last reduce-scatter (and the
+   root's, once each); the compute beside the hidden part runs slower by a published average
+   (`OVERLAP_SLOWDOWN`).
+4. **Predicted:** tokens/s per GPU = local batch x seq / (step + exposed communication + the
+   overlap's slowdown + optimizer step: AdamW and gradient clipping over the shard, memory
+   bound + FSDP2's copies on the compute stream: each all-gather's output copied into the unsharded
    parameters, each block's bf16 gradients cast into the fp32 reduce-scatter input,
    `COPY_OUT_BYTES` and `COPY_IN_BYTES`, priced as memory-bound copies);
    peak memory per GPU = static + activation peak + checkpoint gap: what the caching
@@ -99,6 +101,13 @@ LINKS = {
                      "cluster's network"),
 }
 LINK_EFFICIENCY = 0.8
+# compute that runs beside a collective runs slower (NCCL's kernels take SMs and HBM
+# bandwidth): "overlapping computation and communication can result in an average
+# computational slowdown of 18.9%, with a maximum of 40.0%" ("Characterizing
+# Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning: Performance and
+# Power Implications", arXiv 2507.03114, its abstract: GPT and Llama models on 4 A100s, H100s,
+# MI250s and MI210s): the average, applied to the compute that FSDP's hidden traffic overlaps
+OVERLAP_SLOWDOWN = 0.189
 # AdamW reads parameter, gradient and both moments and writes back parameter and moments (28
 # bytes in fp32); clipping reads the gradient for its norm and scales it in place (12)
 OPTIMIZER_BYTES = 28 + 12
@@ -257,6 +266,17 @@ def exposed_comm_us(run: Run, f: dict, step_us: float) -> tuple[float, float]:
     return exposed, total
 
 
+def comm_us(run: Run, f: dict, step_us: float) -> dict:
+    """One step's FSDP communication (us): `exposed` and `total` (`exposed_comm_us`), and
+    `slowdown`, what the compute beside the hidden part loses (`OVERLAP_SLOWDOWN`: the hidden
+    traffic's duration runs compute at 1 / (1 + s) of its speed, so it costs s / (1 + s) of
+    that duration); `charged` = exposed + slowdown, what the step pays."""
+    exposed, total = exposed_comm_us(run, f, step_us)
+    slowdown = (total - exposed) * OVERLAP_SLOWDOWN / (1 + OVERLAP_SLOWDOWN)
+    return {"exposed": exposed, "total": total, "slowdown": slowdown,
+            "charged": exposed + slowdown}
+
+
 def optimizer_us(run: Run) -> float:
     """AdamW (foreach) over the rank's fp32 shard, after clipping the gradients' norm: memory
     bound, `OPTIMIZER_BYTES` per parameter at the preset's achievable HBM bandwidth."""
@@ -318,8 +338,8 @@ def predict(run: Run, out: Path) -> dict:
     st = static_bytes(run)
     tokens = run.batch * run.seq
     copies = fsdp_copy_us(run)
-    exp_ac, comm = exposed_comm_us(run, f, f["ac_step_us"])
-    tps = tokens / (f["ac_step_us"] + exp_ac + opt + copies) * 1e6
+    comm = comm_us(run, f, f["ac_step_us"])
+    tps = tokens / (f["ac_step_us"] + comm["charged"] + opt + copies) * 1e6
     mem = (st["sharded"] + st["unsharded"] + f["ac_peak_bytes"]) / GIB
     reserved = mem + st["stream_pools"] / GIB
     row = {"run": run.name, "source": run.source, "ac": run.ac, "gpus": run.gpus,
@@ -332,8 +352,9 @@ def predict(run: Run, out: Path) -> dict:
            "stream_pools_gib": st["stream_pools"] / GIB,
            "sharded_gib": st["sharded"] / GIB, "unsharded_gib": st["unsharded"] / GIB,
            "activations_gib": f["ac_peak_bytes"] / GIB, "gap_gib": f["gap_bytes"] / GIB,
-           "compute_ms": f["ac_step_us"] / 1e3, "comm_ms": comm / 1e3,
-           "exposed_comm_ms": exp_ac / 1e3, "optimizer_ms": opt / 1e3,
+           "compute_ms": f["ac_step_us"] / 1e3, "comm_ms": comm["total"] / 1e3,
+           "exposed_comm_ms": comm["exposed"] / 1e3, "optimizer_ms": opt / 1e3,
+           "overlap_slowdown_ms": comm["slowdown"] / 1e3,
            "fsdp_copies_ms": copies / 1e3,
            "measured_step_ms": tokens / run.tokens_per_s * 1e3,
            "predicted_step_ms": tokens / tps * 1e3,
@@ -343,16 +364,23 @@ def predict(run: Run, out: Path) -> dict:
            "ac_recompute_ms": f["ac_recompute_us"] / 1e3,
            "slackswap_recompute_ms": f["ours_recompute_us"] / 1e3,
            "slackswap_swapped_gib": f["ours_swapped_bytes"] / GIB}
-    row["low_peak_tokens_per_s"] = row["low_peak_source"] = None
+    row.update(beside(run, f, out, opt + copies, tps))
+    return row
+
+
+def beside(run: Run, f: dict, out: Path, fixed_us: float, tps: float) -> dict:
+    """The run at the lower peak its source allows, and slackswap's plan at the AC setting's
+    memory (`fixed_us`: the optimizer and FSDP's copies, the same for both)."""
+    tokens = run.batch * run.seq
+    row = {"low_peak_tokens_per_s": None, "low_peak_source": None}
     if run.low_peak:
         low = scaled_figures(run, out, low=True)
-        row["low_peak_tokens_per_s"] = tokens / (low["ac_step_us"] + opt + fsdp_copy_us(
-            run, hardware(run, True)) + exposed_comm_us(run, low, low["ac_step_us"])[0]) * 1e6
+        row["low_peak_tokens_per_s"] = tokens / (
+            low["ac_step_us"] + fixed_us + comm_us(run, low, low["ac_step_us"])["charged"]) * 1e6
         row["low_peak_source"] = run.low_peak_source
     if f["ours_step_us"] is not None:
-        exp_ours, _ = exposed_comm_us(run, f, f["ours_step_us"])
-        row["slackswap_tokens_per_s"] = tokens / (f["ours_step_us"] + exp_ours + opt
-                                                  + copies) * 1e6
+        charged = comm_us(run, f, f["ours_step_us"])["charged"]
+        row["slackswap_tokens_per_s"] = tokens / (f["ours_step_us"] + charged + fixed_us) * 1e6
         row["slackswap_vs_ac"] = row["slackswap_tokens_per_s"] / tps
         row["slackswap_compute_vs_ac"] = f["ac_step_us"] / f["ours_step_us"]
     else:
@@ -421,18 +449,19 @@ def write_md(rows: list[dict], path: Path) -> None:
 def breakdown_lines(rows: list[dict]) -> list[str]:
     """Where each predicted step goes (ms), against the measured step (batch x seq / tokens/s
     per GPU): op time by part over forward and backward, the AC setting's recompute (its
-    replay and checkpoint gap), the optimizer, FSDP2's copies, exposed communication."""
+    replay and checkpoint gap), the optimizer, FSDP2's copies, exposed communication and
+    what the compute beside the hidden communication loses."""
     parts = list(rows[0]["parts_ms"])
     lines = ["", "Where the predicted step goes (ms per step; missing = measured step - "
              "predicted step):", "",
              "| run | measured step | predicted step | missing | " + " | ".join(parts)
-             + " | optimizer | FSDP copies | exposed comm |",
-             "|---|" + "---:|" * (len(parts) + 6)]
+             + " | optimizer | FSDP copies | exposed comm | overlap slowdown |",
+             "|---|" + "---:|" * (len(parts) + 7)]
     for r in rows:
         step = r["predicted_step_ms"]
         cells = [r["measured_step_ms"], step, r["measured_step_ms"] - step,
                  *r["parts_ms"].values(), r["optimizer_ms"], r["fsdp_copies_ms"],
-                 r["exposed_comm_ms"]]
+                 r["exposed_comm_ms"], r["overlap_slowdown_ms"]]
         lines.append(f"| {r['run']} | " + " | ".join(f"{round(c):,}" for c in cells) + " |")
     return lines
 

@@ -89,3 +89,18 @@ def test_fsdp_copies_and_stream_pools_by_hand():
     # the side streams keep the root's bf16 all-gather output and fp32 reduce-scatter input
     st = pr.static_bytes(run)
     assert st["stream_pools"] == 6 * root == 6 * (2 * 128256 * 4096 + 4096)
+
+
+def test_overlap_slowdown_charges_the_hidden_communication_by_hand():
+    pr = _load()
+    run = pr.RUNS[0]
+    slow = {"fwd_block_us": 1e9, "bwd_block_us": 1e9, "fwd_us": 0.0, "bwd_us": 0.0}
+    c = pr.comm_us(run, slow, 0.0)
+    exposed, total = pr.exposed_comm_us(run, slow, 0.0)
+    assert (c["exposed"], c["total"]) == (exposed, total)
+    # compute at 1 / 1.189 of its speed for the hidden part's duration
+    assert c["slowdown"] == pytest.approx((total - exposed) * 0.189 / 1.189)
+    assert c["charged"] == pytest.approx(exposed + c["slowdown"])
+    # nothing hidden (blocks that take no time): nothing slowed
+    idle = {"fwd_block_us": 0.0, "bwd_block_us": 0.0, "fwd_us": 0.0, "bwd_us": 0.0}
+    assert pr.comm_us(run, idle, 0.0)["slowdown"] == pytest.approx(0.0)
