@@ -43,7 +43,14 @@ torch.compile. For each:
    budget the AC setting used there (its simulated peak plus the checkpoint gap), extrapolated
    the same way; FSDP communication as above.
 
-Nothing is fitted to these runs: the presets' peaks are datasheet figures (the 500 W H100's
+One figure is fitted to these runs, and declared as such: the presets'
+`bf16_sustained_fraction` (`slackswap_cli/hardware.py` [FIT], `BF16_SUSTAINED_FRACTION`), what
+fraction of the sourced tensor-core rates below a training step sustains. `calibration` fits
+it (benchmarks/bf16_fit.py: least squares on log(measured / predicted tokens/s), the runs
+predicted with it at 1) on all eight runs, on all but one run at a time (each run's error at
+the fraction fitted on the other seven) and on one GPU kind's runs to predict the other's;
+the tables show the uncalibrated, calibrated and left-out errors. Everything else is sourced,
+not fitted: the presets' peaks are datasheet figures (the 500 W H100's
 interpolated between two datasheets), their bf16 GEMM and fused-attention fractions are
 published kernel measurements (`slackswap_cli/hardware.py`, [EFF] and [ATTN]: best shapes and
 "up to" figures, so an upper bound on speed), the cost model's other constants are
@@ -66,12 +73,14 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from slackswap_cli.hardware import PRESETS  # noqa: E402
+from benchmarks.bf16_fit import fit_fraction, leave_kind_out, leave_one_out  # noqa: E402
+from slackswap_cli.hardware import BF16_SUSTAINED_FRACTION, PRESETS  # noqa: E402
 from slackswap_cli.op_cost import (  # noqa: E402
     default_cost_model,
     op_class,
@@ -179,12 +188,20 @@ def block_params(size: str) -> tuple[int, int]:
     return block, 2 * vocab * h + h
 
 
-def hardware(run: Run, low: bool):
-    """The run's preset, or with `low` the same at the lower peak its source allows."""
+def hardware(run: Run, low: bool, fraction: float | None = None):
+    """The run's preset, or with `low` the same at the lower peak its source allows; with
+    `fraction` its `bf16_sustained_fraction` set to that (1: uncalibrated)."""
     hw = PRESETS[run.hardware]
+    if fraction is not None:
+        hw = dataclasses.replace(hw, bf16_sustained_fraction=fraction)
     if not low:
         return hw
     return dataclasses.replace(hw, name=f"{hw.name}-low-peak", peak_flops_per_s=run.low_peak)
+
+
+@lru_cache(maxsize=None)
+def _load(path: Path):
+    return load_profile(path)
 
 
 def profile(run: Run, layers: int, out: Path, hw):
@@ -199,7 +216,7 @@ def profile(run: Run, layers: int, out: Path, hw):
                         "--arg", f"n_layer={layers}", "--arg", f"batch={run.batch}",
                         "--arg", f"seq={run.seq}", "-o", str(path), "-q"],
                        check=True, cwd=ROOT, env=env)
-    return price_profile(load_profile(path), hw)
+    return price_profile(_load(path), hw)
 
 
 # the parts of a step the breakdown shows: op classes (op_cost.CLASSES) grouped
@@ -215,8 +232,9 @@ def class_times(prof) -> dict:
     return {f"part:{k}": v for k, v in out.items()}
 
 
-def figures(run: Run, prof, hw) -> dict:
-    """The AC setting and slackswap on one profile: times (us) and activation bytes."""
+def figures(run: Run, prof, hw, ours: bool = True) -> dict:
+    """The AC setting and (with `ours`) slackswap on one profile: times (us) and activation
+    bytes."""
     ac = make_plan("recompute-only" if run.ac == "none" else run.ac, prof, hw, 1 << 50)
     gap_bytes = gap_us = 0   # no AC: every activation kept, no checkpoint
     if run.ac != "none":
@@ -227,6 +245,10 @@ def figures(run: Run, prof, hw) -> dict:
                              else set())
         gap_bytes, gap_us = gap.held_bytes, gap.time_us
     budget = ac.predicted.peak_bytes + gap_bytes
+    base = {"ac_step_us": ac.predicted.step_us + gap_us, "fwd_us": prof.summary["forward_us"],
+            "bwd_us": prof.summary["backward_us"]}
+    if not ours:
+        return base
     ours = make_plan("slackswap", prof, hw, budget)
     return {"ac_step_us": ac.predicted.step_us + gap_us,
             "ours_swapped_bytes": ours.predicted.swapped_bytes,
@@ -326,10 +348,44 @@ def static_bytes(run: Run) -> dict:
             "stream_pools": ROOT_POOL_BYTES * root}
 
 
-def scaled_figures(run: Run, out: Path, low: bool = False) -> dict:
-    hw = hardware(run, low)
-    return scaled(figures(run, profile(run, 2, out, hw), hw),
-                  figures(run, profile(run, 3, out, hw), hw), SIZES[run.size][0])
+def scaled_figures(run: Run, out: Path, low: bool = False, fraction: float | None = None,
+                   ours: bool = True) -> dict:
+    hw = hardware(run, low, fraction)
+    return scaled(figures(run, profile(run, 2, out, hw), hw, ours),
+                  figures(run, profile(run, 3, out, hw), hw, ours), SIZES[run.size][0])
+
+
+def step_tokens_per_s(run: Run, f: dict) -> float:
+    """Predicted tokens/s per GPU from the run's scaled figures: the AC setting's step, FSDP's
+    charged communication, the optimizer and FSDP2's copies."""
+    step = (f["ac_step_us"] + comm_us(run, f, f["ac_step_us"])["charged"] + optimizer_us(run)
+            + fsdp_copy_us(run))
+    return run.batch * run.seq / step * 1e6
+
+
+def calibration(out: Path) -> dict:
+    """The fit of `BF16_SUSTAINED_FRACTION` on these runs (benchmarks/bf16_fit.py): the
+    fraction from all eight, and left out one run and one GPU kind at a time, each run's
+    prediction taken with the presets' fraction set to f (uncalibrated: f = 1)."""
+    runs = {r.name: r for r in RUNS}
+    cache: dict = {}
+
+    def predict(name: str, frac: float) -> float:
+        if (name, frac) not in cache:
+            run = runs[name]
+            cache[name, frac] = step_tokens_per_s(
+                run, scaled_figures(run, out, fraction=frac, ours=False))
+        return cache[name, frac]
+    measured = {r.name: r.tokens_per_s for r in RUNS}
+    kind = {r.name: r.hardware.split("-")[0].upper() for r in RUNS}
+    fraction = fit_fraction(measured, predict)
+    return {"fitted_fraction": fraction, "committed_fraction": BF16_SUSTAINED_FRACTION,
+            "uncalibrated": {n: predict(n, 1.0) for n in runs},
+            "at_fit": {n: predict(n, fraction) / measured[n] - 1 for n in runs},
+            "leave_one_out": {n: list(v) for n, v in leave_one_out(measured, predict).items()},
+            "leave_kind_out": {k: [f, errs] for k, (f, errs) in
+                               leave_kind_out(measured, kind, predict).items()},
+            "kind": kind}
 
 
 def predict(run: Run, out: Path) -> dict:
@@ -339,7 +395,7 @@ def predict(run: Run, out: Path) -> dict:
     tokens = run.batch * run.seq
     copies = fsdp_copy_us(run)
     comm = comm_us(run, f, f["ac_step_us"])
-    tps = tokens / (f["ac_step_us"] + comm["charged"] + opt + copies) * 1e6
+    tps = step_tokens_per_s(run, f)
     mem = (st["sharded"] + st["unsharded"] + f["ac_peak_bytes"]) / GIB
     reserved = mem + st["stream_pools"] / GIB
     row = {"run": run.name, "source": run.source, "ac": run.ac, "gpus": run.gpus,
@@ -397,19 +453,49 @@ def rate(x):
     return "-" if x is None else f"{x:,.0f}"
 
 
-def write_md(rows: list[dict], path: Path) -> None:
+def time_lines(rows: list[dict], cal: dict) -> list[str]:
+    """The tokens/s table: uncalibrated, calibrated, and each run with the fraction fitted on
+    the other runs and on the other GPU kind's runs."""
+    fitted, committed = cal["fitted_fraction"], cal["committed_fraction"]
+    same = ("the same" if fitted == committed else
+            f"NOT the fitted {fitted:.3f}: commit the fitted value or explain the difference")
+    lines = ["", "**Time, and what is fitted.** `bf16_sustained_fraction` scales the presets' "
+             "bf16/fp16 tensor-core rates (GEMM, batched GEMM, attention, convolution; "
+             "`slackswap_cli/hardware.py` [FIT]). It is the one figure fitted to these runs: "
+             "least squares on log(measured / predicted tokens/s) over all eight, predictions "
+             f"taken with it at 1 (benchmarks/bf16_fit.py). Fitted now: **{fitted:.3f}**; "
+             f"committed in `BF16_SUSTAINED_FRACTION` (the presets as shipped): "
+             f"{committed:.3f}, {same}. "
+             "Uncalibrated: the fraction at 1 (only sourced figures). Calibrated: the presets "
+             "as shipped. Leave one run out: the fraction fitted on the other seven runs and "
+             "this run's error with it. Other GPU kind: the fraction fitted on the runs of the "
+             "other GPU kind only (A100 runs for the H100 ones and back).", "",
+             "| run | AC | tokens/s measured | uncalibrated | error | calibrated | error | "
+             "leave one run out: fraction | error | other GPU kind: fraction | error |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['ac']} | {rate(r['measured_tokens_per_s'])} | "
+                     f"{rate(r['uncalibrated_tokens_per_s'])} | {pct(r['uncalibrated_error'])} | "
+                     f"{rate(r['predicted_tokens_per_s'])} | {pct(r['tokens_error'])} | "
+                     f"{r['loo_fraction']:.3f} | {pct(r['loo_error'])} | {r['kind_out_fraction']:.3f} | "
+                     f"{pct(r['kind_out_error'])} |")
+    return lines
+
+
+def write_md(rows: list[dict], cal: dict, path: Path) -> None:
     lines = ["# Published bf16 runs, predicted", "",
              "`python benchmarks/published_runs.py` (method: its docstring; sources below). "
              "Per GPU; memory: measured is torch's max reserved; predicted allocated is what "
              "the allocator hands out at the peak, predicted reserved adds what FSDP2's side "
-             "streams keep cached (the docstring; no fragmentation, context, NCCL buffers).",
-             "", "| run | AC | tokens/s measured | predicted | error | memory measured | "
-             "predicted allocated | predicted reserved | error |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "streams keep cached (the docstring; no fragmentation, context, NCCL buffers). "
+             "Every figure but the tokens/s table's uncalibrated column is priced on the "
+             "presets as shipped, calibrated.", *time_lines(rows, cal), "",
+             "**Memory** (not touched by the calibration):", "",
+             "| run | AC | memory measured | predicted allocated | predicted reserved | error |",
+             "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         mm = "-" if r["measured_memory_gib"] is None else f"{r['measured_memory_gib']:.1f} GiB"
-        lines.append(f"| {r['run']} | {r['ac']} | {rate(r['measured_tokens_per_s'])} | "
-                     f"{rate(r['predicted_tokens_per_s'])} | {pct(r['tokens_error'])} | {mm} | "
+        lines.append(f"| {r['run']} | {r['ac']} | {mm} | "
                      f"{r['predicted_memory_gib']:.1f} GiB | "
                      f"{r['predicted_reserved_gib']:.1f} GiB | {pct(r['memory_error'])} |")
     lines += ["", "Beside each reproduction: its step without FSDP communication, at the lower "
@@ -493,8 +579,17 @@ def main() -> None:
             check_depth(args.check_depth, keep)
             return
         rows = [predict(run, keep) for run in RUNS]
-    (out_dir / "published_runs.json").write_text(json.dumps(rows, indent=1) + "\n")
-    write_md(rows, out_dir / "published_runs.md")
+        cal = calibration(keep)
+    for r in rows:
+        loo_f, loo_err = cal["leave_one_out"][r["run"]]
+        kind_f, kind_errs = cal["leave_kind_out"][cal["kind"][r["run"]]]
+        r.update(uncalibrated_tokens_per_s=cal["uncalibrated"][r["run"]],
+                 uncalibrated_error=cal["uncalibrated"][r["run"]] / r["measured_tokens_per_s"] - 1,
+                 loo_fraction=loo_f, loo_error=loo_err, kind_out_fraction=kind_f,
+                 kind_out_error=kind_errs[r["run"]])
+    (out_dir / "published_runs.json").write_text(
+        json.dumps({"calibration": cal, "runs": rows}, indent=1) + "\n")
+    write_md(rows, cal, out_dir / "published_runs.md")
     print((out_dir / "published_runs.md").read_text())
 
 

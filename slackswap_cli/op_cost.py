@@ -5,7 +5,9 @@ An op's time is a roofline with two things the plain one (`HardwareSpec.roofline
 - **the peak of the arithmetic it runs.** Matmul-like ops (GEMM, batched GEMM, attention,
   convolution) in bf16/fp16 run on tensor cores at `peak_flops_per_s` times the preset's
   `matmul_efficiency` (fused attention: its `attention_efficiency` where given, its backward
-  kernel its `attention_backward_efficiency`); fp8 at `fp8_flops_per_s`; fp32 at
+  kernel its `attention_backward_efficiency`), all three times the preset's
+  `bf16_sustained_fraction` (fitted to published training runs: hardware.py's [FIT]); fp8 at
+  `fp8_flops_per_s`; fp32 at
   `tf32_flops_per_s` when the workload allowed TF32 (`torch.backends.cuda.matmul.allow_tf32`
   or a float32 matmul precision of "high"/"medium" for matmuls,
   `torch.backends.cudnn.allow_tf32` for convolutions: the profile records them in
@@ -199,7 +201,7 @@ def compute_rate(hw, model: CostModel, cls: str, dtype: str, precision: Precisio
             eff = ((cls == "attention" and backward and hw.attention_backward_efficiency)
                    or (cls == "attention" and hw.attention_efficiency)
                    or hw.matmul_efficiency)
-            return hw.peak_flops_per_s * eff
+            return hw.peak_flops_per_s * eff * hw.bf16_sustained_fraction
         if dtype.startswith("float8"):
             return (hw.fp8_flops_per_s or hw.peak_flops_per_s) * hw.matmul_efficiency
         tf32 = precision.tf32_conv if cls == "conv" else precision.tf32_matmul
