@@ -325,9 +325,9 @@ _EFF_A100_SXM, _EFF_A100_PCIE, _EFF_H100, _EFF_GH200 = 0.869, 0.811, 0.803, 0.83
 _ATTN_A100 = (0.73, 0.63)              # forward 230 of 312 TFLOPS; backward 63%
 _ATTN_H100 = (round(335 / 989, 4), 0.0)   # 0.3387, forward and backward together
 # [FIT] fitted to the eight published runs of benchmarks/published_runs.py (not a published
-# figure): benchmarks/bf16_fit.py at commit FITCOMMIT, printed in
+# figure): benchmarks/published_runs.py with bf16_fit.py at commit 70139e5, printed in
 # benchmarks/results/published_runs.md; tests/test_published_runs.py checks it against that run
-BF16_SUSTAINED_FRACTION = 1.0
+BF16_SUSTAINED_FRACTION = 0.830
 _FIT = BF16_SUSTAINED_FRACTION
 
 

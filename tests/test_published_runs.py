@@ -104,3 +104,38 @@ def test_overlap_slowdown_charges_the_hidden_communication_by_hand():
     # nothing hidden (blocks that take no time): nothing slowed
     idle = {"fwd_block_us": 0.0, "bwd_block_us": 0.0, "fwd_us": 0.0, "bwd_us": 0.0}
     assert pr.comm_us(run, idle, 0.0)["slowdown"] == pytest.approx(0.0)
+
+
+def test_the_committed_fraction_is_what_the_committed_run_fitted():
+    # benchmarks/results/published_runs.json is written by the script from the runs'
+    # uncalibrated predictions; the presets ship the fraction it fitted, to its 3 places
+    import json
+
+    from slackswap_cli.hardware import BF16_SUSTAINED_FRACTION
+    cal = json.loads((ROOT / "benchmarks" / "results" / "published_runs.json").read_text())[
+        "calibration"]
+    assert cal["fitted_fraction"] == round(BF16_SUSTAINED_FRACTION, 3)
+    assert cal["committed_fraction"] == BF16_SUSTAINED_FRACTION
+    pr = _load()
+    assert set(cal["uncalibrated"]) == {r.name for r in pr.RUNS}
+
+
+def test_fit_and_leaving_out_by_hand():
+    # predictions proportional to f: the least-squares fit of log errors is the geometric mean
+    # of measured / predicted-at-1
+    from benchmarks.bf16_fit import fit_fraction, leave_kind_out, leave_one_out
+    at_one = {"a": 1000.0, "b": 1000.0, "c": 2000.0}
+    measured = {"a": 800.0, "b": 900.0, "c": 1800.0}
+
+    def predict(run, f):
+        return at_one[run] * f
+    assert fit_fraction(measured, predict) == round((0.8 * 0.9 * 0.9) ** (1 / 3), 3)  # 0.865
+    loo = leave_one_out(measured, predict)
+    assert loo["a"] == (0.9, pytest.approx(0.9 * 1000 / 800 - 1))                   # +12.5%
+    assert loo["b"][0] == round((0.8 * 0.9) ** 0.5, 3)                              # 0.849
+    kind = {"a": "X", "b": "Y", "c": "Y"}
+    out = leave_kind_out(measured, kind, predict)
+    assert out["X"][0] == 0.9 and out["X"][1] == {"a": pytest.approx(0.125)}
+    assert out["Y"][0] == 0.8 and out["Y"][1]["c"] == pytest.approx(1600 / 1800 - 1)
+    # the fit stays within its bounds
+    assert fit_fraction({"a": 100.0}, predict) == 0.5
