@@ -165,3 +165,13 @@ def test_a_file_without_the_sustained_fraction_keeps_the_rates_as_given():
     data = {k: v for k, v in PRESETS["a100-pcie4"].to_dict().items()
             if k != "bf16_sustained_fraction"}
     assert HardwareSpec.from_dict(data | {"name": "mine"}).bf16_sustained_fraction == 1.0
+
+
+def test_the_hardware_view_says_the_sustained_fraction_is_fitted():
+    from typer.testing import CliRunner
+
+    from slackswap_cli.cli import app
+    out = " ".join(CliRunner().invoke(app, ["hardware", "a100-pcie4"]).output.split())
+    assert "x 0.830 sustained: fitted to published training runs" in out
+    assert "not a datasheet figure" in out
+    assert "sustained" not in CliRunner().invoke(app, ["hardware", "l4"]).output
