@@ -111,9 +111,11 @@ zoo: install
 # The op cost constants against measured GPU steps (torch-free, seconds): the fit reproduces
 # slackswap_cli/op_costs.json, then the leave-one-GPU-out table (benchmarks/results/gpu_truth.md).
 # benchmarks/gpu_truth_profiles.py re-traces the measured models (minutes) when they change.
+# gpu_truth_l2.py holds the per-op files against the L2 rule (benchmarks/results/gpu_truth_l2.md).
 gpu-truth: install
 	$(PY) benchmarks/fit_costs.py --check
 	$(PY) benchmarks/gpu_truth.py
+	$(PY) benchmarks/gpu_truth_l2.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

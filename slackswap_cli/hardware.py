@@ -69,6 +69,13 @@ class HardwareSpec:
     # fraction of peak_flops_per_s a bf16/fp16 fused attention kernel (SDPA's flash) reaches,
     # causal FLOPs halved ([ATTN]); 0 = not given: matmul_efficiency
     attention_efficiency: float = 0.0
+    # the same for its backward kernel where published apart ([ATTN]); 0 = not given:
+    # attention_efficiency
+    attention_backward_efficiency: float = 0.0
+    # fraction of the bf16/fp16 tensor-core rates above (matmul_efficiency and the attention
+    # fractions: best-shape, "up to" figures) a training step sustains ([FIT]: fitted to
+    # published runs, not a datasheet figure); 1 = not given: the figures as they are
+    bf16_sustained_fraction: float = 1.0
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -172,9 +179,12 @@ _BOUNDS: dict[str, tuple[float, float, str]] = {
     "l2_bytes": (0, 2**40, "the L2 cache in bytes, e.g. 41943040 for 40 MiB (0: not given)"),
     "l2_bytes_per_s": (0, 1e17, _RATE + " (0: not given)"),
     "attention_efficiency": (1e-3, 1.0, _EFF + " (0: matmul_efficiency)"),
+    "attention_backward_efficiency": (1e-3, 1.0, _EFF + " (0: attention_efficiency)"),
+    "bf16_sustained_fraction": (1e-3, 1.0, "the fraction of the bf16 tensor-core rates a "
+                                "training step keeps, e.g. 0.9 (1: the rates as given)"),
 }
 _ZERO_MEANS_NONE = ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s",
-                    "attention_efficiency")
+                    "attention_efficiency", "attention_backward_efficiency")
 
 # Sources (datasheet figures are dense, i.e. without structured sparsity):
 # [A100]   NVIDIA A100 Tensor Core GPU datasheet: 19.5 TFLOPS FP32, 156 TFLOPS TF32, 312 TFLOPS
@@ -245,6 +255,24 @@ _ZERO_MEANS_NONE = ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s",
 #          35% utilization on the H100"). torch's SDPA flash kernel is FlashAttention-2. Other
 #          forms of the same chip (A100 PCIe, GH200) scale it by their [EFF] GEMM fraction over
 #          the measured form's; GPUs without a published figure: 0 (matmul_efficiency).
+#          The A100's 73% is the forward kernel's: the paper's introduction gives both halves,
+#          "up to 73% of the theoretical max throughput in the forward pass, and up to 63% of
+#          the theoretical max throughput in the backward pass" (its Fig. 5 and 6, A100 80GB
+#          SXM4): the backward kernel is priced at 63% (`attention_backward_efficiency`,
+#          scaled like the forward on the A100 PCIe). The H100's 335 TFLOPs/s is forward and
+#          backward together: one figure for both.
+# [FIT]    Fitted, not published: `BF16_SUSTAINED_FRACTION`, what fraction of the [EFF] and
+#          [ATTN] figures (best shapes, "up to" figures) a real bf16 training step sustains on
+#          its tensor cores. One parameter, fitted by least squares on log(measured / predicted
+#          tokens/s) over the eight published torchtitan runs of benchmarks/published_runs.py
+#          (six on A100, two on H100), their predictions taken with the fraction at 1
+#          (benchmarks/bf16_fit.py; the fit, and each run's error with the fraction fitted
+#          on the other seven, in benchmarks/results/published_runs.md). It stands for what
+#          no source gives: the clock a training step holds, causal attention below the "up
+#          to" figures, eager FSDP2's CPU. It scales bf16/fp16 GEMM, batched GEMM, attention
+#          and convolution compute (op_cost.py), not memory-bound ops, copies or links, not
+#          fp8, TF32 or fp32; on the presets whose tensor-core fractions are [EFF] / [ATTN]
+#          figures (A100, H100, H200, GH200); the others' 0.72-0.75 are no best-case figure.
 # [LAT]    A cudaMemcpyAsync of a small pinned buffer costs on the order of 5-10 us end to end.
 _LINK = {
     "pcie3": "[PCIe3] published bandwidthTest figures for PCIe 3.0 x16 (12-13 GB/s each way); "
@@ -274,9 +302,10 @@ def _chip(lanes: int, watts: float, l2_mib: int, l2_per_sm_clk: float, fp32: flo
 
 
 def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72,
-          bw=None, chip=None, attn=0.0) -> HardwareSpec:
+          bw=None, chip=None, attn=(0.0, 0.0), sustained=1.0) -> HardwareSpec:
     """A preset: the compute and memory figures given, the host link of `link` (its typical
-    bandwidth each way unless `bw` GB/s is given), the `_chip` figures."""
+    bandwidth each way unless `bw` GB/s is given), the `_chip` figures, `attn` the fused
+    attention fractions (forward, backward; 0: not given), `sustained` the [FIT] fraction."""
     typical, lat = {"pcie3": (12.5, 10.0), "pcie4": (25.7, 8.0), "pcie5": (55.0, 6.0)}[link]
     bw = typical if bw is None else bw
     return HardwareSpec(
@@ -285,18 +314,25 @@ def _spec(name, bf16, fp32, tf32, fp8, sms, hbm, mem, link, desc, eff=0.72,
         d2h_bytes_per_s=bw * GB, copy_latency_us=lat, duplex=True,
         duplex_derate=0.8 if link == "pcie3" else 0.85, description=desc,
         fp32_flops_per_s=fp32, tf32_flops_per_s=tf32, fp8_flops_per_s=fp8, sm_count=sms,
-        link_source=_LINK[link], attention_efficiency=attn, **(chip or {}))
+        link_source=_LINK[link], attention_efficiency=attn[0],
+        attention_backward_efficiency=attn[1], bf16_sustained_fraction=sustained,
+        **(chip or {}))
 
 
 # [EFF] best measured bf16 GEMM fractions; [ATTN] FlashAttention-2's on the measured form, and
 # scaled by the GEMM fraction on another form of the same chip
 _EFF_A100_SXM, _EFF_A100_PCIE, _EFF_H100, _EFF_GH200 = 0.869, 0.811, 0.803, 0.838
-_ATTN_A100 = 0.73                      # 230 of 312 TFLOPS
-_ATTN_H100 = round(335 / 989, 4)       # 0.3387
+_ATTN_A100 = (0.73, 0.63)              # forward 230 of 312 TFLOPS; backward 63%
+_ATTN_H100 = (round(335 / 989, 4), 0.0)   # 0.3387, forward and backward together
+# [FIT] fitted to the eight published runs of benchmarks/published_runs.py (not a published
+# figure): benchmarks/published_runs.py with bf16_fit.py at commit 70139e5, printed in
+# benchmarks/results/published_runs.md; tests/test_published_runs.py checks it against that run
+BF16_SUSTAINED_FRACTION = 0.830
+_FIT = BF16_SUSTAINED_FRACTION
 
 
-def _scaled_attn(base: float, eff: float, measured_eff: float) -> float:
-    return round(base * eff / measured_eff, 4)
+def _scaled_attn(base: tuple, eff: float, measured_eff: float) -> tuple:
+    return tuple(round(b * eff / measured_eff, 4) for b in base)
 
 
 def _h100_at(watts: float, nvl: float, sxm: float) -> float:
@@ -314,13 +350,13 @@ PRESETS: dict[str, HardwareSpec] = {
     # name              bf16     fp32     tf32      fp8      SMs  HBM GB/s  memory [source]
     "a100-pcie4": _spec("a100-pcie4", 312e12, 19.5e12, 156e12, 0, 108, 2039, 80 * GIB,  # [A100]
                         "pcie4", "A100 80GB SXM on a PCIe 4.0 x16 host link", chip=_A100[400],
-                        eff=_EFF_A100_SXM, attn=_ATTN_A100),
+                        eff=_EFF_A100_SXM, attn=_ATTN_A100, sustained=_FIT),
     "h100-pcie5": _spec("h100-pcie5", 989e12, 67e12, 494.7e12, 1979e12, 132, 3350,  # [H100]
                         80 * GIB, "pcie5", "H100 80GB SXM on a PCIe 5.0 x16 host link",
-                        eff=_EFF_H100, chip=_HOPPER, attn=_ATTN_H100),
+                        eff=_EFF_H100, chip=_HOPPER, attn=_ATTN_H100, sustained=_FIT),
     "h200-pcie5": _spec("h200-pcie5", 989e12, 67e12, 494.7e12, 1979e12, 132, 4800,  # [H200]
                         141 * 10**9, "pcie5", "H200 141GB on a PCIe 5.0 x16 host link",
-                        eff=_EFF_H100, chip=_HOPPER, attn=_ATTN_H100),
+                        eff=_EFF_H100, chip=_HOPPER, attn=_ATTN_H100, sustained=_FIT),
     "gh200-c2c": HardwareSpec(
         name="gh200-c2c",
         peak_flops_per_s=989e12,             # [GH200]
@@ -335,7 +371,8 @@ PRESETS: dict[str, HardwareSpec] = {
         description="GH200 Grace Hopper, NVLink-C2C between Grace and Hopper",
         fp32_flops_per_s=67e12, tf32_flops_per_s=494.7e12, fp8_flops_per_s=1979e12,  # [GH200]
         sm_count=132, link_source=_LINK["c2c"],
-        attention_efficiency=_scaled_attn(_ATTN_H100, _EFF_GH200, _EFF_H100),  # [ATTN]
+        attention_efficiency=_scaled_attn(_ATTN_H100, _EFF_GH200, _EFF_H100)[0],  # [ATTN]
+        bf16_sustained_fraction=_FIT,        # [FIT]
         **_chip(128, 0, 50, _L2_AMPERE, 67e12),   # [CHIP] no GPU-only power limit given
     ),
     "rtx4090-pcie4": _spec("rtx4090-pcie4", 165.2e12, 82.6e12, 82.6e12, 330.3e12, 128,  # [4090]
@@ -346,22 +383,24 @@ PRESETS: dict[str, HardwareSpec] = {
     "a100-80gb-pcie": _spec("a100-80gb-pcie", 312e12, 19.5e12, 156e12, 0, 108, 1935,  # [A100]
                             80 * GIB, "pcie4", "A100 80GB PCIe (PCIe 4.0 x16)", chip=_A100[300],
                             eff=_EFF_A100_PCIE,
-                            attn=_scaled_attn(_ATTN_A100, _EFF_A100_PCIE, _EFF_A100_SXM)),
+                            attn=_scaled_attn(_ATTN_A100, _EFF_A100_PCIE, _EFF_A100_SXM),
+                            sustained=_FIT),
     "a100-40gb-pcie": _spec("a100-40gb-pcie", 312e12, 19.5e12, 156e12, 0, 108, 1555,  # [A100]
                             40 * GIB, "pcie4", "A100 40GB PCIe (PCIe 4.0 x16)", chip=_A100[250],
                             eff=_EFF_A100_PCIE,
-                            attn=_scaled_attn(_ATTN_A100, _EFF_A100_PCIE, _EFF_A100_SXM)),
+                            attn=_scaled_attn(_ATTN_A100, _EFF_A100_PCIE, _EFF_A100_SXM),
+                            sustained=_FIT),
     "a100-40gb-sxm": _spec("a100-40gb-sxm", 312e12, 19.5e12, 156e12, 0, 108, 1555,  # [A100]
                            40 * GIB, "pcie4", "A100 40GB SXM4 on a PCIe 4.0 x16 host link",
-                           chip=_A100[400], eff=_EFF_A100_SXM, attn=_ATTN_A100),
+                           chip=_A100[400], eff=_EFF_A100_SXM, attn=_ATTN_A100, sustained=_FIT),
     "h100-sxm": _spec("h100-sxm", 989e12, 67e12, 494.7e12, 1979e12, 132, 3350,  # [H100]
                       80 * GIB, "pcie5", "H100 80GB SXM5 on a PCIe 5.0 x16 host link",
-                      eff=_EFF_H100, chip=_HOPPER, attn=_ATTN_H100),
+                      eff=_EFF_H100, chip=_HOPPER, attn=_ATTN_H100, sustained=_FIT),
     "h100-sxm-96gb": _spec("h100-sxm-96gb", _H100_500W["bf16"], _H100_500W["fp32"],  # [H100-96]
                            _H100_500W["tf32"], _H100_500W["fp8"], 132, 2400, 96 * 10**9,
                            "pcie5", "H100 SXM 96GB HBM2e (2.4 TB/s, 500 W), the GPU of "
                            "torchtitan's 2024-12 benchmarks", eff=_EFF_H100, attn=_ATTN_H100,
-                           chip=_chip(128, 500, 50, _L2_AMPERE, _H100_500W["fp32"])),
+                           sustained=_FIT, chip=_chip(128, 500, 50, _L2_AMPERE, _H100_500W["fp32"])),
     "v100-pcie": _spec("v100-pcie", 112e12, 14e12, 0, 0, 80, 900, 32 * GIB,  # [V100]
                        "pcie3", "V100 32GB PCIe (PCIe 3.0 x16); fp16 tensor cores, no bf16",
                        chip=_chip(64, 250, 6, _L2_VOLTA, 14e12)),

@@ -4,12 +4,16 @@ An op's time is a roofline with two things the plain one (`HardwareSpec.roofline
 
 - **the peak of the arithmetic it runs.** Matmul-like ops (GEMM, batched GEMM, attention,
   convolution) in bf16/fp16 run on tensor cores at `peak_flops_per_s` times the preset's
-  `matmul_efficiency` (fused attention: its `attention_efficiency` where given); fp8 at `fp8_flops_per_s`; fp32 at `tf32_flops_per_s` when the
-  workload allowed TF32 (`torch.backends.cuda.matmul.allow_tf32` or a float32 matmul
-  precision of "high"/"medium" for matmuls, `torch.backends.cudnn.allow_tf32` for
-  convolutions: the profile records them in `env.float32_matmul`), else on the FP32 FMA units
-  at `fp32_flops_per_s` times a fitted efficiency of its class, the wave quantization of
-  its output over the GPU's SMs (`sm_count`; 128x128 output tiles) and `fp32_clock_factor`:
+  `matmul_efficiency` (fused attention: its `attention_efficiency` where given, its backward
+  kernel its `attention_backward_efficiency`), all three times the preset's
+  `bf16_sustained_fraction` (fitted to published training runs: hardware.py's [FIT]); fp8 at
+  `fp8_flops_per_s`; fp32 at
+  `tf32_flops_per_s` when the workload allowed TF32 (`torch.backends.cuda.matmul.allow_tf32`
+  or a float32 matmul precision of "high"/"medium" for matmuls,
+  `torch.backends.cudnn.allow_tf32` for convolutions: the profile records them in
+  `env.float32_matmul`), else on the FP32 FMA units at `fp32_flops_per_s` times a fitted
+  efficiency of its class, the wave quantization of its output over the GPU's SMs
+  (`sm_count`; 128x128 output tiles) and `fp32_clock_factor`:
   a fitted efficiency on SMs with 128 FP32 lanes (`fp32_lanes_per_sm`: two FP32 datapaths
   per SM partition, which an FP32 GEMM does not keep both busy) and the clock a board power
   limit sustains (`board_power_w` under the fitted knee: the clock falls in proportion, as
@@ -189,13 +193,15 @@ def memory_rate(hw, model: CostModel, cls: str, nbytes: float) -> float:
 
 
 def compute_rate(hw, model: CostModel, cls: str, dtype: str, precision: Precision,
-                 out_shape=None) -> float:
-    """Achievable FLOP/s of an op of class `cls` whose operands are `dtype`."""
+                 out_shape=None, backward: bool = False) -> float:
+    """Achievable FLOP/s of an op of class `cls` whose operands are `dtype` (`backward`: the
+    op is a backward kernel, which fused attention prices at its own fraction)."""
     if cls in MATMUL_CLASSES:
         if dtype in ("bfloat16", "float16"):
-            eff = ((cls == "attention" and hw.attention_efficiency)
+            eff = ((cls == "attention" and backward and hw.attention_backward_efficiency)
+                   or (cls == "attention" and hw.attention_efficiency)
                    or hw.matmul_efficiency)
-            return hw.peak_flops_per_s * eff
+            return hw.peak_flops_per_s * eff * hw.bf16_sustained_fraction
         if dtype.startswith("float8"):
             return (hw.fp8_flops_per_s or hw.peak_flops_per_s) * hw.matmul_efficiency
         tf32 = precision.tf32_conv if cls == "conv" else precision.tf32_matmul
@@ -209,13 +215,15 @@ def compute_rate(hw, model: CostModel, cls: str, dtype: str, precision: Precisio
 
 
 def op_time_us(hw, model: CostModel, cls: str, dtype: str, flops: float, nbytes: float,
-               precision: Precision = Precision(), out_shape=None) -> float:
-    """Time of one op (see the module docstring)."""
+               precision: Precision = Precision(), out_shape=None,
+               backward: bool = False) -> float:
+    """Time of one op (see the module docstring; `backward`: a backward kernel)."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
     compute_us = 0.0
     if flops > 0:
-        compute_us = flops / compute_rate(hw, model, cls, dtype, precision, out_shape) * 1e6
+        compute_us = flops / compute_rate(hw, model, cls, dtype, precision, out_shape,
+                                          backward) * 1e6
     memory_us = nbytes / memory_rate(hw, model, cls, nbytes) * 1e6
     return max(compute_us, memory_us) + model.kernel_overhead_us
 
@@ -237,6 +245,11 @@ def op_shape(prof: Profile, op) -> tuple:
     return tuple(prof.tensors[op.outputs[0]].shape) if op.outputs else ()
 
 
+def is_backward_kernel(target: str) -> bool:
+    """Whether an op is a backward kernel by its name ("..._backward.default")."""
+    return "backward" in target.lower()
+
+
 def price_profile(prof: Profile, hw, model: CostModel | None = None) -> Profile:
     """`prof` with every roofline op re-timed on `hw` by `model` (the committed constants by
     default), the summary's forward/backward times updated and the hardware and cost model
@@ -246,7 +259,8 @@ def price_profile(prof: Profile, hw, model: CostModel | None = None) -> Profile:
     ops = tuple(
         dataclasses.replace(op, time_us=op_time_us(
             hw, model, op_class(op.target), op_dtype(prof, op), op.flops, op.bytes, precision,
-            op_shape(prof, op))) if op.time_source == "roofline" else op
+            op_shape(prof, op), is_backward_kernel(op.target)))
+        if op.time_source == "roofline" else op
         for op in prof.ops)
     summary = dict(prof.summary,
                    forward_us=sum(o.time_us for o in ops if o.phase == "forward"),

@@ -72,7 +72,8 @@ def test_bad_hardware_inputs(tmp_path):
     ("matmul_efficiency", 1e-300), ("duplex_derate", 1.5), ("memory_bytes", 1.5),
     ("memory_bytes", -1), ("name", 7), ("name", ["a"]), ("name", {"a": 1}), ("name", ""),
     ("description", 3), ("fp32_flops_per_s", 1), ("tf32_flops_per_s", 1e3),
-    ("fp8_flops_per_s", 0.5), ("fp32_flops_per_s", -1),
+    ("fp8_flops_per_s", 0.5), ("fp32_flops_per_s", -1), ("bf16_sustained_fraction", 0),
+    ("bf16_sustained_fraction", 1.2),
 ])
 def test_hardware_numbers_are_bounded(field, value):
     data = PRESETS["a100-pcie4"].to_dict() | {"name": "mine", field: value}
@@ -158,3 +159,19 @@ def test_500w_h100_between_its_two_datasheets():
     assert hw.peak_flops_per_s == pytest.approx(835e12 + (989e12 - 835e12) / 3, abs=1e9)
     assert hw.fp8_flops_per_s == pytest.approx(1671e12 + (1979e12 - 1671e12) / 3, abs=1e9)
     assert PRESETS["h100-sxm"].peak_flops_per_s > hw.peak_flops_per_s > 835e12
+
+
+def test_a_file_without_the_sustained_fraction_keeps_the_rates_as_given():
+    data = {k: v for k, v in PRESETS["a100-pcie4"].to_dict().items()
+            if k != "bf16_sustained_fraction"}
+    assert HardwareSpec.from_dict(data | {"name": "mine"}).bf16_sustained_fraction == 1.0
+
+
+def test_the_hardware_view_says_the_sustained_fraction_is_fitted():
+    from typer.testing import CliRunner
+
+    from slackswap_cli.cli import app
+    out = " ".join(CliRunner().invoke(app, ["hardware", "a100-pcie4"]).output.split())
+    assert "x 0.830 sustained: fitted to published training runs" in out
+    assert "not a datasheet figure" in out
+    assert "sustained" not in CliRunner().invoke(app, ["hardware", "l4"]).output

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from slackswap_cli import schema
 from slackswap_cli.cli import app
 from slackswap_cli.errors import InputError
-from slackswap_cli.hardware import PRESETS, HardwareSpec
+from slackswap_cli.hardware import BF16_SUSTAINED_FRACTION, PRESETS, HardwareSpec
 from slackswap_cli.op_cost import (
     COSTS_FILE,
     Precision,
@@ -22,6 +22,7 @@ from slackswap_cli.op_cost import (
     cost_model_from_dict,
     default_cost_model,
     fp32_clock_factor,
+    is_backward_kernel,
     memory_rate,
     op_class,
     op_time_us,
@@ -40,17 +41,18 @@ HALF = cost_model_from_dict({
 N = 4096
 GEMM_FLOPS = 2 * N**3            # 1.374e11
 A100 = PRESETS["a100-80gb-pcie"]  # 312 TF bf16, 156 TF32, 19.5 FP32, 1935 GB/s, 108 SMs, eff 0.811
+S = BF16_SUSTAINED_FRACTION       # the fitted fraction of bf16/fp16 tensor-core rates (presets)
 
 
 @pytest.mark.parametrize("dtype, precision, expected_us", [
-    # bf16 tensor cores: 1.374e11 / (312e12 x 0.811) = 543.1 us, + 3 us
-    ("bfloat16", Precision(), GEMM_FLOPS / (312e12 * 0.811) * 1e6 + 3),
-    ("float16", Precision(), GEMM_FLOPS / (312e12 * 0.811) * 1e6 + 3),
+    # bf16 tensor cores: 1.374e11 / (312e12 x 0.811 x S), + 3 us
+    ("bfloat16", Precision(), GEMM_FLOPS / (312e12 * 0.811 * S) * 1e6 + 3),
+    ("float16", Precision(), GEMM_FLOPS / (312e12 * 0.811 * S) * 1e6 + 3),
     # TF32 allowed: 156e12 x 0.811 -> 1086.3 us
     ("float32", Precision(tf32_matmul=True), GEMM_FLOPS / (156e12 * 0.811) * 1e6 + 3),
     # fp32 FMA: 19.5e12 x 0.5 x waves (32 x 32 = 1024 tiles over 108 SMs: 10 waves, 1024/1080)
     ("float32", Precision(), GEMM_FLOPS / (19.5e12 * 0.5 * 1024 / 1080) * 1e6 + 3),
-    # fp8 on an A100 (none): the bf16 figure
+    # fp8 on an A100 (none): the bf16 figure, without the fraction fitted on bf16 runs
     ("float8_e4m3fn", Precision(), GEMM_FLOPS / (312e12 * 0.811) * 1e6 + 3),
 ])
 def test_gemm_time_by_dtype_by_hand(dtype, precision, expected_us):
@@ -62,7 +64,7 @@ def test_fp32_is_sixteen_times_bf16_and_fp8_twice_on_h100():
     h100 = PRESETS["h100-sxm"]   # 989 TF bf16, 1979 FP8, 494.7 TF32, 67 FP32, eff 0.803
     t = {dt: op_time_us(h100, HALF, "gemm", dt, GEMM_FLOPS, 0, Precision(), (N, N)) - 3
          for dt in ("bfloat16", "float8_e5m2", "float32")}
-    assert t["bfloat16"] == pytest.approx(GEMM_FLOPS / (989e12 * 0.803) * 1e6)
+    assert t["bfloat16"] == pytest.approx(GEMM_FLOPS / (989e12 * 0.803 * S) * 1e6)
     assert t["float8_e5m2"] == pytest.approx(GEMM_FLOPS / (1979e12 * 0.803) * 1e6)
     # 1024 tiles over 132 SMs: 8 waves, 1024 / 1056
     assert t["float32"] == pytest.approx(GEMM_FLOPS / (67e12 * 0.5 * 1024 / 1056) * 1e6)
@@ -113,11 +115,11 @@ def test_hardware_file_without_the_new_figures_prices_fp32_at_its_one_peak():
     old = {k: v for k, v in PRESETS["a100-pcie4"].to_dict().items()
            if k not in ("fp32_flops_per_s", "tf32_flops_per_s", "fp8_flops_per_s", "sm_count",
                         "link_source", "fp32_lanes_per_sm", "board_power_w", "l2_bytes",
-                        "l2_bytes_per_s", "attention_efficiency")}
+                        "l2_bytes_per_s", "attention_efficiency", "bf16_sustained_fraction")}
     hw = HardwareSpec.from_dict(dict(old, name="old-file"))
     assert op_time_us(hw, HALF, "gemm", "float32", GEMM_FLOPS, 0) == \
         pytest.approx(GEMM_FLOPS / (312e12 * 0.869) * 1e6 + 3)
-    # no attention figure: fused attention at the GEMM fraction
+    # no attention figure: fused attention at the GEMM fraction; no fitted fraction: 1
     assert op_time_us(hw, HALF, "attention", "bfloat16", GEMM_FLOPS, 0) == \
         pytest.approx(GEMM_FLOPS / (312e12 * 0.869) * 1e6 + 3)
 
@@ -126,16 +128,36 @@ def test_attention_priced_at_its_own_fraction_by_hand():
     h100 = PRESETS["h100-sxm"]   # 989 TF bf16; GEMMs 0.803, FlashAttention-2 335 of 989
     assert h100.attention_efficiency == pytest.approx(0.3387)
     got = op_time_us(h100, HALF, "attention", "bfloat16", GEMM_FLOPS, 0)
-    assert got == pytest.approx(GEMM_FLOPS / (989e12 * 0.3387) * 1e6 + 3)
+    assert got == pytest.approx(GEMM_FLOPS / (989e12 * 0.3387 * S) * 1e6 + 3)
     # a GEMM on the same GPU, and the batched GEMMs of eager attention, keep the GEMM fraction
     for cls in ("gemm", "bgemm"):
         assert op_time_us(h100, HALF, cls, "bfloat16", GEMM_FLOPS, 0) == \
-            pytest.approx(GEMM_FLOPS / (989e12 * 0.803) * 1e6 + 3)
+            pytest.approx(GEMM_FLOPS / (989e12 * 0.803 * S) * 1e6 + 3)
     # A100 80GB PCIe: FlashAttention-2's 73% on the SXM4, times 0.811 / 0.869
     assert A100.attention_efficiency == pytest.approx(round(0.73 * 0.811 / 0.869, 4))
     # fp32 attention runs on the FMA units, as before
     fp32 = op_time_us(h100, HALF, "attention", "float32", GEMM_FLOPS, 0, Precision(), (N, N))
-    assert fp32 > 10 * got
+    assert fp32 == pytest.approx(GEMM_FLOPS / (67e12 * 0.5 * 1024 / 1056) * 1e6 + 3)
+
+
+def test_attention_backward_kernel_at_its_own_fraction_by_hand():
+    # A100 SXM4: FlashAttention-2's forward kernel 73% of 312 TF, its backward kernel 63%
+    sxm = PRESETS["a100-pcie4"]
+    assert (sxm.attention_efficiency, sxm.attention_backward_efficiency) == (0.73, 0.63)
+    fwd = op_time_us(sxm, HALF, "attention", "bfloat16", GEMM_FLOPS, 0)
+    bwd = op_time_us(sxm, HALF, "attention", "bfloat16", GEMM_FLOPS, 0, backward=True)
+    assert fwd == pytest.approx(GEMM_FLOPS / (312e12 * 0.73 * S) * 1e6 + 3)
+    assert bwd == pytest.approx(GEMM_FLOPS / (312e12 * 0.63 * S) * 1e6 + 3)
+    # a backward GEMM keeps the GEMM fraction; the H100 gives one figure for both halves
+    assert op_time_us(sxm, HALF, "gemm", "bfloat16", GEMM_FLOPS, 0, backward=True) == \
+        op_time_us(sxm, HALF, "gemm", "bfloat16", GEMM_FLOPS, 0)
+    h100 = PRESETS["h100-sxm"]
+    assert h100.attention_backward_efficiency == 0
+    assert op_time_us(h100, HALF, "attention", "bfloat16", GEMM_FLOPS, 0, backward=True) == \
+        op_time_us(h100, HALF, "attention", "bfloat16", GEMM_FLOPS, 0)
+    # price_profile tells the backward kernel by its name
+    assert is_backward_kernel("aten._scaled_dot_product_flash_attention_backward.default")
+    assert not is_backward_kernel("aten._scaled_dot_product_flash_attention.default")
 
 
 @pytest.mark.parametrize("target, cls", [
@@ -253,3 +275,40 @@ def test_the_steps_left_out_of_the_whole_step_fit_are_the_mistimed_a100_ones():
     assert left == ["NVIDIA_A100_80GB_PCIe " + k for k in (
         "bert_large-512-2", "bert_large-512-8", "gpt2_large-1024-1", "gpt3_27-2048-1",
         "opt_13-2048-2")]
+
+
+def test_sustained_fraction_scales_bf16_tensor_core_compute_only_by_hand():
+    # A100 80GB PCIe at a fraction of 0.5 against 1: bf16/fp16 GEMM, batched GEMM, attention
+    # (forward and backward kernels) and convolution compute take twice as long
+    one, half = (dataclasses.replace(A100, bf16_sustained_fraction=f) for f in (1.0, 0.5))
+    for cls in ("gemm", "bgemm", "attention", "conv"):
+        for dtype in ("bfloat16", "float16"):
+            for backward in (False, True):
+                t1, t2 = (op_time_us(hw, HALF, cls, dtype, GEMM_FLOPS, 0, backward=backward) - 3
+                          for hw in (one, half))
+                assert t2 == pytest.approx(2 * t1, rel=1e-12)
+    assert op_time_us(one, HALF, "gemm", "bfloat16", GEMM_FLOPS, 0) == pytest.approx(
+        GEMM_FLOPS / (312e12 * 0.811) * 1e6 + 3)
+    # untouched: fp32 (FMA units, and TF32), fp8, memory-bound ops, and a GEMM whose bytes
+    # outlast its compute (1e12 bytes at 1935 GB/s x 0.5 against 1e6 FLOPs)
+    same = [("gemm", "float32", Precision(), GEMM_FLOPS, 0),
+            ("gemm", "float32", Precision(tf32_matmul=True), GEMM_FLOPS, 0),
+            ("conv", "float32", Precision(tf32_conv=True), GEMM_FLOPS, 0),
+            ("attention", "float32", Precision(), GEMM_FLOPS, 0),
+            ("gemm", "float8_e4m3fn", Precision(), GEMM_FLOPS, 0),
+            ("elementwise", "bfloat16", Precision(), 0, 1e9),
+            ("norm", "bfloat16", Precision(), 0, 1e9),
+            ("gemm", "bfloat16", Precision(), 1e6, 1e12)]
+    for cls, dtype, prec, flops, nbytes in same:
+        assert op_time_us(one, HALF, cls, dtype, flops, nbytes, prec, (N, N)) == \
+            op_time_us(half, HALF, cls, dtype, flops, nbytes, prec, (N, N))
+
+
+def test_sustained_fraction_is_on_the_presets_with_best_case_figures():
+    # the presets whose tensor-core fractions are the [EFF] / [ATTN] best-case figures carry
+    # the fitted fraction; the others (guessed 0.72-0.75) keep 1
+    fitted = {"a100-pcie4", "h100-pcie5", "h200-pcie5", "gh200-c2c", "a100-80gb-pcie",
+              "a100-40gb-pcie", "a100-40gb-sxm", "h100-sxm", "h100-sxm-96gb"}
+    assert {n for n, hw in PRESETS.items() if hw.bf16_sustained_fraction != 1.0} == fitted
+    assert {PRESETS[n].bf16_sustained_fraction for n in fitted} == {BF16_SUSTAINED_FRACTION}
+    assert 0.5 < BF16_SUSTAINED_FRACTION < 1.0

@@ -80,13 +80,23 @@ def _fmt_solve(ms: float) -> str:
 # --------------------------------------------------------------------------------------------
 # hardware
 # --------------------------------------------------------------------------------------------
+def _sustained(spec) -> str:
+    """The line naming a preset's fitted bf16 fraction ("" where it is 1: not given)."""
+    if spec.bf16_sustained_fraction == 1.0:
+        return ""
+    return (f"bf16/fp16 tensor-core rates (TFLOPs x eff, fused attention) x "
+            f"{spec.bf16_sustained_fraction:.3f} sustained: fitted to published training runs "
+            "(benchmarks/published_runs.py), not a datasheet figure")
+
+
 def hardware_table(specs) -> Table:
     """Presets side by side: compute, HBM, memory, host link."""
     table = Table(title="hardware presets: bf16 and fp32 (FMA) TFLOP/s, HBM/H2D/D2H in GB/s, copy "
                   "latency in us, eff = achievable fraction", title_justify="left",
                   box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0, 0, 1),
                   caption=("\n".join(x for x in (specs[0].description, specs[0].link_source
-                                                   and f"host link: {specs[0].link_source}")
+                                                   and f"host link: {specs[0].link_source}",
+                                                   _sustained(specs[0]))
                                       if x) or None) if len(specs) == 1 else None,
                   caption_justify="left")
     table.add_column("preset", no_wrap=True)
