@@ -341,10 +341,12 @@ class Case:
         memo: dict = {}
 
         def planner(prof, budget_bytes, hw=self.hw):
+            # keyed by identity, the profile kept beside its plan so that its id stays its
+            # own (a stage planned with a hold passes a profile made for the call)
             key = (id(prof), budget_bytes, hw.name)
             if key not in memo:
-                memo[key] = make_plan("slackswap", prof, hw, budget_bytes)
-            return memo[key]
+                memo[key] = (prof, make_plan("slackswap", prof, hw, budget_bytes))
+            return memo[key][1]
         return planner
 
     def least(self) -> dict[int, int]:

@@ -302,7 +302,7 @@ def plans_at(fraction: float, stages, profiles, planner: Planner, memo: dict, bo
     keeping everything at 1.0; and their costs. `held` below 1: each plan also holds at most
     its `inflight.held_limit` at the end of forward (`inflight.plan_held`). `memo`: the
     (stage, budget, limit) -> (plan, cost) already made; `shared`: (profile, budget, limit,
-    pinned roots) -> plan, across the ranks whose stages share a profile."""
+    pinned roots) -> (profile, plan), across the ranks whose stages share a profile."""
     plans, cost = {}, {}
     shared = {} if shared is None else shared
     for s in stages:
@@ -316,10 +316,10 @@ def plans_at(fraction: float, stages, profiles, planner: Planner, memo: dict, bo
         if (s, budget, limit) not in memo:
             pinned = boundary.get(s, Boundary()).pinned
             key = (id(prof), budget, limit, pinned if limit is not None else None)
-            if key not in shared:
-                shared[key] = (planner(prof, budget) if limit is None
+            if key not in shared:   # (the profile kept beside its plan: its id stays its own)
+                shared[key] = (prof, planner(prof, budget) if limit is None
                                else plan_held(planner, prof, budget, limit, pinned))
-            plan = shared[key]
+            plan = shared[key][1]
             memo[s, budget, limit] = (plan, stage_cost(prof, plan, boundary.get(s, Boundary()))
                                       if plan.feasible else None)
         plans[s], cost[s] = memo[s, budget, limit]
