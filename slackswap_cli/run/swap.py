@@ -207,12 +207,13 @@ class StorageCopy:
     """One storage copied to host memory: its copy (`handle`) until fetched back, then the
     device bytes (`dev`) while anything may still read them; `packs`: saved references to it
     autograd has not taken yet; `host`: a weak reference to its `HostCopy` (which the saved
-    references hold), to fetch it again after the first backward let go of it."""
-    __slots__ = ("ref", "handle", "dev", "packs", "version", "host")
+    references hold), to fetch it again after the first backward let go of it; `geo`: the
+    (dtype, shape, stride, offset) of the tensor copied as it is, or None (its bytes)."""
+    __slots__ = ("ref", "handle", "dev", "packs", "version", "host", "geo")
 
-    def __init__(self, ref, handle, version: int):
+    def __init__(self, ref, handle, version: int, geo: tuple | None = None):
         self.ref, self.handle, self.dev, self.packs = ref, handle, None, 0
-        self.version = version
+        self.version, self.geo = version, geo
         self.host = None
 
     def fetch(self) -> torch.Tensor:
@@ -269,8 +270,12 @@ class Handle:
     _storage: Any = field(default=None, repr=False)   # weakref to the device storage
 
     def device_storage_alive(self) -> bool:
-        """Does the forward's device tensor still exist? (False once it has been freed.)"""
-        return self.source is not None and self.source() is not None
+        """Does the forward's device tensor (or storage: `offload_storage`) still exist?
+        (False once it has been freed.)"""
+        src = self.source
+        if isinstance(src, StorageWeakRef):
+            return not src.expired()
+        return src is not None and src() is not None
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -294,13 +299,20 @@ def offload(t: torch.Tensor) -> Handle:
     return handle
 
 
-def offload_storage(st, device: torch.device) -> Handle:
+def offload_storage(st, device: torch.device, ref=None) -> Handle:
     """`offload(storage_as_bytes(x))` for `x`'s storage `st` on `device`, without the
     checks a flat byte view needs not (it is dense; its shape and stride are known): the
-    eager runtime's swap, on every swapped saved tensor of a step."""
+    eager runtime's swap of a saved tensor that does not cover its storage exactly. On
+    the CPU's `SyncEngine` the storage is copied as it is, with no byte view made (the
+    handle's `source` is then `ref`, a `StorageWeakRef` to it, or None)."""
     n = st.nbytes()
-    t = torch.empty(0, dtype=torch.uint8, device=device).set_(st, 0, (n,), (1,))
     engine = engine_for(device)
+    if type(engine) is SyncEngine:
+        handle = Handle(host=None, shape=(n,), stride=(1,), dtype=torch.uint8,  # type: ignore[arg-type]
+                        device=device, nbytes=n, source=ref, engine=engine)
+        engine.offload_storage(st, handle)
+        return handle
+    t = torch.empty(0, dtype=torch.uint8, device=device).set_(st, 0, (n,), (1,))
     handle = Handle(host=None, shape=(n,), stride=(1,), dtype=torch.uint8,  # type: ignore[arg-type]
                     device=device, nbytes=n, source=weakref.ref(t), engine=engine)
     engine.offload(t, handle)
@@ -346,6 +358,12 @@ class SyncEngine:
     def offload(self, t: torch.Tensor, handle: Handle) -> None:
         host = self.pool.get(t.shape, handle.stride, t.dtype)
         host.copy_(t)
+        handle.host = host
+
+    def offload_storage(self, st, handle: Handle) -> None:
+        """A whole storage into a byte buffer, storage to storage (one call, no view)."""
+        host = self.pool.get(handle.shape, handle.stride, torch.uint8)
+        host.untyped_storage().copy_(st)
         handle.host = host
 
     def prefetch(self, handle: Handle) -> None:

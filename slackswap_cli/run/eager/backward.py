@@ -61,7 +61,8 @@ def unpack(s, packed):
     issue_prefetches(s)
     if type(packed) is SwappedRef:
         sw = packed.copy
-        out = view_of(sw.fetch(), packed.dtype, packed.shape, packed.stride, packed.offset)
+        out = sw.fetch().detach() if packed.whole else view_of(
+            sw.fetch(), packed.dtype, packed.shape, packed.stride, packed.offset)
         sw.packs -= 1
         if sw.packs <= 0 and s.chain_uses.get(r, 0) <= 0:
             sw.dev = None                 # autograd holds what it took
@@ -87,8 +88,9 @@ def unpack_again(s, packed):
     the first, what autograd keeps as it is (a microbatch's kept activations, until its
     weight pass: `stages.ENDS`)."""
     if type(packed) is SwappedRef:
-        return view_of(packed.host.fetch(), packed.dtype, packed.shape, packed.stride,
-                       packed.offset)
+        got = packed.host.fetch()
+        return got if packed.whole else view_of(got, packed.dtype, packed.shape,
+                                                 packed.stride, packed.offset)
     return remake(s, packed.loc)
 
 
