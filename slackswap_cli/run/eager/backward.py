@@ -12,9 +12,9 @@ backward's weight pass) unpacks again (`unpack_again`): a swapped tensor fetched
 the host copy its saved references hold, a recomputed one made again (`remake`), neither kept.
 
 Re-running recorded ops: `resolve(s, loc, local)` gives the value recorded output `loc` had
-when the forward made it: made in this replay (`local`) or by an earlier chain, still alive and
-unchanged (held by autograd or pinned for a chain; in a call that follows a template, handed
-over by its pack: `live`), fetched back from its host copy, or re-derived: a view from its
+when the forward made it (or last read it: `version_of`): made in this replay (`local`) or by
+an earlier chain, still alive and unchanged (held by autograd or pinned for a chain; in a call
+that follows a template, handed over by its pack: `live`), fetched back from its host copy, or re-derived: a view from its
 (resident) input, an in-place result from what it wrote into. `replay(s, k, local)` re-runs
 record k on resolved arguments (the very function and arguments the forward ran, side-effect
 writes sent to copies); a view whose geometry is known is one `as_strided` from the nearest
@@ -222,7 +222,10 @@ def live(s, loc: tuple[int, int]):
 
 
 def version_of(s, loc: tuple[int, int]) -> int:
-    """The version output `loc` had when the forward produced it. In a call that follows a
+    """The version output `loc` had when the forward produced it, or when it last read it
+    where a write through another alias came between (`c[:, t] = r` into a `zeros_like`'s
+    `c`: `CallState.read_version`): what a replayed read saw, as a chain replays only reads
+    after a root's last write (trace/graph_profile.py's stale reads). In a call that follows a
     template: a handed-over value's version at its pack, not the first call's: a call without
     the recorder may take another eager path to the same value. C++ `linear` adds the bias in
     place (`add_`) on an input that is not 2-d and contiguous, but out of place under a
@@ -230,7 +233,8 @@ def version_of(s, loc: tuple[int, int]) -> int:
     where a later one packs `add_`'s result (version 1)."""
     if s.tpl is not None:
         return s.bound_version.get(loc, -1)
-    return s.records[loc[0]].versions[loc[1]]
+    v = s.read_version.get(loc)
+    return s.records[loc[0]].versions[loc[1]] if v is None else v
 
 
 def replay(s, k: int, local: dict) -> None:
@@ -326,7 +330,8 @@ def at_hand(s, loc: tuple[int, int], local: dict):
 
 
 def resolve(s, loc: tuple[int, int], local: dict) -> torch.Tensor:
-    """The value recorded output `loc` had when the forward produced it."""
+    """The value recorded output `loc` had when the forward produced it (read it:
+    `version_of`)."""
     x = at_hand(s, loc, local)
     if x is not None:
         return x
