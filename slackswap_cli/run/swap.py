@@ -47,7 +47,7 @@ from ..trace.storage import storage_key, storage_nbytes
 
 __all__ = ["HostPool", "Handle", "StepStore", "offload", "prefetch", "wait", "host_pool",
            "side_streams", "storage_as_bytes", "offload_storage", "Storages", "StorageCopy", "HostCopy",
-           "wait_kept", "CudaOps", "SyncEngine", "StreamEngine", "engine_for", "set_engine"]
+           "wait_kept", "offload_whole", "CudaOps", "SyncEngine", "StreamEngine", "engine_for", "set_engine"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,12 +68,8 @@ class HostPool:
         self.pinned, self._alloc = pinned, alloc
         self.allocated_bytes = 0   # host bytes ever allocated by this pool (a reuse check)
 
-    @staticmethod
-    def _key(shape, stride, dtype) -> tuple:
-        return (tuple(shape), tuple(stride), dtype)
-
     def get(self, shape, stride, dtype) -> torch.Tensor:
-        free = self._free.get(self._key(shape, stride, dtype))
+        free = self._free.get((tuple(shape), tuple(stride), dtype))
         if free:
             for i, (buf, event) in enumerate(free):
                 if event is None or event.query():
@@ -88,7 +84,7 @@ class HostPool:
         return buf
 
     def put(self, buf: torch.Tensor, event=None) -> None:
-        self._free.setdefault(self._key(buf.shape, buf.stride(), buf.dtype), []).append(
+        self._free.setdefault((tuple(buf.shape), buf.stride(), buf.dtype), []).append(
             (buf, event))
 
     def free_bytes(self) -> int:
@@ -220,7 +216,11 @@ class StorageCopy:
         if self.dev is None:
             if self.handle is None:
                 return self.fetch_again()
-            self.dev = wait_kept(self.handle)
+            h = self.handle               # (`wait_kept`)
+            if h.device_copy is None:
+                h.engine.prefetch(h)
+            h.engine.wait_copy(h)
+            self.dev, h.device_copy = h.device_copy, None
             self.handle = None
             hc = self.host() if self.host is not None else None
             if hc is not None:
@@ -247,7 +247,7 @@ class StorageCopy:
 # --------------------------------------------------------------------------------------------
 # One swapped tensor
 # --------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class Handle:
     """A tensor living in host memory between forward and backward.
 
@@ -295,6 +295,20 @@ def offload(t: torch.Tensor) -> Handle:
     handle = Handle(host=None, shape=tuple(t.shape), stride=tuple(stride), dtype=t.dtype,  # type: ignore[arg-type]
                     device=t.device, nbytes=t.numel() * t.element_size(),
                     source=weakref.ref(t), engine=engine)
+    engine.offload(t, handle)
+    return handle
+
+
+def offload_whole(t: torch.Tensor, shape: tuple, stride: tuple) -> Handle:
+    """`offload(t)` for a contiguous `t` that covers its storage exactly from offset 0, of
+    `shape` and `stride` (the eager runtime's swap of most saved tensors: the checks and
+    look-ups `offload` makes are known)."""
+    device = t.device
+    engine = _ENGINES.get(device.type)
+    if engine is None:
+        engine = engine_for(device)
+    handle = Handle(host=None, shape=shape, stride=stride, dtype=t.dtype,  # type: ignore[arg-type]
+                    device=device, nbytes=t.nbytes, source=weakref.ref(t), engine=engine)
     engine.offload(t, handle)
     return handle
 

@@ -32,7 +32,6 @@ import torch
 import torch.utils._pytree as pytree
 
 from ...errors import InputError
-from .. import swap
 from .packs import STATE, SwappedRef
 from .recorded import InputRef, OpRecord, OutRef, prepare_replay, view_geometry, view_of
 
@@ -58,7 +57,9 @@ def unpack(s, packed):
     first = s.table.bwd_use.get(r)
     if first is not None and first > s.progress:
         s.progress = first
-    issue_prefetches(s)
+    order = s.prefetch_order
+    if s.next_prefetch < len(order) and s.table.prefetch_at[order[s.next_prefetch]] <= s.progress:
+        issue_prefetches(s)
     if type(packed) is SwappedRef:
         sw = packed.copy
         out = sw.fetch().detach() if packed.whole else view_of(
@@ -75,8 +76,9 @@ def unpack(s, packed):
                 run_chain(s, o)
             run_chain(s, owner)
         out = resolve(s, packed.loc, {})
-    s.packs[r] = s.packs.get(r, 0) - 1
-    release(s, r)
+    n = s.packs[r] = s.packs.get(r, 0) - 1
+    if n <= 0:
+        release(s, r)
     return out
 
 
@@ -130,8 +132,9 @@ def issue_prefetches(s) -> None:
         r = order[s.next_prefetch]
         s.next_prefetch += 1
         sw = s.root_swap.get(r)
-        if sw is not None and sw.handle is not None:
-            swap.prefetch(sw.handle)
+        h = None if sw is None else sw.handle
+        if h is not None and h.device_copy is None:
+            h.engine.prefetch(h)               # (`swap.prefetch`)
 
 
 def run_chain(s, owner: int) -> None:

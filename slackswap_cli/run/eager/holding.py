@@ -59,7 +59,7 @@ def swap(s, x: torch.Tensor, r, own: bool) -> SwappedRef:
     storage is root r's own (so a chain reading r fetches this copy): found out on the
     first call, followed later. A tensor that covers its storage exactly (contiguous from
     offset 0, as most saved tensors are) is copied as it is, not as bytes: one copy each
-    way and no view to make (`swap.offload`); its unpack hands back the fetched tensor
+    way and no view to make (`swap.offload_whole`); its unpack hands back the fetched tensor
     (`SwappedRef.whole`)."""
     # one copy per storage (a root and its views), found by the storage itself: an
     # address alone may be a new tensor's, once a swapped one's memory was freed
@@ -72,7 +72,7 @@ def swap(s, x: torch.Tensor, r, own: bool) -> SwappedRef:
         # copied again: a copy serves only the contents it saw)
         ref = StorageWeakRef(st)
         if geo[3] == 0 and x.is_contiguous() and x.nbytes == st.nbytes():
-            copy, whole = swap_engine.offload(x), geo
+            copy, whole = swap_engine.offload_whole(x, geo[1], geo[2]), geo
         else:
             copy, whole = swap_engine.offload_storage(st, dev, ref), None
         sw = s.by_storage[key] = swap_engine.StorageCopy(ref, copy, x._version, whole)
