@@ -24,7 +24,8 @@ backward after the first patched forward / the plan's budget), keep_swap_recompu
 plan's saved activations by action), plan_s (plan_model's seconds),
 step_ratio (patched / eager seconds of steps 2-3), first_steady (the first of the 5 calls
 from which none was recorded: `last_report["recorded"]`), steady_ratio (patched / eager CPU
-seconds of the calls after it), rc_status, rc_budget, rc_keep_swap_recompute,
+seconds of a training step, each side's fastest of 8 interleaved steps after the 5 compared,
+one thread: `_steady_ratio`; empty when no call was steady or a timed one recorded), rc_status, rc_budget, rc_keep_swap_recompute,
 rc_first_steady, rc_steady_ratio (the recompute-only run's), seconds, cpu_s, detail, rc_detail. Ops are priced
 with 2 us a kernel (slackswap_testkit/small_costs.py): on the fitted ~10 us the zoo's tiny
 models would swap all they do not keep, and the recompute path would go untested.
@@ -32,7 +33,7 @@ models would swap all they do not keep, and the recompute path would go untested
 Models run in worker processes (--jobs, one torch thread each), one after another in each; a
 model that hangs past --timeout or kills its worker is a `fail` and a new worker takes the
 next. Rows are written as they come, and sorted at the end. seconds: wall time of the model's
-whole check (build, plan, ten steps; again for recompute-only); cpu_s: the worker's CPU time for it, which a shared
+whole check (build, plan, ten compared steps and sixteen timed ones; again for recompute-only); cpu_s: the worker's CPU time for it, which a shared
 machine does not inflate.
 
     python benchmarks/zoo.py                        # all; writes benchmarks/results/zoo.csv, .md
@@ -63,6 +64,7 @@ COLUMNS = ("library", "model", "status", "bitwise", "max_diff", "budget", "held_
            "rc_status", "rc_budget", "rc_keep_swap_recompute", "rc_first_steady",
            "rc_steady_ratio", "seconds", "cpu_s", "detail", "rc_detail")
 STEPS = 5
+TIMED = 8        # interleaved steps timed after the compared ones (`steady_ratio`)
 RECOMPUTE = "recompute-only"     # the second run's planner, at its first feasible budget
 BUDGET = 0.5
 RESULT = "ZOO-RESULT "
@@ -215,9 +217,9 @@ def _train_both(eager, patched, inputs, loss_fn) -> dict:
     difference over losses and gradients (`max_diff`), held/budget of the first patched step
     (`held_budget`), patched/eager seconds of steps 2-3 (`step_ratio`), the first call from
     which no call was recorded (`first_steady`, 1-based; None: the last one was recorded)
-    and patched/eager CPU seconds of the calls after it (`steady_ratio`: the first steady
-    call also works out its chains' records once; CPU time, which a shared machine does
-    not inflate)."""
+    and, where one before the last was, the steady step's patched/eager CPU seconds
+    (`steady_ratio`, `_steady_ratio`: timed after the compared steps, the first steady call
+    also working out its chains' records once)."""
     import torch
     state = patched.forward.__slackswap__
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, patched)]
@@ -242,7 +244,33 @@ def _train_both(eager, patched, inputs, loss_fn) -> dict:
             "step_ratio": _ratio([(e[0], p[0]) for e, p in times[1:3]]),
             "first_steady": first,
             "steady_ratio": None if first is None or first >= STEPS else
-            _ratio([(e[1], p[1]) for e, p in times[first:]])}
+            _steady_ratio(eager, patched, inputs, loss_fn, opts)}
+
+
+def _steady_ratio(eager, patched, inputs, loss_fn, opts) -> float | None:
+    """Patched / eager CPU seconds of one training step (forward, backward, AdamW step),
+    each side's fastest of TIMED interleaved steps after the five compared ones (who goes
+    first alternates): on a shared machine a step's time is its own work plus whatever
+    other load took from it, and the fastest of several is the nearest to the first.
+    None when a timed patched call was recorded (it left the steady state)."""
+    import torch
+
+    from slackswap_cli.trace.joint import loss_from_output, split_inputs
+    state = patched.forward.__slackswap__
+    a, kw = split_inputs(inputs)
+    best = [float("inf"), float("inf")]
+    for k in range(TIMED):
+        for side in ((0, 1) if k % 2 == 0 else (1, 0)):
+            model, opt = (eager, patched)[side], opts[side]
+            torch.manual_seed(k)
+            t = time.thread_time()
+            loss_from_output(model(*a, **kw), inputs, loss_fn).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            best[side] = min(best[side], time.thread_time() - t)
+            if side == 1 and state.last_report["recorded"]:
+                return None
+    return best[1] / best[0] if best[0] else None
 
 
 def _ratio(pairs) -> float | None:
@@ -510,7 +538,8 @@ def steady_lines(rows: list[dict]) -> list[str]:
     out = ["", "## Steady state", "",
            f"Each model trained {STEPS} steps; first steady call: the first from which no call "
            "was recorded (`last_report[\"recorded\"]`); steady ratio: patched/eager CPU "
-           "seconds of the calls after it. Default planner (`budget`), then recompute-only at "
+           f"seconds of a training step (forward, backward, AdamW), each side's fastest of "
+           f"{TIMED} interleaved steps timed after those, one thread. Default planner (`budget`), then recompute-only at "
            "its first feasible budget (`rc_` columns).", "",
            "| planner | passing rows | steady by call 3 | median steady ratio | worst | "
            "rows over 1.5x |", "|---|---|---|---|---|---|"]

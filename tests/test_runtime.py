@@ -57,6 +57,25 @@ def test_device_storage_is_released_while_host_copy_exists():
     assert "x" not in store.swapped
 
 
+def test_storage_offload_on_the_cpu_copies_the_whole_storage_and_tracks_it():
+    """The eager runtime's swap of a view (`offload_storage`): on the CPU's engine the
+    storage is copied storage to storage, all of it; the handle knows when the forward's
+    storage is freed."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    base = torch.arange(24, dtype=torch.float32)
+    view = base[4:16].view(3, 4).t()       # a part of the storage, transposed
+    st = view.untyped_storage()
+    h = rt.offload_storage(st, view.device, StorageWeakRef(st))
+    assert h.nbytes == 96 and h.host.dtype == torch.uint8
+    assert torch.equal(h.host, base.view(torch.uint8))        # every byte, not the view's
+    assert h.device_storage_alive()
+    del base, view, st
+    gc.collect()
+    assert not h.device_storage_alive()
+    back = rt.wait(h).view(torch.float32)
+    assert torch.equal(back, torch.arange(24, dtype=torch.float32))
+
+
 def test_store_counts_kept_storages_once_and_skips_excluded():
     w = torch.randn(8, 8)                 # a "parameter": exists anyway
     a = torch.randn(16, 4)

@@ -103,3 +103,56 @@ def test_a_write_under_a_saved_view_is_refused_when_traced():
     with pytest.raises(TraceError, match="modified by an inplace operation"):
         slackswap.plan_model(model, (torch.randn(32, 64),), budget=0.5, loss_fn=_loss,
                              device="fake:cpu")
+
+
+class _Scan(torch.nn.Module):
+    """A linear scan as Hugging Face's RecurrentGemma runs it: `c = zeros_like(h)`, then
+    `c[:, t] = r` step by step (each a write into `c` through a view), then `c * h`, whose
+    output the recompute-only plan re-runs from `c` (kept: a root written in place cannot
+    be recomputed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        c = torch.zeros_like(h)
+        r = torch.zeros_like(h[:, 0])
+        for t in range(h.shape[1]):
+            r = r * 0.5 + h[:, t]
+            c[:, t] = r
+        return self.b(c * h)
+
+
+def test_a_chain_reads_a_root_written_through_views_after_it_was_made(monkeypatch):
+    """The chain re-running `c * h` reads `c` as the forward read it, after the writes (its
+    version then, not its production's): on the first call it is at hand, not a crash in
+    backward; later calls follow the template; every call bitwise."""
+    two_us_kernels(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Scan(), _Scan())
+    x = torch.randn(4, 6, 16)
+    kw = dict(loss_fn=_loss, device="fake:cpu", planner="recompute-only")
+    with pytest.raises(InfeasibleError) as e:
+        slackswap.plan_model(model, (x,), budget=0.01, **kw)
+    first = first_feasible_budget(e.value.plan.profile, load_hardware(None), "recompute-only")
+    plan = slackswap.plan_model(model, (x,), budget=int(first), **kw)
+    prof, acts = plan.profile, {d.tensor: str(d.action) for d in plan.plan.decisions}
+    scans = [t for t in prof.tensors if t.name.startswith("zeros_like") and t.saved
+             and t.shape == (4, 6, 16)]
+    assert scans and all(acts[t.id] == "keep" and not t.recomputable for t in scans), scans
+    chain_ops = {p for ops in plan.table["chains"].values() for p in ops}
+    assert any(t.id in prof.ops[p].inputs for t in scans for p in chain_ops)
+    recorded = []
+    twin = copy.deepcopy(model)
+    slackswap.patch(model, plan)
+    for _ in range(3):
+        grads = []
+        for m in (twin, model):
+            m(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        recorded.append(model.forward.__slackswap__.last_report["recorded"])
+    assert recorded == [True, False, False]

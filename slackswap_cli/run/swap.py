@@ -47,7 +47,7 @@ from ..trace.storage import storage_key, storage_nbytes
 
 __all__ = ["HostPool", "Handle", "StepStore", "offload", "prefetch", "wait", "host_pool",
            "side_streams", "storage_as_bytes", "offload_storage", "Storages", "StorageCopy", "HostCopy",
-           "wait_kept", "CudaOps", "SyncEngine", "StreamEngine", "engine_for", "set_engine"]
+           "wait_kept", "offload_whole", "CudaOps", "SyncEngine", "StreamEngine", "engine_for", "set_engine"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,12 +68,8 @@ class HostPool:
         self.pinned, self._alloc = pinned, alloc
         self.allocated_bytes = 0   # host bytes ever allocated by this pool (a reuse check)
 
-    @staticmethod
-    def _key(shape, stride, dtype) -> tuple:
-        return (tuple(shape), tuple(stride), dtype)
-
     def get(self, shape, stride, dtype) -> torch.Tensor:
-        free = self._free.get(self._key(shape, stride, dtype))
+        free = self._free.get((tuple(shape), tuple(stride), dtype))
         if free:
             for i, (buf, event) in enumerate(free):
                 if event is None or event.query():
@@ -88,7 +84,7 @@ class HostPool:
         return buf
 
     def put(self, buf: torch.Tensor, event=None) -> None:
-        self._free.setdefault(self._key(buf.shape, buf.stride(), buf.dtype), []).append(
+        self._free.setdefault((tuple(buf.shape), buf.stride(), buf.dtype), []).append(
             (buf, event))
 
     def free_bytes(self) -> int:
@@ -207,19 +203,24 @@ class StorageCopy:
     """One storage copied to host memory: its copy (`handle`) until fetched back, then the
     device bytes (`dev`) while anything may still read them; `packs`: saved references to it
     autograd has not taken yet; `host`: a weak reference to its `HostCopy` (which the saved
-    references hold), to fetch it again after the first backward let go of it."""
-    __slots__ = ("ref", "handle", "dev", "packs", "version", "host")
+    references hold), to fetch it again after the first backward let go of it; `geo`: the
+    (dtype, shape, stride, offset) of the tensor copied as it is, or None (its bytes)."""
+    __slots__ = ("ref", "handle", "dev", "packs", "version", "host", "geo")
 
-    def __init__(self, ref, handle, version: int):
+    def __init__(self, ref, handle, version: int, geo: tuple | None = None):
         self.ref, self.handle, self.dev, self.packs = ref, handle, None, 0
-        self.version = version
+        self.version, self.geo = version, geo
         self.host = None
 
     def fetch(self) -> torch.Tensor:
         if self.dev is None:
             if self.handle is None:
                 return self.fetch_again()
-            self.dev = wait_kept(self.handle)
+            h = self.handle               # (`wait_kept`)
+            if h.device_copy is None:
+                h.engine.prefetch(h)
+            h.engine.wait_copy(h)
+            self.dev, h.device_copy = h.device_copy, None
             self.handle = None
             hc = self.host() if self.host is not None else None
             if hc is not None:
@@ -246,7 +247,7 @@ class StorageCopy:
 # --------------------------------------------------------------------------------------------
 # One swapped tensor
 # --------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class Handle:
     """A tensor living in host memory between forward and backward.
 
@@ -269,8 +270,12 @@ class Handle:
     _storage: Any = field(default=None, repr=False)   # weakref to the device storage
 
     def device_storage_alive(self) -> bool:
-        """Does the forward's device tensor still exist? (False once it has been freed.)"""
-        return self.source is not None and self.source() is not None
+        """Does the forward's device tensor (or storage: `offload_storage`) still exist?
+        (False once it has been freed.)"""
+        src = self.source
+        if isinstance(src, StorageWeakRef):
+            return not src.expired()
+        return src is not None and src() is not None
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -294,13 +299,34 @@ def offload(t: torch.Tensor) -> Handle:
     return handle
 
 
-def offload_storage(st, device: torch.device) -> Handle:
+def offload_whole(t: torch.Tensor, shape: tuple, stride: tuple) -> Handle:
+    """`offload(t)` for a contiguous `t` that covers its storage exactly from offset 0, of
+    `shape` and `stride` (the eager runtime's swap of most saved tensors: the checks and
+    look-ups `offload` makes are known)."""
+    device = t.device
+    engine = _ENGINES.get(device.type)
+    if engine is None:
+        engine = engine_for(device)
+    handle = Handle(host=None, shape=shape, stride=stride, dtype=t.dtype,  # type: ignore[arg-type]
+                    device=device, nbytes=t.nbytes, source=weakref.ref(t), engine=engine)
+    engine.offload(t, handle)
+    return handle
+
+
+def offload_storage(st, device: torch.device, ref=None) -> Handle:
     """`offload(storage_as_bytes(x))` for `x`'s storage `st` on `device`, without the
     checks a flat byte view needs not (it is dense; its shape and stride are known): the
-    eager runtime's swap, on every swapped saved tensor of a step."""
+    eager runtime's swap of a saved tensor that does not cover its storage exactly. On
+    the CPU's `SyncEngine` the storage is copied as it is, with no byte view made (the
+    handle's `source` is then `ref`, a `StorageWeakRef` to it, or None)."""
     n = st.nbytes()
-    t = torch.empty(0, dtype=torch.uint8, device=device).set_(st, 0, (n,), (1,))
     engine = engine_for(device)
+    if type(engine) is SyncEngine:
+        handle = Handle(host=None, shape=(n,), stride=(1,), dtype=torch.uint8,  # type: ignore[arg-type]
+                        device=device, nbytes=n, source=ref, engine=engine)
+        engine.offload_storage(st, handle)
+        return handle
+    t = torch.empty(0, dtype=torch.uint8, device=device).set_(st, 0, (n,), (1,))
     handle = Handle(host=None, shape=(n,), stride=(1,), dtype=torch.uint8,  # type: ignore[arg-type]
                     device=device, nbytes=n, source=weakref.ref(t), engine=engine)
     engine.offload(t, handle)
@@ -346,6 +372,12 @@ class SyncEngine:
     def offload(self, t: torch.Tensor, handle: Handle) -> None:
         host = self.pool.get(t.shape, handle.stride, t.dtype)
         host.copy_(t)
+        handle.host = host
+
+    def offload_storage(self, st, handle: Handle) -> None:
+        """A whole storage into a byte buffer, storage to storage (one call, no view)."""
+        host = self.pool.get(handle.shape, handle.stride, torch.uint8)
+        host.untyped_storage().copy_(st)
         handle.host = host
 
     def prefetch(self, handle: Handle) -> None:

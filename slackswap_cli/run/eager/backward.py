@@ -12,9 +12,9 @@ backward's weight pass) unpacks again (`unpack_again`): a swapped tensor fetched
 the host copy its saved references hold, a recomputed one made again (`remake`), neither kept.
 
 Re-running recorded ops: `resolve(s, loc, local)` gives the value recorded output `loc` had
-when the forward made it: made in this replay (`local`) or by an earlier chain, still alive and
-unchanged (held by autograd or pinned for a chain; in a call that follows a template, handed
-over by its pack: `live`), fetched back from its host copy, or re-derived: a view from its
+when the forward made it (or last read it: `version_of`): made in this replay (`local`) or by
+an earlier chain, still alive and unchanged (held by autograd or pinned for a chain; in a call
+that follows a template, handed over by its pack: `live`), fetched back from its host copy, or re-derived: a view from its
 (resident) input, an in-place result from what it wrote into. `replay(s, k, local)` re-runs
 record k on resolved arguments (the very function and arguments the forward ran, side-effect
 writes sent to copies); a view whose geometry is known is one `as_strided` from the nearest
@@ -32,7 +32,6 @@ import torch
 import torch.utils._pytree as pytree
 
 from ...errors import InputError
-from .. import swap
 from .packs import STATE, SwappedRef
 from .recorded import InputRef, OpRecord, OutRef, prepare_replay, view_geometry, view_of
 
@@ -58,10 +57,13 @@ def unpack(s, packed):
     first = s.table.bwd_use.get(r)
     if first is not None and first > s.progress:
         s.progress = first
-    issue_prefetches(s)
+    order = s.prefetch_order
+    if s.next_prefetch < len(order) and s.table.prefetch_at[order[s.next_prefetch]] <= s.progress:
+        issue_prefetches(s)
     if type(packed) is SwappedRef:
         sw = packed.copy
-        out = view_of(sw.fetch(), packed.dtype, packed.shape, packed.stride, packed.offset)
+        out = sw.fetch().detach() if packed.whole else view_of(
+            sw.fetch(), packed.dtype, packed.shape, packed.stride, packed.offset)
         sw.packs -= 1
         if sw.packs <= 0 and s.chain_uses.get(r, 0) <= 0:
             sw.dev = None                 # autograd holds what it took
@@ -74,8 +76,9 @@ def unpack(s, packed):
                 run_chain(s, o)
             run_chain(s, owner)
         out = resolve(s, packed.loc, {})
-    s.packs[r] = s.packs.get(r, 0) - 1
-    release(s, r)
+    n = s.packs[r] = s.packs.get(r, 0) - 1
+    if n <= 0:
+        release(s, r)
     return out
 
 
@@ -87,8 +90,9 @@ def unpack_again(s, packed):
     the first, what autograd keeps as it is (a microbatch's kept activations, until its
     weight pass: `stages.ENDS`)."""
     if type(packed) is SwappedRef:
-        return view_of(packed.host.fetch(), packed.dtype, packed.shape, packed.stride,
-                       packed.offset)
+        got = packed.host.fetch()
+        return got if packed.whole else view_of(got, packed.dtype, packed.shape,
+                                                 packed.stride, packed.offset)
     return remake(s, packed.loc)
 
 
@@ -128,8 +132,9 @@ def issue_prefetches(s) -> None:
         r = order[s.next_prefetch]
         s.next_prefetch += 1
         sw = s.root_swap.get(r)
-        if sw is not None and sw.handle is not None:
-            swap.prefetch(sw.handle)
+        h = None if sw is None else sw.handle
+        if h is not None and h.device_copy is None:
+            h.engine.prefetch(h)               # (`swap.prefetch`)
 
 
 def run_chain(s, owner: int) -> None:
@@ -220,7 +225,10 @@ def live(s, loc: tuple[int, int]):
 
 
 def version_of(s, loc: tuple[int, int]) -> int:
-    """The version output `loc` had when the forward produced it. In a call that follows a
+    """The version output `loc` had when the forward produced it, or when it last read it
+    where a write through another alias came between (`c[:, t] = r` into a `zeros_like`'s
+    `c`: `CallState.read_version`): what a replayed read saw, as a chain replays only reads
+    after a root's last write (trace/graph_profile.py's stale reads). In a call that follows a
     template: a handed-over value's version at its pack, not the first call's: a call without
     the recorder may take another eager path to the same value. C++ `linear` adds the bias in
     place (`add_`) on an input that is not 2-d and contiguous, but out of place under a
@@ -228,7 +236,8 @@ def version_of(s, loc: tuple[int, int]) -> int:
     where a later one packs `add_`'s result (version 1)."""
     if s.tpl is not None:
         return s.bound_version.get(loc, -1)
-    return s.records[loc[0]].versions[loc[1]]
+    v = s.read_version.get(loc)
+    return s.records[loc[0]].versions[loc[1]] if v is None else v
 
 
 def replay(s, k: int, local: dict) -> None:
@@ -324,7 +333,8 @@ def at_hand(s, loc: tuple[int, int], local: dict):
 
 
 def resolve(s, loc: tuple[int, int], local: dict) -> torch.Tensor:
-    """The value recorded output `loc` had when the forward produced it."""
+    """The value recorded output `loc` had when the forward produced it (read it:
+    `version_of`)."""
     x = at_hand(s, loc, local)
     if x is not None:
         return x

@@ -63,7 +63,7 @@ class CallState:
         "device", "lineup", "prefetch_order",
         # recording (a first call only)
         "where", "root_storage", "recording", "inputs", "kept_alias", "values", "live_reads",
-        "seq",
+        "seq", "read_version",
         # what this call holds for backward
         "pinned", "by_storage", "root_swap", "swaps", "made", "chain_uses", "packs",
         "deferred", "done_chains", "kept_refs", "external", "call_inputs",
@@ -115,6 +115,8 @@ class CallState:
         t = self.table
         self.records, self.reads_act = [], []       # per record: does it read activations?
         self.where = WeakTensorKeyDictionary()      # produced tensor -> (record, output)
+        self.read_version: dict = {}    # output loc -> its version at its last read, where a
+        # write through another alias changed it after production (`first_call.record`)
         self.rec_of_op: dict[int, int] = {}         # profile op id -> record
         self.tid_of: dict[tuple[int, int], int] = {}
         self.loc_of_tid: dict[int, tuple[int, int]] = {}
@@ -143,6 +145,7 @@ class CallState:
         self.metas, self.device, self.lineup = tpl.metas, tpl.device, tpl.lineup
         self.prefetch_order = tpl.prefetch_order
         self.where = self.root_storage = self.inputs = self.live_reads = None
+        self.read_version = None
         self.recording, self.values = False, []
         self.external = None                        # (made on first use: `externals`)
         self.seq = tpl.seq if self.measuring else tpl.seq_quiet

@@ -136,6 +136,9 @@ def record(s: CallState, func, args, kwargs, out, alias: bool = False) -> None:
             loc = s.where.get(x)
             if loc is not None:
                 in_locs.append(loc)
+                v = x._version
+                if v != s.records[loc[0]].versions[loc[1]]:
+                    s.read_version[loc] = v     # written since, through another alias
                 return OutRef(*loc)
             if x.device.type != "meta":
                 s.external.add(x)      # a parameter, buffer, input or a hook's value

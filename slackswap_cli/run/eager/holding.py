@@ -57,18 +57,25 @@ def count(s, x: torch.Tensor) -> None:
 def swap(s, x: torch.Tensor, r, own: bool) -> SwappedRef:
     """Pack `x` (root `r` or a view of it) as a host copy of its storage. `own`: x's
     storage is root r's own (so a chain reading r fetches this copy): found out on the
-    first call, followed later."""
+    first call, followed later. A tensor that covers its storage exactly (contiguous from
+    offset 0, as most saved tensors are) is copied as it is, not as bytes: one copy each
+    way and no view to make (`swap.offload_whole`); its unpack hands back the fetched tensor
+    (`SwappedRef.whole`)."""
     # one copy per storage (a root and its views), found by the storage itself: an
     # address alone may be a new tensor's, once a swapped one's memory was freed
     st, dev = x.untyped_storage(), x.device
     key = (dev.type, dev.index, st.data_ptr())          # (`storage_key`)
+    geo = (x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
     sw = s.by_storage.get(key)
     if sw is None or sw.ref.expired() or sw.version != x._version:
         # (a storage written since its copy, say a buffer filled step by step, is
         # copied again: a copy serves only the contents it saw)
-        copy = swap_engine.offload_storage(st, dev)
-        sw = s.by_storage[key] = swap_engine.StorageCopy(StorageWeakRef(st), copy,
-                                                         x._version)
+        ref = StorageWeakRef(st)
+        if geo[3] == 0 and x.is_contiguous() and x.nbytes == st.nbytes():
+            copy, whole = swap_engine.offload_whole(x, geo[1], geo[2]), geo
+        else:
+            copy, whole = swap_engine.offload_storage(st, dev, ref), None
+        sw = s.by_storage[key] = swap_engine.StorageCopy(ref, copy, x._version, whole)
         s.swaps.append(sw)
         host = swap_engine.HostCopy(copy)     # (held by the saved references alone)
         sw.host = weakref.ref(host)
@@ -84,8 +91,7 @@ def swap(s, x: torch.Tensor, r, own: bool) -> SwappedRef:
             s.guard.drop(key, storage_nbytes(held))
     sw.packs += 1
     s.packs[r] = s.packs.get(r, 0) + 1
-    return SwappedRef(r, sw, host, x.dtype, tuple(x.shape), tuple(x.stride()),
-                      x.storage_offset())
+    return SwappedRef(r, sw, host, *geo, sw.geo == geo)
 
 
 def guard_decision(s, x: torch.Tensor, loc, note, reserve: int, tracked: bool = True):

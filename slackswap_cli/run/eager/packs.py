@@ -63,13 +63,16 @@ class TemplatePack(NamedTuple):
 class SwappedRef:
     """What autograd holds for a swapped saved tensor: the copy of its storage (`copy`, a
     `swap.StorageCopy`), its host bytes (`host`, a `swap.HostCopy`: held here, so as long as
-    the graph may unpack it again) and the view of it to hand back; `taken`: handed back
-    already (a later unpack fetches `host` again)."""
-    __slots__ = ("taken", "root", "copy", "host", "dtype", "shape", "stride", "offset")
+    the graph may unpack it again) and the view of it to hand back (`whole`: the very
+    geometry of the tensor the copy was made of, so the fetched tensor is handed back as
+    it is); `taken`: handed back already (a later unpack fetches `host` again)."""
+    __slots__ = ("taken", "root", "copy", "host", "dtype", "shape", "stride", "offset",
+                 "whole")
 
-    def __init__(self, root, copy, host, dtype, shape, stride, offset):
+    def __init__(self, root, copy, host, dtype, shape, stride, offset, whole: bool = False):
         self.taken, self.root, self.copy, self.host = False, root, copy, host
         self.dtype, self.shape, self.stride, self.offset = dtype, shape, stride, offset
+        self.whole = whole
 
 
 class RecomputedRef:

@@ -16,7 +16,8 @@ policy over its `call_state.CallState`. What costs what, and why:
   type of the autograd node that made it, so other control flow at the same shapes is caught
   (from the first difference on, the call's saved tensors are the guard's to place, and the
   next call records again). Then the noted action: *keep* returns `x.detach()`; *swap* copies
-  its storage to the host (one copy per storage); *recompute* returns a reference. A pack that
+  its storage to the host (one copy per storage; the tensor as it is where it covers its
+  storage exactly: `holding.swap`); *recompute* returns a reference. A pack that
   hands a value to a chain (the template knows which) binds an alias of it by position.
 - **why aliases:** autograd is never handed `x` itself, and a call holds only aliases (see
   `holding.keep`): otherwise a forward dropped without backward leaks, through cycles
