@@ -44,6 +44,7 @@ from ...pipeline.stages import (
     plan_stages,
     recv_buffer_bytes,
 )
+from ...pipeline.step import buffers_of
 from ...planning import plan_inputs, plan_profile
 from .. import api
 from ..verify.excess import settle_stages
@@ -146,9 +147,9 @@ def stage_buffers(version: str | None = None) -> str:
     from 2.15 on, "per-step" (each receive allocates its buffer in every step,
     `_RecvInfo.allocate_buffer`; a sent output is dropped once its send is waited,
     `release_fwd_send_outputs`); before, "reused" (buffers allocated once, outputs kept to
-    their backward). `version`: torch's, as `torch.__version__` writes it."""
-    major, minor = (int(x) for x in (version or torch.__version__).split("+")[0].split(".")[:2])
-    return "per-step" if (major, minor) >= (2, 15) else "reused"
+    their backward). `version`: torch's, as `torch.__version__` writes it (the rule:
+    `pipeline.step.buffers_of`)."""
+    return buffers_of(version or torch.__version__)
 
 
 StageSpec = tuple  # (module, inputs, loss_fn or None)
