@@ -76,3 +76,46 @@ def two_us_kernels(monkeypatch):
     from slackswap_testkit.small_costs import two_us_kernel_model
     model = two_us_kernel_model()
     monkeypatch.setattr(op_cost, "default_cost_model", lambda: model)
+
+
+def _mean_square(out, inputs):
+    return out.pow(2).mean()
+
+
+def recompute_only_plan(model, x, below: float):
+    """`model` planned on `(x,)` by recompute-only at its first feasible budget, read from the
+    InfeasibleError at fraction `below` (loss: the output's mean square; a fake trace)."""
+    import pytest
+
+    import slackswap_cli as slackswap
+    from slackswap_cli.budget import first_feasible_budget
+    from slackswap_cli.errors import InfeasibleError
+    from slackswap_cli.hardware import load_hardware
+    kw = dict(loss_fn=_mean_square, device="fake:cpu", planner="recompute-only")
+    with pytest.raises(InfeasibleError) as e:
+        slackswap.plan_model(model, (x,), budget=below, **kw)
+    first = first_feasible_budget(e.value.plan.profile, load_hardware(None), "recompute-only")
+    return slackswap.plan_model(model, (x,), budget=int(first), **kw)
+
+
+def bitwise_calls(model, x, plan, calls: int = 3) -> list:
+    """`model` patched with `plan`, then `calls` training steps on `x` (the output's mean
+    square), each asserted bitwise against an unpatched twin's gradients: the patched
+    forward's last_report after each."""
+    import copy
+
+    import torch
+
+    import slackswap_cli as slackswap
+    twin = copy.deepcopy(model)
+    slackswap.patch(model, plan)
+    reports = []
+    for _ in range(calls):
+        grads = []
+        for m in (twin, model):
+            m(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        reports.append(model.forward.__slackswap__.last_report)
+    return reports

@@ -4,16 +4,13 @@ counter is its own, so no version check sees the write. What holds the run bitwi
 a chain never reads a value a later write overwrote (the profile's stale reads are not
 recomputable: trace/graph_profile.py), and a write the chain does want is in the alias's
 data already; a write under a view autograd saved is refused when the step is traced."""
-import copy
 
 import pytest
 import torch
-from helpers import two_us_kernels
+from helpers import bitwise_calls, recompute_only_plan, two_us_kernels
 
 import slackswap_cli as slackswap
-from slackswap_cli.budget import first_feasible_budget
-from slackswap_cli.errors import InfeasibleError, TraceError
-from slackswap_cli.hardware import load_hardware
+from slackswap_cli.errors import TraceError
 
 
 class _Block(torch.nn.Module):
@@ -49,11 +46,7 @@ def _planned(how):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(_Block(how) for _ in range(2)))
     x = torch.randn(32, 64)
-    kw = dict(loss_fn=_loss, device="fake:cpu", planner="recompute-only")
-    with pytest.raises(InfeasibleError) as e:
-        slackswap.plan_model(model, (x,), budget=0.3, **kw)
-    first = first_feasible_budget(e.value.plan.profile, load_hardware(None), "recompute-only")
-    return model, x, slackswap.plan_model(model, (x,), budget=int(first), **kw)
+    return model, x, recompute_only_plan(model, x, 0.3)
 
 
 def _tanh_outputs(plan):
@@ -61,18 +54,6 @@ def _tanh_outputs(plan):
     acts = {d.tensor: str(d.action) for d in plan.plan.decisions}
     return {t.name: (t.recomputable, acts.get(t.id)) for t in plan.profile.tensors
             if t.name.startswith("tanh") and "backward" not in t.name and t.saved}
-
-
-def _bitwise_calls(model, x, plan, calls=3):
-    twin = copy.deepcopy(model)
-    slackswap.patch(model, plan)
-    for _ in range(calls):
-        grads = []
-        for m in (twin, model):
-            m(x).pow(2).mean().backward()
-            grads.append([p.grad.clone() for p in m.parameters()])
-            m.zero_grad(set_to_none=True)
-        assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 @pytest.mark.parametrize("how", ["before", "data"])
@@ -84,7 +65,7 @@ def test_a_value_written_after_it_was_read_is_never_a_chains(monkeypatch, how):
     assert plan.actions()["recompute"] > 0
     tanh = _tanh_outputs(plan)
     assert tanh and not any(ok for ok, _ in tanh.values()), tanh
-    _bitwise_calls(model, x, plan)
+    bitwise_calls(model, x, plan)
 
 
 def test_a_chain_reads_the_written_value_through_the_recorders_alias(monkeypatch):
@@ -94,7 +75,7 @@ def test_a_chain_reads_the_written_value_through_the_recorders_alias(monkeypatch
     model, x, plan = _planned("after")
     tanh = _tanh_outputs(plan)
     assert any(act == "recompute" for _, act in tanh.values()), tanh
-    _bitwise_calls(model, x, plan)
+    bitwise_calls(model, x, plan)
 
 
 def test_a_write_under_a_saved_view_is_refused_when_traced():
@@ -133,26 +114,12 @@ def test_a_chain_reads_a_root_written_through_views_after_it_was_made(monkeypatc
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Scan(), _Scan())
     x = torch.randn(4, 6, 16)
-    kw = dict(loss_fn=_loss, device="fake:cpu", planner="recompute-only")
-    with pytest.raises(InfeasibleError) as e:
-        slackswap.plan_model(model, (x,), budget=0.01, **kw)
-    first = first_feasible_budget(e.value.plan.profile, load_hardware(None), "recompute-only")
-    plan = slackswap.plan_model(model, (x,), budget=int(first), **kw)
+    plan = recompute_only_plan(model, x, 0.01)
     prof, acts = plan.profile, {d.tensor: str(d.action) for d in plan.plan.decisions}
     scans = [t for t in prof.tensors if t.name.startswith("zeros_like") and t.saved
              and t.shape == (4, 6, 16)]
     assert scans and all(acts[t.id] == "keep" and not t.recomputable for t in scans), scans
     chain_ops = {p for ops in plan.table["chains"].values() for p in ops}
     assert any(t.id in prof.ops[p].inputs for t in scans for p in chain_ops)
-    recorded = []
-    twin = copy.deepcopy(model)
-    slackswap.patch(model, plan)
-    for _ in range(3):
-        grads = []
-        for m in (twin, model):
-            m(x).pow(2).mean().backward()
-            grads.append([p.grad.clone() for p in m.parameters()])
-            m.zero_grad(set_to_none=True)
-        assert all(torch.equal(a, b) for a, b in zip(*grads))
-        recorded.append(model.forward.__slackswap__.last_report["recorded"])
+    recorded = [r["recorded"] for r in bitwise_calls(model, x, plan)]
     assert recorded == [True, False, False]

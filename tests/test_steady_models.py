@@ -1,16 +1,12 @@
 """The models once found recorded on every call (benchmarks/steady_calls.py builds and plans
 each as a user would) follow their template from the second call: no call after it is
 recorded, none says why it is not steady, and training stays bitwise equal to eager."""
-import copy
 
 import pytest
 import torch
-from helpers import two_us_kernels
+from helpers import bitwise_calls, recompute_only_plan, two_us_kernels
 
 import slackswap_cli as slackswap
-from slackswap_cli.budget import first_feasible_budget
-from slackswap_cli.errors import InfeasibleError
-from slackswap_cli.hardware import load_hardware
 
 
 @pytest.mark.slow_tier   # ~100 s a model; the default tests below hold each cause, and
@@ -55,24 +51,9 @@ def _three_calls_at_recompute_onlys_first_budget(model, x, below: float) -> list
     """`model` planned by recompute-only at its first feasible budget (read from the
     InfeasibleError at fraction `below`; the plan recomputes), patched, and three calls on `x`
     each bitwise as an unpatched twin's: their last_reports."""
-    kw = dict(loss_fn=_loss, device="fake:cpu", planner="recompute-only")
-    with pytest.raises(InfeasibleError) as e:
-        slackswap.plan_model(model, (x,), budget=below, **kw)
-    first = first_feasible_budget(e.value.plan.profile, load_hardware(None), "recompute-only")
-    plan = slackswap.plan_model(model, (x,), budget=int(first), **kw)
+    plan = recompute_only_plan(model, x, below)
     assert plan.actions()["recompute"] > 0
-    twin = copy.deepcopy(model)
-    slackswap.patch(model, plan)
-    reports = []
-    for _ in range(3):
-        grads = []
-        for m in (twin, model):
-            m(x).pow(2).mean().backward()
-            grads.append([p.grad.clone() for p in m.parameters()])
-            m.zero_grad(set_to_none=True)
-        assert all(torch.equal(a, b) for a, b in zip(*grads))
-        reports.append(model.forward.__slackswap__.last_report)
-    return reports
+    return bitwise_calls(model, x, plan)
 
 
 def test_a_template_hands_over_a_value_written_in_place_since(monkeypatch):
