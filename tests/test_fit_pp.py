@@ -109,6 +109,28 @@ def test_fit_prices_the_buffers_as_the_pipelines_torch_holds_them():
     assert_clean_error(r, 2, "--buffers never")
 
 
+def test_buffers_without_a_pipeline_are_refused_with_a_hint_that_works():
+    """`fit --buffers` describes a pipeline's buffers: with no --pp and no pipeline the
+    workload declares, it is refused (not ignored) at the first profile, before anything is
+    written; the hint's `--pp 4` makes the same sweep price a pipeline with those buffers,
+    and without --buffers the plain sweep runs as before."""
+    from functools import partial
+    s = FitSettings(hardware=hand_hw(), memory_bytes=32 * MiB, reserve_bytes=MiB,
+                    pipeline=dict(pp=None, schedule=None, microbatches=None,
+                                  stages_per_rank=None))
+    with pytest.raises(InputError) as e:
+        sweep([1], lambda batch: (_stage(), FACTS), s,
+              row_maker=partial(row_maker, buffers="per-step", buffers_given=True))
+    assert "--buffers" in str(e.value) and "--pp 4 --buffers per-step" in e.value.hint
+    plain = sweep([1], lambda batch: (_stage(), FACTS), s,
+                  row_maker=partial(row_maker, buffers="reused"))
+    assert "pipeline" not in plain.rows[0]
+    s.pipeline["pp"] = 4        # the hint followed
+    row = sweep([1], lambda batch: (_stage(), FACTS), s,
+                row_maker=partial(row_maker, buffers="per-step", buffers_given=True)).rows[0]
+    assert row["pipeline"]["buffers"] == "per-step" and row["pipeline"]["pp"] == 4
+
+
 def test_interleaved_ranks_hold_two_stages_of_static_memory():
     """Interleaved1F1B, 2 stages per rank: each rank's static memory is two stages' (8 MiB)."""
     row = _sweep(40 * MiB, pp=2, schedule="Interleaved1F1B", microbatches=4).rows[0]

@@ -184,7 +184,7 @@ def fit(
                         device=device, hardware=s.hardware,
                         on_facts=lambda f: check_static_fits(f, s), workers=workers)
     profiler = profiler_of(args, jobs)
-    maker = functools.partial(row_maker, buffers=how_held)
+    maker = functools.partial(row_maker, buffers=how_held, buffers_given=buffers is not None)
     if stage_arg is not None:
         profiler, maker = _stage_profiles(profiler_of, args, stage_arg, s.pipeline, how_held)
     try:

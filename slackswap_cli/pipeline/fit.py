@@ -243,13 +243,20 @@ def _judged_row(row: dict, batch: int, prof: Profile, plans: dict, stg: _Stages,
 
 
 def row_maker(s: FitSettings, prof: Profile, stages: StageProfiles | None = None,
-              buffers: str = "reused") -> Callable:
+              buffers: str = "reused", buffers_given: bool = False) -> Callable:
     """The sweep's row function (`fit.sweep`'s `row_maker`): `fit.plan_row`, or with a
     pipeline (the flags in `s.pipeline` over the one the profile's workload declares)
     `pipeline_row` for it; `stages`: each stage's profile (`StageProfiles`); `buffers`: as
-    `pipeline_row` takes it."""
+    `pipeline_row` takes it; `buffers_given`: the user gave it (`fit --buffers`), refused
+    where there is no pipeline."""
     spec = pipeline_spec(**s.pipeline, declared=(prof.workload or {}).get("pipeline"))
     if spec is None:
+        if buffers_given:
+            from ..errors import InputError
+            raise InputError("--buffers describes a pipeline's buffers, and neither --pp nor "
+                             "the workload declares a pipeline",
+                             hint="add --pp N (the pipeline's ranks), e.g. --pp 4 --buffers "
+                                  f"{buffers}, or leave --buffers out")
         return plan_row
 
     def row(kind, batch, prof, static, s):
