@@ -290,3 +290,33 @@ def test_a_shape_run_that_leaves_its_template_settles_the_exact_budget(tmp_path)
     for kind, rep, held, keep_all in calls[3:]:
         assert held <= 1.05 * fraction * keep_all, (kind, rep, held, keep_all)
         assert rep["budget_bytes"] == pytest.approx(fraction * keep_all, rel=0.01), (kind, rep)
+
+
+def test_a_re_plans_fake_copy_takes_a_modules_recurrent_state_kept_as_an_attribute():
+    """A module that keeps a tensor with autograd history as a plain attribute (Hugging Face
+    RecurrentGemma's `recurrent_states`, `conv1d_state`): the re-plan's fake copy of the model
+    (`replan.fake_copy`) makes it a FakeTensor, detached, where deepcopy alone refuses a
+    non-leaf tensor; the real model keeps its own."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from slackswap_cli.run.eager.replan import fake_copy
+
+    class Scan(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.state = None
+
+        def forward(self, x):
+            self.state = torch.tanh(self.lin(x))      # kept after forward, with its graph
+            return self.state.sum()
+
+    model = Scan()
+    model(torch.randn(2, 4))
+    assert model.state.grad_fn is not None
+    state = model.state
+    shadow = fake_copy(model, FakeTensorMode())
+    assert isinstance(shadow.state, FakeTensor) and shadow.state.grad_fn is None
+    assert isinstance(shadow.lin.weight, torch.nn.Parameter)
+    assert isinstance(shadow.lin.weight.data, FakeTensor)
+    assert model.state is state and not isinstance(model.state, FakeTensor)

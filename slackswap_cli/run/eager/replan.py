@@ -109,14 +109,21 @@ def _trace(shadow, fake_inputs, loss_fn, meta: RunMeta, values: list | None):
 
 
 def fake_copy(model: torch.nn.Module, mode, meta_on: str = "cpu") -> torch.nn.Module:
-    """A copy of `model` whose parameters and buffers are FakeTensors, its forward its class's
-    own (the patched forward stays with the real model). A tensor on the meta device (a model
+    """A copy of `model` whose parameters, buffers and tensors kept as module attributes are
+    FakeTensors (an attribute detached from its graph), its forward its class's own (the
+    patched forward stays with the real model). A tensor on the meta device (a model
     built under `torch.device("meta")`) becomes a FakeTensor on `meta_on` (`fake_of`)."""
     memo = {}
     for t in [*model.parameters(), *model.buffers()]:
         fake = fake_of(mode, t, meta_on)
         memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) \
             if isinstance(t, torch.nn.Parameter) else fake
+    # tensors a module keeps as plain attributes (a recurrent state), which deepcopy
+    # refuses where they are not graph leaves
+    for m in model.modules():
+        for t in vars(m).values():
+            if isinstance(t, torch.Tensor) and id(t) not in memo:
+                memo[id(t)] = fake_of(mode, t.detach(), meta_on)
     forward = model.__dict__.pop("forward", None)
     try:
         shadow = copy.deepcopy(model, memo)
