@@ -26,33 +26,9 @@ MODELS = (("resnet10t", 64), ("vit_tiny_patch16_224", 32))
 PLANNER = "recompute-only"
 
 
-def _alive_mode():
-    import torch
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Alive(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.refs = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    ref = StorageWeakRef(t.untyped_storage())
-                    self.refs[ref.cdata] = (ref, t.untyped_storage().nbytes())
-            return out
-
-        def held(self, out, model, x):
-            skip = {t.untyped_storage()._cdata for t in [out, x, *model.parameters(),
-                                                           *model.buffers()]}
-            return sum(n for k, (r, n) in self.refs.items() if not r.expired() and k not in skip)
-    return Alive()
-
-
 def _step(model, x):
-    mode = _alive_mode()
+    from slackswap_testkit.alive import AliveStorages
+    mode = AliveStorages()
     with mode:
         out = model(x)
     held = mode.held(out, model, x)

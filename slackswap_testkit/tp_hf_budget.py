@@ -27,20 +27,13 @@ def build(family: str, mesh):
     """The model (2 decoder layers, width 64, 4 heads, 2 key/value heads), each layer
     parallelised over `mesh`, in training mode, and its batch (labels the ids)."""
     import transformers
-    from torch.distributed.tensor.parallel import ColwiseParallel as col
-    from torch.distributed.tensor.parallel import RowwiseParallel as row
-    from torch.distributed.tensor.parallel import parallelize_module
     config, causal = (getattr(transformers, n) for n in FAMILIES[family])
     torch.manual_seed(0)
     model = causal(config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                           num_key_value_heads=2, intermediate_size=128, vocab_size=128,
                           max_position_embeddings=tp_run.T, use_cache=False))
     model.train()
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, {
-            "self_attn.q_proj": col(), "self_attn.k_proj": col(), "self_attn.v_proj": col(),
-            "self_attn.o_proj": row(), "mlp.gate_proj": col(), "mlp.up_proj": col(),
-            "mlp.down_proj": row()})
+    tp_run.parallelize_hf_layers(model, mesh)
     torch.manual_seed(1)
     ids = torch.randint(0, 128, (tp_run.B, tp_run.T))
     return model, {"input_ids": ids, "labels": ids}

@@ -106,26 +106,29 @@ def parallelize(model: Model, layout: str, mesh) -> Model:
     return model
 
 
+def parallelize_hf_layers(model, mesh) -> None:
+    """Each decoder layer of a Hugging Face Llama-style causal LM parallelised over `mesh` as
+    docs/training.md shows it: q/k/v, gate and up column-wise, o and down row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel as col
+    from torch.distributed.tensor.parallel import RowwiseParallel as row
+    from torch.distributed.tensor.parallel import parallelize_module
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {
+            "self_attn.q_proj": col(), "self_attn.k_proj": col(), "self_attn.v_proj": col(),
+            "self_attn.o_proj": row(), "mlp.gate_proj": col(), "mlp.up_proj": col(),
+            "mlp.down_proj": row()})
+
+
 def _hf_llama(mesh, blocks: int):
     """A small LlamaForCausalLM (2 heads, 2 key/value heads), each decoder layer parallelised
     as the blocks are, and its batch of token ids (labels the ids)."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(num_hidden_layers=blocks, hidden_size=32, num_attention_heads=2,
                       num_key_value_heads=2, intermediate_size=64, vocab_size=128,
                       max_position_embeddings=T, use_cache=False)
     model = LlamaForCausalLM(cfg)
-    col, row = ColwiseParallel, RowwiseParallel
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, {
-            "self_attn.q_proj": col(), "self_attn.k_proj": col(), "self_attn.v_proj": col(),
-            "self_attn.o_proj": row(), "mlp.gate_proj": col(), "mlp.up_proj": col(),
-            "mlp.down_proj": row()})
+    parallelize_hf_layers(model, mesh)
     torch.manual_seed(1)
     ids = torch.randint(0, 128, (B, T))
     return model, {"input_ids": ids, "labels": ids}

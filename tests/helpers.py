@@ -119,3 +119,19 @@ def bitwise_calls(model, x, plan, calls: int = 3) -> list:
         assert all(torch.equal(a, b) for a, b in zip(*grads))
         reports.append(model.forward.__slackswap__.last_report)
     return reports
+
+
+def load_benchmark(name: str, on_path: bool = False):
+    """The benchmark script `name` (a file in benchmarks/) as a module, registered under
+    `name` (a dataclass in it looks its module up there); `on_path`: benchmarks/ put on
+    sys.path first, for one that imports a sibling."""
+    import importlib.util
+    from pathlib import Path
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    if on_path and str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,22 +1,16 @@
 """The CPU step-time benchmarks (benchmarks/vs_torch_compile_cpu.py, fidelity.py --step-time):
 their helpers, the ablation's patch of torch restored, and a smoke run of fidelity's step-time
 section (the head-to-head itself compiles ten graphs a model: run it as a benchmark)."""
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(name):
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark(name, on_path=True)
 
 
 def test_paired_rounds_rotate_and_ratios_are_per_round():

@@ -2,13 +2,11 @@
 precision a profile records, the refusal to plan a profile priced by other constants, and the
 fitting script reproducing the committed constants (benchmarks/fit_costs.py, seconds)."""
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_clean_error
+from helpers import assert_clean_error, load_benchmark
 from typer.testing import CliRunner
 
 from slackswap_cli import schema
@@ -237,11 +235,7 @@ def test_plan_takes_a_profile_priced_by_this_slackswap(tmp_path):
 
 
 def _fit_costs():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("fit_costs", ROOT / "benchmarks" / "fit_costs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("fit_costs", on_path=True)
 
 
 def test_fit_script_reproduces_the_committed_constants():

@@ -7,14 +7,13 @@ import copy
 import pytest
 import torch
 import torch.utils.checkpoint as ckpt
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import slackswap_cli as slackswap
 from slackswap_cli.budget import first_feasible_budget
 from slackswap_cli.errors import InfeasibleError
 from slackswap_cli.hardware import load_hardware
 from slackswap_cli.run.notes import checkpointing_on
+from slackswap_testkit.alive import AliveStorages
 
 
 def test_timms_set_grad_checkpointing_is_seen():
@@ -61,35 +60,12 @@ def test_plan_model_and_patch_say_so_once_each(capfd):
     assert capfd.readouterr().err.count("timm gradient checkpointing is on") == 1
 
 
-class _Alive(TorchDispatchMode):
-    """Every storage a forward's ops make, weakly: after the forward, the bytes still alive
-    (what autograd, the checkpoints and the patch hold for backward), measured apart from
-    slackswap's own count."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                ref = StorageWeakRef(t.untyped_storage())
-                self.refs[ref.cdata] = (ref, t.untyped_storage().nbytes())
-        return out
-
-    def held(self, out, model, x) -> int:
-        skip = {t.untyped_storage()._cdata for t in [out, x, *model.parameters(),
-                                                       *model.buffers()]}
-        return sum(n for k, (r, n) in self.refs.items() if not r.expired() and k not in skip)
-
-
 def _loss(out, inputs):
     return out.pow(2).mean()
 
 
 def _held_after_forward(model, x):
-    mode = _Alive()
+    mode = AliveStorages()
     with mode:
         out = model(x)
     held = mode.held(out, model, x)
@@ -130,7 +106,7 @@ def check_counts_what_it_holds(build, x, planner="slackswap"):
         grads = []
         for m in (twin, model):
             torch.manual_seed(k)
-            mode = _Alive()
+            mode = AliveStorages()
             with mode:
                 out = m(x)
             if m is model:     # (on a CPU a swap's host copy is a CPU storage as well:

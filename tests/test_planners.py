@@ -6,7 +6,7 @@ times are given per op, so every expected action can be worked out by hand.
 import re
 
 import pytest
-from helpers import hand_hw
+from helpers import hand_hw, load_benchmark
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -313,13 +313,7 @@ def test_price_ladder_finds_what_the_dearest_price_misses():
 # a small transformer-shaped profile (synthetic.transformer_profile) and the paper benchmark
 # ---------------------------------------------------------------------------------------------
 def _paper_table():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "paper_table.py"
-    spec = importlib.util.spec_from_file_location("paper_table", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("paper_table")
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

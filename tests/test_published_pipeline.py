@@ -1,21 +1,16 @@
 """benchmarks/published_pipeline.py's arithmetic (the 405B split, its TP-local parameters and a
 rank's memory beside its activations), checked by hand and against the stage modules it
 traces (the benchmark itself traces six fake profiles: run it as a benchmark)."""
-import importlib.util
-import sys
 from pathlib import Path
+
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("published_pipeline",
-                                                  ROOT / "benchmarks" / "published_pipeline.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("published_pipeline", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("published_pipeline")
 
 
 def test_the_split_is_torchtitans():

@@ -1,21 +1,15 @@
 """benchmarks/published_runs.py's FSDP arithmetic, checked by hand and against the model it
 describes (the benchmark itself traces eight profiles: run it as a benchmark)."""
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("published_runs",
-                                                  ROOT / "benchmarks" / "published_runs.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("published_runs", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("published_runs")
 
 
 @pytest.mark.parametrize("size", ["8b", "70b", "llama2-13b", "llama2-70b"])

@@ -1,12 +1,12 @@
 """verify: passes a faithful patched module, fails a corrupted one with reasons; the measured
 activation-memory timeline agrees with the simulator's; gpu_check dry run."""
 import dataclasses
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from slackswap_cli.hardware import PRESETS
 from slackswap_cli.planners import make_plan
@@ -21,10 +21,7 @@ TINY_GPT = ROOT / "examples" / "tiny_gpt.py"
 
 
 def _fidelity_module():
-    spec = importlib.util.spec_from_file_location("fidelity", ROOT / "benchmarks" / "fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("fidelity")
 
 
 def patched_file(prof, fraction, directory, name, hw=HW):
@@ -197,9 +194,7 @@ def test_cli_json_and_chart(half_plan_file):
 
 
 def test_gpu_check_dry_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_benchmark("gpu_check")
     out = tmp_path / "gpu_check.json"
     rc = gpu_check.main(["--dry-run", "--budgets", "0.5", "--steps", "1", "--out", str(out)])
     data = json.loads(out.read_text())
